@@ -1,0 +1,366 @@
+"""Capture a JAX train step as an HLO Module, with the role and pytree path of every entry parameter.
+
+How roles are decided (first rule that applies wins; `roles=` overrides everything):
+
+1. `roles=` given by the caller: a mapping from an argument name (or index, or a path prefix such
+   as "opt_state/0/mu") to a `Role`, or a function `(path, leaf) -> Role | None`. The longest
+   matching prefix wins; leaves it does not cover fall through to the rules below.
+2. A leaf inside an optax optimizer state (any node on its path is an instance of a class
+   defined in an `optax` module, e.g. `ScaleByAdamState`) is OPTIMIZER_STATE, except integer
+   leaves (step counters), which are OTHER.
+3. By argument name: `params`, `parameters`, `weights`, `variables`, `model` -> TRAINABLE for
+   floating-point leaves; `batch`, `inputs`, `data`, `x`, `y`, `images`, `labels`, `tokens`,
+   `targets`, `examples` -> DATA; `opt_state`, `optimizer_state` -> OPTIMIZER_STATE.
+4. Otherwise: a scalar leaf is OTHER; a floating-point array in the first argument is TRAINABLE;
+   anything else is DATA.
+
+Entry parameter i of the lowered module is leaf i of `jax.tree.flatten(args)`: the step is
+lowered with `keep_unused=True`, so XLA drops no argument and the correspondence is exact.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+from hlomap.hlo.ir import ArrayShape, Instruction, Module
+
+log = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    TRAINABLE = "trainable"
+    OPTIMIZER_STATE = "optimizer_state"
+    DATA = "data"
+    OTHER = "other"
+    UNKNOWN = "unknown"  # a bare HLO dump whose caller named no roles
+
+
+class Phase(enum.Enum):
+    """Where an instruction sits in a train step, read off JAX's metadata."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"  # optimizer update and anything after the gradient
+    UNKNOWN = "unknown"
+
+
+TRAINABLE_ARG_NAMES = frozenset({"params", "parameters", "weights", "variables", "model"})
+DATA_ARG_NAMES = frozenset(
+    {"batch", "inputs", "data", "x", "y", "images", "labels", "tokens", "targets", "examples"}
+)
+OPTIMIZER_ARG_NAMES = frozenset({"opt_state", "optimizer_state", "optim_state"})
+
+RoleOverride = Union[Mapping[Union[str, int], Role], Callable[[str, Any], Union[Role, None]]]
+
+
+@dataclass(frozen=True)
+class EntryParameter:
+    """One entry parameter of the module and where it came from."""
+
+    index: int
+    name: str  # the HLO parameter instruction's name
+    path: str  # pytree path in the step's arguments, e.g. "params/layers_0/attn/query/kernel"
+    shape: ArrayShape
+    role: Role
+
+    @property
+    def dtype(self) -> str:
+        return self.shape.dtype
+
+    @property
+    def byte_size(self) -> int:
+        return self.shape.byte_size
+
+
+@dataclass(frozen=True, eq=False)
+class Capture:
+    """A module plus what hlomap knows about its entry parameters.
+
+    `step`, `args`, `in_tree` are set when captured from JAX (args are abstract
+    `jax.ShapeDtypeStruct`s); they are None for a bare HLO dump.
+    """
+
+    module: Module
+    parameters: tuple[EntryParameter, ...]
+    source: str  # "jax:<function name>" or the path of the HLO file
+    text_sha256: str
+    step: Callable[..., Any] | None = field(default=None, repr=False)
+    args: tuple[Any, ...] | None = field(default=None, repr=False)
+    in_tree: Any = field(default=None, repr=False)
+    arg_names: tuple[str, ...] = ()
+
+    @property
+    def has_roles(self) -> bool:
+        return any(p.role is not Role.UNKNOWN for p in self.parameters)
+
+    def with_role(self, role: Role) -> tuple[EntryParameter, ...]:
+        return tuple(p for p in self.parameters if p.role is role)
+
+    @property
+    def trainable(self) -> tuple[EntryParameter, ...]:
+        return self.with_role(Role.TRAINABLE)
+
+    def parameter(self, key: int | str) -> EntryParameter:
+        """An entry parameter by index, path or HLO name."""
+        for p in self.parameters:
+            if key in (p.index, p.path, p.name):
+                return p
+        raise KeyError(f"no entry parameter {key!r}; paths: {[p.path for p in self.parameters][:10]}...")
+
+    def phase(self, inst: Instruction) -> Phase:
+        return instruction_phase(inst)
+
+
+def instruction_phase(inst: Instruction) -> Phase:
+    """JAX tags backward ops `transpose(jvp(...))` and forward ops of a differentiated function
+    `jvp(...)` in metadata op_name; ops outside both run after the gradient (the update)."""
+    md = inst.metadata
+    if md is None or md.op_name is None:
+        return Phase.UNKNOWN
+    if "transpose(jvp(" in md.op_name:
+        return Phase.BACKWARD
+    if "jvp(" in md.op_name:
+        return Phase.FORWARD
+    return Phase.UPDATE
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture from JAX
+# ---------------------------------------------------------------------------------------------
+
+
+def capture(
+    step: Callable[..., Any],
+    *args: Any,
+    roles: RoleOverride | None = None,
+    arg_names: Sequence[str] | None = None,
+) -> Capture:
+    """Lower `step(*args)` with `jax.jit` and return its Module with parameter roles and paths.
+
+    `args` may be real arrays or `jax.ShapeDtypeStruct`s; either way nothing is allocated here,
+    because lowering only needs shapes. See the module docstring for how roles are decided.
+    """
+    import jax
+
+    from hlomap.hlo.parser import parse
+
+    abstract = jax.tree.map(_to_abstract, args)
+    names = tuple(arg_names) if arg_names is not None else _argument_names(step, len(args))
+    lowered = jax.jit(step, keep_unused=True).lower(*abstract)
+    # debug_info keeps metadata (op_name with jvp/transpose tags, source lines) in the text.
+    text = lowered.as_text(dialect="hlo", debug_info=True)
+    fn_name = getattr(step, "__name__", type(step).__name__)
+    module = parse(text, filename=f"<jax:{fn_name}>")
+    flat, in_tree = jax.tree_util.tree_flatten_with_path(abstract)
+    entry_params = module.entry.parameters
+    if len(entry_params) != len(flat):
+        raise RuntimeError(
+            f"lowered module of {fn_name} has {len(entry_params)} entry parameters but the arguments"
+            f" have {len(flat)} leaves; cannot map parameters to pytree paths"
+        )
+    in_optax_state = _optax_state_flags(abstract)
+    parameters = tuple(
+        EntryParameter(
+            index=i,
+            name=inst.name,
+            path=_path_string(key_path, names),
+            shape=_array_shape(inst),
+            role=_decide_role(key_path, leaf, names, roles, in_optax_state[i]),
+        )
+        for i, ((key_path, leaf), inst) in enumerate(zip(flat, entry_params))
+    )
+    return Capture(
+        module=module,
+        parameters=parameters,
+        source=f"jax:{fn_name}",
+        text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+        step=step,
+        args=abstract,
+        in_tree=in_tree,
+        arg_names=names,
+    )
+
+
+def from_module(
+    module: Module,
+    *,
+    trainable: Iterable[int | str] | None = None,
+    data: Iterable[int | str] | None = None,
+    source: str = "<hlo>",
+    text: str | None = None,
+) -> Capture:
+    """Wrap a bare HLO module (e.g. a dump from any framework).
+
+    As in Auto-MAP, the caller names the trainable parameters (by index or HLO name); `data`
+    names data inputs. When neither is given every role is UNKNOWN. When only `trainable` is
+    given, the remaining non-scalar parameters are taken as DATA candidates.
+    """
+    trainable_keys = set(trainable or ())
+    data_keys = set(data or ())
+    params = module.entry.parameters
+    _check_keys(trainable_keys | data_keys, params)
+    named_any = bool(trainable_keys or data_keys)
+
+    def role_of(inst: Instruction) -> Role:
+        keys = {inst.parameter_number, inst.name}
+        if keys & trainable_keys:
+            return Role.TRAINABLE
+        if keys & data_keys:
+            return Role.DATA
+        if not named_any:
+            return Role.UNKNOWN
+        shape = inst.shape
+        return Role.DATA if isinstance(shape, ArrayShape) and shape.rank > 0 and not data_keys else Role.OTHER
+
+    parameters = tuple(
+        EntryParameter(
+            index=inst.parameter_number or 0,
+            name=inst.name,
+            path=_metadata_path(inst) or inst.name,
+            shape=_array_shape(inst),
+            role=role_of(inst),
+        )
+        for inst in params
+    )
+    digest = hashlib.sha256((text if text is not None else str(module)).encode()).hexdigest()
+    return Capture(module=module, parameters=parameters, source=source, text_sha256=digest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _to_abstract(leaf: Any) -> Any:
+    import jax
+
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    return jax.ShapeDtypeStruct(getattr(leaf, "shape", ()), getattr(leaf, "dtype", type(leaf)))
+
+
+def _argument_names(step: Callable[..., Any], count: int) -> tuple[str, ...]:
+    try:
+        sig = inspect.signature(step)
+    except (TypeError, ValueError):
+        return tuple(f"arg{i}" for i in range(count))
+    positional = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return tuple(positional[i] if i < len(positional) else f"arg{i}" for i in range(count))
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path_string(key_path: Sequence[Any], arg_names: Sequence[str]) -> str:
+    """`(SequenceKey(0), DictKey('layers_0'), ...)` -> "params/layers_0/..."."""
+    if not key_path:
+        return "args"
+    head, *rest = key_path
+    first = arg_names[head.idx] if hasattr(head, "idx") and head.idx < len(arg_names) else _key_name(head)
+    return "/".join([first, *(_key_name(k) for k in rest)])
+
+
+def _is_float(dtype: Any) -> bool:
+    import numpy as np
+
+    try:
+        return bool(np.issubdtype(np.dtype(dtype), np.floating)) or str(dtype) == "bfloat16"
+    except TypeError:
+        return False
+
+
+def _decide_role(
+    key_path: Sequence[Any], leaf: Any, arg_names: Sequence[str], roles: RoleOverride | None, in_optax_state: bool
+) -> Role:
+    path = _path_string(key_path, arg_names)
+    arg_index = key_path[0].idx if key_path and hasattr(key_path[0], "idx") else 0
+    if roles is not None:
+        chosen = _override_role(roles, path, arg_index, leaf)
+        if chosen is not None:
+            return chosen
+    is_float = _is_float(leaf.dtype)
+    if in_optax_state:
+        return Role.OPTIMIZER_STATE if is_float else Role.OTHER
+    arg_name = arg_names[arg_index] if arg_index < len(arg_names) else ""
+    if arg_name in OPTIMIZER_ARG_NAMES:
+        return Role.OPTIMIZER_STATE if is_float else Role.OTHER
+    if arg_name in TRAINABLE_ARG_NAMES:
+        return Role.TRAINABLE if is_float else Role.OTHER
+    if arg_name in DATA_ARG_NAMES:
+        return Role.DATA
+    if len(leaf.shape) == 0:
+        return Role.OTHER
+    if arg_index == 0 and is_float:
+        return Role.TRAINABLE
+    return Role.DATA
+
+
+def _override_role(roles: RoleOverride, path: str, arg_index: int, leaf: Any) -> Role | None:
+    if callable(roles) and not isinstance(roles, Mapping):
+        return roles(path, leaf)
+    best: tuple[int, Role] | None = None
+    for key, role in roles.items():
+        if isinstance(key, int):
+            if key == arg_index and (best is None or best[0] < 0):
+                best = (0, role)
+            continue
+        if path == key or path.startswith(key.rstrip("/") + "/"):
+            if best is None or len(key) > best[0]:
+                best = (len(key), role)
+    return best[1] if best else None
+
+
+def _is_optax_node(node: Any) -> bool:
+    return type(node).__module__.split(".", 1)[0] == "optax"
+
+
+def _optax_state_flags(args: Any) -> list[bool]:
+    """For each leaf of `args` in flatten order: does it sit inside an optax state object?
+
+    Key paths name fields, not node types, so flatten once more with optax nodes as leaves and
+    expand each optax node into as many True flags as it has leaves.
+    """
+    import jax
+
+    flags: list[bool] = []
+    for item in jax.tree_util.tree_leaves(args, is_leaf=_is_optax_node):
+        if _is_optax_node(item):
+            flags.extend([True] * len(jax.tree_util.tree_leaves(item)))
+        else:
+            flags.append(False)
+    return flags
+
+
+def _array_shape(inst: Instruction) -> ArrayShape:
+    shape = inst.shape
+    if not isinstance(shape, ArrayShape):
+        raise ValueError(f"entry parameter {inst.name} has tuple shape {shape}; hlomap expects flat parameters")
+    return shape
+
+
+def _metadata_path(inst: Instruction) -> str | None:
+    md = inst.metadata
+    return md.op_name if md is not None and md.op_name else None
+
+
+def _check_keys(keys: set[int | str], params: Sequence[Instruction]) -> None:
+    known = {p.parameter_number for p in params} | {p.name for p in params}
+    unknown = sorted(map(str, keys - known))
+    if unknown:
+        raise ValueError(
+            f"unknown entry parameter(s) {unknown}; the entry has {len(params)} parameters"
+            f" (indices 0..{len(params) - 1}, names {[p.name for p in params][:8]}...)"
+        )

@@ -1,0 +1,115 @@
+"""Capture from jax.jit: parameter order, paths, roles, phases, and no allocation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from hlomap.hlo.capture import Phase, Role, capture, from_module, instruction_phase
+
+OPT = optax.adam(1e-3)
+
+
+def _loss(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(_loss)(params, batch)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _abstract():
+    params = {"w1": jax.ShapeDtypeStruct((16, 32), jnp.float32), "w2": jax.ShapeDtypeStruct((32, 4), jnp.float32)}
+    opt_state = jax.eval_shape(OPT.init, params)
+    batch = {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32), "y": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    return params, opt_state, batch
+
+
+def test_parameters_follow_flatten_order_with_paths_and_roles():
+    args = _abstract()
+    cap = capture(train_step, *args)
+    flat = jax.tree_util.tree_leaves(args)
+    assert len(cap.parameters) == len(flat) == len(cap.module.entry.parameters)
+    for param, leaf in zip(cap.parameters, flat):
+        assert param.shape.dims == tuple(leaf.shape)
+    by_path = {p.path: p.role for p in cap.parameters}
+    assert by_path["params/w1"] is Role.TRAINABLE
+    assert by_path["params/w2"] is Role.TRAINABLE
+    assert by_path["opt_state/0/mu/w1"] is Role.OPTIMIZER_STATE
+    assert by_path["opt_state/0/nu/w2"] is Role.OPTIMIZER_STATE
+    assert by_path["opt_state/0/count"] is Role.OTHER  # the integer step counter
+    assert by_path["batch/x"] is Role.DATA
+    assert [p.path for p in cap.trainable] == ["params/w1", "params/w2"]
+
+
+def test_optimizer_state_found_by_type_even_under_an_unknown_argument_name():
+    def step(a, b, c):
+        return train_step(a, b, c)
+
+    cap = capture(step, *_abstract())
+    roles = {p.path: p.role for p in cap.parameters}
+    assert roles["b/0/mu/w1"] is Role.OPTIMIZER_STATE
+    assert roles["a/w1"] is Role.TRAINABLE  # first argument, floating point
+    assert roles["c/x"] is Role.DATA
+
+
+def test_role_overrides_by_prefix_and_by_function():
+    cap = capture(train_step, *_abstract(), roles={"params/w2": Role.OTHER, "batch": Role.OTHER})
+    roles = {p.path: p.role for p in cap.parameters}
+    assert roles["params/w2"] is Role.OTHER and roles["params/w1"] is Role.TRAINABLE
+    assert roles["batch/x"] is Role.OTHER
+    cap = capture(train_step, *_abstract(), roles=lambda path, leaf: Role.DATA if path.endswith("w1") else None)
+    roles = {p.path: p.role for p in cap.parameters}
+    assert roles["params/w1"] is Role.DATA and roles["opt_state/0/mu/w1"] is Role.DATA
+    assert roles["params/w2"] is Role.TRAINABLE
+
+
+def test_phases_come_from_jax_metadata():
+    cap = capture(train_step, *_abstract())
+    phases = {}
+    for _, inst in cap.module.instructions():
+        phases.setdefault(instruction_phase(inst), []).append(inst)
+    dots_by_phase = {ph: sum(i.opcode == "dot" for i in insts) for ph, insts in phases.items()}
+    # two forward matmuls; the backward pass has the weight and activation gradients (three dots:
+    # dW2, dH, dW1 - the input gradient of the first layer is never needed).
+    assert dots_by_phase[Phase.FORWARD] == 2
+    assert dots_by_phase[Phase.BACKWARD] == 3
+    assert all(i.is_backward for i in phases[Phase.BACKWARD])
+    assert not any(i.is_backward for i in phases[Phase.FORWARD])
+
+
+def test_real_arrays_are_accepted_and_not_needed(monkeypatch):
+    params = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 4))}
+    batch = {"x": jnp.ones((8, 16)), "y": jnp.ones((8, 4))}
+    cap = capture(train_step, params, OPT.init(params), batch)
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(cap.args))
+
+
+def test_abstract_capture_allocates_nothing():
+    """A 4 GiB weight captured abstractly must not allocate device memory."""
+    big = {"w1": jax.ShapeDtypeStruct((32768, 32768), jnp.float32), "w2": jax.ShapeDtypeStruct((32768, 4), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((8, 32768), jnp.float32), "y": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    device = jax.devices()[0]
+    before = sum(np.prod(a.shape) for a in jax.live_arrays())
+    cap = capture(train_step, big, jax.eval_shape(OPT.init, big), batch)
+    after = sum(np.prod(a.shape) for a in jax.live_arrays())
+    assert after - before < 1_000_000, device
+    assert cap.parameter("params/w1").byte_size == 32768 * 32768 * 4
+
+
+def test_bare_module_roles_are_unknown_until_named():
+    cap = capture(train_step, *_abstract())
+    bare = from_module(cap.module)
+    assert not bare.has_roles
+    named = from_module(cap.module, trainable=[0, 1])
+    assert [p.index for p in named.trainable] == [0, 1]
+    # the other non-scalar parameters become data candidates (Auto-MAP's ADP candidates)
+    assert {p.index for p in named.with_role(Role.DATA)} == set(range(3, 9))
+    with pytest.raises(ValueError, match="unknown entry parameter"):
+        from_module(cap.module, trainable=[42])
