@@ -1,1 +1,71 @@
-"""See ../shared/DESIGN.md for what this subpackage holds."""
+"""Cost model: devices, cluster topologies, mesh-axis mappings, collective and compute costs.
+
+    from hlomap.cost import load_cluster, axis_devices, collective_time, Collective, module_cost
+    cluster = load_cluster("A")                                   # or a JSON file
+    mapping = axis_devices(cluster, {"data": 2, "model": 8}, order=("data", "model"))
+    t = collective_time(Collective.ALL_REDUCE, cluster, mapping.groups("data"), nbytes)
+    step = module_cost(module, cluster.devices[0])               # FLOPs, bytes, roofline time
+
+See ../shared/DESIGN.md ("Cost model").
+"""
+
+from hlomap.cost.cluster import (
+    Cluster,
+    ClusterSpecError,
+    cluster_preset,
+    hierarchical,
+    load_cluster,
+    mesh_topology,
+    random_block,
+    uniform,
+)
+from hlomap.cost.collectives import (
+    Collective,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    collective_permute_time,
+    collective_time,
+    reduce_scatter_time,
+)
+from hlomap.cost.compute import (
+    InstructionCost,
+    computation_cost,
+    instruction_cost,
+    module_cost,
+    module_flops,
+    while_trip_count,
+)
+from hlomap.cost.devices import DEVICE_PRESETS, DeviceSpec, DeviceSpecError, device_preset
+from hlomap.cost.mapping import AxisMapping, MappingError, axis_devices
+
+__all__ = [
+    "DEVICE_PRESETS",
+    "AxisMapping",
+    "Cluster",
+    "ClusterSpecError",
+    "Collective",
+    "DeviceSpec",
+    "DeviceSpecError",
+    "InstructionCost",
+    "MappingError",
+    "all_gather_time",
+    "all_reduce_time",
+    "all_to_all_time",
+    "axis_devices",
+    "cluster_preset",
+    "collective_permute_time",
+    "collective_time",
+    "computation_cost",
+    "device_preset",
+    "hierarchical",
+    "instruction_cost",
+    "load_cluster",
+    "mesh_topology",
+    "module_cost",
+    "module_flops",
+    "random_block",
+    "reduce_scatter_time",
+    "uniform",
+    "while_trip_count",
+]

@@ -1,0 +1,320 @@
+"""Clusters: devices plus a point-to-point bandwidth/latency table (alpha-beta model).
+
+Interface shared with hlomap.pipeline (keep these names): `Cluster(name, devices, node_of,
+bandwidth, latency)` with `n_devices`, `p2p_time(src, dst, nbytes)`, `to_json()`,
+`from_json(d)`; `cluster_preset("A" | "B" | "C")`; `load_cluster("A" | "B" | "C" | path)`.
+
+A message of n bytes from i to j takes `latency[i, j] + n / bandwidth[i, j]`. Devices are grouped
+into nodes (servers): collectives that span nodes run hierarchically, and the streams that leave
+a node share its `nics_per_node` network interfaces (see `hlomap.cost.collectives`).
+
+JSON (units: bytes, bytes/s, seconds):
+    {"name": "A", "devices": ["V100-16GB", ... | {full DeviceSpec}], "node_of": [0, 0, ...],
+     "bandwidth": [[null, 1.3e11, ...], ...], "latency": [[0, 5e-06, ...], ...],
+     "nics_per_node": 1}
+The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional.
+
+Auto-MAP's configurations A, B, C are 2, 3 and 4 servers of 8 V100 GPUs, NVLink inside a server
+and 25 Gbps Ethernet between servers (arXiv 2007.04069, section 5). The paper does not give the
+V100 memory size; the presets use the 16 GB board.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from hlomap.cost import topology
+from hlomap.cost.devices import DeviceSpec, DeviceSpecError, device_preset
+
+#: Effective NVLink bandwidth between two V100s of a DGX-1-class server, bytes/s. The hybrid
+#: cube-mesh gives each V100 six NVLink2 links of 25 GB/s per direction (150 GB/s), but pairs
+#: are joined by one, two or no direct links; NCCL's rings over all six links measure a bus
+#: bandwidth of about 130 GB/s, which is the rate a ring collective sees per step. We use that.
+NVLINK_V100_BW = 130e9
+#: One-way latency of a small NVLink transfer through NCCL, seconds (a few microseconds).
+NVLINK_LATENCY = 5e-6
+#: 25 Gbit/s Ethernet in bytes/s.
+ETHERNET_25G_BW = 25e9 / 8
+#: One-way small-message latency over 25 GbE between servers (TCP or RoCE: 10-20 us), seconds.
+ETHERNET_LATENCY = 15e-6
+
+
+class ClusterSpecError(ValueError):
+    """A cluster description (JSON, preset name or builder arguments) is malformed."""
+
+
+@dataclass(frozen=True, eq=False)
+class Cluster:
+    """Devices (index = device id), the node of each, and [n, n] bandwidth/latency tables.
+
+    The arrays are copied and made read-only, so a Cluster can be shared freely. `nics_per_node`
+    is how many cross-node streams a node can drive at the full table bandwidth at once.
+    """
+
+    name: str
+    devices: tuple[DeviceSpec, ...]
+    node_of: tuple[int, ...]
+    bandwidth: np.ndarray
+    latency: np.ndarray
+    nics_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "node_of", tuple(int(x) for x in self.node_of))
+        for field_name in ("bandwidth", "latency"):
+            array = np.array(getattr(self, field_name), dtype=np.float64)  # a copy
+            array.flags.writeable = False
+            object.__setattr__(self, field_name, array)
+        _validate(self)
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def n_nodes(self) -> int:
+        return len(set(self.node_of))
+
+    def devices_on(self, node: int) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.node_of) if n == node)
+
+    def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Seconds to send `nbytes` from device `src` to `dst`: alpha + nbytes / beta."""
+        self._check_device(src)
+        self._check_device(dst)
+        if src == dst:
+            return 0.0
+        return float(self.latency[src, dst] + nbytes / self.bandwidth[src, dst])
+
+    def _check_device(self, device: int) -> None:
+        if not 0 <= device < self.n_devices:
+            raise IndexError(f"device id {device} out of range for cluster {self.name!r} "
+                             f"with {self.n_devices} devices")
+
+    # -- equality (numpy arrays need array comparison) ---------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Cluster):
+            return NotImplemented
+        return (self.name == other.name and self.devices == other.devices
+                and self.node_of == other.node_of and self.nics_per_node == other.nics_per_node
+                and np.array_equal(self.bandwidth, other.bandwidth)
+                and np.array_equal(self.latency, other.latency))
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.devices, self.node_of, self.nics_per_node))
+
+    def __repr__(self) -> str:
+        kinds = sorted({d.name for d in self.devices})
+        return (f"Cluster({self.name!r}, {self.n_devices} x {'/'.join(kinds)}, "
+                f"{self.n_nodes} nodes, nics_per_node={self.nics_per_node})")
+
+    # -- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        bandwidth = [[None if math.isinf(v) else v for v in row] for row in self.bandwidth.tolist()]
+        return {
+            "name": self.name,
+            "devices": [_device_to_json(d) for d in self.devices],
+            "node_of": list(self.node_of),
+            "bandwidth": bandwidth,
+            "latency": self.latency.tolist(),
+            "nics_per_node": self.nics_per_node,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], *, source: str = "<dict>") -> Cluster:
+        """Build from the JSON object of `to_json`; errors name `source` and the field."""
+        return _cluster_from_json(d, source)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _device_to_json(device: DeviceSpec) -> str | dict[str, Any]:
+    """A preset's name when the spec is exactly that preset (compact files), else the full spec."""
+    try:
+        if device_preset(device.name) == device:
+            return device.name
+    except DeviceSpecError:
+        pass
+    return device.to_json()
+
+
+def _validate(cluster: Cluster) -> None:
+    n = cluster.n_devices
+    where = f"cluster {cluster.name!r}"
+    if n == 0:
+        raise ClusterSpecError(f"{where}: has no devices")
+    if len(cluster.node_of) != n:
+        raise ClusterSpecError(f"{where}: node_of has {len(cluster.node_of)} entries for {n} devices")
+    if min(cluster.node_of) < 0:
+        raise ClusterSpecError(f"{where}: node_of has a negative node id")
+    for field_name in ("bandwidth", "latency"):
+        shape = getattr(cluster, field_name).shape
+        if shape != (n, n):
+            raise ClusterSpecError(f"{where}: {field_name} has shape {shape}, expected ({n}, {n})")
+    off = ~np.eye(n, dtype=bool)
+    bad_bw = np.argwhere(off & ~(cluster.bandwidth > 0))
+    if bad_bw.size:
+        i, j = bad_bw[0]
+        raise ClusterSpecError(f"{where}: bandwidth[{i}][{j}] = {cluster.bandwidth[i, j]!r} must be > 0")
+    bad_lat = np.argwhere(off & ~(np.isfinite(cluster.latency) & (cluster.latency >= 0)))
+    if bad_lat.size:
+        i, j = bad_lat[0]
+        raise ClusterSpecError(f"{where}: latency[{i}][{j}] = {cluster.latency[i, j]!r} must be finite and >= 0")
+    if cluster.nics_per_node < 1:
+        raise ClusterSpecError(f"{where}: nics_per_node = {cluster.nics_per_node} must be >= 1")
+
+
+def _matrix(value: Any, n: int, field_name: str, where: str, *, diagonal: float) -> np.ndarray:
+    """An n x n list of numbers; the diagonal may be null (it is forced to `diagonal`)."""
+    if not isinstance(value, list) or len(value) != n:
+        got = f"{len(value)} rows" if isinstance(value, list) else repr(type(value).__name__)
+        raise ClusterSpecError(f"{where}: field {field_name!r}: expected a {n}x{n} list of lists, got {got}")
+    out = np.empty((n, n))
+    for i, row in enumerate(value):
+        if not isinstance(row, list) or len(row) != n:
+            raise ClusterSpecError(f"{where}: field {field_name!r}: row {i} must be a list of {n} numbers")
+        for j, v in enumerate(row):
+            if i == j and v is None:
+                out[i, j] = diagonal
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[i, j] = v
+            else:
+                raise ClusterSpecError(f"{where}: field {field_name!r}[{i}][{j}]: expected a number, got {v!r}")
+    np.fill_diagonal(out, diagonal)
+    return out
+
+
+def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
+    if not isinstance(d, Mapping):
+        raise ClusterSpecError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    missing = [k for k in ("name", "devices", "node_of", "bandwidth", "latency") if k not in d]
+    if missing:
+        raise ClusterSpecError(f"{source}: missing field(s) {missing}")
+    unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node"})
+    if unknown:
+        raise ClusterSpecError(f"{source}: unknown field(s) {unknown}")
+    if not isinstance(d["name"], str):
+        raise ClusterSpecError(f"{source}: field 'name': expected a string, got {d['name']!r}")
+    raw_devices = d["devices"]
+    if not isinstance(raw_devices, list) or not raw_devices:
+        raise ClusterSpecError(f"{source}: field 'devices': expected a non-empty list")
+    try:
+        devices = tuple(DeviceSpec.from_json(x, where=f"{source}: field 'devices'[{i}]")
+                        for i, x in enumerate(raw_devices))
+    except DeviceSpecError as err:
+        raise ClusterSpecError(str(err)) from None
+    n = len(devices)
+    node_of = d["node_of"]
+    if (not isinstance(node_of, list) or len(node_of) != n
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in node_of)):
+        raise ClusterSpecError(f"{source}: field 'node_of': expected {n} non-negative integers, got {node_of!r}")
+    nics = d.get("nics_per_node", 1)
+    if not isinstance(nics, int) or isinstance(nics, bool) or nics < 1:
+        raise ClusterSpecError(f"{source}: field 'nics_per_node': expected an integer >= 1, got {nics!r}")
+    bandwidth = _matrix(d["bandwidth"], n, "bandwidth", source, diagonal=math.inf)
+    latency = _matrix(d["latency"], n, "latency", source, diagonal=0.0)
+    try:
+        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics)
+    except ClusterSpecError as err:
+        raise ClusterSpecError(f"{source}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------------
+
+DeviceLike = DeviceSpec | str
+
+
+def _device(device: DeviceLike) -> DeviceSpec:
+    return device if isinstance(device, DeviceSpec) else device_preset(device)
+
+
+def _from_tables(name: str, device: DeviceLike, tables: topology.LinkTables, nics_per_node: int = 1) -> Cluster:
+    spec = _device(device)
+    return Cluster(name, (spec,) * len(tables.node_of), tuple(tables.node_of.tolist()),
+                   tables.bandwidth, tables.latency, nics_per_node)
+
+
+def hierarchical(nodes: int, gpus_per_node: int, device: DeviceLike = "V100-16GB",
+                 intra_bw: float = NVLINK_V100_BW, inter_bw: float = ETHERNET_25G_BW,
+                 intra_lat: float = NVLINK_LATENCY, inter_lat: float = ETHERNET_LATENCY,
+                 *, nics_per_node: int = 1, name: str | None = None) -> Cluster:
+    """`nodes` servers x `gpus_per_node` devices: `intra_*` inside a server (NVLink), `inter_*`
+    between servers (the network). Device ids run server by server."""
+    tables = topology.hierarchical_tables(nodes, gpus_per_node, intra_bw, inter_bw, intra_lat, inter_lat)
+    return _from_tables(name or f"hierarchical-{nodes}x{gpus_per_node}", device, tables, nics_per_node)
+
+
+def mesh_topology(shape: Sequence[int], device: DeviceLike, link_bw: float | Sequence[float],
+                  link_lat: float | Sequence[float], torus: bool = False, *, name: str | None = None) -> Cluster:
+    """A 2-D/3-D (any rank) mesh or torus, one device per node; a path's bandwidth is its
+    bottleneck link and its latency hops x link latency (see `topology.mesh_tables`)."""
+    tables = topology.mesh_tables(shape, link_bw, link_lat, torus)
+    kind = "torus" if torus else "mesh"
+    return _from_tables(name or f"{kind}-{'x'.join(str(s) for s in shape)}", device, tables)
+
+
+def _rng(seed: int | np.random.Generator | None) -> np.random.Generator:
+    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+def random_block(n_devices: int, n_blocks: int, device: DeviceLike, intra_bw: float,
+                 inter_bw: topology.Range, intra_lat: float, inter_lat: topology.Range,
+                 seed: int | np.random.Generator | None = 0, *, nics_per_node: int = 1,
+                 name: str | None = None) -> Cluster:
+    """Random contiguous blocks (nodes) of devices; see `topology.random_block_tables`."""
+    tables = topology.random_block_tables(n_devices, n_blocks, intra_bw, inter_bw, intra_lat, inter_lat, _rng(seed))
+    return _from_tables(name or f"random-block-{n_devices}/{n_blocks}", device, tables, nics_per_node)
+
+
+def uniform(n_devices: int, device: DeviceLike, bandwidth: topology.Range, latency: topology.Range,
+            seed: int | np.random.Generator | None = 0, *, name: str | None = None) -> Cluster:
+    """All pairs joined directly, with equal or uniformly drawn distances; see
+    `topology.uniform_tables`."""
+    tables = topology.uniform_tables(n_devices, bandwidth, latency, _rng(seed))
+    return _from_tables(name or f"uniform-{n_devices}", device, tables)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets and loading
+# ---------------------------------------------------------------------------------------------
+
+#: Auto-MAP's cluster configurations: name -> number of 8-GPU V100 servers.
+AUTOMAP_SERVERS: Mapping[str, int] = {"A": 2, "B": 3, "C": 4}
+
+
+def cluster_preset(name: str) -> Cluster:
+    """Auto-MAP configuration `A`, `B` or `C`: 2/3/4 servers x 8 V100-16GB, NVLink inside a
+    server (130 GB/s, 5 us), 25 Gbps Ethernet between servers (3.125 GB/s, 15 us), one NIC each."""
+    servers = AUTOMAP_SERVERS.get(name.upper())
+    if servers is None:
+        raise ClusterSpecError(f"unknown cluster preset {name!r}; known: {', '.join(AUTOMAP_SERVERS)}")
+    return hierarchical(servers, 8, "V100-16GB", name=name.upper())
+
+
+def load_cluster(spec: str | Path | Cluster) -> Cluster:
+    """A preset name (`A`, `B`, `C`), a path to a cluster JSON file, or a Cluster (returned as is).
+    This is what the CLI's `--cluster` option takes."""
+    if isinstance(spec, Cluster):
+        return spec
+    text = str(spec)
+    if text.upper() in AUTOMAP_SERVERS:
+        return cluster_preset(text)
+    path = Path(text)
+    if not path.is_file():
+        raise ClusterSpecError(f"--cluster {text!r} is neither a preset ({', '.join(AUTOMAP_SERVERS)}) "
+                               f"nor an existing JSON file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ClusterSpecError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    return Cluster.from_json(data, source=str(path))

@@ -1,0 +1,295 @@
+"""Collective communication times on a `Cluster` (alpha-beta model, ring algorithms).
+
+Conventions (p = group size, n = `nbytes`, B = bandwidth, a = latency):
+- all-reduce: n is the buffer on each device. Ring: 2(p-1)/p * n/B + 2(p-1) a.
+- all-gather: n is the gathered OUTPUT on each device (p x the shard). Ring: (p-1)/p * n/B + (p-1) a.
+- reduce-scatter: n is the INPUT on each device (p x the result shard). Same ring cost as all-gather.
+- all-to-all: n is the buffer on each device, of which it keeps 1/p and sends (p-1)/p, one block
+  per peer in p-1 pairwise-exchange steps: (p-1) * (a + n/(p B)).
+- collective-permute: n is what each source sends; pairs run at once; the slowest pair decides.
+
+The slowest link in the group sets the speed: B is the smallest point-to-point bandwidth between
+any two members. Latency is the largest between neighbours of the ring, taken in the group's own
+order and closing back to its first device (on a torus the natural ring is one hop per step).
+
+An all-reduce whose group spans nodes with k >= 2 members on each of m >= 2 nodes runs
+hierarchically, as NCCL does: reduce-scatter inside each node, k concurrent all-reduces across
+nodes on 1/k of the data each, all-gather inside each node:
+    t = 2 * [(k-1)/k * n/B_in + (k-1) a_in] + 2(m-1)/m * (n/k)/B_x' + 2(m-1) a_x
+(B_in, a_in over same-node pairs; B_x, a_x over cross-node pairs). Groups spread unevenly over
+nodes fall back to one flat ring.
+
+NIC sharing: streams that leave a node share its `cluster.nics_per_node` interfaces. A node with s
+concurrent cross-node streams gives each `B_x * min(1, nics/s)` (that is B_x' above). A flat ring
+puts one stream per node on the network, a hierarchical all-reduce k, an all-to-all k; when
+several groups run at once (`collective_time` with many groups, e.g. every data-parallel group
+of a mesh axis), their streams add up. With one NIC per 8-GPU server, the k rings of a
+hierarchical all-reduce therefore move n bytes over the network in total, not n/k. Contention on
+links inside a node is not modeled (each GPU has its own NVLinks).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from hlomap.cost.cluster import Cluster
+
+_LOG = logging.getLogger(__name__)
+
+Group = Sequence[int]
+
+
+class Collective(enum.Enum):
+    """Collective kinds; values are the HLO opcode names, so `Collective(inst.base_opcode)`."""
+
+    ALL_REDUCE = "all-reduce"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_TO_ALL = "all-to-all"
+    COLLECTIVE_PERMUTE = "collective-permute"
+
+
+# ---------------------------------------------------------------------------------------------
+# Closed forms on one ring of p devices with bandwidth B and per-step latency a
+# ---------------------------------------------------------------------------------------------
+
+
+def ring_all_reduce_seconds(p: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce (reduce-scatter then all-gather): 2(p-1) steps of n/p bytes each."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency
+
+
+def ring_all_gather_seconds(p: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Ring all-gather or reduce-scatter of an n-byte full buffer: p-1 steps of n/p bytes."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) / p * nbytes / bandwidth + (p - 1) * latency
+
+
+# ---------------------------------------------------------------------------------------------
+# Group analysis
+# ---------------------------------------------------------------------------------------------
+
+
+class _Links(NamedTuple):
+    bandwidth: float  # slowest link (inf when there is no pair of that class)
+    latency: float    # largest latency (0 when there is no pair of that class)
+
+
+class _Layout(NamedTuple):
+    """How a group sits on the nodes of a cluster."""
+
+    devices: np.ndarray
+    per_node: Counter[int]        # node -> members of the group on it
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.per_node)
+
+    @property
+    def per_node_max(self) -> int:
+        return max(self.per_node.values())
+
+    @property
+    def balanced(self) -> bool:
+        return len(set(self.per_node.values())) == 1
+
+
+def _layout(cluster: Cluster, group: Group, what: str) -> _Layout:
+    devices = np.asarray([int(d) for d in group], dtype=np.int64)
+    if devices.size == 0:
+        raise ValueError(f"{what}: empty device group")
+    bad = [int(d) for d in devices if not 0 <= d < cluster.n_devices]
+    if bad:
+        raise ValueError(f"{what}: device id(s) {bad} out of range for cluster {cluster.name!r} "
+                         f"with {cluster.n_devices} devices (group {list(group)})")
+    if len(np.unique(devices)) != devices.size:
+        raise ValueError(f"{what}: group {list(group)} lists a device twice")
+    return _Layout(devices, Counter(cluster.node_of[int(d)] for d in devices))
+
+
+def _pair_links(cluster: Cluster, devices: np.ndarray, same_node: bool | None) -> _Links:
+    """Slowest bandwidth and largest latency over ordered pairs of distinct members; restricted
+    to same-node pairs (True), cross-node pairs (False) or all pairs (None)."""
+    nodes = np.asarray([cluster.node_of[int(d)] for d in devices])
+    mask = ~np.eye(devices.size, dtype=bool)
+    if same_node is not None:
+        same = nodes[:, None] == nodes[None, :]
+        mask &= same if same_node else ~same
+    if not mask.any():
+        return _Links(np.inf, 0.0)
+    sub = np.ix_(devices, devices)
+    return _Links(float(cluster.bandwidth[sub][mask].min()), float(cluster.latency[sub][mask].max()))
+
+
+def _ring_latency(cluster: Cluster, devices: np.ndarray) -> float:
+    nxt = np.roll(devices, -1)
+    return float(cluster.latency[devices, nxt].max())
+
+
+def _cross_node_streams(kind: Collective, layout: _Layout) -> dict[int, int]:
+    """Streams each node of the group puts on the network (see the module docstring)."""
+    if layout.nodes <= 1:
+        return {}
+    if kind is Collective.ALL_TO_ALL or (kind is Collective.ALL_REDUCE and _hierarchical(layout)):
+        return dict(layout.per_node)
+    return {node: 1 for node in layout.per_node}
+
+
+def _hierarchical(layout: _Layout) -> bool:
+    return layout.nodes >= 2 and layout.per_node_max >= 2 and layout.balanced
+
+
+def _nic_share(cluster: Cluster, layout: _Layout, load: Counter[int]) -> float:
+    """Factor (>= 1) by which NIC sharing slows this group's cross-node streams."""
+    worst = max((load[node] for node in layout.per_node), default=0)
+    return max(1.0, worst / cluster.nics_per_node)
+
+
+# ---------------------------------------------------------------------------------------------
+# One group, given its NIC share
+# ---------------------------------------------------------------------------------------------
+
+
+def _flat_bandwidth(cluster: Cluster, layout: _Layout, share: float) -> float:
+    inside = _pair_links(cluster, layout.devices, same_node=True)
+    across = _pair_links(cluster, layout.devices, same_node=False)
+    return min(inside.bandwidth, across.bandwidth / share)
+
+
+def _all_reduce(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
+    if layout.size <= 1:
+        return 0.0
+    if _hierarchical(layout):
+        k, m = layout.per_node_max, layout.nodes
+        inside = _pair_links(cluster, layout.devices, same_node=True)
+        across = _pair_links(cluster, layout.devices, same_node=False)
+        intra = ring_all_gather_seconds(k, nbytes, inside.bandwidth, inside.latency)
+        inter = ring_all_reduce_seconds(m, nbytes / k, across.bandwidth / share, across.latency)
+        return 2 * intra + inter
+    if layout.nodes >= 2 and layout.per_node_max >= 2:
+        _LOG.debug("all-reduce over %s spreads unevenly over nodes %s; using one flat ring",
+                   layout.devices.tolist(), dict(layout.per_node))
+    bandwidth = _flat_bandwidth(cluster, layout, share)
+    return ring_all_reduce_seconds(layout.size, nbytes, bandwidth, _ring_latency(cluster, layout.devices))
+
+
+def _all_gather(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
+    if layout.size <= 1:
+        return 0.0
+    bandwidth = _flat_bandwidth(cluster, layout, share)
+    return ring_all_gather_seconds(layout.size, nbytes, bandwidth, _ring_latency(cluster, layout.devices))
+
+
+def _all_to_all(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
+    p = layout.size
+    if p <= 1:
+        return 0.0
+    block = nbytes / p
+    inside = _pair_links(cluster, layout.devices, same_node=True)
+    across = _pair_links(cluster, layout.devices, same_node=False)
+    if layout.nodes == 1:
+        return (p - 1) * (inside.latency + block / inside.bandwidth)
+    if layout.balanced:
+        # Schedule the k-1 same-node partners first, then the p-k remote ones, during which
+        # all k members of a node send across at once (that is the share).
+        k = layout.per_node_max
+        return ((k - 1) * (inside.latency + block / inside.bandwidth)
+                + (p - k) * (across.latency + block * share / across.bandwidth))
+    bandwidth = min(inside.bandwidth, across.bandwidth / share)
+    return (p - 1) * (max(inside.latency, across.latency) + block / bandwidth)
+
+
+_GROUP_TIME = {
+    Collective.ALL_REDUCE: _all_reduce,
+    Collective.ALL_GATHER: _all_gather,
+    Collective.REDUCE_SCATTER: _all_gather,  # the same ring traffic, reversed
+    Collective.ALL_TO_ALL: _all_to_all,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group], nbytes: float) -> float:
+    """Seconds for collective `kind` run at once over each of `groups` (disjoint device groups,
+    e.g. `AxisMapping.groups("data")`): the slowest group decides. `nbytes` per the module
+    docstring. For collective-permute use `collective_permute_time`."""
+    if kind is Collective.COLLECTIVE_PERMUTE:
+        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
+    if nbytes < 0:
+        raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
+    layouts = [_layout(cluster, g, f"{kind.value} group {i}") for i, g in enumerate(groups)]
+    seen: set[int] = set()
+    for layout in layouts:
+        overlap = seen.intersection(layout.devices.tolist())
+        if overlap:
+            raise ValueError(f"{kind.value}: concurrent groups must be disjoint; device(s) "
+                             f"{sorted(overlap)} appear in more than one group")
+        seen.update(layout.devices.tolist())
+    load: Counter[int] = Counter()
+    for layout in layouts:
+        load.update(_cross_node_streams(kind, layout))
+    time_of = _GROUP_TIME[kind]
+    return max((time_of(cluster, layout, float(nbytes), _nic_share(cluster, layout, load))
+                for layout in layouts), default=0.0)
+
+
+def all_reduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """All-reduce of an `nbytes` buffer over `group` (hierarchical when it spans nodes)."""
+    return collective_time(Collective.ALL_REDUCE, cluster, [group], nbytes)
+
+
+def all_gather_time(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """All-gather whose gathered result is `nbytes` on each device."""
+    return collective_time(Collective.ALL_GATHER, cluster, [group], nbytes)
+
+
+def reduce_scatter_time(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """Reduce-scatter of an `nbytes` input on each device (each keeps nbytes/p)."""
+    return collective_time(Collective.REDUCE_SCATTER, cluster, [group], nbytes)
+
+
+def all_to_all_time(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """All-to-all of an `nbytes` buffer on each device."""
+    return collective_time(Collective.ALL_TO_ALL, cluster, [group], nbytes)
+
+
+def collective_permute_time(cluster: Cluster, pairs: Sequence[tuple[int, int]], nbytes: float) -> float:
+    """Every (src, dst) pair sends `nbytes` at once (a collective-permute, or pipeline p2p);
+    the slowest pair decides. Cross-node pairs share their nodes' NICs (send and receive side)."""
+    if nbytes < 0:
+        raise ValueError(f"collective-permute: nbytes must be >= 0, got {nbytes!r}")
+    checked = []
+    for src, dst in pairs:
+        for d in (src, dst):
+            if not 0 <= int(d) < cluster.n_devices:
+                raise ValueError(f"collective-permute pair ({src}, {dst}): device {d} out of range for "
+                                 f"cluster {cluster.name!r} with {cluster.n_devices} devices")
+        checked.append((int(src), int(dst)))
+    node = cluster.node_of
+    remote = [(s, d) for s, d in checked if node[s] != node[d]]
+    out_load = Counter(node[s] for s, _ in remote)
+    in_load = Counter(node[d] for _, d in remote)
+    worst = 0.0
+    for src, dst in checked:
+        if src == dst:
+            continue
+        share = 1.0
+        if node[src] != node[dst]:
+            share = max(1.0, max(out_load[node[src]], in_load[node[dst]]) / cluster.nics_per_node)
+        worst = max(worst, float(cluster.latency[src, dst] + nbytes * share / cluster.bandwidth[src, dst]))
+    return worst

@@ -1,0 +1,173 @@
+"""Accelerator specifications: peak FLOP/s per element type, HBM bandwidth and memory.
+
+A `DeviceSpec` is what the roofline in `hlomap.cost.compute` needs from one device. The presets
+are vendor datasheet figures (dense, no structured sparsity); sources are given per preset below.
+Memory sizes are the marketed "GB" figures taken as GiB, which is how the boards are built
+(a "16 GB" V100 has 16 GiB of HBM2, slightly less of it usable).
+
+Peak FLOP/s are keyed by HLO element-type name ("f32", "bf16", "f16", "f64", "s8", ...). For a
+16-bit type the figure is the tensor-core rate, because the ops that dominate FLOPs (dot,
+convolution) run on tensor cores; `hlomap.cost.compute` uses the "f32" rate for everything else.
+"f32" is the CUDA-core FP32 rate: XLA may use TF32 tensor cores for f32 dots on Ampere and later
+(JAX's default matmul precision), which the separate "tf32" key records for callers who want it.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+TERA = 1e12
+GIGA = 1e9
+GIB = 2**30
+
+#: Fraction of peak FLOP/s that the roofline assumes is achieved. Large GEMMs reach 70-90% of
+#: tensor-core peak while whole training steps typically reach 40-60% model FLOP utilization;
+#: 0.6 sits between the two. Override per device (JSON field "efficiency") when calibrated.
+DEFAULT_EFFICIENCY = 0.6
+
+#: Element type whose rate is used when a dtype has no entry of its own (integers, pred, ...).
+FALLBACK_DTYPE = "f32"
+
+
+class DeviceSpecError(ValueError):
+    """A device specification (preset name or JSON object) is malformed."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator as the cost model sees it.
+
+    `peak_flops` maps an HLO element type to FLOP/s; `hbm_bandwidth` is bytes/s;
+    `memory_bytes` the device memory; `efficiency` the achieved/peak factor the roofline applies
+    to compute (memory traffic is assumed to reach the full HBM bandwidth, which copies and
+    elementwise kernels come close to).
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    hbm_bandwidth: float
+    memory_bytes: int
+    efficiency: float = DEFAULT_EFFICIENCY
+
+    def __post_init__(self) -> None:
+        # Freeze the mapping too: a frozen dataclass holding a mutable dict is not frozen.
+        object.__setattr__(self, "peak_flops", types.MappingProxyType(dict(self.peak_flops)))
+        _validate(self)
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.hbm_bandwidth,
+                     self.memory_bytes, self.efficiency))
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`, falling back to the f32 rate for types with no entry."""
+        rate = self.peak_flops.get(dtype)
+        if rate is None:
+            rate = self.peak_flops[FALLBACK_DTYPE]
+        return rate
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "hbm_bandwidth": self.hbm_bandwidth,
+            "memory_bytes": self.memory_bytes,
+            "efficiency": self.efficiency,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, where: str = "device") -> DeviceSpec:
+        """A preset name (`"A100-80GB"`) or a full object with every field of `to_json`."""
+        if isinstance(data, str):
+            try:
+                return device_preset(data)
+            except DeviceSpecError as err:
+                raise DeviceSpecError(f"{where}: {err}") from None
+        if not isinstance(data, Mapping):
+            raise DeviceSpecError(f"{where}: expected a preset name or an object, got {data!r}")
+        missing = [k for k in ("name", "peak_flops", "hbm_bandwidth", "memory_bytes") if k not in data]
+        if missing:
+            raise DeviceSpecError(f"{where}: missing field(s) {missing}")
+        unknown = sorted(set(data) - {"name", "peak_flops", "hbm_bandwidth", "memory_bytes", "efficiency"})
+        if unknown:
+            raise DeviceSpecError(f"{where}: unknown field(s) {unknown}")
+        peak = data["peak_flops"]
+        if not isinstance(peak, Mapping):
+            raise DeviceSpecError(f"{where}.peak_flops: expected an object dtype -> FLOP/s, got {peak!r}")
+        try:
+            return cls(
+                name=str(data["name"]),
+                peak_flops={str(k): _number(v, f"{where}.peak_flops.{k}") for k, v in peak.items()},
+                hbm_bandwidth=_number(data["hbm_bandwidth"], f"{where}.hbm_bandwidth"),
+                memory_bytes=int(_number(data["memory_bytes"], f"{where}.memory_bytes")),
+                efficiency=_number(data.get("efficiency", DEFAULT_EFFICIENCY), f"{where}.efficiency"),
+            )
+        except DeviceSpecError as err:
+            msg = str(err)
+            raise DeviceSpecError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DeviceSpecError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _validate(spec: DeviceSpec) -> None:
+    if FALLBACK_DTYPE not in spec.peak_flops:
+        raise DeviceSpecError(f"device {spec.name!r}: peak_flops needs an {FALLBACK_DTYPE!r} entry "
+                              f"(the rate used for element types without their own)")
+    for dtype, rate in spec.peak_flops.items():
+        if not (math.isfinite(rate) and rate > 0):
+            raise DeviceSpecError(f"device {spec.name!r}: peak_flops[{dtype!r}] = {rate!r} must be positive")
+    if not (math.isfinite(spec.hbm_bandwidth) and spec.hbm_bandwidth > 0):
+        raise DeviceSpecError(f"device {spec.name!r}: hbm_bandwidth = {spec.hbm_bandwidth!r} must be positive")
+    if spec.memory_bytes <= 0:
+        raise DeviceSpecError(f"device {spec.name!r}: memory_bytes = {spec.memory_bytes!r} must be positive")
+    if not 0 < spec.efficiency <= 1:
+        raise DeviceSpecError(f"device {spec.name!r}: efficiency = {spec.efficiency!r} must be in (0, 1]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+# NVIDIA Tesla V100 SXM2 datasheet (2018): FP64 7.8, FP32 15.7, tensor (FP16 in, FP32 acc) 125
+# TFLOP/s; HBM2 900 GB/s; 16 or 32 GB. V100 has no bf16 hardware: XLA computes bf16 in f32, so
+# bf16 gets the f32 rate.
+_V100_FLOPS = {"f64": 7.8 * TERA, "f32": 15.7 * TERA, "f16": 125 * TERA, "bf16": 15.7 * TERA}
+
+# NVIDIA A100 Tensor Core GPU datasheet (SXM4): FP64 9.7 (tensor 19.5), FP32 19.5, TF32 156,
+# BF16/FP16 312, INT8 624 TOPS (dense). HBM2 1,555 GB/s (40GB); HBM2e 2,039 GB/s (80GB).
+_A100_FLOPS = {"f64": 19.5 * TERA, "f32": 19.5 * TERA, "tf32": 156 * TERA,
+               "bf16": 312 * TERA, "f16": 312 * TERA, "s8": 624 * TERA}
+
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): FP64 34 (tensor 67), FP32 67, TF32 494.5,
+# BF16/FP16 989.5, FP8 1,979, INT8 1,979 TOPS (dense, i.e. half the sparse figures); HBM3
+# 3.35 TB/s; 80 GB.
+_H100_FLOPS = {"f64": 67 * TERA, "f32": 67 * TERA, "tf32": 494.5 * TERA,
+               "bf16": 989.5 * TERA, "f16": 989.5 * TERA,
+               "f8e4m3fn": 1979 * TERA, "f8e5m2": 1979 * TERA, "s8": 1979 * TERA}
+
+DEVICE_PRESETS: Mapping[str, DeviceSpec] = types.MappingProxyType({
+    spec.name: spec
+    for spec in (
+        DeviceSpec("V100-16GB", _V100_FLOPS, 900 * GIGA, 16 * GIB),
+        DeviceSpec("V100-32GB", _V100_FLOPS, 900 * GIGA, 32 * GIB),
+        DeviceSpec("A100-40GB", _A100_FLOPS, 1555 * GIGA, 40 * GIB),
+        DeviceSpec("A100-80GB", _A100_FLOPS, 2039 * GIGA, 80 * GIB),
+        DeviceSpec("H100-80GB", _H100_FLOPS, 3350 * GIGA, 80 * GIB),
+    )
+})
+
+
+def device_preset(name: str) -> DeviceSpec:
+    """The preset called `name` (case-insensitive): V100-16GB, V100-32GB, A100-40GB, A100-80GB,
+    H100-80GB."""
+    for key, spec in DEVICE_PRESETS.items():
+        if key.lower() == name.lower():
+            return spec
+    raise DeviceSpecError(f"unknown device preset {name!r}; known: {', '.join(DEVICE_PRESETS)}")

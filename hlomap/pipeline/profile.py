@@ -1,0 +1,231 @@
+"""The per-layer arrays a pipeline search works on: `PipelineProfile`.
+
+A profile is a straight chain of n layers (forward instructions in topological order, or the
+nodes of a profiled layer graph) with n - 1 pivots between them: pivot p is the cut between layer
+p and layer p + 1. A pipeline stage is a contiguous run of layers [start, stop).
+
+Everything here is per *microbatch*: a pipeline runs M microbatches of the same size through the
+stages, so the simulator and the DP multiply by M where they need a global batch. Use
+`scale_batch` to convert a profile measured at another batch size.
+
+Arrays are read-only numpy vectors so that a profile can be shared between a simulator, a DP and
+a reinforcement-learning environment without defensive copies; `prefix()` gives the cumulative
+sums those need to price any stage [i, j) in O(1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "PipelineProfile",
+    "Prefix",
+    "merge_layers",
+    "scale_batch",
+    "uniform_profile",
+]
+
+
+def _frozen_vector(values: object, *, name: str, length: int, source: str) -> np.ndarray:
+    """A read-only float64 copy of `values`, checked for length, finiteness and sign."""
+    array = np.array(values, dtype=np.float64, copy=True).reshape(-1)
+    if array.shape != (length,):
+        raise ValueError(
+            f"{source}: PipelineProfile.{name} has {array.shape[0]} entries, expected {length}"
+        )
+    bad = np.flatnonzero(~np.isfinite(array) | (array < 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"{source}: PipelineProfile.{name}[{i}] = {float(array[i])!r} is not a finite "
+            "value >= 0"
+        )
+    array.setflags(write=False)
+    return array
+
+
+class Prefix(NamedTuple):
+    """Cumulative sums with a leading 0, length n + 1: a stage [i, j) costs `x[j] - x[i]`.
+
+    `trainable` counts layers with parameters, for the at-least-one-trainable-layer constraint.
+    """
+
+    forward: np.ndarray
+    backward: np.ndarray
+    compute: np.ndarray
+    parameter: np.ndarray
+    stash: np.ndarray
+    trainable: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineProfile:
+    """Per-layer costs of one microbatch through a chain of layers.
+
+    Attributes:
+      names: one label per layer (instruction or node name), for plans and error messages.
+      forward_time: [n] seconds of forward compute per layer.
+      backward_time: [n] seconds of backward compute per layer.
+      activation_bytes: [n - 1] bytes of forward activations that cross pivot p (the cut between
+        layer p and p + 1). The gradient of the same tensors crosses back in the backward pass,
+        with the same size, so a cut moves 2 * activation_bytes[p] per microbatch in total, one
+        half each way.
+      parameter_bytes: [n] bytes of trainable parameters owned by each layer; a replicated stage
+        all-reduces the gradients of these, and every replica stores them.
+      stash_bytes: [n] bytes each layer keeps alive per in-flight microbatch (activations saved
+        for the backward pass), or None when unknown; None prices activation memory at zero.
+      source: where the numbers came from (a file name, a module name), used in messages.
+    """
+
+    names: tuple[str, ...]
+    forward_time: np.ndarray
+    backward_time: np.ndarray
+    activation_bytes: np.ndarray
+    parameter_bytes: np.ndarray
+    stash_bytes: np.ndarray | None = None
+    source: str = "<profile>"
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if n == 0:
+            raise ValueError(f"{self.source}: a PipelineProfile needs at least one layer")
+        object.__setattr__(self, "names", tuple(str(name) for name in self.names))
+        for field_name, length in (
+            ("forward_time", n),
+            ("backward_time", n),
+            ("activation_bytes", n - 1),
+            ("parameter_bytes", n),
+        ):
+            vector = _frozen_vector(
+                getattr(self, field_name), name=field_name, length=length, source=self.source
+            )
+            object.__setattr__(self, field_name, vector)
+        if self.stash_bytes is not None:
+            vector = _frozen_vector(
+                self.stash_bytes, name="stash_bytes", length=n, source=self.source
+            )
+            object.__setattr__(self, "stash_bytes", vector)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.names)
+
+    @property
+    def n_pivots(self) -> int:
+        """Number of places a cut can go (between consecutive layers)."""
+        return len(self.names) - 1
+
+    @property
+    def compute_time(self) -> np.ndarray:
+        """[n] forward + backward seconds per layer (PipeDream's per-layer compute)."""
+        return self.forward_time + self.backward_time
+
+    @property
+    def trainable(self) -> np.ndarray:
+        """[n] bool: layers that own trainable parameters."""
+        return self.parameter_bytes > 0
+
+    def prefix(self) -> Prefix:
+        """Cumulative sums (length n + 1, leading zero) for O(1) stage costs."""
+
+        def cumulative(values: np.ndarray) -> np.ndarray:
+            out = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+            out.setflags(write=False)
+            return out
+
+        stash = self.stash_bytes if self.stash_bytes is not None else np.zeros(self.n_layers)
+        return Prefix(
+            forward=cumulative(self.forward_time),
+            backward=cumulative(self.backward_time),
+            compute=cumulative(self.compute_time),
+            parameter=cumulative(self.parameter_bytes),
+            stash=cumulative(stash),
+            trainable=cumulative(self.trainable.astype(np.float64)),
+        )
+
+    def stage_slice(self, start: int, stop: int) -> slice:
+        """The layers of stage [start, stop), checked."""
+        if not 0 <= start < stop <= self.n_layers:
+            raise ValueError(
+                f"{self.source}: stage [{start}, {stop}) is not a non-empty range of the "
+                f"{self.n_layers} layers"
+            )
+        return slice(start, stop)
+
+
+def uniform_profile(
+    n_layers: int,
+    *,
+    forward_time: float,
+    backward_time: float,
+    activation_bytes: float = 0.0,
+    parameter_bytes: float = 0.0,
+    stash_bytes: float | None = None,
+) -> PipelineProfile:
+    """n identical layers: the setting of the closed-form GPipe / 1F1B formulas."""
+    return PipelineProfile(
+        names=tuple(f"layer{i}" for i in range(n_layers)),
+        forward_time=np.full(n_layers, forward_time),
+        backward_time=np.full(n_layers, backward_time),
+        activation_bytes=np.full(n_layers - 1, activation_bytes),
+        parameter_bytes=np.full(n_layers, parameter_bytes),
+        stash_bytes=None if stash_bytes is None else np.full(n_layers, stash_bytes),
+        source=f"uniform_profile({n_layers})",
+    )
+
+
+def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
+    """The profile at `factor` times the batch size it was measured at.
+
+    Compute, activations and stash scale linearly with the batch (a first-order model: small
+    batches under-use a GPU, so the true time shrinks less); parameters do not scale.
+    """
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"{profile.source}: batch scale factor {factor!r} must be > 0")
+    return PipelineProfile(
+        names=profile.names,
+        forward_time=profile.forward_time * factor,
+        backward_time=profile.backward_time * factor,
+        activation_bytes=profile.activation_bytes * factor,
+        parameter_bytes=profile.parameter_bytes,
+        stash_bytes=None if profile.stash_bytes is None else profile.stash_bytes * factor,
+        source=f"{profile.source}*{factor:g}",
+    )
+
+
+def merge_layers(profile: PipelineProfile, pivots: tuple[int, ...] | list[int]) -> PipelineProfile:
+    """Keep only the given pivots as possible cuts, merging the layers between them.
+
+    Searches on large graphs (thousands of nodes) get cheaper, and any plan on the merged profile
+    is a plan on the original one with the same costs, because every per-layer quantity is summed
+    and the kept pivots keep their crossing bytes.
+    """
+    kept = sorted(set(int(p) for p in pivots))
+    for p in kept:
+        if not 0 <= p < profile.n_pivots:
+            raise ValueError(
+                f"{profile.source}: pivot {p} is out of range [0, {profile.n_pivots})"
+            )
+    bounds = [0] + [p + 1 for p in kept] + [profile.n_layers]
+    groups = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def summed(values: np.ndarray) -> np.ndarray:
+        return np.array([values[g].sum() for g in groups])
+
+    def label(g: slice) -> str:
+        first, last = profile.names[g.start], profile.names[g.stop - 1]
+        return first if g.stop - g.start == 1 else f"{first}..{last}"
+
+    return PipelineProfile(
+        names=tuple(label(g) for g in groups),
+        forward_time=summed(profile.forward_time),
+        backward_time=summed(profile.backward_time),
+        activation_bytes=profile.activation_bytes[kept] if kept else np.zeros(0),
+        parameter_bytes=summed(profile.parameter_bytes),
+        stash_bytes=None if profile.stash_bytes is None else summed(profile.stash_bytes),
+        source=profile.source,
+    )
