@@ -1,1 +1,95 @@
-"""HLO front end: IR, parser, printer, graph helpers and capture from jax.jit."""
+"""HLO front end: IR, parser, printer, graph helpers and capture from jax.jit.
+
+    from hlomap.hlo import parse, parse_all, parse_file, print_module, HloParseError
+    module = parse(text)                  # exactly one module
+    modules = parse_all(text)             # files with several modules split by `// -----`
+    assert parse(print_module(module)) == module
+"""
+
+from hlomap.hlo.graph import (
+    HloGraphError,
+    ModuleGraph,
+    call_graph,
+    callers,
+    computations_postorder,
+    entry_parameters,
+    entry_root,
+    topological_order,
+    users,
+)
+from hlomap.hlo.ir import (
+    CALLED_COMPUTATION_KEYS,
+    ELEMENT_BITS,
+    ArrayShape,
+    Computation,
+    ConvDimensionNumbers,
+    DotDimensionNumbers,
+    ElementKind,
+    GatherDimensionNumbers,
+    Instruction,
+    Metadata,
+    Module,
+    PaddingDimension,
+    ScatterDimensionNumbers,
+    Shape,
+    SliceDimension,
+    SourceLocation,
+    TupleShape,
+    WindowDimension,
+    element_kind,
+    parse_dim_labels,
+    parse_metadata,
+    parse_padding,
+    parse_replica_groups,
+    parse_slice,
+    parse_window,
+    shape_at,
+)
+from hlomap.hlo.parser import HloParseError, parse, parse_all, parse_file, split_modules
+from hlomap.hlo.printer import print_computation, print_instruction, print_module
+
+__all__ = [
+    "CALLED_COMPUTATION_KEYS",
+    "ELEMENT_BITS",
+    "ArrayShape",
+    "Computation",
+    "ConvDimensionNumbers",
+    "DotDimensionNumbers",
+    "ElementKind",
+    "GatherDimensionNumbers",
+    "HloGraphError",
+    "HloParseError",
+    "Instruction",
+    "Metadata",
+    "Module",
+    "ModuleGraph",
+    "PaddingDimension",
+    "ScatterDimensionNumbers",
+    "Shape",
+    "SliceDimension",
+    "SourceLocation",
+    "TupleShape",
+    "WindowDimension",
+    "call_graph",
+    "callers",
+    "computations_postorder",
+    "element_kind",
+    "entry_parameters",
+    "entry_root",
+    "parse",
+    "parse_all",
+    "parse_dim_labels",
+    "parse_file",
+    "parse_metadata",
+    "parse_padding",
+    "parse_replica_groups",
+    "parse_slice",
+    "parse_window",
+    "print_computation",
+    "print_instruction",
+    "print_module",
+    "shape_at",
+    "split_modules",
+    "topological_order",
+    "users",
+]

@@ -78,7 +78,9 @@ class ArrayShape:
 
     `dynamic[i]` is True for a bounded dynamic dimension (`<=16`); `dims[i]` is then the bound.
     `layout` is the verbatim text between the braces (None when the text had no layout); its
-    minor-to-major order is `minor_to_major`.
+    minor-to-major order is `minor_to_major`. `dynamic` is `()` when no dimension is dynamic (the
+    parser's canonical form), else one flag per dimension. An unbounded dynamic dimension (`?`)
+    has `dims[i] == -1`.
     """
 
     dtype: str
@@ -114,8 +116,13 @@ class ArrayShape:
         yield self
 
     def __str__(self) -> str:
-        dims = ",".join(("<=" if dyn else "") + str(d) for d, dyn in zip(self.dims, self.dynamic or (False,) * self.rank))
-        text = self.dtype if self.dtype in ("token", "opaque") and not self.dims else f"{self.dtype}[{dims}]"
+        # XLA prints every array shape with brackets, `token[]` included, and rejects a bare
+        # `token`; an unbounded dynamic dimension (stored as -1) prints as `?`.
+        dims = ",".join(
+            "?" if d < 0 else ("<=" if dyn else "") + str(d)
+            for d, dyn in zip(self.dims, self.dynamic or (False,) * self.rank)
+        )
+        text = f"{self.dtype}[{dims}]"
         return text if self.layout is None else f"{text}{{{self.layout}}}"
 
 
@@ -425,6 +432,12 @@ class Instruction:
         return int(value) if value is not None else None
 
     @cached_property
+    def control_predecessors(self) -> tuple[str, ...]:
+        """Names from `control-predecessors={%a, %b}`: ordering edges that are not data edges."""
+        value = self.attrs.get("control-predecessors")
+        return tuple(_name_list(value)) if value is not None else ()
+
+    @cached_property
     def base_opcode(self) -> str:
         """`all-reduce` for `all-reduce-start`/`-done`; the opcode itself otherwise."""
         for suffix in ("-start", "-done", "-update"):
@@ -435,11 +448,16 @@ class Instruction:
 
 @dataclass(frozen=True)
 class Computation:
-    """A named list of instructions in program order; `root` is the ROOT (or last) instruction."""
+    """A named list of instructions in program order; `root` is the ROOT (or last) instruction.
+
+    `attributes` are the `key=value` pairs printed after the closing brace (XLA prints
+    `execution_thread="..."` there), verbatim.
+    """
 
     name: str
     instructions: tuple[Instruction, ...]
     location: SourceLocation | None = field(default=None, compare=False, repr=False)
+    attributes: tuple[tuple[str, str], ...] = ()
 
     @cached_property
     def by_name(self) -> Mapping[str, Instruction]:
