@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from hlomap.hlo.capture import Capture, capture, from_module
+from hlomap.hlo.capture import Capture, Role, capture, from_module
 
 ZOO_PREFIX = "zoo:"
 
@@ -32,7 +32,11 @@ def _load_zoo(name: str) -> Capture:
         model = zoo.get(name)
     except KeyError as err:
         raise SourceError(str(err.args[0]) if err.args else f"unknown zoo model {name!r}") from None
-    return capture(model.train_step(), *model.abstract_args(), arg_names=model.arg_names)
+    # Carried non-trained state inside params (batch-norm running statistics) is OTHER, not
+    # trainable: the optimizer never updates it.
+    params_arg = model.arg_names[0]
+    roles = {f"{params_arg}/{path}": Role.OTHER for path in model.other_paths()}
+    return capture(model.train_step(), *model.abstract_args(), arg_names=model.arg_names, roles=roles or None)
 
 
 def _load_file(path: Path, *, trainable: Iterable[int | str] | None, module_index: int) -> Capture:
@@ -49,4 +53,7 @@ def _load_file(path: Path, *, trainable: Iterable[int | str] | None, module_inde
     modules = parse_all(text, filename=str(path))
     if not 0 <= module_index < len(modules):
         raise SourceError(f"{path}: holds {len(modules)} module(s); --module {module_index} is out of range")
-    return from_module(modules[module_index], trainable=trainable, source=str(path), text=text)
+    # The source hash identifies the module a plan was made for; hash the module's own text
+    # when the file holds several.
+    own_text = text if len(modules) == 1 else None
+    return from_module(modules[module_index], trainable=trainable, source=str(path), text=own_text)

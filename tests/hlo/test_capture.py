@@ -113,3 +113,18 @@ def test_bare_module_roles_are_unknown_until_named():
     assert {p.index for p in named.with_role(Role.DATA)} == set(range(3, 9))
     with pytest.raises(ValueError, match="unknown entry parameter"):
         from_module(cap.module, trainable=[42])
+
+
+def test_zoo_source_marks_batch_norm_statistics_as_other():
+    from hlomap import zoo
+    from hlomap.source import load_source
+
+    cap = load_source("zoo:resnet50-tiny")
+    stats = {f"params/{p}" for p in zoo.get("resnet50-tiny").other_paths()}
+    assert stats, "resnet50-tiny should carry batch-norm statistics"
+    roles = {p.path: p.role for p in cap.parameters}
+    assert all(roles[path] is Role.OTHER for path in stats)
+    trainable = {p.path for p in cap.trainable}
+    assert trainable and not trainable & stats
+    # Adam keeps one mu and one nu per trainable leaf, and none for the statistics
+    assert len(cap.with_role(Role.OPTIMIZER_STATE)) == 2 * len(trainable)
