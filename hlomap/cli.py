@@ -208,6 +208,49 @@ def cmd_zoo_dump(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# simulate
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan_argument(text: str) -> Any:
+    """`dp`, `megatron`, `dp+megatron` name built-in reference plans; anything else is a file."""
+    if text in ("dp", "megatron", "dp+megatron"):
+        return text
+    from hlomap.plan import Plan
+
+    path = Path(text)
+    if not path.exists():
+        raise CliError(f"--plan {text}: not dp, megatron, dp+megatron, nor an existing plan file")
+    return Plan.load(path)
+
+
+def _mesh_argument(text: str) -> Any:
+    from hlomap.cost.estimate import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except ValueError as err:
+        raise CliError(f"--mesh: {err}") from None
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hlomap.cost.estimate import estimate, format_estimate
+    from hlomap.source import load_source
+
+    plan = _plan_argument(args.plan)
+    mesh = None if args.mesh is None else _mesh_argument(args.mesh)
+    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
+    est = estimate(cap, plan, mesh=mesh, cluster=args.cluster, axis_order=order)
+    if args.json:
+        json.dump(est.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_estimate(est, top=args.top))
+    return 0 if est.fits or not args.fail_if_oom else 3
+
+
+# ---------------------------------------------------------------------------------------------
 # argument parsing and error handling
 # ---------------------------------------------------------------------------------------------
 
@@ -233,6 +276,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-params", action="store_true", help="list every entry parameter (default: first 40)")
     p.set_defaults(func=cmd_inspect)
 
+    p = sub.add_parser("simulate", help="estimate a step's time, collectives and memory under a plan",
+                       description="Estimate one training step under a plan on a cluster: compute (roofline per "
+                                   "instruction), the collectives the plan implies, and memory per device.")
+    p.add_argument("source", metavar="SOURCE", help="an HLO text file, or zoo:NAME")
+    p.add_argument("--plan", default="dp", metavar="dp|megatron|dp+megatron|PLAN.json",
+                   help="a built-in reference plan (derived from roles and the factor graph) or a saved plan "
+                        "(default: dp)")
+    p.add_argument("--mesh", metavar="8|data=2,model=4",
+                   help="device mesh; a bare count names its axis after the plan (data for dp, model for megatron)."
+                        " Default: 8, or the saved plan's mesh")
+    p.add_argument("--cluster", default="A", metavar="A|B|C|FILE.json", help="cluster preset or JSON (default A)")
+    p.add_argument("--axis-order", metavar="AXES",
+                   help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
+                        "inside a node (default: the mesh's order)")
+    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
+    p.set_defaults(func=cmd_simulate)
+
     zoo = sub.add_parser("zoo", help="list or dump the built-in benchmark train steps",
                          description="The model zoo: GPT, BERT, T5, VGG-19, ResNet-50, MoE and a Haiku MLP.")
     zsub = zoo.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -249,10 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from hlomap.cost.cluster import ClusterSpecError
+    from hlomap.cost.estimate import EstimateError
+    from hlomap.cost.mapping import MappingError
     from hlomap.hlo.parser import HloParseError
+    from hlomap.propagation.conflicts import PlanConflict
     from hlomap.source import SourceError
 
-    return (CliError, SourceError, HloParseError, FileNotFoundError, IsADirectoryError, PermissionError)
+    return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, MappingError, PlanConflict,
+            FileNotFoundError,
+            IsADirectoryError, PermissionError)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

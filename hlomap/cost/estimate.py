@@ -1,0 +1,633 @@
+"""The estimate of one plan: per-device compute, the collectives the plan implies, memory, time.
+
+    est = estimate(cap, "megatron", mesh={"model": 8}, cluster="A")
+    est = estimate(cap, plan, cluster="B", axis_order=("model", "data"))   # a hlomap.plan.Plan
+    print(format_estimate(est))
+
+What is counted, per device (see hlomap.cost.sharding for how a plan splits each instruction):
+- compute: every instruction of the module (instantiated per call site, while bodies times their
+  trip count) costed by `hlomap.cost.compute` unsharded, then split: FLOPs and compute time are
+  divided by the instruction's sharding degree, bytes are the per-device shards of the operands
+  it reads from memory and of the result it writes (a result fused into its consumers, see
+  `hlomap.cost.memory.Fusion`, is neither written nor read back), and its time is the roofline
+  max(compute, memory) with the device preset's efficiency factor;
+- collectives: a sharded reduction factor (dot contracting dim, reduced dim, vocabulary-parallel
+  gather, additive scatter) leaves partial results that are all-reduced over the mesh axes it is
+  sharded on ("partial sum of dot.12 over model"); when the summed dim is the batch of a data
+  input in the backward pass that all-reduce is the data-parallel *gradient sync*, and the syncs
+  over one set of axes run as one combined all-reduce (latency paid once). A reduce whose
+  combiner is not one elementwise op (argmax, top-k's variadic reduces) cannot be all-reduced: its
+  operands are all-gathered along the sharded dims first (a *reshard*), then it runs unsplit on
+  that axis. In a conflict-free plan these are the only collectives: every pair of dims that one
+  instruction ties together shares a group, hence a sharding. Times come from
+  `hlomap.cost.collectives` over the device groups of each mesh axis (`hlomap.cost.mapping`);
+- memory: `hlomap.cost.memory` (parameters, optimizer state, gradients, peak activations).
+
+Overlap: by default none (`Overlap.NONE`): step time = compute + all communication, which is
+what XLA's single combined gradient all-reduce at the end of the backward pass gives.
+`Overlap.GRADIENT_SYNC` hides gradient-sync time behind backward compute (DDP-style buckets):
+exposed = other communication + max(0, gradient sync - backward compute).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from hlomap.cost.cluster import Cluster, load_cluster
+from hlomap.cost.collectives import Collective, collective_time
+from hlomap.cost.compute import FREE_OPCODES, CostCache, instruction_cost
+from hlomap.cost.devices import DeviceSpec
+from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
+from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
+from hlomap.cost.sharding import CONTAINER_OPCODES, PartialResult, ShardedGraph
+from hlomap.hlo.capture import Capture, Phase
+from hlomap.hlo.ir import Instruction, Module
+from hlomap.propagation.conflicts import ConflictChecker, MeshAxes, PlanConflict
+from hlomap.propagation.graph import FactorGraph
+
+if TYPE_CHECKING:
+    from hlomap.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+class EstimateError(ValueError):
+    """A plan, mesh or axis mapping that cannot be estimated (the message says which and why)."""
+
+
+class ReferencePlan(enum.Enum):
+    """Built-in plans, derived from roles and the factor graph (hlomap.propagation.plans)."""
+
+    DP = "dp"  # batch of every data input split over the whole mesh
+    MEGATRON = "megatron"  # Megatron tensor parallelism over the whole mesh
+    HYBRID = "dp+megatron"  # batch on the data axis, Megatron on the model axis
+
+
+class Reason(enum.Enum):
+    """Why a collective is needed."""
+
+    PARTIAL = "partial reduction"
+    GRADIENT_SYNC = "gradient sync"
+    RESHARD = "reshard"
+
+
+class Overlap(enum.Enum):
+    """What communication is assumed to hide behind compute."""
+
+    NONE = "none"
+    GRADIENT_SYNC = "gradient-sync"
+
+
+#: Devices a reference plan spans when no mesh is given (one 8-GPU server).
+DEFAULT_DEVICES = 8
+#: Mesh axis names the reference plans look for first; otherwise the first / last axis.
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+#: Combiners an all-reduce can apply (a reduce whose to_apply root is one of these, on scalars).
+ALL_REDUCIBLE = frozenset({"add", "maximum", "minimum", "multiply", "and", "or", "xor"})
+_COMBINER_WORD = {"add": "sum", "maximum": "max", "minimum": "min", "multiply": "product",
+                  "and": "and", "or": "or", "xor": "xor"}
+
+
+@dataclass(frozen=True)
+class CollectiveEstimate:
+    """One collective per device: `nbytes` is its per-device result (for an all-gather the
+    gathered output), `seconds` one execution, `count` executions per step."""
+
+    kind: Collective
+    axes: tuple[str, ...]
+    group_size: int
+    nbytes: float
+    seconds: float
+    instruction: str
+    computation: str
+    reason: Reason
+    detail: str
+    phase: Phase
+    count: int = 1
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds * self.count
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "axes": list(self.axes), "group_size": self.group_size,
+                "bytes": self.nbytes, "seconds": self.seconds, "count": self.count,
+                "instruction": self.instruction, "computation": self.computation,
+                "reason": self.reason.value, "detail": self.detail, "phase": self.phase.value}
+
+
+@dataclass(frozen=True)
+class InstructionEstimate:
+    """One instruction's work on one device per step (all executions summed)."""
+
+    name: str
+    computation: str
+    opcode: str
+    phase: Phase
+    degree: int  # ways its work is split
+    count: int  # executions per step
+    flops: float
+    transcendentals: float
+    bytes_accessed: float
+    compute_seconds: float
+    memory_seconds: float
+    seconds: float
+
+
+class KindRow(NamedTuple):
+    """Totals per opcode (compute) or per collective kind (communication)."""
+
+    kind: str
+    count: int
+    flops: float
+    nbytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The estimate of one training step under one plan; every figure is per device."""
+
+    plan: str
+    mesh: tuple[tuple[str, int], ...]
+    cluster: str
+    device: str
+    overlap: Overlap
+    compute_seconds: float
+    communication_seconds: float
+    exposed_communication_seconds: float
+    flops: float  # instructions plus the local reductions of all-reduces (XLA counts those)
+    collectives: tuple[CollectiveEstimate, ...]
+    instructions: tuple[InstructionEstimate, ...]
+    memory: MemoryEstimate
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_communication_seconds
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def by_kind(self) -> tuple[KindRow, ...]:
+        """Compute per opcode, then communication per collective kind, slowest first."""
+        rows: dict[str, list[float]] = {}
+        for i in self.instructions:
+            r = rows.setdefault(i.opcode, [0, 0.0, 0.0, 0.0])
+            r[0] += i.count
+            r[1] += i.flops
+            r[2] += i.bytes_accessed
+            r[3] += i.seconds
+        compute = sorted((KindRow(k, int(v[0]), v[1], v[2], v[3]) for k, v in rows.items()),
+                         key=lambda r: -r.seconds)
+        comm: dict[str, list[float]] = {}
+        for c in self.collectives:
+            r = comm.setdefault(c.kind.value, [0, 0.0, 0.0, 0.0])
+            r[0] += c.count
+            r[2] += c.nbytes * c.count
+            r[3] += c.total_seconds
+        communication = sorted((KindRow(k, int(v[0]), 0.0, v[2], v[3]) for k, v in comm.items()),
+                               key=lambda r: -r.seconds)
+        return tuple(compute) + tuple(communication)
+
+    def collective_bytes(self) -> dict[Collective, float]:
+        out: dict[Collective, float] = {}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0.0) + c.nbytes * c.count
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """A summary for `Plan.estimate` (no per-instruction rows)."""
+        return {
+            "plan": self.plan, "mesh": dict(self.mesh), "cluster": self.cluster, "device": self.device,
+            "overlap": self.overlap.value, "step_seconds": self.step_seconds,
+            "compute_seconds": self.compute_seconds, "communication_seconds": self.communication_seconds,
+            "exposed_communication_seconds": self.exposed_communication_seconds, "flops": self.flops,
+            "collectives": [c.to_json() for c in self.collectives],
+            "by_kind": [r._asdict() for r in self.by_kind()],
+            "memory": self.memory.to_json(),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving the plan, the mesh and the devices
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_mesh(text: str) -> int | dict[str, int]:
+    """The CLI's --mesh: `"8"` -> 8 (axis named by the plan: data for dp, model for megatron);
+    `"data=2,model=4"` -> {"data": 2, "model": 4}."""
+    text = text.strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = part.partition("=")
+        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise EstimateError(f"mesh {text!r}: expected N or NAME=SIZE[,NAME=SIZE...], got {part!r}")
+        if name.strip() in out:
+            raise EstimateError(f"mesh {text!r}: axis {name.strip()!r} given twice")
+        out[name.strip()] = int(size)
+    return out
+
+
+def _reference_mesh(kind: ReferencePlan, mesh: Mapping[str, int] | MeshAxes | int | None) -> dict[str, int]:
+    """Name a bare device count after the plan kind (8 -> {"data": 8} for dp); no mesh means
+    `DEFAULT_DEVICES`."""
+    if mesh is None:
+        mesh = DEFAULT_DEVICES
+    if isinstance(mesh, int):
+        n = mesh
+        if kind is ReferencePlan.HYBRID:
+            raise EstimateError(f"plan {kind.value!r} needs two named mesh axes, e.g. {DATA_AXIS}=2,{MODEL_AXIS}=4; "
+                             f"got {n}")
+        return {DATA_AXIS if kind is ReferencePlan.DP else MODEL_AXIS: n}
+    if isinstance(mesh, MeshAxes):
+        return mesh.mesh_shape
+    return {str(k): int(v) for k, v in mesh.items()}
+
+
+def reference_plan(graph: FactorGraph, kind: ReferencePlan | str,
+                   mesh: Mapping[str, int] | MeshAxes | int | None) -> tuple[np.ndarray, MeshAxes]:
+    """The plan array of a built-in plan. dp and megatron use every mesh axis together (an axis
+    option such as ("data", "model") when the mesh has two); dp+megatron splits the batch on the
+    `data` axis (else the first) and runs Megatron on the `model` axis (else the last).
+    Raises EstimateError when the graph lacks what the plan needs (data inputs for dp, trainable
+    parameters for megatron: a bare HLO dump needs roles)."""
+    try:
+        return _reference_plan(graph, ReferencePlan(kind), mesh)
+    except EstimateError:
+        raise
+    except ValueError as err:
+        raise EstimateError(f"plan {ReferencePlan(kind).value!r}: {err}") from None
+
+
+def _reference_plan(graph: FactorGraph, kind: ReferencePlan,
+                    mesh: Mapping[str, int] | MeshAxes | int | None) -> tuple[np.ndarray, MeshAxes]:
+    from hlomap.propagation import plans
+
+    shape = _reference_mesh(kind, mesh)
+    names = tuple(shape)
+    if kind is ReferencePlan.HYBRID:
+        if len(names) < 2:
+            raise EstimateError(f"plan {kind.value!r} needs two mesh axes; mesh {shape} has {len(names)}")
+        data = DATA_AXIS if DATA_AXIS in names else names[0]
+        model = MODEL_AXIS if MODEL_AXIS in names else names[-1]
+        if data == model:
+            raise EstimateError(f"plan {kind.value!r}: cannot tell the data axis from the model axis in {shape}")
+        axes = MeshAxes.from_mesh(shape)
+        plan = plans.combine(plans.data_parallel_plan(graph, data, axes), plans.megatron_plan(graph, model, axes))
+        return plan, axes
+    axes = MeshAxes.from_mesh(shape, extra=[names] if len(names) > 1 else ())
+    if kind is ReferencePlan.DP:
+        return plans.data_parallel_plan(graph, names, axes), axes
+    return plans.megatron_plan(graph, names, axes), axes
+
+
+def resolve_plan(graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | MeshAxes | int | None
+                 ) -> tuple[np.ndarray, MeshAxes, str]:
+    """(plan array, mesh axes, a name for reports) from a Plan, a reference-plan name, or a plan
+    array with its mesh. Raises PlanConflict when the array has conflicts."""
+    name: str
+    if isinstance(plan, (str, ReferencePlan)):
+        key = plan.value if isinstance(plan, ReferencePlan) else plan.strip().lower()
+        key = {"hybrid": ReferencePlan.HYBRID.value, "dp-megatron": ReferencePlan.HYBRID.value}.get(key, key)
+        try:
+            kind = ReferencePlan(key)
+        except ValueError:
+            raise EstimateError(f"unknown plan {plan!r}; built-in plans are "
+                             f"{', '.join(k.value for k in ReferencePlan)} (or pass a Plan or a plan array)") from None
+        array, axes = reference_plan(graph, kind, mesh)
+        name = kind.value
+    elif hasattr(plan, "group_array") and hasattr(plan, "mesh_shape"):
+        shape = plan.mesh_shape
+        given = mesh.mesh_shape if isinstance(mesh, MeshAxes) else dict(mesh) if isinstance(mesh, Mapping) else None
+        if (given and given != shape) or (isinstance(mesh, int) and mesh != math.prod(shape.values())):
+            raise EstimateError(f"the plan was made for mesh {shape}, not {given or mesh}")
+        axes = MeshAxes.from_mesh(shape, extra=[g.axes for g in plan.groups]
+                                  + [s for p in plan.parameters for s in p.spec if s is not None and len(s) > 1])
+        array = plan.group_array(graph, axes)
+        name = "plan"
+    else:
+        if mesh is None or isinstance(mesh, int):
+            raise EstimateError("a plan array needs its mesh as a {name: size} mapping (or a MeshAxes)")
+        axes = mesh if isinstance(mesh, MeshAxes) else MeshAxes.from_mesh(mesh)
+        array = np.asarray(plan)
+        name = "plan"
+    conflicts = ConflictChecker(graph, axes).explain(array, limit=5)
+    if conflicts:
+        raise PlanConflict(f"plan {name!r} has conflicts:\n" + "\n".join(f"  - {c}" for c in conflicts), conflicts)
+    return array, axes, name
+
+
+def _mapping(cluster: Cluster, axes: MeshAxes, devices: AxisMapping | None,
+             order: Sequence[str] | None) -> AxisMapping:
+    if devices is not None:
+        if dict(devices.axes) != axes.mesh_shape:
+            raise EstimateError(f"axis_devices maps mesh {dict(devices.axes)} but the plan's mesh is {axes.mesh_shape}")
+        devices.check_fits(cluster)
+        return devices
+    return map_axes(cluster, axes.mesh_shape, order=order)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute
+# ---------------------------------------------------------------------------------------------
+
+
+def _combiner(inst: Instruction, module: Module) -> str | None:
+    """The elementwise op a single-input reduce applies (None for variadic or odd reducers)."""
+    name = (inst.attr("to_apply") or "").strip().lstrip("%")
+    if name not in module.by_name or len(inst.operands) != 2:
+        return None
+    root = module.computation(name).root
+    return root.opcode if root.opcode in ALL_REDUCIBLE else None
+
+
+def _gathered_axes(sg: ShardedGraph) -> dict[int, tuple[str, ...]]:
+    """Nodes whose partial results cannot be all-reduced (their operands are all-gathered)."""
+    module = sg.graph.module
+    out: dict[int, tuple[str, ...]] = {}
+    for pr in sg.partials:
+        inst = sg.graph.nodes[pr.node].instruction
+        if inst.opcode == "reduce" and _combiner(inst, module) is None:
+            out[pr.node] = pr.axes
+    return out
+
+
+def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
+                           fused: frozenset[int], cache: CostCache) -> list[InstructionEstimate]:
+    g = sg.graph
+    module = g.module
+    mesh = sg.axes.mesh_shape
+    phases = sg.facts.phases
+    out: list[InstructionEstimate] = []
+    for n, node in enumerate(g.nodes):
+        inst = node.instruction
+        count = int(sg.node_count[n])
+        if count == 0 or inst.opcode in CONTAINER_OPCODES or inst.opcode in FREE_OPCODES:
+            continue
+        comp = module.computation(node.computation)
+        full = instruction_cost(inst, comp, module, device, cache)
+        degree = int(sg.node_degree[n])
+        for axis in gathered.get(n, ()):  # runs unsplit along the axes its operands were gathered on
+            degree //= mesh[axis]
+        degree = max(degree, 1)
+        nbytes = 0.0
+        if full.bytes_accessed:
+            # a fused kernel reads what its inputs left in memory and writes what it materializes
+            reads = sum(sg.node_result_bytes(o) for o in sg.node_operand_nodes(n) if o not in fused)
+            for axis in gathered.get(n, ()):
+                reads *= mesh[axis]
+            nbytes = reads + (0.0 if n in fused else sg.node_result_bytes(n))
+        compute = full.compute_seconds / degree
+        memory = nbytes / device.hbm_bandwidth
+        out.append(InstructionEstimate(
+            inst.name, node.computation, inst.opcode, phases[n], degree, count,
+            full.flops / degree * count, full.transcendentals / degree * count, nbytes * count,
+            compute * count, memory * count, max(compute, memory) * count))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def _element_count(sg: ShardedGraph, node: int) -> float:
+    """Per-device elements of a node's result (all leaves)."""
+    g = sg.graph
+    first, count = g.node_tensors[node]
+    leaves = list(g.nodes[node].instruction.shape.leaves())
+    return float(sum(leaves[k].num_elements / sg.tensor_degree[first + k] for k in range(min(count, len(leaves)))))
+
+
+def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
+                 gathered: Mapping[int, tuple[str, ...]]) -> tuple[list[CollectiveEstimate], float]:
+    """The collectives of every partial result, and the flops of the all-reduces' local sums."""
+    g = sg.graph
+    module = g.module
+    mesh = sg.axes.mesh_shape
+    phases = sg.facts.phases
+    out: list[CollectiveEstimate] = []
+    reduce_flops = 0.0
+    groups_cache: dict[tuple[str, ...], Any] = {}
+
+    def groups(axes: tuple[str, ...]) -> Any:
+        if axes not in groups_cache:
+            groups_cache[axes] = mapping.groups(axes if len(axes) > 1 else axes[0])
+        return groups_cache[axes]
+
+    for pr in sg.partials:
+        node = g.nodes[pr.node]
+        inst = node.instruction
+        count = int(sg.node_count[pr.node])
+        if count == 0:
+            continue
+        size = math.prod(mesh[a] for a in pr.axes)
+        where = ",".join(pr.axes)
+        phase = phases[pr.node]
+        if pr.node in gathered:
+            # After the gather each input is split only by the instruction's other axes (a
+            # constant-derived input such as argmax's iota is materialized that way too).
+            comp = module.computation(node.computation)
+            remaining = max(1, int(sg.node_degree[pr.node]) // size)
+            for k, operand in enumerate(inst.operands[: len(inst.operands) // 2]):
+                nbytes = comp[operand].shape.byte_size / remaining
+                seconds = collective_time(Collective.ALL_GATHER, cluster, groups(pr.axes), nbytes)
+                out.append(CollectiveEstimate(
+                    Collective.ALL_GATHER, pr.axes, size, nbytes, seconds, inst.name, node.computation,
+                    Reason.RESHARD,
+                    f"all-gather operand {k} of {inst.name} over {where}: its reducer is not one elementwise op, "
+                    f"so partial results cannot be all-reduced", phase, count))
+            continue
+        nbytes = sg.node_result_bytes(pr.node)
+        seconds = collective_time(Collective.ALL_REDUCE, cluster, groups(pr.axes), nbytes)
+        reduce_flops += _element_count(sg, pr.node) * count
+        out.append(CollectiveEstimate(
+            Collective.ALL_REDUCE, pr.axes, size, nbytes, seconds, inst.name, node.computation,
+            Reason.GRADIENT_SYNC if pr.gradient_sync else Reason.PARTIAL,
+            _detail(pr, inst, module, where), phase, count))
+    return _bucket_gradient_sync(out, cluster, groups), reduce_flops
+
+
+def _bucket_gradient_sync(collectives: list[CollectiveEstimate], cluster: Cluster,
+                          groups: Any) -> list[CollectiveEstimate]:
+    """Gradient-sync all-reduces over the same axes run as one combined all-reduce once the last
+    gradient is ready (XLA's all-reduce combiner, DDP's buckets): latency is paid once, and each
+    gradient is charged its byte share of the combined time."""
+    buckets: dict[tuple[str, ...], float] = {}
+    for c in collectives:
+        if c.reason is Reason.GRADIENT_SYNC and c.count == 1:
+            buckets[c.axes] = buckets.get(c.axes, 0.0) + c.nbytes
+    combined = {axes: collective_time(Collective.ALL_REDUCE, cluster, groups(axes), total)
+                for axes, total in buckets.items()}
+    return [replace(c, seconds=combined[c.axes] * c.nbytes / buckets[c.axes] if buckets[c.axes] else 0.0)
+            if c.reason is Reason.GRADIENT_SYNC and c.count == 1 else c
+            for c in collectives]
+
+
+def _detail(pr: PartialResult, inst: Instruction, module: Module, where: str) -> str:
+    word = "sum"
+    if inst.opcode == "reduce":
+        word = _COMBINER_WORD.get(_combiner(inst, module) or "add", "reduction")
+    if pr.gradient_sync:
+        return f"gradient sync: {word} of {inst.name} ({inst.opcode}) over {where}"
+    return f"partial {word} of {inst.name} ({inst.opcode}) over {where}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------
+
+
+def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, plan_name: str = "plan",
+                     overlap: Overlap = Overlap.NONE, fusion: Fusion = Fusion.ELEMENTWISE,
+                     donated: frozenset[int] | None = None, cache: CostCache | None = None) -> StepEstimate:
+    """The estimate of a plan already applied to a graph (`ShardedGraph`), on `cluster` with the
+    mesh axes mapped to devices by `mapping`. `cache` memoizes computation costs across calls for
+    one module and device (explorers evaluating many plans pass the same dict)."""
+    device = cluster.devices[int(mapping.devices.flat[0])] if mapping.devices.size else cluster.devices[0]
+    kinds = {cluster.devices[int(d)].name for d in mapping.devices.flat}
+    if len(kinds) > 1:
+        log.warning("mesh spans devices of kinds %s; compute is costed on %s", sorted(kinds), device.name)
+    gathered = _gathered_axes(sg)
+    instructions = _instruction_estimates(sg, device, gathered, fused_nodes(sg, fusion),
+                                          {} if cache is None else cache)
+    collectives, reduce_flops = _collectives(sg, cluster, mapping, gathered)
+    compute = sum(i.seconds for i in instructions)
+    communication = sum(c.total_seconds for c in collectives)
+    if overlap is Overlap.GRADIENT_SYNC:
+        sync = sum(c.total_seconds for c in collectives if c.reason is Reason.GRADIENT_SYNC)
+        backward = sum(i.seconds for i in instructions if i.phase is Phase.BACKWARD)
+        exposed = communication - sync + max(0.0, sync - backward)
+    else:
+        exposed = communication
+    memory = estimate_memory(sg, device.memory_bytes, donated=donated, fusion=fusion)
+    instructions.sort(key=lambda i: -i.seconds)
+    return StepEstimate(
+        plan=plan_name, mesh=tuple(sg.axes.mesh_shape.items()), cluster=cluster.name, device=device.name,
+        overlap=overlap, compute_seconds=compute, communication_seconds=communication,
+        exposed_communication_seconds=exposed, flops=sum(i.flops for i in instructions) + reduce_flops,
+        collectives=tuple(collectives), instructions=tuple(instructions), memory=memory)
+
+
+def estimate(cap: Capture, plan: Plan | str | np.ndarray, *, mesh: Mapping[str, int] | MeshAxes | int | None = None,
+             cluster: str | Cluster = "A", axis_devices: AxisMapping | None = None,
+             axis_order: Sequence[str] | None = None, graph: FactorGraph | None = None,
+             overlap: Overlap = Overlap.NONE, fusion: Fusion = Fusion.ELEMENTWISE) -> StepEstimate:
+    """Estimate one training step of `cap` under `plan` on `cluster`.
+
+    `plan`: a `hlomap.plan.Plan` (its own mesh), a built-in plan name ("dp", "megatron",
+    "dp+megatron"; `mesh` says the axes: {"data": 2, "model": 4}, or a device count), or a plan
+    array over the factor graph's groups with `mesh` naming its axes. `cluster`: a preset name
+    ("A", "B", "C"), a JSON path or a Cluster. Mesh axes map onto devices with `axis_devices`
+    when given, else in `axis_order` (outermost first; default the mesh's order, so the last axis
+    stays inside a node). Raises PlanConflict for a plan with conflicts.
+    """
+    graph = graph if graph is not None else FactorGraph.from_capture(cap)
+    array, axes, name = resolve_plan(graph, plan, mesh)
+    clus = load_cluster(cluster)
+    mapping = _mapping(clus, axes, axis_devices, axis_order)
+    sg = ShardedGraph.build(graph, array, axes)
+    return estimate_sharded(sg, clus, mapping, plan_name=name, overlap=overlap, fusion=fusion,
+                            donated=donated_parameters(cap))
+
+
+# ---------------------------------------------------------------------------------------------
+# Text report
+# ---------------------------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.2f} {unit}"
+    return f"{s * 1e9:.0f} ns"
+
+
+def human_flops(f: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(f) >= scale:
+            return f"{f / scale:.2f} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:
+    """A plain-text report: step time, the by-kind table (the `top_kinds` slowest opcodes, the
+    rest summed, then every collective kind), the `top` slowest instructions, the collectives
+    (grouped by kind, reason and axes) and the memory per device."""
+    mesh = ", ".join(f"{k}={v}" for k, v in est.mesh)
+    lines = [
+        f"plan {est.plan} on mesh {{{mesh}}}, cluster {est.cluster} ({est.device}); per device:",
+        f"step {human_seconds(est.step_seconds)} = compute {human_seconds(est.compute_seconds)} + exposed "
+        f"communication {human_seconds(est.exposed_communication_seconds)} (of "
+        f"{human_seconds(est.communication_seconds)}; overlap assumed: {est.overlap.value}); "
+        f"{human_flops(est.flops)}",
+        "",
+        "by kind:",
+    ]
+    total = est.compute_seconds + est.communication_seconds or 1.0
+    collective_kinds = {k.value for k in Collective}
+    kinds = est.by_kind()
+    compute_rows = [r for r in kinds if r.kind not in collective_kinds]
+    shown = list(compute_rows[:top_kinds])
+    rest = compute_rows[top_kinds:]
+    if rest:
+        shown.append(KindRow(f"({len(rest)} other opcodes)", sum(r.count for r in rest), sum(r.flops for r in rest),
+                             sum(r.nbytes for r in rest), sum(r.seconds for r in rest)))
+    shown += [r for r in kinds if r.kind in collective_kinds]
+    rows = [[r.kind, str(r.count), human_flops(r.flops) if r.flops else "-", human_bytes(r.nbytes),
+             human_seconds(r.seconds), f"{100 * r.seconds / total:.1f}%"] for r in shown]
+    lines += _table(["kind", "count", "flops", "bytes", "time", "share"], rows,
+                    [False, True, True, True, True, True])
+    lines += ["", f"slowest {min(top, len(est.instructions))} instructions:"]
+    rows = [[i.name, i.opcode, i.phase.value, str(i.degree), human_flops(i.flops), human_bytes(i.bytes_accessed),
+             human_seconds(i.seconds)] for i in est.instructions[:top]]
+    lines += _table(["instruction", "opcode", "phase", "split", "flops", "bytes", "time"], rows,
+                    [False, False, False, True, True, True, True])
+    groups: dict[tuple[str, str, tuple[str, ...]], list[CollectiveEstimate]] = {}
+    for c in est.collectives:
+        groups.setdefault((c.kind.value, c.reason.value, c.axes), []).append(c)
+    lines += ["", "collectives:" if groups else "collectives: none"]
+    if groups:
+        rows = [[kind, reason, ",".join(axes), str(sum(c.count for c in cs)),
+                 human_bytes(sum(c.nbytes * c.count for c in cs)), human_seconds(sum(c.total_seconds for c in cs)),
+                 cs[0].detail if len(cs) == 1 else f"e.g. {cs[0].detail}"]
+                for (kind, reason, axes), cs in sorted(groups.items(), key=lambda kv: -sum(c.total_seconds for c in kv[1]))]
+        lines += _table(["kind", "reason", "axes", "count", "bytes", "time", "detail"], rows,
+                        [False, False, False, True, True, True, False])
+    m = est.memory
+    lines += [
+        "",
+        f"memory per device: parameters {human_bytes(m.parameters)}, optimizer {human_bytes(m.optimizer)}, "
+        f"inputs {human_bytes(m.inputs)}, gradients {human_bytes(m.gradients)}, activations "
+        f"{human_bytes(m.activations)}, outputs {human_bytes(m.outputs)} (peak at {m.peak_instruction or '-'})",
+        f"total {human_bytes(m.total)} of {human_bytes(m.capacity)}: "
+        + ("fits" if m.fits else f"DOES NOT FIT, short by {human_bytes(m.shortfall)}"),
+    ]
+    return "\n".join(lines)

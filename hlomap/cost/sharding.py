@@ -1,0 +1,232 @@
+"""What one plan array means for every tensor and instruction of a factor graph, per device.
+
+The cost model needs, for a plan over a `FactorGraph`'s groups: into how many pieces each tensor
+is split (its bytes per device), how many ways each instruction's work is split, which mesh axes
+each sharded reduction factor sums over (an all-reduce of the partial result), and how often each
+instruction runs (instructions in a while body run once per trip; instructions inside a fusion are
+costed as part of the fusion, not on their own). `ShardedGraph` computes all of it once with numpy
+and is then read by `hlomap.cost.estimate` and `hlomap.cost.memory`.
+
+An instruction's work is split over the mesh axes that shard any dim of its result or any of its
+sharded reduction factors. Operand dims need not be looked at: in a conflict-free plan every
+operand dim that is not a reduction factor shares a factor (hence a group, hence a sharding) with
+a result dim. Constant-derived operands are the exception (they are not linked, see
+`hlomap.propagation.graph`) and cost nothing to materialize in whatever sharding is wanted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from hlomap.cost.compute import while_trip_count
+from hlomap.hlo.capture import Phase, Role, instruction_phase
+from hlomap.hlo.ir import Instruction
+from hlomap.propagation.conflicts import MeshAxes
+from hlomap.propagation.graph import FactorGraph
+
+log = logging.getLogger(__name__)
+
+#: Opcodes whose work is that of the computations they call; those computations' instructions are
+#: nodes of the graph (instantiated per call site) and are costed there.
+CONTAINER_OPCODES = frozenset({"call", "while", "conditional", "async-start"})
+
+
+class PartialResult(NamedTuple):
+    """A node whose sharded reduction factors leave partial results (summed, maxed...) over the
+    mesh axes in `axes` (major to minor, mesh order); `groups` are the reduced factor groups.
+    `gradient_sync`: a backward instruction summing over a dim of a data input (the batch): the
+    data-parallel gradient all-reduce."""
+
+    node: int
+    axes: tuple[str, ...]
+    groups: tuple[int, ...]
+    gradient_sync: bool
+
+
+@dataclass(frozen=True, eq=False)
+class GraphFacts:
+    """What the cost model reads off a graph independently of any plan, computed once per graph
+    (`GraphFacts.of(graph)`) and shared by every `ShardedGraph` built on it."""
+
+    node_count: np.ndarray  # executions per step (0 inside fusions), see `node_run_counts`
+    phases: tuple[Phase, ...]  # per node, see `node_phases`
+    data_groups: frozenset[int]  # groups holding a dim of a DATA entry parameter
+    tensor_full_bytes: np.ndarray  # unsharded bytes of every tensor
+    instance_index: tuple[Mapping[str, int], ...]  # per instance: instruction name -> node id
+
+    @classmethod
+    def of(cls, graph: FactorGraph) -> GraphFacts:
+        full = np.zeros(graph.num_tensors, dtype=np.float64)
+        index: list[dict[str, int]] = [{} for _ in graph.instances]
+        for n, node in enumerate(graph.nodes):
+            index[node.instance][node.instruction.name] = n
+            first, count = graph.node_tensors[n]
+            for k, leaf in enumerate(node.instruction.shape.leaves()):
+                if k < count:
+                    full[first + k] = leaf.byte_size
+        return cls(node_run_counts(graph), node_phases(graph), frozenset(_data_groups(graph)), full,
+                   tuple(index))
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedGraph:
+    """A plan array applied to a factor graph. Build with `ShardedGraph.build(graph, plan, axes)`.
+
+    Arrays (numpy, read-only by convention):
+    - `dim_option[d]`: option index of dim d, or -1;
+    - `tensor_degree[t]`: number of pieces tensor t is split into (1 = replicated);
+    - `node_degree[n]`: number of ways instruction n's work is split;
+    - `node_count[n]`: how many times node n runs per step (while trip counts multiplied up its
+      call chain), 0 for nodes costed as part of an enclosing fusion;
+    - `node_axes[n]`: the mesh axes splitting node n's work (a tuple of names, mesh order).
+    """
+
+    graph: FactorGraph
+    axes: MeshAxes
+    plan: np.ndarray
+    dim_option: np.ndarray
+    tensor_degree: np.ndarray
+    node_degree: np.ndarray
+    node_count: np.ndarray
+    node_axes: tuple[tuple[str, ...], ...]
+    partials: tuple[PartialResult, ...]
+    facts: GraphFacts
+
+    @classmethod
+    def build(cls, graph: FactorGraph, plan: np.ndarray, axes: MeshAxes,
+              facts: GraphFacts | None = None) -> ShardedGraph:
+        """Apply `plan` to `graph`. Pass `facts` (from `GraphFacts.of(graph)`) when building
+        many plans on one graph."""
+        facts = facts if facts is not None else GraphFacts.of(graph)
+        plan = np.asarray(plan).astype(np.int64)
+        if plan.shape != (graph.num_groups,):
+            raise ValueError(f"plan array has shape {plan.shape}; the graph of {graph.module.name} has "
+                             f"{graph.num_groups} groups")
+        if plan.size and (plan.max() >= len(axes.options) or plan.min() < -1):
+            raise ValueError(f"plan array holds option {int(plan.max())} but the mesh has only "
+                             f"{len(axes.options)} options {axes.options}")
+        sizes = np.concatenate([[1], axes.option_sizes]).astype(np.int64)  # index option + 1
+        # constant-derived dims take their consumer's sharding (XLA materializes them that way)
+        dim_option = plan[getattr(graph, "sharding_group_of_dim", graph.group_of_dim)]
+        dim_div = sizes[dim_option + 1]
+        tensor_degree = np.ones(graph.num_tensors, dtype=np.int64)
+        np.multiply.at(tensor_degree, graph.dim_tensor, dim_div)
+
+        # (node, option) pairs that split a node's work: sharded result dims, sharded reductions
+        n_nodes = len(graph.nodes)
+        dim_node = graph.tensor_node[graph.dim_tensor].astype(np.int64)
+        sharded = dim_option >= 0
+        pair_node = [dim_node[sharded]]
+        pair_opt = [dim_option[sharded]]
+        red = graph.reductions
+        red_opt = plan[red.group] if len(red.group) else np.zeros(0, dtype=np.int64)
+        hit = red_opt >= 0
+        pair_node.append(red.node[hit].astype(np.int64))
+        pair_opt.append(red_opt[hit])
+        pairs = np.unique(np.stack([np.concatenate(pair_node), np.concatenate(pair_opt)], axis=1), axis=0) \
+            if sum(len(p) for p in pair_node) else np.zeros((0, 2), dtype=np.int64)
+        node_degree = np.ones(n_nodes, dtype=np.int64)
+        np.multiply.at(node_degree, pairs[:, 0], sizes[pairs[:, 1] + 1])
+        node_axes_sets: list[set[str]] = [set() for _ in range(n_nodes)]
+        for node, opt in pairs:
+            node_axes_sets[int(node)].update(axes.options[int(opt)])
+        node_axes = tuple(_in_mesh_order(s, axes) for s in node_axes_sets)
+
+        by_node: dict[int, tuple[set[str], set[int]]] = {}
+        for i in np.flatnonzero(hit):
+            node = int(red.node[i])
+            entry = by_node.setdefault(node, (set(), set()))
+            entry[0].update(axes.options[int(red_opt[i])])
+            entry[1].add(int(red.group[i]))
+        partials = tuple(
+            PartialResult(n, _in_mesh_order(a, axes), tuple(sorted(gs)),
+                          bool(gs & facts.data_groups) and facts.phases[n] is Phase.BACKWARD)
+            for n, (a, gs) in sorted(by_node.items()))
+        return cls(graph, axes, plan, dim_option, tensor_degree, node_degree,
+                   facts.node_count, node_axes, partials, facts)
+
+    # -- per tensor and node ----------------------------------------------------------------------
+    @cached_property
+    def tensor_bytes_all(self) -> np.ndarray:
+        """Per-device bytes of every tensor (float64 [T])."""
+        return self.facts.tensor_full_bytes / self.tensor_degree
+
+    def node_result_bytes(self, node: int) -> float:
+        """Per-device bytes of all result leaves of `node`."""
+        first, count = self.graph.node_tensors[node]
+        return float(self.tensor_bytes_all[first: first + count].sum())
+
+    def node_operand_nodes(self, node: int) -> tuple[int, ...]:
+        """Node ids of the operands of `node` (same instance), in operand order."""
+        n = self.graph.nodes[node]
+        index = self.facts.instance_index[n.instance]
+        return tuple(index[name] for name in n.instruction.operands if name in index)
+
+    def instance_index(self, instance: int) -> Mapping[str, int]:
+        """Instruction name -> node id within one computation instance."""
+        return self.facts.instance_index[instance]
+
+    def parameter_bytes(self, index: int) -> float:
+        """Per-device bytes of entry parameter `index`."""
+        return float(self.tensor_bytes_all[self.graph.entry_parameter_tensors[index]])
+
+
+def node_phases(graph: FactorGraph) -> tuple[Phase, ...]:
+    """The phase (forward, backward, update) of every node. JAX names the ops inside a nested jit
+    relative to that jit, so a node in a called computation takes the phase of its entry-level
+    call site unless that says nothing (then its own)."""
+    site_phase: list[Phase] = []
+    for k, instance in enumerate(graph.instances):
+        if instance.parent < 0:
+            site_phase.append(Phase.UNKNOWN)
+        elif instance.parent == 0:
+            caller = graph.module.computation(graph.instances[0].computation)[instance.call_site]
+            site_phase.append(instruction_phase(caller))
+        else:
+            site_phase.append(site_phase[instance.parent])
+    out = []
+    for n in graph.nodes:
+        site = site_phase[n.instance]
+        out.append(site if site in (Phase.FORWARD, Phase.BACKWARD) else instruction_phase(n.instruction))
+    return tuple(out)
+
+
+def _data_groups(graph: FactorGraph) -> set[int]:
+    """Groups holding a dim of a DATA entry parameter."""
+    out: set[int] = set()
+    for p in graph.with_role(Role.DATA):
+        if p.index < len(graph.entry_parameter_tensors):
+            out.update(graph.parameter_groups(p.index))
+    return out
+
+
+def _in_mesh_order(names: set[str] | Sequence[str], axes: MeshAxes) -> tuple[str, ...]:
+    return tuple(a for a in axes.names if a in set(names))
+
+
+def node_run_counts(graph: FactorGraph) -> np.ndarray:
+    """How many times each node runs per step: the product of the trip counts of the while loops
+    up its call chain; 0 inside a fusion (the fusion instruction is the kernel that is costed)."""
+    module = graph.module
+    per_instance: list[int] = []
+    for inst_id, instance in enumerate(graph.instances):
+        if instance.parent < 0:
+            per_instance.append(1)
+            continue
+        parent = graph.instances[instance.parent]
+        parent_count = per_instance[instance.parent]
+        comp = module.computation(parent.computation)
+        caller: Instruction = comp[instance.call_site]
+        if caller.opcode == "fusion" or parent_count == 0:
+            per_instance.append(0)
+        elif caller.opcode == "while":
+            per_instance.append(parent_count * while_trip_count(caller, comp, module))
+        else:
+            per_instance.append(parent_count)
+    counts = np.asarray([per_instance[n.instance] for n in graph.nodes], dtype=np.int64)
+    return counts
