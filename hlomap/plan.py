@@ -1,0 +1,368 @@
+"""`Plan`: a distributed execution plan as data — mesh, per-parameter PartitionSpecs, the groups
+it shards, an optional pipeline and estimate — with versioned JSON and JAX sharding pytrees.
+
+    plan = Plan.from_specs(cap, my_specs, mesh={"data": 2, "model": 4})   # raises PlanConflict
+    plan = Plan.from_groups(cap, graph, plan_array, axes)                 # from an explorer
+    jax.jit(step, in_shardings=plan.shardings(mesh))
+    plan.save("plan.json"); Plan.load("plan.json").partition_specs(like=args)
+
+JSON schema (version 1):
+    {"version": 1, "source": {"kind": str, "sha256": str},
+     "mesh": {"axes": {name: size}},
+     "parameters": [{"index": int, "path": str, "shape": [int], "spec": [null | str | [str]]}],
+     "groups": [{"id": int, "axes": [str], "size": int, "trainable": ["path:dim"]}],
+     "pipeline": null | {...}, "estimate": null | {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from hlomap.propagation.conflicts import REPLICATED, Conflict, ConflictChecker, MeshAxes, PlanConflict
+
+if TYPE_CHECKING:
+    from hlomap.hlo.capture import Capture
+    from hlomap.propagation.graph import FactorGraph
+
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 1
+
+__all__ = ["PLAN_VERSION", "GroupAssignment", "ParameterSpec", "Plan", "PlanConflict", "PlanSource"]
+
+
+@dataclass(frozen=True)
+class PlanSource:
+    kind: str  # "jax:<fn>" or an HLO file path, from the Capture
+    sha256: str  # of the HLO text the plan was made for
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """The sharding of one entry parameter: for each dim, None or the mesh axes splitting it."""
+
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    spec: tuple[tuple[str, ...] | None, ...]
+
+    def partition_spec(self) -> Any:
+        from jax.sharding import PartitionSpec
+
+        entries = [None if s is None else (s[0] if len(s) == 1 else tuple(s)) for s in self.spec]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "path": self.path, "shape": list(self.shape),
+                "spec": [None if s is None else (s[0] if len(s) == 1 else list(s)) for s in self.spec]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParameterSpec:
+        spec = tuple(None if s is None else ((s,) if isinstance(s, str) else tuple(s)) for s in data["spec"])
+        return cls(int(data["index"]), str(data["path"]), tuple(int(d) for d in data["shape"]), spec)
+
+
+@dataclass(frozen=True)
+class GroupAssignment:
+    """A sharded linkage group: its id in the factor graph, axes, size and trainable members."""
+
+    id: int
+    axes: tuple[str, ...]
+    size: int
+    trainable: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "axes": list(self.axes), "size": self.size, "trainable": list(self.trainable)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GroupAssignment:
+        return cls(int(data["id"]), tuple(data["axes"]), int(data["size"]), tuple(data.get("trainable", ())))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan for one captured step on one mesh. `in_tree` (not serialized) is the step's argument
+    treedef when the plan was made from a Capture; `partition_specs()` uses it."""
+
+    mesh: tuple[tuple[str, int], ...]
+    parameters: tuple[ParameterSpec, ...]
+    groups: tuple[GroupAssignment, ...] = ()
+    source: PlanSource = PlanSource("", "")
+    pipeline: Mapping[str, Any] | None = None
+    estimate: Mapping[str, Any] | None = None
+    version: int = PLAN_VERSION
+    in_tree: Any = field(default=None, compare=False, repr=False)
+    #: How the plan was found (explorers: driver, reward mode, evaluations, seconds, seed, score).
+    search: Mapping[str, Any] | None = None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_specs(cls, cap: Capture, specs: Any, *, mesh: Mapping[str, int] | Any,
+                   graph: FactorGraph | None = None, strict: bool = False) -> Plan:
+        """Turn a user's PartitionSpec pytree (shaped like the step's arguments, or a prefix of
+        it; None leaves mean replicated) into a plan.
+
+        Raises PlanConflict naming the tensor, dims and instruction when the specs are
+        inconsistent: two parameters whose dims must share one sharding are given different axes,
+        or the resulting plan has a conflict (two dims of one tensor on one axis, a dim that
+        cannot be split, a size not divisible by the axis size, a reshape violation). A parameter
+        left replicated in a group that another parameter shards is resolved to the sharded
+        choice (XLA slices it locally, for free) unless `strict=True`, which raises instead.
+        """
+        from hlomap.propagation.graph import FactorGraph
+
+        graph = graph if graph is not None else FactorGraph.from_capture(cap)
+        per_param = _flatten_specs(cap, specs)
+        options = [opt for spec in per_param for opt in spec if opt is not None]
+        axes = MeshAxes.from_mesh(mesh, extra=[o for o in options if len(o) > 1])
+        plan = np.full(graph.num_groups, REPLICATED, dtype=np.int8)
+        owner: dict[int, tuple[int, int]] = {}
+        for p, spec in zip(cap.parameters, per_param):
+            groups = graph.parameter_groups(p.index)
+            for d, opt in enumerate(spec):
+                if opt is None:
+                    continue
+                o = axes.index(opt)
+                g = groups[d]
+                if plan[g] >= 0 and plan[g] != o:
+                    q, qd = owner[g]
+                    other = cap.parameters[q]
+                    raise PlanConflict(
+                        f"inconsistent specs: {p.path!r} dim {d} is split on {axes.describe(o)} but "
+                        f"{other.path!r} dim {qd} is split on {axes.describe(int(plan[g]))}; the two dims are "
+                        f"linked through the computation (group {g} of {graph.module.name}, "
+                        f"instructions {p.name!r} and {other.name!r}) and must share one sharding")
+                plan[g] = o
+                owner.setdefault(g, (p.index, d))
+        if strict:
+            for p, spec in zip(cap.parameters, per_param):
+                for d, g in enumerate(graph.parameter_groups(p.index)):
+                    given = spec[d] if d < len(spec) else None
+                    if given is None and plan[g] >= 0 and p.shape.dims[d] > 1:
+                        q, qd = owner[g]
+                        raise PlanConflict(
+                            f"inconsistent specs: {p.path!r} dim {d} is replicated but "
+                            f"{cap.parameters[q].path!r} dim {qd}, linked to it, is split on "
+                            f"{axes.describe(int(plan[g]))}")
+        return cls.from_groups(cap, graph, plan, axes)
+
+    @classmethod
+    def from_groups(cls, cap: Capture, graph: FactorGraph, plan: np.ndarray, axes: MeshAxes | Mapping[str, int],
+                    *, check: bool = True) -> Plan:
+        """A plan from a plan array over `graph`'s groups (what explorers produce). Raises
+        PlanConflict when `check` and the array has conflicts."""
+        axes = axes if isinstance(axes, MeshAxes) else MeshAxes.from_mesh(axes)
+        plan = np.asarray(plan)
+        if check:
+            conflicts = ConflictChecker(graph, axes).explain(plan)
+            if conflicts:
+                raise PlanConflict(_conflict_message(conflicts), conflicts)
+        params = []
+        for p in cap.parameters:
+            groups = graph.parameter_groups(p.index)
+            spec = tuple(None if plan[g] < 0 else axes.options[int(plan[g])] for g in groups)
+            params.append(ParameterSpec(p.index, p.path, tuple(p.shape.dims), spec))
+        members: dict[int, list[str]] = {}
+        for t in graph.trainable_dims:
+            members.setdefault(t.group, []).append(f"{t.path}:{t.dim}")
+        groups = tuple(
+            GroupAssignment(int(g), axes.options[int(plan[g])], int(graph.group_sizes[g]), tuple(members.get(int(g), ())))
+            for g in np.flatnonzero(plan >= 0)
+        )
+        return cls(mesh=tuple(axes.mesh_shape.items()), parameters=tuple(params), groups=groups,
+                   source=PlanSource(cap.source, cap.text_sha256), in_tree=cap.in_tree)
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def group_array(self, graph: FactorGraph, axes: MeshAxes | None = None) -> np.ndarray:
+        """This plan as an array over `graph`'s groups (the graph must be of the same module)."""
+        axes = axes or MeshAxes.from_mesh(self.mesh_shape, extra=[g.axes for g in self.groups])
+        plan = np.full(graph.num_groups, REPLICATED, dtype=np.int8)
+        for ga in self.groups:
+            if ga.id >= graph.num_groups:
+                raise ValueError(f"plan group {ga.id} does not exist in {graph.module.name} "
+                                 f"({graph.num_groups} groups); was the plan made for another module?")
+            plan[ga.id] = axes.index(ga.axes)
+        for p in self.parameters:
+            for g, s in zip(graph.parameter_groups(p.index), p.spec):
+                if s is not None:
+                    plan[g] = axes.index(s)
+        return plan
+
+    def partition_specs(self, like: Any = None) -> Any:
+        """PartitionSpec pytree shaped like the step's arguments (a tuple, one entry per argument).
+
+        Uses the captured treedef when there is one, else the structure of `like` (e.g. the
+        arguments), else nested dicts rebuilt from the pytree paths (optax NamedTuples come back
+        as tuples then: pass `like` for those).
+        """
+        import jax
+
+        specs = [p.partition_spec() for p in sorted(self.parameters, key=lambda p: p.index)]
+        if like is not None:
+            treedef = jax.tree_util.tree_structure(like)
+            if treedef.num_leaves != len(specs):
+                raise ValueError(f"`like` has {treedef.num_leaves} leaves; the plan has {len(specs)} parameters")
+            return jax.tree_util.tree_unflatten(treedef, specs)
+        if self.in_tree is not None:
+            return jax.tree_util.tree_unflatten(self.in_tree, specs)
+        return _tree_from_paths([(p.path, s) for p, s in zip(sorted(self.parameters, key=lambda p: p.index), specs)])
+
+    def shardings(self, mesh: Any, like: Any = None) -> Any:
+        """NamedSharding pytree for `jax.jit(in_shardings=...)` on `mesh` (a jax Mesh whose axis
+        sizes match the plan's)."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        shape = dict(mesh.shape)
+        for name, size in self.mesh:
+            if shape.get(name) != size:
+                raise ValueError(f"mesh axis {name!r} has size {shape.get(name)} but the plan was made for {size} "
+                                 f"(plan mesh {self.mesh_shape}, given {shape})")
+        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), self.partition_specs(like),
+                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    # -- JSON -----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "source": {"kind": self.source.kind, "sha256": self.source.sha256},
+            "mesh": {"axes": dict(self.mesh)},
+            "parameters": [p.to_json() for p in self.parameters],
+            "groups": [g.to_json() for g in self.groups],
+            "pipeline": dict(self.pipeline) if self.pipeline is not None else None,
+            "estimate": dict(self.estimate) if self.estimate is not None else None,
+            **({"search": dict(self.search)} if self.search is not None else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "<json>") -> Plan:
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(f"{where}: plan version {version!r} is not supported (expected {PLAN_VERSION})")
+        try:
+            return cls(
+                mesh=tuple((str(k), int(v)) for k, v in data["mesh"]["axes"].items()),
+                parameters=tuple(ParameterSpec.from_json(p) for p in data["parameters"]),
+                groups=tuple(GroupAssignment.from_json(g) for g in data.get("groups", ())),
+                source=PlanSource(data["source"]["kind"], data["source"]["sha256"]),
+                pipeline=data.get("pipeline"),
+                estimate=data.get("estimate"),
+                search=data.get("search"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: malformed plan JSON: {exc!r}") from exc
+
+    def save(self, path: str | PathLike[str]) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | PathLike[str], *, cap: Capture | None = None, mesh: Any = None) -> Plan:
+        """Read a plan; with `cap` / `mesh`, also check it was made for them (`check_compatible`)."""
+        with open(path) as f:
+            plan = cls.from_json(json.load(f), where=str(path))
+        plan.check_compatible(cap, mesh, where=str(path))
+        return plan
+
+    def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:
+        """Raise ValueError, saying what differs, when the plan was made for another module (the
+        sha256 of the HLO text) or another mesh (`mesh`: a {name: size} mapping or a jax Mesh)."""
+        if cap is not None and self.source.sha256 and cap.text_sha256 != self.source.sha256:
+            raise ValueError(
+                f"{where} was made for another module: it records {self.source.kind or 'a module'} with HLO "
+                f"sha256 {self.source.sha256[:12]}..., but {cap.source} has sha256 {cap.text_sha256[:12]}... "
+                f"(the step, its argument shapes or the JAX version changed); explore again for this module")
+        if mesh is not None:
+            shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "axis_names") else dict(mesh)).items()}
+            if shape != self.mesh_shape:
+                raise ValueError(f"{where} was made for mesh {self.mesh_shape}, not {shape}; explore again for this "
+                                 f"mesh or pass the plan's mesh")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _conflict_message(conflicts: Sequence[Conflict]) -> str:
+    head = f"plan has {len(conflicts)} conflict(s):"
+    lines = [f"  - {c}" for c in conflicts[:10]]
+    if len(conflicts) > 10:
+        lines.append(f"  ... and {len(conflicts) - 10} more")
+    return "\n".join([head, *lines])
+
+
+def _normalize_entry(entry: Any) -> tuple[str, ...] | None:
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry) or None
+
+
+def _flatten_specs(cap: Capture, specs: Any) -> list[tuple[tuple[str, ...] | None, ...]]:
+    """One tuple of per-dim axis names per entry parameter, from a spec pytree that is the
+    arguments' structure or a prefix of it (a spec at an inner node applies to every leaf)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, PartitionSpec)
+
+    if cap.args is None:
+        flat = jax.tree_util.tree_leaves(specs, is_leaf=is_leaf)
+        if len(flat) != len(cap.parameters):
+            raise ValueError(f"{len(flat)} specs for {len(cap.parameters)} parameters of a bare module")
+    else:
+        args = tuple(cap.args)
+        specs = tuple(specs) if isinstance(specs, list) else specs
+        try:
+            expanded = jax.tree_util.tree_map(
+                lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), specs, args, is_leaf=is_leaf)
+        except ValueError as exc:
+            raise ValueError(f"spec pytree does not match the step's arguments: {exc}") from exc
+        flat = jax.tree_util.tree_leaves(expanded, is_leaf=is_leaf)
+    out = []
+    for p, s in zip(cap.parameters, flat):
+        entries = () if s is None else tuple(_normalize_entry(e) for e in s)
+        if len(entries) > p.shape.rank:
+            raise PlanConflict(f"spec {s} for {p.path!r} has {len(entries)} entries but the parameter has rank "
+                               f"{p.shape.rank} (shape {p.shape})")
+        out.append(entries + (None,) * (p.shape.rank - len(entries)))
+    return out
+
+
+def _tree_from_paths(items: Sequence[tuple[str, Any]]) -> Any:
+    root: dict[str, Any] = {}
+    order: list[str] = []
+    for path, value in items:
+        parts = path.split("/")
+        if parts[0] not in root:
+            order.append(parts[0])
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+
+    def fix(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        keys = list(node)
+        if keys and all(k.isdigit() for k in keys) and sorted(int(k) for k in keys) == list(range(len(keys))):
+            return tuple(fix(node[str(i)]) for i in range(len(keys)))
+        return {k: fix(v) for k, v in node.items()}
+
+    return tuple(fix(root[k]) for k in order)
