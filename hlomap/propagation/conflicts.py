@@ -173,6 +173,9 @@ class ConflictChecker:
         self.shardable = shardable
         self._flat_overlap = axes.overlap.ravel()
         self._width = len(sizes) + 1
+        # per group and option (column 0 = replicated): is this choice bad on its own?
+        self._bad_single = ~self.divisible
+        self._bad_single[:, 1:] |= self.never[:, None]
 
     # -- vectorized ------------------------------------------------------------------------------
     def ok(self, plans: np.ndarray) -> np.ndarray:
@@ -180,21 +183,32 @@ class ConflictChecker:
         return self.count(plans) == 0
 
     def count(self, plans: np.ndarray) -> np.ndarray:
-        """Number of violated constraints per plan (0 = conflict-free)."""
+        """Number of violated constraints per plan (0 = conflict-free).
+
+        Only the groups some plan of the batch shards are looked at: plans from explorers shard a
+        few of the thousands of groups, so this keeps the work proportional to what is decided.
+        """
         plans = np.atleast_2d(np.asarray(plans))
         if plans.shape[1] != self.graph.num_groups:
-            raise ValueError(f"plan arrays have {plans.shape[1]} groups; the graph of {self.graph.module.name} has {self.graph.num_groups}")
-        idx = plans.astype(np.int64) + 1  # 0 = replicated
-        sharded = idx > 0
-        bad = (sharded & self.never[None, :]).sum(axis=1)
-        bad += (~np.take_along_axis(self.divisible, idx.T, axis=1).T).sum(axis=1)
+            raise ValueError(f"plan arrays have {plans.shape[1]} groups; the graph of {self.graph.module.name} "
+                             f"has {self.graph.num_groups}")
+        active = np.flatnonzero((plans >= 0).any(axis=0))
+        if len(active) == 0:
+            return np.zeros(len(plans), dtype=np.int64)
+        idx = plans[:, active].astype(np.intp) + 1  # 0 = replicated
+        bad = self._bad_single.ravel()[active * self._width + idx].sum(axis=1, dtype=np.int64)
         if len(self.pairs):
-            a = idx[:, self.pairs[:, 0]]
-            b = idx[:, self.pairs[:, 1]]
-            if self.axes.is_simple:
-                bad += ((a == b) & (a > 0)).sum(axis=1)
-            else:
-                bad += self._flat_overlap[a * self._width + b].sum(axis=1)
+            position = np.full(self.graph.num_groups, -1, dtype=np.intp)
+            position[active] = np.arange(len(active))
+            pa, pb = position[self.pairs[:, 0]], position[self.pairs[:, 1]]
+            keep = (pa >= 0) & (pb >= 0)
+            if keep.any():
+                a = idx[:, pa[keep]]
+                b = idx[:, pb[keep]]
+                if self.axes.is_simple:
+                    bad += ((a == b) & (a > 0)).sum(axis=1)
+                else:
+                    bad += self._flat_overlap[a * self._width + b].sum(axis=1)
         return bad
 
     # -- one plan, explained ---------------------------------------------------------------------

@@ -274,6 +274,15 @@ class FactorGraph:
         group of the consumer it follows (XLA shards such a broadcast like its user)."""
         return self.followed[self.group_of_dim]
 
+    @cached_property
+    def parameter_dim_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """(groups, offsets): the group of every entry-parameter dim, concatenated in parameter
+        order; parameter i's dims are `groups[offsets[i]:offsets[i + 1]]`."""
+        dims = [self.tensor_dims(t) for t in self.entry_parameter_tensors]
+        offsets = np.cumsum([0] + [len(d) for d in dims])
+        flat = np.concatenate(dims) if dims else np.zeros(0, dtype=np.int64)
+        return self.group_of_dim[flat], offsets
+
     def parameter_groups(self, index: int) -> tuple[int, ...]:
         return tuple(int(g) for g in self.group_of_dim[self.parameter_dims(index)])
 

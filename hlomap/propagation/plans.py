@@ -184,19 +184,10 @@ def random_plans(graph: FactorGraph, axes: MeshAxes | Mapping[str, int] | Any, n
 # ---------------------------------------------------------------------------------------------
 
 
-def parameter_dim_groups(graph: FactorGraph) -> tuple[np.ndarray, np.ndarray]:
-    """(groups, offsets): the group of every entry-parameter dim, concatenated in parameter
-    order; parameter i's dims are `groups[offsets[i]:offsets[i + 1]]`."""
-    dims = [graph.tensor_dims(t) for t in graph.entry_parameter_tensors]
-    offsets = np.cumsum([0] + [len(d) for d in dims])
-    flat = np.concatenate(dims) if dims else np.zeros(0, dtype=np.int64)
-    return graph.group_of_dim[flat], offsets
-
-
 def parameter_options(graph: FactorGraph, plans: np.ndarray) -> np.ndarray:
     """Axis option (or -1) of every entry-parameter dim for each plan: `[N, total_param_dims]`.
     This is the vectorized spec derivation; `partition_spec_of` turns one row into specs."""
-    groups, _ = parameter_dim_groups(graph)
+    groups, _ = graph.parameter_dim_groups
     return np.atleast_2d(plans)[:, groups]
 
 
