@@ -18,6 +18,13 @@ _PUBLIC: dict[str, str] = {
     "Role": "hlomap.hlo.capture",
     "parse": "hlomap.hlo.parser",
     "HloParseError": "hlomap.hlo.parser",
+    "Plan": "hlomap.plan",
+    "PlanConflict": "hlomap.propagation.conflicts",
+    "estimate": "hlomap.cost.estimate",
+    "StepEstimate": "hlomap.cost.estimate",
+    "Cluster": "hlomap.cost.cluster",
+    "load_cluster": "hlomap.cost.cluster",
+    "cluster_preset": "hlomap.cost.cluster",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

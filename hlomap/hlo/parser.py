@@ -762,6 +762,12 @@ class _Parser:
             pos = self.expect(pos, "=", f"'=' after attribute name '{match.group()}'")
             pos = self.skip_ws(pos)
             value_end = self.value_end(pos)
+            # Newer XLA prints mesh replica groups as `device_ids=([2,4]T(1,0)) {'a'}`: a group
+            # after whitespace still belongs to the value (no attribute starts with '{').
+            follow = self.skip_ws(value_end)
+            while text.startswith("{", follow):
+                value_end = self.group_end(follow)
+                follow = self.skip_ws(value_end)
             key, value = match.group(), text[pos:value_end]
             if key in NAME_VALUED_KEYS:
                 value = canonical_names(value)

@@ -610,3 +610,27 @@ def test_typed_views_on_corpus(corpus_dir: Path) -> None:
                     seen.add("metadata")
     assert seen >= {"dot", "convolution", "window", "slice", "pad", "gather", "scatter",
                     "replica_groups", "metadata"}, seen
+
+
+def test_mesh_replica_groups_of_newer_xla_keep_their_device_ids_group():
+    from hlomap.hlo import parse, print_module
+
+    text = """HloModule m
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = f32[] add(a, b)
+}
+
+ENTRY e {
+  p = f32[8]{0} parameter(0)
+  ROOT ar = f32[8]{0} all-reduce(p), channel_id=1, replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}, use_global_device_ids=true, to_apply=add
+}
+"""
+    module = parse(text)
+    root = module.entry.root
+    assert root.attr("device_ids") == "([2,4]T(1,0)) {'a'}"
+    assert root.attr("replica_groups") == "mesh['a'=4,'b'=2]"
+    assert root.attr("to_apply") == "add"
+    assert parse(print_module(module)) == module
