@@ -3,7 +3,7 @@
 Host-side numpy, as in dqn_zoo: the buffer is written once per environment step and read once per
 learner update, and keeping it in numpy makes both a few microseconds and its contents trivially
 checkpointable. Every per-batch operation (sampling, importance weights, priority updates) is
-vectorised over the batch; only the single-item write walks the tree in Python, over log2(capacity)
+vectorised over the batch; only the single-item write walks the tree in Python, over its few
 levels.
 
 Priorities follow Schaul et al. (2016): an item with priority p is sampled with probability
@@ -21,47 +21,54 @@ from hlomap.agents.environment import TimeStep
 
 
 class SumTree:
-    """A complete binary tree whose internal nodes hold the sum of their children.
+    """A complete `fanout`-ary tree whose internal nodes hold the sum of their children.
 
-    Leaves live at `nodes[num_leaves + i]` (num_leaves is capacity rounded up to a power of two,
-    so every level is full and the descent is the same number of steps for every sample). Parents
-    are always recomputed as the sum of their two children, never updated by deltas, so rounding
-    errors cannot accumulate. float64 keeps totals exact enough for millions of items.
+    Level arrays run from the root's children (`levels[0]`, `fanout` values) down to the leaves
+    (`levels[-1]`, fanout**depth >= capacity values). A wide, shallow tree suits numpy: sampling a
+    batch is `depth` vectorised steps over [batch, fanout] blocks (2 steps up to 4096 items, 4 up
+    to 16 million) instead of log2(capacity) steps of tiny binary decisions, each a handful of
+    numpy calls. Parents are always recomputed as the sum of their children, never updated by
+    deltas, so rounding errors cannot accumulate; float64 keeps totals exact enough for millions
+    of items.
     """
 
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"SumTree capacity must be >= 1, got {capacity}")
+    def __init__(self, capacity: int, fanout: int = 64):
+        if capacity < 1 or fanout < 2:
+            raise ValueError(f"SumTree needs capacity >= 1 and fanout >= 2, got {capacity}, "
+                             f"{fanout}")
         self.capacity = capacity
-        self.depth = max(0, int(np.ceil(np.log2(capacity))))
-        self.num_leaves = 1 << self.depth
-        self.nodes = np.zeros(2 * self.num_leaves, np.float64)
+        self.fanout = fanout
+        self.depth = max(1, int(np.ceil(np.log(capacity) / np.log(fanout) - 1e-9)))
+        self.levels = [np.zeros(fanout ** (d + 1), np.float64) for d in range(self.depth)]
+
+    @property
+    def leaves(self) -> np.ndarray:
+        return self.levels[-1]
 
     @property
     def total(self) -> float:
-        return float(self.nodes[1])
+        return float(self.levels[0].sum())
 
     def get(self, indices: np.ndarray) -> np.ndarray:
-        return self.nodes[self.num_leaves + np.asarray(indices)]
+        return self.leaves[np.asarray(indices)]
 
     def set_one(self, index: int, value: float) -> None:
-        """Sets one leaf; a scalar Python walk is cheaper than numpy calls for one item."""
-        nodes = self.nodes
-        i = self.num_leaves + index
-        nodes[i] = value
-        i //= 2
-        while i >= 1:
-            nodes[i] = nodes[2 * i] + nodes[2 * i + 1]
-            i //= 2
+        """Sets one leaf; a scalar Python walk is cheaper than vectorised calls for one item."""
+        f = self.fanout
+        self.leaves[index] = value
+        for d in range(self.depth - 1, 0, -1):
+            index //= f
+            self.levels[d - 1][index] = self.levels[d][index * f:(index + 1) * f].sum()
 
     def set(self, indices: np.ndarray, values: np.ndarray) -> None:
         """Sets many leaves at once; for a repeated index the last value wins."""
-        idx = self.num_leaves + np.asarray(indices, np.int64)
-        self.nodes[idx] = values
-        for _ in range(self.depth):
-            idx = idx // 2
+        f = self.fanout
+        idx = np.asarray(indices, np.int64)
+        self.leaves[idx] = values
+        for d in range(self.depth - 1, 0, -1):
+            idx = idx // f
             # Repeated parents are recomputed more than once, to the same value: harmless.
-            self.nodes[idx] = self.nodes[2 * idx] + self.nodes[2 * idx + 1]
+            self.levels[d - 1][idx] = self.levels[d].reshape(-1, f)[idx].sum(axis=1)
 
     def find(self, targets: np.ndarray) -> np.ndarray:
         """Leaf indices i such that the prefix sum of leaves before i is <= target < that plus
@@ -69,16 +76,34 @@ class SumTree:
         rounding puts a target at or past a subtree's exact total."""
         if self.total <= 0.0:
             raise ValueError("cannot sample from a SumTree whose total priority is 0")
-        t = np.asarray(targets, np.float64).copy()
-        idx = np.ones(t.shape, np.int64)
-        nodes = self.nodes
-        for _ in range(self.depth):
-            left = 2 * idx
-            left_sum = nodes[left]
-            go_right = (t >= left_sum) & (nodes[left + 1] > 0.0)
-            t = np.where(go_right, t - left_sum, t)
-            idx = left + go_right
-        return idx - self.num_leaves
+        f = self.fanout
+        t = np.asarray(targets, np.float64)
+        idx = np.zeros(t.shape, np.int64)
+        rows = np.arange(t.size)
+        for level in self.levels:
+            block = level.reshape(-1, f)[idx]  # [batch, fanout]: the children of each node
+            prefix = np.cumsum(block, axis=1)
+            # Keep the target strictly inside this node's own total (rounding can put it at or
+            # past it); then the first child whose prefix sum exceeds the target has mass > 0.
+            t = np.minimum(t, prefix[:, -1] * (1.0 - 2.0**-50))
+            child = (prefix <= t[:, None]).sum(axis=1)
+            # t >= the exact prefix before the child, so the subtraction stays >= 0.
+            t = t - np.where(child > 0, prefix[rows, child - 1], 0.0)
+            idx = idx * f + child
+        return idx
+
+    def state(self) -> np.ndarray:
+        """Every level, root side first, as one array (restoring copies the sums verbatim rather
+        than recomputing them, so a restored tree is bit-identical to the saved one)."""
+        return np.concatenate(self.levels)
+
+    def load_state(self, state: np.ndarray) -> None:
+        sizes = [level.size for level in self.levels]
+        if state.shape != (sum(sizes),):
+            raise ValueError(f"sum tree state {state.shape} does not match this tree "
+                             f"({sum(sizes)} nodes)")
+        for level, part in zip(self.levels, np.split(state, np.cumsum(sizes)[:-1])):
+            level[...] = part
 
 
 class Transition(NamedTuple):
@@ -192,7 +217,7 @@ class PrioritizedReplay:
         return {
             "observation": self.observation, "action": self.action, "reward": self.reward,
             "discount": self.discount, "next_observation": self.next_observation,
-            "next_legal": self.next_legal, "tree": self.tree.nodes,
+            "next_legal": self.next_legal, "tree": self.tree.state(),
             "counters": np.array([self.size, self.next_index], np.int64),
             "max_priority": np.array(self.max_priority, np.float64),
         }
@@ -205,7 +230,7 @@ class PrioritizedReplay:
                 raise ValueError(f"replay {name}: checkpoint shape {state[name].shape} does not "
                                  f"match this replay's {target.shape}")
             target[...] = state[name]
-        self.tree.nodes[...] = state["tree"]
+        self.tree.load_state(state["tree"])
         self.size, self.next_index = (int(x) for x in state["counters"])
         self.max_priority = float(state["max_priority"])
 

@@ -13,12 +13,14 @@ from hlomap.agents.replay import NStepAccumulator, PrioritizedReplay, SumTree, T
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=37), st.data())
-def test_sum_tree_find_matches_prefix_sums(priorities: list[float], data: st.DataObject) -> None:
+@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=70), st.sampled_from([2, 3, 16]),
+       st.data())
+def test_sum_tree_find_matches_prefix_sums(priorities: list[float], fanout: int,
+                                           data: st.DataObject) -> None:
     p = np.asarray(priorities)
     if p.sum() <= 0:
         p[0] = 1.0
-    tree = SumTree(len(p))
+    tree = SumTree(len(p), fanout)
     tree.set(np.arange(len(p)), p)
     assert tree.total == pytest.approx(p.sum())
     targets = np.asarray(data.draw(st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1,
@@ -42,18 +44,30 @@ def test_sum_tree_single_and_batch_set_agree() -> None:
     for i, v in enumerate(values):
         a.set_one(i, v)
     b.set(np.arange(100), values)
-    np.testing.assert_array_equal(a.nodes, b.nodes)
+    for x, y in zip(a.levels, b.levels):
+        np.testing.assert_array_equal(x, y)
     a.set_one(7, 0.0)
     b.set(np.array([7, 7]), np.array([5.0, 0.0]))  # the last write wins
-    np.testing.assert_array_equal(a.nodes, b.nodes)
+    for x, y in zip(a.levels, b.levels):
+        np.testing.assert_array_equal(x, y)
+    assert a.depth == 2 and a.total == pytest.approx(values.sum() - values[7])
+    c = SumTree(100)
+    c.load_state(a.state().copy())
+    for x, y in zip(a.levels, c.levels):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(c.find(np.linspace(0, c.total * 0.999, 50)),
+                                  a.find(np.linspace(0, a.total * 0.999, 50)))
 
 
 def test_sum_tree_never_returns_zero_priority_leaf_at_the_edge() -> None:
-    tree = SumTree(5)  # 8 leaves, the last three empty
+    tree = SumTree(5, fanout=2)  # 8 leaves, the last three empty
     # Binary fractions, so the prefix sums 0.125, 0.375, 0.75, 0.75, 1.25 are exact.
     tree.set(np.arange(5), np.array([0.125, 0.25, 0.375, 0.0, 0.5]))
     found = tree.find(np.array([tree.total, tree.total * (1 + 1e-12), 0.75, 0.375, 0.0]))
     assert found.tolist() == [4, 4, 4, 2, 0]
+    wide = SumTree(5)  # one level of 16 leaves
+    wide.set(np.arange(5), np.array([0.0, 0.25, 0.375, 0.0, 0.5]))
+    assert wide.find(np.array([wide.total, 0.0, 0.625, 0.25])).tolist() == [4, 1, 4, 2]
 
 
 def _replay_with(priorities: np.ndarray, alpha: float) -> PrioritizedReplay:
