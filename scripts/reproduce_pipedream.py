@@ -9,10 +9,15 @@ bytes) and 2, 4 and 8 stages on a uniform 10 Gbps network, prints:
     10 Gbps full-duplex links count in the bottleneck, overlapped with compute;
   - for that plan, the simulated length of a global batch of M microbatches under 1F1B and
     under GPipe, and the DP's closed-form estimate of it;
-  - a slot for the DQN's result (issue #7 part 3; not built yet).
+  - the online DQN's result on the same objective (with communication): the bottleneck of the
+    best plan it found, its gap to the DP, and its search time. Graphs with more than
+    --dqn-pivots pivots are first coarsened to that many (`normalize.coarsen`: the cheapest cut
+    in each bin of equal compute), so there the DQN searches fewer cuts than the DP; the DP's
+    optimum over those same pivots is shown beside it.
 vgg16's rows are checked against the numbers PipeDream's optimizer prints.
 
     python scripts/reproduce_pipedream.py [--corpus DIR] [--stages 2 4 8] [--gantt OUT_DIR]
+        [--dqn-episodes 2000] [--dqn-pivots 256] [--no-dqn]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from hlomap.pipeline import (
     simulate,
     solve,
 )
+from hlomap.pipeline.cutenv import CutTask
+from hlomap.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.pipeline.normalize import coarsen
 
 #: Slowest-stage seconds PipeDream's optimizer reports for vgg16, straight pipelines.
 PUBLISHED_VGG16 = {2: 0.370931, 4: 0.21645, 8: 0.159531}
@@ -51,6 +59,9 @@ def main() -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=10.0)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--gantt", type=Path, default=None, help="write a Gantt PNG per row here")
+    parser.add_argument("--dqn-episodes", type=int, default=2000)
+    parser.add_argument("--dqn-pivots", type=int, default=256)
+    parser.add_argument("--no-dqn", action="store_true", help="leave the DQN column empty")
     args = parser.parse_args()
 
     console = Console(width=220)
@@ -62,7 +73,8 @@ def main() -> None:
     for column in (
         "model", "layers", "S", "1 stage (s)", "compute-only bottleneck (s)", "speed-up",
         "PipeDream", "with comm bottleneck (s)", "L sim 1F1B (s)", "L sim GPipe (s)",
-        "L model (s)", "DQN", "DP time (s)",
+        "L model (s)", "DP time (s)", "DQN pivots", "DP on them (s)", "DQN bottleneck (s)",
+        "DQN gap", "DQN time (s)",
     ):
         table.add_column(column, justify="left" if column == "model" else "right")
     if args.gantt:
@@ -86,6 +98,24 @@ def main() -> None:
                 check_memory=False,
             ))
             elapsed = time.perf_counter() - start
+            dqn = ("—",) * 5
+            if not args.no_dqn and 2 <= n_stages <= profile.n_layers:
+                coarse, _ = coarsen(profile, args.dqn_pivots)
+                space = SearchSpace(
+                    objective=Objective.BOTTLENECK,
+                    microbatches=args.microbatches,
+                    schedule=Schedule.ONE_F_ONE_B,
+                    check_memory=False,
+                )
+                found = dqn_search(CutTask(coarse, links, space, n_stages),
+                                   SearchBudget(max_episodes=args.dqn_episodes))
+                gap = found.value / with_comm.value - 1
+                same = solve(coarse, links, space).value if coarse is not profile else None
+                dqn = (
+                    f"{coarse.n_pivots}/{profile.n_pivots}",
+                    f"{same:.6g}" if same is not None else "same",
+                    f"{found.value:.6g}", f"{100 * gap:+.2f}%", f"{found.seconds:.1f}",
+                )
             result = simulate(profile, links, with_comm.plan)
             gpipe = simulate(profile, links, replace(with_comm.plan, schedule=Schedule.GPIPE))
             published = PUBLISHED_VGG16.get(n_stages) if path.stem == "vgg16" else None
@@ -97,7 +127,7 @@ def main() -> None:
                 path.stem, str(profile.n_layers), str(n_stages), f"{total:.6g}",
                 f"{compute_only.value:.6g}", f"{total / compute_only.value:.2f}x", check,
                 f"{with_comm.value:.6g}", f"{result.length:.4g}", f"{gpipe.length:.4g}",
-                f"{with_comm.cost.latency:.4g}", "—", f"{elapsed:.2f}",
+                f"{with_comm.cost.latency:.4g}", f"{elapsed:.2f}", *dqn,
             )
             if args.gantt:
                 draw_gantt(result, args.gantt / f"{path.stem}_S{n_stages}.png")

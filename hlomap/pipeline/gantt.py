@@ -30,6 +30,13 @@ def _row_of(kind: SpanKind, stage: int) -> int:
     return 2 * stage
 
 
+def _devices(devices: tuple[int, ...]) -> str:
+    """`0-7` for a contiguous block of devices (replicated stages have many), else the list."""
+    if len(devices) > 2 and devices == tuple(range(devices[0], devices[-1] + 1)):
+        return f"devices {devices[0]}-{devices[-1]}"
+    return "devices " + ", ".join(str(d) for d in devices)
+
+
 def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None = None) -> Path:
     """Draw the timeline of `result` to a PNG at `path`; returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -64,8 +71,8 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     labels = []
     for row in range(n_rows):
         s = row // 2
-        devices = result.plan.stages[s].devices
-        labels.append(f"stage {s} {devices}" if row % 2 == 0 else f"link {s}<->{s + 1}")
+        labels.append(f"stage {s} ({_devices(result.plan.stages[s].devices)})" if row % 2 == 0
+                      else f"link {s}<->{s + 1}")
     axes.set_yticks(range(n_rows), labels=labels, fontsize=7)
     axes.set_ylim(n_rows - 0.4, -0.6)
     axes.set_xlim(0, result.length * scale * 1.01)

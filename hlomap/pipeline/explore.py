@@ -1,0 +1,356 @@
+"""`explore_pipeline`: the library side of `hlomap explore SOURCE --task pipeline`.
+
+One call goes from a captured train step (or a profile) to a pipeline plan and its report:
+profile the step (`hlo_profile`), scale it to a microbatch, build the cut problem on the
+cluster's center device groups (`cutenv`), search it with the chosen agent, then price the plan
+in closed form and with the event simulator (memory per stage, timeline PNG).
+
+Agents:
+  dqn        online DQN training on this model (section 3.4), best plan found
+  dqn-infer  the shipped inference network (section 3.5), optionally fine-tuned
+  dp         the exact DP (`dp.solve`) over the same space: the optimum
+
+Units. A Capture or HloProfile describes the step's whole batch; with M microbatches every
+microbatch is 1/M of it (`profile.scale_batch`). A bare PipelineProfile is already per
+microbatch (PipeDream's profiles are per minibatch).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hlomap.pipeline.costmodel import PlanCost, evaluate_plan
+from hlomap.pipeline.cutenv import CutTask, center_device_bounds
+from hlomap.pipeline.dp import solve
+from hlomap.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.pipeline.gantt import draw_gantt
+from hlomap.pipeline.hlo_profile import HloProfile, PivotOptions, profile_from_capture
+from hlomap.pipeline.links import Links
+from hlomap.pipeline.profile import PipelineProfile, scale_batch
+from hlomap.pipeline.simulator import SimulationResult, simulate
+from hlomap.pipeline.space import Objective, SearchSpace
+from hlomap.pipeline.stages import PipelinePlan, Schedule
+
+__all__ = [
+    "CutDescription",
+    "PipelineAgent",
+    "PipelineResult",
+    "explore_pipeline",
+    "format_pipeline_result",
+    "pipeline_task",
+]
+
+log = logging.getLogger(__name__)
+
+
+class PipelineAgent(enum.Enum):
+    DQN = "dqn"
+    DQN_INFER = "dqn-infer"
+    DP = "dp"
+
+
+@dataclass(frozen=True)
+class CutDescription:
+    """One layer cut: the profile pivot, the HLO instruction before it and its layer name."""
+
+    pivot: int
+    instruction: str
+    layer: str
+    crossing_bytes: float
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineResult:
+    """A pipeline plan for one step, how it was found and what it costs.
+
+    latency: L of one global batch from the event simulator; model_latency: the closed form the
+    searches minimize; stage_memory: bytes per device of each stage at its simulated peak.
+    """
+
+    source: str
+    agent: PipelineAgent
+    profile: PipelineProfile  # per microbatch
+    plan: PipelinePlan
+    cost: PlanCost
+    simulation: SimulationResult
+    cuts: tuple[CutDescription, ...]
+    device_cuts: tuple[int, ...]
+    replication: tuple[int, ...]
+    device_memory: tuple[float, ...]  # capacity of each stage's smallest device
+    on_node_boundaries: bool
+    search_seconds: float
+    episodes: int
+    png_path: Path | None
+    optimum: float | None  # the DP's L (or bottleneck) when compared, else None
+    objective: Objective
+
+    @property
+    def latency(self) -> float:
+        return self.simulation.length
+
+    @property
+    def model_latency(self) -> float:
+        return self.cost.latency
+
+    @property
+    def value(self) -> float:
+        """What the search minimized: closed-form L, or the bottleneck."""
+        return self.cost.latency if self.objective is Objective.LATENCY else self.cost.bottleneck
+
+    @property
+    def gap(self) -> float | None:
+        """value / optimum - 1 when compared with the DP."""
+        return None if self.optimum is None else self.value / self.optimum - 1.0
+
+    @property
+    def stage_memory(self) -> tuple[float, ...]:
+        return self.simulation.stage_memory
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for `--json` output."""
+        return {
+            "source": self.source,
+            "agent": self.agent.value,
+            "objective": self.objective.value,
+            "microbatches": self.plan.microbatches,
+            "schedule": self.plan.schedule.value,
+            "stages": [
+                {"layers": [s.start, s.stop], "devices": list(s.devices),
+                 "replication": s.replication, "memory_bytes": mem, "device_memory_bytes": cap}
+                for s, mem, cap in zip(self.plan.stages, self.stage_memory, self.device_memory)
+            ],
+            "cuts": [{"pivot": c.pivot, "instruction": c.instruction, "layer": c.layer,
+                      "crossing_bytes": c.crossing_bytes} for c in self.cuts],
+            "device_cuts": list(self.device_cuts),
+            "on_node_boundaries": self.on_node_boundaries,
+            "latency_seconds": self.latency,
+            "model_latency_seconds": self.model_latency,
+            "bottleneck_seconds": self.cost.bottleneck,
+            "memory_violations": [str(v) for v in self.simulation.violations],
+            "search_seconds": self.search_seconds,
+            "episodes": self.episodes,
+            "optimum": self.optimum,
+            "png": str(self.png_path) if self.png_path is not None else None,
+        }
+
+
+def _links(cluster: Any) -> tuple[Links, Any]:
+    """Links and the device spec to profile on, from a preset name, JSON path, Cluster or
+    Links (a Links carries no device spec: None, the profile's default)."""
+    if isinstance(cluster, Links):
+        return cluster, None
+    from hlomap.cost.cluster import load_cluster
+
+    loaded = load_cluster(cluster)
+    return Links.from_cluster(loaded), loaded.devices[0]
+
+
+def pipeline_task(
+    profile: PipelineProfile,
+    links: Links,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    objective: Objective = Objective.LATENCY,
+    device_radius: int = 0,
+    require_trainable: bool = True,
+    check_memory: bool = True,
+) -> CutTask:
+    """The cut problem of `stages` stages on the center device groups of `links`; the DP gets the
+    same space (replication factors of the center groups, every device used, stage boundaries on
+    servers when there are at least as many servers as stages)."""
+    bounds = center_device_bounds(links, stages)
+    sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
+    n_nodes = len(set(links.node_of))
+    if device_radius > 0:
+        sizes = tuple(range(1, links.n_devices + 1))
+    space = SearchSpace(
+        microbatches=microbatches,
+        schedule=schedule,
+        objective=objective,
+        replication=sizes,
+        use_all_devices=True,
+        max_stages=stages,
+        cut_on_node_boundary=stages <= n_nodes,
+        require_trainable=require_trainable,
+        check_memory=check_memory,
+    )
+    return CutTask(profile, links, space, stages, device_radius=device_radius)
+
+
+def _describe(hlo: HloProfile | None, profile: PipelineProfile, plan: PipelinePlan
+              ) -> tuple[CutDescription, ...]:
+    out = []
+    for pivot in plan.cuts:
+        if hlo is not None:
+            p = hlo.pivots[pivot]
+            out.append(CutDescription(pivot, p.instruction, p.layer, p.crossing_bytes))
+        else:
+            name = profile.names[pivot]
+            out.append(CutDescription(pivot, name, name, float(profile.activation_bytes[pivot])))
+    return tuple(out)
+
+
+def explore_pipeline(
+    source: Any,
+    *,
+    stages: int,
+    microbatches: int = 8,
+    schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+    cluster: Any = "A",
+    agent: PipelineAgent | str = PipelineAgent.DQN,
+    seed: int = 0,
+    budget_seconds: float | None = None,
+    png_path: str | Path | None = None,
+    episodes: int = 2000,
+    finetune_episodes: int = 0,
+    device_radius: int = 0,
+    objective: Objective | str = Objective.LATENCY,
+    require_trainable: bool = True,
+    pivot_options: PivotOptions = PivotOptions(),
+    policy_path: str | Path | None = None,
+    compare_dp: bool = False,
+    name: str | None = None,
+) -> PipelineResult:
+    """Find a pipeline plan of `stages` stages for `source` (module docstring).
+
+    source: a `hlomap.hlo.capture.Capture`, an `HloProfile`, or a per-microbatch
+      `PipelineProfile`.
+    cluster: a preset ("A", "B", "C"), a cluster JSON path, a `hlomap.cost.Cluster`, or `Links`.
+    budget_seconds: wall-clock limit of the DQN (training or fine-tuning); episodes: its episode
+      limit; finetune_episodes: for dqn-infer, 0 for inference alone.
+    compare_dp: also run the DP and report the gap to its optimum.
+    name: how to call the source in reports (default: its profile's source).
+    """
+    agent = PipelineAgent(agent)
+    schedule = Schedule(schedule)
+    objective = Objective(objective)
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
+                         f"{microbatches} must be >= 1")
+    links, device = _links(cluster)
+    hlo: HloProfile | None
+    if isinstance(source, HloProfile):
+        hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
+    elif isinstance(source, PipelineProfile):
+        hlo, profile = None, source
+    elif hasattr(source, "module") and hasattr(source, "parameters"):
+        hlo = profile_from_capture(source, device, options=pivot_options)
+        profile = scale_batch(hlo.profile, 1.0 / microbatches)
+    else:
+        raise TypeError(f"explore_pipeline: cannot read a pipeline profile from {type(source)!r}")
+    task = pipeline_task(
+        profile, links, stages=stages, microbatches=microbatches, schedule=schedule,
+        objective=objective, device_radius=device_radius, require_trainable=require_trainable,
+    ) if stages > 1 else None
+    start = time.perf_counter()
+    episodes_run = 0
+    space = task.space if task is not None else SearchSpace(
+        microbatches=microbatches, schedule=schedule, objective=objective,
+        replication=(links.n_devices,), max_stages=1)
+    if task is None:  # one stage: data parallel over every device, nothing to search
+        plan = PipelinePlan.linear((0, profile.n_layers), (links.n_devices,),
+                                   microbatches=microbatches, schedule=schedule)
+    elif agent is PipelineAgent.DP:
+        plan = solve(profile, links, task.space).plan
+    elif agent is PipelineAgent.DQN:
+        found = dqn_search(task, SearchBudget(max_episodes=episodes, seconds=budget_seconds),
+                           seed=seed)
+        plan, episodes_run = found.plan, found.episodes
+    else:
+        from hlomap.pipeline.infer import infer_cuts, load_policy
+
+        budget = (SearchBudget(max_episodes=finetune_episodes, seconds=budget_seconds)
+                  if finetune_episodes > 0 else None)
+        inferred = infer_cuts(task, load_policy(policy_path), finetune=budget, seed=seed)
+        plan, episodes_run = inferred.plan, inferred.finetune_episodes
+    seconds = time.perf_counter() - start
+    cost = evaluate_plan(profile, links, plan, space.cost)
+    simulation = simulate(profile, links, plan, space.cost)
+    optimum = None
+    if compare_dp:
+        optimum = solve(profile, links, space).value
+    png = None
+    if png_path is not None:
+        png = draw_gantt(simulation, png_path, title=(
+            f"{name or profile.source}: {agent.value}, {schedule.value}, {stages} stages, "
+            f"M = {microbatches}, L = {simulation.length * 1e3:.4g} ms"))
+    device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
+    return PipelineResult(
+        source=name or (hlo.source if hlo is not None else profile.source),
+        agent=agent,
+        profile=profile,
+        plan=plan,
+        cost=cost,
+        simulation=simulation,
+        cuts=_describe(hlo, profile, plan),
+        device_cuts=device_cuts,
+        replication=plan.replication,
+        device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
+        on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
+        search_seconds=seconds,
+        episodes=episodes_run,
+        png_path=png,
+        optimum=optimum,
+        objective=objective,
+    )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_pipeline_result(result: PipelineResult) -> Any:
+    """A rich renderable: the cuts (instruction and layer, like Auto-MAP's Table 7), the stages
+    with devices, replication and memory, and L."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    plan = result.plan
+    head = Text.assemble(
+        (f"{result.source}", "bold"),
+        f"  pipeline by {result.agent.value}: {plan.n_stages} stages, {plan.microbatches} "
+        f"microbatches, {plan.schedule.value}",
+    )
+    cuts = Table(title="Cuts", show_edge=False)
+    for column in ("#", "after HLO instruction", "layer (metadata)", "crossing"):
+        cuts.add_column(column, justify="right" if column in ("#", "crossing") else "left")
+    for k, cut in enumerate(result.cuts):
+        cuts.add_row(str(k), cut.instruction, cut.layer, _bytes(cut.crossing_bytes))
+    stages = Table(title="Stages", show_edge=False)
+    for column in ("stage", "layers", "devices", "replication", "memory / device", "capacity"):
+        stages.add_column(column, justify="left" if column in ("layers", "devices") else "right")
+    for s, (stage, mem, cap) in enumerate(zip(plan.stages, result.stage_memory,
+                                               result.device_memory)):
+        devices = f"{stage.devices[0]}-{stage.devices[-1]}" if len(stage.devices) > 1 else str(
+            stage.devices[0])
+        style = "red" if mem > cap else ""
+        stages.add_row(str(s), f"[{stage.start}, {stage.stop})", devices,
+                       str(stage.replication), Text(_bytes(mem), style=style), _bytes(cap))
+    lines = [
+        Text(f"device cuts: {list(result.device_cuts)} "
+             f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)"),
+        Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms "
+             f"closed form; bottleneck {result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
+        Text(f"search: {result.search_seconds:.1f} s"
+             + (f", {result.episodes} episodes" if result.episodes else "")),
+    ]
+    if result.gap is not None and result.optimum is not None:
+        lines.append(Text(f"DP optimum {result.optimum * 1e3:.4g} ms: gap "
+                          f"{100 * result.gap:.3f}%"))
+    for violation in result.simulation.violations:
+        lines.append(Text(f"out of memory: {violation}", style="red"))
+    if result.png_path is not None:
+        lines.append(Text(f"timeline: {result.png_path}"))
+    return Group(head, cuts, stages, *lines)

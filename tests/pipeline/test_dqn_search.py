@@ -1,0 +1,84 @@
+"""The online DQN search against the exact DP on small problems."""
+
+import numpy as np
+import pytest
+
+from hlomap.pipeline import Links, PipelineProfile, SearchSpace, evaluate_plan, solve
+from hlomap.pipeline.cutenv import CutTask
+from hlomap.agents.dqn import make_dqn
+from hlomap.pipeline.cutenv import CutEnv
+from hlomap.pipeline.dqn_search import (
+    ONLINE_CANDIDATES,
+    SearchBudget,
+    default_dqn_config,
+    dqn_search,
+)
+
+EPISODES = 300
+
+
+def _task(stages: int = 3, seed: int = 0) -> CutTask:
+    rng = np.random.default_rng(seed)
+    n = 14
+    profile = PipelineProfile(
+        names=tuple(f"l{i}" for i in range(n)),
+        forward_time=rng.uniform(0.5, 2.0, n),
+        backward_time=rng.uniform(1.0, 4.0, n),
+        activation_bytes=rng.uniform(1e7, 3e8, n - 1),
+        parameter_bytes=rng.uniform(1e6, 5e7, n),
+        stash_bytes=rng.uniform(1e6, 1e7, n),
+        source=f"random{seed}",
+    )
+    links = Links.uniform(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2)
+    space = SearchSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
+    return CutTask(profile, links, space, stages)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """One compiled set of DQN functions for every search here (compiling dominates)."""
+    task = _task()
+    env = CutEnv(task, ranked=ONLINE_CANDIDATES)
+    config = default_dqn_config(task.n_stages - 1, EPISODES)
+    return task, config, make_dqn(config, env.observation_size, env.num_actions)
+
+
+@pytest.fixture(scope="module")
+def found(compiled):
+    task, config, functions = compiled
+    budget = SearchBudget(max_episodes=EPISODES, eval_every=20)
+    return task, dqn_search(task, budget, seed=0, config=config, functions=functions)
+
+
+def test_finds_the_dp_optimum_of_a_small_problem(found):
+    task, result = found
+    optimum = solve(task.profile, task.links, task.space)
+    assert optimum.plan.n_stages == task.n_stages
+    assert result.value >= optimum.value * (1 - 1e-12)  # nothing beats the optimum
+    assert result.value == pytest.approx(optimum.value, rel=1e-9)
+
+
+def test_reports_the_plan_it_found_with_its_own_cost(found):
+    task, result = found
+    assert result.cost == evaluate_plan(task.profile, task.links, result.plan, task.space.cost)
+    assert result.value == result.cost.latency and result.feasible
+    assert result.episodes == EPISODES and result.steps == EPISODES * (task.n_stages - 1)
+    assert 0 <= result.found_at_episode <= result.episodes
+    values = [v for _, v in result.improvements]
+    assert values == sorted(values, reverse=True) and values[-1] == result.value
+    assert result.plan.replication == (2, 2, 2)
+    assert [s.devices[0] for s in result.plan.stages] == [0, 2, 4]
+
+
+def test_a_time_budget_stops_the_search(compiled):
+    task, config, functions = compiled
+    result = dqn_search(task, SearchBudget(max_episodes=10_000, seconds=0.0), seed=1,
+                        config=config, functions=functions)
+    assert result.episodes == 1
+    assert np.isfinite(result.value)
+
+
+def test_dqn_defaults_are_undiscounted_with_whole_episode_returns():
+    config = default_dqn_config(n_cuts=3, max_episodes=1000, exploration=0.5)
+    assert config.discount == 1.0 and config.n_step == 3
+    assert config.epsilon_decay_steps == 1500

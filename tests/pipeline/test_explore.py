@@ -1,0 +1,88 @@
+"""`explore_pipeline` end to end on a zoo step; the reduced acceptance case (gpt-tiny, config A)."""
+
+import json
+
+import pytest
+from rich.console import Console
+
+from hlomap.cost.cluster import cluster_preset
+from hlomap.pipeline import Links, Schedule, solve
+from hlomap.pipeline.explore import (
+    PipelineAgent,
+    explore_pipeline,
+    format_pipeline_result,
+    pipeline_task,
+)
+from hlomap.pipeline.infer import DEFAULT_POLICY
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    from hlomap.pipeline.acceptance import model_profile
+
+    return model_profile("gpt-tiny")
+
+
+def _text(result) -> str:
+    console = Console(record=True, width=160)
+    console.print(format_pipeline_result(result))
+    return console.export_text()
+
+
+def test_dp_agent_returns_the_optimum_with_a_report_and_timeline(gpt_tiny, tmp_path):
+    result = explore_pipeline(gpt_tiny, stages=3, microbatches=4, cluster="B", agent="dp",
+                              schedule="gpipe", png_path=tmp_path / "t.png", name="zoo:gpt-tiny")
+    links = Links.from_cluster(cluster_preset("B"))
+    task = pipeline_task(result.profile, links, stages=3, microbatches=4,
+                         schedule=Schedule.GPIPE)
+    assert result.value == pytest.approx(solve(result.profile, task.links, task.space).value)
+    assert result.agent is PipelineAgent.DP and result.replication == (8, 8, 8)
+    assert result.device_cuts == (8, 16) and result.on_node_boundaries
+    assert result.png_path.stat().st_size > 1000
+    assert len(result.stage_memory) == 3 and result.latency > 0
+    text = _text(result)
+    for cut in result.cuts:
+        assert cut.instruction in text and cut.layer in text
+        assert cut.instruction == gpt_tiny.pivots[cut.pivot].instruction
+    assert "on server boundaries" in text and "zoo:gpt-tiny" in text
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["device_cuts"] == [8, 16] and data["schedule"] == "gpipe"
+
+
+def test_dqn_matches_the_dp_on_gpt_tiny_config_a(gpt_tiny):
+    """The reduced acceptance case: within 1% of the DP, device cuts on server boundaries."""
+    result = explore_pipeline(gpt_tiny, stages=2, microbatches=8, cluster="A", agent="dqn",
+                              episodes=150, compare_dp=True)
+    assert result.gap is not None and 0 <= result.gap <= 0.01 + 1e-12
+    assert result.on_node_boundaries and result.device_cuts == (8,)
+    assert result.episodes == 150
+    assert "gap" in _text(result)
+
+
+@pytest.mark.skipif(not DEFAULT_POLICY.is_file(), reason="no shipped policy")
+def test_inference_agent_plans_without_training(gpt_tiny):
+    result = explore_pipeline(gpt_tiny, stages=2, microbatches=8, cluster="A",
+                              agent="dqn-infer", compare_dp=True)
+    assert result.episodes == 0 and result.gap is not None and result.gap >= -1e-12
+    assert result.on_node_boundaries
+
+
+def test_unknown_sources_and_agents_are_refused(gpt_tiny):
+    with pytest.raises(TypeError, match="cannot read a pipeline profile"):
+        explore_pipeline(42, stages=2)
+    with pytest.raises(ValueError, match="'genetic'"):
+        explore_pipeline(gpt_tiny, stages=2, agent="genetic")
+
+
+def test_one_stage_is_plain_data_parallelism_and_bare_profiles_are_per_microbatch():
+    from hlomap.pipeline import uniform_profile
+
+    profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e6)
+    links = Links.uniform(4, bandwidth=1e9, devices_per_node=2)
+    single = explore_pipeline(profile, stages=1, microbatches=4, cluster=links, agent="dqn")
+    assert single.plan.n_stages == 1 and single.replication == (4,) and single.episodes == 0
+    assert single.profile is profile  # not scaled: already per microbatch
+    double = explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dp",
+                              require_trainable=False)
+    assert double.replication == (2, 2) and double.plan.cuts == (2,)
+    assert double.cuts[0].instruction == "layer2"
