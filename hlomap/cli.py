@@ -251,6 +251,180 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# explore
+# ---------------------------------------------------------------------------------------------
+
+SHARDING_TASKS = ("opp", "adp", "hybrid")
+SHARDING_AGENTS = ("dqn", "random", "greedy", "exact")
+PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
+PIPEDREAM_PREFIX = "pipedream:"
+
+
+def _beside(output: Path, suffix: str) -> Path:
+    """`plan.json` -> `plan.<suffix>`: reports land next to the plan they describe."""
+    return output.with_name(f"{output.stem}.{suffix}")
+
+
+def _check_output(path: Path) -> None:
+    if not path.parent.exists():
+        raise CliError(f"{path.parent}: directory does not exist (for {path.name})")
+
+
+def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.explore.api import explore_detailed, parse_mesh
+    from hlomap.explore.report import format_plan_summary, plot_convergence, progress_bar
+    from hlomap.source import load_source
+
+    if args.agent not in SHARDING_AGENTS:
+        raise CliError(f"--agent {args.agent}: the {args.task} task takes {', '.join(SHARDING_AGENTS)}")
+    try:
+        mesh = parse_mesh(args.mesh, args.task)
+    except ValueError as err:
+        raise CliError(f"--mesh: {err}") from None
+    if args.budget_seconds is None and args.budget_evaluations is None and args.agent in ("dqn", "random"):
+        raise CliError(f"--agent {args.agent} needs --budget-seconds or --budget-evaluations")
+    curve = Path(args.curve) if args.curve else _beside(output, "convergence.png")
+    _check_output(curve)
+    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    with progress_bar(not args.quiet, description=f"{args.task} / {args.agent}") as on_progress:
+        found = explore_detailed(cap, args.task, mesh, args.cluster, args.agent, args.budget_seconds, args.seed,
+                                 args.reward, budget_evaluations=args.budget_evaluations, output=output,
+                                 on_progress=on_progress)
+    plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
+    if args.json:
+        json.dump(found.plan.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        roles = {p.path: p.role.value for p in cap.parameters}
+        _console().print(format_plan_summary(found.plan, roles=roles if cap.has_roles else None))
+    print(f"plan: {output}; convergence curve: {curve}", file=sys.stderr)
+    if found.result.interrupted:
+        print("interrupted: the best plan found so far is saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _pipeline_source(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(the source explore_pipeline reads, the Capture or None for a PipeDream profile)."""
+    if args.source.startswith(PIPEDREAM_PREFIX):
+        from hlomap.pipeline.pipedream import load_profile
+
+        path = Path(args.source[len(PIPEDREAM_PREFIX):])
+        if not path.is_file():
+            raise CliError(f"{path}: no such PipeDream profile (pipedream:PATH names a PipeDream graph file)")
+        return load_profile(path), None
+    from hlomap.source import load_source
+
+    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    return cap, cap
+
+
+def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.explore.pipeline import pipeline_plan
+    from hlomap.pipeline.explore import explore_pipeline, format_pipeline_result
+
+    if args.agent not in PIPELINE_AGENTS:
+        raise CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
+    if args.stages < 1 or args.microbatches < 1:
+        raise CliError(f"--stages {args.stages} and --microbatches {args.microbatches} must be at least 1")
+    timeline = Path(args.timeline) if args.timeline else _beside(output, "timeline.png")
+    _check_output(timeline)
+    source, cap = _pipeline_source(args)
+    if not args.quiet:
+        print(f"searching {args.stages}-stage cuts with {args.agent} ...", file=sys.stderr)
+    result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
+                              cluster=args.cluster, agent=args.agent, seed=args.seed,
+                              budget_seconds=args.budget_seconds, episodes=args.episodes,
+                              finetune_episodes=args.finetune_episodes, png_path=timeline,
+                              compare_dp=args.compare_dp, name=args.source)
+    if cap is not None:
+        pipeline_plan(cap, result, seed=args.seed).save(output)
+    else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
+        output.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _console().print(format_pipeline_result(result))
+    print(f"plan: {output}; timeline: {timeline}", file=sys.stderr)
+    return 0 if not result.simulation.violations or not args.fail_if_oom else 3
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    _check_output(output)
+    if args.task == "pipeline":
+        return _explore_pipeline(args, output)
+    if args.source.startswith(PIPEDREAM_PREFIX):
+        raise CliError("a PipeDream profile can only be explored with --task pipeline")
+    return _explore_sharding(args, output)
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------
+
+EXIT_MISMATCH = 3
+FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _ensure_host_devices(count: int) -> None:
+    """Let the CPU backend show `count` devices, so that a plan for 8 devices runs on a laptop.
+    Only possible before JAX initializes its backends, and harmless on GPU machines."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if FORCE_DEVICES_FLAG not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={count}".strip()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hlomap.plan import Plan
+
+    try:
+        plan = Plan.load(args.plan)
+    except json.JSONDecodeError as err:
+        raise CliError(f"{args.plan}: not a plan JSON file: {err}") from None
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    if plan.pipeline is not None:
+        raise CliError(f"{args.plan} is a pipeline plan; hlomap run executes tensor and data parallel plans only "
+                       "(the pipeline runner is not built yet)")
+    if not args.source.startswith("zoo:"):
+        raise CliError(f"--source {args.source}: hlomap run needs the JAX train step, i.e. zoo:NAME "
+                       "(an HLO dump cannot be executed with the plan's in_shardings)")
+    devices = 1
+    for _, size in plan.mesh:
+        devices *= size
+    _ensure_host_devices(max(devices, 1))
+
+    import jax
+
+    from hlomap.explore.run import run_plan
+    from hlomap.source import load_source
+
+    if jax.device_count() < devices:
+        raise CliError(f"{args.plan} needs {devices} devices (mesh {plan.mesh_shape}); JAX sees "
+                       f"{jax.device_count()} ({jax.devices()[0].platform})")
+    cap = load_source(args.source)
+    try:
+        plan.check_compatible(cap, where=str(args.plan))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    report = run_plan(plan, args.source, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    if args.json:
+        json.dump(report._asdict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        verdict = "[green]equal[/green]" if report.ok else "[red]DIFFERENT[/red]"
+        _console().print(
+            f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: outputs {verdict} "
+            f"to the unsharded step (rtol {args.rtol:g}, atol {args.atol:g}); max abs error "
+            f"{report.max_abs_err:.3g}, max rel error {report.max_rel_err:.3g}"
+            + (f" at {report.worst_leaf}" if report.worst_leaf else "")
+            + f"; sharded step {report.seconds * 1e3:.1f} ms")
+    return 0 if report.ok else EXIT_MISMATCH
+
+
+# ---------------------------------------------------------------------------------------------
 # argument parsing and error handling
 # ---------------------------------------------------------------------------------------------
 
@@ -296,6 +470,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
     p.set_defaults(func=cmd_simulate)
 
+    p = sub.add_parser("explore", help="search a plan: tensor, data, hybrid or pipeline parallelism",
+                       description="Search a distributed plan for a train step. opp: operator partitioning of the "
+                                   "trainable variables (tensor parallelism); adp: which dims of the data inputs to "
+                                   "split (data parallelism); hybrid: both on a data x model mesh; pipeline: stage "
+                                   "cuts, device groups and replication. The best plan so far is saved to -o as the "
+                                   "search runs (Ctrl-C keeps it).",
+                       epilog="examples:\n  hlomap explore zoo:gpt-small --budget-seconds 30\n"
+                              "  hlomap explore zoo:gpt-1.3b --task hybrid --mesh data=2,model=8 --reward cost\n"
+                              "  hlomap explore zoo:bert-base --task pipeline --stages 2 --cluster A --agent dp\n"
+                              "  hlomap explore pipedream:profiles/vgg16.txt --task pipeline --stages 4",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE",
+                   help="an HLO text file, zoo:NAME, or (pipeline task only) pipedream:GRAPH.txt")
+    p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline"), default="opp", help="what to search (default opp)")
+    p.add_argument("--mesh", default="8", metavar="8|data=2,model=4",
+                   help="device mesh of the opp/adp/hybrid tasks; a bare count is one axis, model (data for adp) "
+                        "(default 8)")
+    p.add_argument("--cluster", default="A", metavar="A|B|C|FILE.json",
+                   help="cluster preset or JSON, for the cost reward, the plan's estimate and the pipeline links "
+                        "(default A)")
+    p.add_argument("--agent", default="dqn", metavar="AGENT",
+                   help=f"opp/adp/hybrid: {'|'.join(SHARDING_AGENTS)}; pipeline: {'|'.join(PIPELINE_AGENTS)} "
+                        "(default dqn)")
+    p.add_argument("--reward", choices=("paper", "cost"), default="paper",
+                   help="paper: Auto-MAP's +0.4 per partitioned dim, +0.1 per replicated one, -1 on conflict; "
+                        "cost: the cost model's step-time gain (default paper)")
+    p.add_argument("--budget-seconds", type=float, default=60.0, metavar="N",
+                   help="wall-clock budget of the search (default 60)")
+    p.add_argument("--budget-evaluations", type=int, default=None, metavar="N",
+                   help="also stop after N evaluated plans")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
+                   help="where the plan is saved, and kept up to date while searching (default plan.json)")
+    p.add_argument("--curve", metavar="FILE.png",
+                   help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
+    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    g = p.add_argument_group("pipeline task")
+    g.add_argument("--stages", type=int, default=2, metavar="S", help="pipeline stages (default 2)")
+    g.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (default 1f1b)")
+    g.add_argument("--episodes", type=int, default=2000, metavar="N",
+                   help="DQN training episodes (default 2000; --budget-seconds also limits it)")
+    g.add_argument("--finetune-episodes", type=int, default=0, metavar="N",
+                   help="dqn-infer: fine-tune the shipped network for N episodes on this model (default 0)")
+    g.add_argument("--compare-dp", action="store_true", help="also solve the exact DP and report the gap")
+    g.add_argument("--timeline", metavar="FILE.png",
+                   help="Gantt chart of the simulated step (default: next to the plan, *.timeline.png)")
+    g.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when a stage does not fit")
+    p.add_argument("--json", action="store_true", help="print the plan (or pipeline result) as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_explore)
+
+    p = sub.add_parser("run", help="run a step under a plan and check it against the unsharded step",
+                       description="Compile the zoo train step twice with jax.jit, plain and with the plan's "
+                                   "NamedShardings, run both on the same real arguments and compare every output "
+                                   "(|sharded - plain| <= atol + rtol |plain|). On a CPU-only machine the CPU backend "
+                                   "is given as many devices as the plan's mesh needs. Exit status 3 when the "
+                                   "outputs differ.")
+    p.add_argument("plan", metavar="PLAN.json", help="a plan saved by hlomap explore or Plan.save")
+    p.add_argument("--source", required=True, metavar="zoo:NAME", help="the zoo train step the plan was made for")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.set_defaults(func=cmd_run)
+
     zoo = sub.add_parser("zoo", help="list or dump the built-in benchmark train steps",
                          description="The model zoo: GPT, BERT, T5, VGG-19, ResNet-50, MoE and a Haiku MLP.")
     zsub = zoo.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -315,12 +555,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hlomap.cost.cluster import ClusterSpecError
     from hlomap.cost.estimate import EstimateError
     from hlomap.cost.mapping import MappingError
+    from hlomap.explore.exact import ExactTooLarge
     from hlomap.hlo.parser import HloParseError
+    from hlomap.pipeline.pipedream import PipeDreamParseError
     from hlomap.propagation.conflicts import PlanConflict
     from hlomap.source import SourceError
 
     return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, MappingError, PlanConflict,
-            FileNotFoundError,
+            ExactTooLarge, PipeDreamParseError, FileNotFoundError,
             IsADirectoryError, PermissionError)
 
 

@@ -67,3 +67,77 @@ def test_console_script_help_and_exit_code() -> None:
     done = subprocess.run([sys.executable, "-m", "hlomap.cli", "inspect", "/nonexistent.hlo"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# explore and run
+# ---------------------------------------------------------------------------------------------
+
+PIPEDREAM_VGG16 = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "pipedream" / "vgg16.txt"
+
+
+def test_explore_saves_a_plan_that_runs_with_unsharded_numerics(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = tmp_path / "plan.json"
+    assert run(["explore", "zoo:gpt-tiny", "--agent", "exact", "--budget-seconds", "60", "-q",
+                "-o", str(plan_path)]) == 0
+    captured = capsys.readouterr()
+    assert "variables sharded" in captured.out and "mlp" in captured.out
+    saved = json.loads(plan_path.read_text())
+    assert saved["mesh"] == {"axes": {"model": 8}}
+    assert saved["search"]["driver"] == "exact" and saved["search"]["reward"] == "paper"
+    assert any(any(s is not None for s in p["spec"]) for p in saved["parameters"])
+    assert (tmp_path / "plan.convergence.png").stat().st_size > 0
+
+    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["max_abs_err"] <= 1e-3
+
+
+def test_run_refuses_a_plan_made_for_another_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = tmp_path / "plan.json"
+    assert run(["explore", "zoo:gpt-tiny", "--agent", "greedy", "-q", "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert run(["run", str(plan_path), "--source", "zoo:bert-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "another module" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["explore", "zoo:gpt-tiny", "--agent", "dp"], "--agent dp"),
+    (["explore", "zoo:gpt-tiny", "--task", "pipeline", "--agent", "greedy"], "--agent greedy"),
+    (["explore", "zoo:gpt-tiny", "--mesh", "model=x"], "--mesh"),
+    (["explore", "zoo:gpt-tiny", "--task", "hybrid", "--mesh", "8"], "data x model"),
+    (["explore", "zoo:gpt-tiny", "-o", "/nonexistent/dir/plan.json"], "does not exist"),
+    (["explore", "pipedream:/nonexistent.txt", "--task", "pipeline"], "no such PipeDream profile"),
+    (["run", "/nonexistent/plan.json", "--source", "zoo:gpt-tiny"], "No such file"),
+])
+def test_explore_and_run_user_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_explore_pipeline_on_a_zoo_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = tmp_path / "pp.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--agent", "dp", "-q",
+                "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Cuts" in out and "device cuts: [8]" in out and "on server boundaries" in out
+    saved = json.loads(plan_path.read_text())
+    stages = saved["pipeline"]["stages"]
+    assert len(stages) == 2 and [s["devices"][0] for s in stages] == [0, 8]
+    assert saved["search"]["driver"] == "dp" and saved["estimate"]["step_seconds"] > 0
+    assert (tmp_path / "pp.timeline.png").stat().st_size > 0
+    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 2  # pipeline plans do not run yet
+    assert "pipeline plan" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not PIPEDREAM_VGG16.exists(), reason="needs ../shared/corpus/pipedream")
+def test_explore_pipeline_on_a_pipedream_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_path = tmp_path / "vgg.json"
+    assert run(["explore", f"pipedream:{PIPEDREAM_VGG16}", "--task", "pipeline", "--stages", "2", "--agent", "dp",
+                "--json", "-q", "-o", str(out_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["stages"]) == 2 and result["latency_seconds"] > 0
+    assert json.loads(out_path.read_text())["cuts"] == result["cuts"]

@@ -24,6 +24,7 @@ import enum
 import hashlib
 import inspect
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
@@ -75,6 +76,27 @@ class EntryParameter:
     @property
     def byte_size(self) -> int:
         return self.shape.byte_size
+
+
+# Debug information records where the step was traced from (file paths, line numbers, the call
+# stack), so the same step lowered from another script, checkout or install prints differently.
+_DEBUG_SECTIONS = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
+_METADATA = re.compile(r', metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+
+
+def module_fingerprint(text: str) -> str:
+    """sha256 of an HLO module's text without its debug sections and `metadata={...}`: what a
+    saved plan records to recognize the module it was made for."""
+    kept: list[str] = []
+    in_section = False
+    for line in text.splitlines():
+        if line in _DEBUG_SECTIONS:
+            in_section = True
+        elif in_section:
+            in_section = bool(line.strip())
+        else:
+            kept.append(_METADATA.sub("", line))
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,7 +200,7 @@ def capture(
         module=module,
         parameters=parameters,
         source=f"jax:{fn_name}",
-        text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+        text_sha256=module_fingerprint(text),
         step=step,
         args=abstract,
         in_tree=in_tree,
@@ -227,7 +249,7 @@ def from_module(
         )
         for inst in params
     )
-    digest = hashlib.sha256((text if text is not None else str(module)).encode()).hexdigest()
+    digest = module_fingerprint(text if text is not None else str(module))
     return Capture(module=module, parameters=parameters, source=source, text_sha256=digest)
 
 

@@ -128,3 +128,14 @@ def test_zoo_source_marks_batch_norm_statistics_as_other():
     assert trainable and not trainable & stats
     # Adam keeps one mu and one nu per trainable leaf, and none for the statistics
     assert len(cap.with_role(Role.OPTIMIZER_STATE)) == 2 * len(trainable)
+
+
+def test_fingerprint_ignores_where_the_step_was_traced_from() -> None:
+    from hlomap.hlo.capture import module_fingerprint
+
+    body = 'ENTRY main {\n  ROOT p = f32[2]{0} parameter(0), metadata={op_name="x" source_file="/a.py" source_line=3}\n}\n'
+    here = 'HloModule m\n\nFileNames\n1 "/a.py"\n\nStackFrames\n1 1 0\n\n' + body
+    there = 'HloModule m\n\nFileNames\n1 "/elsewhere/b.py"\n\nStackFrames\n1 1 0\n2 1 1\n\n' + body.replace(
+        'source_file="/a.py" source_line=3', 'source_file="/b.py" source_line=99')
+    assert module_fingerprint(here) == module_fingerprint(there)
+    assert module_fingerprint(here) != module_fingerprint(here.replace("f32[2]", "f32[3]"))
