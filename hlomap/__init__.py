@@ -27,10 +27,12 @@ _PUBLIC: dict[str, str] = {
     "cluster_preset": "hlomap.cost.cluster",
 }
 
-__all__ = sorted(_PUBLIC) + ["__version__"]
+__all__ = sorted([*_PUBLIC, "explore"]) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "explore":  # the package hlomap.explore is itself callable: hlomap.explore(cap, ...)
+        return importlib.import_module("hlomap.explore")
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'hlomap' has no attribute {name!r}")
