@@ -85,7 +85,15 @@ def data_parallel_plan(graph: FactorGraph, mesh_axis: str | Sequence[str],
         raise ValueError(f"no DATA entry parameter in {graph.module.name}; cannot find the batch dim "
                          f"(roles: {sorted({p.role.value for p in graph.parameters})})")
     groups = list(dict.fromkeys(graph.parameter_groups(p.index)[0] for p in data if p.shape.dims[0] > 1))
-    return _greedy(ConflictChecker(graph, axes), empty_plan(graph), groups, option, "data-parallel plan")
+    plan = _greedy(ConflictChecker(graph, axes), empty_plan(graph), groups, option, "data-parallel plan")
+    # Not an error (the plan is valid), but a "data-parallel" plan that splits no batch is not
+    # what the caller asked for: say so, instead of silently estimating a replicated step.
+    left = [p.path or p.name for p in data if p.shape.dims[0] > 1 and plan[graph.parameter_groups(p.index)[0]] < 0]
+    if left:
+        log.warning("data-parallel plan: the batch dim of %s stays replicated on mesh axis %r (batch not divisible "
+                    "by the axis, or linked to a dim that cannot split; -v says why)", ", ".join(left[:4])
+                    + (f" and {len(left) - 4} more" if len(left) > 4 else ""), mesh_axis)
+    return plan
 
 
 def weight_graph(graph: FactorGraph) -> dict[int, set[int]]:

@@ -68,6 +68,15 @@ def test_data_parallel_and_hybrid_plans(zoo_capture, zoo_graph):
     assert all(s == P() for path, s in specs.items() if path.startswith("params/ln"))
 
 
+def test_data_parallel_plan_warns_when_the_batch_cannot_split(zoo_graph, caplog):
+    g = zoo_graph("gpt-tiny")  # batch 8: splits over 8, not over 3
+    with caplog.at_level("WARNING", logger="hlomap.propagation.plans"):
+        assert (data_parallel_plan(g, "data", MeshAxes.from_mesh({"data": 8})) >= 0).any()
+        assert not caplog.records
+        assert not (data_parallel_plan(g, "data", MeshAxes.from_mesh({"data": 3})) >= 0).any()
+    assert "batch/tokens" in caplog.text and "stays replicated" in caplog.text
+
+
 def test_wrong_plan_is_rejected_naming_the_weight(zoo_capture, zoo_graph):
     cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
 
