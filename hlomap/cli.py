@@ -233,15 +233,39 @@ def _mesh_argument(text: str) -> Any:
         raise CliError(f"--mesh: {err}") from None
 
 
+def _cluster_argument(cluster: str, profile: str | None) -> Any:
+    """What --cluster names, unchanged without --profile; with it, the loaded Cluster with the
+    profile's efficiencies applied to the devices it was measured on."""
+    if profile is None:
+        return cluster
+    from hlomap.cost.calibration import CalibrationError, apply_profile, load_profile
+    from hlomap.cost.cluster import load_cluster
+
+    loaded = load_cluster(cluster)
+    try:
+        calibration = load_profile(profile)
+    except CalibrationError as err:  # names the file and the field already
+        raise CliError(f"--profile: {err}") from None
+    try:
+        calibrated = apply_profile(loaded, calibration)
+    except CalibrationError as err:
+        raise CliError(f"--profile {profile}: {err}") from None
+    if calibration.backend and calibration.backend not in ("gpu", "cuda", "rocm"):
+        print(f"warning: --profile {profile} was measured on the {calibration.backend} backend, not a GPU: "
+              f"its factors do not describe the {calibration.device}", file=sys.stderr)
+    return calibrated
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from hlomap.cost.estimate import estimate, format_estimate
     from hlomap.source import load_source
 
     plan = _plan_argument(args.plan)
     mesh = None if args.mesh is None else _mesh_argument(args.mesh)
+    cluster = _cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
     cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
     order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
-    est = estimate(cap, plan, mesh=mesh, cluster=args.cluster, axis_order=order)
+    est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=order)
     if args.json:
         json.dump(est.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -285,9 +309,10 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
         raise CliError(f"--agent {args.agent} needs --budget-seconds or --budget-evaluations")
     curve = Path(args.curve) if args.curve else _beside(output, "convergence.png")
     _check_output(curve)
+    cluster = _cluster_argument(args.cluster, args.profile)
     cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
     with progress_bar(not args.quiet, description=f"{args.task} / {args.agent}") as on_progress:
-        found = explore_detailed(cap, args.task, mesh, args.cluster, args.agent, args.budget_seconds, args.seed,
+        found = explore_detailed(cap, args.task, mesh, cluster, args.agent, args.budget_seconds, args.seed,
                                  args.reward, budget_evaluations=args.budget_evaluations, output=output,
                                  on_progress=on_progress)
     plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
@@ -329,11 +354,12 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
         raise CliError(f"--stages {args.stages} and --microbatches {args.microbatches} must be at least 1")
     timeline = Path(args.timeline) if args.timeline else _beside(output, "timeline.png")
     _check_output(timeline)
+    cluster = _cluster_argument(args.cluster, args.profile)
     source, cap = _pipeline_source(args)
     if not args.quiet:
         print(f"searching {args.stages}-stage cuts with {args.agent} ...", file=sys.stderr)
     result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
-                              cluster=args.cluster, agent=args.agent, seed=args.seed,
+                              cluster=cluster, agent=args.agent, seed=args.seed,
                               budget_seconds=args.budget_seconds, episodes=args.episodes,
                               finetune_episodes=args.finetune_episodes, png_path=timeline,
                               compare_dp=args.compare_dp, name=args.source)
@@ -429,6 +455,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+PROFILE_HELP = ("calibration profile (written by scripts/calibrate_gpu.py): the cluster's devices of the "
+                "profiled kind get its fitted compute efficiency and HBM bandwidth")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hlomap",
@@ -461,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device mesh; a bare count names its axis after the plan (data for dp, model for megatron)."
                         " Default: 8, or the saved plan's mesh")
     p.add_argument("--cluster", default="A", metavar="A|B|C|FILE.json", help="cluster preset or JSON (default A)")
+    p.add_argument("--profile", metavar="PROFILE.json", help=PROFILE_HELP)
     p.add_argument("--axis-order", metavar="AXES",
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
                         "inside a node (default: the mesh's order)")
@@ -490,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="A", metavar="A|B|C|FILE.json",
                    help="cluster preset or JSON, for the cost reward, the plan's estimate and the pipeline links "
                         "(default A)")
+    p.add_argument("--profile", metavar="PROFILE.json", help=PROFILE_HELP)
     p.add_argument("--agent", default="dqn", metavar="AGENT",
                    help=f"opp/adp/hybrid: {'|'.join(SHARDING_AGENTS)}; pipeline: {'|'.join(PIPELINE_AGENTS)} "
                         "(default dqn)")

@@ -5,10 +5,19 @@
     mapping = axis_devices(cluster, {"data": 2, "model": 8}, order=("data", "model"))
     t = collective_time(Collective.ALL_REDUCE, cluster, mapping.groups("data"), nbytes)
     step = module_cost(module, cluster.devices[0])               # FLOPs, bytes, roofline time
+    cluster = apply_profile(cluster, load_profile("h100.json"))   # calibrated efficiencies
 
 See ../shared/DESIGN.md ("Cost model").
 """
 
+from hlomap.cost.calibration import (
+    CalibrationError,
+    CalibrationProfile,
+    Measurement,
+    apply_profile,
+    fit_profile,
+    load_profile,
+)
 from hlomap.cost.cluster import (
     Cluster,
     ClusterSpecError,
@@ -42,6 +51,8 @@ from hlomap.cost.mapping import AxisMapping, MappingError, axis_devices
 __all__ = [
     "DEVICE_PRESETS",
     "AxisMapping",
+    "CalibrationError",
+    "CalibrationProfile",
     "Cluster",
     "ClusterSpecError",
     "Collective",
@@ -49,18 +60,22 @@ __all__ = [
     "DeviceSpecError",
     "InstructionCost",
     "MappingError",
+    "Measurement",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
+    "apply_profile",
     "axis_devices",
     "cluster_preset",
     "collective_permute_time",
     "collective_time",
     "computation_cost",
     "device_preset",
+    "fit_profile",
     "hierarchical",
     "instruction_cost",
     "load_cluster",
+    "load_profile",
     "mesh_topology",
     "module_cost",
     "module_flops",

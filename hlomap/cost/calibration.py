@@ -1,0 +1,394 @@
+"""Calibration profiles: efficiency factors of a device preset fitted to measured kernel times.
+
+The roofline of `hlomap.cost.compute` prices a kernel at max(flops / (peak x efficiency),
+bytes / hbm_bandwidth). Datasheet peaks are never reached, so a profile carries the two factors
+that turn them into what a real device achieves, fitted from timed kernels:
+
+    profile = fit_profile(measurements, device_preset("H100-80GB"), backend="gpu", ...)
+    profile.save("h100.json")
+    cluster = apply_profile(load_cluster("cluster.json"), load_profile("h100.json"))
+
+- `compute_efficiency` replaces `DeviceSpec.efficiency`: achieved / peak FLOP/s of compute-bound
+  kernels (large dots);
+- `bandwidth_efficiency` scales `DeviceSpec.hbm_bandwidth`: achieved / datasheet bytes/s of
+  memory-bound kernels (elementwise ops, reductions, skinny dots).
+
+`scripts/calibrate_gpu.py` times the kernels and writes a profile; `hlomap simulate` and
+`hlomap explore` load one with `--profile FILE`.
+
+JSON (units: FLOPs, bytes, seconds):
+    {"format": "hlomap-calibration", "version": 1, "device": "H100-80GB",
+     "compute_efficiency": 0.71, "bandwidth_efficiency": 0.88,
+     "backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "jax_version": "0.4.35",
+     "measured_at": "2025-01-01T00:00:00+00:00", "notes": ["..."],
+     "measurements": [{"name": "dot_bf16_4096", "kind": "dot", "dtype": "bf16",
+                       "flops": 1.37e11, "bytes": 1.0e8, "seconds": 2.0e-4, "fit": true}, ...]}
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.compute import flop_rate
+from hlomap.cost.devices import DeviceSpec
+
+#: The "format" field of a profile file, so that a cluster or plan JSON passed by mistake is
+#: recognized as such rather than failing on a missing field.
+FORMAT = "hlomap-calibration"
+VERSION = 1
+
+#: Kinds whose flops run on matrix units (tensor cores) at the dtype's own peak; see
+#: `hlomap.cost.compute.flop_rate`.
+MATRIX_KINDS = frozenset({"dot", "convolution"})
+
+#: A kernel counts as compute- (memory-) bound when its roofline compute time is at least this
+#: many times its memory time (or the reverse). Kernels near the ridge point are limited by both
+#: (and by latency), so neither factor can be read off their time; they are left out of the fit.
+RIDGE_MARGIN = 2.0
+
+#: Rounds of classify-then-fit. Classes usually settle in two or three rounds; the cap only
+#: guards against a pathological data set flipping one kernel back and forth.
+MAX_ROUNDS = 20
+
+#: Smallest efficiency a profile stores: DeviceSpec needs a positive factor, and anything this
+#: small is a broken measurement (or a CPU timed against a GPU preset), not a device.
+MIN_EFFICIENCY = 1e-6
+
+_PROFILE_FIELDS = ("format", "version", "device", "compute_efficiency", "bandwidth_efficiency", "measurements",
+                   "backend", "device_kind", "jax_version", "measured_at", "notes")
+_REQUIRED_FIELDS = ("device", "compute_efficiency", "bandwidth_efficiency", "measurements")
+_MEASUREMENT_FIELDS = ("name", "kind", "dtype", "flops", "bytes", "seconds", "fit")
+
+
+class CalibrationError(ValueError):
+    """A calibration profile (file, fit or application) that cannot be used; says which and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed kernel (or a whole step): what it does and how long it took.
+
+    `dtype` is the HLO element type whose peak applies (the operand type of a dot); `kind` says
+    whether that is the matrix-unit rate (`MATRIX_KINDS`) or the vector rate. `fit` False keeps
+    a measurement out of the fit (whole train steps, diagnostics) but in the file, so that the
+    report it backs can be checked later.
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    flops: float
+    bytes_accessed: float
+    seconds: float
+    fit: bool = True
+
+    def __post_init__(self) -> None:
+        for label, value in (("flops", self.flops), ("bytes", self.bytes_accessed)):
+            if not (math.isfinite(value) and value >= 0):
+                raise CalibrationError(f"measurement {self.name!r}: {label} = {value!r} must be finite and >= 0")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise CalibrationError(f"measurement {self.name!r}: seconds = {self.seconds!r} must be positive")
+
+    @property
+    def matrix(self) -> bool:
+        return self.kind in MATRIX_KINDS
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "flops": self.flops,
+                "bytes": self.bytes_accessed, "seconds": self.seconds, "fit": self.fit}
+
+    @classmethod
+    def from_json(cls, data: Any, *, where: str) -> Measurement:
+        if not isinstance(data, Mapping):
+            raise CalibrationError(f"{where}: expected an object, got {data!r}")
+        missing = [k for k in _MEASUREMENT_FIELDS if k not in data and k != "fit"]
+        if missing:
+            raise CalibrationError(f"{where}: missing field(s) {missing}")
+        unknown = sorted(set(data) - set(_MEASUREMENT_FIELDS))
+        if unknown:
+            raise CalibrationError(f"{where}: unknown field(s) {unknown}")
+        fit = data.get("fit", True)
+        if not isinstance(fit, bool):
+            raise CalibrationError(f"{where}.fit: expected true or false, got {fit!r}")
+        try:
+            return cls(name=_string(data["name"], f"{where}.name"), kind=_string(data["kind"], f"{where}.kind"),
+                       dtype=_string(data["dtype"], f"{where}.dtype"),
+                       flops=_number(data["flops"], f"{where}.flops"),
+                       bytes_accessed=_number(data["bytes"], f"{where}.bytes"),
+                       seconds=_number(data["seconds"], f"{where}.seconds"), fit=fit)
+        except CalibrationError as err:
+            msg = str(err)
+            raise CalibrationError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+
+@dataclass(frozen=True)
+class CalibrationProfile:
+    """Fitted efficiency factors of one device kind, with the measurements behind them.
+
+    `device` is the DeviceSpec name the profile applies to. `backend`, `device_kind`,
+    `jax_version` and `measured_at` say where and when it was measured (JAX's
+    `default_backend()`, `devices()[0].device_kind`, an ISO 8601 time); `notes` what the fit
+    decided (kernels left out, factors clamped, warnings).
+    """
+
+    device: str
+    compute_efficiency: float
+    bandwidth_efficiency: float
+    measurements: tuple[Measurement, ...] = ()
+    backend: str = ""
+    device_kind: str = ""
+    jax_version: str = ""
+    measured_at: str = ""
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "measurements", tuple(self.measurements))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        for label, value in (("compute_efficiency", self.compute_efficiency),
+                             ("bandwidth_efficiency", self.bandwidth_efficiency)):
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise CalibrationError(f"field {label!r}: expected a number in (0, 1], got {value!r}")
+        if not self.device:
+            raise CalibrationError("field 'device': expected a device name, got an empty string")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "device": self.device,
+            "compute_efficiency": self.compute_efficiency, "bandwidth_efficiency": self.bandwidth_efficiency,
+            "backend": self.backend, "device_kind": self.device_kind, "jax_version": self.jax_version,
+            "measured_at": self.measured_at, "notes": list(self.notes),
+            "measurements": [m.to_json() for m in self.measurements],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "<dict>") -> CalibrationProfile:
+        """Build from the object of `to_json`; errors name `source` and the field."""
+        return _profile_from_json(data, source)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def load_profile(path: str | Path) -> CalibrationProfile:
+    """Read a profile written by `CalibrationProfile.save`; errors name the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"{path}: no such profile file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CalibrationError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    except UnicodeDecodeError as err:
+        raise CalibrationError(f"{path}: not a text file ({err.reason} at byte {err.start})") from None
+    return CalibrationProfile.from_json(data, source=str(path))
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise CalibrationError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CalibrationError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _profile_from_json(data: Any, source: str) -> CalibrationProfile:
+    if not isinstance(data, Mapping):
+        raise CalibrationError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    if data.get("format", FORMAT) != FORMAT:
+        raise CalibrationError(f"{source}: field 'format': expected {FORMAT!r}, got {data['format']!r} "
+                               f"(is this a calibration profile?)")
+    if data.get("version", VERSION) != VERSION:
+        raise CalibrationError(f"{source}: field 'version': this hlomap reads version {VERSION}, "
+                               f"got {data['version']!r}")
+    missing = [k for k in _REQUIRED_FIELDS if k not in data]
+    if missing:
+        raise CalibrationError(f"{source}: missing field(s) {missing}")
+    unknown = sorted(set(data) - set(_PROFILE_FIELDS))
+    if unknown:
+        raise CalibrationError(f"{source}: unknown field(s) {unknown}")
+    raw = data["measurements"]
+    if not isinstance(raw, list):
+        raise CalibrationError(f"{source}: field 'measurements': expected a list, got {type(raw).__name__}")
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise CalibrationError(f"{source}: field 'notes': expected a list of strings, got {notes!r}")
+    text = {k: _string(data.get(k, ""), f"{source}: field {k!r}")
+            for k in ("device", "backend", "device_kind", "jax_version", "measured_at")}
+    measurements = tuple(Measurement.from_json(m, where=f"{source}: field 'measurements'[{i}]")
+                         for i, m in enumerate(raw))
+    efficiency = {k: _number(data[k], f"{source}: field {k!r}")
+                  for k in ("compute_efficiency", "bandwidth_efficiency")}
+    try:
+        return CalibrationProfile(measurements=measurements, notes=tuple(notes), **text, **efficiency)
+    except CalibrationError as err:
+        raise CalibrationError(f"{source}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting
+# ---------------------------------------------------------------------------------------------
+
+
+class Bound(enum.Enum):
+    """Which side of the roofline limits a kernel."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+    RIDGE = "ridge"  # within RIDGE_MARGIN of the ridge point: left out of the fit
+
+
+def ideal_seconds(m: Measurement, device: DeviceSpec) -> tuple[float, float]:
+    """(compute, memory) seconds of `m` at the device's datasheet peak and bandwidth, the
+    efficiency-free parts of the roofline in `hlomap.cost.compute`."""
+    return m.flops / flop_rate(device, m.dtype, m.matrix), m.bytes_accessed / device.hbm_bandwidth
+
+
+def predicted_seconds(m: Measurement, device: DeviceSpec, compute_efficiency: float,
+                      bandwidth_efficiency: float) -> float:
+    """The roofline time of `m` with the given factors."""
+    compute, memory = ideal_seconds(m, device)
+    return max(compute / compute_efficiency, memory / bandwidth_efficiency)
+
+
+def classify(m: Measurement, device: DeviceSpec, compute_efficiency: float, bandwidth_efficiency: float,
+             margin: float = RIDGE_MARGIN) -> Bound:
+    """The bound of `m` under the given factors (a kernel with no work of one kind is bound by
+    the other, however small)."""
+    compute, memory = ideal_seconds(m, device)
+    compute, memory = compute / compute_efficiency, memory / bandwidth_efficiency
+    if compute >= margin * memory and compute > 0:
+        return Bound.COMPUTE
+    if memory >= margin * compute and memory > 0:
+        return Bound.MEMORY
+    return Bound.RIDGE
+
+
+def _median_efficiency(ms: Sequence[Measurement], device: DeviceSpec, side: int) -> float:
+    """Median over `ms` of ideal time / measured time on one side (0 compute, 1 memory). The
+    median, not a mean or least squares: one kernel hit by a clock dip or a cold cache should
+    not move the factor that every other kernel agrees on."""
+    return statistics.median(ideal_seconds(m, device)[side] / m.seconds for m in ms)
+
+
+def _clamped(raw: float, label: str, what: str) -> tuple[float, list[str]]:
+    if raw > 1:
+        return 1.0, [f"{label} {raw:.3g} > 1 clamped to 1: the {what} ran faster than the preset's datasheet "
+                     f"figure (a preset peak too low for them, e.g. f32 dots on TF32 tensor cores, data "
+                     f"resident in cache, or a timing error)"]
+    if raw < MIN_EFFICIENCY:
+        return MIN_EFFICIENCY, [f"{label} {raw:.3g} raised to {MIN_EFFICIENCY:g}: a device this far below "
+                                f"its preset is a wrong preset or a broken measurement"]
+    return raw, []
+
+
+def fit_profile(measurements: Iterable[Measurement], device: DeviceSpec, *, margin: float = RIDGE_MARGIN,
+                backend: str = "", device_kind: str = "", jax_version: str = "",
+                measured_at: str = "") -> CalibrationProfile:
+    """Fit the compute and bandwidth efficiencies of `device` to timed kernels.
+
+    Compute-bound kernels give the compute efficiency (ideal compute time / measured time),
+    memory-bound ones the bandwidth efficiency (ideal memory time / measured time), each the
+    median over its kernels. Which side bounds a kernel depends on the factors being fitted (a
+    dot just past the datasheet ridge point is memory-bound when the tensor cores reach 70% and
+    HBM 95%), so classification and fit alternate until the classes settle, starting from the
+    datasheet roofline. A side with no kernels keeps the preset's value (compute: the device's
+    efficiency; bandwidth: 1, the cost model's assumption). Factors are clamped to
+    (MIN_EFFICIENCY, 1], because the cost model treats the datasheet as an upper bound; the
+    profile's notes say when and why.
+    """
+    all_ms = tuple(measurements)
+    used = [m for m in all_ms if m.fit]
+    if not used:
+        raise CalibrationError(f"no measurements to fit for {device.name!r} "
+                               f"({len(all_ms)} given, none marked fit)")
+    if margin < 1:
+        raise CalibrationError(f"margin = {margin!r} must be >= 1")
+    compute_eff, bandwidth_eff = 1.0, 1.0
+    classes: tuple[Bound, ...] = ()
+    converged = False
+    for _ in range(MAX_ROUNDS):
+        new = tuple(classify(m, device, compute_eff, bandwidth_eff, margin) for m in used)
+        if new == classes:
+            converged = True
+            break
+        classes = new
+        compute_ms = [m for m, b in zip(used, classes) if b is Bound.COMPUTE]
+        memory_ms = [m for m, b in zip(used, classes) if b is Bound.MEMORY]
+        compute_eff = _median_efficiency(compute_ms, device, 0) if compute_ms else device.efficiency
+        bandwidth_eff = _median_efficiency(memory_ms, device, 1) if memory_ms else 1.0
+    notes = _fit_notes(used, classes, device, compute_eff, bandwidth_eff, margin, len(all_ms) - len(used))
+    if not converged:
+        notes.append(f"kernel classes still changing after {MAX_ROUNDS} rounds; the last round's fit is kept")
+    compute_final, why = _clamped(compute_eff, "compute efficiency", "compute-bound kernels")
+    notes += why
+    bandwidth_final, why = _clamped(bandwidth_eff, "bandwidth efficiency", "memory-bound kernels")
+    notes += why
+    return CalibrationProfile(device=device.name, compute_efficiency=compute_final,
+                              bandwidth_efficiency=bandwidth_final, measurements=all_ms, backend=backend,
+                              device_kind=device_kind, jax_version=jax_version, measured_at=measured_at,
+                              notes=tuple(notes))
+
+
+def _fit_notes(used: Sequence[Measurement], classes: Sequence[Bound], device: DeviceSpec, compute_eff: float,
+               bandwidth_eff: float, margin: float, excluded: int) -> list[str]:
+    """What the fit rests on, one line per side, plus what it left out."""
+    notes: list[str] = []
+    for bound, side, value, label in ((Bound.COMPUTE, 0, compute_eff, "compute efficiency"),
+                                      (Bound.MEMORY, 1, bandwidth_eff, "bandwidth efficiency")):
+        ms = [m for m, b in zip(used, classes) if b is bound]
+        if not ms:
+            kept = f"the preset's {device.efficiency:g}" if side == 0 else "1 (full datasheet bandwidth)"
+            notes.append(f"{label}: no {bound.value}-bound kernel measured; kept at {kept}")
+            continue
+        each = [ideal_seconds(m, device)[side] / m.seconds for m in ms]
+        notes.append(f"{label} {value:.3g}: median of {len(ms)} {bound.value}-bound kernel(s), "
+                     f"range {min(each):.3g}..{max(each):.3g}")
+    ridge = [m.name for m, b in zip(used, classes) if b is Bound.RIDGE]
+    if ridge:
+        notes.append(f"left out, within {margin:g}x of the ridge point: {', '.join(ridge)}")
+    if excluded:
+        notes.append(f"{excluded} measurement(s) marked fit=false (steps, diagnostics) not fitted")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying
+# ---------------------------------------------------------------------------------------------
+
+
+def calibrated_device(device: DeviceSpec, profile: CalibrationProfile) -> DeviceSpec:
+    """`device` with the profile's compute efficiency and its HBM bandwidth scaled by the
+    profile's bandwidth efficiency (the cost model reads bytes / hbm_bandwidth, so scaling the
+    bandwidth is how a bandwidth efficiency enters it). The name is kept: reports still say
+    which hardware it is."""
+    return replace(device, efficiency=profile.compute_efficiency,
+                   hbm_bandwidth=device.hbm_bandwidth * profile.bandwidth_efficiency)
+
+
+def apply_profile(cluster: Cluster, profile: CalibrationProfile) -> Cluster:
+    """`cluster` with every device named like the profile's (case-insensitive) calibrated; the
+    links are untouched. Raises CalibrationError when no device matches. Apply a profile once:
+    the bandwidth is scaled, so a second application would scale it again."""
+    wanted = profile.device.lower()
+    if not any(d.name.lower() == wanted for d in cluster.devices):
+        kinds = ", ".join(sorted({d.name for d in cluster.devices}))
+        raise CalibrationError(f"calibration profile for {profile.device!r} matches no device of cluster "
+                               f"{cluster.name!r} (its devices: {kinds})")
+    devices = tuple(calibrated_device(d, profile) if d.name.lower() == wanted else d for d in cluster.devices)
+    return replace(cluster, devices=devices)
