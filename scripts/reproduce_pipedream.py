@@ -10,19 +10,23 @@ bytes) and 2, 4 and 8 stages on a uniform 10 Gbps network, prints:
   - for that plan, the simulated length of a global batch of M microbatches under 1F1B and
     under GPipe, and the DP's closed-form estimate of it;
   - the online DQN's result on the same objective (with communication): the bottleneck of the
-    best plan it found, its gap to the DP, and its search time. Graphs with more than
-    --dqn-pivots pivots are first coarsened to that many (`normalize.coarsen`: the cheapest cut
-    in each bin of equal compute), so there the DQN searches fewer cuts than the DP; the DP's
-    optimum over those same pivots is shown beside it.
+    best plan it found, its gap to the DP, when it found it, and its search time. Graphs with
+    more than --dqn-pivots pivots are first coarsened to that many (`normalize.coarsen`: the
+    cheapest cut in each bin of equal compute), so there the DQN searches fewer cuts than the
+    DP; the DP's optimum over those same pivots is shown beside it;
+  - two baselines on the DQN's ranked candidates (`hlomap.pipeline.baselines`), and what the
+    shipped inference network alone (no training on the model) lands on.
 vgg16's rows are checked against the numbers PipeDream's optimizer prints.
 
-    python scripts/reproduce_pipedream.py [--corpus DIR] [--stages 2 4 8] [--gantt OUT_DIR]
-        [--dqn-episodes 2000] [--dqn-pivots 256] [--no-dqn]
+    python scripts/reproduce_pipedream.py [--corpus DIR] [--models vgg16 ...] [--stages 2 4 8]
+        [--gantt OUT_DIR] [--dqn-episodes 2000] [--dqn-pivots 256] [--seed 0] [--no-dqn]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,8 +46,10 @@ from hlomap.pipeline import (
     simulate,
     solve,
 )
+from hlomap.pipeline.baselines import first_candidates, random_candidates
 from hlomap.pipeline.cutenv import CutTask
-from hlomap.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
+from hlomap.pipeline.infer import infer_cuts
 from hlomap.pipeline.normalize import coarsen
 
 #: Slowest-stage seconds PipeDream's optimizer reports for vgg16, straight pipelines.
@@ -52,35 +58,65 @@ PUBLISHED_VGG16 = {2: 0.370931, 4: 0.21645, 8: 0.159531}
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "pipedream"
 
 
+def _load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def _gap(value: float, optimum: float) -> str:
+    return f"{100 * (value / optimum - 1):+.2f}%" if math.isfinite(value) else "OOM"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--models", nargs="+", default=None, help="graph names (default: all)")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--bandwidth-gbps", type=float, default=10.0)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--gantt", type=Path, default=None, help="write a Gantt PNG per row here")
     parser.add_argument("--dqn-episodes", type=int, default=2000)
     parser.add_argument("--dqn-pivots", type=int, default=256)
-    parser.add_argument("--no-dqn", action="store_true", help="leave the DQN column empty")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default=None, help="inference policy file (default: shipped)")
+    parser.add_argument("--no-dqn", action="store_true", help="skip the DQN, baselines, inference")
     args = parser.parse_args()
 
-    console = Console(width=220)
+    console = Console(width=200)
+    console.print(f"load average before: {_load()}")
     bandwidth = args.bandwidth_gbps * 1e9 / 8
-    table = Table(
-        title=f"Straight pipelines on PipeDream profiles ({args.bandwidth_gbps:g} Gbps, "
-        f"1F1B, M = {args.microbatches} for L)"
+    optima = Table(
+        title=f"DP optima of straight pipelines on PipeDream profiles ({args.bandwidth_gbps:g} "
+        f"Gbps; L for M = {args.microbatches})"
     )
     for column in (
         "model", "layers", "S", "1 stage (s)", "compute-only bottleneck (s)", "speed-up",
-        "PipeDream", "with comm bottleneck (s)", "L sim 1F1B (s)", "L sim GPipe (s)",
-        "L model (s)", "DP time (s)", "DQN pivots", "DP on them (s)", "DQN bottleneck (s)",
-        "DQN gap", "DQN time (s)",
+        "PipeDream", "with comm bottleneck (s)", "L model (s)", "L sim 1F1B (s)",
+        "L sim GPipe (s)", "DP time (s)",
     ):
-        table.add_column(column, justify="left" if column == "model" else "right")
+        optima.add_column(column, justify="left" if column == "model" else "right")
+    searches = Table(
+        title=f"Searches on the with-comm bottleneck objective (gaps to its DP optimum; DQN "
+        f"{args.dqn_episodes} episodes, seed {args.seed})"
+    )
+    for column in (
+        "model", "S", "DP optimum (s)", "DQN pivots", "DP on them", "DQN (s)", "DQN gap",
+        "found at", "DQN time (s)", "first gap", "random gap", "infer (s)", "infer gap",
+        "infer time (s)",
+    ):
+        searches.add_column(column, justify="left" if column == "model" else "right")
     if args.gantt:
         args.gantt.mkdir(parents=True, exist_ok=True)
+    policy = None
+    if not args.no_dqn:
+        from hlomap.pipeline.infer import load_policy
 
-    for path in sorted(args.corpus.glob("*.txt")):
+        policy = load_policy(args.policy)
+    checks = []
+
+    paths = sorted(args.corpus.glob("*.txt"))
+    if args.models:
+        paths = [p for p in paths if p.stem in args.models]
+    for path in paths:
         profile = load_profile(path)
         total = float(profile.compute_time.sum())
         for n_stages in args.stages:
@@ -91,55 +127,75 @@ def main() -> None:
                 cost=CostOptions(comm=CommModel.IGNORED),
                 check_memory=False,
             ))
-            with_comm = solve(profile, links, SearchSpace(
+            space = SearchSpace(
                 objective=Objective.BOTTLENECK,
                 microbatches=args.microbatches,
                 schedule=Schedule.ONE_F_ONE_B,
                 check_memory=False,
-            ))
+            )
+            with_comm = solve(profile, links, space)
             elapsed = time.perf_counter() - start
-            dqn = ("—",) * 5
-            if not args.no_dqn and 2 <= n_stages <= profile.n_layers:
-                coarse, _ = coarsen(profile, args.dqn_pivots)
-                space = SearchSpace(
-                    objective=Objective.BOTTLENECK,
-                    microbatches=args.microbatches,
-                    schedule=Schedule.ONE_F_ONE_B,
-                    check_memory=False,
-                )
-                found = dqn_search(CutTask(coarse, links, space, n_stages),
-                                   SearchBudget(max_episodes=args.dqn_episodes))
-                gap = found.value / with_comm.value - 1
-                same = solve(coarse, links, space).value if coarse is not profile else None
-                dqn = (
-                    f"{coarse.n_pivots}/{profile.n_pivots}",
-                    f"{same:.6g}" if same is not None else "same",
-                    f"{found.value:.6g}", f"{100 * gap:+.2f}%", f"{found.seconds:.1f}",
-                )
             result = simulate(profile, links, with_comm.plan)
             gpipe = simulate(profile, links, replace(with_comm.plan, schedule=Schedule.GPIPE))
             published = PUBLISHED_VGG16.get(n_stages) if path.stem == "vgg16" else None
             check = ""
             if published is not None:
                 ok = abs(compute_only.value - published) <= 5e-7 * published
+                checks.append(ok)
                 check = f"{published:.6g} {'ok' if ok else 'MISMATCH'}"
-            table.add_row(
+            optima.add_row(
                 path.stem, str(profile.n_layers), str(n_stages), f"{total:.6g}",
                 f"{compute_only.value:.6g}", f"{total / compute_only.value:.2f}x", check,
-                f"{with_comm.value:.6g}", f"{result.length:.4g}", f"{gpipe.length:.4g}",
-                f"{with_comm.cost.latency:.4g}", f"{elapsed:.2f}", *dqn,
+                f"{with_comm.value:.6g}", f"{with_comm.cost.latency:.4g}", f"{result.length:.4g}",
+                f"{gpipe.length:.4g}", f"{elapsed:.2f}",
             )
             if args.gantt:
                 draw_gantt(result, args.gantt / f"{path.stem}_S{n_stages}.png")
-    console.print(table)
+            if args.no_dqn or not 2 <= n_stages <= profile.n_layers:
+                continue
+            optimum = with_comm.value
+            coarse, _ = coarsen(profile, args.dqn_pivots)
+            task = CutTask(coarse, links, space, n_stages)
+            found = dqn_search(task, SearchBudget(max_episodes=args.dqn_episodes), seed=args.seed)
+            same = solve(coarse, links, space).value if coarse is not profile else None
+            first = first_candidates(task, ONLINE_CANDIDATES)
+            randomly = random_candidates(task, ONLINE_CANDIDATES, found.episodes, seed=args.seed)
+            # The inference network coarsens the full profile to its own 128 points.
+            inferred = infer_cuts(CutTask(profile, links, space, n_stages), policy,
+                                  seed=args.seed)
+            searches.add_row(
+                path.stem, str(n_stages), f"{optimum:.6g}",
+                f"{coarse.n_pivots}/{profile.n_pivots}",
+                f"{same:.6g}" if same is not None else "same",
+                f"{found.value:.6g}", _gap(found.value, optimum),
+                f"{found.found_at_episode}/{found.episodes}", f"{found.seconds:.1f}",
+                _gap(first.value, optimum), _gap(randomly.value, optimum),
+                f"{inferred.value:.6g}", _gap(inferred.value, optimum),
+                f"{inferred.seconds:.2f}",
+            )
+            console.print(f"  {path.stem} S={n_stages}: DP {optimum:.6g}, DQN "
+                          f"{_gap(found.value, optimum)} in {found.seconds:.1f} s, inference "
+                          f"{_gap(inferred.value, optimum)}")
+    console.print(optima)
     console.print(
         "Cuts may fall at any position of one topological order (ties by node number); the "
         "bytes crossing a cut are the outputs of distinct nodes before it used after it. "
         "PipeDream's optimizer cuts at antichain states, a superset on branchy graphs, so its "
         "optimum there may be lower. L model: the DP's closed form (sum of stage and link times "
         "+ (M - 1) x bottleneck); L sim: the event simulator. 1F1B keeps only S - s microbatches "
-        "in flight on stage s, so slow links are exposed and its L exceeds the model's."
+        "in flight on stage s and GPipe runs every forward before any backward, so a slow link "
+        "is exposed in both and the simulated L exceeds the model's."
     )
+    if checks:
+        console.print(f"vgg16 against PipeDream's optimizer: {sum(checks)}/{len(checks)} match")
+    if not args.no_dqn:
+        console.print(searches)
+        console.print(
+            "first: always the best-estimated of the DQN's ranked candidates; random: random "
+            "search over them with the DQN's episode budget; infer: the shipped inference "
+            "network alone (no training on the model), on 128 points of the full profile."
+        )
+    console.print(f"load average after: {_load()}")
 
 
 if __name__ == "__main__":

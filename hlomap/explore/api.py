@@ -40,20 +40,16 @@ __all__ = ["Exploration", "build_problem", "explore", "explore_detailed", "parse
 
 def parse_mesh(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP) -> dict[str, int]:
     """`{"model": 8}`, `8` or `"8"` (one axis, named `model`, or `data` for ADP) or
-    `"data=2,model=4"`. Hybrid needs two axes."""
+    `"data=2,model=4"`. Hybrid needs two axes.
+
+    Text goes through `hlomap.cost.estimate.parse_mesh` (the CLI's `--mesh` for `simulate`), so
+    `explore` and `simulate` accept and reject the same strings; this adds the task's axis names.
+    """
+    from hlomap.cost.estimate import parse_mesh as parse_mesh_text  # the cost model is imported lazily
+
     task = Task(task)
     if isinstance(mesh, str):
-        text = mesh.strip()
-        if text.isdigit():
-            mesh = int(text)
-        else:
-            out: dict[str, int] = {}
-            for part in text.split(","):
-                name, sep, size = part.partition("=")
-                if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
-                    raise ValueError(f"mesh {text!r}: expected N or NAME=SIZE[,NAME=SIZE...], got {part!r}")
-                out[name.strip()] = int(size)
-            mesh = out
+        mesh = parse_mesh_text(mesh)
     if isinstance(mesh, int):
         if task is Task.HYBRID:
             raise ValueError(f"the hybrid task needs a data x model mesh such as data=2,model=8, not {mesh}")

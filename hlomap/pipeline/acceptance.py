@@ -5,6 +5,13 @@ of one server each, data parallel inside it) a `Case` records the DP optimum, th
 best plan, the inference network's plan without training, their gaps, search times and whether
 every device cut falls on a server boundary. `scripts/reproduce_pipeline.py` prints the table;
 the tests run a small case by default and the rest as slow tests.
+
+Values are the closed-form L the DP and the DQN both minimize (`costmodel.evaluate_plan`); the
+event simulator's L of the DP's and the DQN's plans is recorded beside them, because it differs
+(1F1B exposes transfers, and a stage's all-reduce runs after its last backward instead of being
+amortized). So that the DQN is judged against what its pruning alone gives, each case also
+records two baselines on the same ranked candidates (`baselines`): always the best-estimated
+candidate, and random search with the DQN's episode budget.
 """
 
 from __future__ import annotations
@@ -14,13 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hlomap.pipeline.baselines import first_candidates, random_candidates
 from hlomap.pipeline.cutenv import CutTask
 from hlomap.pipeline.dp import solve
-from hlomap.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
 from hlomap.pipeline.explore import pipeline_task
 from hlomap.pipeline.hlo_profile import HloProfile, PivotOptions, profile_from_capture
 from hlomap.pipeline.links import Links
 from hlomap.pipeline.profile import scale_batch
+from hlomap.pipeline.simulator import simulate
 from hlomap.pipeline.stages import PipelinePlan, Schedule
 
 __all__ = ["Case", "CONFIG_STAGES", "ACCEPTANCE_MODELS", "model_profile", "run_case"]
@@ -46,10 +55,16 @@ class Case:
     dqn_value: float
     dqn_seconds: float
     dqn_episodes: int
+    dqn_found_at: int  # episode of the DQN's best plan
     dqn_plan: PipelinePlan
     dqn_on_server_boundaries: bool
     infer_value: float | None  # inference network alone (None: not run)
     infer_seconds: float | None
+    dp_simulated: float  # the event simulator's L of the DP's plan
+    dqn_simulated: float  # ... and of the DQN's
+    first_value: float  # baseline: always the best-estimated candidate
+    random_value: float  # baseline: random candidates, the DQN's episode budget
+    random_seconds: float
 
     @property
     def gap(self) -> float:
@@ -58,6 +73,14 @@ class Case:
     @property
     def infer_gap(self) -> float | None:
         return None if self.infer_value is None else self.infer_value / self.dp_value - 1.0
+
+    @property
+    def first_gap(self) -> float:
+        return self.first_value / self.dp_value - 1.0
+
+    @property
+    def random_gap(self) -> float:
+        return self.random_value / self.dp_value - 1.0
 
 
 def model_profile(model: str, options: PivotOptions = PivotOptions()) -> HloProfile:
@@ -98,6 +121,8 @@ def run_case(
     optimum = solve(profile, links, task.space)
     dp_seconds = time.perf_counter() - start
     found = dqn_search(task, budget, seed=seed)
+    first = first_candidates(task, ONLINE_CANDIDATES)
+    randomly = random_candidates(task, ONLINE_CANDIDATES, found.episodes, seed=seed)
     infer_value = infer_seconds = None
     if infer:
         from hlomap.pipeline.infer import infer_cuts, load_policy
@@ -108,8 +133,12 @@ def run_case(
         model=model, config=config.upper(), stages=stages, pivots=profile.n_pivots,
         dp_value=optimum.value, dp_seconds=dp_seconds,
         dqn_value=found.value, dqn_seconds=found.seconds, dqn_episodes=found.episodes,
+        dqn_found_at=found.found_at_episode,
         dqn_plan=found.plan, dqn_on_server_boundaries=_on_boundaries(links, found.plan),
         infer_value=infer_value, infer_seconds=infer_seconds,
+        dp_simulated=simulate(profile, links, optimum.plan, task.space.cost).length,
+        dqn_simulated=simulate(profile, links, found.plan, task.space.cost).length,
+        first_value=first.value, random_value=randomly.value, random_seconds=randomly.seconds,
     )
     log.info("%s on %s: DP %.6g, DQN %.6g (gap %.3f%%)", model, config, case.dp_value,
              case.dqn_value, 100 * case.gap)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hlomap.pipeline.costmodel import PlanCost, evaluate_plan
 from hlomap.pipeline.cutenv import CutTask, center_device_bounds
@@ -41,8 +42,11 @@ __all__ = [
     "PipelineAgent",
     "PipelineResult",
     "explore_pipeline",
+    "format_bytes",
     "format_pipeline_result",
+    "is_pipedream_graph",
     "pipeline_task",
+    "read_pipeline_source",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,12 +60,16 @@ class PipelineAgent(enum.Enum):
 
 @dataclass(frozen=True)
 class CutDescription:
-    """One layer cut: the profile pivot, the HLO instruction before it and its layer name."""
+    """One layer cut: the profile pivot, the HLO instruction before it, its layer name from
+    metadata, the nearest layer scope (`hlo_profile.Pivot.scope`: the op's own, or `after X`
+    for an op traced outside any scope), its source line when known, and the bytes crossing."""
 
     pivot: int
     instruction: str
     layer: str
     crossing_bytes: float
+    scope: str = ""
+    source: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +119,11 @@ class PipelineResult:
     def stage_memory(self) -> tuple[float, ...]:
         return self.simulation.stage_memory
 
+    @property
+    def feasible(self) -> bool:
+        """Every stage fits its devices' memory (else `simulation.violations` says where not)."""
+        return self.simulation.feasible
+
     def to_json(self) -> dict[str, Any]:
         """Plain data for `--json` output."""
         return {
@@ -125,12 +138,14 @@ class PipelineResult:
                 for s, mem, cap in zip(self.plan.stages, self.stage_memory, self.device_memory)
             ],
             "cuts": [{"pivot": c.pivot, "instruction": c.instruction, "layer": c.layer,
+                      "scope": c.scope, "source": c.source,
                       "crossing_bytes": c.crossing_bytes} for c in self.cuts],
             "device_cuts": list(self.device_cuts),
             "on_node_boundaries": self.on_node_boundaries,
             "latency_seconds": self.latency,
             "model_latency_seconds": self.model_latency,
             "bottleneck_seconds": self.cost.bottleneck,
+            "feasible": self.feasible,
             "memory_violations": [str(v) for v in self.simulation.violations],
             "search_seconds": self.search_seconds,
             "episodes": self.episodes,
@@ -190,11 +205,42 @@ def _describe(hlo: HloProfile | None, profile: PipelineProfile, plan: PipelinePl
     for pivot in plan.cuts:
         if hlo is not None:
             p = hlo.pivots[pivot]
-            out.append(CutDescription(pivot, p.instruction, p.layer, p.crossing_bytes))
+            out.append(CutDescription(pivot, p.instruction, p.layer, p.crossing_bytes,
+                                      p.scope, p.source))
         else:
             name = profile.names[pivot]
-            out.append(CutDescription(pivot, name, name, float(profile.activation_bytes[pivot])))
+            out.append(CutDescription(pivot, name, name, float(profile.activation_bytes[pivot]),
+                                      name))
     return tuple(out)
+
+
+def is_pipedream_graph(path: str | Path) -> bool:
+    """True when `path` is a PipeDream profiled layer graph (its first line is a `nodeN -- `
+    record), not HLO text."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open(errors="replace") as handle:
+        for line in handle:
+            if line.strip():
+                return re.match(r"^node\d+ -- ", line) is not None
+    return False
+
+
+def read_pipeline_source(
+    spec: str | Path, *, trainable: Sequence[int | str] | None = None
+) -> Any:
+    """What `explore_pipeline` takes, from the CLI's SOURCE: a PipeDream graph file becomes a
+    per-minibatch `PipelineProfile` (`pipedream.load_profile`); `zoo:NAME` or an HLO text file
+    becomes a `Capture` (`hlomap.source.load_source`, `trainable` naming the trainable entry
+    parameters of a bare dump)."""
+    if is_pipedream_graph(spec):
+        from hlomap.pipeline.pipedream import load_profile
+
+        return load_profile(spec)
+    from hlomap.source import load_source
+
+    return load_source(str(spec), trainable=trainable)
 
 
 def explore_pipeline(
@@ -302,12 +348,21 @@ def explore_pipeline(
     )
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """`459.74 MiB`: bytes in binary units, as the report prints them."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _short_path(source: str) -> str:
+    """`file:line` relative to the working directory when the file lies under it."""
+    try:
+        return str(Path(source).relative_to(Path.cwd()))
+    except ValueError:
+        return source
 
 
 def format_pipeline_result(result: PipelineResult) -> Any:
@@ -324,10 +379,15 @@ def format_pipeline_result(result: PipelineResult) -> Any:
         f"microbatches, {plan.schedule.value}",
     )
     cuts = Table(title="Cuts", show_edge=False)
-    for column in ("#", "after HLO instruction", "layer (metadata)", "crossing"):
+    with_source = any(cut.source for cut in result.cuts)
+    columns = ["#", "after HLO instruction", "layer (metadata)", "nearest layer"]
+    columns += ["source"] if with_source else []
+    for column in (*columns, "crossing"):
         cuts.add_column(column, justify="right" if column in ("#", "crossing") else "left")
     for k, cut in enumerate(result.cuts):
-        cuts.add_row(str(k), cut.instruction, cut.layer, _bytes(cut.crossing_bytes))
+        row = [str(k), cut.instruction, cut.layer, cut.scope or "-"]
+        row += [_short_path(cut.source) if cut.source else "-"] if with_source else []
+        cuts.add_row(*row, format_bytes(cut.crossing_bytes))
     stages = Table(title="Stages", show_edge=False)
     for column in ("stage", "layers", "devices", "replication", "memory / device", "capacity"):
         stages.add_column(column, justify="left" if column in ("layers", "devices") else "right")
@@ -337,7 +397,8 @@ def format_pipeline_result(result: PipelineResult) -> Any:
             stage.devices[0])
         style = "red" if mem > cap else ""
         stages.add_row(str(s), f"[{stage.start}, {stage.stop})", devices,
-                       str(stage.replication), Text(_bytes(mem), style=style), _bytes(cap))
+                       str(stage.replication), Text(format_bytes(mem), style=style),
+                       format_bytes(cap))
     lines = [
         Text(f"device cuts: {list(result.device_cuts)} "
              f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)"),
@@ -349,8 +410,10 @@ def format_pipeline_result(result: PipelineResult) -> Any:
     if result.gap is not None and result.optimum is not None:
         lines.append(Text(f"DP optimum {result.optimum * 1e3:.4g} ms: gap "
                           f"{100 * result.gap:.3f}%"))
+    if result.feasible:
+        lines.append(Text("memory: every stage fits its devices"))
     for violation in result.simulation.violations:
-        lines.append(Text(f"out of memory: {violation}", style="red"))
+        lines.append(Text(f"out of memory: {violation}", style="bold red"))
     if result.png_path is not None:
         lines.append(Text(f"timeline: {result.png_path}"))
     return Group(head, cuts, stages, *lines)

@@ -59,6 +59,9 @@ from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
 from hlomap.hlo.ir import Computation, Instruction, Metadata
 from hlomap.pipeline.profile import PipelineProfile, merge_layers
+# Source locations resolve JAX's stack-frame tables; the helper lives with propagation's error
+# messages but is a pure reader of the module text (no propagation machinery runs).
+from hlomap.propagation.source import source_location, source_tables
 
 __all__ = [
     "ChainArrays",
@@ -67,6 +70,7 @@ __all__ = [
     "PivotOptions",
     "forward_chain",
     "layer_name",
+    "nearest_scopes",
     "profile_from_capture",
     "select_pivots",
     "thin_pivots",
@@ -105,13 +109,23 @@ class PivotOptions:
 
 @dataclass(frozen=True)
 class Pivot:
-    """A candidate cut, after chain instruction `instruction` (chain position `position`)."""
+    """A candidate cut, after chain instruction `instruction` (chain position `position`).
+
+    layer: the instruction's scope path from metadata (`layers_0/add`), or its bare op name when
+      the op was traced outside any named scope (a final layer norm: `mul`).
+    scope: the nearest layer scope: the instruction's own, else `after <scope>` of the closest
+      scoped chain instruction before it (or `before <scope>` after it), so that every cut
+      names a layer, as Auto-MAP's Table 7 does.
+    source: `file:line` of the op from metadata (None when the dump carries none).
+    """
 
     position: int
     instruction: str
     layer: str
     crossing_bytes: float
     live_tensors: int
+    scope: str = ""
+    source: str | None = None
 
     def __str__(self) -> str:
         return f"{self.instruction} ({self.layer})"
@@ -122,7 +136,8 @@ class ChainArrays:
     """Per-instruction arrays of the whole forward chain, before pivots are chosen.
 
     `profile` has one layer per chain instruction; `live_tensors[p]` counts the values crossing
-    position p; `layers[i]` is chain instruction i's layer name.
+    position p; `layers[i]` is chain instruction i's layer name and `sources[i]` its `file:line`
+    (None when unknown).
     """
 
     profile: PipelineProfile
@@ -130,6 +145,7 @@ class ChainArrays:
     layers: tuple[str, ...]
     update_seconds: float
     unattributed_seconds: float
+    sources: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,6 +221,31 @@ def layer_name(metadata: Metadata | None, fallback: str = "") -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _scope_of(layer: str) -> str:
+    """`layers_0/attn/dot_general` -> `layers_0/attn`; a bare op name has no scope: ''."""
+    return layer.rsplit("/", 1)[0] if "/" in layer else ""
+
+
+def nearest_scopes(layers: Sequence[str]) -> tuple[str, ...]:
+    """For each layer name, its own scope, else `after X` with X the scope of the closest scoped
+    name before it, else `before X` with the closest after it, else '' (see `Pivot.scope`)."""
+    own = [_scope_of(name) for name in layers]
+    out = list(own)
+    previous = ""
+    for i, scope in enumerate(own):
+        if scope:
+            previous = scope
+        elif previous:
+            out[i] = f"after {previous}"
+    following = ""
+    for i in range(len(own) - 1, -1, -1):
+        if own[i]:
+            following = own[i]
+        elif not out[i] and following:
+            out[i] = f"before {following}"
+    return tuple(out)
+
+
 def _byte_size(inst: Instruction) -> float:
     return float(inst.shape.byte_size)
 
@@ -212,8 +253,7 @@ def _byte_size(inst: Instruction) -> float:
 def _scope(inst: Instruction) -> str:
     """The layer scope of an op (its layer name without the op itself); forward ops and the
     backward ops that transpose them share it."""
-    name = layer_name(inst.metadata)
-    return name.rsplit("/", 1)[0] if "/" in name else ""
+    return _scope_of(layer_name(inst.metadata))
 
 
 def forward_chain(entry: Computation) -> tuple[Instruction, ...]:
@@ -389,7 +429,9 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
         source=cap.source,
     )
     live.setflags(write=False)
-    return ChainArrays(profile, live, tuple(layers), update_seconds, unattributed)
+    tables = source_tables(module)
+    sources = tuple(source_location(inst, tables) for inst in chain)
+    return ChainArrays(profile, live, tuple(layers), update_seconds, unattributed, sources)
 
 
 def _device(device: DeviceSpec | str | None) -> DeviceSpec:
@@ -469,6 +511,7 @@ def profile_from_capture(
     chain = chain_arrays(cap, device)
     kept = select_pivots(chain, options)
     profile = merge_layers(chain.profile, kept)
+    scopes = nearest_scopes(chain.layers)
     pivots = tuple(
         Pivot(
             position=p,
@@ -476,6 +519,8 @@ def profile_from_capture(
             layer=chain.layers[p],
             crossing_bytes=float(chain.profile.activation_bytes[p]),
             live_tensors=int(chain.live_tensors[p]),
+            scope=scopes[p],
+            source=chain.sources[p] if chain.sources else None,
         )
         for p in kept
     )

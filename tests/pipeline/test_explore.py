@@ -2,16 +2,21 @@
 
 import json
 
+import numpy as np
 import pytest
 from rich.console import Console
 
 from hlomap.cost.cluster import cluster_preset
-from hlomap.pipeline import Links, Schedule, solve
+from hlomap.pipeline import Links, NoFeasiblePlan, PipelineProfile, Schedule, solve
+from hlomap.pipeline import uniform_profile
 from hlomap.pipeline.explore import (
     PipelineAgent,
     explore_pipeline,
+    format_bytes,
     format_pipeline_result,
+    is_pipedream_graph,
     pipeline_task,
+    read_pipeline_source,
 )
 from hlomap.pipeline.infer import DEFAULT_POLICY
 
@@ -42,11 +47,20 @@ def test_dp_agent_returns_the_optimum_with_a_report_and_timeline(gpt_tiny, tmp_p
     assert len(result.stage_memory) == 3 and result.latency > 0
     text = _text(result)
     for cut in result.cuts:
-        assert cut.instruction in text and cut.layer in text
+        assert cut.instruction in text and cut.layer in text and cut.scope in text
         assert cut.instruction == gpt_tiny.pivots[cut.pivot].instruction
+        # Every cut names a layer of the model, its own scope or the nearest one before it.
+        assert cut.scope.removeprefix("after ").startswith(("layers_", "embed", "ln_f"))
+        assert cut.source is not None and "gpt.py:" in cut.source
     assert "on server boundaries" in text and "zoo:gpt-tiny" in text
+    assert "memory: every stage fits" in text and result.feasible
+    assert f"timeline: {result.png_path}" in text
+    for s, memory in enumerate(result.stage_memory):
+        assert format_bytes(memory) in text, s
     data = json.loads(json.dumps(result.to_json()))
     assert data["device_cuts"] == [8, 16] and data["schedule"] == "gpipe"
+    assert data["feasible"] and data["memory_violations"] == []
+    assert [s["replication"] for s in data["stages"]] == [8, 8, 8]
 
 
 def test_dqn_matches_the_dp_on_gpt_tiny_config_a(gpt_tiny):
@@ -86,3 +100,40 @@ def test_one_stage_is_plain_data_parallelism_and_bare_profiles_are_per_microbatc
                               require_trainable=False)
     assert double.replication == (2, 2) and double.plan.cuts == (2,)
     assert double.cuts[0].instruction == "layer2"
+
+
+def _tight_memory(profile: PipelineProfile) -> Links:
+    """Two one-device servers whose memory holds half of the model's parameters: no plan fits."""
+    memory = 0.5 * float(profile.parameter_bytes.sum()) * 4
+    return Links(np.full((2, 2), 1e9), np.zeros((2, 2)), (0, 1), (memory, memory))
+
+
+def test_memory_violations_are_reported_not_accepted():
+    profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e8,
+                              stash_bytes=1e8)
+    links = _tight_memory(profile)
+    # The DP refuses: no admissible plan.
+    with pytest.raises(NoFeasiblePlan, match="no plan of 6 layers"):
+        explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dp")
+    # A learned search still returns its best plan, flagged and reported in red.
+    result = explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dqn",
+                              episodes=5)
+    assert not result.feasible and result.simulation.violations
+    text = _text(result)
+    assert "out of memory: stage" in text and "memory: every stage fits" not in text
+    data = result.to_json()
+    assert not data["feasible"] and data["memory_violations"]
+
+
+def test_pipedream_graphs_are_read_as_profiles(corpus_dir, tmp_path):
+    path = corpus_dir / "pipedream" / "vgg16.txt"
+    assert is_pipedream_graph(path)
+    source = read_pipeline_source(path)
+    assert isinstance(source, PipelineProfile) and source.source == str(path)
+    hlo = tmp_path / "m.hlo"
+    hlo.write_text("HloModule m\nENTRY e {\n  ROOT p = f32[2] parameter(0)\n}\n")
+    assert not is_pipedream_graph(hlo) and not is_pipedream_graph(tmp_path / "missing")
+    result = explore_pipeline(source, stages=4, microbatches=4,
+                              cluster=Links.uniform(4, bandwidth=10e9 / 8), agent="dp",
+                              require_trainable=False)
+    assert result.cuts[0].instruction.startswith("node")  # PipeDream node ids name the cuts

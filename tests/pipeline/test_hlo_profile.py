@@ -1,5 +1,7 @@
 """The pipeline model of a captured train step: chain, pivots, and C / A / W conservation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from hlomap.pipeline.hlo_profile import (
     PivotOptions,
     chain_arrays,
     layer_name,
+    nearest_scopes,
     profile_from_capture,
     thin_pivots,
 )
@@ -109,6 +112,27 @@ def test_pivots_between_layers_carry_one_activation(mlp):
     assert [p.instruction for p in hlo.pivots] == [
         hlo.chain.profile.names[p.position] for p in hlo.pivots]
     assert hlo.describe_cuts([0])[0] == str(hlo.pivots[0])
+
+
+def test_every_pivot_names_its_layer_scope_and_source_line(mlp):
+    hlo = profile_from_capture(mlp, DEVICE)
+    scopes = {p.scope for p in hlo.pivots}
+    dense = {f"dense_{i}" for i in range(DEPTH)}
+    # The dense layers are named scopes; the loss (mean of squares) is traced outside any
+    # scope, so its pivots name the layer before them.
+    assert dense <= scopes <= dense | {f"after dense_{DEPTH - 1}"}
+    for p in hlo.pivots:
+        # JAX's stack frames point at _train_step in this file.
+        assert re.fullmatch(r".*test_hlo_profile\.py:\d+", p.source or ""), p.source
+
+
+def test_nearest_scopes_fall_back_to_the_closest_scoped_layer():
+    layers = ["add", "embed/gather", "mul", "layers_0/attn/dot", "layers_0/add", "mul", "sub"]
+    assert nearest_scopes(layers) == (
+        "before embed", "embed", "after embed", "layers_0/attn", "layers_0",
+        "after layers_0", "after layers_0",
+    )
+    assert nearest_scopes(["add", "mul"]) == ("", "")
 
 
 def test_merged_profile_keeps_the_chain_totals(mlp):
