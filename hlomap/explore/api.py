@@ -193,8 +193,37 @@ def explore(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, int] | in
     plan's estimate). agent: "dqn", "random", "greedy" or "exact". reward: "paper" or "cost".
     Options: budget_evaluations, output (path saved as the search runs), graph,
     replicate_residual, dqn_config, with_estimate, on_progress.
+
+    task "pipeline" decides stage cuts instead (`hlomap.pipeline.explore.explore_pipeline`):
+    agent "dqn", "dqn-infer" or "dp"; mesh and reward do not apply. Options: stages (default:
+    one stage per server of the cluster), microbatches, schedule, episodes, finetune_episodes,
+    compare_dp, png_path; `output` saves the plan. The plan's parameters stay replicated and its
+    `pipeline` section holds the cuts, stage devices and replication.
     """
+    if str(task) == "pipeline":
+        return _explore_pipeline_plan(cap, cluster, str(agent), budget_seconds, seed, **options)
     return explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options).plan
+
+
+def _explore_pipeline_plan(cap: Capture, cluster: Any, agent: str, budget_seconds: float | None, seed: int,
+                           *, stages: int | None = None, output: str | PathLike[str] | None = None,
+                           **options: Any) -> Any:
+    """`explore(task="pipeline")`: the pipeline explorer's result as a `Plan`."""
+    from hlomap.explore.pipeline import pipeline_plan
+    from hlomap.pipeline.explore import PipelineAgent, cluster_links, explore_pipeline
+
+    agents = [a.value for a in PipelineAgent]
+    if agent not in agents:
+        raise ValueError(f"agent {agent!r}: the pipeline task takes {', '.join(agents)}")
+    if stages is None:
+        links, _ = cluster_links(cluster)
+        stages = len(set(links.node_of))
+    result = explore_pipeline(cap, stages=stages, cluster=cluster, agent=agent, seed=seed,
+                              budget_seconds=budget_seconds, **options)
+    plan = pipeline_plan(cap, result, seed=seed)
+    if output is not None:
+        plan.save(output)
+    return plan
 
 
 def choices_from_plan(problem: Problem, plan: Any) -> np.ndarray:

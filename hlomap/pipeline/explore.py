@@ -41,6 +41,7 @@ __all__ = [
     "CutDescription",
     "PipelineAgent",
     "PipelineResult",
+    "cluster_links",
     "explore_pipeline",
     "format_bytes",
     "format_pipeline_result",
@@ -154,7 +155,7 @@ class PipelineResult:
         }
 
 
-def _links(cluster: Any) -> tuple[Links, Any]:
+def cluster_links(cluster: Any) -> tuple[Links, Any]:
     """Links and the device spec to profile on, from a preset name, JSON path, Cluster or
     Links (a Links carries no device spec: None, the profile's default)."""
     if isinstance(cluster, Links):
@@ -280,7 +281,7 @@ def explore_pipeline(
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
-    links, device = _links(cluster)
+    links, device = cluster_links(cluster)
     hlo: HloProfile | None
     if isinstance(source, HloProfile):
         hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
