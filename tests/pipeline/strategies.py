@@ -1,4 +1,4 @@
-"""Hypothesis strategies for small random pipelines, shared by the pipeline tests."""
+"""Hypothesis strategies and seeded random tasks for small pipelines, shared by the pipeline tests."""
 
 from __future__ import annotations
 
@@ -66,3 +66,24 @@ def spaces(draw: st.DrawFn) -> SearchSpace:
         check_memory=draw(st.booleans()),
         cost=CostOptions(comm=draw(st.sampled_from(CommModel))),
     )
+
+
+def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")) -> "CutTask":
+    """A seeded 14-layer cut problem on `2 * stages` devices (2 per server, cuts on servers)."""
+    from hlomap.pipeline.cutenv import CutTask
+
+    rng = np.random.default_rng(seed)
+    n = 14
+    profile = PipelineProfile(
+        names=tuple(f"l{i}" for i in range(n)),
+        forward_time=rng.uniform(0.5, 2.0, n),
+        backward_time=rng.uniform(1.0, 4.0, n),
+        activation_bytes=rng.uniform(1e7, 3e8, n - 1),
+        parameter_bytes=rng.uniform(1e6, 5e7, n),
+        stash_bytes=rng.uniform(1e6, 1e7, n),
+        source=f"random{seed}",
+    )
+    links = Links.uniform(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2,
+                          memory_bytes=memory)
+    space = SearchSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
+    return CutTask(profile, links, space, stages)

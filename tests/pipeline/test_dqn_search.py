@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from hlomap.pipeline import Links, PipelineProfile, SearchSpace, evaluate_plan, solve
-from hlomap.pipeline.cutenv import CutTask
+from hlomap.pipeline import evaluate_plan, solve
 from hlomap.agents.dqn import make_dqn
 from hlomap.pipeline.cutenv import CutEnv
 from hlomap.pipeline.dqn_search import (
@@ -13,31 +12,15 @@ from hlomap.pipeline.dqn_search import (
     default_dqn_config,
     dqn_search,
 )
+from tests.pipeline.strategies import random_cut_task
 
 EPISODES = 300
-
-
-def _task(stages: int = 3, seed: int = 0) -> CutTask:
-    rng = np.random.default_rng(seed)
-    n = 14
-    profile = PipelineProfile(
-        names=tuple(f"l{i}" for i in range(n)),
-        forward_time=rng.uniform(0.5, 2.0, n),
-        backward_time=rng.uniform(1.0, 4.0, n),
-        activation_bytes=rng.uniform(1e7, 3e8, n - 1),
-        parameter_bytes=rng.uniform(1e6, 5e7, n),
-        stash_bytes=rng.uniform(1e6, 1e7, n),
-        source=f"random{seed}",
-    )
-    links = Links.uniform(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2)
-    space = SearchSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
-    return CutTask(profile, links, space, stages)
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """One compiled set of DQN functions for every search here (compiling dominates)."""
-    task = _task()
+    task = random_cut_task()
     env = CutEnv(task, ranked=ONLINE_CANDIDATES)
     config = default_dqn_config(task.n_stages - 1, EPISODES)
     return task, config, make_dqn(config, env.observation_size, env.num_actions)
