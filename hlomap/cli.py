@@ -338,10 +338,12 @@ def _pipeline_source(args: argparse.Namespace) -> tuple[Any, Any]:
         if not path.is_file():
             raise CliError(f"{path}: no such PipeDream profile (pipedream:PATH names a PipeDream graph file)")
         return load_profile(path), None
-    from hlomap.source import load_source
+    from hlomap.hlo.capture import Capture
+    from hlomap.pipeline.explore import read_pipeline_source
 
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
-    return cap, cap
+    # A PipeDream graph file is recognised by its content too, without the pipedream: prefix.
+    source = read_pipeline_source(args.source, trainable=_parse_trainable(args.trainable))
+    return source, source if isinstance(source, Capture) else None
 
 
 def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
@@ -381,8 +383,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
     _check_output(output)
     if args.task == "pipeline":
         return _explore_pipeline(args, output)
-    if args.source.startswith(PIPEDREAM_PREFIX):
-        raise CliError("a PipeDream profile can only be explored with --task pipeline")
+    from hlomap.pipeline.explore import is_pipedream_graph
+
+    if args.source.startswith(PIPEDREAM_PREFIX) or is_pipedream_graph(args.source):
+        raise CliError(f"{args.source} is a PipeDream profile: it can only be explored with --task pipeline")
     return _explore_sharding(args, output)
 
 
@@ -513,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "  hlomap explore pipedream:profiles/vgg16.txt --task pipeline --stages 4",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE",
-                   help="an HLO text file, zoo:NAME, or (pipeline task only) pipedream:GRAPH.txt")
+                   help="an HLO text file, zoo:NAME, or (pipeline task only) a PipeDream graph, pipedream:GRAPH.txt or its bare path")
     p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline"), default="opp", help="what to search (default opp)")
     p.add_argument("--mesh", default="8", metavar="8|data=2,model=4",
                    help="device mesh of the opp/adp/hybrid tasks; a bare count is one axis, model (data for adp) "

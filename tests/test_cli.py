@@ -141,3 +141,16 @@ def test_explore_pipeline_on_a_pipedream_profile(tmp_path: Path, capsys: pytest.
     result = json.loads(capsys.readouterr().out)
     assert len(result["stages"]) == 2 and result["latency_seconds"] > 0
     assert json.loads(out_path.read_text())["cuts"] == result["cuts"]
+
+
+@pytest.mark.skipif(not PIPEDREAM_VGG16.exists(), reason="needs ../shared/corpus/pipedream")
+def test_a_pipedream_graph_is_recognised_without_its_prefix(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["explore", "--task", "pipeline", "--stages", "2", "--agent", "dp", "--json", "-q"]
+    assert run([*argv[:1], f"pipedream:{PIPEDREAM_VGG16}", *argv[1:], "-o", str(tmp_path / "a.json")]) == 0
+    prefixed = json.loads(capsys.readouterr().out)
+    assert run([*argv[:1], str(PIPEDREAM_VGG16), *argv[1:], "-o", str(tmp_path / "b.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["cuts"] == prefixed["cuts"]
+    assert run(["explore", str(PIPEDREAM_VGG16), "--task", "opp", "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "PipeDream profile" in err and "--task pipeline" in err and "Traceback" not in err
