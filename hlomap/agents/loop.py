@@ -193,10 +193,12 @@ def _replay_episode(env: Environment, seed: int, state: _LoopState) -> TimeStep 
 @contextlib.contextmanager
 def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
     """Turns Ctrl-C into a flag the loop checks at step boundaries, so that a checkpoint is never
-    taken halfway through a step. Only possible in the main thread; elsewhere Ctrl-C is left
-    alone."""
+    taken halfway through a step. Only possible in the main thread; elsewhere, or where SIGINT
+    is ignored, Ctrl-C is left alone."""
     flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    # A process started in the background (`cmd &`, nohup) has SIGINT ignored: keep it so.
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         yield flag.is_set
         return
 

@@ -119,13 +119,19 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(dqn_fns: DqnFunctions
         if record.index == 10:
             os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt):
-        run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=total, seed=1, progress=False,
-                                                        checkpoint_path=path),
-                 on_episode=interrupt)
+    # As in an interactive shell, whatever SIGINT disposition this test process inherited (a
+    # background job ignores it).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=total, seed=1, progress=False,
+                                                            checkpoint_path=path),
+                     on_episode=interrupt)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     _, meta = checkpoint.load(path)
     assert meta["extra"]["loop"]["episode"] == 11 and meta["num_steps"] == 44
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
     resumed = _dqn(dqn_fns)
     result = run_loop(MaskedMDP(), resumed, LoopConfig(num_steps=total, seed=1, progress=False,
                                                         checkpoint_path=path))
@@ -220,3 +226,14 @@ def test_unflatten_names_the_mismatched_array() -> None:
     del arrays["p['key']"]
     with pytest.raises(KeyError, match="no array"):
         checkpoint.unflatten("p", template, arrays)
+
+
+def test_an_ignored_sigint_stays_ignored(dqn_fns: DqnFunctions) -> None:
+    """A loop started as a background job (SIGINT ignored) must not make itself interruptible."""
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=8, seed=1, progress=False),
+                          on_episode=lambda record: os.kill(os.getpid(), signal.SIGINT))
+        assert result.num_steps == 8 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
