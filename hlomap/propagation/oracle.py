@@ -518,11 +518,30 @@ def format_rows(rows: Sequence[AcceptanceRow]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m hlomap.propagation.oracle gpt-tiny bert-tiny ...
-    import sys
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m hlomap.propagation.oracle [MODEL ...]`: the acceptance table per zoo model."""
+    import argparse
     import tempfile
 
+    from hlomap import zoo
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hlomap.propagation.oracle",
+        description="Compare hlomap's propagated shardings with XLA's (shardy) for reference and random "
+                    "plans of zoo models, and run each plan against the unsharded step.")
+    parser.add_argument("models", nargs="*", default=["gpt-tiny"], metavar="MODEL",
+                        help="zoo model names (default gpt-tiny); `hlomap zoo list` shows them")
+    args = parser.parse_args(argv)
+    known = set(zoo.names())
+    unknown = [m for m in args.models if m not in known]
+    if unknown:
+        parser.error(f"unknown zoo model(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in sys.argv[1:] or ["gpt-tiny"]:
+        for name in args.models:
             print(format_rows(acceptance_rows(name, tmp)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
