@@ -37,6 +37,7 @@ from hlomap.explore.report import (baseline_rows, compare_with_megatron, format_
 from hlomap.explore.run import run_plan  # noqa: E402
 from hlomap.explore.search import Budget  # noqa: E402
 from hlomap.hlo.capture import Role  # noqa: E402
+from hlomap.propagation.conflicts import REPLICATED  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan  # noqa: E402
 from hlomap.source import load_source  # noqa: E402
@@ -149,7 +150,7 @@ def table4_choices(space: Any, fc: np.ndarray) -> np.ndarray:
     from itertools import product
 
     positions = np.flatnonzero(fc)
-    options = range(-1, space.num_actions - 1)  # replicated, then each mesh axis
+    options = range(REPLICATED, space.num_actions - 1)  # replicated (-1), then each mesh axis
     candidates = space.empty_choices(len(options) ** len(positions))
     for row, combo in enumerate(product(options, repeat=len(positions))):
         candidates[row, positions] = combo
