@@ -562,8 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Compile the zoo train step twice with jax.jit, plain and with the plan's "
                                    "NamedShardings, run both on the same real arguments and compare every output "
                                    "(|sharded - plain| <= atol + rtol |plain|). On a CPU-only machine the CPU backend "
-                                   "is given as many devices as the plan's mesh needs. Exit status 3 when the "
-                                   "outputs differ.")
+                                   "is given as many devices as the plan's mesh needs. The report's max rel error is "
+                                   "taken over elements whose abs error exceeds atol (near-zero outputs would "
+                                   "otherwise dominate it). Exit status 3 when the outputs differ.")
     p.add_argument("plan", metavar="PLAN.json", help="a plan saved by hlomap explore or Plan.save")
     p.add_argument("--source", required=True, metavar="zoo:NAME", help="the zoo train step the plan was made for")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
