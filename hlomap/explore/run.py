@@ -132,24 +132,15 @@ def run_plan(plan: Plan, target: Capture | ZooModel | str, seed: int = 0, *, rto
     report = RunReport(diff.max_abs_err, diff.max_rel_err, diff.ok, seconds, diff.worst_leaf, diff.failing_leaves)
     if not float64:
         return report
+    from hlomap.propagation.oracle import to_float64
+
     with jax.enable_x64(True):  # scoped: the process's default dtypes are left alone
-        wide = _to_float64(args)
+        wide = to_float64(args)
         plain64, out64, _ = _run_both(step, wide, shardings)
     diff64 = compare_outputs(out64, plain64, rtol=rtol, atol=atol)
     reference = compare_outputs(plain, plain64, rtol=rtol, atol=atol)
     return report._replace(float64_ok=diff64.ok, float64_max_abs_err=diff64.max_abs_err,
                            reference_float32_err=reference.max_abs_err)
-
-
-def _to_float64(tree: Any) -> Any:
-    """`tree` with its floating leaves as float64 host arrays (others untouched)."""
-    import jax
-
-    def widen(leaf: Any) -> Any:
-        a = np.asarray(leaf)
-        return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else leaf
-
-    return jax.tree.map(widen, tree)
 
 
 def _run_both(step: Any, args: tuple[Any, ...], shardings: Any) -> tuple[Any, Any, float]:
