@@ -20,19 +20,20 @@ _PUBLIC: dict[str, str] = {
     "HloParseError": "hlomap.hlo.parser",
     "Plan": "hlomap.plan",
     "PlanConflict": "hlomap.propagation.conflicts",
-    "estimate": "hlomap.cost.estimate",
+    "explore": "hlomap.api",
+    "estimate": "hlomap.api",
+    "load_source": "hlomap.api",
+    "parse_mesh": "hlomap.api",
     "StepEstimate": "hlomap.cost.estimate",
     "Cluster": "hlomap.cost.cluster",
     "load_cluster": "hlomap.cost.cluster",
     "cluster_preset": "hlomap.cost.cluster",
 }
 
-__all__ = sorted([*_PUBLIC, "explore"]) + ["__version__"]
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "explore":  # the package hlomap.explore is itself callable: hlomap.explore(cap, ...)
-        return importlib.import_module("hlomap.explore")
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'hlomap' has no attribute {name!r}")

@@ -72,21 +72,6 @@ def _inspect_report(cap: Any) -> dict[str, Any]:
     }
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _human_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f}"
-
-
 MAX_COMPUTATION_ROWS = 12
 
 
@@ -98,12 +83,16 @@ def _console() -> Any:
 
 
 def _human_flops(n: float) -> str:
-    text = _human_count(n)
+    from hlomap.report.units import human_count
+
+    text = human_count(n)
     return f"{text}FLOP" if text[-1].isalpha() else f"{text} FLOP"
 
 
 def _print_inspect(report: dict[str, Any], max_params: int) -> None:
     from rich.table import Table
+
+    from hlomap.report.units import human_bytes, human_count
 
     console = _console()
     console.print(f"[bold]{report['module']}[/bold]  from {report['source']}  ({report['instructions']} instructions)")
@@ -137,16 +126,16 @@ def _print_inspect(report: dict[str, Any], max_params: int) -> None:
     shown = report["parameters"][:max_params] if max_params > 0 else report["parameters"]
     for p in shown:
         params.add_row(str(p["index"]), p["path"], "[" + ",".join(map(str, p["shape"])) + "]", p["dtype"], p["role"],
-                       _human_bytes(p["bytes"]))
+                       human_bytes(p["bytes"]))
     console.print(params)
     hidden = len(report["parameters"]) - len(shown)
     if hidden > 0:
         console.print(f"... {hidden} more parameters (use --all-params or --json)")
 
-    console.print(f"Parameter bytes: {_human_bytes(report['parameter_bytes'])}"
-                  + "".join(f"; {role} {_human_bytes(b)}" for role, b in report["parameter_bytes_by_role"].items()))
+    console.print(f"Parameter bytes: {human_bytes(report['parameter_bytes'])}"
+                  + "".join(f"; {role} {human_bytes(b)}" for role, b in report["parameter_bytes_by_role"].items()))
     if report["has_roles"]:
-        console.print(f"Trainable parameters: {_human_count(report['trainable_parameter_count'])}")
+        console.print(f"Trainable parameters: {human_count(report['trainable_parameter_count'])}")
     else:
         console.print("[yellow]The entry parameters have no roles[/yellow] (a bare HLO dump): pass --trainable "
                       "INDICES to name the trainable ones, or capture the step from JAX.")
@@ -155,7 +144,7 @@ def _print_inspect(report: dict[str, Any], max_params: int) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     cap = load_source(args.source, trainable=_parse_trainable(args.trainable), module_index=args.module)
     report = _inspect_report(cap)
@@ -176,6 +165,7 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from hlomap import zoo
+    from hlomap.report.units import human_count
 
     rows = [(name, zoo.get(name)) for name in zoo.names()]
     if args.json:
@@ -189,13 +179,13 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
     table.add_column("parameters", justify="right")
     table.add_column("description")
     for name, model in rows:
-        table.add_row(name, model.family, _human_count(model.param_count()), model.description)
+        table.add_row(name, model.family, human_count(model.param_count()), model.description)
     _console().print(table)
     return 0
 
 
 def cmd_zoo_dump(args: argparse.Namespace) -> int:
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     cap = load_source(f"zoo:{args.name}")
     text = str(cap.module)
@@ -225,10 +215,10 @@ def _plan_argument(text: str) -> Any:
 
 
 def _mesh_argument(text: str) -> Any:
-    from hlomap.cost.estimate import parse_mesh
+    from hlomap.api import parse_mesh_text
 
     try:
-        return parse_mesh(text)
+        return parse_mesh_text(text)
     except ValueError as err:
         raise CliError(f"--mesh: {err}") from None
 
@@ -238,16 +228,16 @@ def _cluster_argument(cluster: str, profile: str | None) -> Any:
     profile's efficiencies applied to the devices it was measured on."""
     if profile is None:
         return cluster
-    from hlomap.cost.calibration import CalibrationError, apply_profile, load_profile
+    from hlomap.cost.calibration import CalibrationError, apply_calibration, load_calibration
     from hlomap.cost.cluster import load_cluster
 
     loaded = load_cluster(cluster)
     try:
-        calibration = load_profile(profile)
+        calibration = load_calibration(profile)
     except CalibrationError as err:  # names the file and the field already
         raise CliError(f"--profile: {err}") from None
     try:
-        calibrated = apply_profile(loaded, calibration)
+        calibrated = apply_calibration(loaded, calibration)
     except CalibrationError as err:
         raise CliError(f"--profile {profile}: {err}") from None
     if calibration.backend and calibration.backend not in ("gpu", "cuda", "rocm"):
@@ -257,8 +247,8 @@ def _cluster_argument(cluster: str, profile: str | None) -> Any:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from hlomap.cost.estimate import estimate, format_estimate
-    from hlomap.source import load_source
+    from hlomap.api import estimate, load_source
+    from hlomap.report.estimate import format_estimate
 
     plan = _plan_argument(args.plan)
     mesh = None if args.mesh is None else _mesh_argument(args.mesh)
@@ -281,7 +271,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 SHARDING_TASKS = ("opp", "adp", "hybrid")
 SHARDING_AGENTS = ("dqn", "random", "greedy", "exact")
 PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
-PIPEDREAM_PREFIX = "pipedream:"
 
 
 def _beside(output: Path, suffix: str) -> Path:
@@ -295,9 +284,8 @@ def _check_output(path: Path) -> None:
 
 
 def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
-    from hlomap.explore.api import explore_detailed, parse_mesh
-    from hlomap.explore.report import format_plan_summary, plot_convergence, progress_bar
-    from hlomap.source import load_source
+    from hlomap.api import explore_detailed, load_source, parse_mesh
+    from hlomap.report.sharding import format_plan_summary, plot_convergence, progress_bar
 
     if args.agent not in SHARDING_AGENTS:
         raise CliError(f"--agent {args.agent}: the {args.task} task takes {', '.join(SHARDING_AGENTS)}")
@@ -331,24 +319,17 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
 
 def _pipeline_source(args: argparse.Namespace) -> tuple[Any, Any]:
     """(the source explore_pipeline reads, the Capture or None for a PipeDream profile)."""
-    if args.source.startswith(PIPEDREAM_PREFIX):
-        from hlomap.pipeline.pipedream import load_profile
-
-        path = Path(args.source[len(PIPEDREAM_PREFIX):])
-        if not path.is_file():
-            raise CliError(f"{path}: no such PipeDream profile (pipedream:PATH names a PipeDream graph file)")
-        return load_profile(path), None
+    from hlomap.api import load_pipeline_source
     from hlomap.hlo.capture import Capture
-    from hlomap.pipeline.explore import read_pipeline_source
 
-    # A PipeDream graph file is recognised by its content too, without the pipedream: prefix.
-    source = read_pipeline_source(args.source, trainable=_parse_trainable(args.trainable))
+    source = load_pipeline_source(args.source, trainable=_parse_trainable(args.trainable))
     return source, source if isinstance(source, Capture) else None
 
 
 def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
-    from hlomap.explore.pipeline import pipeline_plan
-    from hlomap.pipeline.explore import explore_pipeline, format_pipeline_result
+    from hlomap.report.gantt import draw_gantt
+    from hlomap.report.pipeline import format_pipeline_result, gantt_title
+    from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan
 
     if args.agent not in PIPELINE_AGENTS:
         raise CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
@@ -363,8 +344,9 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
                               cluster=cluster, agent=args.agent, seed=args.seed,
                               budget_seconds=args.budget_seconds, episodes=args.episodes,
-                              finetune_episodes=args.finetune_episodes, png_path=timeline,
-                              compare_dp=args.compare_dp, name=args.source)
+                              finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp,
+                              name=args.source)
+    draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
     if cap is not None:
         pipeline_plan(cap, result, seed=args.seed).save(output)
     else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
@@ -383,7 +365,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     _check_output(output)
     if args.task == "pipeline":
         return _explore_pipeline(args, output)
-    from hlomap.pipeline.explore import is_pipedream_graph
+    from hlomap.api import PIPEDREAM_PREFIX, is_pipedream_graph
 
     if args.source.startswith(PIPEDREAM_PREFIX) or is_pipedream_graph(args.source):
         raise CliError(f"{args.source} is a PipeDream profile: it can only be explored with --task pipeline")
@@ -428,9 +410,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from hlomap.explore.run import run_plan
-    from hlomap.source import load_source
-
+    from hlomap.api import load_source
+    from hlomap.verify.numerics import run_plan
     if jax.device_count() < devices:
         raise CliError(f"{args.plan} needs {devices} devices (mesh {plan.mesh_shape}); JAX sees "
                        f"{jax.device_count()} ({jax.devices()[0].platform})")
@@ -590,15 +571,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from hlomap.cost.cluster import ClusterSpecError
+    from hlomap.api import SourceError
     from hlomap.cost.estimate import EstimateError
+    from hlomap.plan import PlanError
     from hlomap.cost.mapping import MappingError
-    from hlomap.explore.exact import ExactTooLarge
+    from hlomap.tasks.sharding.exact import ExactTooLarge
     from hlomap.hlo.parser import HloParseError
-    from hlomap.pipeline.pipedream import PipeDreamParseError
+    from hlomap.tasks.pipeline.pipedream import PipeDreamParseError
     from hlomap.propagation.conflicts import PlanConflict
-    from hlomap.source import SourceError
 
-    return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, MappingError, PlanConflict,
+    return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError, PlanConflict,
             ExactTooLarge, PipeDreamParseError, FileNotFoundError,
             IsADirectoryError, PermissionError)
 

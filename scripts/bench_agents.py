@@ -31,14 +31,12 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-try:
-    import hlomap  # noqa: F401  (installed, or run with PYTHONPATH=.)
-except ModuleNotFoundError:  # run from a checkout: python scripts/bench_agents.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout's root: hlomap when not installed, and the tests' toy environments.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hlomap.agents import DqnAgent, DqnConfig, LoopConfig, PpoAgent, PpoConfig, run_loop
 from hlomap.agents.replay import Transition
-from hlomap.agents.toy_envs import TrivialEnv
+from tests.agents.toy_envs import TrivialEnv
 
 OBS = 512
 HIDDEN = (256, 256)

@@ -31,15 +31,15 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hlomap.explore.dqn_search import DqnSearchConfig, dqn_search  # noqa: E402
-from hlomap.explore.objective import PaperObjective  # noqa: E402
-from hlomap.explore.report import compare_with_megatron  # noqa: E402
-from hlomap.explore.search import Budget, SearchResult  # noqa: E402
-from hlomap.explore.space import opp_space  # noqa: E402
+from hlomap.tasks.sharding.dqn_search import DqnSearchConfig, dqn_search  # noqa: E402
+from hlomap.tasks.sharding.objective import PaperObjective  # noqa: E402
+from hlomap.tasks.sharding.compare import compare_with_megatron  # noqa: E402
+from hlomap.search.tracker import Budget, SearchResult  # noqa: E402
+from hlomap.tasks.sharding.space import opp_space  # noqa: E402
 from hlomap.propagation.conflicts import MeshAxes  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.propagation.plans import megatron_plan  # noqa: E402
-from hlomap.source import load_source  # noqa: E402
+from hlomap.api import load_source  # noqa: E402
 
 GOALS = {"t5-base": 60.0, "t5-11b": 300.0}
 

@@ -3,7 +3,7 @@
 Times representative kernels with JAX on the default backend (dots of several shapes in bf16 and
 f32, elementwise ops, reductions) and the jitted train steps of zoo models, counts each kernel's
 FLOPs and bytes with hlomap's own cost functions on its lowered HLO, fits the preset's compute
-and HBM-bandwidth efficiencies (`hlomap.cost.calibration.fit_profile`), writes the profile, then
+and HBM-bandwidth efficiencies (`hlomap.cost.calibration.fit_calibration`), writes the profile, then
 prints the cost model's predicted step time (one device, data-parallel plan on a mesh of 1)
 against the measured one, before and after calibration.
 
@@ -197,7 +197,7 @@ def measure_step(model_name: str, timing: Timing, seed: int = 0) -> StepRun:
 
     from hlomap import zoo
     from hlomap.propagation.graph import FactorGraph
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     model = zoo.get(model_name)
     args = model.example_args(seed)
@@ -216,7 +216,7 @@ def single_device_cluster(device: Any) -> Any:
 def predict_step(run: StepRun, cluster: Any) -> Any:
     """The cost model's estimate of the step on one device: data parallel on a mesh of 1, i.e.
     the unsharded step, which is what was timed."""
-    from hlomap.cost.estimate import estimate
+    from hlomap.api import estimate
 
     return estimate(run.capture, "dp", mesh=1, cluster=cluster, graph=run.graph)
 
@@ -339,7 +339,7 @@ def calibrate(device: Any, kernels: Sequence[Kernel], models: Sequence[str], tim
     """Time everything, fit `device`, and predict every model's step before and after."""
     import jax
 
-    from hlomap.cost.calibration import apply_profile, fit_profile
+    from hlomap.cost.calibration import apply_calibration, fit_calibration
 
     backend = jax.default_backend()
     device_kind = jax.devices()[0].device_kind
@@ -355,11 +355,11 @@ def calibrate(device: Any, kernels: Sequence[Kernel], models: Sequence[str], tim
         preset_estimates.append(predict_step(runs[-1], preset_cluster))
         measurements.append(step_measurement(runs[-1], preset_estimates[-1]))
         log(f"  step zoo:{name}: {runs[-1].seconds * 1e3:.3f} ms")
-    profile = fit_profile(measurements, device, backend=backend, device_kind=device_kind,
+    profile = fit_calibration(measurements, device, backend=backend, device_kind=device_kind,
                           jax_version=jax.__version__,
                           measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     profile = replace(profile, notes=profile.notes + tuple(f"warning: {w}" for w in warnings))
-    calibrated_cluster = apply_profile(preset_cluster, profile)
+    calibrated_cluster = apply_calibration(preset_cluster, profile)
     rows = tuple(StepRow(run.model, run.seconds, est.step_seconds, predict_step(run, calibrated_cluster).step_seconds,
                          est.flops)
                  for run, est in zip(runs, preset_estimates))

@@ -51,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write every row as JSON")
     args = parser.parse_args(argv)
 
-    from hlomap.cost.reference import check_plan
+    from hlomap.verify.xla import check_plan
     from hlomap.propagation.graph import FactorGraph
     from hlomap.propagation.plans import random_plans
     from hlomap.propagation.conflicts import MeshAxes
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     records = []
     print(f"{'model':12s} {'plan':12s} {'quantity':26s} {'ours':>14s} {'xla':>14s} {'error':>9s}  ok")

@@ -30,17 +30,18 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hlomap.explore.api import Exploration, build_problem, explore_detailed, run_driver, to_plan  # noqa: E402
-from hlomap.explore.objective import PaperObjective  # noqa: E402
-from hlomap.explore.report import (baseline_rows, compare_with_megatron, format_baselines,  # noqa: E402
-                                   partitioned_dims, plot_convergence, variable_specs)
-from hlomap.explore.run import run_plan  # noqa: E402
-from hlomap.explore.search import Budget  # noqa: E402
+from hlomap.api import explore_detailed  # noqa: E402
+from hlomap.tasks.sharding.problem import Exploration, build_problem, run_driver, to_plan  # noqa: E402
+from hlomap.tasks.sharding.objective import PaperObjective  # noqa: E402
+from hlomap.report.sharding import baseline_rows, format_baselines, plot_convergence  # noqa: E402
+from hlomap.tasks.sharding.compare import compare_with_megatron, partitioned_dims, variable_specs  # noqa: E402
+from hlomap.verify.numerics import run_plan  # noqa: E402
+from hlomap.search.tracker import Budget  # noqa: E402
 from hlomap.hlo.capture import Role  # noqa: E402
 from hlomap.propagation.conflicts import REPLICATED  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan  # noqa: E402
-from hlomap.source import load_source  # noqa: E402
+from hlomap.api import load_source  # noqa: E402
 
 log = logging.getLogger("reproduce_automap")
 
@@ -256,7 +257,7 @@ def baselines(ctx: Context) -> list[str]:
     name = "t5-tiny" if ctx.quick else "t5-base"
     evals = 400 if ctx.quick else 600
     problem = build_problem(ctx.cap(name), task="opp", mesh=8, reward="paper", graph=ctx.graph(name))
-    from hlomap.explore.space import opp_space
+    from hlomap.tasks.sharding.space import opp_space
 
     untied = opp_space(problem.graph, problem.axes, replicate_residual=True, tie=False)
     problem = type(problem)(problem.cap, problem.graph, problem.axes, untied,

@@ -14,7 +14,7 @@ bytes) and 2, 4 and 8 stages on a uniform 10 Gbps network, prints:
     more than --dqn-pivots pivots are first coarsened to that many (`normalize.coarsen`: the
     cheapest cut in each bin of equal compute), so there the DQN searches fewer cuts than the
     DP; the DP's optimum over those same pivots is shown beside it;
-  - two baselines on the DQN's ranked candidates (`hlomap.pipeline.baselines`), and what the
+  - two baselines on the DQN's ranked candidates (`hlomap.tasks.pipeline.baselines`), and what the
     shipped inference network alone (no training on the model) lands on.
 vgg16's rows are checked against the numbers PipeDream's optimizer prints.
 
@@ -34,23 +34,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hlomap.pipeline import (
-    CommModel,
-    CostOptions,
-    Links,
-    Objective,
-    Schedule,
-    SearchSpace,
-    draw_gantt,
-    load_profile,
-    simulate,
-    solve,
-)
-from hlomap.pipeline.baselines import first_candidates, random_candidates
-from hlomap.pipeline.cutenv import CutTask
-from hlomap.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
-from hlomap.pipeline.infer import infer_cuts
-from hlomap.pipeline.normalize import coarsen
+from hlomap.cost.pipeline.costs import CommModel, CostOptions
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.simulator import simulate
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.report.gantt import draw_gantt
+from hlomap.tasks.pipeline.dp import solve
+from hlomap.tasks.pipeline.pipedream import load_pipedream
+from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.baselines import first_candidates, random_candidates
+from hlomap.tasks.pipeline.cutenv import CutTask
+from hlomap.tasks.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
+from hlomap.tasks.pipeline.infer import infer_cuts
+from hlomap.tasks.pipeline.normalize import coarsen
 
 #: Slowest-stage seconds PipeDream's optimizer reports for vgg16, straight pipelines.
 PUBLISHED_VGG16 = {2: 0.370931, 4: 0.21645, 8: 0.159531}
@@ -108,7 +104,7 @@ def main() -> None:
         args.gantt.mkdir(parents=True, exist_ok=True)
     policy = None
     if not args.no_dqn:
-        from hlomap.pipeline.infer import load_policy
+        from hlomap.tasks.pipeline.infer import load_policy
 
         policy = load_policy(args.policy)
     checks = []
@@ -117,7 +113,7 @@ def main() -> None:
     if args.models:
         paths = [p for p in paths if p.stem in args.models]
     for path in paths:
-        profile = load_profile(path)
+        profile = load_pipedream(path)
         total = float(profile.compute_time.sum())
         for n_stages in args.stages:
             links = Links.uniform(n_stages, bandwidth=bandwidth)

@@ -25,9 +25,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hlomap.pipeline.acceptance import ACCEPTANCE_MODELS, CONFIG_STAGES, model_profile, run_case
-from hlomap.pipeline.dqn_search import SearchBudget
-from hlomap.pipeline.stages import Schedule
+from pipeline_acceptance import ACCEPTANCE_MODELS, CONFIG_STAGES, model_profile, run_case
+from hlomap.tasks.pipeline.dqn_search import SearchBudget
+from hlomap.cost.pipeline.stages import Schedule
 
 
 def _load() -> str:

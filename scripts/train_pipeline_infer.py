@@ -1,6 +1,6 @@
 """Train the pipeline-cut inference network (Auto-MAP section 3.5) and write the policy file.
 
-Every episode is a fresh random 128-pivot problem (`hlomap.pipeline.normalize.random_task`:
+Every episode is a fresh random 128-pivot problem (`hlomap.tasks.pipeline.normalize.random_task`:
 uniform / normal / binomial arrays, 2-8 stages, random links, microbatches, schedule, objective
 and memory). Every --validate-every episodes the greedy policy is compared with the DP optimum
 on --validation held-out random tasks; the best network is kept and written to --out.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hlomap.pipeline.infer import DEFAULT_POLICY, TrainingConfig, Validation, train_policy
+from hlomap.tasks.pipeline.infer import DEFAULT_POLICY, TrainingConfig, Validation, train_policy
 
 
 def main() -> None:

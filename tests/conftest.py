@@ -12,6 +12,7 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -24,3 +25,79 @@ def corpus_dir() -> Path:
     if not CORPUS.is_dir():
         pytest.skip(f"shared corpus not found at {CORPUS}")
     return CORPUS
+
+
+@pytest.fixture(scope="session")
+def zoo_capture():
+    """name -> Capture of the zoo entry's train step (memoized)."""
+    import hlomap
+    from hlomap import zoo
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str):
+        if name not in cache:
+            entry = zoo.get(name)
+            cache[name] = hlomap.capture(entry.train_step(), *entry.abstract_args())
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zoo_graph(zoo_capture):
+    """name -> FactorGraph of the zoo entry's train step (memoized)."""
+    from hlomap.propagation import FactorGraph
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = FactorGraph.from_capture(zoo_capture(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def cap_of() -> Callable[[str], Any]:
+    """zoo name -> Capture (memoized for the session)."""
+    from hlomap.api import load_source
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = load_source(f"zoo:{name}")
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def graph_of(cap_of: Callable[[str], Any]) -> Callable[[str], Any]:
+    """zoo name -> FactorGraph (memoized for the session)."""
+    from hlomap.propagation.graph import FactorGraph
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = FactorGraph.from_capture(cap_of(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def axes8() -> Any:
+    from hlomap.propagation.conflicts import MeshAxes
+
+    return MeshAxes.from_mesh({"model": 8})
+
+
+@pytest.fixture(scope="session")
+def axes2x4() -> Any:
+    from hlomap.propagation.conflicts import MeshAxes
+
+    return MeshAxes.from_mesh({"data": 2, "model": 4})

@@ -26,9 +26,9 @@ def test_import_does_not_load_jax() -> None:
 def test_explore_pipeline_task_returns_a_plan_with_stages(tmp_path) -> None:
     """`hlomap.explore(cap, task="pipeline")` as DESIGN.md shows it: one stage per server of
     cluster A (2 servers) by default, the DP's cuts, parameters left replicated."""
-    from hlomap.pipeline.explore import explore_pipeline
+    from hlomap.tasks.pipeline.explore import explore_pipeline
 
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     cap = load_source("zoo:gpt-tiny")
     out = tmp_path / "pipe.json"

@@ -5,18 +5,18 @@
     mapping = axis_devices(cluster, {"data": 2, "model": 8}, order=("data", "model"))
     t = collective_time(Collective.ALL_REDUCE, cluster, mapping.groups("data"), nbytes)
     step = module_cost(module, cluster.devices[0])               # FLOPs, bytes, roofline time
-    cluster = apply_profile(cluster, load_profile("h100.json"))   # calibrated efficiencies
+    cluster = apply_calibration(cluster, load_calibration("h100.json"))   # calibrated efficiencies
 
 See ../shared/DESIGN.md ("Cost model").
 """
 
 from hlomap.cost.calibration import (
     CalibrationError,
-    CalibrationProfile,
+    Calibration,
     Measurement,
-    apply_profile,
-    fit_profile,
-    load_profile,
+    apply_calibration,
+    fit_calibration,
+    load_calibration,
 )
 from hlomap.cost.cluster import (
     Cluster,
@@ -52,7 +52,7 @@ __all__ = [
     "DEVICE_PRESETS",
     "AxisMapping",
     "CalibrationError",
-    "CalibrationProfile",
+    "Calibration",
     "Cluster",
     "ClusterSpecError",
     "Collective",
@@ -64,18 +64,18 @@ __all__ = [
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
-    "apply_profile",
+    "apply_calibration",
     "axis_devices",
     "cluster_preset",
     "collective_permute_time",
     "collective_time",
     "computation_cost",
     "device_preset",
-    "fit_profile",
+    "fit_calibration",
     "hierarchical",
     "instruction_cost",
     "load_cluster",
-    "load_profile",
+    "load_calibration",
     "mesh_topology",
     "module_cost",
     "module_flops",

@@ -4,9 +4,9 @@ The roofline of `hlomap.cost.compute` prices a kernel at max(flops / (peak x eff
 bytes / hbm_bandwidth). Datasheet peaks are never reached, so a profile carries the two factors
 that turn them into what a real device achieves, fitted from timed kernels:
 
-    profile = fit_profile(measurements, device_preset("H100-80GB"), backend="gpu", ...)
+    profile = fit_calibration(measurements, device_preset("H100-80GB"), backend="gpu", ...)
     profile.save("h100.json")
-    cluster = apply_profile(load_cluster("cluster.json"), load_profile("h100.json"))
+    cluster = apply_calibration(load_cluster("cluster.json"), load_calibration("h100.json"))
 
 - `compute_efficiency` replaces `DeviceSpec.efficiency`: achieved / peak FLOP/s of compute-bound
   kernels (large dots);
@@ -134,7 +134,7 @@ class Measurement:
 
 
 @dataclass(frozen=True)
-class CalibrationProfile:
+class Calibration:
     """Fitted efficiency factors of one device kind, with the measurements behind them.
 
     `device` is the DeviceSpec name the profile applies to. `backend`, `device_kind`,
@@ -173,7 +173,7 @@ class CalibrationProfile:
         }
 
     @classmethod
-    def from_json(cls, data: Any, *, source: str = "<dict>") -> CalibrationProfile:
+    def from_json(cls, data: Any, *, source: str = "<dict>") -> Calibration:
         """Build from the object of `to_json`; errors name `source` and the field."""
         return _profile_from_json(data, source)
 
@@ -181,8 +181,8 @@ class CalibrationProfile:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
-def load_profile(path: str | Path) -> CalibrationProfile:
-    """Read a profile written by `CalibrationProfile.save`; errors name the file and the field."""
+def load_calibration(path: str | Path) -> Calibration:
+    """Read a profile written by `Calibration.save`; errors name the file and the field."""
     path = Path(path)
     if not path.is_file():
         raise CalibrationError(f"{path}: no such profile file")
@@ -192,7 +192,7 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         raise CalibrationError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
     except UnicodeDecodeError as err:
         raise CalibrationError(f"{path}: not a text file ({err.reason} at byte {err.start})") from None
-    return CalibrationProfile.from_json(data, source=str(path))
+    return Calibration.from_json(data, source=str(path))
 
 
 def _string(value: Any, where: str) -> str:
@@ -207,7 +207,7 @@ def _number(value: Any, where: str) -> float:
     return float(value)
 
 
-def _profile_from_json(data: Any, source: str) -> CalibrationProfile:
+def _profile_from_json(data: Any, source: str) -> Calibration:
     if not isinstance(data, Mapping):
         raise CalibrationError(f"{source}: expected a JSON object, got {type(data).__name__}")
     if data.get("format", FORMAT) != FORMAT:
@@ -235,7 +235,7 @@ def _profile_from_json(data: Any, source: str) -> CalibrationProfile:
     efficiency = {k: _number(data[k], f"{source}: field {k!r}")
                   for k in ("compute_efficiency", "bandwidth_efficiency")}
     try:
-        return CalibrationProfile(measurements=measurements, notes=tuple(notes), **text, **efficiency)
+        return Calibration(measurements=measurements, notes=tuple(notes), **text, **efficiency)
     except CalibrationError as err:
         raise CalibrationError(f"{source}: {err}") from None
 
@@ -297,9 +297,9 @@ def _clamped(raw: float, label: str, what: str) -> tuple[float, list[str]]:
     return raw, []
 
 
-def fit_profile(measurements: Iterable[Measurement], device: DeviceSpec, *, margin: float = RIDGE_MARGIN,
+def fit_calibration(measurements: Iterable[Measurement], device: DeviceSpec, *, margin: float = RIDGE_MARGIN,
                 backend: str = "", device_kind: str = "", jax_version: str = "",
-                measured_at: str = "") -> CalibrationProfile:
+                measured_at: str = "") -> Calibration:
     """Fit the compute and bandwidth efficiencies of `device` to timed kernels.
 
     Compute-bound kernels give the compute efficiency (ideal compute time / measured time),
@@ -339,7 +339,7 @@ def fit_profile(measurements: Iterable[Measurement], device: DeviceSpec, *, marg
     notes += why
     bandwidth_final, why = _clamped(bandwidth_eff, "bandwidth efficiency", "memory-bound kernels")
     notes += why
-    return CalibrationProfile(device=device.name, compute_efficiency=compute_final,
+    return Calibration(device=device.name, compute_efficiency=compute_final,
                               bandwidth_efficiency=bandwidth_final, measurements=all_ms, backend=backend,
                               device_kind=device_kind, jax_version=jax_version, measured_at=measured_at,
                               notes=tuple(notes))
@@ -372,7 +372,7 @@ def _fit_notes(used: Sequence[Measurement], classes: Sequence[Bound], device: De
 # ---------------------------------------------------------------------------------------------
 
 
-def calibrated_device(device: DeviceSpec, profile: CalibrationProfile) -> DeviceSpec:
+def calibrated_device(device: DeviceSpec, profile: Calibration) -> DeviceSpec:
     """`device` with the profile's compute efficiency and its HBM bandwidth scaled by the
     profile's bandwidth efficiency (the cost model reads bytes / hbm_bandwidth, so scaling the
     bandwidth is how a bandwidth efficiency enters it). The name is kept: reports still say
@@ -381,7 +381,7 @@ def calibrated_device(device: DeviceSpec, profile: CalibrationProfile) -> Device
                    hbm_bandwidth=device.hbm_bandwidth * profile.bandwidth_efficiency)
 
 
-def apply_profile(cluster: Cluster, profile: CalibrationProfile) -> Cluster:
+def apply_calibration(cluster: Cluster, profile: Calibration) -> Cluster:
     """`cluster` with every device named like the profile's (case-insensitive) calibrated; the
     links are untouched. Raises CalibrationError when no device matches. Apply a profile once:
     the bandwidth is scaled, so a second application would scale it again."""

@@ -1,8 +1,7 @@
 """The estimate of one plan: per-device compute, the collectives the plan implies, memory, time.
 
-    est = estimate(cap, "megatron", mesh={"model": 8}, cluster="A")
-    est = estimate(cap, plan, cluster="B", axis_order=("model", "data"))   # a hlomap.plan.Plan
-    print(format_estimate(est))
+    est = estimate(cap, plan_array, axes, cluster="B", axis_order=("model", "data"))
+    # hlomap.api.estimate(cap, "megatron" | Plan, mesh=..., cluster=...) resolves plans first
 
 What is counted, per device (see hlomap.cost.sharding for how a plan splits each instruction):
 - compute: every instruction of the module (instantiated per call site, while bodies times their
@@ -35,7 +34,7 @@ import enum
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -51,22 +50,11 @@ from hlomap.hlo.ir import Instruction, Module
 from hlomap.propagation.conflicts import ConflictChecker, MeshAxes, PlanConflict
 from hlomap.propagation.graph import FactorGraph
 
-if TYPE_CHECKING:
-    from hlomap.plan import Plan
-
 log = logging.getLogger(__name__)
 
 
 class EstimateError(ValueError):
     """A plan, mesh or axis mapping that cannot be estimated (the message says which and why)."""
-
-
-class ReferencePlan(enum.Enum):
-    """Built-in plans, derived from roles and the factor graph (hlomap.propagation.plans)."""
-
-    DP = "dp"  # batch of every data input split over the whole mesh
-    MEGATRON = "megatron"  # Megatron tensor parallelism over the whole mesh
-    HYBRID = "dp+megatron"  # batch on the data axis, Megatron on the model axis
 
 
 class Reason(enum.Enum):
@@ -83,12 +71,6 @@ class Overlap(enum.Enum):
     NONE = "none"
     GRADIENT_SYNC = "gradient-sync"
 
-
-#: Devices a reference plan spans when no mesh is given (one 8-GPU server).
-DEFAULT_DEVICES = 8
-#: Mesh axis names the reference plans look for first; otherwise the first / last axis.
-DATA_AXIS = "data"
-MODEL_AXIS = "model"
 
 #: Combiners an all-reduce can apply (a reduce whose to_apply root is one of these, on scalars).
 ALL_REDUCIBLE = frozenset({"add", "maximum", "minimum", "multiply", "and", "or", "xor"})
@@ -220,112 +202,6 @@ class StepEstimate:
 # ---------------------------------------------------------------------------------------------
 # Resolving the plan, the mesh and the devices
 # ---------------------------------------------------------------------------------------------
-
-
-def parse_mesh(text: str) -> int | dict[str, int]:
-    """The CLI's --mesh: `"8"` -> 8 (axis named by the plan: data for dp, model for megatron);
-    `"data=2,model=4"` -> {"data": 2, "model": 4}."""
-    text = text.strip()
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
-            raise EstimateError(f"mesh {text!r}: expected N or NAME=SIZE[,NAME=SIZE...], got {part!r}")
-        if name.strip() in out:
-            raise EstimateError(f"mesh {text!r}: axis {name.strip()!r} given twice")
-        out[name.strip()] = int(size)
-    return out
-
-
-def _reference_mesh(kind: ReferencePlan, mesh: Mapping[str, int] | MeshAxes | int | None) -> dict[str, int]:
-    """Name a bare device count after the plan kind (8 -> {"data": 8} for dp); no mesh means
-    `DEFAULT_DEVICES`."""
-    if mesh is None:
-        mesh = DEFAULT_DEVICES
-    if isinstance(mesh, int):
-        n = mesh
-        if kind is ReferencePlan.HYBRID:
-            raise EstimateError(f"plan {kind.value!r} needs two named mesh axes, e.g. {DATA_AXIS}=2,{MODEL_AXIS}=4; "
-                             f"got {n}")
-        return {DATA_AXIS if kind is ReferencePlan.DP else MODEL_AXIS: n}
-    if isinstance(mesh, MeshAxes):
-        return mesh.mesh_shape
-    return {str(k): int(v) for k, v in mesh.items()}
-
-
-def reference_plan(graph: FactorGraph, kind: ReferencePlan | str,
-                   mesh: Mapping[str, int] | MeshAxes | int | None) -> tuple[np.ndarray, MeshAxes]:
-    """The plan array of a built-in plan. dp and megatron use every mesh axis together (an axis
-    option such as ("data", "model") when the mesh has two); dp+megatron splits the batch on the
-    `data` axis (else the first) and runs Megatron on the `model` axis (else the last).
-    Raises EstimateError when the graph lacks what the plan needs (data inputs for dp, trainable
-    parameters for megatron: a bare HLO dump needs roles)."""
-    try:
-        return _reference_plan(graph, ReferencePlan(kind), mesh)
-    except EstimateError:
-        raise
-    except ValueError as err:
-        raise EstimateError(f"plan {ReferencePlan(kind).value!r}: {err}") from None
-
-
-def _reference_plan(graph: FactorGraph, kind: ReferencePlan,
-                    mesh: Mapping[str, int] | MeshAxes | int | None) -> tuple[np.ndarray, MeshAxes]:
-    from hlomap.propagation import plans
-
-    shape = _reference_mesh(kind, mesh)
-    names = tuple(shape)
-    if kind is ReferencePlan.HYBRID:
-        if len(names) < 2:
-            raise EstimateError(f"plan {kind.value!r} needs two mesh axes; mesh {shape} has {len(names)}")
-        data = DATA_AXIS if DATA_AXIS in names else names[0]
-        model = MODEL_AXIS if MODEL_AXIS in names else names[-1]
-        if data == model:
-            raise EstimateError(f"plan {kind.value!r}: cannot tell the data axis from the model axis in {shape}")
-        axes = MeshAxes.from_mesh(shape)
-        plan = plans.combine(plans.data_parallel_plan(graph, data, axes), plans.megatron_plan(graph, model, axes))
-        return plan, axes
-    axes = MeshAxes.from_mesh(shape, extra=[names] if len(names) > 1 else ())
-    if kind is ReferencePlan.DP:
-        return plans.data_parallel_plan(graph, names, axes), axes
-    return plans.megatron_plan(graph, names, axes), axes
-
-
-def resolve_plan(graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | MeshAxes | int | None
-                 ) -> tuple[np.ndarray, MeshAxes, str]:
-    """(plan array, mesh axes, a name for reports) from a Plan, a reference-plan name, or a plan
-    array with its mesh. Raises PlanConflict when the array has conflicts."""
-    name: str
-    if isinstance(plan, (str, ReferencePlan)):
-        key = plan.value if isinstance(plan, ReferencePlan) else plan.strip().lower()
-        key = {"hybrid": ReferencePlan.HYBRID.value, "dp-megatron": ReferencePlan.HYBRID.value}.get(key, key)
-        try:
-            kind = ReferencePlan(key)
-        except ValueError:
-            raise EstimateError(f"unknown plan {plan!r}; built-in plans are "
-                             f"{', '.join(k.value for k in ReferencePlan)} (or pass a Plan or a plan array)") from None
-        array, axes = reference_plan(graph, kind, mesh)
-        name = kind.value
-    elif hasattr(plan, "group_array") and hasattr(plan, "mesh_shape"):
-        shape = plan.mesh_shape
-        given = mesh.mesh_shape if isinstance(mesh, MeshAxes) else dict(mesh) if isinstance(mesh, Mapping) else None
-        if (given and given != shape) or (isinstance(mesh, int) and mesh != math.prod(shape.values())):
-            raise EstimateError(f"the plan was made for mesh {shape}, not {given or mesh}")
-        axes = MeshAxes.from_mesh(shape, extra=[g.axes for g in plan.groups]
-                                  + [s for p in plan.parameters for s in p.spec if s is not None and len(s) > 1])
-        array = plan.group_array(graph, axes)
-        name = "plan"
-    else:
-        if mesh is None or isinstance(mesh, int):
-            raise EstimateError("a plan array needs its mesh as a {name: size} mapping (or a MeshAxes)")
-        axes = mesh if isinstance(mesh, MeshAxes) else MeshAxes.from_mesh(mesh)
-        array = np.asarray(plan)
-        name = "plan"
-    conflicts = ConflictChecker(graph, axes).explain(array, limit=5)
-    if conflicts:
-        raise PlanConflict(f"plan {name!r} has conflicts:\n" + "\n".join(f"  - {c}" for c in conflicts), conflicts)
-    return array, axes, name
 
 
 def _mapping(cluster: Cluster, axes: MeshAxes, devices: AxisMapping | None,
@@ -520,114 +396,24 @@ def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *
         collectives=tuple(collectives), instructions=tuple(instructions), memory=memory)
 
 
-def estimate(cap: Capture, plan: Plan | str | np.ndarray, *, mesh: Mapping[str, int] | MeshAxes | int | None = None,
-             cluster: str | Cluster = "A", axis_devices: AxisMapping | None = None,
-             axis_order: Sequence[str] | None = None, graph: FactorGraph | None = None,
-             overlap: Overlap = Overlap.NONE, fusion: Fusion = Fusion.ELEMENTWISE) -> StepEstimate:
-    """Estimate one training step of `cap` under `plan` on `cluster`.
-
-    `plan`: a `hlomap.plan.Plan` (its own mesh), a built-in plan name ("dp", "megatron",
-    "dp+megatron"; `mesh` says the axes: {"data": 2, "model": 4}, or a device count), or a plan
-    array over the factor graph's groups with `mesh` naming its axes. `cluster`: a preset name
-    ("A", "B", "C"), a JSON path or a Cluster. Mesh axes map onto devices with `axis_devices`
-    when given, else in `axis_order` (outermost first; default the mesh's order, so the last axis
-    stays inside a node). Raises PlanConflict for a plan with conflicts.
+def estimate(cap: Capture, plan: np.ndarray, axes: MeshAxes, *, cluster: str | Cluster = "A",
+             axis_devices: AxisMapping | None = None, axis_order: Sequence[str] | None = None,
+             graph: FactorGraph | None = None, plan_name: str = "plan", overlap: Overlap = Overlap.NONE,
+             fusion: Fusion = Fusion.ELEMENTWISE) -> StepEstimate:
+    """Estimate one training step of `cap` under the plan array `plan` (over the factor graph's
+    groups, mesh `axes`) on `cluster` (a preset name, JSON path or Cluster). Mesh axes map onto
+    devices with `axis_devices` when given, else in `axis_order` (outermost first; default the
+    mesh's order, so the last axis stays inside a node). Raises PlanConflict for a plan with
+    conflicts. `hlomap.api.estimate` takes a `Plan` or a built-in plan name instead.
     """
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
-    array, axes, name = resolve_plan(graph, plan, mesh)
+    array = np.asarray(plan)
+    conflicts = ConflictChecker(graph, axes).explain(array, limit=5)
+    if conflicts:
+        raise PlanConflict(f"plan {plan_name!r} has conflicts:\n" + "\n".join(f"  - {c}" for c in conflicts),
+                           conflicts)
     clus = load_cluster(cluster)
     mapping = _mapping(clus, axes, axis_devices, axis_order)
     sg = ShardedGraph.build(graph, array, axes)
-    return estimate_sharded(sg, clus, mapping, plan_name=name, overlap=overlap, fusion=fusion,
+    return estimate_sharded(sg, clus, mapping, plan_name=plan_name, overlap=overlap, fusion=fusion,
                             donated=donated_parameters(cap))
-
-
-# ---------------------------------------------------------------------------------------------
-# Text report
-# ---------------------------------------------------------------------------------------------
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_seconds(s: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(s) >= scale:
-            return f"{s / scale:.2f} {unit}"
-    return f"{s * 1e9:.0f} ns"
-
-
-def human_flops(f: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if abs(f) >= scale:
-            return f"{f / scale:.2f} {unit}"
-    return f"{f:.0f} FLOP"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
-
-    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
-
-
-def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:
-    """A plain-text report: step time, the by-kind table (the `top_kinds` slowest opcodes, the
-    rest summed, then every collective kind), the `top` slowest instructions, the collectives
-    (grouped by kind, reason and axes) and the memory per device."""
-    mesh = ", ".join(f"{k}={v}" for k, v in est.mesh)
-    lines = [
-        f"plan {est.plan} on mesh {{{mesh}}}, cluster {est.cluster} ({est.device}); per device:",
-        f"step {human_seconds(est.step_seconds)} = compute {human_seconds(est.compute_seconds)} + exposed "
-        f"communication {human_seconds(est.exposed_communication_seconds)} (of "
-        f"{human_seconds(est.communication_seconds)}; overlap assumed: {est.overlap.value}); "
-        f"{human_flops(est.flops)}",
-        "",
-        "by kind:",
-    ]
-    total = est.compute_seconds + est.communication_seconds or 1.0
-    collective_kinds = {k.value for k in Collective}
-    kinds = est.by_kind()
-    compute_rows = [r for r in kinds if r.kind not in collective_kinds]
-    shown = list(compute_rows[:top_kinds])
-    rest = compute_rows[top_kinds:]
-    if rest:
-        shown.append(KindRow(f"({len(rest)} other opcodes)", sum(r.count for r in rest), sum(r.flops for r in rest),
-                             sum(r.nbytes for r in rest), sum(r.seconds for r in rest)))
-    shown += [r for r in kinds if r.kind in collective_kinds]
-    rows = [[r.kind, str(r.count), human_flops(r.flops) if r.flops else "-", human_bytes(r.nbytes),
-             human_seconds(r.seconds), f"{100 * r.seconds / total:.1f}%"] for r in shown]
-    lines += _table(["kind", "count", "flops", "bytes", "time", "share"], rows,
-                    [False, True, True, True, True, True])
-    lines += ["", f"slowest {min(top, len(est.instructions))} instructions:"]
-    rows = [[i.name, i.opcode, i.phase.value, str(i.degree), human_flops(i.flops), human_bytes(i.bytes_accessed),
-             human_seconds(i.seconds)] for i in est.instructions[:top]]
-    lines += _table(["instruction", "opcode", "phase", "split", "flops", "bytes", "time"], rows,
-                    [False, False, False, True, True, True, True])
-    groups: dict[tuple[str, str, tuple[str, ...]], list[CollectiveEstimate]] = {}
-    for c in est.collectives:
-        groups.setdefault((c.kind.value, c.reason.value, c.axes), []).append(c)
-    lines += ["", "collectives:" if groups else "collectives: none"]
-    if groups:
-        rows = [[kind, reason, ",".join(axes), str(sum(c.count for c in cs)),
-                 human_bytes(sum(c.nbytes * c.count for c in cs)), human_seconds(sum(c.total_seconds for c in cs)),
-                 cs[0].detail if len(cs) == 1 else f"e.g. {cs[0].detail}"]
-                for (kind, reason, axes), cs in sorted(groups.items(), key=lambda kv: -sum(c.total_seconds for c in kv[1]))]
-        lines += _table(["kind", "reason", "axes", "count", "bytes", "time", "detail"], rows,
-                        [False, False, False, True, True, True, False])
-    m = est.memory
-    lines += [
-        "",
-        f"memory per device: parameters {human_bytes(m.parameters)}, optimizer {human_bytes(m.optimizer)}, "
-        f"inputs {human_bytes(m.inputs)}, gradients {human_bytes(m.gradients)}, activations "
-        f"{human_bytes(m.activations)}, outputs {human_bytes(m.outputs)} (peak at {m.peak_instruction or '-'})",
-        f"total {human_bytes(m.total)} of {human_bytes(m.capacity)}: "
-        + ("fits" if m.fits else f"DOES NOT FIT, short by {human_bytes(m.shortfall)}"),
-    ]
-    return "\n".join(lines)

@@ -10,7 +10,7 @@ each value close to its uses): a buffer is allocated when its instruction runs a
 last use; tuple, get-tuple-element, bitcast and reshape alias their operands instead of
 allocating. A `call` (or while, conditional) adds its callee's own peak while it runs.
 
-Assumptions, each what a training loop does and what `hlomap.cost.reference` compiles:
+Assumptions, each what a training loop does and what `hlomap.verify.xla` compiles:
 - donation: the trainable parameters and optimizer state are donated, so their updated values are
   written in place (an output leaf reuses a donated input of the same shape and type);
 - fusion (`Fusion.ELEMENTWISE`, the default): an elementwise, broadcast or convert result whose

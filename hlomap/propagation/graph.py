@@ -39,7 +39,7 @@ from hlomap.hlo.ir import Computation, Instruction, Module, Shape
 from hlomap.propagation.factors import FactorKind, OpRule
 from hlomap.propagation.rules import ELEMENTWISE_OPCODES as _ELEMENTWISE_OPCODES
 from hlomap.propagation.rules import rule_for
-from hlomap.propagation.source import SourceTables, source_location, source_tables
+from hlomap.hlo.source_info import SourceTables, source_location, source_tables
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from hlomap.agents.dqn import (DqnAgent, DqnConfig, DqnFunctions, TargetUpdate,
                                importance_exponent, make_dqn)
 from hlomap.agents.environment import Environment, restart, termination, transition
 from hlomap.agents.loop import LoopConfig, run_loop
-from hlomap.agents.toy_envs import ChainMDP, ContextualBandit, MaskedMDP
+from tests.agents.toy_envs import ChainMDP, ContextualBandit, MaskedMDP
 
 SMALL = DqnConfig(hidden=(32, 32), learning_rate=1e-3, min_replay_size=64,
                   target_update_period=50)

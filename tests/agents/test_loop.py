@@ -15,7 +15,7 @@ from hlomap.agents import checkpoint
 from hlomap.agents.dqn import DqnAgent, DqnConfig, DqnFunctions, make_dqn
 from hlomap.agents.loop import EpisodeRecord, LoopConfig, LoopResult, run_loop
 from hlomap.agents.ppo import PpoAgent, PpoConfig, PpoFunctions, make_ppo
-from hlomap.agents.toy_envs import ContextualBandit, MaskedMDP, PlacementMDP
+from tests.agents.toy_envs import ContextualBandit, MaskedMDP, PlacementMDP
 
 # Small enough to be quick, with updates every step, n-step pending across the cut, and a
 # target update inside the resumed part.

@@ -13,7 +13,7 @@ from hlomap.agents.environment import restart, transition
 from hlomap.agents.loop import LoopConfig, run_loop
 from hlomap.agents.ppo import (Advantage, PpoAgent, PpoConfig, Rollout, advantages_and_targets,
                                make_ppo)
-from hlomap.agents.toy_envs import PlacementMDP
+from tests.agents.toy_envs import PlacementMDP
 
 # Five steps: mid, terminal, mid, truncated (bootstrap 3.0), mid cut by the rollout's end (4.0).
 G, LAM = 0.9, 0.8

@@ -18,13 +18,13 @@ from hlomap.cost.calibration import (
     MIN_EFFICIENCY,
     Bound,
     CalibrationError,
-    CalibrationProfile,
+    Calibration,
     Measurement,
-    apply_profile,
+    apply_calibration,
     classify,
-    fit_profile,
+    fit_calibration,
     ideal_seconds,
-    load_profile,
+    load_calibration,
 )
 from hlomap.cost.cluster import Cluster, cluster_preset, hierarchical
 from hlomap.cost.devices import DeviceSpec, device_preset
@@ -69,7 +69,7 @@ def suite(device: DeviceSpec, compute_eff: float, bandwidth_eff: float) -> list[
 @pytest.mark.parametrize("compute_eff, bandwidth_eff", [(0.71, 0.88), (0.35, 0.95), (0.9, 0.4), (1.0, 1.0)])
 def test_fit_recovers_known_efficiencies(compute_eff: float, bandwidth_eff: float) -> None:
     ms = suite(H100, compute_eff, bandwidth_eff)
-    profile = fit_profile(ms, H100, backend="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    profile = fit_calibration(ms, H100, backend="gpu", device_kind="NVIDIA H100 80GB HBM3")
     assert profile.compute_efficiency == pytest.approx(compute_eff, rel=1e-12)
     assert profile.bandwidth_efficiency == pytest.approx(bandwidth_eff, rel=1e-12)
     assert profile.device == "H100-80GB" and profile.device_kind == "NVIDIA H100 80GB HBM3"
@@ -88,7 +88,7 @@ def test_fit_classifies_with_the_fitted_factors_not_the_datasheet() -> None:
                   H100, ce, be) for i in range(3)]
     memory = [timed(f"add{i}", "elementwise", "f32", 1e6 * (i + 1), 1e9 * (i + 1), H100, ce, be) for i in range(3)]
     assert all(classify(m, H100, 1.0, 1.0) is Bound.COMPUTE for m in near)  # at the datasheet roofline
-    profile = fit_profile(clear + near + memory, H100)
+    profile = fit_calibration(clear + near + memory, H100)
     assert profile.compute_efficiency == pytest.approx(ce, rel=1e-12)
     assert profile.bandwidth_efficiency == pytest.approx(be, rel=1e-12)
     assert any("near0" in n and "ridge" in n for n in profile.notes)
@@ -100,7 +100,7 @@ def test_fit_is_robust_to_noise_and_an_outlier() -> None:
     noisy = [replace(m, seconds=m.seconds * float(rng.uniform(0.97, 1.03))) for m in ms]
     noisy[0] = replace(noisy[0], seconds=noisy[0].seconds * 20)  # a clock dip on one dot
     noisy[5] = replace(noisy[5], seconds=noisy[5].seconds * 20)  # and on one elementwise op
-    profile = fit_profile(noisy, H100)
+    profile = fit_calibration(noisy, H100)
     assert profile.compute_efficiency == pytest.approx(0.7, rel=0.05)
     assert profile.bandwidth_efficiency == pytest.approx(0.85, rel=0.05)
 
@@ -109,7 +109,7 @@ def test_fit_clamps_faster_than_datasheet_and_says_why() -> None:
     # f32 dots on TF32 tensor cores run several times past the preset's CUDA-core f32 peak
     fast = [timed(f"dot{i}", "dot", "f32", 1e13 * (i + 1), 1e9, H100, 4.0, 0.9) for i in range(3)]
     memory = [timed("add", "elementwise", "f32", 1e6, 1e9, H100, 4.0, 0.9)]
-    profile = fit_profile(fast + memory, H100)
+    profile = fit_calibration(fast + memory, H100)
     assert profile.compute_efficiency == 1.0
     assert profile.bandwidth_efficiency == pytest.approx(0.9)
     assert any("clamped to 1" in n and "compute efficiency 4" in n for n in profile.notes)
@@ -117,14 +117,14 @@ def test_fit_clamps_faster_than_datasheet_and_says_why() -> None:
 
 def test_fit_raises_a_hopeless_factor_to_the_floor() -> None:
     ms = [timed("add", "elementwise", "f32", 1e6, 1e9, H100, 1.0, 1e-9)]
-    profile = fit_profile(ms, H100)
+    profile = fit_calibration(ms, H100)
     assert profile.bandwidth_efficiency == MIN_EFFICIENCY
     assert any("raised to" in n for n in profile.notes)
 
 
 def test_a_side_without_kernels_keeps_the_preset() -> None:
     memory_only = [timed(f"add{i}", "elementwise", "f32", 1e6, 1e9 * (i + 1), V100, 0.5, 0.8) for i in range(3)]
-    profile = fit_profile(memory_only, V100)
+    profile = fit_calibration(memory_only, V100)
     assert profile.compute_efficiency == V100.efficiency
     assert profile.bandwidth_efficiency == pytest.approx(0.8)
     assert any("no compute-bound kernel" in n for n in profile.notes)
@@ -132,9 +132,9 @@ def test_a_side_without_kernels_keeps_the_preset() -> None:
 
 def test_fit_needs_measurements_marked_fit() -> None:
     with pytest.raises(CalibrationError, match="no measurements to fit"):
-        fit_profile([Measurement("step", "step", "f32", 1.0, 1.0, 1.0, fit=False)], H100)
+        fit_calibration([Measurement("step", "step", "f32", 1.0, 1.0, 1.0, fit=False)], H100)
     with pytest.raises(CalibrationError, match="no measurements"):
-        fit_profile([], H100)
+        fit_calibration([], H100)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -156,17 +156,17 @@ def test_measurements_are_validated(kwargs: dict[str, float], message: str) -> N
 
 
 def test_json_round_trip(tmp_path: Path) -> None:
-    profile = fit_profile(suite(H100, 0.7, 0.85), H100, backend="gpu", device_kind="NVIDIA H100 80GB HBM3",
+    profile = fit_calibration(suite(H100, 0.7, 0.85), H100, backend="gpu", device_kind="NVIDIA H100 80GB HBM3",
                           jax_version="0.4.35", measured_at="2025-01-01T00:00:00+00:00")
     path = tmp_path / "h100.json"
     profile.save(path)
-    loaded = load_profile(path)
+    loaded = load_calibration(path)
     assert loaded == profile
     assert json.loads(path.read_text())["format"] == "hlomap-calibration"
 
 
 def _valid(tmp_path: Path) -> dict[str, Any]:
-    CalibrationProfile("H100-80GB", 0.7, 0.9, measurements=suite(H100, 0.7, 0.9)[:2]).save(tmp_path / "ok.json")
+    Calibration("H100-80GB", 0.7, 0.9, measurements=suite(H100, 0.7, 0.9)[:2]).save(tmp_path / "ok.json")
     return json.loads((tmp_path / "ok.json").read_text())
 
 
@@ -190,21 +190,21 @@ def test_bad_fields_name_the_file_and_the_field(tmp_path: Path, edit: Any, messa
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     with pytest.raises(CalibrationError, match=message) as err:
-        load_profile(path)
+        load_calibration(path)
     assert str(err.value).startswith(str(path))
 
 
 def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(CalibrationError, match="no such profile file"):
-        load_profile(tmp_path / "missing.json")
+        load_calibration(tmp_path / "missing.json")
     broken = tmp_path / "broken.json"
     broken.write_text('{"device": "H100-80GB",\n "compute_efficiency": }')
     with pytest.raises(CalibrationError, match=rf"{broken}:2:\d+: invalid JSON"):
-        load_profile(broken)
+        load_calibration(broken)
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     with pytest.raises(CalibrationError, match="expected a JSON object, got list"):
-        load_profile(listed)
+        load_calibration(listed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_bad_files(tmp_path: Path) -> None:
 def test_apply_profile_changes_only_the_profiled_devices() -> None:
     a = cluster_preset("A")
     mixed = Cluster("mixed", (V100, H100, V100), (0, 0, 1), a.bandwidth[:3, :3], a.latency[:3, :3])
-    out = apply_profile(mixed, CalibrationProfile("h100-80gb", 0.5, 0.25))  # names match case-insensitively
+    out = apply_calibration(mixed, Calibration("h100-80gb", 0.5, 0.25))  # names match case-insensitively
     assert out.devices[0] == V100 and out.devices[2] == V100
     assert out.devices[1].efficiency == 0.5
     assert out.devices[1].hbm_bandwidth == pytest.approx(0.25 * H100.hbm_bandwidth)
@@ -228,30 +228,30 @@ def test_apply_profile_changes_only_the_profiled_devices() -> None:
 def test_apply_profile_without_a_matching_device_says_which_devices_there_are() -> None:
     message = r"'H100-80GB' matches no device of cluster 'A' \(its devices: V100-16GB\)"
     with pytest.raises(CalibrationError, match=message):
-        apply_profile(cluster_preset("A"), CalibrationProfile("H100-80GB", 0.5, 0.5))
+        apply_calibration(cluster_preset("A"), Calibration("H100-80GB", 0.5, 0.5))
 
 
 @pytest.fixture(scope="module")
 def gpt_tiny() -> Any:
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     return load_source("zoo:gpt-tiny")
 
 
 def test_apply_profile_moves_the_estimate_the_expected_way(gpt_tiny: Any) -> None:
-    from hlomap.cost.estimate import estimate
+    from hlomap.api import estimate
 
     cluster = hierarchical(1, 1, "H100-80GB")
 
-    def step(profile: CalibrationProfile | None) -> Any:
-        clus = cluster if profile is None else apply_profile(cluster, profile)
+    def step(profile: Calibration | None) -> Any:
+        clus = cluster if profile is None else apply_calibration(cluster, profile)
         return estimate(gpt_tiny, "dp", mesh=1, cluster=clus)
 
     base = step(None)
-    slower_compute = step(CalibrationProfile("H100-80GB", H100.efficiency / 3, 1.0))
-    slower_memory = step(CalibrationProfile("H100-80GB", H100.efficiency, 0.2))
-    faster = step(CalibrationProfile("H100-80GB", 1.0, 1.0))
-    same = step(CalibrationProfile("H100-80GB", H100.efficiency, 1.0))
+    slower_compute = step(Calibration("H100-80GB", H100.efficiency / 3, 1.0))
+    slower_memory = step(Calibration("H100-80GB", H100.efficiency, 0.2))
+    faster = step(Calibration("H100-80GB", 1.0, 1.0))
+    same = step(Calibration("H100-80GB", H100.efficiency, 1.0))
     assert same.step_seconds == pytest.approx(base.step_seconds, rel=1e-12)
     assert slower_compute.step_seconds > base.step_seconds
     assert slower_memory.step_seconds > base.step_seconds
@@ -281,7 +281,7 @@ def test_script_quick_kernels_on_cpu_write_a_loadable_profile(script: ModuleType
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "profile.json"
     assert script.main(["--quick", "--models", "", "--preset", "A100-80GB", "-o", str(out)]) == 0
-    profile = load_profile(out)
+    profile = load_calibration(out)
     assert profile.device == "A100-80GB" and profile.backend == "cpu"
     names = {m.name for m in profile.measurements}
     assert len(names) == len(script.kernel_suite(True))
@@ -332,7 +332,7 @@ def test_script_step_prediction_uses_the_profile(script: ModuleType, gpt_tiny: A
     run_ = script.StepRun("gpt-tiny", 1e-3, gpt_tiny, FactorGraph.from_capture(gpt_tiny))
     cluster = script.single_device_cluster(H100)
     preset = script.predict_step(run_, cluster)
-    slow = script.predict_step(run_, apply_profile(cluster, CalibrationProfile("H100-80GB", 0.1, 0.1)))
+    slow = script.predict_step(run_, apply_calibration(cluster, Calibration("H100-80GB", 0.1, 0.1)))
     assert preset.mesh == (("data", 1),) and preset.communication_seconds == 0  # groups of one device
     assert slow.step_seconds > preset.step_seconds
     m = script.step_measurement(run_, preset)
@@ -343,7 +343,7 @@ def test_script_step_prediction_uses_the_profile(script: ModuleType, gpt_tiny: A
 def test_script_quick_with_a_train_step(script: ModuleType, tmp_path: Path) -> None:
     out, report = tmp_path / "profile.json", tmp_path / "report.json"
     assert script.main(["--quick", "-o", str(out), "--report", str(report)]) == 0
-    profile = load_profile(out)
+    profile = load_calibration(out)
     step = next(m for m in profile.measurements if m.kind == "step")
     assert step.name == "step_gpt-tiny" and not step.fit
     rows = json.loads(report.read_text())["steps"]
@@ -380,7 +380,7 @@ def _simulate(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, 
 
 def test_simulate_profile(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "v100.json"
-    CalibrationProfile("V100-16GB", V100.efficiency / 2, 0.5, backend="gpu").save(profile)
+    Calibration("V100-16GB", V100.efficiency / 2, 0.5, backend="gpu").save(profile)
     argv = [str(small), "--trainable", "1", "--mesh", "1", "--cluster", "A"]
     base = _simulate(argv, capsys)
     calibrated = _simulate([*argv, "--profile", str(profile)], capsys)
@@ -392,7 +392,7 @@ def test_simulate_profile(small: Path, tmp_path: Path, capsys: pytest.CaptureFix
 def test_simulate_warns_about_a_profile_measured_off_a_gpu(small: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "cpu.json"
-    CalibrationProfile("V100-16GB", 0.5, 0.5, backend="cpu").save(profile)
+    Calibration("V100-16GB", 0.5, 0.5, backend="cpu").save(profile)
     assert run(["simulate", str(small), "--trainable", "1", "--mesh", "1", "--profile", str(profile)]) == 0
     assert "measured on the cpu backend, not a GPU" in capsys.readouterr().err
 
@@ -422,7 +422,7 @@ def test_profile_errors_are_one_line(small: Path, tmp_path: Path, capsys: pytest
 def test_explore_profile_prices_the_saved_plan(small: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "v100.json"
-    CalibrationProfile("V100-16GB", V100.efficiency / 2, 0.5, backend="gpu").save(profile)
+    Calibration("V100-16GB", V100.efficiency / 2, 0.5, backend="gpu").save(profile)
     plans = []
     for extra in ([], ["--profile", str(profile)]):
         out = tmp_path / f"plan{len(plans)}.json"

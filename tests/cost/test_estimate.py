@@ -22,14 +22,10 @@ import pytest
 from hlomap.cost.cluster import hierarchical
 from hlomap.cost.collectives import Collective
 from hlomap.cost.devices import DeviceSpec
-from hlomap.cost.estimate import (
-    Overlap,
-    Reason,
-    estimate,
-    format_estimate,
-    parse_mesh,
-    reference_plan,
-)
+from hlomap.api import estimate, parse_mesh_text as parse_mesh
+from hlomap.cost.estimate import Overlap, Reason
+from hlomap.plan import reference_plan
+from hlomap.report.estimate import format_estimate
 from hlomap.cost.mapping import axis_devices
 from hlomap.hlo.capture import Phase, Role, capture
 from hlomap.propagation.conflicts import MeshAxes, PlanConflict
@@ -110,7 +106,7 @@ def test_megatron_transformer_layer_two_forward_two_backward() -> None:
 
 @pytest.fixture(scope="module")
 def gpt():  # type: ignore[no-untyped-def]
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     cap = load_source("zoo:gpt-tiny")
     return cap, FactorGraph.from_capture(cap)
@@ -235,7 +231,7 @@ def test_plan_that_does_not_fit_says_by_how_much(gpt) -> None:  # type: ignore[n
 
 
 def test_reference_plans_need_roles_and_default_to_eight_devices(gpt) -> None:  # type: ignore[no-untyped-def]
-    from hlomap.cost.estimate import EstimateError
+    from hlomap.plan import PlanError as EstimateError
     from hlomap.hlo.capture import from_module
 
     cap, graph = gpt

@@ -133,7 +133,7 @@ def test_donated_output_is_written_in_place() -> None:
 
 @pytest.fixture(scope="module")
 def gpt_tiny():  # type: ignore[no-untyped-def]
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     cap = load_source("zoo:gpt-tiny")
     return cap, FactorGraph.from_capture(cap)

@@ -117,7 +117,7 @@ def test_bare_module_roles_are_unknown_until_named():
 
 def test_zoo_source_marks_batch_norm_statistics_as_other():
     from hlomap import zoo
-    from hlomap.source import load_source
+    from hlomap.api import load_source
 
     cap = load_source("zoo:resnet50-tiny")
     stats = {f"params/{p}" for p in zoo.get("resnet50-tiny").other_paths()}

@@ -1,0 +1,236 @@
+"""Closed-form cost of a pipeline plan: what the DP minimizes and the brute force enumerates.
+
+This is written as a plain loop over stages, on purpose independent of the vectorized tables in
+`hlomap.tasks.pipeline.dp`, so that brute force over this function is a real oracle for the DP.
+
+For a plan with stages s = 0..S-1 (replication r_s, devices g_s) and M microbatches:
+  c_s   = (sum of forward + backward time of the stage's layers) / r_s     per microbatch
+  a_s   = ring all-reduce of the stage's parameter bytes over g_s          once per batch
+  t_s   = c_s + a_s / M          stage time per microbatch, all-reduce amortized over the batch
+  u_k   = transfer of activation_bytes[cut k] from g_k to g_{k+1}           per microbatch, each
+          way (activations forward, gradients back; links are full duplex)
+  tau   = max(max_s t_s, max_k u_k)                    steady-state period (slowest resource)
+  L     = sum_s t_s + 2 sum_k u_k + (M - 1) tau        latency of one global batch
+
+L is Alpa's formula (fill and drain through every stage and link, then M - 1 periods of the
+bottleneck); tau is PipeDream's objective (time per microbatch of the slowest stage, with its
+communication when asked). How L relates to the event simulator (the ground truth):
+- uniform stages, no communication: L = (M + S - 1)(t_f + t_b) exactly, for GPipe and 1F1B.
+- GPipe in general: the simulator's L is `gpipe_latency` below, exactly: the forward and the
+  backward phase are each a flow shop of M identical jobs over stages and links, so it charges
+  (M - 1)(max forward + max backward) where this L charges (M - 1) max(forward + backward).
+- 1F1B keeps only S - s microbatches in flight on stage s, so a slow link is not always hidden;
+  its simulated L can be above or below this one.
+The DP minimizes this L because it decomposes over stages; check a plan with the simulator.
+
+Memory per device of stage s: param_memory_factor * W_s + in_flight(s) * stash_s / r_s, where
+in_flight is M for GPipe and min(S - s, M) for 1F1B, and every replica holds the full parameters
+but only its 1/r_s share of each microbatch's activations.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
+
+__all__ = [
+    "CommModel",
+    "CostOptions",
+    "MemoryViolation",
+    "PlanCost",
+    "evaluate_plan",
+    "gpipe_latency",
+]
+
+
+class CommModel(enum.Enum):
+    """Whether point-to-point transfers and all-reduces take time.
+
+    IGNORED is PipeDream's optimizer for straight pipelines without `activation_compression_ratio`
+    (stage time = forward + backward compute only).
+    """
+
+    OVERLAPPED = "overlapped"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model shared by the simulator, the DP and the brute force.
+
+    param_memory_factor: bytes kept per parameter byte: weights, gradients and two Adam moments
+      make 4; use 1 to count weights only.
+    """
+
+    comm: CommModel = CommModel.OVERLAPPED
+    param_memory_factor: float = 4.0
+
+
+@dataclass(frozen=True)
+class MemoryViolation:
+    """A device that needs more memory than it has."""
+
+    stage: int
+    device: int
+    need_bytes: float
+    have_bytes: float
+
+    def __str__(self) -> str:
+        return (
+            f"stage {self.stage} needs {self.need_bytes / 2**30:.3f} GiB on device {self.device}, "
+            f"which has {self.have_bytes / 2**30:.3f} GiB"
+        )
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """The closed-form costs of one plan (seconds and bytes)."""
+
+    latency: float
+    bottleneck: float
+    stage_compute: tuple[float, ...]
+    stage_allreduce: tuple[float, ...]
+    cut_transfer: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    violations: tuple[MemoryViolation, ...]
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+
+def check_plan(profile: PipelineProfile, links: Links, plan: PipelinePlan) -> None:
+    """Raise ValueError unless `plan` covers the profile's layers on devices the links have."""
+    if plan.n_layers != profile.n_layers:
+        raise ValueError(
+            f"plan covers {plan.n_layers} layers but {profile.source} has {profile.n_layers}"
+        )
+    for s, stage in enumerate(plan.stages):
+        for d in stage.devices:
+            if not 0 <= d < links.n_devices:
+                raise ValueError(
+                    f"stage {s} uses device {d}; the links have {links.n_devices} devices"
+                )
+
+
+def memory_violations(
+    links: Links, plan: PipelinePlan, stage_memory: tuple[float, ...]
+) -> tuple[MemoryViolation, ...]:
+    """Every (stage, device) whose need exceeds the device's memory."""
+    return tuple(
+        MemoryViolation(s, d, need, links.memory_bytes[d])
+        for s, (stage, need) in enumerate(zip(plan.stages, stage_memory))
+        for d in stage.devices
+        if need > links.memory_bytes[d]
+    )
+
+
+def stage_memory_bytes(
+    profile: PipelineProfile, plan: PipelinePlan, peak_in_flight: tuple[int, ...], factor: float
+) -> tuple[float, ...]:
+    """Bytes per device of each stage, given how many microbatches each stage stashes at peak."""
+    out = []
+    for stage, count in zip(plan.stages, peak_in_flight):
+        layers = profile.stage_slice(stage.start, stage.stop)
+        params = float(profile.parameter_bytes[layers].sum())
+        stash = 0.0 if profile.stash_bytes is None else float(profile.stash_bytes[layers].sum())
+        out.append(factor * params + count * stash / stage.replication)
+    return tuple(out)
+
+
+def evaluate_plan(
+    profile: PipelineProfile,
+    links: Links,
+    plan: PipelinePlan,
+    options: CostOptions = CostOptions(),
+) -> PlanCost:
+    """The closed-form latency, bottleneck and memory of `plan` (see the module docstring)."""
+    check_plan(profile, links, plan)
+    comm = options.comm is CommModel.OVERLAPPED
+    m = plan.microbatches
+    compute, allreduce = [], []
+    for stage in plan.stages:
+        layers = profile.stage_slice(stage.start, stage.stop)
+        compute.append(float(profile.compute_time[layers].sum()) / stage.replication)
+        params = float(profile.parameter_bytes[layers].sum())
+        allreduce.append(links.allreduce_time(stage.devices, params) if comm else 0.0)
+    transfers = []
+    for k, (a, b) in enumerate(zip(plan.stages[:-1], plan.stages[1:])):
+        nbytes = float(profile.activation_bytes[a.stop - 1])
+        transfers.append(links.transfer_time(a.devices, b.devices, nbytes) if comm else 0.0)
+    stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
+    bottleneck = max(stage_times + transfers)
+    latency = sum(stage_times) + 2 * sum(transfers) + (m - 1) * bottleneck
+    counts = tuple(
+        in_flight(plan.schedule, s, plan.n_stages, m) for s in range(plan.n_stages)
+    )
+    memory = stage_memory_bytes(profile, plan, counts, options.param_memory_factor)
+    return PlanCost(
+        latency=latency,
+        bottleneck=bottleneck,
+        stage_compute=tuple(compute),
+        stage_allreduce=tuple(allreduce),
+        cut_transfer=tuple(transfers),
+        stage_memory=memory,
+        in_flight=counts,
+        violations=memory_violations(links, plan, memory),
+    )
+
+
+def _flow_shop_finish(times: list[float], jobs: int) -> list[float]:
+    """When the last of `jobs` identical jobs leaves each machine of a serial line (FIFO,
+    unbounded buffers): sum of times so far + (jobs - 1) * the slowest machine so far."""
+    out, total, slowest = [], 0.0, 0.0
+    for t in times:
+        total += t
+        slowest = max(slowest, t)
+        out.append(total + (jobs - 1) * slowest)
+    return out
+
+
+def gpipe_latency(
+    profile: PipelineProfile,
+    links: Links,
+    plan: PipelinePlan,
+    options: CostOptions = CostOptions(),
+) -> float:
+    """Closed-form L of a GPipe schedule, equal to what `simulate` computes for it.
+
+    Forward: machines f_0, u_0, f_1, ..., f_{S-1} (stages and the forward direction of links)
+    process M identical microbatches, so the last forward ends at
+    T_F = sum + (M - 1) * max. Backward: b_{S-1}, u_{S-2}, b_{S-2}, ..., b_0 from T_F on, and
+    stage s starts its all-reduce when its last backward ends. L = max_s (end_s + a_s).
+    """
+    check_plan(profile, links, plan)
+    comm = options.comm is CommModel.OVERLAPPED
+    m, n_stages = plan.microbatches, plan.n_stages
+    forward, backward, allreduce = [], [], []
+    for stage in plan.stages:
+        layers = profile.stage_slice(stage.start, stage.stop)
+        forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
+        backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
+        params = float(profile.parameter_bytes[layers].sum())
+        allreduce.append(links.allreduce_time(stage.devices, params) if comm else 0.0)
+    cuts = [
+        links.transfer_time(a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
+        if comm
+        else 0.0
+        for a, b in zip(plan.stages[:-1], plan.stages[1:])
+    ]
+    line = [forward[0]]
+    for s in range(1, n_stages):
+        line += [cuts[s - 1], forward[s]]
+    forward_end = _flow_shop_finish(line, m)[-1]
+    line = [backward[-1]]
+    for s in range(n_stages - 2, -1, -1):
+        line += [cuts[s], backward[s]]
+    finish = _flow_shop_finish(line, m)
+    # Machine 2k of the backward line is stage S - 1 - k.
+    return max(
+        forward_end + finish[2 * (n_stages - 1 - s)] + allreduce[s] for s in range(n_stages)
+    )

@@ -1,0 +1,76 @@
+"""The cost model's estimate of a step as a plain-text report (`hlomap simulate`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hlomap.cost.collectives import Collective
+from hlomap.cost.estimate import CollectiveEstimate, KindRow, StepEstimate
+from hlomap.report.units import human_bytes, human_flops, human_seconds
+
+__all__ = ["format_estimate"]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:
+    """A plain-text report: step time, the by-kind table (the `top_kinds` slowest opcodes, the
+    rest summed, then every collective kind), the `top` slowest instructions, the collectives
+    (grouped by kind, reason and axes) and the memory per device."""
+    mesh = ", ".join(f"{k}={v}" for k, v in est.mesh)
+    lines = [
+        f"plan {est.plan} on mesh {{{mesh}}}, cluster {est.cluster} ({est.device}); per device:",
+        f"step {human_seconds(est.step_seconds)} = compute {human_seconds(est.compute_seconds)} + exposed "
+        f"communication {human_seconds(est.exposed_communication_seconds)} (of "
+        f"{human_seconds(est.communication_seconds)}; overlap assumed: {est.overlap.value}); "
+        f"{human_flops(est.flops)}",
+        "",
+        "by kind:",
+    ]
+    total = est.compute_seconds + est.communication_seconds or 1.0
+    collective_kinds = {k.value for k in Collective}
+    kinds = est.by_kind()
+    compute_rows = [r for r in kinds if r.kind not in collective_kinds]
+    shown = list(compute_rows[:top_kinds])
+    rest = compute_rows[top_kinds:]
+    if rest:
+        shown.append(KindRow(f"({len(rest)} other opcodes)", sum(r.count for r in rest), sum(r.flops for r in rest),
+                             sum(r.nbytes for r in rest), sum(r.seconds for r in rest)))
+    shown += [r for r in kinds if r.kind in collective_kinds]
+    rows = [[r.kind, str(r.count), human_flops(r.flops) if r.flops else "-", human_bytes(r.nbytes),
+             human_seconds(r.seconds), f"{100 * r.seconds / total:.1f}%"] for r in shown]
+    lines += _table(["kind", "count", "flops", "bytes", "time", "share"], rows,
+                    [False, True, True, True, True, True])
+    lines += ["", f"slowest {min(top, len(est.instructions))} instructions:"]
+    rows = [[i.name, i.opcode, i.phase.value, str(i.degree), human_flops(i.flops), human_bytes(i.bytes_accessed),
+             human_seconds(i.seconds)] for i in est.instructions[:top]]
+    lines += _table(["instruction", "opcode", "phase", "split", "flops", "bytes", "time"], rows,
+                    [False, False, False, True, True, True, True])
+    groups: dict[tuple[str, str, tuple[str, ...]], list[CollectiveEstimate]] = {}
+    for c in est.collectives:
+        groups.setdefault((c.kind.value, c.reason.value, c.axes), []).append(c)
+    lines += ["", "collectives:" if groups else "collectives: none"]
+    if groups:
+        rows = [[kind, reason, ",".join(axes), str(sum(c.count for c in cs)),
+                 human_bytes(sum(c.nbytes * c.count for c in cs)), human_seconds(sum(c.total_seconds for c in cs)),
+                 cs[0].detail if len(cs) == 1 else f"e.g. {cs[0].detail}"]
+                for (kind, reason, axes), cs in sorted(groups.items(), key=lambda kv: -sum(c.total_seconds for c in kv[1]))]
+        lines += _table(["kind", "reason", "axes", "count", "bytes", "time", "detail"], rows,
+                        [False, False, False, True, True, True, False])
+    m = est.memory
+    lines += [
+        "",
+        f"memory per device: parameters {human_bytes(m.parameters)}, optimizer {human_bytes(m.optimizer)}, "
+        f"inputs {human_bytes(m.inputs)}, gradients {human_bytes(m.gradients)}, activations "
+        f"{human_bytes(m.activations)}, outputs {human_bytes(m.outputs)} (peak at {m.peak_instruction or '-'})",
+        f"total {human_bytes(m.total)} of {human_bytes(m.capacity)}: "
+        + ("fits" if m.fits else f"DOES NOT FIT, short by {human_bytes(m.shortfall)}"),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Reports on explored sharding plans: convergence plots (Auto-MAP's Figure 16 style), baseline
+tables, the per-layer summary the CLI prints and the search's progress bar.
+
+Rich and matplotlib are imported inside the functions that draw, so the library stays importable
+(and fast to import) without a display.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from os import PathLike
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from hlomap.search.tracker import Progress, SearchResult
+from hlomap.tasks.sharding.compare import layer_of
+
+if TYPE_CHECKING:
+    from hlomap.plan import Plan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["baseline_rows", "format_baselines", "format_plan_summary", "plot_convergence", "progress_bar"]
+
+# ---------------------------------------------------------------------------------------------
+# Convergence plot
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_convergence(results: Sequence[SearchResult], path: str | PathLike[str], *, title: str = "",
+                     optimum: float | None = None) -> None:
+    """PNG of score per episode (light) and best so far (bold) for each result, like the
+    paper's Figure 16; a dashed line at `optimum` when known."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        if not len(r.curve):
+            continue
+        x = np.arange(1, len(r.curve) + 1)
+        line, = ax.plot(x, r.best_curve, lw=2, label=f"{r.driver.value} (best {r.score.value:.4g})")
+        ax.plot(x, r.curve, lw=0.6, alpha=0.35, color=line.get_color())
+    if optimum is not None:
+        ax.axhline(optimum, ls="--", color="k", lw=1, label=f"optimum {optimum:.4g}")
+    ax.set_xlabel("episode / evaluated plan")
+    ax.set_ylabel(f"score ({results[0].reward.value} reward)" if results else "score")
+    if title:
+        ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+
+class BaselineRow(NamedTuple):
+    driver: str
+    score: float
+    evaluations: int
+    seconds: float
+    optimal: bool
+    gap: float | None  # optimum - score, when the optimum is known
+
+
+def baseline_rows(results: Sequence[SearchResult], optimum: float | None = None) -> list[BaselineRow]:
+    return [BaselineRow(r.driver.value, r.score.value, r.evaluations, r.seconds, r.optimal,
+                        None if optimum is None else optimum - r.score.value) for r in results]
+
+
+def format_baselines(rows: Sequence[BaselineRow]) -> str:
+    """Markdown table of drivers at equal budget."""
+    lines = ["| driver | best score | gap to optimum | evaluations | seconds |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        gap = "-" if r.gap is None else f"{r.gap:.4g}"
+        lines.append(f"| {r.driver}{' (optimal)' if r.optimal else ''} | {r.score:.4g} | {gap} | "
+                     f"{r.evaluations} | {r.seconds:.1f} |")
+    return "\n".join(lines)
+
+
+def _spec_text(spec: Sequence[Any]) -> str:
+    return "(" + ", ".join("-" if s is None else ("x".join(s) if isinstance(s, (tuple, list)) else str(s))
+                           for s in spec) + ")"
+
+
+def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> Any:
+    """A rich renderable: each variable's spec, grouped by layer.
+
+    Shows the parameters whose path does not start with `opt_state` (the optimizer state
+    mirrors the parameters); `roles` (path -> role) when given selects trainable and data ones.
+    """
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    rows: OrderedDict[str, list[Any]] = OrderedDict()
+    for p in sorted(plan.parameters, key=lambda q: q.index):
+        if roles is not None:
+            if roles.get(p.path) not in ("trainable", "data"):
+                continue
+        elif p.path.startswith(("opt_state", "optimizer_state")):
+            continue
+        rows.setdefault(layer_of(p.path), []).append(p)
+    table = Table(title="plan", show_lines=False, header_style="bold")
+    table.add_column("layer")
+    table.add_column("variable")
+    table.add_column("shape", justify="right")
+    table.add_column("spec")
+    sharded_vars = 0
+    total_vars = 0
+    for layer, params in rows.items():
+        for i, p in enumerate(params):
+            sharded = any(s is not None for s in p.spec)
+            sharded_vars += sharded
+            total_vars += 1
+            name = p.path.split("/", 1)[1] if "/" in p.path else p.path
+            table.add_row(layer if i == 0 else "", name[len(layer) + 1:] if name.startswith(layer + "/") else name,
+                          "x".join(str(d) for d in p.shape), Text(_spec_text(p.spec), style="green" if sharded else "dim"))
+        table.add_section()
+    mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh)
+    lines = [Text(f"mesh {{{mesh}}}: {sharded_vars} of {total_vars} variables sharded")]
+    search = getattr(plan, "search", None)
+    if search:
+        lines.append(Text(f"found by {search.get('driver')} ({search.get('reward')} reward) in "
+                          f"{search.get('evaluations')} evaluations, {search.get('seconds')} s, seed {search.get('seed')}"))
+    est = plan.estimate or {}
+    if "step_seconds" in est:
+        mem = est.get("memory", {})
+        fits = mem.get("fits")
+        lines.append(Text(f"estimate: step {est['step_seconds'] * 1e3:.3f} ms"
+                          + (f", memory {mem.get('total', 0) / 2**30:.2f} GiB per device"
+                             + ("" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")) if mem else "")))
+    return Group(table, *lines)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool = True, *, description: str = "explore") -> Iterator[Callable[[Progress], None] | None]:
+    """A rich progress bar fed by a driver's `on_progress` callback; yields None when disabled.
+
+        with progress_bar(not quiet) as on_progress:
+            explore_detailed(cap, ..., on_progress=on_progress)
+    """
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+    bar = Bar(TextColumn(f"[bold]{description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+              TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False)
+    task = bar.add_task(description, total=1000, stats="")
+
+    def update(p: Progress) -> None:
+        bar.update(task, completed=int(1000 * p.fraction),
+                   stats=f"{p.driver.value}: best {p.best:.4g}, last {p.last:.4g}, {p.evaluations} evaluations")
+
+    with bar:
+        yield update
+        bar.update(task, completed=1000)

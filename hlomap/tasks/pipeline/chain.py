@@ -1,0 +1,537 @@
+"""The pipeline model of a captured train step: forward chain, candidate pivots, C / A / W arrays.
+
+`step_chain(cap, device)` turns the HLO of a JAX train step (forward + backward +
+optimizer update in one entry computation) into a `PipelineProfile` whose layers are the
+segments between candidate pivots, plus the names of those pivots.
+
+How the step is read (JAX tags ops with `jvp(` / `transpose(jvp(` in metadata op_name; see
+`hlomap.hlo.capture.instruction_phase`):
+
+- Forward chain. The FORWARD instructions of the entry computation that the loss depends on, in
+  topological order. The loss is the forward sink with the most forward ancestors. FORWARD ops
+  the loss does not depend on ("side" ops) are residual preparations JAX's linearization emits
+  for the backward pass (e.g. 1 - tanh^2); they run in the forward pass of the layer they belong
+  to, so their time is counted there, but they never decide where a cut may go.
+- Pivots. Position p of the chain cuts after chain instruction p. The bytes crossing it (A) are
+  the values defined at positions <= p that a chain or side op at a later position uses; each
+  value counts once however many users it has beyond the cut. Parameters, constants and other
+  phase-less values never cross: every stage loads or rebuilds its own.
+  A candidate pivot is a position where one live tensor crosses, or where few bytes cross (at
+  most the `bytes_quantile` quantile of all positions). Runs of candidates with no compute
+  between them keep their cheapest member, and if more than `max_pivots` remain, the chain is
+  split into `max_pivots` bins of equal compute and each bin keeps its cheapest candidate.
+- C, forward. Each chain instruction's roofline time (`hlomap.cost.instruction_cost`) at its
+  position; a side op's time at its anchor (below).
+- C, backward. Each BACKWARD instruction is attributed to the forward position it
+  differentiates, its anchor: the latest forward position among its direct forward operands
+  (residuals: a chain value at its position or, later, where a chain op of the same layer scope
+  reads it, as the forward op this one transposes does; side values at their anchor; trainable
+  parameters, and data inputs, at their first chain use). A backward op with no forward
+  operand (pure cotangent arithmetic) takes the latest anchor of its backward operands, so the
+  cotangent chain stays with the layer that produced it. This is the approximation: an op that
+  reads residuals of two layers is charged to the later one.
+- W. The bytes of each TRAINABLE entry parameter, at its first use by the chain (a parameter
+  shared by two stages, like tied embeddings, is charged to the first only).
+- Stash. The bytes of every chain or side value some backward op reads (what a stage keeps per
+  in-flight microbatch).
+- Not counted: optimizer-update instructions (they run once per batch, not per microbatch, and
+  are elementwise over parameters) and phase-less constants and broadcasts of constants (free
+  after fusion). Their seconds are reported in `StepChain.update_seconds` and
+  `unattributed_seconds`.
+
+All values are for the batch the step was captured with; `explore_pipeline` scales them to a
+microbatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from hlomap.cost.compute import CostCache, instruction_cost
+from hlomap.cost.devices import DeviceSpec, device_preset
+from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
+from hlomap.hlo.graph import topological_order
+from hlomap.hlo.ir import Computation, Instruction, Metadata
+from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
+# Source locations resolve JAX's stack-frame tables; the helper lives with propagation's error
+# messages but is a pure reader of the module text (no propagation machinery runs).
+from hlomap.hlo.source_info import source_location, source_tables
+
+__all__ = [
+    "ChainArrays",
+    "StepChain",
+    "Pivot",
+    "PivotOptions",
+    "forward_chain",
+    "layer_name",
+    "nearest_scopes",
+    "step_chain",
+    "select_pivots",
+    "thin_pivots",
+]
+
+log = logging.getLogger(__name__)
+
+#: Device used when none is given: the V100 of Auto-MAP's clusters A, B and C.
+DEFAULT_DEVICE = "V100-16GB"
+
+#: Name-stack wrappers JAX puts around scopes; `layer_name` unwraps them.
+_WRAPPERS = frozenset({"jvp", "transpose", "jit", "pjit", "remat", "checkpoint", "vmap", "pmap"})
+_WRAPPED = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
+
+
+@dataclass(frozen=True)
+class PivotOptions:
+    """How candidate pivots are chosen and thinned (see the module docstring).
+
+    max_pivots: at most this many pivots reach the search (the issue asks for 128-512).
+    bytes_quantile: a position whose crossing bytes are at most this quantile of all positions'
+      crossing bytes is a candidate, besides single-tensor positions; 1.0 keeps every position.
+    """
+
+    max_pivots: int = 256
+    bytes_quantile: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_pivots < 1:
+            raise ValueError(f"PivotOptions.max_pivots = {self.max_pivots} must be >= 1")
+        if not 0.0 <= self.bytes_quantile <= 1.0:
+            raise ValueError(
+                f"PivotOptions.bytes_quantile = {self.bytes_quantile} must lie in [0, 1]"
+            )
+
+
+@dataclass(frozen=True)
+class Pivot:
+    """A candidate cut, after chain instruction `instruction` (chain position `position`).
+
+    layer: the instruction's scope path from metadata (`layers_0/add`), or its bare op name when
+      the op was traced outside any named scope (a final layer norm: `mul`).
+    scope: the nearest layer scope: the instruction's own, else `after <scope>` of the closest
+      scoped chain instruction before it (or `before <scope>` after it), so that every cut
+      names a layer, as Auto-MAP's Table 7 does.
+    source: `file:line` of the op from metadata (None when the dump carries none).
+    """
+
+    position: int
+    instruction: str
+    layer: str
+    crossing_bytes: float
+    live_tensors: int
+    scope: str = ""
+    source: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.instruction} ({self.layer})"
+
+
+@dataclass(frozen=True, eq=False)
+class ChainArrays:
+    """Per-instruction arrays of the whole forward chain, before pivots are chosen.
+
+    `profile` has one layer per chain instruction; `live_tensors[p]` counts the values crossing
+    position p; `layers[i]` is chain instruction i's layer name and `sources[i]` its `file:line`
+    (None when unknown).
+    """
+
+    profile: PipelineProfile
+    live_tensors: np.ndarray
+    layers: tuple[str, ...]
+    update_seconds: float
+    unattributed_seconds: float
+    sources: tuple[str | None, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class StepChain:
+    """A train step's pipeline model: the profile over candidate pivots and what they are.
+
+    profile: layers = segments between consecutive pivots; `profile.n_pivots == len(pivots)`,
+      and pivot k of the profile is `pivots[k]`.
+    chain: the per-instruction arrays the profile was merged from.
+    """
+
+    profile: PipelineProfile
+    pivots: tuple[Pivot, ...]
+    chain: ChainArrays
+
+    @property
+    def source(self) -> str:
+        return self.profile.source
+
+    @property
+    def update_seconds(self) -> float:
+        return self.chain.update_seconds
+
+    def describe_cuts(self, cuts: Sequence[int]) -> tuple[str, ...]:
+        """`instruction (layer)` for each profile pivot index in `cuts`."""
+        return tuple(str(self.pivots[c]) for c in cuts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split a name stack on '/' outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        elif ch == "/" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _unwrap(component: str) -> list[str]:
+    """`transpose(jvp(layers_0))` -> ['layers_0']; `jvp()` -> []; `jit(_take)` -> ['_take']."""
+    match = _WRAPPED.match(component)
+    while match and match.group(1) in _WRAPPERS:
+        component = match.group(2)
+        match = _WRAPPED.match(component)
+    return [part for part in _split_top_level(component) if part]
+
+
+def layer_name(metadata: Metadata | None, fallback: str = "") -> str:
+    """The scope path of an op from its metadata op_name, without JAX's transformation wrappers:
+    `jit(train_step)/jvp(layers_0)/dot_general` -> `layers_0/dot_general`."""
+    if metadata is None or not metadata.op_name:
+        return fallback
+    # Fused ops list several names separated by ';': the first is representative.
+    components = _split_top_level(metadata.op_name.split(";")[0])
+    if components and components[0].startswith(("jit(", "pjit(")):
+        components = components[1:]  # the step function itself
+    parts = [part for component in components for part in _unwrap(component)]
+    return "/".join(parts) or fallback
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward chain and attribution
+# ---------------------------------------------------------------------------------------------
+
+
+def _scope_of(layer: str) -> str:
+    """`layers_0/attn/dot_general` -> `layers_0/attn`; a bare op name has no scope: ''."""
+    return layer.rsplit("/", 1)[0] if "/" in layer else ""
+
+
+def nearest_scopes(layers: Sequence[str]) -> tuple[str, ...]:
+    """For each layer name, its own scope, else `after X` with X the scope of the closest scoped
+    name before it, else `before X` with the closest after it, else '' (see `Pivot.scope`)."""
+    own = [_scope_of(name) for name in layers]
+    out = list(own)
+    previous = ""
+    for i, scope in enumerate(own):
+        if scope:
+            previous = scope
+        elif previous:
+            out[i] = f"after {previous}"
+    following = ""
+    for i in range(len(own) - 1, -1, -1):
+        if own[i]:
+            following = own[i]
+        elif not out[i] and following:
+            out[i] = f"before {following}"
+    return tuple(out)
+
+
+def _byte_size(inst: Instruction) -> float:
+    return float(inst.shape.byte_size)
+
+
+def _scope(inst: Instruction) -> str:
+    """The layer scope of an op (its layer name without the op itself); forward ops and the
+    backward ops that transpose them share it."""
+    return _scope_of(layer_name(inst.metadata))
+
+
+def forward_chain(entry: Computation) -> tuple[Instruction, ...]:
+    """The FORWARD instructions the loss depends on, in topological order (module docstring)."""
+    order = topological_order(entry)
+    forward = [inst for inst in order if instruction_phase(inst) is Phase.FORWARD]
+    if not forward:
+        raise ValueError(
+            f"computation {entry.name!r} has no forward instructions: pipeline profiles need "
+            "JAX metadata (op_name with 'jvp(') to tell the forward pass from the backward"
+        )
+    names = {inst.name for inst in forward}
+    by_name = {inst.name: inst for inst in forward}
+    has_forward_user: set[str] = set()
+    for inst in forward:
+        has_forward_user.update(o for o in inst.operands if o in names)
+    sinks = [inst.name for inst in forward if inst.name not in has_forward_user]
+
+    def ancestors(sink: str) -> set[str]:
+        seen, stack = {sink}, [sink]
+        while stack:
+            for operand in by_name[stack.pop()].operands:
+                if operand in names and operand not in seen:
+                    seen.add(operand)
+                    stack.append(operand)
+        return seen
+
+    # The loss reads (almost) the whole forward pass; residual side ops read one layer.
+    best: set[str] = set()
+    for sink in sinks:
+        found = ancestors(sink)
+        if len(found) > len(best):
+            best = found
+    return tuple(inst for inst in forward if inst.name in best)
+
+
+def _first_uses(chain: Sequence[Instruction], params: Iterable[str]) -> dict[str, int]:
+    """Chain position of the first use of each named parameter (absent: unused by the chain)."""
+    wanted = set(params)
+    first: dict[str, int] = {}
+    for position, inst in enumerate(chain):
+        for operand in inst.operands:
+            if operand in wanted and operand not in first:
+                first[operand] = position
+    return first
+
+
+def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainArrays:
+    """Per-chain-instruction forward/backward seconds, crossing bytes, W and stash."""
+    spec = _device(device)
+    module = cap.module
+    entry = module.entry
+    chain = forward_chain(entry)
+    position = {inst.name: p for p, inst in enumerate(chain)}
+    n = len(chain)
+    trainable = {p.name: p for p in cap.parameters if p.role is Role.TRAINABLE}
+    if not trainable:
+        log.warning(
+            "%s: no TRAINABLE entry parameters; parameter bytes (W) are all zero", cap.source
+        )
+    # Every entry parameter (weights, and data read by weight-gradient ops such as x^T g of a
+    # first layer) anchors a backward op at the parameter's first chain use.
+    first_use = _first_uses(chain, (inst.name for inst in entry.parameters))
+    cache: CostCache = {}
+
+    def seconds(inst: Instruction) -> float:
+        return instruction_cost(inst, entry, module, spec, cache).seconds
+
+    forward_time = np.zeros(n)
+    backward_time = np.zeros(n)
+    parameter_bytes = np.zeros(n)
+    stash_bytes = np.zeros(n)
+    # anchor: forward position of every non-chain value that has one (side and backward ops).
+    anchor: dict[str, int] = {}
+    side: set[str] = set()
+    stashed: dict[str, int] = {}  # forward value -> position its stash is charged to
+    # last chain/side position that reads each chain value, for the crossing bytes.
+    last_read = {inst.name: p for p, inst in enumerate(chain)}
+    # Where each chain value is read in the chain, by the reader's scope: a backward op reading
+    # v transposes the reader of v in its own scope, which may sit later than v itself.
+    readers: dict[tuple[str, str], int] = {}
+    for p, inst in enumerate(chain):
+        scope = _scope(inst)
+        for operand in inst.operands:
+            if operand in position:
+                readers[(operand, scope)] = p
+    update_seconds = unattributed = 0.0
+
+    for inst in topological_order(entry):
+        phase = instruction_phase(inst)
+        if inst.name in position:
+            p = position[inst.name]
+            forward_time[p] += seconds(inst)
+            for operand in inst.operands:
+                if operand in position:
+                    last_read[operand] = max(last_read[operand], p)
+            continue
+        if phase is Phase.UPDATE:
+            update_seconds += seconds(inst)
+            continue
+        if phase is not Phase.FORWARD and phase is not Phase.BACKWARD:
+            unattributed += seconds(inst)
+            continue
+        forward_anchors, backward_anchors = [], []
+        scope = _scope(inst)
+        for operand in inst.operands:
+            if operand in position:
+                forward_anchors.append(max(position[operand],
+                                           readers.get((operand, scope), -1)))
+            elif operand in side:
+                forward_anchors.append(anchor[operand])
+            elif operand in first_use:
+                forward_anchors.append(first_use[operand])
+            elif operand in anchor:
+                backward_anchors.append(anchor[operand])
+        if phase is Phase.FORWARD:  # a side op: forward work of the layer it reads
+            a = max(forward_anchors, default=0)
+            anchor[inst.name] = a
+            side.add(inst.name)
+            forward_time[a] += seconds(inst)
+            for operand in inst.operands:
+                if operand in position:
+                    last_read[operand] = max(last_read[operand], a)
+            continue
+        if forward_anchors:
+            a = max(forward_anchors)
+        else:
+            a = max(backward_anchors, default=n - 1)
+        anchor[inst.name] = a
+        backward_time[a] += seconds(inst)
+        for operand in inst.operands:
+            if operand in position:
+                stashed.setdefault(operand, position[operand])
+            elif operand in side:
+                stashed.setdefault(operand, anchor[operand])
+
+    by_name = {inst.name: inst for inst in entry.instructions}
+    for name, p in stashed.items():
+        stash_bytes[p] += _byte_size(by_name[name])
+    for name, parameter in trainable.items():
+        p = first_use.get(name)
+        if p is None:
+            # Only side or backward ops read it (or nothing): charge it where they are.
+            users = [anchor[i.name] for i in entry.instructions
+                     if i.name in anchor and name in i.operands]
+            p = min(users, default=0)
+        parameter_bytes[p] += float(parameter.byte_size)
+
+    delta = np.zeros(n + 1)
+    count = np.zeros(n + 1)
+    for p, inst in enumerate(chain):
+        end = last_read[inst.name]
+        if end > p:
+            delta[p] += _byte_size(inst)
+            delta[end] -= _byte_size(inst)
+            count[p] += 1
+            count[end] -= 1
+    crossing = np.maximum(np.cumsum(delta)[: n - 1], 0.0)
+    live = np.rint(np.cumsum(count)[: n - 1]).astype(np.int64)
+    layers = []
+    previous = ""
+    for inst in chain:
+        name = layer_name(inst.metadata, fallback=previous or inst.opcode)
+        layers.append(name)
+        previous = name
+    profile = PipelineProfile(
+        names=tuple(inst.name for inst in chain),
+        forward_time=forward_time,
+        backward_time=backward_time,
+        activation_bytes=crossing,
+        parameter_bytes=parameter_bytes,
+        stash_bytes=stash_bytes,
+        source=cap.source,
+    )
+    live.setflags(write=False)
+    tables = source_tables(module)
+    sources = tuple(source_location(inst, tables) for inst in chain)
+    return ChainArrays(profile, live, tuple(layers), update_seconds, unattributed, sources)
+
+
+def _device(device: DeviceSpec | str | None) -> DeviceSpec:
+    if device is None:
+        return device_preset(DEFAULT_DEVICE)
+    if isinstance(device, str):
+        return device_preset(device)
+    return device
+
+
+# ---------------------------------------------------------------------------------------------
+# Pivots
+# ---------------------------------------------------------------------------------------------
+
+
+def thin_pivots(profile: PipelineProfile, candidates: Sequence[int], max_pivots: int) -> list[int]:
+    """At most `max_pivots` of the candidate pivots: runs with no compute between them keep
+    their cheapest member; then, if still too many, one pivot (the cheapest) per bin of equal
+    compute, so that resolution follows where the time is."""
+    prefix = profile.prefix().compute
+    cost = profile.activation_bytes
+    kept: list[int] = []
+    for p in sorted(set(int(c) for c in candidates)):
+        if kept and prefix[p + 1] <= prefix[kept[-1] + 1]:
+            if cost[p] < cost[kept[-1]]:
+                kept[-1] = p
+            continue
+        kept.append(p)
+    if len(kept) <= max_pivots:
+        return kept
+    total = prefix[-1]
+    if total <= 0:
+        step = len(kept) / max_pivots
+        return [kept[int(i * step)] for i in range(max_pivots)]
+    where = np.array([prefix[p + 1] / total for p in kept])
+
+    def binned(bins: int) -> list[int]:
+        best: dict[int, int] = {}
+        for p, x in zip(kept, where):
+            b = min(int(x * bins), bins - 1)
+            if b not in best or cost[p] < cost[best[b]]:
+                best[b] = p
+        return sorted(best.values())
+
+    # One big op (an LM head) can leave most equal-compute bins empty, so use as many bins as
+    # keep at most `max_pivots` non-empty ones (the count grows with the bins; bisect on it).
+    low, high = max_pivots, max_pivots
+    while len(binned(high * 2)) <= max_pivots and high < 1 << 24:
+        high *= 2
+    high *= 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        if len(binned(mid)) <= max_pivots:
+            low = mid
+        else:
+            high = mid
+    return binned(low)
+
+
+def select_pivots(chain: ChainArrays, options: PivotOptions = PivotOptions()) -> list[int]:
+    """Chain positions of the candidate pivots (module docstring)."""
+    crossing = chain.profile.activation_bytes
+    if crossing.size == 0:
+        return []
+    limit = float(np.quantile(crossing, options.bytes_quantile))
+    candidates = np.flatnonzero((chain.live_tensors <= 1) | (crossing <= limit))
+    return thin_pivots(chain.profile, candidates.tolist(), options.max_pivots)
+
+
+def step_chain(
+    cap: Capture,
+    device: DeviceSpec | str | None = None,
+    *,
+    options: PivotOptions = PivotOptions(),
+) -> StepChain:
+    """The pipeline model of a captured train step on `device` (default: a V100-16GB)."""
+    chain = chain_arrays(cap, device)
+    kept = select_pivots(chain, options)
+    profile = merge_layers(chain.profile, kept)
+    scopes = nearest_scopes(chain.layers)
+    pivots = tuple(
+        Pivot(
+            position=p,
+            instruction=chain.profile.names[p],
+            layer=chain.layers[p],
+            crossing_bytes=float(chain.profile.activation_bytes[p]),
+            live_tensors=int(chain.live_tensors[p]),
+            scope=scopes[p],
+            source=chain.sources[p] if chain.sources else None,
+        )
+        for p in kept
+    )
+    total = float(chain.profile.compute_time.sum())
+    log.info(
+        "%s: %d forward instructions, %d candidate pivots; forward %.4g s, backward %.4g s, "
+        "update %.4g s (not pipelined), unattributed %.4g s",
+        cap.source, chain.profile.n_layers, len(kept),
+        float(chain.profile.forward_time.sum()), float(chain.profile.backward_time.sum()),
+        chain.update_seconds, chain.unattributed_seconds,
+    )
+    if not math.isfinite(total):
+        raise ValueError(f"{cap.source}: compute time is not finite")
+    return StepChain(profile=profile, pivots=pivots, chain=chain)

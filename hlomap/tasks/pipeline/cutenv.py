@@ -1,0 +1,589 @@
+"""The pipeline-cut environment of Auto-MAP's DQN (arXiv 2007.04069, sections 3.4 and 3.5).
+
+An episode builds one pipeline plan of S stages by choosing its S - 1 cuts left to right:
+
+- Pruning. Device cuts start from a center solution whose cuts sit on network (server)
+  boundaries: with S stages on N servers and S <= N, stage s gets the servers nearest to an even
+  split; with more stages than servers, the devices are split evenly. A device cut may move up to
+  `device_radius` devices from its center (0, the default, fixes every stage's devices, e.g.
+  one 8-GPU server per stage, data parallel inside it). Pivots before the previous cut are masked
+  (cuts are monotone), and so are pivots that leave too few for the remaining cuts, or (with
+  `require_trainable`) leave a stage without trainable parameters.
+- Action. The next pivot, combined with the device cut's offset when the radius is > 0:
+  action = offset_index * slots + slot.
+- State. Features precomputed at every candidate pivot for the stage the action would close:
+  its compute, its gradient all-reduce time, the activation transfer at the pivot, the largest
+  transfer so far, the min/max compute balance ratio against an even split of what remains, its
+  memory against the device's, and the estimate of L if the remaining layers were split evenly;
+  plus the normalized prefix sums of C and W and the crossing bytes A (section 3.5), a mask of
+  the current cuts, the step, and the topology matrix between the stage device groups. Times are
+  divided by T = total compute / devices (a perfectly balanced stage's time), so one network can
+  read models of any size.
+- Reward. ref / value at the end of the episode (value: L, or the bottleneck for PipeDream's
+  objective; ref: the L or bottleneck of a perfect split without communication, so a reward
+  is at most about 1), and -`oom_penalty` for a plan out of memory. With `shaping` the reward is
+  potential-shaped (Ng et al. 1999): each step adds phi(next) - phi(state), phi(state) being the
+  best ref / estimate among the state's legal actions (0 once the episode ends). An episode's
+  return is then its final reward - phi(start), a constant per task, so the optimal policy is
+  unchanged (discount 1); and a Q-value is the final reward minus what the estimates promised,
+  near 0 for good cuts in every model, so one network need not learn each model's scale.
+
+`slots` fixes the number of pivot actions (128 for the inference network of section 3.5): a
+profile with fewer pivots is spread over the slots by repeating pivots (a repeat of the
+previous cut is masked).
+
+`ranked = K` prunes further: the actions are the K legal pivots with the best estimates, best
+first (one per distinct cut). The observation then holds those K candidates' features in rank
+order, the section 3.5 arrays (C and W prefix sums, A) at every slot and the current cuts. An MLP
+Q-network's output k then means "the k-th best-looking cut" in every state and every model,
+instead of one fixed pivot; that is what lets one network trained on random arrays read any
+model, and it speeds up online training too. The last cut's estimate is exact (nothing remains
+to split), so there the best candidate is first; earlier cuts rely on the even-split estimate
+to put the optimum among the K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from hlomap.agents.environment import TimeStep, restart, termination, transition
+from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
+
+__all__ = [
+    "FEATURES",
+    "MAX_STAGES",
+    "AffineMax",
+    "CutEnv",
+    "CutTask",
+    "EpisodeOutcome",
+    "allreduce_cost",
+    "center_device_bounds",
+    "transfer_cost",
+]
+
+#: Stage counts the fixed-size observation (step one-hot, topology matrix) is laid out for.
+MAX_STAGES = 8
+#: Ratios of times to T are clipped here: beyond it a choice is hopeless anyway.
+_CLIP = 10.0
+#: Per-action features, in observation order.
+FEATURES = (
+    "compute_prefix",  # C prefix sum at the pivot / total C          (section 3.5 arrays)
+    "parameter_prefix",  # W prefix sum at the pivot / total W
+    "crossing",  # A at the pivot / the largest A
+    "stage_compute",  # the closed stage's compute per device / T
+    "stage_allreduce",  # its gradient all-reduce, amortized over the microbatches / T
+    "transfer",  # activation transfer at the pivot / T
+    "max_transfer",  # the largest transfer of the plan so far / T
+    "remaining",  # an even split of the remaining compute, per stage / T
+    "balance",  # min / max stage compute, remaining split evenly
+    "memory",  # the closed stage's memory / its device memory
+    "estimate",  # ref / estimated value if the rest is split evenly
+    "relative",  # estimate - the best legal estimate (<= 0 for legal actions)
+    "legal",  # 1 for a legal action
+)
+_F = len(FEATURES)
+
+
+class AffineMax(NamedTuple):
+    """t(x) = max_c(alpha_c + beta_c x) for x > 0, and 0 for x <= 0: the time of a transfer or a
+    ring all-reduce of x bytes over fixed devices (`Links`), vectorized over x."""
+
+    alpha: np.ndarray
+    beta: np.ndarray
+
+    def __call__(self, nbytes: np.ndarray | float) -> np.ndarray:
+        x = np.asarray(nbytes, dtype=np.float64)
+        if self.alpha.size == 0:
+            return np.zeros_like(x)
+        t = np.max(self.alpha[:, None] + self.beta[:, None] * x.reshape(1, -1), axis=0)
+        return np.where(x > 0, t.reshape(x.shape), 0.0)
+
+
+def transfer_cost(links: Links, src: Sequence[int], dst: Sequence[int]) -> AffineMax:
+    """`Links.transfer_time(src, dst, x)` as an `AffineMax` of x."""
+    chunks = max(len(src), len(dst))
+    alpha, beta = [], []
+    for c in range(chunks):
+        a, b = src[c % len(src)], dst[c % len(dst)]
+        if a != b:
+            alpha.append(links.latency[a, b])
+            beta.append(1.0 / (chunks * links.bandwidth[a, b]))
+    return AffineMax(np.array(alpha, dtype=np.float64), np.array(beta, dtype=np.float64))
+
+
+def allreduce_cost(links: Links, group: Sequence[int]) -> AffineMax:
+    """`Links.allreduce_time(group, x)` as an `AffineMax` of x."""
+    k = len(group)
+    if k <= 1:
+        return AffineMax(np.zeros(0), np.zeros(0))
+    steps = 2 * (k - 1)
+    alpha = [steps * links.latency[group[i], group[(i + 1) % k]] for i in range(k)]
+    beta = [steps / (k * links.bandwidth[group[i], group[(i + 1) % k]]) for i in range(k)]
+    return AffineMax(np.array(alpha, dtype=np.float64), np.array(beta, dtype=np.float64))
+
+
+def center_device_bounds(links: Links, n_stages: int) -> tuple[int, ...]:
+    """Device bounds [0, b_1, ..., D] of the center solution: each cut on the network boundary
+    nearest an even split when there are at least as many servers as stages, else even."""
+    d = links.n_devices
+    if not 1 <= n_stages <= d:
+        raise NoFeasiblePlan(f"{n_stages} stages do not fit on {d} devices")
+    boundaries = [b for b in range(1, d) if links.node_of[b - 1] != links.node_of[b]]
+    if len(boundaries) < n_stages - 1:
+        boundaries = list(range(1, d))
+    bounds = [0]
+    for k in range(1, n_stages):
+        target = k * d / n_stages
+        # Leave room for the cuts still to place.
+        room = [b for b in boundaries if b > bounds[-1]]
+        room = room[: len(room) - (n_stages - 1 - k)]
+        bounds.append(min(room, key=lambda b: (abs(b - target), b)))
+    bounds.append(d)
+    return tuple(bounds)
+
+
+@dataclass(frozen=True, eq=False)
+class CutTask:
+    """One pipeline-cut problem: S stages of `profile` on `links`, plans as in `space`.
+
+    The plan always uses every device of `links` (the center device groups cover them);
+    `space` supplies the microbatches, schedule, objective, replication factors a stage may have,
+    the node-boundary and trainable-layer rules, and whether memory is checked.
+    """
+
+    profile: PipelineProfile
+    links: Links
+    space: SearchSpace
+    n_stages: int
+    device_radius: int = 0
+    oom_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.n_stages <= self.profile.n_layers:
+            raise ValueError(
+                f"{self.profile.source}: a cut search needs 2 <= stages <= layers "
+                f"({self.profile.n_layers}); got {self.n_stages}"
+            )
+        if self.n_stages > self.links.n_devices:
+            raise NoFeasiblePlan(
+                f"{self.n_stages} stages do not fit on {self.links.n_devices} devices"
+            )
+        if self.device_radius < 0:
+            raise ValueError(f"device_radius = {self.device_radius} must be >= 0")
+
+    @property
+    def center(self) -> tuple[int, ...]:
+        return center_device_bounds(self.links, self.n_stages)
+
+
+class EpisodeOutcome(NamedTuple):
+    """The plan an episode built and what it is worth."""
+
+    plan: PipelinePlan
+    cost: PlanCost
+    value: float  # L or bottleneck, per the task's objective
+    feasible: bool
+
+
+@dataclass
+class _Decided:
+    """What the cuts chosen so far fix: sums and maxima over the closed stages and cuts."""
+
+    sum_time: float = 0.0
+    max_time: float = 0.0
+    sum_transfer: float = 0.0
+    max_transfer: float = 0.0
+    min_compute: float = math.inf
+    max_compute: float = 0.0
+
+
+class CutEnv:
+    """The `hlomap.agents.Environment` of one `CutTask` (see the module docstring)."""
+
+    def __init__(
+        self,
+        task: CutTask,
+        *,
+        slots: int | None = None,
+        max_stages: int = MAX_STAGES,
+        shaping: bool = True,
+        ranked: int | None = None,
+    ) -> None:
+        profile, links, space = task.profile, task.links, task.space
+        self.task = task
+        self.shaping = shaping
+        self.n_pivots = profile.n_pivots
+        self.slots = self.n_pivots if slots is None else int(slots)
+        if self.slots < self.n_pivots:
+            raise ValueError(
+                f"{profile.source}: {self.n_pivots} pivots do not fit in {self.slots} slots; "
+                "coarsen the profile first (hlomap.tasks.pipeline.normalize.coarsen)"
+            )
+        if task.n_stages > max_stages:
+            raise ValueError(f"{task.n_stages} stages exceed max_stages = {max_stages}")
+        self.max_stages = max_stages
+        # Slot i acts on pivot slot_pivot[i]; repeats spread few pivots over many slots.
+        self.slot_pivot = (np.arange(self.slots) * self.n_pivots) // self.slots
+        self.radius = task.device_radius
+        self.offsets = np.arange(-self.radius, self.radius + 1)
+        self.center = task.center
+        prefix = profile.prefix()
+        self._compute = np.asarray(prefix.compute)
+        self._parameter = np.asarray(prefix.parameter)
+        self._stash = np.asarray(prefix.stash)
+        self._trainable = np.asarray(prefix.trainable)
+        self._crossing = profile.activation_bytes
+        d = links.n_devices
+        self.n_stages = task.n_stages
+        self.m = space.microbatches
+        total = float(self._compute[-1])
+        self.unit = max(total / d, 1e-30)  # T
+        s, m = self.n_stages, self.m
+        if space.objective is Objective.LATENCY:
+            self.reference = (m + s - 1) * self.unit
+        else:
+            self.reference = self.unit
+        self._transfers: dict[tuple[int, int, int], AffineMax] = {}
+        self._allreduces: dict[tuple[int, int], AffineMax] = {}
+        self._static = self._static_features()
+        self._globals_fixed = self._fixed_globals()
+        self.ranked = ranked
+        if ranked is not None and ranked < 1:
+            raise ValueError(f"ranked = {ranked} must be >= 1")
+        n_globals = len(self._globals(0))
+        if ranked is None:
+            self.observation_size = len(self.offsets) * self.slots * _F + self.slots + n_globals
+            self.num_actions = len(self.offsets) * self.slots
+        else:
+            self.observation_size = ranked * _F + 4 * self.slots + n_globals
+            self.num_actions = ranked
+        self._order = np.full(ranked or 0, -1, dtype=np.int64)
+        self.outcome: EpisodeOutcome | None = None
+        self._reset_state()
+
+    # ---- link costs (memoized per device group) -----------------------------------------------
+    def _transfer(self, a: int, b: int, c: int) -> AffineMax:
+        key = (a, b, c)
+        if key not in self._transfers:
+            links = self.task.links
+            self._transfers[key] = transfer_cost(links, range(a, b), range(b, c))
+        return self._transfers[key]
+
+    def _allreduce(self, a: int, b: int) -> AffineMax:
+        key = (a, b)
+        if key not in self._allreduces:
+            self._allreduces[key] = allreduce_cost(self.task.links, range(a, b))
+        return self._allreduces[key]
+
+    # ---- fixed parts of the observation -------------------------------------------------------
+    def _static_features(self) -> np.ndarray:
+        pivots = self.slot_pivot
+        total_c = max(float(self._compute[-1]), 1e-30)
+        total_w = max(float(self._parameter[-1]), 1e-30)
+        largest = max(float(self._crossing.max(initial=0.0)), 1e-30)
+        return np.stack([
+            self._compute[pivots + 1] / total_c,
+            self._parameter[pivots + 1] / total_w,
+            self._crossing[pivots] / largest,
+        ])
+
+    def _fixed_globals(self) -> np.ndarray:
+        """Stage count, microbatches, schedule, objective and the topology matrix: entry (i, j)
+        the transfer of the median crossing bytes from group i to group j, and (i, i) the
+        all-reduce of an even share of W over group i, both / T."""
+        space, s = self.task.space, self.n_stages
+        bounds = self.center
+        median = float(np.median(self._crossing)) if self._crossing.size else 0.0
+        share = float(self._parameter[-1]) / s
+        topology = np.zeros((self.max_stages, self.max_stages))
+        for i in range(s):
+            for j in range(s):
+                if i == j:
+                    t = float(self._allreduce(bounds[i], bounds[i + 1])(share)) / self.m
+                else:
+                    src = range(bounds[i], bounds[i + 1])
+                    dst = range(bounds[j], bounds[j + 1])
+                    t = float(transfer_cost(self.task.links, src, dst)(median))
+                topology[i, j] = min(t / self.unit, _CLIP)
+        return np.concatenate([
+            [s / self.max_stages, math.log2(self.m) / 8.0,
+             float(space.schedule.value == "gpipe"),
+             float(space.objective is Objective.BOTTLENECK)],
+            topology.reshape(-1),
+        ])
+
+    def _globals(self, step: int) -> np.ndarray:
+        onehot = np.zeros(self.max_stages - 1)
+        onehot[min(step, self.max_stages - 2)] = 1.0
+        return np.concatenate([onehot, self._globals_fixed])
+
+    # ---- episode state --------------------------------------------------------------------------
+    def _reset_state(self) -> None:
+        self.step_index = 0
+        self.cuts: list[int] = []
+        self.bounds: list[int] = [0]
+        self.decided = _Decided()
+        self.potential = 0.0
+        self.actions: list[int] = []
+        self._cache: dict[str, np.ndarray] = {}
+
+    def reset(self, seed: int = 0) -> TimeStep:
+        """Starts an episode (the task is fixed, so `seed` changes nothing)."""
+        del seed
+        self._reset_state()
+        self.outcome = None
+        observation, legal = self._observe()
+        self.potential = float(self._cache["best"])
+        if not legal.any():
+            raise NoFeasiblePlan(
+                f"{self.task.profile.source}: no legal first cut for {self.n_stages} stages "
+                f"with device bounds {self.center} and replication {self.task.space.replication}"
+            )
+        return restart(observation, legal)
+
+    def _device_options(self) -> np.ndarray:
+        """[J] the next device bound of each offset, or -1 where that offset is illegal."""
+        k, s = self.step_index, self.n_stages
+        links, space = self.task.links, self.task.space
+        d = links.n_devices
+        previous = self.bounds[-1]
+        out = np.full(len(self.offsets), -1, dtype=np.int64)
+        for j, offset in enumerate(self.offsets):
+            b = self.center[k + 1] + int(offset)
+            if not previous < b < d:
+                continue
+            if b - previous not in space.replication:
+                continue
+            if space.cut_on_node_boundary and not links.is_node_boundary(b):
+                continue
+            remaining = s - k - 1  # stages after this one
+            if remaining == 1 and d - b not in space.replication:
+                continue
+            if d - b < remaining:
+                continue
+            out[j] = b
+        return out
+
+    def _observe(self) -> tuple[np.ndarray, np.ndarray]:
+        """The observation and legal mask of the current state; caches per-action arrays."""
+        k, s, m = self.step_index, self.n_stages, self.m
+        space, links = self.task.space, self.task.links
+        d = links.n_devices
+        n = self.task.profile.n_layers
+        start = self.cuts[-1] + 1 if self.cuts else 0
+        previous = self.bounds[-1]
+        pivots = self.slot_pivot
+        options = self._device_options()
+        j_count = len(options)
+        shape = (j_count, self.slots)
+        features = np.zeros((j_count, _F, self.slots))
+        legal = np.zeros(shape, dtype=bool)
+        estimate = np.zeros(shape)
+        tiebreak = np.zeros(shape)  # the other objective's estimate, to order equal estimates
+        stage_time = np.zeros(shape)
+        transfer = np.zeros(shape)
+        compute_only = np.zeros(shape)
+        last_pivot = self.n_pivots - 1 - (s - 2 - k)  # leave pivots for the remaining cuts
+        pivot_ok = (pivots >= start) & (pivots <= last_pivot)
+        if self.cuts:
+            pivot_ok &= pivots > self.cuts[-1]
+        if space.require_trainable:
+            # This stage needs a trainable layer, and so does each stage after it.
+            pivot_ok &= self._trainable[pivots + 1] - self._trainable[start] > 0.5
+            pivot_ok &= self._trainable[n] - self._trainable[pivots + 1] > s - k - 1.5
+        compute = self._compute[pivots + 1] - self._compute[start]
+        params = self._parameter[pivots + 1] - self._parameter[start]
+        stash = self._stash[pivots + 1] - self._stash[start]
+        remaining_compute = self._compute[n] - self._compute[pivots + 1]
+        remaining_params = self._parameter[n] - self._parameter[pivots + 1]
+        crossing = self._crossing[pivots]
+        decided = self.decided
+        remaining_stages = s - k - 1
+        count = in_flight(space.schedule, k, s, m)
+        factor = space.cost.param_memory_factor
+        for j, b in enumerate(options):
+            if b < 0:
+                continue
+            r = b - previous
+            after = self.center[k + 2] if k + 2 < s else d
+            after = max(after, b + 1)
+            own = compute / r
+            allreduce = self._allreduce(previous, b)(params) / m
+            time = own + allreduce
+            move = self._transfer(previous, b, after)(crossing)
+            rest = remaining_compute / (d - b)
+            rest_stage = rest + self._allreduce(b, after)(remaining_params / remaining_stages) / m
+            biggest = np.maximum.reduce([
+                np.full(self.slots, max(decided.max_time, decided.max_transfer)),
+                time, move, rest_stage,
+            ])
+            latency = (decided.sum_time + time + remaining_stages * rest_stage
+                       + 2 * (decided.sum_transfer + move) + (m - 1) * biggest)
+            if space.objective is Objective.LATENCY:
+                value, other = latency, biggest
+            else:
+                value, other = biggest, latency
+            low = np.minimum(np.minimum(decided.min_compute, own), rest)
+            high = np.maximum(np.maximum(decided.max_compute, own), rest)
+            memory = (factor * params + count * stash / r) / links.group_memory(range(previous, b))
+            features[j] = np.stack([
+                *self._static,
+                np.minimum(own / self.unit, _CLIP),
+                np.minimum(allreduce / self.unit, _CLIP),
+                np.minimum(move / self.unit, _CLIP),
+                np.minimum(np.maximum(move, decided.max_transfer) / self.unit, _CLIP),
+                np.minimum(rest / self.unit, _CLIP),
+                np.where(high > 0, low / np.maximum(high, 1e-300), 1.0),
+                np.minimum(memory, 2.0),
+                self.score(value),
+                np.zeros(self.slots),  # relative: filled in once the best is known
+                pivot_ok.astype(np.float64),
+            ])
+            legal[j] = pivot_ok
+            estimate[j] = self.score(value)
+            tiebreak[j] = -other
+            stage_time[j] = time
+            transfer[j] = move
+            compute_only[j] = own
+        best = float(estimate[legal].max()) if legal.any() else 0.0
+        features[:, FEATURES.index("relative")] = np.where(legal, estimate - best, 0.0)
+        self._cache = {
+            "options": options, "estimate": estimate, "stage_time": stage_time,
+            "transfer": transfer, "compute": compute_only, "legal": legal,
+            "best": np.array(best),
+        }
+        cut_mask = np.zeros(self.slots)
+        if self.cuts:
+            cut_mask[np.isin(pivots, self.cuts)] = 1.0
+        if self.ranked is None:
+            observation = np.concatenate([
+                features.reshape(-1), cut_mask, self._globals(k),
+            ]).astype(np.float32)
+            return observation, legal.reshape(-1)
+        order = self._rank(legal, estimate, tiebreak)
+        per_action = np.zeros((self.ranked, _F))
+        valid = order >= 0
+        flat = features.transpose(0, 2, 1).reshape(-1, _F)
+        per_action[valid] = flat[order[valid]]
+        observation = np.concatenate([
+            per_action.reshape(-1), self._static.reshape(-1), cut_mask, self._globals(k),
+        ]).astype(np.float32)
+        return observation, valid
+
+    def _rank(self, legal: np.ndarray, estimate: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
+        """The flat actions of the `ranked` legal (device offset, pivot) pairs with the best
+        estimates, best first, one slot per pivot; -1 pads. Kept for `step` to map back."""
+        flat_legal = legal.reshape(-1)
+        pivots = np.tile(self.slot_pivot, len(self.offsets))
+        offsets = np.repeat(np.arange(len(self.offsets)), self.slots)
+        candidates = np.flatnonzero(flat_legal)
+        # One slot per (offset, pivot): repeated slots of a spread profile are the same cut.
+        _, first = np.unique(offsets[candidates] * (self.n_pivots + 1) + pivots[candidates],
+                             return_index=True)
+        candidates = candidates[first]
+        # Best estimate first; equal estimates (a bottleneck fixed by one big layer makes many)
+        # by the other objective, as the DP breaks bottleneck ties by latency.
+        best = candidates[np.lexsort((-tiebreak.reshape(-1)[candidates],
+                                      -estimate.reshape(-1)[candidates]))]
+        order = np.full(self.ranked or 0, -1, dtype=np.int64)
+        order[: min(len(best), len(order))] = best[: len(order)]
+        self._order = order
+        return order
+
+    def _flat(self, action: int) -> int:
+        """The (device offset, slot) index of an action: itself, or its ranked candidate."""
+        if self.ranked is None:
+            return int(action)
+        return int(self._order[action])
+
+    def score(self, value: np.ndarray | float) -> np.ndarray | float:
+        """ref / value, the reward of a plan worth `value` (1 for a free plan: nothing to do)."""
+        v = np.asarray(value, dtype=np.float64)
+        out = np.where(v > 0, self.reference / np.maximum(v, 1e-300), 1.0)
+        return float(out) if out.ndim == 0 else out
+
+    def decode(self, action: int) -> tuple[int, int]:
+        """(pivot, device offset) of an action in the current state."""
+        j, slot = divmod(self._flat(action), self.slots)
+        return int(self.slot_pivot[slot]), int(self.offsets[j])
+
+    def step(self, action: int) -> TimeStep:
+        if self.outcome is not None or self.step_index >= self.n_stages - 1:
+            raise RuntimeError("CutEnv.step after the episode ended; call reset")
+        action = int(action)
+        if not 0 <= action < self.num_actions:
+            raise ValueError(f"action {action} is out of range [0, {self.num_actions})")
+        flat = self._flat(action)
+        if flat < 0:
+            raise ValueError(f"action {action} is illegal: fewer ranked candidates remain "
+                             f"at step {self.step_index} after cuts {self.cuts}")
+        j, slot = divmod(flat, self.slots)
+        cache = self._cache
+        bound = int(cache["options"][j])
+        pivot = int(self.slot_pivot[slot])
+        if bound < 0 or not cache["legal"][j, slot]:
+            raise ValueError(
+                f"action {action} (pivot {pivot}, device offset {int(self.offsets[j])}) is "
+                f"illegal at step {self.step_index} after cuts {self.cuts}"
+            )
+        decided = self.decided
+        time = float(cache["stage_time"][j, slot])
+        move = float(cache["transfer"][j, slot])
+        own = float(cache["compute"][j, slot])
+        decided.sum_time += time
+        decided.max_time = max(decided.max_time, time)
+        decided.sum_transfer += move
+        decided.max_transfer = max(decided.max_transfer, move)
+        decided.min_compute = min(decided.min_compute, own)
+        decided.max_compute = max(decided.max_compute, own)
+        self.cuts.append(pivot)
+        self.bounds.append(bound)
+        self.actions.append(action)
+        self.step_index += 1
+        old = self.potential
+        if self.step_index == self.n_stages - 1:
+            self.bounds.append(self.task.links.n_devices)
+            outcome = self._finish()
+            final = self.score(outcome.value) if outcome.feasible else -self.task.oom_penalty
+            self.potential = 0.0
+            reward = final - old if self.shaping else final
+            observation = np.zeros(self.observation_size, np.float32)
+            return termination(observation, reward, np.zeros(self.num_actions, dtype=bool))
+        observation, legal = self._observe()
+        if not legal.any():  # a dead end (only possible with a device radius)
+            self.outcome = None
+            self.potential = 0.0
+            penalty = -self.task.oom_penalty
+            return termination(observation, penalty - old if self.shaping else penalty, legal)
+        self.potential = float(self._cache["best"])
+        shaped = self.potential - old if self.shaping else 0.0
+        return transition(observation, shaped, legal)
+
+    def _finish(self) -> EpisodeOutcome:
+        plan = self.plan(self.cuts, self.bounds)
+        task = self.task
+        cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
+        value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
+        feasible = cost.feasible or not task.space.check_memory
+        self.outcome = EpisodeOutcome(plan, cost, value, feasible)
+        return self.outcome
+
+    def plan(self, cuts: Sequence[int], bounds: Sequence[int]) -> PipelinePlan:
+        """The plan of pivots `cuts` (S - 1) and device bounds (S + 1, from 0 to D)."""
+        layers = [0, *(c + 1 for c in cuts), self.task.profile.n_layers]
+        stages = tuple(
+            Stage(layers[s], layers[s + 1], tuple(range(bounds[s], bounds[s + 1])))
+            for s in range(len(layers) - 1)
+        )
+        space = self.task.space
+        return PipelinePlan(stages=stages, microbatches=space.microbatches,
+                            schedule=space.schedule)

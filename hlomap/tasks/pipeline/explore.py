@@ -1,0 +1,371 @@
+"""`explore_pipeline`: the library side of `hlomap explore SOURCE --task pipeline`.
+
+One call goes from a captured train step (or a profile) to a pipeline plan and its report:
+profile the step (`chain`), scale it to a microbatch, build the cut problem on the
+cluster's center device groups (`cutenv`), search it with the chosen agent, then price the plan
+in closed form and with the event simulator (memory per stage, timeline).
+
+Agents:
+  dqn        online DQN training on this model (section 3.4), best plan found
+  dqn-infer  the shipped inference network (section 3.5), optionally fine-tuned
+  dp         the exact DP (`dp.solve`) over the same space: the optimum
+
+Units. A Capture or StepChain describes the step's whole batch; with M microbatches every
+microbatch is 1/M of it (`profile.scale_batch`). A bare PipelineProfile is already per
+microbatch (PipeDream's profiles are per minibatch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
+from hlomap.tasks.pipeline.dp import solve
+from hlomap.tasks.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
+from hlomap.cost.pipeline.simulator import SimulationResult, simulate
+from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
+
+__all__ = [
+    "CutDescription",
+    "PipelineAgent",
+    "PipelineResult",
+    "cluster_links",
+    "explore_pipeline",
+    "explore_pipeline_plan",
+    "pipeline_plan",
+    "pipeline_task",
+]
+
+if TYPE_CHECKING:
+    from hlomap.hlo.capture import Capture
+    from hlomap.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+class PipelineAgent(enum.Enum):
+    DQN = "dqn"
+    DQN_INFER = "dqn-infer"
+    DP = "dp"
+
+
+@dataclass(frozen=True)
+class CutDescription:
+    """One layer cut: the profile pivot, the HLO instruction before it, its layer name from
+    metadata, the nearest layer scope (`chain.Pivot.scope`: the op's own, or `after X`
+    for an op traced outside any scope), its source line when known, and the bytes crossing."""
+
+    pivot: int
+    instruction: str
+    layer: str
+    crossing_bytes: float
+    scope: str = ""
+    source: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineResult:
+    """A pipeline plan for one step, how it was found and what it costs.
+
+    latency: L of one global batch from the event simulator; model_latency: the closed form the
+    searches minimize; stage_memory: bytes per device of each stage at its simulated peak.
+    """
+
+    source: str
+    agent: PipelineAgent
+    profile: PipelineProfile  # per microbatch
+    plan: PipelinePlan
+    cost: PlanCost
+    simulation: SimulationResult
+    cuts: tuple[CutDescription, ...]
+    device_cuts: tuple[int, ...]
+    replication: tuple[int, ...]
+    device_memory: tuple[float, ...]  # capacity of each stage's smallest device
+    on_node_boundaries: bool
+    search_seconds: float
+    episodes: int
+    optimum: float | None  # the DP's L (or bottleneck) when compared, else None
+    objective: Objective
+
+    @property
+    def latency(self) -> float:
+        return self.simulation.length
+
+    @property
+    def model_latency(self) -> float:
+        return self.cost.latency
+
+    @property
+    def value(self) -> float:
+        """What the search minimized: closed-form L, or the bottleneck."""
+        return self.cost.latency if self.objective is Objective.LATENCY else self.cost.bottleneck
+
+    @property
+    def gap(self) -> float | None:
+        """value / optimum - 1 when compared with the DP."""
+        return None if self.optimum is None else self.value / self.optimum - 1.0
+
+    @property
+    def stage_memory(self) -> tuple[float, ...]:
+        return self.simulation.stage_memory
+
+    @property
+    def feasible(self) -> bool:
+        """Every stage fits its devices' memory (else `simulation.violations` says where not)."""
+        return self.simulation.feasible
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for `--json` output."""
+        return {
+            "source": self.source,
+            "agent": self.agent.value,
+            "objective": self.objective.value,
+            "microbatches": self.plan.microbatches,
+            "schedule": self.plan.schedule.value,
+            "stages": [
+                {"layers": [s.start, s.stop], "devices": list(s.devices),
+                 "replication": s.replication, "memory_bytes": mem, "device_memory_bytes": cap}
+                for s, mem, cap in zip(self.plan.stages, self.stage_memory, self.device_memory)
+            ],
+            "cuts": [{"pivot": c.pivot, "instruction": c.instruction, "layer": c.layer,
+                      "scope": c.scope, "source": c.source,
+                      "crossing_bytes": c.crossing_bytes} for c in self.cuts],
+            "device_cuts": list(self.device_cuts),
+            "on_node_boundaries": self.on_node_boundaries,
+            "latency_seconds": self.latency,
+            "model_latency_seconds": self.model_latency,
+            "bottleneck_seconds": self.cost.bottleneck,
+            "feasible": self.feasible,
+            "memory_violations": [str(v) for v in self.simulation.violations],
+            "search_seconds": self.search_seconds,
+            "episodes": self.episodes,
+            "optimum": self.optimum,
+        }
+
+
+def cluster_links(cluster: Any) -> tuple[Links, Any]:
+    """Links and the device spec to profile on, from a preset name, JSON path, Cluster or
+    Links (a Links carries no device spec: None, the profile's default)."""
+    if isinstance(cluster, Links):
+        return cluster, None
+    from hlomap.cost.cluster import load_cluster
+
+    loaded = load_cluster(cluster)
+    return Links.from_cluster(loaded), loaded.devices[0]
+
+
+def pipeline_task(
+    profile: PipelineProfile,
+    links: Links,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    objective: Objective = Objective.LATENCY,
+    device_radius: int = 0,
+    require_trainable: bool = True,
+    check_memory: bool = True,
+) -> CutTask:
+    """The cut problem of `stages` stages on the center device groups of `links`; the DP gets the
+    same space (replication factors of the center groups, every device used, stage boundaries on
+    servers when there are at least as many servers as stages)."""
+    bounds = center_device_bounds(links, stages)
+    sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
+    n_nodes = len(set(links.node_of))
+    if device_radius > 0:
+        sizes = tuple(range(1, links.n_devices + 1))
+    space = SearchSpace(
+        microbatches=microbatches,
+        schedule=schedule,
+        objective=objective,
+        replication=sizes,
+        use_all_devices=True,
+        max_stages=stages,
+        cut_on_node_boundary=stages <= n_nodes,
+        require_trainable=require_trainable,
+        check_memory=check_memory,
+    )
+    return CutTask(profile, links, space, stages, device_radius=device_radius)
+
+
+def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan
+              ) -> tuple[CutDescription, ...]:
+    out = []
+    for pivot in plan.cuts:
+        if hlo is not None:
+            p = hlo.pivots[pivot]
+            out.append(CutDescription(pivot, p.instruction, p.layer, p.crossing_bytes,
+                                      p.scope, p.source))
+        else:
+            name = profile.names[pivot]
+            out.append(CutDescription(pivot, name, name, float(profile.activation_bytes[pivot]),
+                                      name))
+    return tuple(out)
+
+
+def explore_pipeline(
+    source: Any,
+    *,
+    stages: int,
+    microbatches: int = 8,
+    schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+    cluster: Any = "A",
+    agent: PipelineAgent | str = PipelineAgent.DQN,
+    seed: int = 0,
+    budget_seconds: float | None = None,
+    episodes: int = 2000,
+    finetune_episodes: int = 0,
+    device_radius: int = 0,
+    objective: Objective | str = Objective.LATENCY,
+    require_trainable: bool = True,
+    pivot_options: PivotOptions = PivotOptions(),
+    policy_path: str | Path | None = None,
+    compare_dp: bool = False,
+    name: str | None = None,
+) -> PipelineResult:
+    """Find a pipeline plan of `stages` stages for `source` (module docstring).
+
+    source: a `hlomap.hlo.capture.Capture`, an `StepChain`, or a per-microbatch
+      `PipelineProfile`.
+    cluster: a preset ("A", "B", "C"), a cluster JSON path, a `hlomap.cost.Cluster`, or `Links`.
+    budget_seconds: wall-clock limit of the DQN (training or fine-tuning); episodes: its episode
+      limit; finetune_episodes: for dqn-infer, 0 for inference alone.
+    compare_dp: also run the DP and report the gap to its optimum.
+    name: how to call the source in reports (default: its profile's source).
+    """
+    agent = PipelineAgent(agent)
+    schedule = Schedule(schedule)
+    objective = Objective(objective)
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
+                         f"{microbatches} must be >= 1")
+    links, device = cluster_links(cluster)
+    hlo: StepChain | None
+    if isinstance(source, StepChain):
+        hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
+    elif isinstance(source, PipelineProfile):
+        hlo, profile = None, source
+    elif hasattr(source, "module") and hasattr(source, "parameters"):
+        hlo = step_chain(source, device, options=pivot_options)
+        profile = scale_batch(hlo.profile, 1.0 / microbatches)
+    else:
+        raise TypeError(f"explore_pipeline: cannot read a pipeline profile from {type(source)!r}")
+    task = pipeline_task(
+        profile, links, stages=stages, microbatches=microbatches, schedule=schedule,
+        objective=objective, device_radius=device_radius, require_trainable=require_trainable,
+    ) if stages > 1 else None
+    start = time.perf_counter()
+    episodes_run = 0
+    space = task.space if task is not None else SearchSpace(
+        microbatches=microbatches, schedule=schedule, objective=objective,
+        replication=(links.n_devices,), max_stages=1)
+    if task is None:  # one stage: data parallel over every device, nothing to search
+        plan = PipelinePlan.linear((0, profile.n_layers), (links.n_devices,),
+                                   microbatches=microbatches, schedule=schedule)
+    elif agent is PipelineAgent.DP:
+        plan = solve(profile, links, task.space).plan
+    elif agent is PipelineAgent.DQN:
+        found = dqn_search(task, SearchBudget(max_episodes=episodes, seconds=budget_seconds),
+                           seed=seed)
+        plan, episodes_run = found.plan, found.episodes
+    else:
+        from hlomap.tasks.pipeline.infer import infer_cuts, load_policy
+
+        budget = (SearchBudget(max_episodes=finetune_episodes, seconds=budget_seconds)
+                  if finetune_episodes > 0 else None)
+        inferred = infer_cuts(task, load_policy(policy_path), finetune=budget, seed=seed)
+        plan, episodes_run = inferred.plan, inferred.finetune_episodes
+    seconds = time.perf_counter() - start
+    cost = evaluate_plan(profile, links, plan, space.cost)
+    simulation = simulate(profile, links, plan, space.cost)
+    optimum = None
+    if compare_dp:
+        optimum = solve(profile, links, space).value
+    device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
+    return PipelineResult(
+        source=name or (hlo.source if hlo is not None else profile.source),
+        agent=agent,
+        profile=profile,
+        plan=plan,
+        cost=cost,
+        simulation=simulation,
+        cuts=_describe(hlo, profile, plan),
+        device_cuts=device_cuts,
+        replication=plan.replication,
+        device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
+        on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
+        search_seconds=seconds,
+        episodes=episodes_run,
+        optimum=optimum,
+        objective=objective,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# As a Plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
+    data = result.to_json()
+    return {key: data[key] for key in ("stages", "microbatches", "schedule", "cuts", "device_cuts",
+                                       "on_node_boundaries")}
+
+
+def _estimate_section(result: PipelineResult) -> dict[str, Any]:
+    memory = [float(m) for m in result.stage_memory]
+    fits = all(m <= c for m, c in zip(memory, result.device_memory))
+    return {
+        "step_seconds": float(result.latency),
+        "model_step_seconds": float(result.model_latency),
+        "bottleneck_seconds": float(result.cost.bottleneck),
+        "memory": {"per_stage": memory, "total": max(memory, default=0.0), "fits": fits},
+        "memory_violations": [str(v) for v in result.simulation.violations],
+    }
+
+
+def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Plan:
+    """The `Plan` of a pipeline result found for `cap`."""
+    from hlomap.plan import ParameterSpec, Plan, PlanSource
+
+    parameters = tuple(ParameterSpec(p.index, p.path, tuple(p.shape.dims), (None,) * len(p.shape.dims))
+                       for p in cap.parameters)
+    search = {"task": "pipeline", "driver": result.agent.value, "reward": result.objective.value,
+              "episodes": result.episodes, "evaluations": result.episodes,
+              "seconds": round(result.search_seconds, 3), "seed": seed}
+    if result.optimum is not None:
+        search["optimum"] = result.optimum
+    plan = Plan(mesh=(), parameters=parameters, source=PlanSource(cap.source, cap.text_sha256))
+    return dataclasses.replace(plan, pipeline=_pipeline_section(result), estimate=_estimate_section(result),
+                               search=search)
+
+
+def explore_pipeline_plan(cap: Any, *, cluster: Any = "A", agent: str = "dqn", budget_seconds: float | None = None,
+                          seed: int = 0, stages: int | None = None, output: str | Path | None = None,
+                          **options: Any) -> Plan:
+    """`hlomap.explore(cap, task="pipeline")`: the pipeline explorer's result as a `Plan`, every
+    parameter replicated inside its stage and the `pipeline` section holding the stages,
+    microbatches and schedule. Default stages: one per server of the cluster."""
+    agents = [a.value for a in PipelineAgent]
+    if agent not in agents:
+        raise ValueError(f"agent {agent!r}: the pipeline task takes {', '.join(agents)}")
+    if stages is None:
+        links, _ = cluster_links(cluster)
+        stages = len(set(links.node_of))
+    result = explore_pipeline(cap, stages=stages, cluster=cluster, agent=agent, seed=seed,
+                              budget_seconds=budget_seconds, **options)
+    plan = pipeline_plan(cap, result, seed=seed)
+    if output is not None:
+        plan.save(output)
+    return plan

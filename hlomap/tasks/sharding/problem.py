@@ -1,0 +1,182 @@
+"""The sharding tasks (OPP, ADP, hybrid) end to end: capture -> search space -> driver -> `Plan`
+with its estimate and how it was found (`hlomap.api.explore` calls this).
+
+    ex = explore_sharding(cap, "opp", {"model": 8}, "A", "dqn", 60, 0, "paper")
+
+`explore_sharding` returns the `Exploration` (plan, search result, space, graph) that reports
+and benchmarks need. With `output=`, the best plan so far is written there (atomically)
+every time it improves, so a search stopped with Ctrl-C leaves its best plan on disk; the
+search itself also stops cleanly on Ctrl-C and returns that plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from os import PathLike
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from hlomap.tasks.sharding.baselines import greedy_search, random_search
+from hlomap.tasks.sharding.costmodel import estimate_model
+from hlomap.tasks.sharding.dqn_search import DqnSearchConfig, dqn_search
+from hlomap.tasks.sharding.exact import exact_search
+from hlomap.tasks.sharding.objective import CostObjective, Objective, PaperObjective, RewardMode
+from hlomap.search.tracker import Budget, Driver, Progress, SearchResult
+from hlomap.tasks.sharding.space import SearchSpace, Task, make_space
+from hlomap.hlo.capture import Capture
+from hlomap.propagation.conflicts import MeshAxes
+from hlomap.propagation.graph import FactorGraph
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Exploration", "build_problem", "explore_sharding", "mesh_shape", "run_driver", "to_plan"]
+
+
+def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP) -> dict[str, int]:
+    """`{"model": 8}`, `8` or `"8"` (one axis, named `model`, or `data` for ADP) or
+    `"data=2,model=4"` as a checked mesh shape; the hybrid task needs two axes."""
+    from hlomap.plan import parse_mesh_text
+
+    task = Task(task)
+    if isinstance(mesh, str):
+        mesh = parse_mesh_text(mesh)
+    if isinstance(mesh, int):
+        if task is Task.HYBRID:
+            raise ValueError(f"the hybrid task needs a data x model mesh such as data=2,model=8, not {mesh}")
+        mesh = {"data" if task is Task.ADP else "model": mesh}
+    shape = {str(k): int(v) for k, v in dict(mesh).items()}
+    if not shape or any(v < 1 for v in shape.values()):
+        raise ValueError(f"mesh {shape} needs at least one axis of size >= 1")
+    if task is Task.HYBRID and len(shape) < 2:
+        raise ValueError(f"the hybrid task needs two mesh axes (data x model), got {shape}")
+    return shape
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Problem:
+    """Everything a driver needs, built once: graph, axes, space, objective."""
+
+    cap: Capture
+    graph: FactorGraph
+    axes: MeshAxes
+    space: SearchSpace
+    objective: Objective
+    cluster: Any
+
+
+def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[str, int] | int | str = 8,
+                  cluster: Any = "A", reward: RewardMode | str = RewardMode.PAPER, graph: FactorGraph | None = None,
+                  replicate_residual: bool | None = None, axis_order: Any = None) -> Problem:
+    """Graph, mesh axes, search space and objective for one exploration.
+
+    `replicate_residual` (default: True for the paper reward, False for the cost reward) keeps the
+    residual stream replicated, see `hlomap.tasks.sharding.space.opp_space`.
+    """
+    task, reward = Task(task), RewardMode(reward)
+    graph = graph if graph is not None else FactorGraph.from_capture(cap)
+    axes = MeshAxes.from_mesh(mesh_shape(mesh, task))
+    if replicate_residual is None:
+        replicate_residual = reward is RewardMode.PAPER and task is not Task.ADP
+    space = make_space(graph, axes, task, replicate_residual=replicate_residual)
+    if reward is RewardMode.PAPER:
+        objective: Objective = PaperObjective(space)
+    else:
+        objective = CostObjective(space, estimate_model(cap, graph, axes, cluster, axis_order=axis_order))
+    return Problem(cap, graph, axes, space, objective, cluster)
+
+
+def run_driver(problem: Problem, driver: Driver | str, budget: Budget, seed: int = 0, *,
+               dqn_config: DqnSearchConfig | None = None,
+               on_best: Callable[[SearchResult], None] | None = None,
+               on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
+    driver = Driver(driver)
+    kw = dict(on_best=on_best, on_progress=on_progress)
+    if driver is Driver.DQN:
+        return dqn_search(problem.space, problem.objective, budget, seed, config=dqn_config or DqnSearchConfig(), **kw)
+    if driver is Driver.RANDOM:
+        mask = (dqn_config or DqnSearchConfig()).mask
+        return random_search(problem.space, problem.objective, budget, seed, mask=mask, **kw)
+    if driver is Driver.GREEDY:
+        return greedy_search(problem.space, problem.objective, budget, seed, **kw)
+    return exact_search(problem.space, problem.objective, budget, seed, **kw)
+
+
+def to_plan(problem: Problem, result: SearchResult, *, with_estimate: bool = True) -> Any:
+    """The `Plan` of a search result, carrying how it was found and (with `with_estimate`) the
+    cost model's estimate on the problem's cluster."""
+    from hlomap.plan import Plan
+
+    plan = Plan.from_groups(problem.cap, problem.graph, result.plan, problem.axes)
+    search = {"task": problem.space.task.value, **result.search_json()}
+    estimate = None
+    if with_estimate and problem.cluster is not None:
+        try:
+            from hlomap.tasks.sharding.costmodel import step_estimate
+
+            estimate = step_estimate(problem.cap, problem.graph, result.plan, problem.axes, problem.cluster).to_json()
+        except Exception as exc:  # an estimate is a report, not a reason to lose the plan
+            log.warning("could not estimate the explored plan: %s", exc)
+    return dataclasses.replace(plan, search=search, estimate=estimate)
+
+
+def _save_atomic(plan: Any, path: str | PathLike[str]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        plan.save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Exploration:
+    """A finished exploration: the plan and everything about how it was found."""
+
+    plan: Any  # hlomap.plan.Plan
+    result: SearchResult
+    problem: Problem
+
+    @property
+    def space(self) -> SearchSpace:
+        return self.problem.space
+
+
+def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, int] | int | str = 8,
+                     cluster: Any = "A", agent: Driver | str = "dqn", budget_seconds: float | None = 60.0,
+                     seed: int = 0, reward: RewardMode | str = "paper", *,
+                     budget_evaluations: int | None = None, output: str | PathLike[str] | None = None,
+                     graph: FactorGraph | None = None, replicate_residual: bool | None = None,
+                     dqn_config: DqnSearchConfig | None = None, with_estimate: bool = True,
+                     on_progress: Callable[[Progress], None] | None = None) -> Exploration:
+    """Search a sharding plan; the whole `Exploration`."""
+    problem = build_problem(cap, task=task, mesh=mesh, cluster=cluster, reward=reward, graph=graph,
+                            replicate_residual=replicate_residual)
+    budget = Budget(seconds=budget_seconds, evaluations=budget_evaluations)
+
+    def on_best(partial: SearchResult) -> None:
+        if output is not None:
+            _save_atomic(to_plan(problem, partial, with_estimate=False), output)
+
+    result = run_driver(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
+                        on_progress=on_progress)
+    plan = to_plan(problem, result, with_estimate=with_estimate)
+    if output is not None:
+        _save_atomic(plan, output)
+    log.info("explored %s (%s, %s reward) with %s: score %.4g after %d evaluations in %.1f s%s",
+             cap.source, problem.space.task, result.reward, result.driver, result.score.value, result.evaluations,
+             result.seconds, " (interrupted)" if result.interrupted else "")
+    return Exploration(plan, result, problem)
+
+
+def choices_from_plan(problem: Problem, plan: Any) -> np.ndarray:
+    """The choice vector of a saved plan in this problem's space."""
+    return problem.space.choices_of(plan.group_array(problem.graph, problem.axes))

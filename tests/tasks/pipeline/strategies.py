@@ -1,0 +1,85 @@
+"""Hypothesis strategies and seeded random tasks for small pipelines, shared by the pipeline tests."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from hlomap.cost.pipeline.costs import CommModel, CostOptions
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.tasks.pipeline.space import Objective, SearchSpace
+
+
+@st.composite
+def profiles(draw: st.DrawFn, *, min_layers: int = 1, max_layers: int = 6) -> PipelineProfile:
+    """Random small profiles; times on a coarse grid sometimes, so that exact ties occur."""
+    n = draw(st.integers(min_layers, max_layers))
+    coarse = draw(st.booleans())
+    time = st.integers(0, 3).map(float) if coarse else st.floats(0.0, 2.0)
+    nbytes = st.floats(0.0, 2e9)
+    params = st.one_of(st.just(0.0), st.floats(1e6, 1e9))
+    return PipelineProfile(
+        names=tuple(f"l{i}" for i in range(n)),
+        forward_time=np.array(draw(st.lists(time, min_size=n, max_size=n))),
+        backward_time=np.array(draw(st.lists(time, min_size=n, max_size=n))),
+        activation_bytes=np.array(draw(st.lists(nbytes, min_size=n - 1, max_size=n - 1))),
+        parameter_bytes=np.array(draw(st.lists(params, min_size=n, max_size=n))),
+        stash_bytes=np.array(draw(st.lists(st.floats(0.0, 1e9), min_size=n, max_size=n))),
+        source="hypothesis",
+    )
+
+
+@st.composite
+def links(draw: st.DrawFn, *, max_devices: int = 4) -> Links:
+    """Random asymmetric alpha-beta links on 1..max_devices devices grouped into nodes."""
+    d = draw(st.integers(1, max_devices))
+    bandwidth = draw(st.lists(st.floats(1e8, 1e10), min_size=d * d, max_size=d * d))
+    latency = draw(st.lists(st.floats(0.0, 1e-3), min_size=d * d, max_size=d * d))
+    nodes = sorted(draw(st.lists(st.integers(0, 2), min_size=d, max_size=d)))
+    memory = draw(st.lists(st.floats(4e9, 4e10), min_size=d, max_size=d))
+    return Links(
+        bandwidth=np.reshape(bandwidth, (d, d)),
+        latency=np.reshape(latency, (d, d)),
+        node_of=tuple(nodes),
+        memory_bytes=tuple(memory),
+    )
+
+
+@st.composite
+def spaces(draw: st.DrawFn) -> SearchSpace:
+    """Random search spaces exercising every option."""
+    return SearchSpace(
+        microbatches=draw(st.integers(1, 6)),
+        schedule=draw(st.sampled_from(Schedule)),
+        objective=draw(st.sampled_from(Objective)),
+        replication=tuple(draw(st.sets(st.integers(1, 4), min_size=1, max_size=3))),
+        use_all_devices=draw(st.booleans()),
+        max_stages=draw(st.one_of(st.none(), st.integers(1, 4))),
+        cut_on_node_boundary=draw(st.booleans()),
+        require_trainable=draw(st.booleans()),
+        check_memory=draw(st.booleans()),
+        cost=CostOptions(comm=draw(st.sampled_from(CommModel))),
+    )
+
+
+def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")) -> "CutTask":
+    """A seeded 14-layer cut problem on `2 * stages` devices (2 per server, cuts on servers)."""
+    from hlomap.tasks.pipeline.cutenv import CutTask
+
+    rng = np.random.default_rng(seed)
+    n = 14
+    profile = PipelineProfile(
+        names=tuple(f"l{i}" for i in range(n)),
+        forward_time=rng.uniform(0.5, 2.0, n),
+        backward_time=rng.uniform(1.0, 4.0, n),
+        activation_bytes=rng.uniform(1e7, 3e8, n - 1),
+        parameter_bytes=rng.uniform(1e6, 5e7, n),
+        stash_bytes=rng.uniform(1e6, 1e7, n),
+        source=f"random{seed}",
+    )
+    links = Links.uniform(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2,
+                          memory_bytes=memory)
+    space = SearchSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
+    return CutTask(profile, links, space, stages)

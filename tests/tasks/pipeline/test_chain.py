@@ -1,0 +1,180 @@
+"""The pipeline model of a captured train step: chain, pivots, and C / A / W conservation."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hlomap.cost.compute import instruction_cost
+from hlomap.cost.devices import device_preset
+from hlomap.hlo.capture import Phase, Role, capture, instruction_phase
+from hlomap.hlo.ir import Metadata
+from hlomap.cost.pipeline.profile import merge_layers
+from hlomap.tasks.pipeline.chain import (
+    PivotOptions,
+    chain_arrays,
+    layer_name,
+    nearest_scopes,
+    step_chain,
+    thin_pivots,
+)
+from tests.tasks.pipeline.strategies import profiles
+
+BATCH, WIDTH, DEPTH = 16, 64, 4
+DEVICE = device_preset("V100-16GB")
+
+
+def _train_step(params, batch):
+    def loss_fn(params):
+        h = batch["x"]
+        for i in range(DEPTH):
+            with jax.named_scope(f"dense_{i}"):
+                h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    params = {}
+    for i in range(DEPTH):
+        params[f"w{i}"] = jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)
+        params[f"b{i}"] = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
+    batch = {"x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
+             "y": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)}
+    return capture(_train_step, params, batch)
+
+
+@pytest.mark.parametrize("op_name, expected", [
+    ("jit(train_step)/jvp(layers_0)/dot_general", "layers_0/dot_general"),
+    ("jit(train_step)/transpose(jvp(layers_0))/dot_general", "layers_0/dot_general"),
+    ("jit(train_step)/jvp(decoder)/layers_5/add", "decoder/layers_5/add"),
+    ("jit(train_step)/jvp(jit(_take))", "_take"),
+    ("jit(train_step)/jvp()/add", "add"),
+    ("jit(train_step)/transpose(jvp())/mul;jit(train_step)/transpose(jvp())/add", "mul"),
+])
+def test_layer_name_unwraps_jax_name_stacks(op_name, expected):
+    assert layer_name(Metadata(op_name=op_name)) == expected
+
+
+def test_layer_name_falls_back_without_metadata():
+    assert layer_name(None, fallback="dot.3") == "dot.3"
+
+
+def test_chain_is_forward_and_time_and_parameters_are_conserved(mlp):
+    chain = chain_arrays(mlp, DEVICE)
+    entry = mlp.module.entry
+    names = set(chain.profile.names)
+    assert all(instruction_phase(entry[name]) is Phase.FORWARD for name in names)
+    # Every forward and backward instruction's time lands somewhere, once; updates are apart.
+    totals = {phase: 0.0 for phase in Phase}
+    for inst in entry.instructions:
+        totals[instruction_phase(inst)] += instruction_cost(inst, entry, mlp.module, DEVICE).seconds
+    profile = chain.profile
+    assert profile.forward_time.sum() + profile.backward_time.sum() == pytest.approx(
+        totals[Phase.FORWARD] + totals[Phase.BACKWARD], rel=1e-12)
+    assert chain.update_seconds == pytest.approx(totals[Phase.UPDATE], rel=1e-12)
+    assert profile.backward_time.sum() > profile.forward_time.sum() > 0
+    trainable = sum(p.byte_size for p in mlp.parameters if p.role is Role.TRAINABLE)
+    assert profile.parameter_bytes.sum() == trainable == DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+
+
+def test_each_weight_is_charged_at_its_first_use_with_its_gradient(mlp):
+    chain = chain_arrays(mlp, DEVICE)
+    entry = mlp.module.entry
+    names = chain.profile.names
+    for p in mlp.parameters:
+        weights = tuple(f"w{i}" for i in range(DEPTH))
+        if p.role is not Role.TRAINABLE or not p.path.endswith(weights):
+            continue
+        first = next(i for i, name in enumerate(names) if p.name in entry[name].operands)
+        assert chain.profile.parameter_bytes[first] >= p.byte_size
+        # The weight gradient dot (x^T g) is charged where the forward dot reads x, not where
+        # x was made (the previous layer's tanh).
+        assert entry[names[first]].opcode == "dot"
+        assert chain.profile.backward_time[first] > 0
+
+
+def test_pivots_between_layers_carry_one_activation(mlp):
+    hlo = step_chain(mlp, DEVICE)
+    activation = BATCH * WIDTH * 4
+    boundaries = [p for p in hlo.pivots if p.live_tensors == 1
+                  and p.crossing_bytes == activation]
+    # After each of the first DEPTH - 1 layers' tanh only its output crosses.
+    tanh_cuts = [p for p in boundaries if p.layer.endswith("tanh")]
+    assert len(tanh_cuts) >= DEPTH - 1
+    assert [p.instruction for p in hlo.pivots] == [
+        hlo.chain.profile.names[p.position] for p in hlo.pivots]
+    assert hlo.describe_cuts([0])[0] == str(hlo.pivots[0])
+
+
+def test_every_pivot_names_its_layer_scope_and_source_line(mlp):
+    hlo = step_chain(mlp, DEVICE)
+    scopes = {p.scope for p in hlo.pivots}
+    dense = {f"dense_{i}" for i in range(DEPTH)}
+    # The dense layers are named scopes; the loss (mean of squares) is traced outside any
+    # scope, so its pivots name the layer before them.
+    assert dense <= scopes <= dense | {f"after dense_{DEPTH - 1}"}
+    for p in hlo.pivots:
+        # JAX's stack frames point at _train_step in this file.
+        assert re.fullmatch(r".*test_chain\.py:\d+", p.source or ""), p.source
+
+
+def test_nearest_scopes_fall_back_to_the_closest_scoped_layer():
+    layers = ["add", "embed/gather", "mul", "layers_0/attn/dot", "layers_0/add", "mul", "sub"]
+    assert nearest_scopes(layers) == (
+        "before embed", "embed", "after embed", "layers_0/attn", "layers_0",
+        "after layers_0", "after layers_0",
+    )
+    assert nearest_scopes(["add", "mul"]) == ("", "")
+
+
+def test_merged_profile_keeps_the_chain_totals(mlp):
+    hlo = step_chain(mlp, DEVICE, options=PivotOptions(max_pivots=3))
+    assert len(hlo.pivots) <= 3 == hlo.profile.n_pivots
+    chain = hlo.chain.profile
+    for field in ("forward_time", "backward_time", "parameter_bytes", "stash_bytes"):
+        assert getattr(hlo.profile, field).sum() == pytest.approx(getattr(chain, field).sum())
+    assert list(hlo.profile.activation_bytes) == [p.crossing_bytes for p in hlo.pivots]
+
+
+def test_a_step_without_jax_metadata_is_refused(mlp):
+    from hlomap.hlo.capture import from_module
+    from hlomap.hlo.parser import parse
+
+    bare = parse("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n"
+                 "  ROOT n = f32[2] negate(p)\n}\n")
+    with pytest.raises(ValueError, match="no forward instructions"):
+        step_chain(from_module(bare), DEVICE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(profile=profiles(min_layers=2, max_layers=12), limit=st.integers(1, 6), data=st.data())
+def test_thinning_keeps_at_most_the_limit_and_the_cheapest_of_free_runs(profile, limit, data):
+    candidates = data.draw(st.lists(st.integers(0, profile.n_pivots - 1), max_size=12))
+    kept = thin_pivots(profile, candidates, limit)
+    assert len(kept) <= max(limit, 0) and kept == sorted(set(kept))
+    assert set(kept) <= set(candidates)
+    if candidates:
+        assert kept
+    # Merging at the kept pivots never changes totals.
+    merged = merge_layers(profile, kept)
+    assert merged.compute_time.sum() == pytest.approx(profile.compute_time.sum())
+
+
+def test_thinning_bins_follow_compute_and_prefer_few_bytes():
+    from hlomap.cost.pipeline.profile import PipelineProfile
+
+    # 9 layers; one huge layer at the end, as an LM head.
+    compute = np.array([1.0] * 8 + [100.0])
+    crossing = np.array([5.0, 1.0, 5.0, 5.0, 1.0, 5.0, 5.0, 1.0])
+    profile = PipelineProfile(tuple(f"l{i}" for i in range(9)), compute, np.zeros(9), crossing,
+                              np.zeros(9))
+    kept = thin_pivots(profile, range(8), 3)
+    assert kept == [1, 4, 7]  # the cheap cuts, spread over the small layers

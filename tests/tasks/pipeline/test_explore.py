@@ -1,0 +1,139 @@
+"""`explore_pipeline` end to end on a zoo step; the reduced acceptance case (gpt-tiny, config A)."""
+
+import json
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from hlomap.cost.cluster import cluster_preset
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.tasks.pipeline.dp import solve
+from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+from hlomap.cost.pipeline.profile import uniform_profile
+from hlomap.api import is_pipedream_graph, load_pipeline_source as read_pipeline_source
+from hlomap.report.gantt import draw_gantt
+from hlomap.report.pipeline import format_pipeline_result, gantt_title
+from hlomap.report.units import human_bytes as format_bytes
+from hlomap.tasks.pipeline.explore import PipelineAgent, explore_pipeline, pipeline_task
+from hlomap.tasks.pipeline.infer import DEFAULT_POLICY
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    from scripts.pipeline_acceptance import model_profile
+
+    return model_profile("gpt-tiny")
+
+
+def _text(result) -> str:
+    console = Console(record=True, width=160)
+    console.print(format_pipeline_result(result))
+    return console.export_text()
+
+
+def test_dp_agent_returns_the_optimum_with_a_report_and_timeline(gpt_tiny, tmp_path):
+    result = explore_pipeline(gpt_tiny, stages=3, microbatches=4, cluster="B", agent="dp",
+                              schedule="gpipe", name="zoo:gpt-tiny")
+    png = draw_gantt(result.simulation, tmp_path / "t.png", title=gantt_title(result))
+    links = Links.from_cluster(cluster_preset("B"))
+    task = pipeline_task(result.profile, links, stages=3, microbatches=4,
+                         schedule=Schedule.GPIPE)
+    assert result.value == pytest.approx(solve(result.profile, task.links, task.space).value)
+    assert result.agent is PipelineAgent.DP and result.replication == (8, 8, 8)
+    assert result.device_cuts == (8, 16) and result.on_node_boundaries
+    assert png.stat().st_size > 1000
+    assert len(result.stage_memory) == 3 and result.latency > 0
+    text = _text(result)
+    for cut in result.cuts:
+        assert cut.instruction in text and cut.layer in text and cut.scope in text
+        assert cut.instruction == gpt_tiny.pivots[cut.pivot].instruction
+        # Every cut names a layer of the model, its own scope or the nearest one before it.
+        assert cut.scope.removeprefix("after ").startswith(("layers_", "embed", "ln_f"))
+        assert cut.source is not None and "gpt.py:" in cut.source
+    assert "on server boundaries" in text and "zoo:gpt-tiny" in text
+    assert "memory: every stage fits" in text and result.feasible
+    for s, memory in enumerate(result.stage_memory):
+        assert format_bytes(memory) in text, s
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["device_cuts"] == [8, 16] and data["schedule"] == "gpipe"
+    assert data["feasible"] and data["memory_violations"] == []
+    assert [s["replication"] for s in data["stages"]] == [8, 8, 8]
+
+
+def test_dqn_matches_the_dp_on_gpt_tiny_config_a(gpt_tiny):
+    """The reduced acceptance case: within 1% of the DP, device cuts on server boundaries."""
+    result = explore_pipeline(gpt_tiny, stages=2, microbatches=8, cluster="A", agent="dqn",
+                              episodes=150, compare_dp=True)
+    assert result.gap is not None and 0 <= result.gap <= 0.01 + 1e-12
+    assert result.on_node_boundaries and result.device_cuts == (8,)
+    assert result.episodes == 150
+    assert "gap" in _text(result)
+
+
+@pytest.mark.skipif(not DEFAULT_POLICY.is_file(), reason="no shipped policy")
+def test_inference_agent_plans_without_training(gpt_tiny):
+    result = explore_pipeline(gpt_tiny, stages=2, microbatches=8, cluster="A",
+                              agent="dqn-infer", compare_dp=True)
+    assert result.episodes == 0 and result.gap is not None and result.gap >= -1e-12
+    assert result.on_node_boundaries
+
+
+def test_unknown_sources_and_agents_are_refused(gpt_tiny):
+    with pytest.raises(TypeError, match="cannot read a pipeline profile"):
+        explore_pipeline(42, stages=2)
+    with pytest.raises(ValueError, match="'genetic'"):
+        explore_pipeline(gpt_tiny, stages=2, agent="genetic")
+
+
+def test_one_stage_is_plain_data_parallelism_and_bare_profiles_are_per_microbatch():
+    from hlomap.cost.pipeline.profile import uniform_profile
+
+    profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e6)
+    links = Links.uniform(4, bandwidth=1e9, devices_per_node=2)
+    single = explore_pipeline(profile, stages=1, microbatches=4, cluster=links, agent="dqn")
+    assert single.plan.n_stages == 1 and single.replication == (4,) and single.episodes == 0
+    assert single.profile is profile  # not scaled: already per microbatch
+    double = explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dp",
+                              require_trainable=False)
+    assert double.replication == (2, 2) and double.plan.cuts == (2,)
+    assert double.cuts[0].instruction == "layer2"
+
+
+def _tight_memory(profile: PipelineProfile) -> Links:
+    """Two one-device servers whose memory holds half of the model's parameters: no plan fits."""
+    memory = 0.5 * float(profile.parameter_bytes.sum()) * 4
+    return Links(np.full((2, 2), 1e9), np.zeros((2, 2)), (0, 1), (memory, memory))
+
+
+def test_memory_violations_are_reported_not_accepted():
+    profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e8,
+                              stash_bytes=1e8)
+    links = _tight_memory(profile)
+    # The DP refuses: no admissible plan.
+    with pytest.raises(NoFeasiblePlan, match="no plan of 6 layers"):
+        explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dp")
+    # A learned search still returns its best plan, flagged and reported in red.
+    result = explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dqn",
+                              episodes=5)
+    assert not result.feasible and result.simulation.violations
+    text = _text(result)
+    assert "out of memory: stage" in text and "memory: every stage fits" not in text
+    data = result.to_json()
+    assert not data["feasible"] and data["memory_violations"]
+
+
+def test_pipedream_graphs_are_read_as_profiles(corpus_dir, tmp_path):
+    path = corpus_dir / "pipedream" / "vgg16.txt"
+    assert is_pipedream_graph(path)
+    source = read_pipeline_source(str(path))
+    assert isinstance(source, PipelineProfile) and source.source == str(path)
+    hlo = tmp_path / "m.hlo"
+    hlo.write_text("HloModule m\nENTRY e {\n  ROOT p = f32[2] parameter(0)\n}\n")
+    assert not is_pipedream_graph(hlo) and not is_pipedream_graph(tmp_path / "missing")
+    result = explore_pipeline(source, stages=4, microbatches=4,
+                              cluster=Links.uniform(4, bandwidth=10e9 / 8), agent="dp",
+                              require_trainable=False)
+    assert result.cuts[0].instruction.startswith("node")  # PipeDream node ids name the cuts

@@ -1,0 +1,147 @@
+"""Drivers: the MILP agrees with enumeration; random, greedy and DQN respect their budgets and
+report honestly; the DQN reaches the exact optimum and beats random at equal budget; Ctrl-C
+keeps the best plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlomap.tasks.sharding.baselines import greedy_search, random_search
+from hlomap.tasks.sharding.dqn_search import DqnSearchConfig, dqn_search
+from hlomap.tasks.sharding.exact import ExactTooLarge, count_conflict_free, enumerate_conflict_free, exact_search, paper_milp
+from hlomap.tasks.sharding.objective import CostEval, CostObjective, PaperObjective
+from hlomap.search.tracker import Budget, Driver
+from hlomap.tasks.sharding.space import adp_space, hybrid_space, opp_space
+
+EVALS = Budget(seconds=None, evaluations=300)
+
+
+def _brute_force_paper(space) -> float:
+    obj = PaperObjective(space)
+    rows = np.asarray(list(enumerate_conflict_free(space)))
+    value, tiebreak, ok = obj.values(rows)
+    assert ok.all()
+    return float(value.max())
+
+
+@pytest.mark.parametrize("name,task,tie", [
+    ("gpt-tiny", "opp", False), ("gpt-tiny", "opp", True), ("bert-tiny", "opp", True), ("t5-tiny", "opp", True),
+    ("t5-tiny", "adp", True), ("gpt-tiny", "hybrid", True),
+])
+def test_milp_matches_enumeration(graph_of, axes8, axes2x4, name, task, tie) -> None:
+    g = graph_of(name)
+    if task == "opp":
+        space = opp_space(g, axes8, tie=tie)
+    elif task == "adp":
+        space = adp_space(g, axes8, tie=tie)
+    else:
+        space = hybrid_space(g, axes2x4, tie=tie)
+    assert count_conflict_free(space, 200_000) <= 200_000
+    choices, proven = paper_milp(space)
+    assert proven and space.ok(choices[None])[0]
+    assert PaperObjective(space).score(choices).value == pytest.approx(_brute_force_paper(space))
+
+
+def _additive_cost(space, gains: dict[int, float]):
+    """Step time falls by `gains[group]` for each sharded group; always fits."""
+
+    def model(plan: np.ndarray) -> CostEval:
+        return CostEval(10.0 - sum(v for g, v in gains.items() if plan[g] >= 0), 1.0, 2.0)
+
+    return model
+
+
+def test_exact_enumeration_finds_the_cost_optimum(graph_of, axes8) -> None:
+    space = opp_space(graph_of("gpt-tiny"), axes8)
+    rng = np.random.default_rng(0)
+    gains = {int(g): float(rng.uniform(-1, 2)) for g in space.groups}
+    result = exact_search(space, CostObjective(space, _additive_cost(space, gains)))
+    assert result.optimal and result.driver is Driver.EXACT
+    brute = max(CostObjective(space, _additive_cost(space, gains)).score(c).value for c in enumerate_conflict_free(space))
+    assert result.score.value == pytest.approx(brute)
+    assert result.evaluations == count_conflict_free(space, 10_000) + 0
+
+
+def test_exact_refuses_spaces_too_large_to_enumerate(graph_of, axes8) -> None:
+    space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
+    obj = CostObjective(space, _additive_cost(space, {}))
+    with pytest.raises(ExactTooLarge):
+        exact_search(space, obj, limit=100)
+
+
+@pytest.mark.parametrize("driver", [random_search, greedy_search])
+def test_baselines_respect_the_evaluation_budget(graph_of, axes8, driver) -> None:
+    space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
+    result = driver(space, PaperObjective(space), Budget(seconds=None, evaluations=57), 0)
+    assert result.evaluations <= 57
+    assert len(result.curve) == result.evaluations
+    assert space.ok(result.choices[None])[0]
+    assert result.score.value == pytest.approx(PaperObjective(space).score(result.choices).value)
+    # improvements are strictly increasing and end at the reported best
+    values = [i.value for i in result.improvements]
+    assert values == sorted(values) and values[-1] == pytest.approx(result.score.value)
+
+
+def test_greedy_reaches_a_local_optimum_and_says_so(graph_of, axes8) -> None:
+    space = opp_space(graph_of("gpt-tiny"), axes8, replicate_residual=False)
+    result = greedy_search(space, PaperObjective(space), Budget(seconds=30), 0)
+    assert any("local optimum" in n for n in result.notes)
+    # greedy takes the residual stream first (28 dims at once) and is then stuck: the paper optimum
+    exact = exact_search(space, PaperObjective(space))
+    assert result.score.value == pytest.approx(exact.score.value)
+
+
+def test_interrupt_keeps_the_best_plan(graph_of, axes8) -> None:
+    space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
+    calls = []
+
+    def stop(progress) -> None:
+        calls.append(progress)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    result = random_search(space, PaperObjective(space), Budget(seconds=60), 0, batch=16, on_progress=stop)
+    assert result.interrupted
+    assert result.evaluations == 1 + 3 * 16 and result.score.conflict_free  # the replicated plan, 3 batches
+    assert result.seconds < 60
+
+
+def test_on_best_sees_every_improvement(graph_of, axes8) -> None:
+    space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
+    seen = []
+    result = random_search(space, PaperObjective(space), EVALS, 3, on_best=lambda r: seen.append(r.score.value))
+    assert seen == [i.value for i in result.improvements]
+    assert seen[-1] == result.score.value
+
+
+def _first_at(result, value: float) -> int | None:
+    return next((i.evaluation for i in result.improvements if i.value >= value - 1e-9), None)
+
+
+def test_dqn_learns_the_paper_optimum_and_beats_random(graph_of, axes8) -> None:
+    """t5-tiny, untied (24 positions), the agent alone (no fine-tuning) against random at the
+    same evaluation budget and against the MILP optimum."""
+    space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
+    optimum = exact_search(space, PaperObjective(space)).score.value
+    budget = Budget(seconds=None, evaluations=400)
+    dqn = dqn_search(space, PaperObjective(space), budget, 0, config=DqnSearchConfig(fine_tune=False))
+    rnd = random_search(space, PaperObjective(space), budget, 0)
+    assert dqn.evaluations <= 400 and rnd.evaluations <= 400
+    assert dqn.score.value == pytest.approx(optimum)
+    assert rnd.score.value < optimum
+    assert dqn.driver is Driver.DQN and "0 fine-tuning" in dqn.notes[0]
+    # the curve is per episode; the late episodes are much better than the early random ones
+    assert np.mean(dqn.curve[-50:]) > np.mean(dqn.curve[:50]) + 3
+
+
+def test_fine_tuning_reaches_the_optimum_sooner(graph_of, axes8) -> None:
+    space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
+    optimum = exact_search(space, PaperObjective(space)).score.value
+    budget = Budget(seconds=None, evaluations=250)
+    tuned = dqn_search(space, PaperObjective(space), budget, 0)
+    plain = dqn_search(space, PaperObjective(space), budget, 0, config=DqnSearchConfig(fine_tune=False))
+    assert tuned.score.value == pytest.approx(optimum)
+    assert "0 fine-tuning" not in tuned.notes[0]
+    at_plain = _first_at(plain, optimum)
+    assert _first_at(tuned, optimum) < (at_plain if at_plain is not None else 10**9)

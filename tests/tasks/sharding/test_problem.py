@@ -1,0 +1,107 @@
+"""The public API: `hlomap.explore(...)` returns a Plan carrying its estimate and how it was found,
+saves the best plan as it runs, survives Ctrl-C, refuses to load against another module or mesh;
+reports render."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hlomap.api import explore_detailed, parse_mesh
+from hlomap.report.sharding import format_plan_summary, plot_convergence
+from hlomap.tasks.sharding.compare import layer_of
+from hlomap.tasks.sharding.space import Task
+from hlomap.plan import Plan
+
+
+def test_parse_mesh() -> None:
+    assert parse_mesh(8) == {"model": 8}
+    assert parse_mesh("8", Task.ADP) == {"data": 8}
+    assert parse_mesh("data=2,model=4", "hybrid") == {"data": 2, "model": 4}
+    assert parse_mesh({"x": 4}) == {"x": 4}
+    with pytest.raises(ValueError, match="two mesh axes"):
+        parse_mesh({"model": 8}, "hybrid")
+    with pytest.raises(ValueError, match="NAME=SIZE"):
+        parse_mesh("data=two")
+
+
+def test_explore_is_callable_as_hlomap_explore(cap_of, graph_of) -> None:
+    import hlomap
+
+    plan = hlomap.explore(cap_of("gpt-tiny"), task="opp", mesh={"model": 8}, cluster="A", agent="greedy",
+                          budget_seconds=10, seed=0, reward="paper", graph=graph_of("gpt-tiny"))
+    assert isinstance(plan, Plan)
+    assert plan.search["driver"] == "greedy" and plan.search["reward"] == "paper"
+    assert plan.search["task"] == "opp" and plan.search["seed"] == 0
+    assert plan.search["evaluations"] > 0 and plan.search["seconds"] >= 0
+    assert plan.estimate is not None and plan.estimate["step_seconds"] > 0
+
+
+def test_plan_saves_as_the_search_runs_and_loads_back(cap_of, graph_of, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    seen = []
+
+    def watch(progress) -> None:
+        if out.exists():
+            seen.append(json.loads(out.read_text())["search"]["score"]["value"])
+
+    ex = explore_detailed(cap_of("t5-tiny"), "opp", 8, "A", "random", None, 0, "paper", budget_evaluations=256,
+                          output=out, graph=graph_of("t5-tiny"), on_progress=watch, with_estimate=False)
+    assert seen and seen == sorted(seen)  # written while running, improving
+    loaded = Plan.load(out, cap=cap_of("t5-tiny"), mesh={"model": 8})
+    assert loaded.parameters == ex.plan.parameters and loaded.groups == ex.plan.groups
+    assert loaded.search == json.loads(json.dumps(ex.plan.search))
+
+
+def test_loading_against_another_module_or_mesh_fails_clearly(cap_of, graph_of, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    explore_detailed(cap_of("gpt-tiny"), "opp", 8, "A", "exact", None, 0, "paper", output=out,
+                     graph=graph_of("gpt-tiny"), with_estimate=False)
+    with pytest.raises(ValueError, match="another module.*sha256"):
+        Plan.load(out, cap=cap_of("bert-tiny"))
+    with pytest.raises(ValueError, match="mesh"):
+        Plan.load(out, mesh={"data": 2, "model": 4})
+    from hlomap.verify.numerics import run_plan
+
+    with pytest.raises(ValueError, match="another module"):
+        run_plan(Plan.load(out), cap_of("bert-tiny"))
+
+
+def test_ctrl_c_keeps_the_best_plan_on_disk(cap_of, graph_of, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    calls = []
+
+    def interrupt(progress) -> None:
+        calls.append(progress)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    ex = explore_detailed(cap_of("t5-tiny"), "opp", 8, "A", "random", 600, 0, "paper", output=out,
+                          graph=graph_of("t5-tiny"), on_progress=interrupt, with_estimate=False)
+    assert ex.result.interrupted and ex.plan.search["interrupted"]
+    assert Plan.load(out).search["interrupted"]
+    assert ex.result.seconds < 600
+
+
+def test_reports_render(cap_of, graph_of, tmp_path) -> None:
+    from rich.console import Console
+
+    ex = explore_detailed(cap_of("gpt-tiny"), "opp", 8, "A", "random", None, 0, "paper", budget_evaluations=64,
+                          graph=graph_of("gpt-tiny"))
+    console = Console(record=True, width=120)
+    console.print(format_plan_summary(ex.plan))
+    text = console.export_text()
+    assert "layers_0" in text and "attn/query/kernel" in text and "model" in text
+    assert "found by random" in text and "estimate: step" in text
+    png = tmp_path / "curve.png"
+    plot_convergence([ex.result], png, title="gpt-tiny", optimum=12.7)
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layer_of() -> None:
+    assert layer_of("params/layers_3/attn/query/kernel") == "layers_3"
+    assert layer_of("params/decoder/layers_0/mlp/fc_in/kernel") == "decoder/layers_0"
+    assert layer_of("params/block2_conv1/kernel") == "block2_conv1"
+    assert layer_of("params/embed/embedding") == "embed"
+    assert layer_of("batch/tokens") == "batch"
