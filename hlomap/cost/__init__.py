@@ -1,7 +1,7 @@
 """Cost model: devices, cluster topologies, mesh-axis mappings, collective and compute costs.
 
     from hlomap.cost import load_cluster, axis_devices, collective_time, Collective, module_cost
-    cluster = load_cluster("A")                                   # or a JSON file
+    cluster = load_cluster("A")                   # or a JSON file, or "torus:8x8x8", "hier:4x8"...
     mapping = axis_devices(cluster, {"data": 2, "model": 8}, order=("data", "model"))
     t = collective_time(Collective.ALL_REDUCE, cluster, mapping.groups("data"), nbytes)
     step = module_cost(module, cluster.devices[0])               # FLOPs, bytes, roofline time
@@ -25,6 +25,7 @@ from hlomap.cost.cluster import (
     hierarchical,
     load_cluster,
     mesh_topology,
+    parse_topology,
     random_block,
     uniform,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "mesh_topology",
     "module_cost",
     "module_flops",
+    "parse_topology",
     "random_block",
     "reduce_scatter_time",
     "uniform",

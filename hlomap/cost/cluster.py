@@ -2,7 +2,7 @@
 
 Interface shared with hlomap.pipeline (keep these names): `Cluster(name, devices, node_of,
 bandwidth, latency)` with `n_devices`, `p2p_time(src, dst, nbytes)`, `to_json()`,
-`from_json(d)`; `cluster_preset("A" | "B" | "C")`; `load_cluster("A" | "B" | "C" | path)`.
+`from_json(d)`; `cluster_preset("A" | "B" | "C")`; `load_cluster("A" | "B" | "C" | path | topology string)`.
 
 A message of n bytes from i to j takes `latency[i, j] + n / bandwidth[i, j]`. Devices are grouped
 into nodes (servers): collectives that span nodes run hierarchically, and the streams that leave
@@ -17,12 +17,25 @@ The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node
 Auto-MAP's configurations A, B, C are 2, 3 and 4 servers of 8 V100 GPUs, NVLink inside a server
 and 25 Gbps Ethernet between servers (arXiv 2007.04069, section 5). The paper does not give the
 V100 memory size; the presets use the 16 GB board.
+
+Topology strings (what `--cluster` accepts besides A/B/C and JSON files; `parse_topology`):
+    torus:8x8x8   mesh:4x4      n-D torus / mesh, one device per node (`mesh_topology`)
+    hier:4x8      4 servers x 8 GPUs, NVLink inside, 25 GbE between (`hierarchical`)
+    random:64:7   random-block: 64 devices in random contiguous blocks (64 // 8 of them, at least
+                  2; `random:64:7:5` says 5), uneven links between blocks, seed 7 (`random_block`)
+    uniform:16    16 devices, every pair at the same distance; `uniform:16:3` draws each pair's
+                  bandwidth and latency (seed 3) (`uniform`)
+Any of them takes `@DEVICE` (a device preset, e.g. `torus:4x4@H100-80GB`). A cluster built from a
+string is named by its canonical spelling, so `load_cluster(cluster.name)` rebuilds it, and its
+JSON round-trips like any other cluster's.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -301,9 +314,120 @@ def cluster_preset(name: str) -> Cluster:
     return hierarchical(servers, 8, "V100-16GB", name=name.upper())
 
 
+# ---------------------------------------------------------------------------------------------
+# Topology strings
+# ---------------------------------------------------------------------------------------------
+
+
+class TopologyKind(enum.Enum):
+    """The families a topology string names (the part before the first ':')."""
+
+    TORUS = "torus"
+    MESH = "mesh"
+    HIER = "hier"
+    RANDOM = "random"
+    UNIFORM = "uniform"
+
+
+#: Device of the torus, mesh, random and uniform families when the string names none.
+TOPOLOGY_DEVICE = "A100-80GB"
+#: A direct chip-to-chip link of a torus or mesh (an ICI-class interconnect, not a specific
+#: product): 50 GB/s per direction and about a microsecond per hop, router included.
+TORUS_LINK_BW = 50e9
+TORUS_HOP_LATENCY = 1e-6
+#: Random-block links: NVLink inside a block, 10-100 Gbit/s Ethernet-class links between blocks.
+RANDOM_BLOCK_INTER_BW = (10e9 / 8, 100e9 / 8)
+RANDOM_BLOCK_INTER_LAT = (5e-6, 50e-6)
+#: Devices per block of `random:N:SEED` when the string gives no block count (one server's worth).
+RANDOM_BLOCK_SIZE = 8
+#: A single non-blocking switch (`uniform:N`), and the ranges of `uniform:N:SEED`'s draws.
+UNIFORM_BW = 25e9
+UNIFORM_LATENCY = 5e-6
+UNIFORM_BW_RANGE = (2.5e9, 50e9)
+UNIFORM_LATENCY_RANGE = (1e-6, 20e-6)
+
+_SHAPE = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*)*$")
+
+
+def _topology_error(text: str, message: str) -> ClusterSpecError:
+    return ClusterSpecError(f"--cluster {text!r}: {message}")
+
+
+def _count(text: str, part: str, what: str) -> int:
+    if not part.isdigit() or int(part) < 1:
+        raise _topology_error(text, f"{what} {part!r} is not a positive integer")
+    return int(part)
+
+
+def _seed(text: str, part: str) -> int:
+    if not part.isdigit():
+        raise _topology_error(text, f"seed {part!r} is not a non-negative integer")
+    return int(part)
+
+
+def _shape(text: str, part: str, rank: int | None = None) -> tuple[int, ...]:
+    if not _SHAPE.match(part):
+        raise _topology_error(text, f"shape {part!r} is not sizes joined by 'x' (like 8x8x8)")
+    shape = tuple(int(s) for s in part.split("x"))
+    if rank is not None and len(shape) != rank:
+        raise _topology_error(text, f"shape {part!r} needs {rank} sizes (NODESxGPUS)")
+    return shape
+
+
+def parse_topology(text: str) -> Cluster:
+    """The cluster a topology string names (module docstring); errors name the bad part."""
+    body, at, device_name = text.strip().partition("@")
+    device: DeviceSpec | None = None
+    if at:
+        try:
+            device = device_preset(device_name)
+        except DeviceSpecError as err:
+            raise _topology_error(text, f"device {device_name!r}: {err}") from None
+    kind_text, _, rest = body.partition(":")
+    try:
+        kind = TopologyKind(kind_text.lower())
+    except ValueError:
+        raise _topology_error(text, f"unknown topology {kind_text!r}; known: "
+                                    f"{', '.join(k.value for k in TopologyKind)}") from None
+    parts = rest.split(":") if rest else []
+    usage = {TopologyKind.TORUS: "torus:AxBxC", TopologyKind.MESH: "mesh:AxB",
+             TopologyKind.HIER: "hier:NODESxGPUS", TopologyKind.RANDOM: "random:N:SEED[:BLOCKS]",
+             TopologyKind.UNIFORM: "uniform:N[:SEED]"}[kind]
+    arity = {TopologyKind.TORUS: (1,), TopologyKind.MESH: (1,), TopologyKind.HIER: (1,),
+             TopologyKind.RANDOM: (2, 3), TopologyKind.UNIFORM: (1, 2)}[kind]
+    if len(parts) not in arity:
+        raise _topology_error(text, f"expected {usage}")
+    chosen = device or device_preset(TOPOLOGY_DEVICE)
+    suffix = f"@{chosen.name}" if device is not None else ""
+    if kind in (TopologyKind.TORUS, TopologyKind.MESH):
+        shape = _shape(text, parts[0])
+        name = f"{kind.value}:{'x'.join(map(str, shape))}{suffix}"
+        return mesh_topology(shape, chosen, TORUS_LINK_BW, TORUS_HOP_LATENCY,
+                             torus=kind is TopologyKind.TORUS, name=name)
+    if kind is TopologyKind.HIER:
+        nodes, gpus = _shape(text, parts[0], rank=2)
+        name = f"hier:{nodes}x{gpus}{suffix}"
+        return hierarchical(nodes, gpus, device or "V100-16GB", name=name)
+    n = _count(text, parts[0], "device count")
+    if kind is TopologyKind.UNIFORM:
+        if len(parts) == 1:
+            return uniform(n, chosen, UNIFORM_BW, UNIFORM_LATENCY, name=f"uniform:{n}{suffix}")
+        seed = _seed(text, parts[1])
+        return uniform(n, chosen, UNIFORM_BW_RANGE, UNIFORM_LATENCY_RANGE, seed,
+                       name=f"uniform:{n}:{seed}{suffix}")
+    seed = _seed(text, parts[1])
+    blocks = _count(text, parts[2], "block count") if len(parts) == 3 else max(2, n // RANDOM_BLOCK_SIZE)
+    if not 1 <= blocks <= n:
+        raise _topology_error(text, f"{blocks} blocks do not fit {n} devices")
+    name = f"random:{n}:{seed}" + (f":{blocks}" if len(parts) == 3 else "") + suffix
+    return random_block(n, blocks, chosen, NVLINK_V100_BW, RANDOM_BLOCK_INTER_BW, NVLINK_LATENCY,
+                        RANDOM_BLOCK_INTER_LAT, seed, name=name)
+
+
 def load_cluster(spec: str | Path | Cluster) -> Cluster:
-    """A preset name (`A`, `B`, `C`), a path to a cluster JSON file, or a Cluster (returned as is).
-    This is what the CLI's `--cluster` option takes."""
+    """A preset name (`A`, `B`, `C`), a path to a cluster JSON file, a topology string
+    (`torus:8x8x8`, `mesh:4x4`, `hier:4x8`, `random:64:SEED`, `uniform:16`; module docstring) or a
+    Cluster (returned as is). This is what the CLI's `--cluster` option takes."""
     if isinstance(spec, Cluster):
         return spec
     text = str(spec)
@@ -311,7 +435,10 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
         return cluster_preset(text)
     path = Path(text)
     if not path.is_file():
-        raise ClusterSpecError(f"--cluster {text!r} is neither a preset ({', '.join(AUTOMAP_SERVERS)}) "
+        if ":" in text:
+            return parse_topology(text)
+        raise ClusterSpecError(f"--cluster {text!r} is neither a preset ({', '.join(AUTOMAP_SERVERS)}), "
+                               f"a topology (torus:8x8x8, mesh:4x4, hier:4x8, random:64:SEED, uniform:16) "
                                f"nor an existing JSON file")
     try:
         data = json.loads(path.read_text())

@@ -1,6 +1,7 @@
 """Device specs, topology builders, JSON round trips and their error messages."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -213,3 +214,54 @@ def test_load_cluster_errors(tmp_path):
         load_cluster(str(bad))
     with pytest.raises(ClusterSpecError, match="'D'"):
         cluster_preset("D")
+
+
+# -- topology strings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["torus:4x4x2", "mesh:4x4", "hier:4x8", "random:64:7", "random:24:1:5",
+                                  "uniform:16", "uniform:12:3", "torus:2x4@H100-80GB"])
+def test_topology_strings_round_trip_through_json(text, tmp_path):
+    c = load_cluster(text)
+    assert c.name == text
+    assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
+    path = tmp_path / "c.json"
+    c.save(path)
+    assert load_cluster(str(path)) == c
+    assert load_cluster(c.name) == c  # the name is the canonical string: it rebuilds the cluster
+
+
+def test_topology_strings_build_what_they_name():
+    torus = load_cluster("torus:4x4x2")
+    assert torus == mesh_topology((4, 4, 2), "A100-80GB", 50e9, 1e-6, torus=True, name="torus:4x4x2")
+    assert torus.latency[0, 3] == pytest.approx(2e-6)  # (0,0,0) -> (0,1,1): two hops
+    assert torus.latency[0, 24] == pytest.approx(1e-6)  # (0,0,0) -> (3,0,0): one hop round the ring
+    hier = load_cluster("hier:2x8")
+    assert hier.n_nodes == 2 and np.array_equal(hier.bandwidth, cluster_preset("A").bandwidth)
+    blocks = load_cluster("random:64:7")
+    assert blocks.n_nodes == 8 and blocks != load_cluster("random:64:8")
+    assert load_cluster("random:24:1:5").n_nodes == 5
+    off = ~np.eye(12, dtype=bool)
+    assert len(np.unique(load_cluster("uniform:12").bandwidth[off])) == 1
+    assert len(np.unique(load_cluster("uniform:12:3").bandwidth[off])) > 1
+    assert {d.name for d in load_cluster("mesh:2x2@V100-32GB").devices} == {"V100-32GB"}
+    assert load_cluster("HIER:2x4@a100-80gb").name == "hier:2x4@A100-80GB"
+
+
+@pytest.mark.parametrize("text, part", [
+    ("tor:4x4", "unknown topology 'tor'"),
+    ("torus:8xx8", "shape '8xx8'"),
+    ("mesh:", "expected mesh:AxB"),
+    ("hier:4", "shape '4' needs 2 sizes"),
+    ("random:64", "expected random:N:SEED"),
+    ("random:x:1", "device count 'x'"),
+    ("random:8:-1", "seed '-1'"),
+    ("random:8:1:9", "9 blocks do not fit 8 devices"),
+    ("uniform:0", "device count '0'"),
+    ("torus:4x4@X100", "device 'X100'"),
+    ("no-such-preset", "neither a preset"),
+])
+def test_bad_topology_strings_name_the_bad_part(text, part):
+    with pytest.raises(ClusterSpecError, match=re.escape(part)) as info:
+        load_cluster(text)
+    assert text in str(info.value)
