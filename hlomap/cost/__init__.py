@@ -36,6 +36,8 @@ from hlomap.cost.collectives import (
     all_to_all_time,
     collective_permute_time,
     collective_time,
+    group_streams,
+    group_time,
     reduce_scatter_time,
 )
 from hlomap.cost.compute import (
@@ -73,6 +75,8 @@ __all__ = [
     "computation_cost",
     "device_preset",
     "fit_calibration",
+    "group_streams",
+    "group_time",
     "hierarchical",
     "instruction_cost",
     "load_cluster",

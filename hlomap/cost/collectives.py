@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -151,9 +151,9 @@ def _hierarchical(layout: _Layout) -> bool:
     return layout.nodes >= 2 and layout.per_node_max >= 2 and layout.balanced
 
 
-def _nic_share(cluster: Cluster, layout: _Layout, load: Counter[int]) -> float:
+def _nic_share(cluster: Cluster, layout: _Layout, load: Mapping[int, int]) -> float:
     """Factor (>= 1) by which NIC sharing slows this group's cross-node streams."""
-    worst = max((load[node] for node in layout.per_node), default=0)
+    worst = max((load.get(node, 0) for node in layout.per_node), default=0)
     return max(1.0, worst / cluster.nics_per_node)
 
 
@@ -246,6 +246,28 @@ def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group],
     time_of = _GROUP_TIME[kind]
     return max((time_of(cluster, layout, float(nbytes), _nic_share(cluster, layout, load))
                 for layout in layouts), default=0.0)
+
+
+def group_streams(kind: Collective, cluster: Cluster, group: Group) -> Counter[int]:
+    """The cross-node streams one group of collective `kind` puts on each node's NICs (module
+    docstring). Concurrent groups add theirs up into the load `group_time` takes."""
+    if kind is Collective.COLLECTIVE_PERMUTE:
+        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
+    return Counter(_cross_node_streams(kind, _layout(cluster, group, f"{kind.value} group")))
+
+
+def group_time(kind: Collective, cluster: Cluster, group: Group, nbytes: float,
+               load: Mapping[int, int]) -> float:
+    """Seconds for collective `kind` over one `group` while the nodes' NICs carry `load` streams
+    in all (`group_streams` summed over every group running at once, this one included).
+    `collective_time` is the largest of these over its groups; a search that moves a few devices
+    at a time re-prices only the groups a move touches with this."""
+    if kind is Collective.COLLECTIVE_PERMUTE:
+        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
+    if nbytes < 0:
+        raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
+    layout = _layout(cluster, group, f"{kind.value} group")
+    return _GROUP_TIME[kind](cluster, layout, float(nbytes), _nic_share(cluster, layout, load))
 
 
 def all_reduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:

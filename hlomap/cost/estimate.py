@@ -105,6 +105,29 @@ class CollectiveEstimate:
                 "instruction": self.instruction, "computation": self.computation,
                 "reason": self.reason.value, "detail": self.detail, "phase": self.phase.value}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str = "collective") -> CollectiveEstimate:
+        """Inverse of `to_json` (a plan's saved estimate); errors name `where` and the field."""
+        try:
+            return cls(Collective(data["kind"]), tuple(str(a) for a in data["axes"]), int(data["group_size"]),
+                       float(data["bytes"]), float(data["seconds"]), str(data["instruction"]),
+                       str(data["computation"]), Reason(data["reason"]), str(data["detail"]),
+                       Phase(data["phase"]), int(data.get("count", 1)))
+        except KeyError as err:
+            raise EstimateError(f"{where}: missing field {err.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
+            raise EstimateError(f"{where}: {err}") from None
+
+
+class CommunicationTerm(NamedTuple):
+    """Collective `kind` of `nbytes` run `count` times per step at once over every device group
+    of the mesh `axes` (`AxisMapping.groups(axes)`)."""
+
+    kind: Collective
+    axes: tuple[str, ...]
+    nbytes: float
+    count: int
+
 
 @dataclass(frozen=True)
 class InstructionEstimate:
@@ -335,20 +358,47 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
     return _bucket_gradient_sync(out, cluster, groups), reduce_flops
 
 
+def _bucketed(c: CollectiveEstimate) -> bool:
+    return c.reason is Reason.GRADIENT_SYNC and c.count == 1
+
+
+def _gradient_buckets(collectives: Sequence[CollectiveEstimate]) -> dict[tuple[str, ...], float]:
+    """Bytes of the combined gradient all-reduce over each set of axes."""
+    buckets: dict[tuple[str, ...], float] = {}
+    for c in collectives:
+        if _bucketed(c):
+            buckets[c.axes] = buckets.get(c.axes, 0.0) + c.nbytes
+    return buckets
+
+
 def _bucket_gradient_sync(collectives: list[CollectiveEstimate], cluster: Cluster,
                           groups: Any) -> list[CollectiveEstimate]:
     """Gradient-sync all-reduces over the same axes run as one combined all-reduce once the last
     gradient is ready (XLA's all-reduce combiner, DDP's buckets): latency is paid once, and each
     gradient is charged its byte share of the combined time."""
-    buckets: dict[tuple[str, ...], float] = {}
-    for c in collectives:
-        if c.reason is Reason.GRADIENT_SYNC and c.count == 1:
-            buckets[c.axes] = buckets.get(c.axes, 0.0) + c.nbytes
+    buckets = _gradient_buckets(collectives)
     combined = {axes: collective_time(Collective.ALL_REDUCE, cluster, groups(axes), total)
                 for axes, total in buckets.items()}
     return [replace(c, seconds=combined[c.axes] * c.nbytes / buckets[c.axes] if buckets[c.axes] else 0.0)
-            if c.reason is Reason.GRADIENT_SYNC and c.count == 1 else c
+            if _bucketed(c) else c
             for c in collectives]
+
+
+def communication_terms(collectives: Sequence[CollectiveEstimate]) -> tuple[CommunicationTerm, ...]:
+    """The step's collectives as the estimate prices them, merged: each combined gradient
+    all-reduce once, and equal collectives (kind, axes, bytes) as one term with their counts
+    summed. On any device mapping, the estimate's communication time is the sum over these of
+    `count * collective_time(kind, cluster, mapping.groups(axes), nbytes)` (up to rounding), which
+    is what a device-placement search re-prices without re-estimating the step."""
+    counts: dict[tuple[Collective, tuple[str, ...], float], int] = {}
+    for c in collectives:
+        if not _bucketed(c):
+            key = (c.kind, c.axes, c.nbytes)
+            counts[key] = counts.get(key, 0) + c.count
+    for axes, total in _gradient_buckets(collectives).items():
+        key = (Collective.ALL_REDUCE, axes, total)
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(CommunicationTerm(kind, axes, nbytes, count) for (kind, axes, nbytes), count in counts.items())
 
 
 def _detail(pr: PartialResult, inst: Instruction, module: Module, where: str) -> str:

@@ -1,6 +1,7 @@
 """Collective times against closed forms worked out by hand from the alpha-beta model."""
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hlomap.cost.cluster import cluster_preset, hierarchical, mesh_topology, uniform
 from hlomap.cost.collectives import (
     Collective, all_gather_time, all_reduce_time, all_to_all_time, collective_permute_time,
-    collective_time, reduce_scatter_time,
+    collective_time, group_streams, group_time, reduce_scatter_time,
 )
 from hlomap.cost.mapping import axis_devices
 
@@ -118,6 +119,18 @@ def test_slowest_link_sets_the_speed_on_a_2d_mesh():
     assert all_gather_time(mesh, (0, 1, 2, 3), N) == pytest.approx(3 / 4 * N / 4e9 + 3e-6, rel=1e-12)
     # Ring 0 -> 4 -> 5 -> 1 -> 0: neighbours one hop apart; slowest link 1 GB/s.
     assert all_gather_time(mesh, (0, 4, 5, 1), N) == pytest.approx(3 / 4 * N / 1e9 + 3e-6, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", [Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL])
+def test_group_time_under_the_joint_load_is_what_collective_time_takes_the_max_of(cluster_a, kind):
+    # Mixed groups: some inside a server, some across both with uneven and even spreads.
+    groups = [(0, 1, 2, 3), (4, 8, 5, 9), (6, 7, 10), (11, 12, 13, 14, 15)]
+    load = sum((group_streams(kind, cluster_a, g) for g in groups), start=Counter())
+    times = [group_time(kind, cluster_a, g, N, load) for g in groups]
+    assert collective_time(kind, cluster_a, groups, N) == max(times)
+    # Alone, a group gets the NIC to itself: never slower than under the joint load.
+    alone = [group_time(kind, cluster_a, g, N, group_streams(kind, cluster_a, g)) for g in groups]
+    assert all(a <= t for a, t in zip(alone, times)) and alone[1] < times[1]
 
 
 def test_trivial_groups_cost_nothing(cluster_a):

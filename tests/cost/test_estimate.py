@@ -169,6 +169,29 @@ def test_bad_plans_are_named(gpt) -> None:  # type: ignore[no-untyped-def]
         estimate(cap, bad, graph=graph)
 
 
+def test_communication_terms_reprice_the_estimate_on_any_device_order(gpt) -> None:  # type: ignore[no-untyped-def]
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.cost.collectives import collective_time
+    from hlomap.cost.estimate import CollectiveEstimate, communication_terms
+    from hlomap.cost.mapping import AxisMapping
+
+    cap, graph = gpt
+    cluster = load_cluster("random:16:3")
+    mesh = {"data": 2, "model": 4}
+    order = np.random.default_rng(0).permutation(16)[:8].reshape(2, 4)
+    mapping = AxisMapping(tuple(mesh.items()), order)
+    est = estimate(cap, "dp+megatron", mesh=mesh, graph=graph, cluster=cluster, axis_devices=mapping)
+    # the saved form reads back
+    saved = [CollectiveEstimate.from_json(json.loads(json.dumps(c.to_json()))) for c in est.collectives]
+    assert saved == list(est.collectives)
+    terms = communication_terms(saved)
+    assert sum(t.count for t in terms) < sum(c.count for c in est.collectives)  # merged
+    repriced = sum(t.count * collective_time(t.kind, cluster, mapping.groups(t.axes), t.nbytes) for t in terms)
+    assert repriced == pytest.approx(est.communication_seconds, rel=1e-9)
+    with pytest.raises(ValueError, match="collectives\\[0\\]: missing field 'kind'"):
+        CollectiveEstimate.from_json({}, where="collectives[0]")
+
+
 def test_parse_mesh() -> None:
     assert parse_mesh("8") == 8
     assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
