@@ -11,7 +11,18 @@ JSON schema (version 1):
      "mesh": {"axes": {name: size}},
      "parameters": [{"index": int, "path": str, "shape": [int], "spec": [null | str | [str]]}],
      "groups": [{"id": int, "axes": [str], "size": int, "trainable": ["path:dim"]}],
-     "pipeline": null | {...}, "estimate": null | {...}}
+     "pipeline": null | {...}, "estimate": null | {...},
+     "placement": null | {"devices": [int], "cluster": str, "solver": str,
+                          "step_seconds": float | null, "identity_step_seconds": float | null}}
+
+The placement section (optional: plans written before it existed load unchanged, and readers that
+do not know it ignore it) says which physical device takes each logical position of the plan
+(Parmesan's device mapping): `devices[i]` is the device id (an index into the cluster's devices,
+or into `jax.devices()`) of logical position i. Logical positions run row-major over the mesh
+axes for an SPMD plan, and stage by stage, in the order each stage of the pipeline section lists
+its devices, for a pipeline plan. `cluster` names the cluster it was chosen for, `solver` how, and
+the two times are the estimated step on that cluster with this order and with the identity order.
+`Plan.device_order()` is the one function a runner needs: the mesh's device order.
 """
 
 from __future__ import annotations
@@ -36,8 +47,8 @@ log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 
-__all__ = ["PLAN_VERSION", "GroupAssignment", "ParameterSpec", "Plan", "PlanConflict", "PlanError", "PlanSource",
-           "ReferencePlan", "parse_mesh_text", "reference_plan", "resolve_plan"]
+__all__ = ["PLAN_VERSION", "GroupAssignment", "ParameterSpec", "Placement", "Plan", "PlanConflict", "PlanError",
+           "PlanSource", "ReferencePlan", "parse_mesh_text", "reference_plan", "resolve_plan"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,47 @@ class GroupAssignment:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """The physical device of each logical position of a plan (see the module docstring)."""
+
+    devices: tuple[int, ...]
+    cluster: str = ""
+    solver: str = ""
+    step_seconds: float | None = None
+    identity_step_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        devices = tuple(self.devices)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in devices):
+            raise PlanError(f"placement devices must be non-negative integers, got {list(devices)}")
+        if len(set(devices)) != len(devices):
+            twice = sorted({d for d in devices if devices.count(d) > 1})
+            raise PlanError(f"placement puts two logical positions on device(s) {twice}")
+        object.__setattr__(self, "devices", tuple(int(d) for d in devices))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"devices": list(self.devices), "cluster": self.cluster, "solver": self.solver,
+                "step_seconds": self.step_seconds, "identity_step_seconds": self.identity_step_seconds}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "placement") -> Placement:
+        if not isinstance(data, Mapping) or not isinstance(data.get("devices"), list):
+            raise PlanError(f"{where}: expected an object with a 'devices' list, got {data!r}")
+
+        def seconds(key: str) -> float | None:
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise PlanError(f"{where}: field {key!r}: expected a number or null, got {value!r}")
+            return None if value is None else float(value)
+
+        try:
+            return cls(tuple(data["devices"]), str(data.get("cluster", "")), str(data.get("solver", "")),
+                       seconds("step_seconds"), seconds("identity_step_seconds"))
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
+
+
+@dataclass(frozen=True)
 class Plan:
     """A plan for one captured step on one mesh. `in_tree` (not serialized) is the step's argument
     treedef when the plan was made from a Capture; `partition_specs()` uses it."""
@@ -105,6 +157,13 @@ class Plan:
     in_tree: Any = field(default=None, compare=False, repr=False)
     #: How the plan was found (explorers: driver, reward mode, evaluations, seconds, seed, score).
     search: Mapping[str, Any] | None = None
+    #: Which physical device takes each logical position (None: the identity order).
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        if self.placement is not None and len(self.placement.devices) != self.n_positions:
+            raise PlanError(f"placement lists {len(self.placement.devices)} devices but the plan has "
+                            f"{self.n_positions} logical positions ({self._positions_text()})")
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -188,6 +247,40 @@ class Plan:
     def mesh_shape(self) -> dict[str, int]:
         return dict(self.mesh)
 
+    def logical_stage_devices(self) -> tuple[tuple[int, ...], ...]:
+        """Each pipeline stage's devices as its section lists them (empty for an SPMD plan)."""
+        if self.pipeline is None:
+            return ()
+        return tuple(tuple(int(d) for d in stage["devices"]) for stage in self.pipeline["stages"])
+
+    def logical_devices(self) -> tuple[int, ...]:
+        """The logical positions: 0..n-1 over the mesh (row-major), or the pipeline's stage
+        devices stage by stage."""
+        if self.pipeline is not None:
+            return tuple(d for stage in self.logical_stage_devices() for d in stage)
+        return tuple(range(math.prod(size for _, size in self.mesh)))
+
+    @property
+    def n_positions(self) -> int:
+        return len(self.logical_devices())
+
+    def device_order(self) -> tuple[int, ...]:
+        """The physical device id of each logical position: the placement's, else the logical
+        positions themselves. A runner builds its mesh from it, e.g. for an SPMD plan
+        `Mesh(np.asarray(jax.devices())[list(plan.device_order())].reshape(shape), names)`; for a
+        pipeline plan stage s runs on `plan.stage_devices()[s]`."""
+        return self.placement.devices if self.placement is not None else self.logical_devices()
+
+    def stage_devices(self) -> tuple[tuple[int, ...], ...]:
+        """Each pipeline stage's physical devices, in `device_order` (empty for an SPMD plan)."""
+        order = iter(self.device_order())
+        return tuple(tuple(next(order) for _ in stage) for stage in self.logical_stage_devices())
+
+    def _positions_text(self) -> str:
+        if self.pipeline is not None:
+            return "stages of " + "+".join(str(len(s)) for s in self.logical_stage_devices()) + " devices"
+        return f"mesh {self.mesh_shape}"
+
     def group_array(self, graph: FactorGraph, axes: MeshAxes | None = None) -> np.ndarray:
         """This plan as an array over `graph`'s groups (the graph must be of the same module)."""
         axes = axes or MeshAxes.from_mesh(self.mesh_shape, extra=[g.axes for g in self.groups])
@@ -247,6 +340,7 @@ class Plan:
             "pipeline": dict(self.pipeline) if self.pipeline is not None else None,
             "estimate": dict(self.estimate) if self.estimate is not None else None,
             **({"search": dict(self.search)} if self.search is not None else {}),
+            "placement": self.placement.to_json() if self.placement is not None else None,
         }
 
     @classmethod
@@ -263,7 +357,11 @@ class Plan:
                 pipeline=data.get("pipeline"),
                 estimate=data.get("estimate"),
                 search=data.get("search"),
+                placement=(None if data.get("placement") is None
+                           else Placement.from_json(data["placement"], where=f"{where}: placement")),
             )
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed plan JSON: {exc!r}") from exc
 
