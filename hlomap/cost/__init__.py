@@ -31,6 +31,7 @@ from hlomap.cost.cluster import (
 )
 from hlomap.cost.collectives import (
     Collective,
+    GroupCost,
     all_gather_time,
     all_reduce_time,
     all_to_all_time,
@@ -61,6 +62,7 @@ __all__ = [
     "Collective",
     "DeviceSpec",
     "DeviceSpecError",
+    "GroupCost",
     "InstructionCost",
     "MappingError",
     "Measurement",

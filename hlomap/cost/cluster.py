@@ -36,7 +36,7 @@ import enum
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -66,7 +66,8 @@ class ClusterSpecError(ValueError):
 class Cluster:
     """Devices (index = device id), the node of each, and [n, n] bandwidth/latency tables.
 
-    The arrays are copied and made read-only, so a Cluster can be shared freely. `nics_per_node`
+    The arrays are copied and made read-only, so a Cluster can be shared freely; their diagonals
+    are set to bandwidth inf and latency 0 (a device sends to itself for free). `nics_per_node`
     is how many cross-node streams a node can drive at the full table bandwidth at once.
     """
 
@@ -76,15 +77,21 @@ class Cluster:
     bandwidth: np.ndarray
     latency: np.ndarray
     nics_per_node: int = 1
+    node_array: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "node_of", tuple(int(x) for x in self.node_of))
-        for field_name in ("bandwidth", "latency"):
+        for field_name, diagonal in (("bandwidth", math.inf), ("latency", 0.0)):
             array = np.array(getattr(self, field_name), dtype=np.float64)  # a copy
+            if array.ndim == 2 and array.shape[0] == array.shape[1]:
+                np.fill_diagonal(array, diagonal)  # a device sends to itself for free
             array.flags.writeable = False
             object.__setattr__(self, field_name, array)
         _validate(self)
+        node_array = np.asarray(self.node_of, dtype=np.int64)
+        node_array.flags.writeable = False
+        object.__setattr__(self, "node_array", node_array)  # `node_of` as an array, for vector code
 
     # -- queries ---------------------------------------------------------------------------------
     @property

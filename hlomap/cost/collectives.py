@@ -42,6 +42,8 @@ from hlomap.cost.cluster import Cluster
 _LOG = logging.getLogger(__name__)
 
 Group = Sequence[int]
+#: Cross-node streams per node: a mapping node -> streams, or an array indexed by node id.
+Load = Mapping[int, int] | np.ndarray
 
 
 class Collective(enum.Enum):
@@ -84,10 +86,14 @@ class _Links(NamedTuple):
 
 
 class _Layout(NamedTuple):
-    """How a group sits on the nodes of a cluster."""
+    """How a group sits on the nodes of a cluster, and its links by class (same node or not)."""
 
     devices: np.ndarray
+    node_ids: np.ndarray          # the distinct nodes of the group
     per_node: Counter[int]        # node -> members of the group on it
+    inside: _Links                # over ordered pairs of distinct members on one node
+    across: _Links                # over ordered pairs of members on different nodes
+    ring_latency: float           # largest latency between ring neighbours, in group order
 
     @property
     def size(self) -> int:
@@ -107,35 +113,35 @@ class _Layout(NamedTuple):
 
 
 def _layout(cluster: Cluster, group: Group, what: str) -> _Layout:
-    devices = np.asarray([int(d) for d in group], dtype=np.int64)
+    """The analysis every group price starts from; vectorized, since searches call it a lot.
+    The tables' diagonals (bandwidth inf, latency 0) never win a min / max, so a device's pair
+    with itself needs no masking out."""
+    devices = (group.astype(np.int64).reshape(-1) if isinstance(group, np.ndarray)
+               else np.fromiter((int(d) for d in group), dtype=np.int64))
     if devices.size == 0:
         raise ValueError(f"{what}: empty device group")
-    bad = [int(d) for d in devices if not 0 <= d < cluster.n_devices]
-    if bad:
+    if devices.min() < 0 or devices.max() >= cluster.n_devices:
+        bad = [int(d) for d in devices if not 0 <= d < cluster.n_devices]
         raise ValueError(f"{what}: device id(s) {bad} out of range for cluster {cluster.name!r} "
                          f"with {cluster.n_devices} devices (group {list(group)})")
-    if len(np.unique(devices)) != devices.size:
+    listed = devices.tolist()
+    if len(set(listed)) != len(listed):
         raise ValueError(f"{what}: group {list(group)} lists a device twice")
-    return _Layout(devices, Counter(cluster.node_of[int(d)] for d in devices))
-
-
-def _pair_links(cluster: Cluster, devices: np.ndarray, same_node: bool | None) -> _Links:
-    """Slowest bandwidth and largest latency over ordered pairs of distinct members; restricted
-    to same-node pairs (True), cross-node pairs (False) or all pairs (None)."""
-    nodes = np.asarray([cluster.node_of[int(d)] for d in devices])
-    mask = ~np.eye(devices.size, dtype=bool)
-    if same_node is not None:
+    nodes = cluster.node_array[devices]
+    per_node = Counter(nodes.tolist())
+    rows, cols = devices[:, None], devices[None, :]
+    bandwidth, latency = cluster.bandwidth[rows, cols], cluster.latency[rows, cols]
+    ring = max(float(latency[-1, 0]), float(np.diagonal(latency, 1).max(initial=0.0)))
+    if len(per_node) == 1:
+        inside, across = _Links(float(bandwidth.min()), float(latency.max())), _Links(np.inf, 0.0)
+    elif len(per_node) == len(listed):
+        inside, across = _Links(np.inf, 0.0), _Links(float(bandwidth.min()), float(latency.max()))
+    else:
         same = nodes[:, None] == nodes[None, :]
-        mask &= same if same_node else ~same
-    if not mask.any():
-        return _Links(np.inf, 0.0)
-    sub = np.ix_(devices, devices)
-    return _Links(float(cluster.bandwidth[sub][mask].min()), float(cluster.latency[sub][mask].max()))
-
-
-def _ring_latency(cluster: Cluster, devices: np.ndarray) -> float:
-    nxt = np.roll(devices, -1)
-    return float(cluster.latency[devices, nxt].max())
+        inside = _Links(float(np.where(same, bandwidth, np.inf).min()), float(np.where(same, latency, 0.0).max()))
+        across = _Links(float(np.where(same, np.inf, bandwidth).min()), float(np.where(same, 0.0, latency).max()))
+    return _Layout(devices, np.fromiter(per_node, dtype=np.int64, count=len(per_node)), per_node, inside, across,
+                   ring)
 
 
 def _cross_node_streams(kind: Collective, layout: _Layout) -> dict[int, int]:
@@ -151,9 +157,12 @@ def _hierarchical(layout: _Layout) -> bool:
     return layout.nodes >= 2 and layout.per_node_max >= 2 and layout.balanced
 
 
-def _nic_share(cluster: Cluster, layout: _Layout, load: Mapping[int, int]) -> float:
+def _nic_share(cluster: Cluster, layout: _Layout, load: Load) -> float:
     """Factor (>= 1) by which NIC sharing slows this group's cross-node streams."""
-    worst = max((load.get(node, 0) for node in layout.per_node), default=0)
+    if isinstance(load, np.ndarray):
+        worst = int(load[layout.node_ids].max())
+    else:
+        worst = max((load.get(node, 0) for node in layout.per_node), default=0)
     return max(1.0, worst / cluster.nics_per_node)
 
 
@@ -163,9 +172,7 @@ def _nic_share(cluster: Cluster, layout: _Layout, load: Mapping[int, int]) -> fl
 
 
 def _flat_bandwidth(cluster: Cluster, layout: _Layout, share: float) -> float:
-    inside = _pair_links(cluster, layout.devices, same_node=True)
-    across = _pair_links(cluster, layout.devices, same_node=False)
-    return min(inside.bandwidth, across.bandwidth / share)
+    return min(layout.inside.bandwidth, layout.across.bandwidth / share)
 
 
 def _all_reduce(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
@@ -173,8 +180,7 @@ def _all_reduce(cluster: Cluster, layout: _Layout, nbytes: float, share: float) 
         return 0.0
     if _hierarchical(layout):
         k, m = layout.per_node_max, layout.nodes
-        inside = _pair_links(cluster, layout.devices, same_node=True)
-        across = _pair_links(cluster, layout.devices, same_node=False)
+        inside, across = layout.inside, layout.across
         intra = ring_all_gather_seconds(k, nbytes, inside.bandwidth, inside.latency)
         inter = ring_all_reduce_seconds(m, nbytes / k, across.bandwidth / share, across.latency)
         return 2 * intra + inter
@@ -182,14 +188,14 @@ def _all_reduce(cluster: Cluster, layout: _Layout, nbytes: float, share: float) 
         _LOG.debug("all-reduce over %s spreads unevenly over nodes %s; using one flat ring",
                    layout.devices.tolist(), dict(layout.per_node))
     bandwidth = _flat_bandwidth(cluster, layout, share)
-    return ring_all_reduce_seconds(layout.size, nbytes, bandwidth, _ring_latency(cluster, layout.devices))
+    return ring_all_reduce_seconds(layout.size, nbytes, bandwidth, layout.ring_latency)
 
 
 def _all_gather(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
     if layout.size <= 1:
         return 0.0
     bandwidth = _flat_bandwidth(cluster, layout, share)
-    return ring_all_gather_seconds(layout.size, nbytes, bandwidth, _ring_latency(cluster, layout.devices))
+    return ring_all_gather_seconds(layout.size, nbytes, bandwidth, layout.ring_latency)
 
 
 def _all_to_all(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
@@ -197,8 +203,7 @@ def _all_to_all(cluster: Cluster, layout: _Layout, nbytes: float, share: float) 
     if p <= 1:
         return 0.0
     block = nbytes / p
-    inside = _pair_links(cluster, layout.devices, same_node=True)
-    across = _pair_links(cluster, layout.devices, same_node=False)
+    inside, across = layout.inside, layout.across
     if layout.nodes == 1:
         return (p - 1) * (inside.latency + block / inside.bandwidth)
     if layout.balanced:
@@ -224,6 +229,33 @@ _GROUP_TIME = {
 # ---------------------------------------------------------------------------------------------
 
 
+class GroupCost:
+    """One device group of a collective, analysed once: `streams`, the cross-node streams it puts
+    on each node's NICs (concurrent groups add theirs up into a joint load), and `seconds(nbytes,
+    load)`, its time while the nodes' NICs carry `load` streams in all, its own included (a
+    mapping node -> streams, or an array indexed by node id).
+    `collective_time` is the largest `seconds` over its groups; a search that moves a few devices
+    at a time keeps one per group and rebuilds only those a move touches."""
+
+    def __init__(self, kind: Collective, cluster: Cluster, group: Group, *, what: str | None = None):
+        if kind is Collective.COLLECTIVE_PERMUTE:
+            raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
+        self.kind = kind
+        self.cluster = cluster
+        self.layout = _layout(cluster, group, what or f"{kind.value} group")
+        self.streams: Counter[int] = Counter(_cross_node_streams(kind, self.layout))
+
+    @property
+    def devices(self) -> np.ndarray:
+        return self.layout.devices
+
+    def seconds(self, nbytes: float, load: Load) -> float:
+        if nbytes < 0:
+            raise ValueError(f"{self.kind.value}: nbytes must be >= 0, got {nbytes!r}")
+        share = _nic_share(self.cluster, self.layout, load)
+        return _GROUP_TIME[self.kind](self.cluster, self.layout, float(nbytes), share)
+
+
 def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group], nbytes: float) -> float:
     """Seconds for collective `kind` run at once over each of `groups` (disjoint device groups,
     e.g. `AxisMapping.groups("data")`): the slowest group decides. `nbytes` per the module
@@ -232,42 +264,29 @@ def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group],
         raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
     if nbytes < 0:
         raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
-    layouts = [_layout(cluster, g, f"{kind.value} group {i}") for i, g in enumerate(groups)]
+    costs = [GroupCost(kind, cluster, g, what=f"{kind.value} group {i}") for i, g in enumerate(groups)]
     seen: set[int] = set()
-    for layout in layouts:
-        overlap = seen.intersection(layout.devices.tolist())
+    for cost in costs:
+        overlap = seen.intersection(cost.devices.tolist())
         if overlap:
             raise ValueError(f"{kind.value}: concurrent groups must be disjoint; device(s) "
                              f"{sorted(overlap)} appear in more than one group")
-        seen.update(layout.devices.tolist())
+        seen.update(cost.devices.tolist())
     load: Counter[int] = Counter()
-    for layout in layouts:
-        load.update(_cross_node_streams(kind, layout))
-    time_of = _GROUP_TIME[kind]
-    return max((time_of(cluster, layout, float(nbytes), _nic_share(cluster, layout, load))
-                for layout in layouts), default=0.0)
+    for cost in costs:
+        load.update(cost.streams)
+    return max((cost.seconds(nbytes, load) for cost in costs), default=0.0)
 
 
 def group_streams(kind: Collective, cluster: Cluster, group: Group) -> Counter[int]:
-    """The cross-node streams one group of collective `kind` puts on each node's NICs (module
-    docstring). Concurrent groups add theirs up into the load `group_time` takes."""
-    if kind is Collective.COLLECTIVE_PERMUTE:
-        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
-    return Counter(_cross_node_streams(kind, _layout(cluster, group, f"{kind.value} group")))
+    """`GroupCost(kind, cluster, group).streams`."""
+    return GroupCost(kind, cluster, group).streams
 
 
-def group_time(kind: Collective, cluster: Cluster, group: Group, nbytes: float,
-               load: Mapping[int, int]) -> float:
-    """Seconds for collective `kind` over one `group` while the nodes' NICs carry `load` streams
-    in all (`group_streams` summed over every group running at once, this one included).
-    `collective_time` is the largest of these over its groups; a search that moves a few devices
-    at a time re-prices only the groups a move touches with this."""
-    if kind is Collective.COLLECTIVE_PERMUTE:
-        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
-    if nbytes < 0:
-        raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
-    layout = _layout(cluster, group, f"{kind.value} group")
-    return _GROUP_TIME[kind](cluster, layout, float(nbytes), _nic_share(cluster, layout, load))
+def group_time(kind: Collective, cluster: Cluster, group: Group, nbytes: float, load: Load) -> float:
+    """`GroupCost(kind, cluster, group).seconds(nbytes, load)`: one group's time under a joint
+    NIC load (`group_streams` summed over every group running at once, this one included)."""
+    return GroupCost(kind, cluster, group).seconds(nbytes, load)
 
 
 def all_reduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:

@@ -318,9 +318,14 @@ def explore_pipeline(
 
 
 def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
+    from hlomap.tasks.pipeline.stage_profile import profile_to_json, stage_profile
+
     data = result.to_json()
-    return {key: data[key] for key in ("stages", "microbatches", "schedule", "cuts", "device_cuts",
-                                       "on_node_boundaries")}
+    section = {key: data[key] for key in ("stages", "microbatches", "schedule", "cuts", "device_cuts",
+                                          "on_node_boundaries")}
+    # What re-pricing the plan on other devices needs (hlomap place, hlomap replan).
+    section["stage_profile"] = profile_to_json(stage_profile(result.profile, result.plan))
+    return section
 
 
 def _estimate_section(result: PipelineResult) -> dict[str, Any]:

@@ -1,0 +1,11 @@
+"""Topology-aware device placement (Parmesan's device mapping; DRL-PP's PPO placement agent).
+
+    problem = problem_from_plan(plan, load_cluster("torus:8x8x8"))
+    result = solve(problem, "greedy", Budget(seconds=60))
+    placed = with_placement(plan, problem, result)     # the plan with its placement section
+
+See `problem` (what is placed and priced), `objective` (incremental pricing), `solvers`
+(identity, random, greedy + local search, exact), `ppo` (the learned policy), `generate`
+(benchmark and training problems), `place` (plans in and out), `pipeline_costs` (the one door to
+the pipeline cost model and DP).
+"""
