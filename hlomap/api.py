@@ -185,7 +185,9 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     `plan`: a `hlomap.plan.Plan` (its own mesh), a built-in plan name ("dp", "megatron",
     "dp+megatron"; `mesh` says the axes: {"data": 2, "model": 4}, or a device count), or a plan
     array over the factor graph's groups with `mesh` naming its axes. `cluster`: a preset name
-    ("A", "B", "C"), a JSON path or a Cluster. Raises PlanConflict for a plan with conflicts.
+    ("A", "B", "C"), a topology string, a JSON path or a Cluster. A placed Plan is priced on its
+    placement's device order unless `axis_devices` or `axis_order` say otherwise. Raises
+    PlanConflict for a plan with conflicts.
     """
     from hlomap.cost import estimate as cost_estimate
     from hlomap.plan import resolve_plan
@@ -193,6 +195,14 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
 
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     array, axes, name = resolve_plan(graph, plan, mesh)
+    if axis_devices is None and axis_order is None and getattr(plan, "placement", None) is not None:
+        import numpy as np
+
+        from hlomap.cost.mapping import AxisMapping
+
+        # A placed plan runs its mesh on the placement's device order.
+        axis_devices = AxisMapping(tuple(plan.mesh), np.asarray(plan.device_order()).reshape(
+            [size for _, size in plan.mesh]))
     extra: dict[str, Any] = {}
     if overlap is not None:
         extra["overlap"] = overlap

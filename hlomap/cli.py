@@ -246,22 +246,139 @@ def _cluster_argument(cluster: str, profile: str | None) -> Any:
     return calibrated
 
 
+def _warn_other_cluster(plan: Any, cluster: Any) -> None:
+    placement = getattr(plan, "placement", None)
+    name = getattr(cluster, "name", str(cluster))
+    if placement is not None and placement.cluster and placement.cluster != name:
+        print(f"warning: the plan was placed on cluster {placement.cluster}, not {name}: its device order may "
+              f"not suit this cluster (place it again with hlomap place --cluster {name})", file=sys.stderr)
+
+
+def _simulate_pipeline(args: argparse.Namespace, plan: Any) -> int:
+    """A pipeline plan, priced from the stage profile it carries, on its placement."""
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.report.placement import format_pipeline_estimate
+    from hlomap.tasks.placement.place import estimate_pipeline_plan
+
+    if args.mesh is not None or args.axis_order:
+        raise CliError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
+    cluster = load_cluster(_cluster_argument(args.cluster, args.profile))
+    _warn_other_cluster(plan, cluster)
+    est = estimate_pipeline_plan(plan, cluster, where=args.plan)
+    if args.json:
+        json.dump({"cluster": cluster.name, "step_seconds": est.placed.length,
+                   "model_step_seconds": est.placed_model_seconds,
+                   "identity_order_step_seconds": est.identity.length,
+                   "stages": [list(stage.devices) for stage in est.placed.plan.stages],
+                   "memory_violations": [str(v) for v in est.placed.violations]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_pipeline_estimate(est, cluster.name, plan.placement))
+    return 0 if est.placed.feasible or not args.fail_if_oom else 3
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from hlomap.api import estimate, load_source
+    from hlomap.plan import Plan
     from hlomap.report.estimate import format_estimate
+    from hlomap.report.placement import placement_line
 
     plan = _plan_argument(args.plan)
+    if isinstance(plan, Plan) and plan.pipeline is not None:
+        return _simulate_pipeline(args, plan)
+    placed = isinstance(plan, Plan) and plan.placement is not None
+    if placed and args.axis_order:
+        raise CliError(f"{args.plan} is placed: its placement fixes the device order, so --axis-order does not apply")
     mesh = None if args.mesh is None else _mesh_argument(args.mesh)
     cluster = _cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
+    _warn_other_cluster(plan, cluster)
     cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
     order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
     est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=order)
+    identity = estimate(cap, dataclasses.replace(plan, placement=None), mesh=mesh, cluster=cluster) if placed else None
     if args.json:
-        json.dump(est.to_json(), sys.stdout, indent=2)
+        data = est.to_json()
+        if identity is not None:
+            data["identity_order_step_seconds"] = identity.step_seconds
+        json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_estimate(est, top=args.top))
+        if identity is not None:
+            print(placement_line(plan.placement, est.step_seconds, identity.step_seconds))
     return 0 if est.fits or not args.fail_if_oom else 3
+
+
+# ---------------------------------------------------------------------------------------------
+# place
+# ---------------------------------------------------------------------------------------------
+
+PLACEMENT_AGENTS = ("greedy", "ppo", "exact", "random", "identity")
+
+
+def _load_plan(path: str) -> Any:
+    from hlomap.plan import Plan
+
+    try:
+        return Plan.load(path)
+    except json.JSONDecodeError as err:
+        raise CliError(f"{path}: not a plan JSON file: {err}") from None
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.report.placement import format_placement
+    from hlomap.search.tracker import Budget
+    from hlomap.tasks.placement.place import problem_from_plan, with_placement
+    from hlomap.tasks.placement.solvers import solve
+
+    if args.agent not in PLACEMENT_AGENTS:
+        raise CliError(f"--agent {args.agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
+    if args.budget_seconds is not None and args.budget_seconds <= 0:
+        raise CliError(f"--budget-seconds {args.budget_seconds} must be positive")
+    plan = _load_plan(args.plan)
+    cluster = load_cluster(args.cluster)
+    output = Path(args.output) if args.output else _beside(Path(args.plan), "placed.json")
+    _check_output(output)
+    estimate = None
+    if args.source and plan.pipeline is None:
+        from hlomap.api import estimate as estimate_step, load_source
+
+        cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+        try:
+            plan.check_compatible(cap, where=args.plan)
+        except ValueError as err:
+            raise CliError(str(err)) from None
+        estimate = estimate_step(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
+    problem = problem_from_plan(plan, cluster, estimate=estimate, where=args.plan)
+    estimated_on = (plan.estimate or {}).get("cluster")
+    if plan.pipeline is None and estimate is None and estimated_on not in (None, cluster.name) and not args.quiet:
+        print(f"note: compute time from the plan's estimate on cluster {estimated_on}; --source re-estimates the "
+              f"step on {cluster.name}", file=sys.stderr)
+    options: dict[str, Any] = {}
+    if args.agent == "ppo":
+        options = {"policy": args.policy, "finetune_seconds": args.finetune_seconds}
+    budget = Budget(args.budget_seconds, args.budget_evaluations)
+    if not args.quiet:
+        print(f"placing {problem.n_positions} logical positions on {cluster.n_devices} devices of {cluster.name} "
+              f"with {args.agent} ...", file=sys.stderr)
+    result = solve(problem, args.agent, budget, args.seed, **options)
+    placed = with_placement(plan, problem, result)
+    placed.save(output)
+    if args.json:
+        json.dump(placed.placement.to_json() | {"evaluations": result.evaluations, "seconds": result.seconds,
+                                                "optimal": result.optimal}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _console().print(format_placement(problem, result))
+    print(f"placed plan: {output}", file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +557,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+CLUSTER_METAVAR = "A|B|C|TOPOLOGY|FILE.json"
+CLUSTER_HELP = ("cluster: a preset (A, B, C: 2, 3, 4 servers of 8 V100s), a topology (torus:8x8x8, mesh:4x4, "
+                "hier:4x8 servers x GPUs, random:64:SEED random-block, uniform:16[:SEED]; @DEVICE picks the device) "
+                "or a cluster JSON file")
 PROFILE_HELP = ("calibration profile (written by scripts/calibrate_gpu.py): the cluster's devices of the "
                 "profiled kind get its fitted compute efficiency and HBM bandwidth")
 
@@ -475,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="8|data=2,model=4",
                    help="device mesh; a bare count names its axis after the plan (data for dp, model for megatron)."
                         " Default: 8, or the saved plan's mesh")
-    p.add_argument("--cluster", default="A", metavar="A|B|C|FILE.json", help="cluster preset or JSON (default A)")
+    p.add_argument("--cluster", default="A", metavar=CLUSTER_METAVAR, help=f"{CLUSTER_HELP} (default A)")
     p.add_argument("--profile", metavar="PROFILE.json", help=PROFILE_HELP)
     p.add_argument("--axis-order", metavar="AXES",
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
@@ -503,9 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="8", metavar="8|data=2,model=4",
                    help="device mesh of the opp/adp/hybrid tasks; a bare count is one axis, model (data for adp) "
                         "(default 8)")
-    p.add_argument("--cluster", default="A", metavar="A|B|C|FILE.json",
-                   help="cluster preset or JSON, for the cost reward, the plan's estimate and the pipeline links "
-                        "(default A)")
+    p.add_argument("--cluster", default="A", metavar=CLUSTER_METAVAR,
+                   help=f"{CLUSTER_HELP}, for the cost reward, the plan's estimate and the pipeline links (default A)")
     p.add_argument("--profile", metavar="PROFILE.json", help=PROFILE_HELP)
     p.add_argument("--agent", default="dqn", metavar="AGENT",
                    help=f"opp/adp/hybrid: {'|'.join(SHARDING_AGENTS)}; pipeline: {'|'.join(PIPELINE_AGENTS)} "
@@ -554,6 +674,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("place", help="choose which physical device takes each position of a plan",
+                       description="Topology-aware device placement: choose which device of the cluster takes each "
+                                   "logical position of a plan (the mesh's positions, or each pipeline stage's "
+                                   "replicas) to minimize the estimated step time: collectives along the mesh axes, "
+                                   "stage all-reduces and the transfers between stages. Writes the plan with a "
+                                   "placement section; hlomap simulate then prices it on that order.",
+                       epilog="examples:\n  hlomap place plan.json --cluster torus:8x8x8\n"
+                              "  hlomap place pipeline.json --cluster random:64:3 --agent ppo -o placed.json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", metavar="PLAN.json", help="a plan saved by hlomap explore or Plan.save")
+    p.add_argument("--cluster", required=True, metavar=CLUSTER_METAVAR, help=CLUSTER_HELP)
+    p.add_argument("--agent", default="greedy", metavar="|".join(PLACEMENT_AGENTS),
+                   help="greedy: construction + pairwise-swap local search; ppo: the shipped placement policy, then "
+                        "local search; exact: every permutation (clusters of up to 8 devices); random: best random "
+                        "placement; identity: the plan's own order (default greedy)")
+    p.add_argument("--budget-seconds", type=float, default=60.0, metavar="N", help="wall-clock budget (default 60)")
+    p.add_argument("--budget-evaluations", type=int, default=None, metavar="N",
+                   help="also stop after N evaluations (a swap tried, or a placement priced)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--source", metavar="SOURCE",
+                   help="an SPMD plan's step (zoo:NAME or HLO file) to estimate its collectives on this cluster, "
+                        "instead of the estimate saved in the plan")
+    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    p.add_argument("--policy", metavar="POLICY.npz", help="ppo: a placement policy file (default: the shipped one)")
+    p.add_argument("--finetune-seconds", type=float, default=0.0, metavar="N",
+                   help="ppo: fine-tune the policy on this plan for N seconds of the budget first (default 0)")
+    p.add_argument("-o", "--output", metavar="OUT.json", help="the placed plan (default: PLAN.placed.json beside it)")
+    p.add_argument("--json", action="store_true", help="print the placement section as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress message")
+    p.set_defaults(func=cmd_place)
+
     zoo = sub.add_parser("zoo", help="list or dump the built-in benchmark train steps",
                          description="The model zoo: GPT, BERT, T5, VGG-19, ResNet-50, MoE and a Haiku MLP.")
     zsub = zoo.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -579,9 +730,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hlomap.hlo.parser import HloParseError
     from hlomap.tasks.pipeline.pipedream import PipeDreamParseError
     from hlomap.propagation.conflicts import PlanConflict
+    from hlomap.tasks.placement.problem import PlacementError
 
     return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError, PlanConflict,
-            ExactTooLarge, PipeDreamParseError, FileNotFoundError,
+            ExactTooLarge, PipeDreamParseError, PlacementError, FileNotFoundError,
             IsADirectoryError, PermissionError)
 
 

@@ -154,3 +154,52 @@ def test_a_pipedream_graph_is_recognised_without_its_prefix(tmp_path: Path,
     assert run(["explore", str(PIPEDREAM_VGG16), "--task", "opp", "-o", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err
     assert "PipeDream profile" in err and "--task pipeline" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# place
+# ---------------------------------------------------------------------------------------------
+
+
+def test_place_a_pipeline_plan_on_a_torus_and_simulate_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path, placed_path = tmp_path / "pp.json", tmp_path / "placed.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--agent", "dp", "-q",
+                "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert run(["place", str(plan_path), "--cluster", "torus:4x4", "--budget-evaluations", "3000", "-q",
+                "-o", str(placed_path)]) == 0
+    out = capsys.readouterr().out
+    assert "placed by greedy" in out and "stage" in out
+    placement = json.loads(placed_path.read_text())["placement"]
+    assert placement["cluster"] == "torus:4x4" and sorted(placement["devices"]) == list(range(16))
+    assert placement["step_seconds"] < placement["identity_step_seconds"]
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(placed_path), "--cluster", "torus:4x4", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["step_seconds"] < simulated["identity_order_step_seconds"]
+    assert simulated["model_step_seconds"] == pytest.approx(placement["step_seconds"], rel=1e-9)
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(placed_path), "--cluster", "torus:4x4"]) == 0
+    assert "identity order" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["place", "PLAN", "--cluster", "torus:4xx4"], "shape '4xx4'"),
+    (["place", "PLAN", "--cluster", "mesh:2x2"], "16 logical positions but cluster 'mesh:2x2' has only 4"),
+    (["place", "PLAN", "--cluster", "torus:4x4", "--agent", "dqn"], "--agent dqn"),
+    (["place", "PLAN", "--cluster", "torus:4x4", "--agent", "exact"], "16! = "),
+    (["place", "/nonexistent/plan.json", "--cluster", "torus:4x4"], "No such file"),
+    (["simulate", "zoo:gpt-tiny", "--plan", "PLAN", "--axis-order", "data"], "do not apply to a pipeline plan"),
+])
+def test_place_user_errors(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.plan import Plan, PlanSource
+
+    plan = Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+        "stages": [{"devices": list(range(8))}, {"devices": list(range(8, 16))}], "microbatches": 2,
+        "schedule": "1f1b", "stage_profile": {"names": ["a", "b"], "forward_seconds": [1e-3, 1e-3],
+                                              "backward_seconds": [2e-3, 2e-3], "parameter_bytes": [1e6, 1e6],
+                                              "stash_bytes": None, "activation_bytes": [1e5]}})
+    plan.save(tmp_path / "plan.json")
+    argv = [str(tmp_path / "plan.json") if a == "PLAN" else a for a in argv]
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err

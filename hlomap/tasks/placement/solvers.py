@@ -8,7 +8,8 @@
   followed by local search over pairwise swaps: each position tries the devices its partners
   make cheapest plus a few random ones, best improving swap first, priced incrementally
   (`objective`). When no swap improves, it perturbs the best placement with a few random swaps
-  and searches again until the budget ends (iterated local search). Parmesan's mapping is a
+  and searches again until the budget ends or `PATIENCE` restarts in a row found nothing better
+  (iterated local search). Parmesan's mapping is a
   constructive greedy refined by swaps in the same spirit.
 - exact: every permutation of the devices (Heap's algorithm: one swap per permutation, so each
   is priced incrementally), for small clusters; the optimum, checked against brute force over
@@ -47,6 +48,9 @@ EXACT_LIMIT = 40_320
 #: Candidate devices a position tries per local-search visit: the cheapest by affinity, plus random.
 NEAREST_CANDIDATES = 8
 RANDOM_CANDIDATES = 4
+#: Perturbed restarts in a row without a better placement after which the greedy solver stops
+#: before its budget ends.
+PATIENCE = 50
 #: Relative tolerance under which two step times count as equal.
 RTOL = 1e-12
 
@@ -283,11 +287,13 @@ def greedy_search(problem: PlacementProblem, budget: Budget, seed: int = 0, *,
     state = min(candidates, key=lambda s: (s.value, s.tiebreak))
     converged = local_search(state, aff, clock, rng)
     best_order, best = state.order.copy(), (state.value, state.tiebreak)
-    restarts = 0
+    restarts = stale = 0
     n = problem.n_positions
     kicks = max(2, n // 32)
-    while converged and not budget.unlimited and not clock.exhausted() and problem.n_devices > 2:
+    while (converged and not budget.unlimited and not clock.exhausted() and problem.n_devices > 2
+           and stale < PATIENCE):
         restarts += 1
+        stale += 1
         order = best_order.copy()
         for _ in range(kicks):
             a, b = rng.choice(problem.n_devices, 2, replace=False)
@@ -297,6 +303,7 @@ def greedy_search(problem: PlacementProblem, budget: Budget, seed: int = 0, *,
         converged = local_search(state, aff, clock, rng)
         if better(state.value, state.tiebreak, *best):
             best_order, best = state.order.copy(), (state.value, state.tiebreak)
+            stale = 0
     final = new_state(problem, best_order)
     return _result(problem, solver, final, reference.value, clock, notes=(f"{restarts} restarts",))
 

@@ -1,0 +1,92 @@
+"""Device placements as text: what `hlomap place` prints, the placement line and the pipeline
+estimate of `hlomap simulate`, and the benchmark's tables."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hlomap.plan import Placement
+from hlomap.report.units import human_seconds
+from hlomap.tasks.placement.place import PipelineEstimate
+from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
+from hlomap.tasks.placement.solvers import PlacementResult
+
+__all__ = ["format_pipeline_estimate", "format_placement", "placement_line", "solver_table"]
+
+#: Devices listed per stage or mesh row before the rest is elided.
+SHOWN_DEVICES = 16
+
+
+def _devices(devices: Sequence[int]) -> str:
+    shown = ", ".join(str(d) for d in devices[:SHOWN_DEVICES])
+    return f"[{shown}{', ...' if len(devices) > SHOWN_DEVICES else ''}]"
+
+
+def _gain(step: float, identity: float) -> str:
+    return f"{100 * (1 - step / identity):+.3f}%" if identity > 0 else "-"
+
+
+def format_placement(problem: PlacementProblem, result: PlacementResult) -> Any:
+    """A rich renderable: the solver's step time against the identity's, and the device order
+    (per stage, or per row of the mesh's first axis)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text.assemble((problem.name, "bold"), f"  placed by {result.solver.value}: step "
+                         f"{human_seconds(result.step_seconds)} (identity order {human_seconds(result.identity_seconds)}"
+                         f", {_gain(result.step_seconds, result.identity_seconds)}); {result.evaluations} evaluations "
+                         f"in {result.seconds:.1f} s" + (", optimal" if result.optimal else ""))
+    table = Table(show_edge=False)
+    layout = problem.layout
+    devices = list(result.devices)
+    if isinstance(layout, MeshLayout):
+        first, size = layout.axes[0]
+        width = len(devices) // size
+        table.add_column(first, justify="right")
+        table.add_column(f"devices along {', '.join(n for n, _ in layout.axes[1:]) or '-'}")
+        for i in range(size):
+            table.add_row(str(i), _devices(devices[i * width:(i + 1) * width]))
+    else:
+        table.add_column("stage", justify="right")
+        table.add_column("devices")
+        for s, positions in enumerate(layout.stage_positions()):
+            table.add_row(str(s), _devices([devices[p] for p in positions]))
+    return Group(head, table)
+
+
+def placement_line(placement: Placement, step: float, identity_step: float) -> str:
+    """One line for `hlomap simulate` on a placed plan."""
+    return (f"placement ({placement.solver or 'given'}, chosen for {placement.cluster or 'an unnamed cluster'}): "
+            f"step {human_seconds(step)}; identity order {human_seconds(identity_step)} "
+            f"({_gain(step, identity_step)})")
+
+
+def format_pipeline_estimate(est: PipelineEstimate, cluster: str, placement: Placement | None) -> str:
+    """`hlomap simulate` on a pipeline plan: the simulated batch and the closed form, on the
+    placement and on the identity order."""
+    plan = est.placed.plan
+    lines = [f"pipeline plan on cluster {cluster}: {plan.n_stages} stages, {plan.microbatches} microbatches, "
+             f"{plan.schedule.value}",
+             f"step {human_seconds(est.placed.length)} simulated, {human_seconds(est.placed_model_seconds)} closed form"]
+    for s, stage in enumerate(plan.stages):
+        lines.append(f"  stage {s}: devices {_devices(stage.devices)}, busy "
+                     f"{human_seconds(est.placed.busy_time(s))}")
+    if placement is not None:
+        lines.append(placement_line(placement, est.placed.length, est.identity.length)
+                     + f" simulated; closed form {_gain(est.placed_model_seconds, est.identity_model_seconds)}")
+    for violation in est.placed.violations:
+        lines.append(f"out of memory: {violation}")
+    return "\n".join(lines)
+
+
+def solver_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
+    """A rich table of strings, the first column left-aligned and the rest right-aligned."""
+    from rich.table import Table
+
+    table = Table(title=title, show_edge=False)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table

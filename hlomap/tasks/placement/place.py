@@ -1,0 +1,123 @@
+"""Plans in, placed plans out: the library side of `hlomap place` and of `hlomap simulate` on a
+placed pipeline plan.
+
+    problem = problem_from_plan(plan, cluster)        # SPMD: from the plan's saved estimate
+    placed, result = place_plan(plan, cluster, "greedy", Budget(60.0))
+
+An SPMD plan is placed from its estimate: the collectives it records (kind, mesh axes, bytes,
+count) are re-priced on the target cluster for each candidate device order (`MeshLayout`), its
+compute time is the estimate's (placement does not change it). A pipeline plan is placed from the
+stage profile its pipeline section carries (`tasks.pipeline.stage_profile`), with each stage's
+replicas as its logical positions (`StageLayout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
+from hlomap.cost.pipeline.simulator import SimulationResult
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.plan import Placement, Plan
+from hlomap.search.tracker import Budget
+from hlomap.tasks.pipeline.stage_profile import StageProfileError, profile_from_json
+from hlomap.tasks.placement.pipeline_costs import PipelineModel
+from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem, StageLayout
+from hlomap.tasks.placement.solvers import PlacementResult, Solver, solve
+
+__all__ = ["PipelineEstimate", "estimate_pipeline_plan", "place_plan", "problem_from_plan", "with_placement"]
+
+
+def _mesh_layout(plan: Plan, estimate: StepEstimate | Mapping[str, Any] | None, where: str) -> MeshLayout:
+    if estimate is None:
+        raise PlacementError(f"{where}: the plan has no estimate section to take its collectives from; give its "
+                             "SOURCE (hlomap place --source) to estimate it")
+    if isinstance(estimate, StepEstimate):
+        overlap, compute, collectives = estimate.overlap.value, estimate.compute_seconds, list(estimate.collectives)
+    else:
+        overlap, compute = estimate.get("overlap", "none"), float(estimate.get("compute_seconds", 0.0))
+        collectives = [CollectiveEstimate.from_json(c, where=f"{where}: estimate.collectives[{i}]")
+                       for i, c in enumerate(estimate.get("collectives", ()))]
+    if overlap != "none":
+        raise PlacementError(f"{where}: the estimate assumes overlap {overlap!r}; placement prices the step "
+                             "without overlap (re-estimate with the default)")
+    return MeshLayout(tuple(plan.mesh), communication_terms(collectives), compute)
+
+
+def _stage_layout(plan: Plan, where: str) -> StageLayout:
+    pipeline = plan.pipeline or {}
+    if "stage_profile" not in pipeline:
+        raise PlacementError(f"{where}: the pipeline section has no stage_profile (plans explored before placement "
+                             "existed lack it); explore the pipeline again")
+    try:
+        profile = profile_from_json(pipeline["stage_profile"], where=f"{where}: pipeline.stage_profile")
+    except StageProfileError as err:
+        raise PlacementError(str(err)) from None
+    replication = tuple(len(devices) for devices in plan.logical_stage_devices())
+    return StageLayout(profile, replication, int(pipeline.get("microbatches", 1)),
+                       Schedule(pipeline.get("schedule", Schedule.ONE_F_ONE_B.value)))
+
+
+def problem_from_plan(plan: Plan, cluster: Cluster, *, estimate: StepEstimate | None = None,
+                      where: str = "plan") -> PlacementProblem:
+    """The placement problem of `plan` on `cluster`; `estimate` (an SPMD plan's StepEstimate on
+    its identity order) replaces the plan's saved one."""
+    if plan.pipeline is not None:
+        layout: MeshLayout | StageLayout = _stage_layout(plan, where)
+    else:
+        if plan.n_positions < 2:
+            raise PlacementError(f"{where}: a plan on one device has nothing to place (mesh {plan.mesh_shape})")
+        layout = _mesh_layout(plan, estimate if estimate is not None else plan.estimate, where)
+    identity = plan.logical_devices()
+    if len(identity) > cluster.n_devices:
+        raise PlacementError(f"{where}: the plan has {len(identity)} logical positions but cluster {cluster.name!r} "
+                             f"has only {cluster.n_devices} devices")
+    if max(identity, default=0) >= cluster.n_devices:
+        raise PlacementError(f"{where}: the plan uses device {max(identity)} but cluster {cluster.name!r} has "
+                             f"{cluster.n_devices} devices")
+    return PlacementProblem(cluster, layout, identity=identity, name=f"{where} on {cluster.name}")
+
+
+def with_placement(plan: Plan, problem: PlacementProblem, result: PlacementResult) -> Plan:
+    """`plan` with `result` as its placement section."""
+    placement = Placement(result.devices, problem.cluster.name, result.solver.value, result.step_seconds,
+                          result.identity_seconds)
+    return dataclasses.replace(plan, placement=placement)
+
+
+def place_plan(plan: Plan, cluster: Cluster, solver: Solver | str = Solver.GREEDY,
+               budget: Budget = Budget(60.0, None), seed: int = 0, *, estimate: StepEstimate | None = None,
+               where: str = "plan", **options: Any) -> tuple[Plan, PlacementResult]:
+    """Place `plan` on `cluster`; returns the placed plan and the search's result."""
+    problem = problem_from_plan(plan, cluster, estimate=estimate, where=where)
+    result = solve(problem, solver, budget, seed, **options)
+    return with_placement(plan, problem, result), result
+
+
+class PipelineEstimate(NamedTuple):
+    """A pipeline plan on a cluster, with its stages on the placed devices and on the identity
+    order: the event simulator's batch time and the closed form's."""
+
+    placed: SimulationResult
+    identity: SimulationResult
+    placed_model_seconds: float
+    identity_model_seconds: float
+
+
+def estimate_pipeline_plan(plan: Plan, cluster: Cluster, *, where: str = "plan") -> PipelineEstimate:
+    """Simulate a pipeline plan on `cluster` on its placement (or identity) and on the identity."""
+    problem = problem_from_plan(plan, cluster, where=where)
+    layout = problem.layout
+    assert isinstance(layout, StageLayout)
+    model = PipelineModel(cluster)
+    runs = []
+    for devices in (plan.device_order(), plan.logical_devices()):
+        if max(devices) >= cluster.n_devices:
+            raise PlacementError(f"{where}: the placement uses device {max(devices)} but cluster {cluster.name!r} "
+                                 f"has {cluster.n_devices} devices")
+        stages = layout.plan(devices)
+        runs.append((model.simulate(layout.profile, stages), model.plan_cost(layout.profile, stages).latency))
+    (placed, placed_model), (identity, identity_model) = runs
+    return PipelineEstimate(placed, identity, placed_model, identity_model)

@@ -1,0 +1,89 @@
+"""Plans in, placed plans out: the mesh objective is the estimate's step time, and a placed plan
+is estimated on its placement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hlomap.api import estimate
+from hlomap.cost.cluster import load_cluster
+from hlomap.hlo.capture import capture
+from hlomap.plan import Plan, PlanSource, reference_plan
+from hlomap.propagation.graph import FactorGraph
+from hlomap.search.tracker import Budget
+from hlomap.tasks.placement.place import estimate_pipeline_plan, place_plan, problem_from_plan
+from hlomap.tasks.placement.problem import PlacementError, step_seconds
+from hlomap.tasks.pipeline.stage_profile import profile_to_json
+
+from tests.tasks.placement.helpers import stage_layout
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    def step(params, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return [w - 0.1 * g for w, g in zip(params, grads)], value
+
+    params = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 4
+    cap = capture(step, params, jax.ShapeDtypeStruct((32, 64), jnp.float32), arg_names=("params", "x"))
+    graph = FactorGraph.from_capture(cap)
+    array, axes = reference_plan(graph, "dp+megatron", {"data": 2, "model": 4})
+    return cap, graph, Plan.from_groups(cap, graph, array, axes)
+
+
+def test_the_mesh_objective_is_the_estimates_step_time(mlp):
+    cap, graph, plan = mlp
+    cluster = load_cluster("uniform:8:2")
+    est = estimate(cap, plan, cluster=cluster, graph=graph)
+    saved = dataclasses.replace(plan, estimate=est.to_json())
+    problem = problem_from_plan(saved, cluster)
+    assert step_seconds(problem, problem.identity) == pytest.approx(est.step_seconds, rel=1e-9)
+    placed, result = place_plan(saved, cluster, "greedy", Budget(None, 1500))
+    assert result.gain > 0 and placed.placement.devices == result.devices
+    # api.estimate prices a placed plan on its placement
+    again = estimate(cap, Plan.from_json(placed.to_json()), cluster=cluster, graph=graph)
+    assert again.step_seconds == pytest.approx(result.step_seconds, rel=1e-9)
+    assert estimate(cap, saved, cluster=cluster, graph=graph).step_seconds == pytest.approx(est.step_seconds)
+
+
+def pipeline_plan(replication=(2, 2, 2, 2)) -> Plan:
+    layout = stage_layout(replication)
+    devices = iter(range(sum(replication)))
+    stages = [{"layers": [s, s + 1], "devices": [next(devices) for _ in range(r)], "replication": r}
+              for s, r in enumerate(replication)]
+    return Plan(mesh=(), parameters=(), source=PlanSource("test", ""),
+                pipeline={"stages": stages, "microbatches": layout.microbatches, "schedule": "1f1b",
+                          "stage_profile": profile_to_json(layout.profile)})
+
+
+def test_a_placed_pipeline_plan_simulates_faster_on_a_torus():
+    plan = pipeline_plan()
+    cluster = load_cluster("torus:2x4")
+    placed, result = place_plan(plan, cluster, "greedy", Budget(None, 2000))
+    est = estimate_pipeline_plan(placed, cluster)
+    assert est.placed_model_seconds == pytest.approx(result.step_seconds, rel=1e-12)
+    assert est.identity_model_seconds == pytest.approx(result.identity_seconds, rel=1e-12)
+    assert est.placed_model_seconds <= est.identity_model_seconds
+    assert [stage.devices for stage in est.placed.plan.stages] == [tuple(d) for d in placed.stage_devices()]
+
+
+def test_plans_that_cannot_be_placed_say_why(mlp):
+    cap, graph, plan = mlp
+    with pytest.raises(PlacementError, match="no estimate section"):
+        problem_from_plan(plan, load_cluster("uniform:8"))
+    bare = pipeline_plan()
+    del bare.pipeline["stage_profile"]
+    with pytest.raises(PlacementError, match="no stage_profile"):
+        problem_from_plan(bare, load_cluster("torus:2x4"))
+    with pytest.raises(PlacementError, match="8 logical positions but cluster 'mesh:2x2' has only 4"):
+        problem_from_plan(pipeline_plan(), load_cluster("mesh:2x2"))
