@@ -39,6 +39,7 @@ from hlomap.tasks.placement.objective import Affinity, SearchState, affinity, ne
 from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem
 
 __all__ = ["EXACT_LIMIT", "PlacementResult", "PlacementTooLarge", "Solver", "SolverClock", "construct",
+           "placement_order",
            "exact_search", "greedy_search", "identity", "local_search", "random_search", "solve"]
 
 log = logging.getLogger(__name__)
@@ -183,38 +184,45 @@ def _scalar_weights(problem: PlacementProblem, aff: Affinity) -> list[np.ndarray
     return [wl * mean_latency + wb * mean_inverse for wl, wb in zip(aff.w_latency, aff.w_bytes)]
 
 
+def placement_order(problem: PlacementProblem, aff: Affinity) -> np.ndarray:
+    """The order a constructive placement visits positions: Prim's order from position 0, the
+    next position being the one most attached to those already placed (scalar affinity at mean
+    link speeds). It depends only on which positions are placed, not on their devices."""
+    n = problem.n_positions
+    weights = _scalar_weights(problem, aff)
+    placed = np.zeros(n, dtype=bool)
+    pull = np.full(n, -1.0)
+    order = []
+    p = 0
+    for _ in range(n):
+        order.append(p)
+        placed[p] = True
+        nb = aff.neighbors[p]
+        pull[nb] = np.maximum(pull[nb], 0.0) + weights[p]
+        if len(order) < n:
+            p = int(np.argmax(np.where(placed, -np.inf, pull)))
+    return np.asarray(order, dtype=np.int64)
+
+
 def construct(problem: PlacementProblem, aff: Affinity | None = None, *,
               first_device: int | None = None) -> np.ndarray:
-    """A constructive placement: positions in order of their affinity to those already placed
-    (Prim's order from position 0), each on the free device that adds the least affinity cost;
-    ties go to the lowest device id. Returns a full order of all devices."""
+    """A constructive placement: positions in `placement_order`, each on the free device that
+    adds the least affinity cost to its placed partners; ties go to the lowest device id (the
+    first position goes to its identity device). Returns a full order of all devices."""
     aff = aff or affinity(problem)
     n, d = problem.n_positions, problem.n_devices
-    weights = _scalar_weights(problem, aff)
-    devices = np.full(d, -1, dtype=np.int64)
-    placed = np.zeros(d, dtype=bool)   # indexed by position (slots >= n never placed)
+    devices = np.zeros(d, dtype=np.int64)
+    placed = np.zeros(d, dtype=bool)   # indexed by slot (slots >= n are never placed)
     free = np.ones(d, dtype=bool)      # indexed by device
-    pull = np.zeros(n)
-    pull_known = np.zeros(n, dtype=bool)
-    for step in range(n):
+    for step, p in enumerate(placement_order(problem, aff)):
         if step == 0:
-            p = 0
             device = problem.identity[0] if first_device is None else first_device
         else:
-            candidates = np.flatnonzero(~placed[:n])
-            scores = np.where(pull_known[candidates], pull[candidates], -1.0)
-            p = int(candidates[int(np.argmax(scores))])
-            cost = aff.increments(p, devices, placed)
-            cost = np.where(free, cost, np.inf)
-            device = int(np.argmin(cost))
+            device = int(np.argmin(np.where(free, aff.increments(p, devices, placed), np.inf)))
         devices[p] = device
         placed[p] = True
         free[device] = False
-        nb = aff.neighbors[p]
-        pull[nb] += weights[p]
-        pull_known[nb] = True
-    rest = np.flatnonzero(free)
-    devices[n:] = rest
+    devices[n:] = np.flatnonzero(free)
     return devices
 
 

@@ -1,0 +1,182 @@
+"""Device placement benchmark: solver gaps and step-time gains per topology, 512 devices within 60 s,
+and the PPO policy against random and greedy search at equal budget.
+
+    python scripts/bench_placement.py                       # everything (about an hour on 2 busy cores)
+    python scripts/bench_placement.py --sizes 8 16 64 --families torus hier random
+    python scripts/bench_placement.py --only gaps|large|ppo --json out.json
+
+Problems (`hlomap.tasks.placement.generate`): for every topology family and size, an SPMD
+transformer step on a data x model mesh (tensor-parallel all-reduces along `model`, the gradient
+all-reduce along `data`) and a pipeline of S stages replicated r ways, priced by the cost model.
+
+Tables:
+1. gaps: each solver (identity, random, greedy, ppo, and exact on 8 devices) with the same
+   wall-clock budget per problem (--budget-scale x a per-size default); the gain is the step time
+   saved against the identity order, the gap how far a solver is from the best any found.
+2. large: the greedy solver on 512-device 3-D tori, with budgets of 10, 30 and 60 seconds.
+3. ppo: PPO (inference + local search), random and greedy at equal budgets on held-out
+   problems, the gain over identity of each (mean and median over the problems).
+
+Times are wall-clock on a shared machine (the load average is printed): an idle machine gets
+more evaluations into the same budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console  # noqa: E402
+
+from hlomap.report.placement import solver_table  # noqa: E402
+from hlomap.search.tracker import Budget  # noqa: E402
+from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, Family, Workload, benchmark_problem,  # noqa: E402
+                                             random_problem)
+from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_policy  # noqa: E402
+from hlomap.tasks.placement.solvers import PlacementResult, Solver, solve  # noqa: E402
+
+#: Seconds per solver and problem, by device count (x --budget-scale).
+BUDGET = {8: 2.0, 16: 3.0, 32: 5.0, 64: 8.0, 128: 15.0, 512: 30.0}
+DEFAULT_FAMILIES = (Family.TORUS, Family.MESH, Family.HIER, Family.RANDOM, Family.UNIFORM_RANDOM, Family.UNIFORM)
+
+
+def _load() -> str:
+    return "{:.1f}".format(os.getloadavg()[0])
+
+
+def _run(problem: Any, solver: Solver, seconds: float, seed: int, policy: Any) -> PlacementResult:
+    options = {"policy": policy} if solver is Solver.PPO else {}
+    budget = Budget(None, None) if solver in (Solver.IDENTITY, Solver.EXACT) else Budget(seconds, None)
+    return solve(problem, solver, budget, seed, **options)
+
+
+def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[str, Any]]:
+    records = []
+    rows = []
+    for family in args.families:
+        for n in args.sizes:
+            for workload in args.workloads:
+                problem = benchmark_problem(family, n, workload, seed=args.seed)
+                seconds = BUDGET[n] * args.budget_scale
+                solvers = [Solver.IDENTITY, Solver.RANDOM, Solver.GREEDY]
+                solvers += [Solver.PPO] if policy is not None else []
+                solvers += [Solver.EXACT] if n <= 8 else []
+                results = {s: _run(problem, s, seconds, args.seed, policy) for s in solvers}
+                best = min(r.step_seconds for r in results.values())
+                identity = results[Solver.IDENTITY].step_seconds
+                record = {"family": str(family), "devices": n, "workload": str(workload), "problem": problem.name,
+                          "budget_seconds": seconds, "identity_seconds": identity, "best_seconds": best,
+                          "solvers": {s.value: {"step_seconds": r.step_seconds, "gap": r.step_seconds / best - 1,
+                                                "gain": r.gain, "evaluations": r.evaluations, "seconds": r.seconds,
+                                                "optimal": r.optimal} for s, r in results.items()}}
+                records.append(record)
+                cells = [f"{100 * (results[s].step_seconds / best - 1):.3f}%" if s in results else "-"
+                         for s in (Solver.RANDOM, Solver.GREEDY, Solver.PPO, Solver.EXACT)]
+                rows.append([problem.name, str(n), f"{identity * 1e3:.4g}", f"{best * 1e3:.4g}",
+                             f"{100 * (1 - best / identity):+.3f}%", f"{100 * (results[Solver.IDENTITY].step_seconds / best - 1):.3f}%",
+                             *cells])
+                console.print(f"  {problem.name}: identity {identity * 1e3:.4g} ms, best {best * 1e3:.4g} ms "
+                              f"({100 * (1 - best / identity):+.3f}%), load {_load()}")
+    console.print(solver_table(
+        f"Placement: gap to the best solution found, per solver (budget {args.budget_scale:g} x "
+        f"{ {n: BUDGET[n] for n in args.sizes} } s per solver)",
+        ["problem", "devices", "identity ms", "best ms", "gain", "identity gap", "random gap", "greedy gap",
+         "ppo gap", "exact gap"], rows))
+    summary = []
+    for family in args.families:
+        gains = [1 - r["best_seconds"] / r["identity_seconds"] for r in records if r["family"] == str(family)]
+        if gains:
+            summary.append([str(family), f"{100 * statistics.mean(gains):+.3f}%", f"{100 * min(gains):+.3f}%",
+                            f"{100 * max(gains):+.3f}%",
+                            f"{sum(g > 1e-9 for g in gains)}/{len(gains)}"])
+    console.print(solver_table("Estimated step-time gain of the best placement over identity, per topology family",
+                               ["family", "mean gain", "min", "max", "problems improved"], summary))
+    return records
+
+
+def large(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
+    records, rows = [], []
+    for workload in args.workloads:
+        problem = benchmark_problem(Family.TORUS, 512, workload)
+        for seconds in (10.0, 30.0, 60.0):
+            start, cpu = time.perf_counter(), time.process_time()
+            result = solve(problem, Solver.GREEDY, Budget(seconds, None), args.seed)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            records.append({"problem": problem.name, "budget_seconds": seconds, "wall_seconds": wall,
+                            "cpu_seconds": cpu, "evaluations": result.evaluations, "gain": result.gain,
+                            "step_seconds": result.step_seconds, "identity_seconds": result.identity_seconds})
+            rows.append([problem.name, f"{seconds:g}", f"{wall:.1f}", f"{cpu:.1f}", str(result.evaluations),
+                         f"{result.identity_seconds * 1e3:.5g}", f"{result.step_seconds * 1e3:.5g}",
+                         f"{100 * result.gain:+.4f}%", _load()])
+    console.print(solver_table("512 devices (3-D torus 8x8x8): greedy + local search within a budget",
+                               ["problem", "budget s", "wall s", "cpu s", "evaluations", "identity ms", "placed ms",
+                                "gain", "load"], rows))
+    return records
+
+
+def ppo_comparison(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[str, Any]]:
+    rng = np.random.default_rng([args.seed, 0xBE7C4])
+    problems = [random_problem(rng, sizes=(16, 32, 64)) for _ in range(args.ppo_problems)]
+    records, rows = [], []
+    for seconds in args.ppo_budgets:
+        gains: dict[Solver, list[float]] = {s: [] for s in (Solver.RANDOM, Solver.GREEDY, Solver.PPO)}
+        wins = {s: 0 for s in gains}
+        for problem in problems:
+            results = {s: _run(problem, s, seconds, args.seed, policy) for s in gains}
+            best = min(r.step_seconds for r in results.values())
+            for s, r in results.items():
+                gains[s].append(r.gain)
+                wins[s] += r.step_seconds <= best * (1 + 1e-12)
+            records.append({"problem": problem.name, "budget_seconds": seconds,
+                            **{s.value: r.step_seconds for s, r in results.items()},
+                            "identity": results[Solver.GREEDY].identity_seconds})
+        for s in gains:
+            rows.append([f"{seconds:g} s", s.value, f"{100 * statistics.mean(gains[s]):+.3f}%",
+                         f"{100 * statistics.median(gains[s]):+.3f}%", f"{wins[s]}/{len(problems)}"])
+    console.print(solver_table(f"PPO vs random vs greedy at equal wall-clock budget ({args.ppo_problems} held-out "
+                               "random problems of 16-64 devices): gain over identity",
+                               ["budget", "solver", "mean gain", "median gain", "best (ties count)"], rows))
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("gaps", "large", "ppo"), action="append")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(BENCHMARK_SIZES))
+    parser.add_argument("--families", type=Family, nargs="+", default=list(DEFAULT_FAMILIES))
+    parser.add_argument("--workloads", type=Workload, nargs="+", default=list(Workload))
+    parser.add_argument("--budget-scale", type=float, default=1.0)
+    parser.add_argument("--ppo-problems", type=int, default=16)
+    parser.add_argument("--ppo-budgets", type=float, nargs="+", default=[2.0, 10.0])
+    parser.add_argument("--policy", type=Path, default=DEFAULT_POLICY)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    console = Console(width=160)
+    policy = load_policy(args.policy) if args.policy.is_file() else None
+    if policy is None:
+        console.print(f"no placement policy at {args.policy}: the ppo columns are left out")
+    parts = args.only or ["gaps", "large", "ppo"]
+    out: dict[str, Any] = {"load_average_at_start": os.getloadavg()[0]}
+    if "gaps" in parts:
+        out["gaps"] = gaps(args, console, policy)
+    if "large" in parts:
+        out["large"] = large(args, console)
+    if "ppo" in parts and policy is not None:
+        out["ppo"] = ppo_comparison(args, console, policy)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
