@@ -194,9 +194,9 @@ def test_place_user_errors(argv: list[str], message: str, tmp_path: Path, capsys
 
     plan = Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
         "stages": [{"devices": list(range(8))}, {"devices": list(range(8, 16))}], "microbatches": 2,
-        "schedule": "1f1b", "stage_profile": {"names": ["a", "b"], "forward_seconds": [1e-3, 1e-3],
+        "schedule": "1f1b", "block_profile": {"names": ["a", "b"], "forward_seconds": [1e-3, 1e-3],
                                               "backward_seconds": [2e-3, 2e-3], "parameter_bytes": [1e6, 1e6],
-                                              "stash_bytes": None, "activation_bytes": [1e5]}})
+                                              "stash_bytes": None, "activation_bytes": [1e5], "stage_bounds": [0, 1, 2]}})
     plan.save(tmp_path / "plan.json")
     argv = [str(tmp_path / "plan.json") if a == "PLAN" else a for a in argv]
     assert run(argv) == 2

@@ -318,13 +318,13 @@ def explore_pipeline(
 
 
 def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
-    from hlomap.tasks.pipeline.stage_profile import profile_to_json, stage_profile
+    from hlomap.tasks.pipeline.block_profile import plan_profile
 
     data = result.to_json()
     section = {key: data[key] for key in ("stages", "microbatches", "schedule", "cuts", "device_cuts",
                                           "on_node_boundaries")}
-    # What re-pricing the plan on other devices needs (hlomap place, hlomap replan).
-    section["stage_profile"] = profile_to_json(stage_profile(result.profile, result.plan))
+    # What re-pricing the plan on other devices or clusters needs (hlomap place, hlomap replan).
+    section["block_profile"] = plan_profile(result.profile, result.plan).to_json()
     return section
 
 

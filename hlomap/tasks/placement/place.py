@@ -7,8 +7,8 @@ placed pipeline plan.
 An SPMD plan is placed from its estimate: the collectives it records (kind, mesh axes, bytes,
 count) are re-priced on the target cluster for each candidate device order (`MeshLayout`), its
 compute time is the estimate's (placement does not change it). A pipeline plan is placed from the
-stage profile its pipeline section carries (`tasks.pipeline.stage_profile`), with each stage's
-replicas as its logical positions (`StageLayout`).
+block profile its pipeline section carries (`tasks.pipeline.block_profile`), merged per stage, with
+each stage's replicas as its logical positions (`StageLayout`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from hlomap.cost.pipeline.simulator import SimulationResult
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.plan import Placement, Plan
 from hlomap.search.tracker import Budget
-from hlomap.tasks.pipeline.stage_profile import StageProfileError, profile_from_json
+from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem, StageLayout
 from hlomap.tasks.placement.solvers import PlacementResult, Solver, solve
 
-__all__ = ["PipelineEstimate", "estimate_pipeline_plan", "place_plan", "problem_from_plan", "with_placement"]
+__all__ = ["PipelineEstimate", "estimate_pipeline_plan", "place_plan", "plan_profile_of", "problem_from_plan",
+           "with_placement"]
 
 
 def _mesh_layout(plan: Plan, estimate: StepEstimate | Mapping[str, Any] | None, where: str) -> MeshLayout:
@@ -46,17 +47,26 @@ def _mesh_layout(plan: Plan, estimate: StepEstimate | Mapping[str, Any] | None, 
     return MeshLayout(tuple(plan.mesh), communication_terms(collectives), compute)
 
 
-def _stage_layout(plan: Plan, where: str) -> StageLayout:
+def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
+    """The block profile a pipeline plan's section carries (`tasks.pipeline.block_profile`)."""
     pipeline = plan.pipeline or {}
-    if "stage_profile" not in pipeline:
-        raise PlacementError(f"{where}: the pipeline section has no stage_profile (plans explored before placement "
+    if "block_profile" not in pipeline:
+        raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")
     try:
-        profile = profile_from_json(pipeline["stage_profile"], where=f"{where}: pipeline.stage_profile")
-    except StageProfileError as err:
+        profile = PlanProfile.from_json(pipeline["block_profile"], where=f"{where}: pipeline.block_profile")
+    except ProfileError as err:
         raise PlacementError(str(err)) from None
+    if len(profile.stage_bounds) - 1 != len(plan.logical_stage_devices()):
+        raise PlacementError(f"{where}: pipeline.block_profile has {len(profile.stage_bounds) - 1} stages, the "
+                             f"pipeline section {len(plan.logical_stage_devices())}")
+    return profile
+
+
+def _stage_layout(plan: Plan, where: str) -> StageLayout:
+    pipeline = plan.pipeline or {}
     replication = tuple(len(devices) for devices in plan.logical_stage_devices())
-    return StageLayout(profile, replication, int(pipeline.get("microbatches", 1)),
+    return StageLayout(plan_profile_of(plan, where).stage_profile(), replication, int(pipeline.get("microbatches", 1)),
                        Schedule(pipeline.get("schedule", Schedule.ONE_F_ONE_B.value)))
 
 

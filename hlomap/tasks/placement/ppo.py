@@ -421,8 +421,11 @@ def ppo_search(problem: PlacementProblem, budget: Budget = Budget(60.0, None), s
         if candidate_value < value:
             order, value = candidate, candidate_value
     notes.append(f"{rollouts} rollouts, best {value:.6g} s")
-    rest = Budget(None if budget.seconds is None else max(budget.seconds - clock.seconds, 0.0),
-                  None if budget.evaluations is None else max(budget.evaluations - clock.evaluations, 0))
+    if clock.exhausted():  # no budget left to polish with
+        return PlacementResult(Solver.PPO, tuple(int(d) for d in order[: problem.n_positions]), value,
+                               new_state(problem).value, clock.evaluations, clock.seconds, notes=tuple(notes))
+    rest = Budget(None if budget.seconds is None else budget.seconds - clock.seconds,
+                  None if budget.evaluations is None else budget.evaluations - clock.evaluations)
     polished = greedy_search(problem, rest, seed, starts=[order], solver=Solver.PPO)
     return dataclasses.replace(polished, evaluations=polished.evaluations + clock.evaluations,
                                seconds=polished.seconds + clock.seconds, notes=tuple(notes) + polished.notes)

@@ -17,7 +17,7 @@ from hlomap.propagation.graph import FactorGraph
 from hlomap.search.tracker import Budget
 from hlomap.tasks.placement.place import estimate_pipeline_plan, place_plan, problem_from_plan
 from hlomap.tasks.placement.problem import PlacementError, step_seconds
-from hlomap.tasks.pipeline.stage_profile import profile_to_json
+from hlomap.tasks.pipeline.block_profile import PlanProfile
 
 from tests.tasks.placement.helpers import stage_layout
 
@@ -63,7 +63,7 @@ def pipeline_plan(replication=(2, 2, 2, 2)) -> Plan:
               for s, r in enumerate(replication)]
     return Plan(mesh=(), parameters=(), source=PlanSource("test", ""),
                 pipeline={"stages": stages, "microbatches": layout.microbatches, "schedule": "1f1b",
-                          "stage_profile": profile_to_json(layout.profile)})
+                          "block_profile": PlanProfile(layout.profile, tuple(range(len(replication) + 1))).to_json()})
 
 
 def test_a_placed_pipeline_plan_simulates_faster_on_a_torus():
@@ -82,8 +82,8 @@ def test_plans_that_cannot_be_placed_say_why(mlp):
     with pytest.raises(PlacementError, match="no estimate section"):
         problem_from_plan(plan, load_cluster("uniform:8"))
     bare = pipeline_plan()
-    del bare.pipeline["stage_profile"]
-    with pytest.raises(PlacementError, match="no stage_profile"):
+    del bare.pipeline["block_profile"]
+    with pytest.raises(PlacementError, match="no block_profile"):
         problem_from_plan(bare, load_cluster("torus:2x4"))
     with pytest.raises(PlacementError, match="8 logical positions but cluster 'mesh:2x2' has only 4"):
         problem_from_plan(pipeline_plan(), load_cluster("mesh:2x2"))

@@ -1,0 +1,50 @@
+"""A plan's profile in blocks keeps the plan's costs and round-trips through JSON."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hlomap.cost.pipeline.costs import evaluate_plan
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.stages import PipelinePlan, Stage
+from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError, plan_profile
+
+
+def _profile(n: int, seed: int = 0) -> PipelineProfile:
+    rng = np.random.default_rng(seed)
+    return PipelineProfile(names=tuple(f"l{i}" for i in range(n)), forward_time=rng.uniform(1e-4, 1e-3, n),
+                           backward_time=rng.uniform(2e-4, 2e-3, n), activation_bytes=rng.uniform(1e5, 1e7, n - 1),
+                           parameter_bytes=rng.uniform(0, 1e7, n), stash_bytes=rng.uniform(0, 1e6, n))
+
+
+@pytest.mark.parametrize("n, max_blocks", [(40, 64), (300, 64), (300, 8)])
+def test_blocks_keep_the_plans_cost(n, max_blocks):
+    profile = _profile(n)
+    plan = PipelinePlan.linear((0, n // 5, n // 2, n - 7, n), (2, 1, 3, 2), microbatches=6)
+    blocks = plan_profile(profile, plan, max_blocks=max_blocks)
+    assert blocks.blocks.n_layers <= max(max_blocks, plan.n_stages)
+    assert blocks.blocks.n_layers == (n if n <= max_blocks else blocks.blocks.n_layers)
+    links = Links.uniform(8, bandwidth=1e10, latency=1e-5)
+    on_blocks = PipelinePlan(tuple(Stage(a, b, s.devices) for (a, b), s in
+                                   zip(zip(blocks.stage_bounds[:-1], blocks.stage_bounds[1:]), plan.stages)), 6)
+    assert evaluate_plan(blocks.blocks, links, on_blocks).latency == pytest.approx(
+        evaluate_plan(profile, links, plan).latency, rel=1e-12)
+    stage = blocks.stage_profile()
+    assert stage.n_layers == 4 and stage.compute_time.sum() == pytest.approx(profile.compute_time.sum())
+    again = PlanProfile.from_json(json.loads(json.dumps(blocks.to_json())))
+    assert again.stage_bounds == blocks.stage_bounds
+    np.testing.assert_allclose(again.blocks.activation_bytes, blocks.blocks.activation_bytes)
+
+
+def test_bad_block_profiles_name_the_field():
+    good = plan_profile(_profile(10), PipelinePlan.linear((0, 4, 10), (1, 1), microbatches=2)).to_json()
+    with pytest.raises(ProfileError, match="missing field"):
+        PlanProfile.from_json({k: v for k, v in good.items() if k != "names"}, where="p")
+    with pytest.raises(ProfileError, match="stage_bounds"):
+        PlanProfile.from_json(good | {"stage_bounds": [0, 4, 4, 10]})
+    with pytest.raises(ProfileError, match="'forward_seconds'"):
+        PlanProfile.from_json(good | {"forward_seconds": ["x"]})
