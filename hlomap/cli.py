@@ -490,6 +490,62 @@ def cmd_explore(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# replan
+# ---------------------------------------------------------------------------------------------
+
+REPLAN_POLICIES = ("static", "re-solve", "arbiter", "meta", "oracle")
+
+
+def cmd_replan(args: argparse.Namespace) -> int:
+    from hlomap.report.replan import format_decisions, format_totals, plot_throughput
+    from hlomap.tasks.replan.policies import Policy
+    from hlomap.tasks.replan.replay_plan import replan_plan
+    from hlomap.tasks.replan.trace import load_trace
+
+    if args.show not in REPLAN_POLICIES:
+        raise CliError(f"--show {args.show}: choose one of {', '.join(REPLAN_POLICIES)}")
+    plan = _load_plan(args.plan)
+    trace = load_trace(args.trace)
+    plot = Path(args.plot) if args.plot else _beside(Path(args.plan), "replan.png")
+    _check_output(plot)
+    network = None
+    if not args.no_meta:
+        from hlomap.tasks.replan.meta import load_network
+
+        try:
+            network = load_network(args.network)
+        except FileNotFoundError as err:
+            if args.network:
+                raise CliError(str(err)) from None
+            print(f"note: {err}; the meta policy is left out", file=sys.stderr)
+        except ValueError as err:
+            raise CliError(str(err)) from None
+    if not args.quiet:
+        print(f"playing {len(REPLAN_POLICIES)} policies over {len(trace.events)} changes of {trace.name} ...",
+              file=sys.stderr)
+    report = replan_plan(plan, trace, network=network, where=args.plan)
+    shown = report.runs.get(Policy(args.show))
+    if shown is None:
+        raise CliError(f"--show {args.show}: that policy did not run (no gain network)")
+    plot_throughput(trace, report.runs, plot)
+    if args.json:
+        json.dump({"trace": trace.name, "agreement": report.agreement, "policies": {
+            p.value: {"total_seconds": r.total_seconds, "iterations": r.iterations,
+                      "horizon_iterations": r.horizon_iterations, "migration_seconds": r.migration_seconds,
+                      "decisions": [{"time": d.time, "option": d.option.value, "step_seconds": d.step_seconds,
+                                     "migration_seconds": d.migration_seconds, "moved_bytes": d.moved_bytes,
+                                     "plan": d.plan.describe()} for d in r.decisions]}
+            for p, r in report.runs.items()}}, sys.stdout, indent=1, default=lambda x: None)
+        sys.stdout.write("\n")
+    else:
+        console = _console()
+        console.print(format_decisions(trace, shown))
+        console.print(format_totals(trace, report.runs, report.agreement))
+    print(f"throughput plot: {plot}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # run
 # ---------------------------------------------------------------------------------------------
 
@@ -705,6 +761,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress message")
     p.set_defaults(func=cmd_place)
 
+    p = sub.add_parser("replan", help="re-plan a pipeline over a trace of changing bandwidth and GPUs",
+                       description="Play re-planning policies over a resource trace (per-link bandwidth and available "
+                                   "GPUs per server over time) from a pipeline plan: static (planned once), re-solve "
+                                   "at every change, AutoPipe's switch arbiter (keep / move layers between two "
+                                   "neighbouring stages / re-solve, priced by migration against the time saved), the "
+                                   "learned meta policy, and an oracle that knows the future. Prints the decisions "
+                                   "over time and every policy's total training time; draws the estimated "
+                                   "throughput of each.",
+                       epilog="the trace format is described in README_place_section.md and in "
+                              "hlomap/tasks/replan/trace.py",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", metavar="PLAN.json", help="a pipeline plan (hlomap explore --task pipeline)")
+    p.add_argument("--trace", required=True, metavar="TRACE.json", help="the resource trace")
+    p.add_argument("--show", default="arbiter", metavar="|".join(REPLAN_POLICIES),
+                   help="whose decisions to list (default arbiter)")
+    p.add_argument("--network", metavar="GAIN.npz", help="the meta policy's gain network (default: the shipped one)")
+    p.add_argument("--no-meta", action="store_true", help="leave the meta policy out")
+    p.add_argument("--plot", metavar="FILE.png", help="throughput plot (default: next to the plan, *.replan.png)")
+    p.add_argument("--json", action="store_true", help="print the runs as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress message")
+    p.set_defaults(func=cmd_replan)
+
     zoo = sub.add_parser("zoo", help="list or dump the built-in benchmark train steps",
                          description="The model zoo: GPT, BERT, T5, VGG-19, ResNet-50, MoE and a Haiku MLP.")
     zsub = zoo.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -731,9 +809,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hlomap.tasks.pipeline.pipedream import PipeDreamParseError
     from hlomap.propagation.conflicts import PlanConflict
     from hlomap.tasks.placement.problem import PlacementError
+    from hlomap.tasks.replan.trace import TraceError
 
     return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError, PlanConflict,
-            ExactTooLarge, PipeDreamParseError, PlacementError, FileNotFoundError,
+            ExactTooLarge, PipeDreamParseError, PlacementError, TraceError, FileNotFoundError,
             IsADirectoryError, PermissionError)
 
 

@@ -19,7 +19,8 @@ when a detour paid off. Always taking the cheapest candidate is the construction
 
 Training: DRL-PP's PPO (clip 0.2, entropy 0.001, Adam 3e-4, gradient-norm clip 1.0, 3 epochs and
 4 minibatches per update; `hlomap.agents.ppo`) on generated problems (`generate.random_problem`),
-keeping the network with the best validation gain. It ships as `data/placement_policy.npz`
+from a policy whose logits fall with the candidates' rank (`RANK_PRIOR`: it starts close to the
+heuristic), keeping the network with the best validation gain. It ships as `data/placement_policy.npz`
 (rebuilt by `scripts/train_placement_policy.py`), saved and loaded like the pipeline-cut
 inference network. At use (`ppo_search`): optionally fine-tune on the problem itself, infer (the
 greedy rollout, then sampled rollouts for a share of the budget), then polish the best placement
@@ -66,6 +67,8 @@ GLOBALS = ("progress", "positions_share", "partners_placed", "mesh", "log_device
 REWARD_SCALE = 10.0
 #: Weight of the per-step proxy penalty (a share of the construction's proxy cost).
 PROXY_WEIGHT = 1.0
+#: The initial policy's logit drop per candidate rank (softmax: about 78% on the cheapest).
+RANK_PRIOR = 1.5
 #: Bump when the observation layout changes: old policy files are then refused.
 LAYOUT_VERSION = 1
 _KIND = "placement-policy"
@@ -349,6 +352,11 @@ def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path |
     env = PlacementEnv(training_problems)
     agent = PpoAgent(placement_ppo_config(config.rollout_length), env.observation_size, env.num_actions,
                      seed=config.seed)
+    params = agent.get_params()
+    # Start near the heuristic: logits fall with the candidate's rank, so the untrained policy
+    # mostly takes the cheapest candidates and learns where to deviate.
+    params["policy_head"]["bias"] = -RANK_PRIOR * np.arange(CANDIDATES, dtype=np.float32)
+    agent.set_params(params)
     rng = np.random.default_rng([config.seed, 0x7A11D])
     problems = [random_problem(rng) for _ in range(config.validation)]
     best: list[Any] = [agent.get_params(), validate(agent, problems)]
