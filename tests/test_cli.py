@@ -203,3 +203,59 @@ def test_place_user_errors(argv: list[str], message: str, tmp_path: Path, capsys
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# replan
+# ---------------------------------------------------------------------------------------------
+
+
+def test_replan_prints_decisions_and_totals_and_draws_the_plot(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.plan import Plan, PlanSource
+    from hlomap.tasks.pipeline.block_profile import PlanProfile
+    from hlomap.tasks.replan.trace import Event, Trace
+    from hlomap.cost.cluster import load_cluster
+    from tests.tasks.replan.helpers import small_workload
+
+    workload = small_workload()
+    stages = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    plan = Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+        "stages": [{"devices": s} for s in stages], "microbatches": workload.microbatches, "schedule": "1f1b",
+        "block_profile": PlanProfile(workload.profile, (0, 2, 4, 6, 8)).to_json()})
+    plan.save(tmp_path / "plan.json")
+    cluster = load_cluster("hier:4x2")
+    Trace("demo", cluster, 10_000.0, (Event(1000.0, ((0, 1, 1e8), (1, 2, 1e8))), Event(4000.0, gpus=(2, 0, 2, 2)),
+                                      Event(7000.0, gpus=(2, 2, 2, 2)))).save(tmp_path / "trace.json")
+    assert run(["replan", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"), "--no-meta",
+                "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "arbiter on trace demo" in out and "total training time" in out and "oracle" in out
+    assert "cannot run" in out  # server 1 left under the running plan
+    assert (tmp_path / "plan.replan.png").stat().st_size > 0
+    assert run(["replan", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"), "--no-meta",
+                "--json", "-q", "--show", "static"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["policies"]) == {"static", "re-solve", "arbiter", "oracle"}
+    assert data["policies"]["static"]["decisions"][2]["option"] == "re-solve"  # forced: its devices left
+
+
+@pytest.mark.parametrize("trace_text, message", [
+    ('{"version": 1, "cluster": "hier:4x2", "horizon_seconds": 10, "events": [{"time": 1, "gpus": [2, 2]}]}',
+     "gpus lists 2 servers"),
+    ('{"version": 1, "cluster": "hier:1x4", "horizon_seconds": 10, "events": []}', "has a cluster of 4 devices"),
+    ("{not json", "invalid JSON"),
+])
+def test_replan_user_errors(trace_text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.plan import Plan, PlanSource
+    from hlomap.tasks.pipeline.block_profile import PlanProfile
+    from tests.tasks.replan.helpers import small_workload
+
+    workload = small_workload()
+    Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+        "stages": [{"devices": [0, 1, 2, 3]}, {"devices": [4, 5, 6, 7]}], "microbatches": 8, "schedule": "1f1b",
+        "block_profile": PlanProfile(workload.profile, (0, 4, 8)).to_json()}).save(tmp_path / "plan.json")
+    (tmp_path / "trace.json").write_text(trace_text)
+    assert run(["replan", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"), "--no-meta"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

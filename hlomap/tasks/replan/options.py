@@ -184,9 +184,12 @@ class Migration(NamedTuple):
 
 
 def migration(workload: Workload, old: RunningPlan, new: RunningPlan, state: ResourceState) -> Migration:
-    """Time and bytes to move from `old` to `new` on the state's links (module docstring)."""
+    """Time and bytes to move from `old` to `new` on the state's links (module docstring); `new`
+    must run on the state's devices."""
     if old == new:
         return Migration(0.0, 0.0)
+    if new.on(state) is None:
+        raise ValueError(f"cannot migrate to {new.describe()}: some of its devices are not available")
     state_bytes = STATE_FACTOR * workload.profile.parameter_bytes
     receive: dict[int, float] = {}
     send: dict[int, float] = {}

@@ -29,7 +29,8 @@ from hlomap.tasks.replan.options import (Candidate, Option, RunningPlan, Workloa
                                         migration, resolve, step_seconds)
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
-__all__ = ["Decision", "Policy", "PolicyRun", "Replay", "Segment", "arbiter_choice", "run", "run_all"]
+__all__ = ["Decision", "Policy", "PolicyRun", "Replay", "Segment", "arbiter_choice", "oracle_pool", "play", "run",
+           "run_all"]
 
 
 #: The workload: the iterations the initial plan trains in this share of the horizon, unchanged.
@@ -204,6 +205,35 @@ def run(replay: Replay, initial: RunningPlan, policy: Policy | str, *, chooser: 
     return _simulate(replay, initial, decide, policy)
 
 
+def oracle_pool(replay: Replay, initial: RunningPlan) -> list[RunningPlan]:
+    """The plans the oracle chooses among: the initial plan, each change's re-solve, and the best
+    move from the initial plan and from each re-solve at each change."""
+    pool: list[RunningPlan] = [initial]
+    for i, (_, state) in enumerate(replay.states):
+        solved = replay.solved(i)
+        if solved and solved[0] not in pool:
+            pool.append(solved[0])
+        for base in [initial] + ([solved[0]] if solved else []):
+            moved = best_move(replay.workload, base, state, replay.models[i])
+            if moved is not None and moved[0] not in pool:
+                pool.append(moved[0])
+    return pool
+
+
+def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan], policy: Policy = Policy.ORACLE
+         ) -> PolicyRun:
+    """Hold `sequence[i]` from change i on (migrating to it when it differs from the running plan)."""
+    def decide(i: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
+        plan, current = sequence[i], options[0]
+        if plan == current.plan:
+            return current
+        moved = migration(replay.workload, current.plan, plan, state)
+        kind = next((c.option for c in options if c.plan == plan), Option.RESOLVE)
+        return Candidate(kind, plan, replay.step_seconds(i, plan), moved.seconds, moved.nbytes)
+
+    return _simulate(replay, initial, decide, policy)
+
+
 def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
     """Dynamic programming over (change, plan) with every plan an option offered at any change
     (each change's re-solve, and the best move from the initial plan and from each re-solve),
@@ -211,16 +241,7 @@ def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
     charged to that interval only, inside the DP; the chosen sequence is then played by the same
     accounting as every policy."""
     states, workload = replay.states, replay.workload
-    pool: list[RunningPlan] = [initial]
-    for i in range(len(states)):
-        solved = replay.solved(i)
-        bases = [initial] + ([solved[0]] if solved else [])
-        if solved and solved[0] not in pool:
-            pool.append(solved[0])
-        for base in bases:
-            moved = best_move(workload, base, states[i][1], replay.models[i])
-            if moved is not None and moved[0] not in pool:
-                pool.append(moved[0])
+    pool = oracle_pool(replay, initial)
     step = [[replay.step_seconds(i, p) for p in pool] for i in range(len(states))]
     ends = [t for t, _ in states[1:]] + [replay.trace.horizon]
     n, k = len(states), len(pool)
@@ -243,17 +264,7 @@ def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
     for i in range(n):
         p = choice[i][p]
         sequence.append(pool[p])
-
-    def decide(i: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
-        plan = sequence[i]
-        current = options[0]
-        if plan == current.plan:
-            return current
-        moved = migration(workload, current.plan, plan, state)
-        kind = next((c.option for c in options if c.plan == plan), Option.RESOLVE)
-        return Candidate(kind, plan, step[i][pool.index(plan)], moved.seconds, moved.nbytes)
-
-    return _simulate(replay, initial, decide, Policy.ORACLE)
+    return play(replay, initial, sequence)
 
 
 def run_all(replay: Replay, initial: RunningPlan, policies: Sequence[Policy | str], *,

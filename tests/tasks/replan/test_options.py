@@ -1,0 +1,86 @@
+"""Options and their prices: migration by hand, the re-solve against brute force on <= 8 devices."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hlomap.cost.cluster import load_cluster
+from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.tasks.pipeline.bruteforce import brute_force
+from hlomap.tasks.placement.pipeline_costs import PipelineModel
+from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Option, RunningPlan, Workload, best_move,
+                                         candidates, migration, resolve, step_seconds)
+from hlomap.tasks.replan.trace import Event, Trace
+
+from tests.tasks.replan.helpers import small_workload
+
+
+def _four_blocks() -> Workload:
+    profile = PipelineProfile(names=("a", "b", "c", "d"), forward_time=np.full(4, 1e-3), backward_time=np.full(4, 2e-3),
+                              activation_bytes=np.full(3, 1e6), parameter_bytes=np.array([1e8, 2e8, 3e8, 4e8]))
+    return Workload(profile, microbatches=4, replication=(1, 2), max_stages=2)
+
+
+def test_migration_by_hand():
+    cluster = load_cluster("hier:2x2")  # 0,1 | 2,3: NVLink inside, 25 GbE between
+    state = Trace("t", cluster, 10.0, ()).states()[0][1]
+    workload = _four_blocks()
+    old = RunningPlan((0, 2, 4), ((0, 1), (2, 3)))
+    new = RunningPlan((0, 3, 4), ((0, 1), (2, 3)))
+    # devices 0 and 1 need block 2 (3e8 parameter bytes): both pull it from device 2 (the first of
+    # the equally fast holders), which sends twice in a row.
+    one = cluster.latency[2, 0] + STATE_FACTOR * 3e8 / cluster.bandwidth[2, 0]
+    moved = migration(workload, old, new, state)
+    assert moved.nbytes == 2 * STATE_FACTOR * 3e8
+    assert moved.seconds == pytest.approx(2 * one, rel=1e-12)
+    assert migration(workload, old, old, state) == (0.0, 0.0)
+
+
+def test_blocks_whose_holders_left_come_from_the_checkpoint():
+    cluster = load_cluster("hier:2x2")
+    state = Trace("t", cluster, 10.0, (Event(1.0, gpus=(2, 0)),)).states()[1][1]
+    workload = _four_blocks()
+    old = RunningPlan((0, 2, 4), ((0, 1), (2, 3)))
+    new = RunningPlan((0, 2, 4), ((0,), (1,)))
+    moved = migration(workload, old, new, state)
+    assert moved.nbytes == STATE_FACTOR * (3e8 + 4e8)
+    assert moved.seconds == pytest.approx(STATE_FACTOR * 7e8 / CHECKPOINT_BANDWIDTH, rel=1e-12)
+    assert math.isinf(step_seconds(workload, old, state, PipelineModel(state.cluster)))  # devices 2, 3 left
+
+
+@pytest.mark.parametrize("gpus", [(2, 2, 2, 2), (2, 0, 2, 1), (1, 2, 2, 0)])
+def test_resolve_is_the_brute_force_optimum_on_the_available_devices(gpus):
+    workload = small_workload()
+    trace = Trace("t", load_cluster("hier:4x2"), 10.0, (Event(1.0, ((0, 2, 2e8),), gpus),))
+    state = trace.states()[1][1]
+    model = PipelineModel(state.cluster)
+    plan, step = resolve(workload, state, model)
+    optimum = brute_force(workload.profile, Links.from_cluster(state.cluster), workload.space())
+    assert step == pytest.approx(optimum.value, rel=1e-9)
+    assert step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
+    assert {d for stage in plan.devices for d in stage} <= set(state.devices)
+
+
+def test_the_best_move_shifts_one_boundary_and_is_the_fastest_such():
+    workload = small_workload()
+    trace = Trace("t", load_cluster("hier:4x2"), 10.0, (Event(1.0, ((0, 1, 5e7), (1, 2, 5e7))),))
+    state = trace.states()[1][1]
+    model = PipelineModel(state.cluster)
+    running = RunningPlan((0, 6, 7, 8), ((0, 1, 2, 3), (4, 5), (6, 7)))  # stage 0 all-reduces over the slow link
+    moved = best_move(workload, running, state, model)
+    keep = step_seconds(workload, running, state, model)
+    every = []
+    for cut in range(2):
+        for b in range(running.bounds[cut] + 1, running.bounds[cut + 2]):
+            bounds = list(running.bounds)
+            bounds[cut + 1] = b
+            if 0 < abs(b - running.bounds[cut + 1]) <= 4:
+                every.append(step_seconds(workload, RunningPlan(tuple(bounds), running.devices), state, model))
+    assert moved is not None and moved[1] == pytest.approx(min(every)) and moved[1] < keep
+    assert sum(a != b for a, b in zip(moved[0].bounds, running.bounds)) == 1
+    offered = candidates(workload, running, state, model, resolve(workload, state, model))
+    assert [c.option for c in offered][:2] == [Option.KEEP, Option.MOVE]

@@ -1,0 +1,106 @@
+"""Policies over traces: the oracle against brute force over plan sequences (8 devices), the
+ordering static <= arbiter <= oracle on a bandwidth drop, forced re-plans, the meta network."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from hlomap.cost.cluster import load_cluster
+from hlomap.tasks.replan.meta import MetaPolicy, _model, load_network, samples, save_network, train_meta
+from hlomap.tasks.replan.options import Option, initial_plan, migration
+from hlomap.tasks.replan.policies import Policy, Replay, oracle_pool, run
+from hlomap.tasks.replan.trace import Event, Trace
+
+from tests.tasks.replan.helpers import small_workload
+
+SERVERS = [(a, b) for a in range(4) for b in range(a + 1, 4)]
+
+
+def _drop(share: float, at: float) -> Event:
+    base = load_cluster("hier:4x2").bandwidth[0, 2]
+    return Event(at, tuple((a, b, base * share) for a, b in SERVERS))
+
+
+def _horizon_iterations(replay: Replay, initial, sequence) -> float:
+    """Iterations trained by the horizon holding `sequence[i]` from change i, migration blocking
+    (an accounting written apart from the policies' own)."""
+    times = [t for t, _ in replay.states] + [replay.trace.horizon]
+    total, carry, current = 0.0, 0.0, initial
+    for i, plan in enumerate(sequence):
+        state = replay.states[i][1]
+        step = replay.step_seconds(i, plan)
+        if not math.isfinite(step):
+            return -math.inf  # a plan on devices that left (or out of memory) cannot be chosen
+        blocked = carry + (migration(replay.workload, current, plan, state).seconds if plan != current else 0.0)
+        length = times[i + 1] - times[i]
+        total += max(length - blocked, 0.0) / step
+        carry, current = max(blocked - length, 0.0), plan
+    return total
+
+
+def test_the_oracle_is_the_best_sequence_of_its_plans():
+    workload = small_workload()
+    trace = Trace("t", load_cluster("hier:4x2"), 4000.0,
+                  (_drop(0.05, 1000.0), Event(2000.0, gpus=(2, 0, 2, 2)), Event(3000.0, gpus=(2, 2, 2, 2))))
+    replay = Replay(trace, workload)
+    initial = initial_plan(workload, replay.states[0][1])
+    pool = oracle_pool(replay, initial)
+    assert 2 <= len(pool) <= 10
+    best = max(_horizon_iterations(replay, initial, seq) for seq in itertools.product(pool, repeat=len(replay.states)))
+    oracle = run(replay, initial, Policy.ORACLE)
+    assert oracle.horizon_iterations == pytest.approx(best, rel=1e-9)
+    for policy in (Policy.STATIC, Policy.RESOLVE, Policy.ARBITER):
+        assert run(replay, initial, policy).horizon_iterations <= oracle.horizon_iterations * (1 + 1e-9)
+
+
+def test_replanning_beats_the_static_plan_when_bandwidth_drops():
+    # One GPU per server: stage replicas all-reduce over the network, so a slow network calls for
+    # another plan.
+    cluster = load_cluster("hier:8x1")
+    base = cluster.bandwidth[0, 1]
+    drop = Event(2000.0, tuple((a, b, 0.02 * base) for a in range(8) for b in range(a + 1, 8)))
+    workload = small_workload()
+    replay = Replay(Trace("drop", cluster, 20_000.0, (drop,)), workload)
+    initial = initial_plan(workload, replay.states[0][1])
+    runs = {p: run(replay, initial, p) for p in (Policy.STATIC, Policy.RESOLVE, Policy.ARBITER, Policy.ORACLE)}
+    assert runs[Policy.STATIC].decisions[1].option is Option.KEEP
+    assert runs[Policy.ARBITER].decisions[1].option is not Option.KEEP
+    assert runs[Policy.ARBITER].total_seconds < 0.9 * runs[Policy.STATIC].total_seconds
+    for policy in (Policy.STATIC, Policy.RESOLVE, Policy.ARBITER):
+        assert runs[policy].horizon_iterations <= runs[Policy.ORACLE].horizon_iterations * (1 + 1e-9)
+    assert runs[Policy.STATIC].iterations == runs[Policy.ORACLE].iterations  # one workload for all
+
+
+def test_the_static_plan_replans_only_when_a_server_leaves():
+    workload = small_workload()
+    trace = Trace("leave", load_cluster("hier:4x2"), 10_000.0,
+                  (Event(1000.0, gpus=(2, 2, 0, 2)), Event(5000.0, gpus=(2, 2, 2, 2))))
+    replay = Replay(trace, workload)
+    initial = initial_plan(workload, replay.states[0][1])
+    static = run(replay, initial, Policy.STATIC)
+    assert [d.option for d in static.decisions] == [Option.KEEP, Option.RESOLVE, Option.KEEP]
+    assert static.decisions[1].migration_seconds > 0 and math.isinf(static.decisions[1].keep_seconds)
+    assert all(4 not in stage and 5 not in stage for stage in static.decisions[2].plan.devices)  # stays put
+
+
+def test_the_meta_network_trains_saves_and_chooses(tmp_path):
+    workload = small_workload()
+    trace = Trace("t", load_cluster("hier:4x2"), 8000.0, (_drop(0.05, 1000.0), _drop(1.0, 3000.0),
+                                                           Event(5000.0, gpus=(2, 0, 2, 2))))
+    initial = initial_plan(workload, trace.states()[0][1])
+    data = samples(trace, workload, initial)
+    assert len(data) == 4 and data[0].history.shape[0] == 8
+    assert all(np.isfinite(s.gains).all() for s in data)
+    params, loss = train_meta(data, steps=100)
+    assert loss < float(np.mean([np.sum(s.gains[s.present] ** 2) for s in data])) + 1e-12
+    save_network(tmp_path / "gain.npz", params)
+    model, loaded, meta = load_network(tmp_path / "gain.npz")
+    x = np.stack([s.history for s in data])
+    np.testing.assert_allclose(np.asarray(model.apply(loaded, x)), np.asarray(_model()[0].apply(params, x)), rtol=1e-6)
+    chooser = MetaPolicy(trace.horizon, (model, loaded, meta))
+    result = run(Replay(trace, workload), initial, Policy.META, chooser=chooser)
+    assert len(result.decisions) == 4 and 0.0 <= chooser.agreement <= 1.0
