@@ -33,7 +33,7 @@ import optax
 from hlomap.agents import checkpoint
 from hlomap.agents.networks import Params, PureModel, purify
 from hlomap.tasks.replan.options import Candidate, Option, RunningPlan, Workload
-from hlomap.tasks.replan.policies import Chooser, Policy, Replay, arbiter_choice, run
+from hlomap.tasks.replan.policies import Policy, Replay, arbiter_choice, run
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
 __all__ = ["DEFAULT_NETWORK", "GainNetwork", "MetaPolicy", "Sample", "hold_gains", "load_network", "samples",
