@@ -164,31 +164,46 @@ def samples(trace: Trace, workload: Workload, initial: RunningPlan) -> list[Samp
 # ---------------------------------------------------------------------------------------------
 
 
-def train_meta(data: Sequence[Sample], *, steps: int = 2000, learning_rate: float = 3e-3, seed: int = 0
+def _arrays(data: Sequence[Sample]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return (jnp.asarray(np.stack([s.history for s in data])), jnp.asarray(np.stack([s.gains for s in data])),
+            jnp.asarray(np.stack([s.present for s in data]).astype(np.float32)))
+
+
+def train_meta(data: Sequence[Sample], *, validation: Sequence[Sample] = (), steps: int = 2000,
+               learning_rate: float = 3e-3, weight_decay: float = 1e-3, check_every: int = 25, seed: int = 0
                ) -> tuple[Params, float]:
-    """Fit the network to the samples' gains (masked mean squared error, full batch, Adam);
-    returns the parameters and the final loss."""
+    """Fit the network to the samples' gains (masked mean squared error, full batch, AdamW).
+    With `validation` samples, keep the parameters with the least validation loss (checked every
+    `check_every` steps); returns them and that loss (else the last parameters and the training
+    loss)."""
     model, params = _model(seed)
-    x = jnp.asarray(np.stack([s.history for s in data]))
-    y = jnp.asarray(np.stack([s.gains for s in data]))
-    mask = jnp.asarray(np.stack([s.present for s in data]).astype(np.float32))
-    optimizer = optax.adam(learning_rate)
+    x, y, mask = _arrays(data)
+    optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
     state = optimizer.init(params)
 
-    def loss_fn(p: Params) -> jax.Array:
+    def loss_fn(p: Params, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
         error = (model.apply(p, x) - y) * mask
         return jnp.sum(error**2) / jnp.maximum(jnp.sum(mask), 1.0)
 
     @jax.jit
     def step(p: Params, s: Any) -> tuple[Params, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(p)
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y, mask)
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
+    held = _arrays(validation) if validation else None
+    evaluate = jax.jit(loss_fn)
+    best, best_loss = params, math.inf
     loss = jnp.inf
-    for _ in range(steps):
+    for k in range(steps):
         params, state, loss = step(params, state)
-    return params, float(loss)
+        if held is not None and (k + 1) % check_every == 0:
+            score = float(evaluate(params, *held))
+            if score < best_loss:
+                best, best_loss = params, score
+    if held is None:
+        return params, float(loss)
+    return best, best_loss
 
 
 def save_network(path: str | Path, params: Params, extra: dict[str, Any] | None = None) -> None:
