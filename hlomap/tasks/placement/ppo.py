@@ -24,7 +24,8 @@ heuristic), keeping the network with the best validation gain. It ships as `data
 (rebuilt by `scripts/train_placement_policy.py`), saved and loaded like the pipeline-cut
 inference network. At use (`ppo_search`): optionally fine-tune on the problem itself, infer (the
 greedy rollout, then sampled rollouts for a share of the budget), then polish the best placement
-with the greedy solver's local search for the rest of the budget.
+(or the plan's own order, when that is faster) with the greedy solver's local search for the rest
+of the budget.
 """
 
 from __future__ import annotations
@@ -429,11 +430,16 @@ def ppo_search(problem: PlacementProblem, budget: Budget = Budget(60.0, None), s
         if candidate_value < value:
             order, value = candidate, candidate_value
     notes.append(f"{rollouts} rollouts, best {value:.6g} s")
-    if clock.exhausted():  # no budget left to polish with
+    identity = new_state(problem)
+    if clock.exhausted():  # no budget left to polish with: the better of the rollouts and the plan as given
+        if identity.value < value:
+            order, value = identity.order, identity.value
+            notes.append("kept the identity order")
         return PlacementResult(Solver.PPO, tuple(int(d) for d in order[: problem.n_positions]), value,
-                               new_state(problem).value, clock.evaluations, clock.seconds, notes=tuple(notes))
+                               identity.value, clock.evaluations, clock.seconds, notes=tuple(notes))
     rest = Budget(None if budget.seconds is None else budget.seconds - clock.seconds,
                   None if budget.evaluations is None else budget.evaluations - clock.evaluations)
-    polished = greedy_search(problem, rest, seed, starts=[order], solver=Solver.PPO)
+    # The local search starts from the better of the policy's placement and the plan as given.
+    polished = greedy_search(problem, rest, seed, starts=[order, identity.order], solver=Solver.PPO)
     return dataclasses.replace(polished, evaluations=polished.evaluations + clock.evaluations,
                                seconds=polished.seconds + clock.seconds, notes=tuple(notes) + polished.notes)
