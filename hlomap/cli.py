@@ -327,8 +327,10 @@ def _pipeline_source(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.plan import write_atomic
     from hlomap.report.gantt import draw_gantt
     from hlomap.report.pipeline import format_pipeline_result, gantt_title
+    from hlomap.report.sharding import progress_bar
     from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan
 
     if args.agent not in PIPELINE_AGENTS:
@@ -339,24 +341,30 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     _check_output(timeline)
     cluster = _cluster_argument(args.cluster, args.profile)
     source, cap = _pipeline_source(args)
-    if not args.quiet:
-        print(f"searching {args.stages}-stage cuts with {args.agent} ...", file=sys.stderr)
-    result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
-                              cluster=cluster, agent=args.agent, seed=args.seed,
-                              budget_seconds=args.budget_seconds, episodes=args.episodes,
-                              finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp,
-                              name=args.source)
+
+    def save(result: Any) -> None:
+        if cap is not None:
+            pipeline_plan(cap, result, seed=args.seed).save(output)
+        else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
+            write_atomic(output, json.dumps(result.to_json(), indent=1) + "\n")
+
+    with progress_bar(not args.quiet, description=f"pipeline / {args.agent}") as on_progress:
+        result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches,
+                                  schedule=args.schedule, cluster=cluster, agent=args.agent, seed=args.seed,
+                                  budget_seconds=args.budget_seconds, episodes=args.episodes,
+                                  finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp,
+                                  name=args.source, on_best=save, on_progress=on_progress)
+    save(result)
     draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
-    if cap is not None:
-        pipeline_plan(cap, result, seed=args.seed).save(output)
-    else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
-        output.write_text(json.dumps(result.to_json(), indent=1) + "\n")
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         _console().print(format_pipeline_result(result))
     print(f"plan: {output}; timeline: {timeline}", file=sys.stderr)
+    if result.interrupted:
+        print("interrupted: the best plan found so far is saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0 if not result.simulation.violations or not args.fail_if_oom else 3
 
 

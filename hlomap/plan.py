@@ -20,8 +20,11 @@ import enum
 import json
 import logging
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -268,9 +271,9 @@ class Plan:
             raise ValueError(f"{where}: malformed plan JSON: {exc!r}") from exc
 
     def save(self, path: str | PathLike[str]) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+        """Write the plan as JSON, atomically (a search saving its best plan so far is never
+        caught half-written), with the permissions of a newly created file."""
+        write_atomic(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | PathLike[str], *, cap: Capture | None = None, mesh: Any = None) -> Plan:
@@ -430,6 +433,22 @@ def resolve_plan(graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | MeshAx
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename; the
+    file gets the mode open() would give it (0666 less the umask), not mkstemp's 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _conflict_message(conflicts: Sequence[Conflict]) -> str:

@@ -30,6 +30,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -42,9 +43,11 @@ from hlomap.report.gantt import draw_gantt
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.pipedream import load_pipedream
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
-from hlomap.tasks.pipeline.baselines import first_candidates, random_candidates
 from hlomap.tasks.pipeline.cutenv import CutTask
-from hlomap.tasks.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import dqn_search
+from hlomap.search.random import random_search
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.infer import infer_cuts
 from hlomap.tasks.pipeline.normalize import coarsen
 
@@ -56,6 +59,11 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "pi
 
 def _load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def _value(cut: Any) -> float:
+    """L or the bottleneck of a plan, infinite when it does not fit in memory."""
+    return cut.value if cut.feasible else math.inf
 
 
 def _gap(value: float, optimum: float) -> str:
@@ -152,10 +160,14 @@ def main() -> None:
             optimum = with_comm.value
             coarse, _ = coarsen(profile, args.dqn_pivots)
             task = CutTask(coarse, links, space, n_stages)
-            found = dqn_search(task, SearchBudget(max_episodes=args.dqn_episodes), seed=args.seed)
+            search = CutSearchTask(task)
+            found = dqn_search(search, Budget(episodes=args.dqn_episodes, seconds=None), seed=args.seed)
+            dqn = search.cut_plan(found.decisions)
             same = solve(coarse, links, space).value if coarse is not profile else None
-            first = first_candidates(task, ONLINE_CANDIDATES)
-            randomly = random_candidates(task, ONLINE_CANDIDATES, found.episodes, seed=args.seed)
+            first = _value(search.cut_plan(CutSearchTask(task).initial()))
+            randomly = random_search(CutSearchTask(task), Budget(episodes=found.episodes, seconds=None),
+                                     seed=args.seed)
+            random_value = _value(search.cut_plan(randomly.decisions))
             # The inference network coarsens the full profile to its own 128 points.
             inferred = infer_cuts(CutTask(profile, links, space, n_stages), policy,
                                   seed=args.seed)
@@ -163,14 +175,14 @@ def main() -> None:
                 path.stem, str(n_stages), f"{optimum:.6g}",
                 f"{coarse.n_pivots}/{profile.n_pivots}",
                 f"{same:.6g}" if same is not None else "same",
-                f"{found.value:.6g}", _gap(found.value, optimum),
-                f"{found.found_at_episode}/{found.episodes}", f"{found.seconds:.1f}",
-                _gap(first.value, optimum), _gap(randomly.value, optimum),
+                f"{_value(dqn):.6g}", _gap(_value(dqn), optimum),
+                f"{found.improvements[-1].evaluation}/{found.episodes}", f"{found.seconds:.1f}",
+                _gap(first, optimum), _gap(random_value, optimum),
                 f"{inferred.value:.6g}", _gap(inferred.value, optimum),
                 f"{inferred.seconds:.2f}",
             )
             console.print(f"  {path.stem} S={n_stages}: DP {optimum:.6g}, DQN "
-                          f"{_gap(found.value, optimum)} in {found.seconds:.1f} s, inference "
+                          f"{_gap(_value(dqn), optimum)} in {found.seconds:.1f} s, inference "
                           f"{_gap(inferred.value, optimum)}")
     console.print(optima)
     console.print(

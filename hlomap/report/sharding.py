@@ -49,7 +49,7 @@ def plot_convergence(results: Sequence[SearchResult], path: str | PathLike[str],
     if optimum is not None:
         ax.axhline(optimum, ls="--", color="k", lw=1, label=f"optimum {optimum:.4g}")
     ax.set_xlabel("episode / evaluated plan")
-    ax.set_ylabel(f"score ({results[0].reward.value} reward)" if results else "score")
+    ax.set_ylabel(f"score ({results[0].reward} reward)" if results else "score")
     if title:
         ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8)

@@ -51,6 +51,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hlomap.agents.environment import TimeStep, restart, termination, transition
+from hlomap.search.score import Score
+from hlomap.search.task import EpisodeOutcome
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.profile import PipelineProfile
@@ -64,7 +66,7 @@ __all__ = [
     "AffineMax",
     "CutEnv",
     "CutTask",
-    "EpisodeOutcome",
+    "CutPlan",
     "allreduce_cost",
     "center_device_bounds",
     "transfer_cost",
@@ -185,7 +187,7 @@ class CutTask:
         return center_device_bounds(self.links, self.n_stages)
 
 
-class EpisodeOutcome(NamedTuple):
+class CutPlan(NamedTuple):
     """The plan an episode built and what it is worth."""
 
     plan: PipelinePlan
@@ -267,7 +269,9 @@ class CutEnv:
             self.observation_size = ranked * _F + 4 * self.slots + n_globals
             self.num_actions = ranked
         self._order = np.full(ranked or 0, -1, dtype=np.int64)
-        self.outcome: EpisodeOutcome | None = None
+        self.outcome: CutPlan | None = None
+        #: complete plans this environment has priced (episodes that reached their last cut)
+        self.plans_scored = 0
         self._reset_state()
 
     # ---- link costs (memoized per device group) -----------------------------------------------
@@ -334,6 +338,7 @@ class CutEnv:
         self.decided = _Decided()
         self.potential = 0.0
         self.actions: list[int] = []
+        self.episode_return = 0.0
         self._cache: dict[str, np.ndarray] = {}
 
     def reset(self, seed: int = 0) -> TimeStep:
@@ -556,6 +561,7 @@ class CutEnv:
             final = self.score(outcome.value) if outcome.feasible else -self.task.oom_penalty
             self.potential = 0.0
             reward = final - old if self.shaping else final
+            self.episode_return += reward
             observation = np.zeros(self.observation_size, np.float32)
             return termination(observation, reward, np.zeros(self.num_actions, dtype=bool))
         observation, legal = self._observe()
@@ -563,19 +569,69 @@ class CutEnv:
             self.outcome = None
             self.potential = 0.0
             penalty = -self.task.oom_penalty
+            self.episode_return += penalty - old if self.shaping else penalty
             return termination(observation, penalty - old if self.shaping else penalty, legal)
         self.potential = float(self._cache["best"])
         shaped = self.potential - old if self.shaping else 0.0
+        self.episode_return += shaped
         return transition(observation, shaped, legal)
 
-    def _finish(self) -> EpisodeOutcome:
+    def _finish(self) -> CutPlan:
         plan = self.plan(self.cuts, self.bounds)
         task = self.task
         cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
         value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
         feasible = cost.feasible or not task.space.check_memory
-        self.outcome = EpisodeOutcome(plan, cost, value, feasible)
+        self.outcome = CutPlan(plan, cost, value, feasible)
+        self.plans_scored += 1
         return self.outcome
+
+    # ---- what a search driver needs (`hlomap.search.task.TaskEnv`) -----------------------------
+    @property
+    def position(self) -> int:
+        return self.step_index
+
+    @property
+    def last_outcome(self) -> EpisodeOutcome | None:
+        """The finished episode as a search driver sees it (None at a dead end)."""
+        if self.outcome is None:
+            return None
+        decisions = decisions_of(self.outcome.plan)
+        return EpisodeOutcome(decisions, len(self.cuts), self.episode_return, self.plan_score(self.outcome))
+
+    def plan_score(self, cut: CutPlan) -> Score:
+        """A plan's search score: ref / value (the reward), above every plan out of memory,
+        which scores in [-1, -0.5] (less negative the faster it would be); latency breaks
+        bottleneck ties, as the DP does."""
+        value = float(self.score(cut.value))
+        if not cut.feasible:
+            value = -1.0 + 0.5 * min(value, 1.0)
+        tiebreak = float(self.score(cut.cost.latency)) if self.task.space.objective is Objective.BOTTLENECK else 0.0
+        return Score(value, tiebreak, True, cut.feasible, cut.cost.latency, max(cut.cost.stage_memory))
+
+    def replay_action(self, decisions: np.ndarray) -> int:
+        """The action placing this step's cut and device bound as `decisions` does (pivots of
+        the cuts, then the device bounds, as `decisions_of`); the best-estimated legal action
+        when that cut is not among this state's actions."""
+        k, cuts = self.step_index, (len(decisions) // 2)
+        pivot, bound = int(decisions[k]), int(decisions[cuts + k])
+        cache = self._cache
+        legal = cache["legal"]
+        for j in np.flatnonzero(cache["options"] == bound):
+            slots = np.flatnonzero((self.slot_pivot == pivot) & legal[j])
+            if slots.size:
+                flat = int(j) * self.slots + int(slots[0])
+                if self.ranked is None:
+                    return flat
+                hits = np.flatnonzero(self._order == flat)
+                if hits.size:
+                    return int(hits[0])
+        if self.ranked is not None:
+            return 0
+        return int(np.flatnonzero(legal.reshape(-1))[0])
+
+    def set_replaying(self, replaying: bool) -> None:
+        """Legality does not depend on replaying here: every legal cut keeps the plan valid."""
 
     def plan(self, cuts: Sequence[int], bounds: Sequence[int]) -> PipelinePlan:
         """The plan of pivots `cuts` (S - 1) and device bounds (S + 1, from 0 to D)."""
@@ -587,3 +643,9 @@ class CutEnv:
         space = self.task.space
         return PipelinePlan(stages=stages, microbatches=space.microbatches,
                             schedule=space.schedule)
+
+
+def decisions_of(plan: PipelinePlan) -> np.ndarray:
+    """A plan as a search's decision vector: the pivots of its S - 1 cuts, then the first
+    device of stages 1..S-1."""
+    return np.asarray([*plan.cuts, *(stage.devices[0] for stage in plan.stages[1:])], dtype=np.int64)

@@ -23,12 +23,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.search.budget import Budget
+from hlomap.search.drivers import run_driver
+from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
@@ -55,8 +58,11 @@ log = logging.getLogger(__name__)
 
 
 class PipelineAgent(enum.Enum):
+    """How the cuts are found: the DQN driver trained online on this model (section 3.4), the
+    shipped inference network, optionally fine-tuned (section 3.5), or the exact DP."""
+
     DQN = "dqn"
-    DQN_INFER = "dqn-infer"
+    INFER = "dqn-infer"
     DP = "dp"
 
 
@@ -97,6 +103,7 @@ class PipelineResult:
     episodes: int
     optimum: float | None  # the DP's L (or bottleneck) when compared, else None
     objective: Objective
+    interrupted: bool = False  # Ctrl-C ended the search; the plan is the best found so far
 
     @property
     def latency(self) -> float:
@@ -150,6 +157,7 @@ class PipelineResult:
             "memory_violations": [str(v) for v in self.simulation.violations],
             "search_seconds": self.search_seconds,
             "episodes": self.episodes,
+            "interrupted": self.interrupted,
             "optimum": self.optimum,
         }
 
@@ -233,6 +241,8 @@ def explore_pipeline(
     policy_path: str | Path | None = None,
     compare_dp: bool = False,
     name: str | None = None,
+    on_best: Callable[[PipelineResult], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> PipelineResult:
     """Find a pipeline plan of `stages` stages for `source` (module docstring).
 
@@ -243,6 +253,10 @@ def explore_pipeline(
       limit; finetune_episodes: for dqn-infer, 0 for inference alone.
     compare_dp: also run the DP and report the gap to its optimum.
     name: how to call the source in reports (default: its profile's source).
+    on_best: called with the result of every better plan the search finds (to save it as the
+    search runs);
+    on_progress: the driver's progress reports. Ctrl-C ends a search with its best plan so far
+    (`PipelineResult.interrupted`).
     """
     agent = PipelineAgent(agent)
     schedule = Schedule(schedule)
@@ -266,50 +280,47 @@ def explore_pipeline(
         objective=objective, device_radius=device_radius, require_trainable=require_trainable,
     ) if stages > 1 else None
     start = time.perf_counter()
-    episodes_run = 0
     space = task.space if task is not None else SearchSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
         replication=(links.n_devices,), max_stages=1)
+    label = name or (hlo.source if hlo is not None else profile.source)
+
+    def result_of(plan: PipelinePlan, episodes_run: int = 0, interrupted: bool = False,
+                  optimum: float | None = None) -> PipelineResult:
+        device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
+        return PipelineResult(
+            source=label, agent=agent, profile=profile, plan=plan,
+            cost=evaluate_plan(profile, links, plan, space.cost),
+            simulation=simulate(profile, links, plan, space.cost),
+            cuts=_describe(hlo, profile, plan), device_cuts=device_cuts, replication=plan.replication,
+            device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
+            on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
+            search_seconds=time.perf_counter() - start, episodes=episodes_run, optimum=optimum,
+            objective=objective, interrupted=interrupted,
+        )
+
+    def report_best(found: SearchResult) -> None:
+        if on_best is not None:
+            on_best(result_of(found.plan, found.episodes))
+
+    episodes_run, interrupted = 0, False
     if task is None:  # one stage: data parallel over every device, nothing to search
         plan = PipelinePlan.linear((0, profile.n_layers), (links.n_devices,),
                                    microbatches=microbatches, schedule=schedule)
-    elif agent is PipelineAgent.DP:
-        plan = solve(profile, links, task.space).plan
-    elif agent is PipelineAgent.DQN:
-        found = dqn_search(task, SearchBudget(max_episodes=episodes, seconds=budget_seconds),
-                           seed=seed)
-        plan, episodes_run = found.plan, found.episodes
-    else:
+    elif agent is PipelineAgent.INFER:
         from hlomap.tasks.pipeline.infer import infer_cuts, load_policy
 
-        budget = (SearchBudget(max_episodes=finetune_episodes, seconds=budget_seconds)
+        budget = (Budget(episodes=finetune_episodes, seconds=budget_seconds)
                   if finetune_episodes > 0 else None)
         inferred = infer_cuts(task, load_policy(policy_path), finetune=budget, seed=seed)
         plan, episodes_run = inferred.plan, inferred.finetune_episodes
-    seconds = time.perf_counter() - start
-    cost = evaluate_plan(profile, links, plan, space.cost)
-    simulation = simulate(profile, links, plan, space.cost)
-    optimum = None
-    if compare_dp:
-        optimum = solve(profile, links, space).value
-    device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
-    return PipelineResult(
-        source=name or (hlo.source if hlo is not None else profile.source),
-        agent=agent,
-        profile=profile,
-        plan=plan,
-        cost=cost,
-        simulation=simulation,
-        cuts=_describe(hlo, profile, plan),
-        device_cuts=device_cuts,
-        replication=plan.replication,
-        device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
-        on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
-        search_seconds=seconds,
-        episodes=episodes_run,
-        optimum=optimum,
-        objective=objective,
-    )
+    else:
+        driver = Driver.EXACT if agent is PipelineAgent.DP else Driver.DQN
+        found = run_driver(CutSearchTask(task), driver, Budget(episodes=episodes, seconds=budget_seconds),
+                           seed, on_best=report_best, on_progress=on_progress)
+        plan, episodes_run, interrupted = found.plan, found.episodes, found.interrupted
+    optimum = solve(profile, links, space).value if compare_dp else None
+    return result_of(plan, episodes_run, interrupted, optimum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +354,7 @@ def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Pla
                        for p in cap.parameters)
     search = {"task": "pipeline", "driver": result.agent.value, "reward": result.objective.value,
               "episodes": result.episodes, "evaluations": result.episodes,
-              "seconds": round(result.search_seconds, 3), "seed": seed}
+              "seconds": round(result.search_seconds, 3), "seed": seed, "interrupted": result.interrupted}
     if result.optimum is not None:
         search["optimum"] = result.optimum
     plan = Plan(mesh=(), parameters=parameters, source=PlanSource(cap.source, cap.text_sha256))
@@ -356,15 +367,24 @@ def explore_pipeline_plan(cap: Any, *, cluster: Any = "A", agent: str = "dqn", b
                           **options: Any) -> Plan:
     """`hlomap.explore(cap, task="pipeline")`: the pipeline explorer's result as a `Plan`, every
     parameter replicated inside its stage and the `pipeline` section holding the stages,
-    microbatches and schedule. Default stages: one per server of the cluster."""
+    microbatches and schedule. Default stages: one per server of the cluster. With `output`,
+    the best plan so far is saved there as the search improves it (Ctrl-C keeps it)."""
     agents = [a.value for a in PipelineAgent]
     if agent not in agents:
         raise ValueError(f"agent {agent!r}: the pipeline task takes {', '.join(agents)}")
     if stages is None:
         links, _ = cluster_links(cluster)
         stages = len(set(links.node_of))
+    user_on_best = options.pop("on_best", None)
+
+    def on_best(partial: PipelineResult) -> None:
+        if output is not None:
+            pipeline_plan(cap, partial, seed=seed).save(output)
+        if user_on_best is not None:
+            user_on_best(partial)
+
     result = explore_pipeline(cap, stages=stages, cluster=cluster, agent=agent, seed=seed,
-                              budget_seconds=budget_seconds, **options)
+                              budget_seconds=budget_seconds, on_best=on_best, **options)
     plan = pipeline_plan(cap, result, seed=seed)
     if output is not None:
         plan.save(output)

@@ -26,7 +26,9 @@ from hlomap.agents.dqn import DqnAgent, DqnConfig, DqnFunctions, make_dqn
 from hlomap.agents.loop import EpisodeRecord, LoopConfig, run_loop
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.tasks.pipeline.cutenv import FEATURES, MAX_STAGES, CutEnv, CutTask
-from hlomap.tasks.pipeline.dqn_search import SearchBudget, dqn_search, greedy_rollout
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import dqn_search, greedy_episode
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.normalize import (CANDIDATES, SLOTS, GeneratorSpec, RandomCutEnv, coarsen,
                                        random_task)
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: The shipped policy (package data).
 DEFAULT_POLICY = Path(__file__).resolve().parent / "data" / "cut_policy.npz"
+#: Fraction of a fine-tuning run over which epsilon decays from 0.3 to its floor.
+FINETUNE_EXPLORATION = 0.6
 #: Bump when the observation layout changes: old policy files are then refused.
 LAYOUT_VERSION = 1
 _KIND = "pipeline-cut-policy"
@@ -189,7 +193,9 @@ def validate(agent: DqnAgent, tasks: list[tuple[CutTask, float]], slots: int = S
     """Greedy plans of `agent` on `tasks` against their optima."""
     gaps, infeasible = [], 0
     for task, optimum in tasks:
-        outcome, _ = greedy_rollout(CutEnv(task, slots=slots, ranked=CANDIDATES), agent)
+        env = CutEnv(task, slots=slots, ranked=CANDIDATES)
+        greedy_episode(env, agent)
+        outcome = env.outcome
         if outcome is None or not outcome.feasible:
             infeasible += 1
             gaps.append(np.inf)
@@ -285,10 +291,11 @@ def infer_cuts(
     task: CutTask,
     policy: Policy | None = None,
     *,
-    finetune: SearchBudget | None = None,
+    finetune: Budget | None = None,
     seed: int = 0,
 ) -> InferenceResult:
-    """Cuts for `task` from the inference network, optionally fine-tuned on the task."""
+    """Cuts for `task` from the inference network, optionally fine-tuned on the task (with the
+    DQN driver, from the network's parameters, for `finetune`'s episodes or seconds)."""
     if task.device_radius != 0:
         raise ValueError("the inference network places device cuts at the center solution only "
                          f"(device_radius 0); got {task.device_radius}")
@@ -299,23 +306,24 @@ def infer_cuts(
     coarse_profile, kept = coarsen(task.profile, slots)
     coarse = replace(task, profile=coarse_profile)
     agent = policy.agent(seed)
-    outcome, _ = greedy_rollout(CutEnv(coarse, slots=slots, ranked=ranked), agent)
+    env = CutEnv(coarse, slots=slots, ranked=ranked)
+    greedy_episode(env, agent)
+    outcome = env.outcome
     inference_value = (outcome.value if outcome is not None and outcome.feasible
                        else float("inf"))
     best_plan = outcome.plan if outcome is not None else None
     episodes = 0
     if finetune is not None:
+        planned = finetune.episodes or finetune.evaluations or 1000
         config = replace(policy.config, epsilon_start=0.3, epsilon_end=0.02,
-                         epsilon_decay_steps=max(1, int(finetune.exploration
-                                                        * finetune.max_episodes
-                                                        * (task.n_stages - 1))),
+                         epsilon_decay_steps=max(1, int(FINETUNE_EXPLORATION * planned * (task.n_stages - 1))),
                          min_replay_size=64, update_period=2, batch_size=32)
-        found = dqn_search(coarse, finetune, seed=seed, config=config, params=policy.params,
-                           slots=slots, ranked=ranked)
+        search_task = CutSearchTask(coarse, slots=slots, ranked=ranked)
+        found = dqn_search(search_task, finetune, seed, agent_config=config, params=policy.params)
         episodes = found.episodes
-        if outcome is None or not outcome.feasible or (found.feasible
-                                                       and found.value < outcome.value):
-            best_plan = found.plan
+        tuned = search_task.cut_plan(found.decisions)
+        if outcome is None or not outcome.feasible or (tuned.feasible and tuned.value < outcome.value):
+            best_plan = tuned.plan
     if best_plan is None:
         raise NoFeasiblePlan(f"{task.profile.source}: the inference network reached a dead end")
     plan = _lift(task, best_plan, kept)

@@ -13,7 +13,7 @@ from hlomap.cost.pipeline.links import Links
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.space import SearchSpace
 from hlomap.tasks.pipeline.cutenv import CutEnv, CutTask
-from hlomap.tasks.pipeline.dqn_search import SearchBudget
+from hlomap.search.budget import Budget
 from hlomap.tasks.pipeline.infer import (
     DEFAULT_POLICY,
     TrainingConfig,
@@ -97,7 +97,7 @@ def test_inferred_cuts_are_plans_of_the_original_profile(tiny_policy):
 def test_fine_tuning_never_ends_worse_than_inference(tiny_policy):
     path, _ = tiny_policy
     task = _task(stages=2)
-    result = infer_cuts(task, load_policy(path), finetune=SearchBudget(max_episodes=30))
+    result = infer_cuts(task, load_policy(path), finetune=Budget(episodes=30, seconds=None))
     assert result.finetune_episodes == 30
     assert result.value <= result.inference_value * (1 + 1e-12)
 
