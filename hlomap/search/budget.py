@@ -13,12 +13,15 @@ class Budget:
     none, only drivers that end by themselves, exact and greedy, accept it).
 
     evaluations: complete plans scored (every episode, greedy candidate or enumerated plan);
-    episodes: learning episodes of a learned driver (its greedy checks not counted).
+    episodes: learning episodes of a learned driver (its greedy checks not counted);
+    settle: a budgeted search (DQN, random) also stops once it has nothing left to find: its best
+    plan reached the task's proven optimum, or it has scored every plan of a small space.
     """
 
     seconds: float | None = 60.0
     evaluations: int | None = None
     episodes: int | None = None
+    settle: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seconds", "evaluations", "episodes"):

@@ -125,6 +125,16 @@ class SearchTask(Protocol):
         when the driver should play the environment instead."""
         ...
 
+    def known_optimum(self) -> Score | None:
+        """The optimum's score when the task can prove it cheaply (a small MILP), else None:
+        drivers stop once they reach it."""
+        ...
+
+    def plan_count(self) -> int | None:
+        """How many distinct conflict-free plans there are, when few enough to count, else
+        None: drivers stop once they have scored all of them."""
+        ...
+
     def solve_exactly(self, tracker: Any) -> None:
         """Find the optimum, recording every plan it scores in `tracker` and setting
         `tracker.optimal` when proven (raises when the task is too large to solve exactly)."""

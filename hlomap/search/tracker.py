@@ -124,6 +124,12 @@ class Tracker:
         self.interrupted = False
         self.optimal = False
         self.notes: list[str] = []
+        # What the task knows without searching: a proven optimum's score, or how many plans
+        # there are at all; a search that reaches either has nothing left to find.
+        settles = budget.settle and driver in (Driver.DQN, Driver.RANDOM)
+        self.ceiling: Score | None = task.known_optimum() if settles else None
+        self.universe: int | None = task.plan_count() if settles else None
+        self._seen: set[bytes] = set()
 
     # -- accounting -----------------------------------------------------------------------------
     @property
@@ -145,7 +151,7 @@ class Tracker:
         return float(min(1.0, max(parts, default=0.0)))
 
     def exhausted(self) -> bool:
-        if self.interrupted:
+        if self.interrupted or self.optimal:
             return True
         if self.budget.evaluations is not None and self.evaluations >= self.budget.evaluations:
             return True
@@ -163,6 +169,25 @@ class Tracker:
         """Note one scored plan; returns True when it is the new best."""
         if curve:
             self.curve.append(score.value)
+        if self.universe is not None and score.conflict_free:
+            self._seen.add(np.asarray(decisions).tobytes())
+        improved = self._improve(decisions, score)
+        self._settle()
+        return improved
+
+    def _settle(self) -> None:
+        """Mark the search optimal (so it stops) once its best is the proven optimum or every
+        plan of the space has been scored."""
+        if self.optimal or self.best_choices is None:
+            return
+        if self.ceiling is not None and self.best.key >= self.ceiling.key:
+            self.optimal = True
+            self.notes.append("stopped at the proven optimum (the exact solver's score)")
+        elif self.universe is not None and len(self._seen) >= self.universe:
+            self.optimal = True
+            self.notes.append(f"stopped after scoring every one of the {self.universe} conflict-free plans")
+
+    def _improve(self, decisions: np.ndarray, score: Score) -> bool:
         if score.conflict_free and score.key > self.best.key:
             self.best = score
             self.best_choices = np.array(decisions, copy=True)

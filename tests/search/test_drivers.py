@@ -128,7 +128,7 @@ def test_dqn_learns_the_paper_optimum_and_beats_random(graph_of, axes8) -> None:
     same evaluation budget and against the MILP optimum."""
     space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
     optimum = exact_search(ShardingTask(space, PaperObjective(space))).score.value
-    budget = Budget(seconds=None, evaluations=400)
+    budget = Budget(seconds=None, evaluations=400, settle=False)  # the whole learning curve
     dqn = dqn_search(ShardingTask(space, PaperObjective(space)), budget, 0, config=DqnSearchConfig(fine_tune=False))
     rnd = random_search(ShardingTask(space, PaperObjective(space)), budget, 0)
     assert dqn.evaluations <= 400 and rnd.evaluations <= 400
@@ -142,10 +142,31 @@ def test_dqn_learns_the_paper_optimum_and_beats_random(graph_of, axes8) -> None:
 def test_fine_tuning_reaches_the_optimum_sooner(graph_of, axes8) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
     optimum = exact_search(ShardingTask(space, PaperObjective(space))).score.value
-    budget = Budget(seconds=None, evaluations=250)
+    budget = Budget(seconds=None, evaluations=250, settle=False)
     tuned = dqn_search(ShardingTask(space, PaperObjective(space)), budget, 0)
     plain = dqn_search(ShardingTask(space, PaperObjective(space)), budget, 0, config=DqnSearchConfig(fine_tune=False))
     assert tuned.score.value == pytest.approx(optimum)
     assert "0 fine-tuning" not in tuned.notes[0]
     at_plain = _first_at(plain, optimum)
     assert _first_at(tuned, optimum) < (at_plain if at_plain is not None else 10**9)
+
+
+def test_a_search_stops_at_the_proven_optimum(graph_of, axes8) -> None:
+    """ADP with the paper reward: the MILP proves the optimum in milliseconds, so a DQN or random
+    search with a long budget stops once it has found it instead of spending the budget."""
+    space = adp_space(graph_of("gpt-tiny"), axes8)
+    optimum = exact_search(ShardingTask(space, PaperObjective(space))).score
+    for driver in (dqn_search, random_search):
+        result = driver(ShardingTask(space, PaperObjective(space)), Budget(seconds=60, evaluations=5000), 0)
+        assert result.optimal and result.score.key == optimum.key, driver
+        assert result.evaluations < 5000 and any("proven optimum" in n for n in result.notes)
+
+
+def test_a_search_stops_after_scoring_every_plan_of_a_small_space(graph_of, axes8) -> None:
+    space = adp_space(graph_of("gpt-tiny"), axes8)
+    gains = {int(g): 1.0 for g in space.groups}
+    task = ShardingTask(space, CostObjective(space, _additive_cost(space, gains)))
+    count = count_conflict_free(space, 512)
+    result = random_search(task, Budget(seconds=60, evaluations=10_000), 0)
+    assert result.optimal and f"every one of the {count}" in result.notes[-1]
+    assert result.score.value == pytest.approx(exact_search(task).score.value)

@@ -20,11 +20,17 @@ from hlomap.search.dqn import DqnSearchConfig
 from hlomap.search.score import Score
 from hlomap.search.tracker import Tracker
 from hlomap.tasks.sharding.env import EnvConfig, MaskPolicy, PlanEnv
-from hlomap.tasks.sharding.exact import DEFAULT_ENUMERATION_LIMIT, solve_exactly
-from hlomap.tasks.sharding.objective import CONFLICT_REWARD, Objective, RewardMode
+from hlomap.tasks.sharding.exact import DEFAULT_ENUMERATION_LIMIT, count_conflict_free, paper_milp, solve_exactly
+from hlomap.tasks.sharding.objective import CONFLICT_REWARD, Objective, PaperObjective, RewardMode
 from hlomap.tasks.sharding.space import SearchSpace
 
 __all__ = ["ShardingTask", "random_choices", "reward_scale"]
+
+#: Time the MILP may take to prove the paper optimum a search can stop at.
+MILP_SECONDS = 5.0
+#: Spaces with at most this many conflict-free plans are counted, so a search that has scored
+#: them all stops (an ADP space of a few data inputs has a handful).
+COUNT_LIMIT = 512
 
 
 def reward_scale(space: SearchSpace, objective: Objective) -> float:
@@ -173,6 +179,21 @@ class ShardingTask:
         first = self.space.first_conflict(drawn)
         drawn[np.arange(self.space.num_positions)[None, :] > first[:, None]] = -1
         return drawn
+
+    def known_optimum(self) -> Score | None:
+        """The paper reward's optimum from the MILP when HiGHS proves it within a few seconds
+        (the ADP spaces take milliseconds); None for the cost reward."""
+        if not isinstance(self.objective, PaperObjective):
+            return None
+        choices, proven = paper_milp(self.space, time_limit=MILP_SECONDS)
+        if not proven:
+            return None
+        value, tiebreak, ok = self.objective.values(choices[None, :])
+        return Score(float(value[0]), float(tiebreak[0]), bool(ok[0]))
+
+    def plan_count(self) -> int | None:
+        count = count_conflict_free(self.space, COUNT_LIMIT)
+        return count if count <= COUNT_LIMIT else None
 
     def solve_exactly(self, tracker: Tracker) -> None:
         solve_exactly(self.space, self.objective, tracker, limit=self.enumeration_limit)
