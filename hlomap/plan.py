@@ -144,8 +144,8 @@ class Plan:
                     raise PlanConflict(
                         f"inconsistent specs: {p.path!r} dim {d} is split on {axes.describe(o)} but "
                         f"{other.path!r} dim {qd} is split on {axes.describe(int(plan[g]))}; the two dims are "
-                        f"linked through the computation (group {g} of {graph.module.name}, "
-                        f"instructions {p.name!r} and {other.name!r}) and must share one sharding")
+                        f"linked {_linked_through(graph, (q, qd), (p.index, d))}, so they must share one "
+                        f"sharding. {RESHARD_CHOICE}")
                 plan[g] = o
                 owner.setdefault(g, (p.index, d))
         if strict:
@@ -156,8 +156,15 @@ class Plan:
                         q, qd = owner[g]
                         raise PlanConflict(
                             f"inconsistent specs: {p.path!r} dim {d} is replicated but "
-                            f"{cap.parameters[q].path!r} dim {qd}, linked to it, is split on "
+                            f"{cap.parameters[q].path!r} dim {qd}, linked to it "
+                            f"{_linked_through(graph, (q, qd), (p.index, d))}, is split on "
                             f"{axes.describe(int(plan[g]))}")
+        conflicts = ConflictChecker(graph, axes).explain(plan, limit=10)
+        if conflicts:
+            lines = [_explain_spec_conflict(cap, graph, owner, c) for c in conflicts]
+            across = any(len({owner[g][0] for g in c.groups if g in owner}) > 1 for c in conflicts)
+            raise PlanConflict(f"your specs conflict ({len(conflicts)}):\n" + "\n".join(f"  - {x}" for x in lines)
+                               + (f"\n{RESHARD_CHOICE}" if across else ""), conflicts)
         return cls.from_groups(cap, graph, plan, axes)
 
     @classmethod
@@ -433,6 +440,66 @@ def resolve_plan(graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | MeshAx
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+#: What hlomap does where XLA would reshard, said once in every message about conflicting specs.
+RESHARD_CHOICE = (
+    "XLA would accept such specs and insert a reshard (an all-gather or all-to-all) where the "
+    "linked tensors meet; hlomap plans keep one sharding per linkage group (Auto-MAP's "
+    "conflict-free plans, whose communication the cost model prices), so it rejects them: give "
+    "the linked dims the same split.")
+
+
+def _dim_of(graph: FactorGraph, parameter: int, dim: int) -> int:
+    return int(graph.parameter_dims(parameter)[dim])
+
+
+def _linked_through(graph: FactorGraph, a: tuple[int, int], b: tuple[int, int]) -> str:
+    """`through dot.3 [layers_0/attn/dot_general] (gpt.py:40) -> add.5 ...`: the instructions
+    that tie parameter `a`'s dim to parameter `b`'s (the forward pass's where possible)."""
+    from hlomap.hlo.source_info import layer_name
+
+    path = graph.link_path(_dim_of(graph, *a), _dim_of(graph, *b))
+    if not path:
+        return "through the computation"
+    steps = []
+    for node in path[:8]:
+        inst = graph.nodes[node].instruction
+        scope = layer_name(inst.metadata)
+        steps.append(f"{inst.name}" + (f" [{scope}]" if scope else ""))
+    where = next((graph.source_of(graph.nodes[n].instruction) for n in path
+                  if graph.source_of(graph.nodes[n].instruction)), None)
+    more = f" -> ... ({len(path) - 8} more)" if len(path) > 8 else ""
+    return "through " + " -> ".join(steps) + more + (f" ({where})" if where else "")
+
+
+def _explain_spec_conflict(cap: Capture, graph: FactorGraph, owner: Mapping[int, tuple[int, int]],
+                           conflict: Conflict) -> str:
+    """A conflict in terms of what the user wrote: which spec put the axis on each group, and
+    through which instructions that reaches the tensor where the conflict appears."""
+    writers = [(g, owner[g]) for g in conflict.groups if g in owner]
+    if not writers:
+        return str(conflict)
+    named = "; ".join(f"your spec splits {cap.parameters[q].path!r} dim {d} on {conflict.axis}"
+                      for _, (q, d) in writers)
+    distinct = {q for _, (q, _) in writers}
+    target = next((p for p in cap.parameters if p.path == conflict.tensor), None)
+    if conflict.kind.value == "same_axis" and len(writers) == 2 and len(distinct) == 1 \
+            and target is not None and target.index in distinct:
+        return (f"{named.split(';')[0]} and dim {writers[1][1][1]} too: a PartitionSpec can use mesh axis "
+                f"{conflict.axis} for one dim only")
+    if conflict.kind.value != "same_axis":
+        return f"{named}, but {conflict}"
+    links = []
+    if target is not None:
+        for g, (q, d) in writers:
+            dims = [i for i, tg in enumerate(graph.parameter_groups(target.index)) if tg == g]
+            if dims and (q, d) != (target.index, dims[0]):
+                links.append(f"{cap.parameters[q].path!r} dim {d} is linked to {target.path!r} dim {dims[0]} "
+                             f"{_linked_through(graph, (q, d), (target.index, dims[0]))}")
+    where = f"; {'; '.join(links)}" if links else ""
+    return (f"{named}; so {conflict.tensor!r} would have dims {list(conflict.dims)} both on {conflict.axis} "
+            f"(at {conflict.instruction}){where}")
 
 
 def write_atomic(path: Path, text: str) -> None:
