@@ -44,6 +44,8 @@ from typing import NoReturn
 from hlomap.hlo.ir import (
     CALLED_COMPUTATION_KEYS,
     ELEMENT_BITS,
+    NAME_PATTERN,
+    NAME_VALUED_KEYS,
     ArrayShape,
     Computation,
     Instruction,
@@ -52,6 +54,7 @@ from hlomap.hlo.ir import (
     SourceLocation,
     TupleShape,
     _name_list,
+    canonical_names,
     shape_at,
 )
 
@@ -101,8 +104,8 @@ class HloParseError(ValueError):
 # Lexical patterns
 # ---------------------------------------------------------------------------------------------
 
-#: XLA's identifier: `[a-zA-Z_][a-zA-Z0-9_.-]*` (hlo_lexer.cc).
-_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+#: XLA's identifier (hlo_lexer.cc), shared with the IR's name-valued attributes.
+_NAME = NAME_PATTERN
 _NAME_RE = re.compile(r"%?(" + _NAME + r")")
 _ATTR_KEY_RE = re.compile(_NAME)
 _OPCODE_RE = re.compile(r"[a-z][a-z0-9\-]*")
@@ -179,36 +182,6 @@ _SAME_SHAPE_OPCODES = frozenset(
     "sinh sqrt subtract tan tanh add-dependency".split()
 )
 _PRED_OPCODES = frozenset({"compare", "is-finite"})
-
-#: Attributes whose value names computations or instructions. Their values are stored in one
-#: canonical form, without `%` sigils (`to_apply=add`, `calls={a, b}`), so that the classic and
-#: the JAX style of the same module compare equal; the printer adds the sigils back.
-NAME_VALUED_KEYS = frozenset(CALLED_COMPUTATION_KEYS) | {"control-predecessors"}
-_NAME_FULL_RE = re.compile(r"%?" + _NAME)
-
-
-def split_name_value(value: str) -> tuple[tuple[str, ...], bool] | None:
-    """`%add` -> (("add",), False); `{%a, b}` -> (("a", "b"), True); None when `value` is not
-    a name or a braced list of names."""
-    stripped = value.strip()
-    braced = stripped.startswith("{") and stripped.endswith("}")
-    inner = stripped[1:-1].strip() if braced else stripped
-    if braced and not inner:
-        return (), True
-    parts = [p.strip() for p in inner.split(",")]
-    if (len(parts) > 1 and not braced) or not all(_NAME_FULL_RE.fullmatch(p) for p in parts):
-        return None
-    return tuple(p[1:] if p.startswith("%") else p for p in parts), braced
-
-
-def canonical_names(value: str) -> str:
-    """`%add` -> `add`; `{%a,%b}` -> `{a, b}`. Values that are not names stay verbatim."""
-    split = split_name_value(value)
-    if split is None:
-        return value
-    names, braced = split
-    return "{" + ", ".join(names) + "}" if braced else names[0]
-
 
 def _canonical_attributes(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(k, canonical_names(v)) if k in NAME_VALUED_KEYS else (k, v) for k, v in pairs]
