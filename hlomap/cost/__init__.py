@@ -38,8 +38,10 @@ from hlomap.cost.collectives import (
     reduce_scatter_time,
 )
 from hlomap.cost.compute import (
+    CostClass,
     InstructionCost,
     computation_cost,
+    cost_class,
     instruction_cost,
     module_cost,
     module_flops,
@@ -56,6 +58,7 @@ __all__ = [
     "Cluster",
     "ClusterSpecError",
     "Collective",
+    "CostClass",
     "DeviceSpec",
     "DeviceSpecError",
     "InstructionCost",
@@ -70,6 +73,7 @@ __all__ = [
     "collective_permute_time",
     "collective_time",
     "computation_cost",
+    "cost_class",
     "device_preset",
     "fit_calibration",
     "hierarchical",

@@ -1,4 +1,5 @@
-"""HLO front end: IR (and its printer), parser, graph helpers and capture from jax.jit.
+"""HLO front end: IR (and its printer), the opcode table, parser, graph helpers and capture
+from jax.jit.
 
     from hlomap.hlo import parse, parse_all, parse_file, print_module, HloParseError
     module = parse(text)                  # exactly one module
@@ -48,6 +49,7 @@ from hlomap.hlo.ir import (
     print_module,
     shape_at,
 )
+from hlomap.hlo.opcodes import OPCODES, OpcodeInfo
 from hlomap.hlo.parser import HloParseError, parse, parse_all, parse_file, split_modules
 
 __all__ = [
@@ -65,6 +67,8 @@ __all__ = [
     "Metadata",
     "Module",
     "ModuleGraph",
+    "OPCODES",
+    "OpcodeInfo",
     "PaddingDimension",
     "ScatterDimensionNumbers",
     "Shape",

@@ -19,7 +19,8 @@ verbatim, except those naming computations or instructions (`to_apply`, `calls`,
 modules. Conventions shared with XLA's parser: without an ENTRY marker the last computation is
 the entry; a file without a header is named `module_<entry>`; a computation without ROOT has its
 last instruction marked ROOT; a result shape may be omitted where it can be inferred (tuple,
-get-tuple-element, elementwise ops; XLA infers a few more). The stack-frame tables may also
+get-tuple-element, elementwise ops: the opcode table, `hlomap.hlo.opcodes`, says how; XLA infers a
+few more). The stack-frame tables may also
 follow the computations (XLA only reads them after the header, where the printer puts them).
 
 Design, for speed: most instructions sit on one line in one of a few shapes, so each is first
@@ -57,6 +58,7 @@ from hlomap.hlo.ir import (
     canonical_names,
     shape_at,
 )
+from hlomap.hlo.opcodes import OPCODES, InferredShape
 
 __all__ = ["HloParseError", "parse", "parse_all", "parse_file", "split_modules"]
 
@@ -172,16 +174,6 @@ _ATTR_FAST_RE = re.compile(_ATTR_FAST)
 _SHAPE_FAST_RE = re.compile(_ARRAY_SHAPE_FAST + "|" + _TUPLE_SHAPE_FAST)
 _INDEX_COMMENT_RE = re.compile(_INDEX_COMMENT)
 
-# -- shape inference for instructions printed without a result shape (XLA allows it) --------
-
-_SAME_SHAPE_OPCODES = frozenset(
-    "abs acos acosh add asin asinh atan2 atanh cbrt ceil copy cos cosh count-leading-zeros "
-    "divide erf exponential exponential-minus-one floor log log-plus-one logistic and not or xor "
-    "maximum minimum multiply negate opt-barrier popcnt power remainder round-nearest-afz "
-    "round-nearest-even rsqrt shift-left shift-right-arithmetic shift-right-logical sign sin "
-    "sinh sqrt subtract tan tanh add-dependency".split()
-)
-_PRED_OPCODES = frozenset({"compare", "is-finite"})
 
 def _canonical_attributes(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(k, canonical_names(v)) if k in NAME_VALUED_KEYS else (k, v) for k, v in pairs]
@@ -699,13 +691,15 @@ class _Parser:
                     "defined above)", self.describe(pos),
                 )
             shapes.append(by_name[operand].shape)
-        if opcode == "tuple":
+        info = OPCODES.get(opcode)
+        rule = info.inferred_shape if info is not None else None
+        if rule is InferredShape.TUPLE_OF_OPERANDS:
             return TupleShape(tuple(shapes))
-        if opcode == "after-all":
+        if rule is InferredShape.TOKEN:
             return ArrayShape("token")
-        if opcode in ("replica-id", "partition-id"):
+        if rule is InferredShape.U32_SCALAR:
             return ArrayShape("u32")
-        if opcode == "get-tuple-element" and len(shapes) == 1:
+        if rule is InferredShape.TUPLE_ELEMENT and len(shapes) == 1:
             index = dict(attributes).get("index", "")
             if _DIGITS_RE.fullmatch(index):
                 try:
@@ -713,11 +707,11 @@ class _Parser:
                 except IndexError:
                     pass
         if shapes and isinstance(shapes[0], ArrayShape):
-            if opcode in _SAME_SHAPE_OPCODES:
+            if rule is InferredShape.SAME_AS_FIRST:
                 return shapes[0]
-            if opcode in _PRED_OPCODES:
+            if rule is InferredShape.PREDICATE_OF_FIRST:
                 return replace(shapes[0], dtype="pred")
-        if opcode in ("select", "clamp") and len(shapes) == 3:
+        if rule is InferredShape.SAME_AS_SECOND and len(shapes) == 3:
             return shapes[1]
         self.error(pos, f"a result shape (hlomap cannot infer it for '{opcode}')")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hlomap.cost.compute import (
-    TRANSCENDENTAL_FLOPS, InstructionCost, computation_cost, instruction_cost, module_cost,
-    module_flops, while_trip_count,
+    TRANSCENDENTAL_FLOPS, InstructionCost, computation_cost, instruction_cost,
+    module_cost, module_flops, while_trip_count,
 )
 from hlomap.cost.devices import device_preset
 from hlomap.hlo import parse
@@ -278,6 +278,11 @@ XLA_CASES = {
     "reductions": (lambda x: (x.sum(0), jnp.argmax(x, 0), jnp.cumsum(x, 0)), jnp.ones((10, 7))),
     "pooling": (lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
                 jnp.ones((2, 8, 8, 3))),
+    # elementwise kinds of the opcode table: flops, transcendentals, predicates, bit ops
+    "elementwise_kinds": (
+        lambda x, i: (jnp.sin(x) * jnp.cos(x) + jax.scipy.special.erf(x), jnp.isfinite(x),
+                      jax.lax.clz(i) + jax.lax.population_count(i), jax.lax.reduce_precision(x, 5, 10)),
+        jnp.ones((8, 16)), jnp.ones((8, 16), jnp.int32)),
 }
 
 
