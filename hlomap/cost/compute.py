@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Callable, Mapping, MutableMapping
@@ -640,3 +641,43 @@ def module_flops(module: Module) -> float:
     """FLOPs of one run of the module (XLA's conventions; loops times their trip counts)."""
     return module_cost(module).flops
 
+
+def flops_by_opcode(module: Module) -> dict[str, float]:
+    """`module_flops` split by the opcode of the instruction doing the work (they sum to it).
+
+    Instructions inside fusions, calls and while loops (times the trip count) count under their
+    own opcode; a conditional counts its costliest branch, as its cost does; the flops of a
+    reducer or map function count under the instruction applying it (reduce, scatter, map...).
+    Opcodes doing no flops are left out.
+    """
+    cache: CostCache = {}
+    memo: dict[str, Counter[str]] = {}
+
+    def walk(name: str) -> Counter[str]:
+        if name in memo:
+            return memo[name]
+        comp = _computation(module, name)
+        out: Counter[str] = Counter()
+        for inst in comp.instructions:
+            handler = _HANDLERS.get(_PRICED_AS.get(inst.opcode, inst.opcode))
+            if handler is _fusion:
+                out.update(walk(_called(inst, "calls")))
+            elif handler is _call:
+                for callee in inst.called_computations:
+                    out.update(walk(callee))
+            elif handler is _while:
+                trips = while_trip_count(inst, comp, module)
+                once = walk(_called(inst, "body")) + walk(_called(inst, "condition"))
+                out.update({opcode: flops * trips for opcode, flops in once.items()})
+            elif handler is _conditional and inst.called_computations:
+                costliest = max(inst.called_computations,
+                                key=lambda callee: computation_cost(module, callee, None, cache).flops)
+                out.update(walk(costliest))
+            else:
+                flops = instruction_cost(inst, comp, module, None, cache).flops
+                if flops:
+                    out[inst.opcode] += flops
+        memo[name] = out
+        return out
+
+    return dict(walk(module.entry_name))
