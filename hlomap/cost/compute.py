@@ -82,7 +82,7 @@ FLOPS_NOT_MODELED: Mapping[str, str] = MappingProxyType({
     "collective-reduce": "a collective written by hand; its reduction is not counted",
     "custom-call": "what a custom-call target computes is unknown",
     "ragged-dot": "its groups' sizes are known only at run time",
-    "reduce-scatter": "its local reduction is not counted (the all-reduce convention is XLA's)",
+    "reduce-scatter": "its local reduction is not counted (all-reduce's is, as XLA counts it)",
     "scaled-dot": "block-scaled dots are not modeled",
     "scan": "JAX lowers scans to while loops; this loop form is not modeled",
     "topk": "selection work is not modeled",
