@@ -35,10 +35,12 @@ def _parse_trainable(text: str | None) -> list[int | str] | None:
 
 
 def _inspect_report(cap: Any) -> dict[str, Any]:
+    from hlomap.cost.compute import flops_by_opcode, module_flops
     from hlomap.hlo.capture import Role
     from hlomap.hlo.stats import summarize
 
     summary = summarize(cap.module)
+    flops = flops_by_opcode(cap.module)
     params = [
         {
             "index": p.index,
@@ -67,8 +69,11 @@ def _inspect_report(cap: Any) -> dict[str, Any]:
         "parameter_bytes_by_role": bytes_by_role,
         "trainable_parameter_count": sum(p.shape.num_elements for p in cap.parameters if p.role is Role.TRAINABLE),
         "has_roles": cap.has_roles,
-        "dot_flops": summary.dot_flops,
-        "convolution_flops": summary.convolution_flops,
+        # One run of the module as the cost model counts it (`hlomap simulate` reports the same):
+        # XLA's conventions, while loops times their trip counts.
+        "flops": module_flops(cap.module),
+        "dot_flops": flops.get("dot", 0.0),
+        "convolution_flops": flops.get("convolution", 0.0),
     }
 
 
@@ -82,17 +87,10 @@ def _console() -> Any:
     return Console() if sys.stdout.isatty() else Console(width=140)
 
 
-def _human_flops(n: float) -> str:
-    from hlomap.report.units import human_count
-
-    text = human_count(n)
-    return f"{text}FLOP" if text[-1].isalpha() else f"{text} FLOP"
-
-
 def _print_inspect(report: dict[str, Any], max_params: int) -> None:
     from rich.table import Table
 
-    from hlomap.report.units import human_bytes, human_count
+    from hlomap.report.units import human_bytes, human_count, human_flops
 
     console = _console()
     console.print(f"[bold]{report['module']}[/bold]  from {report['source']}  ({report['instructions']} instructions)")
@@ -139,8 +137,8 @@ def _print_inspect(report: dict[str, Any], max_params: int) -> None:
     else:
         console.print("[yellow]The entry parameters have no roles[/yellow] (a bare HLO dump): pass --trainable "
                       "INDICES to name the trainable ones, or capture the step from JAX.")
-    console.print(f"FLOPs: dots {_human_flops(report['dot_flops'])}, convolutions "
-                  f"{_human_flops(report['convolution_flops'])} (while bodies counted once)")
+    console.print(f"FLOPs per run: {human_flops(report['flops'])} (dots {human_flops(report['dot_flops'])}, "
+                  f"convolutions {human_flops(report['convolution_flops'])}; while loops times their trip counts)")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -27,7 +27,8 @@ def test_inspect_json_on_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run(["inspect", str(path), "--json", "--trainable", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["opcodes"] == {"parameter": 2, "dot": 1}
-    assert report["dot_flops"] == 2 * 8 * 4 * 16
+    assert report["dot_flops"] == report["flops"] == 2 * 8 * 4 * 16
+    assert report["convolution_flops"] == 0
     assert report["parameter_bytes"] == (8 * 16 + 16 * 4) * 4
     assert [p["role"] for p in report["parameters"]] == ["data", "trainable"]
 
@@ -67,6 +68,58 @@ def test_console_script_help_and_exit_code() -> None:
     done = subprocess.run([sys.executable, "-m", "hlomap.cli", "inspect", "/nonexistent.hlo"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def _json_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    run(argv)
+    return json.loads(capsys.readouterr().out)
+
+
+def _inspect_and_simulate_flops(model: str, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> tuple[dict, dict]:
+    """`inspect --json` and `simulate --plan dp --mesh 1 --json` of one zoo step, captured once
+    for both commands (they pass different, equivalent keyword arguments)."""
+    import inspect
+
+    import hlomap.api
+
+    load, captured = hlomap.api.load_source, {}
+    signature = inspect.signature(load)
+
+    def load_once(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = repr(sorted(bound.arguments.items()))
+        if key not in captured:
+            captured[key] = load(*args, **kwargs)
+        return captured[key]
+
+    monkeypatch.setattr(hlomap.api, "load_source", load_once)
+    inspected = _json_of(["inspect", f"zoo:{model}", "--json"], capsys)
+    simulated = _json_of(["simulate", f"zoo:{model}", "--plan", "dp", "--mesh", "1", "--json"], capsys)
+    return inspected, simulated
+
+
+def _check_one_flop_count(inspected: dict, simulated: dict) -> None:
+    # One FLOP count (hlomap.cost.compute): a one-device data-parallel step does the module's work.
+    assert inspected["flops"] == simulated["flops"] > 0
+    assert 0 < inspected["dot_flops"] + inspected["convolution_flops"] <= inspected["flops"]
+    by_kind = {row["kind"]: row["flops"] for row in simulated["by_kind"]}
+    assert inspected["dot_flops"] == by_kind.get("dot", 0.0)
+    assert inspected["convolution_flops"] == by_kind.get("convolution", 0.0)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "vgg19-tiny"])
+def test_inspect_and_simulate_report_the_same_flops(model: str, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_one_flop_count(*_inspect_and_simulate_flops(model, capsys, monkeypatch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["vgg19", "resnet50", "gpt-small"])
+def test_inspect_and_simulate_report_the_same_flops_on_full_models(
+        model: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_one_flop_count(*_inspect_and_simulate_flops(model, capsys, monkeypatch))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -309,6 +309,8 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
         if count == 0:
             continue
         size = math.prod(mesh[a] for a in pr.axes)
+        if size == 1:
+            continue  # split over one device is no split: nothing to all-reduce, no local sums
         where = ",".join(pr.axes)
         phase = phases[pr.node]
         if pr.node in gathered:

@@ -38,6 +38,7 @@ from hlomap.cost.compute import ELEMENTWISE_OPCODES, TRANSCENDENTAL_OPCODES
 from hlomap.cost.sharding import ShardedGraph
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
+from hlomap.hlo.opcodes import CallContext, Storage, opcode_names
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,16 @@ class Fusion(enum.Enum):
 
 
 #: Results that are views of their operands' buffers (no allocation).
-ALIASING_OPCODES = frozenset({"tuple", "get-tuple-element", "bitcast", "reshape", "opt-barrier",
-                              "add-dependency", "domain"})
+ALIASING_OPCODES = opcode_names(lambda op: op.storage is Storage.VIEW)
 #: Results that live in read-only program memory or nowhere.
-NO_BUFFER_OPCODES = frozenset({"parameter", "constant", "after-all", "partition-id", "replica-id"})
+NO_BUFFER_OPCODES = opcode_names(lambda op: op.storage is Storage.NONE)
 #: Producers XLA fuses into their consumers (loop fusion).
 FUSIBLE_PRODUCERS = ELEMENTWISE_OPCODES | TRANSCENDENTAL_OPCODES | frozenset(
-    {"broadcast", "iota", "convert", "select", "clamp", "compare", "reshape", "bitcast", "exponential"})
+    {"broadcast", "iota", "reshape", "bitcast"})
 #: Consumers that absorb a fused producer (elementwise loops and reductions).
 FUSING_CONSUMERS = FUSIBLE_PRODUCERS | frozenset({"reduce", "transpose", "copy"})
 #: Instructions whose called computations run while they do.
-_CALLERS = frozenset({"call", "while", "conditional", "async-start"})
+_CALLERS = opcode_names(lambda op: op.calls is CallContext.CONTROL_FLOW)
 
 
 class Category(enum.Enum):

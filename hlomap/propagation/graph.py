@@ -36,6 +36,7 @@ import numpy as np
 
 from hlomap.hlo.capture import Capture, EntryParameter, Role
 from hlomap.hlo.ir import Computation, Instruction, Module, Shape
+from hlomap.hlo.opcodes import CallContext, opcode_names
 from hlomap.propagation.factors import FactorKind, OpRule
 from hlomap.propagation.rules import ELEMENTWISE_OPCODES as _ELEMENTWISE_OPCODES
 from hlomap.propagation.rules import rule_for
@@ -720,15 +721,17 @@ class _Builder:
         )
 
 
-#: Opcodes whose result is never constant-derived (inputs, randomness, device-dependent values,
-#: opaque calls).
-_NEVER_FREE = frozenset({
-    "parameter", "rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "recv",
-    "recv-done", "custom-call", "while", "call", "conditional", "fusion", "async-start",
-    "async-done", "partition-id", "replica-id", "after-all", "all-reduce", "all-gather",
-    "all-to-all", "reduce-scatter", "collective-permute", "all-reduce-start", "all-reduce-done",
-})
+#: Sources whose value the program itself defines: free in any sharding.
 _FREE_SOURCES = frozenset({"constant", "iota"})
+
+#: Opcodes whose result is never constant-derived: inputs, randomness and device ids (the
+#: table's other sources, but for get-dimension-size, which follows its operand), values from
+#: other devices (collectives, received data), and opaque calls.
+_NEVER_FREE = opcode_names(
+    lambda op: (op.source and op.name not in _FREE_SOURCES | {"get-dimension-size"})
+    or op.collective
+    or op.calls is CallContext.CONTROL_FLOW
+) | {"fusion", "custom-call", "recv-done"}
 
 
 def _free_leaves(inst: Instruction, free: Mapping[str, list[bool]]) -> list[bool]:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -57,11 +56,9 @@ from hlomap.cost.compute import CostCache, instruction_cost
 from hlomap.cost.devices import DeviceSpec, device_preset
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
-from hlomap.hlo.ir import Computation, Instruction, Metadata
+from hlomap.hlo.ir import Computation, Instruction
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
-# Source locations resolve JAX's stack-frame tables; the helper lives with propagation's error
-# messages but is a pure reader of the module text (no propagation machinery runs).
-from hlomap.hlo.source_info import source_location, source_tables
+from hlomap.hlo.source_info import layer_name, nearest_scopes, scope_of, source_location, source_tables
 
 __all__ = [
     "ChainArrays",
@@ -69,8 +66,6 @@ __all__ = [
     "Pivot",
     "PivotOptions",
     "forward_chain",
-    "layer_name",
-    "nearest_scopes",
     "step_chain",
     "select_pivots",
     "thin_pivots",
@@ -80,10 +75,6 @@ log = logging.getLogger(__name__)
 
 #: Device used when none is given: the V100 of Auto-MAP's clusters A, B and C.
 DEFAULT_DEVICE = "V100-16GB"
-
-#: Name-stack wrappers JAX puts around scopes; `layer_name` unwraps them.
-_WRAPPERS = frozenset({"jvp", "transpose", "jit", "pjit", "remat", "checkpoint", "vmap", "pmap"})
-_WRAPPED = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
 
 
 @dataclass(frozen=True)
@@ -175,75 +166,8 @@ class StepChain:
 
 
 # ---------------------------------------------------------------------------------------------
-# Names
-# ---------------------------------------------------------------------------------------------
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split a name stack on '/' outside parentheses."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth = max(depth - 1, 0)
-        elif ch == "/" and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
-
-
-def _unwrap(component: str) -> list[str]:
-    """`transpose(jvp(layers_0))` -> ['layers_0']; `jvp()` -> []; `jit(_take)` -> ['_take']."""
-    match = _WRAPPED.match(component)
-    while match and match.group(1) in _WRAPPERS:
-        component = match.group(2)
-        match = _WRAPPED.match(component)
-    return [part for part in _split_top_level(component) if part]
-
-
-def layer_name(metadata: Metadata | None, fallback: str = "") -> str:
-    """The scope path of an op from its metadata op_name, without JAX's transformation wrappers:
-    `jit(train_step)/jvp(layers_0)/dot_general` -> `layers_0/dot_general`."""
-    if metadata is None or not metadata.op_name:
-        return fallback
-    # Fused ops list several names separated by ';': the first is representative.
-    components = _split_top_level(metadata.op_name.split(";")[0])
-    if components and components[0].startswith(("jit(", "pjit(")):
-        components = components[1:]  # the step function itself
-    parts = [part for component in components for part in _unwrap(component)]
-    return "/".join(parts) or fallback
-
-
-# ---------------------------------------------------------------------------------------------
 # The forward chain and attribution
 # ---------------------------------------------------------------------------------------------
-
-
-def _scope_of(layer: str) -> str:
-    """`layers_0/attn/dot_general` -> `layers_0/attn`; a bare op name has no scope: ''."""
-    return layer.rsplit("/", 1)[0] if "/" in layer else ""
-
-
-def nearest_scopes(layers: Sequence[str]) -> tuple[str, ...]:
-    """For each layer name, its own scope, else `after X` with X the scope of the closest scoped
-    name before it, else `before X` with the closest after it, else '' (see `Pivot.scope`)."""
-    own = [_scope_of(name) for name in layers]
-    out = list(own)
-    previous = ""
-    for i, scope in enumerate(own):
-        if scope:
-            previous = scope
-        elif previous:
-            out[i] = f"after {previous}"
-    following = ""
-    for i in range(len(own) - 1, -1, -1):
-        if own[i]:
-            following = own[i]
-        elif not out[i] and following:
-            out[i] = f"before {following}"
-    return tuple(out)
 
 
 def _byte_size(inst: Instruction) -> float:
@@ -253,7 +177,7 @@ def _byte_size(inst: Instruction) -> float:
 def _scope(inst: Instruction) -> str:
     """The layer scope of an op (its layer name without the op itself); forward ops and the
     backward ops that transpose them share it."""
-    return _scope_of(layer_name(inst.metadata))
+    return scope_of(layer_name(inst.metadata))
 
 
 def forward_chain(entry: Computation) -> tuple[Instruction, ...]:
