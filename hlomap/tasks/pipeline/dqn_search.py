@@ -189,9 +189,8 @@ def dqn_search(
                 return True
         return out_of_time
 
-    result = run_loop(env, agent, LoopConfig(
-        num_steps=budget.max_episodes * n_cuts, seed=seed, progress=False,
-    ), on_episode=on_episode)
+    result = run_loop(env, agent, LoopConfig(num_steps=budget.max_episodes * n_cuts, seed=seed),
+                      on_episode=on_episode)
     outcome, actions = greedy_rollout(evaluation, agent)
     tracker.greedy_value = (outcome.value if outcome is not None and outcome.feasible
                             else float("inf"))
