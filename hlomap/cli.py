@@ -416,6 +416,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import jax
 
+    from hlomap import zoo
     from hlomap.api import load_source
     from hlomap.verify.numerics import run_plan
     if jax.device_count() < devices:
@@ -426,7 +427,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan.check_compatible(cap, where=str(args.plan))
     except ValueError as err:
         raise CliError(str(err)) from None
-    report = run_plan(plan, args.source, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    report = run_plan(plan, zoo.get(args.source.removeprefix("zoo:")), seed=args.seed, rtol=args.rtol,
+                      atol=args.atol)
     if args.json:
         json.dump(report._asdict(), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -23,7 +23,7 @@ import numpy as np
 
 from hlomap.agents import checkpoint
 from hlomap.agents.dqn import DqnAgent, DqnConfig, DqnFunctions, make_dqn
-from hlomap.agents.loop import EpisodeRecord, LoopConfig, run_loop
+from hlomap.agents.loop import EpisodeRecord, LoopConfig, LoopProgress, run_loop
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.tasks.pipeline.cutenv import FEATURES, MAX_STAGES, CutEnv, CutTask
 from hlomap.search.budget import Budget
@@ -159,7 +159,6 @@ class TrainingConfig:
     validation: int = 64
     validate_every: int = 5_000
     spec: GeneratorSpec = GeneratorSpec()
-    progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -215,9 +214,11 @@ def train_policy(
     *,
     out: str | Path | None = None,
     report: Callable[[int, Validation], None] | None = None,
+    on_progress: Callable[[LoopProgress], None] | None = None,
 ) -> tuple[DqnAgent, Validation]:
     """Train the inference network on random environments; keep the best validated network,
-    write it to `out` when given, and return the agent holding it and its validation."""
+    write it to `out` when given, and return the agent holding it and its validation.
+    `report` gets every validation, `on_progress` the training loop's progress (`run_loop`)."""
     env = RandomCutEnv(config.spec)
     total_steps = int(config.episodes * 4.2)  # mean episode length of the default generator
     dqn = inference_dqn_config(total_steps)
@@ -241,9 +242,8 @@ def train_policy(
             consider(record.index + 1)
         return record.index + 1 >= config.episodes
 
-    result = run_loop(env, agent, LoopConfig(
-        num_steps=10 * config.episodes, seed=config.seed, progress=config.progress,
-    ), on_episode=on_episode)
+    result = run_loop(env, agent, LoopConfig(num_steps=10 * config.episodes, seed=config.seed),
+                      on_episode=on_episode, on_progress=on_progress)
     consider(result.num_episodes)
     agent.set_params(best[0])
     if out is not None:

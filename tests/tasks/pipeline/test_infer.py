@@ -150,7 +150,7 @@ def test_the_shipped_policy_beats_chance_on_random_problems():
 def test_training_keeps_the_best_validated_network(tmp_path):
     reports = []
     agent, best = train_policy(
-        TrainingConfig(episodes=60, validation=3, validate_every=20, progress=False),
+        TrainingConfig(episodes=60, validation=3, validate_every=20),
         out=tmp_path / "p.npz", report=lambda episode, score: reports.append((episode, score)))
     assert [episode for episode, _ in reports] == [20, 40, 60, 60]
     assert best in [score for _, score in reports]
