@@ -480,6 +480,11 @@ def _explain_spec_conflict(cap: Capture, graph: FactorGraph, owner: Mapping[int,
     writers = [(g, owner[g]) for g in conflict.groups if g in owner]
     if not writers:
         return str(conflict)
+    return f"{conflict.kind.value}: {_in_user_terms(cap, graph, writers, conflict)}"
+
+
+def _in_user_terms(cap: Capture, graph: FactorGraph, writers: Sequence[tuple[int, tuple[int, int]]],
+                   conflict: Conflict) -> str:
     named = "; ".join(f"your spec splits {cap.parameters[q].path!r} dim {d} on {conflict.axis}"
                       for _, (q, d) in writers)
     distinct = {q for _, (q, _) in writers}
