@@ -46,15 +46,19 @@ class SourceError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, module_index: int = 0) -> Capture:
+def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, trainable_prefix: Iterable[str] = (),
+                module_index: int = 0) -> Capture:
     """`zoo:NAME` lowers a zoo train step abstractly; anything else is read as HLO text.
 
     For an HLO file holding several modules (split by `// -----`), `module_index` picks one.
-    `trainable` names the trainable entry parameters of a bare dump (indices or HLO names).
+    `trainable` (indices or HLO names) and `trainable_prefix` (starts of paths or names) name
+    the trainable entry parameters of a bare dump; without them, a dump of a JAX step takes its
+    roles from its parameters' names (`hlomap.hlo.capture.from_module`, `infer_roles`).
     """
     if spec.startswith(ZOO_PREFIX):
         return _load_zoo(spec[len(ZOO_PREFIX):])
-    return _load_file(Path(spec), trainable=trainable, module_index=module_index)
+    return _load_file(Path(spec), trainable=trainable, trainable_prefix=tuple(trainable_prefix),
+                      module_index=module_index)
 
 
 def _load_zoo(name: str) -> Capture:
@@ -71,7 +75,8 @@ def _load_zoo(name: str) -> Capture:
     return capture(model.train_step(), *model.abstract_args(), arg_names=model.arg_names, roles=roles or None)
 
 
-def _load_file(path: Path, *, trainable: Iterable[int | str] | None, module_index: int) -> Capture:
+def _load_file(path: Path, *, trainable: Iterable[int | str] | None, trainable_prefix: tuple[str, ...],
+               module_index: int) -> Capture:
     from hlomap.hlo.parser import parse_all
 
     if not path.exists():
@@ -88,7 +93,11 @@ def _load_file(path: Path, *, trainable: Iterable[int | str] | None, module_inde
     # The source hash identifies the module a plan was made for; hash the module's own text
     # when the file holds several.
     own_text = text if len(modules) == 1 else None
-    return from_module(modules[module_index], trainable=trainable, source=str(path), text=own_text)
+    try:
+        return from_module(modules[module_index], trainable=trainable, trainable_prefix=trainable_prefix,
+                           source=str(path), text=own_text, infer_roles=True)
+    except ValueError as err:  # an index out of range, an unknown name, a prefix matching nothing
+        raise SourceError(f"{path}: {err}") from None
 
 
 def is_pipedream_graph(path: str | Path) -> bool:
@@ -104,7 +113,8 @@ def is_pipedream_graph(path: str | Path) -> bool:
     return False
 
 
-def load_pipeline_source(spec: str | Path, *, trainable: Sequence[int | str] | None = None) -> Any:
+def load_pipeline_source(spec: str | Path, *, trainable: Sequence[int | str] | None = None,
+                         trainable_prefix: Iterable[str] = ()) -> Any:
     """What the pipeline explorer takes, from a SOURCE: a PipeDream graph (`pipedream:PATH`, or
     a file recognised by its content) becomes a per-minibatch `PipelineProfile`; `zoo:NAME` or
     an HLO text file becomes a `Capture` (`trainable` naming the weights of a bare dump)."""
@@ -118,7 +128,7 @@ def load_pipeline_source(spec: str | Path, *, trainable: Sequence[int | str] | N
         from hlomap.tasks.pipeline.pipedream import load_pipedream
 
         return load_pipedream(spec)
-    return load_source(text, trainable=trainable)
+    return load_source(text, trainable=trainable, trainable_prefix=trainable_prefix)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -29,9 +31,50 @@ class CliError(Exception):
 
 
 def _parse_trainable(text: str | None) -> list[int | str] | None:
+    """`--trainable 0-11,15,name`: indices, inclusive ranges of indices and HLO names."""
     if not text:
         return None
-    return [int(t) if t.strip().isdigit() else t.strip() for t in text.split(",") if t.strip()]
+    out: list[int | str] = []
+    for part in (t.strip() for t in text.split(",")):
+        low, dash, high = part.partition("-")
+        if dash and low.isdigit() and high.isdigit():
+            if int(high) < int(low):
+                raise CliError(f"--trainable {text}: range {part!r} runs backwards")
+            out.extend(range(int(low), int(high) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+        elif part:
+            out.append(part)
+    return out
+
+
+ROLE_HELP = ("name the trainable entry parameters with --trainable 0-11,15 (indices, ranges or HLO names) or "
+             "--trainable-prefix params (the start of their path or name); `hlomap inspect FILE` lists them")
+
+
+def _load_capture(args: argparse.Namespace, *, module_index: int = 0) -> Any:
+    """The Capture of SOURCE with the roles the options name; a notice on stderr when the roles
+    were inferred from a dump's parameter names."""
+    from hlomap.api import load_source
+
+    cap = load_source(args.source, trainable=_parse_trainable(getattr(args, "trainable", None)),
+                      trainable_prefix=tuple(getattr(args, "trainable_prefix", None) or ()), module_index=module_index)
+    if cap.role_source == "argument names":
+        print(f"note: {args.source} is a bare dump; roles were inferred from its parameters' names (params -> "
+              "trainable, opt_state -> optimizer state, batch -> data); to override, " + ROLE_HELP, file=sys.stderr)
+    return cap
+
+
+def _require_roles(cap: Any, what: str, *, trainable: bool = True) -> None:
+    """Refuse a search that would be nonsense without roles (ADP on a role-less dump would
+    split the weights as if they were data)."""
+    from hlomap.hlo.capture import Role
+
+    if not cap.has_roles:
+        raise CliError(f"{cap.source} has no roles (a bare HLO dump whose parameters carry no names hlomap knows): "
+                       f"{what} needs to know which parameters are weights; " + ROLE_HELP)
+    if trainable and not cap.with_role(Role.TRAINABLE):
+        raise CliError(f"{cap.source} names no trainable parameter: {what} splits weights; " + ROLE_HELP)
 
 
 def _inspect_report(cap: Any) -> dict[str, Any]:
@@ -142,9 +185,7 @@ def _print_inspect(report: dict[str, Any], max_params: int) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hlomap.api import load_source
-
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable), module_index=args.module)
+    cap = _load_capture(args, module_index=args.module)
     report = _inspect_report(cap)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -204,12 +245,34 @@ def _plan_argument(text: str) -> Any:
     """`dp`, `megatron`, `dp+megatron` name built-in reference plans; anything else is a file."""
     if text in ("dp", "megatron", "dp+megatron"):
         return text
+    if not Path(text).exists():
+        raise CliError(f"--plan {text}: not dp, megatron, dp+megatron, nor an existing plan file")
+    return _load_plan(Path(text))
+
+
+def _load_plan(path: Path) -> Any:
+    """A saved plan, or one line saying what is wrong with the file (missing, a folder, not
+    text, not JSON, not a plan, another version)."""
     from hlomap.plan import Plan
 
-    path = Path(text)
     if not path.exists():
-        raise CliError(f"--plan {text}: not dp, megatron, dp+megatron, nor an existing plan file")
-    return Plan.load(path)
+        raise CliError(f"{path}: No such file (a plan saved by hlomap explore or Plan.save)")
+    if path.is_dir():
+        raise CliError(f"{path}: is a directory, not a plan file")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise CliError(f"{path}: not a plan file (binary data at byte {err.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CliError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: not a plan JSON file (the top level is a {type(data).__name__}, not an object)")
+    try:
+        return Plan.from_json(data, where=str(path))
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
 
 def _mesh_argument(text: str) -> Any:
@@ -221,15 +284,25 @@ def _mesh_argument(text: str) -> Any:
         raise CliError(f"--mesh: {err}") from None
 
 
+def _check_plan_for(plan: Any, cap: Any, where: str) -> None:
+    """A saved plan must have been made for this module, and its specs must fit the shapes and
+    mesh it names: checked before anything is compiled or estimated."""
+    try:
+        plan.check_compatible(cap, where=str(where))
+        plan.check_specs(where=str(where))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
 def _cluster_argument(cluster: str, profile: str | None) -> Any:
-    """What --cluster names, unchanged without --profile; with it, the loaded Cluster with the
-    profile's efficiencies applied to the devices it was measured on."""
-    if profile is None:
-        return cluster
+    """The Cluster --cluster names (loaded now, so a bad preset or file fails before any work),
+    with a --profile's efficiencies applied to the devices it was measured on."""
     from hlomap.cost.calibration import CalibrationError, apply_calibration, load_calibration
     from hlomap.cost.cluster import load_cluster
 
     loaded = load_cluster(cluster)
+    if profile is None:
+        return loaded
     try:
         calibration = load_calibration(profile)
     except CalibrationError as err:  # names the file and the field already
@@ -245,13 +318,17 @@ def _cluster_argument(cluster: str, profile: str | None) -> Any:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from hlomap.api import estimate, load_source
+    from hlomap.api import estimate
     from hlomap.report.estimate import format_estimate
 
     plan = _plan_argument(args.plan)
     mesh = None if args.mesh is None else _mesh_argument(args.mesh)
     cluster = _cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    cap = _load_capture(args)
+    if not isinstance(plan, str):
+        _check_plan_for(plan, cap, args.plan)
+    else:
+        _require_roles(cap, f"the built-in plan {plan!r}")
     order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
     est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=order)
     if args.json:
@@ -277,12 +354,17 @@ def _beside(output: Path, suffix: str) -> Path:
 
 
 def _check_output(path: Path) -> None:
+    """An output path is checked before any work, so a long search never ends unable to save."""
+    if path.is_dir():
+        raise CliError(f"{path}: is a directory; name the file to write, e.g. {path / 'plan.json'}")
     if not path.parent.exists():
         raise CliError(f"{path.parent}: directory does not exist (for {path.name})")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliError(f"{path}: not writable")
 
 
 def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
-    from hlomap.api import explore_detailed, load_source, parse_mesh
+    from hlomap.api import explore_detailed, parse_mesh
     from hlomap.report.sharding import format_plan_summary, plot_convergence, progress_bar
 
     if args.agent not in SHARDING_AGENTS:
@@ -296,11 +378,13 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     curve = Path(args.curve) if args.curve else _beside(output, "convergence.png")
     _check_output(curve)
     cluster = _cluster_argument(args.cluster, args.profile)
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    cap = _load_capture(args)
+    _require_roles(cap, f"the {args.task} task", trainable=args.task != "adp")
+    _stop_if_interrupted(args)
     with progress_bar(not args.quiet, description=f"{args.task} / {args.agent}") as on_progress:
         found = explore_detailed(cap, args.task, mesh, cluster, args.agent, args.budget_seconds, args.seed,
                                  args.reward, budget_evaluations=args.budget_evaluations, output=output,
-                                 on_progress=on_progress)
+                                 on_progress=_interruptible(args, on_progress))
     plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
     if args.json:
         json.dump(found.plan.to_json(), sys.stdout, indent=1)
@@ -320,8 +404,16 @@ def _pipeline_source(args: argparse.Namespace) -> tuple[Any, Any]:
     from hlomap.api import load_pipeline_source
     from hlomap.hlo.capture import Capture
 
-    source = load_pipeline_source(args.source, trainable=_parse_trainable(args.trainable))
+    source = load_pipeline_source(args.source, trainable=_parse_trainable(args.trainable),
+                                  trainable_prefix=tuple(args.trainable_prefix or ()))
     return source, source if isinstance(source, Capture) else None
+
+
+def _check_stages(stages: int, cluster: Any) -> None:
+    """A stage needs at least one device: say the maximum before any work."""
+    if stages > cluster.n_devices:
+        raise CliError(f"--stages {stages}: cluster {cluster.name} has {cluster.n_devices} devices, so at most "
+                       f"{cluster.n_devices} stages")
 
 
 def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
@@ -333,11 +425,10 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
 
     if args.agent not in PIPELINE_AGENTS:
         raise CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
-    if args.stages < 1 or args.microbatches < 1:
-        raise CliError(f"--stages {args.stages} and --microbatches {args.microbatches} must be at least 1")
     timeline = Path(args.timeline) if args.timeline else _beside(output, "timeline.png")
     _check_output(timeline)
     cluster = _cluster_argument(args.cluster, args.profile)
+    _check_stages(args.stages, cluster)
     source, cap = _pipeline_source(args)
 
     def save(result: Any) -> None:
@@ -346,12 +437,13 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
         else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
             write_atomic(output, json.dumps(result.to_json(), indent=1) + "\n")
 
+    _stop_if_interrupted(args)
     with progress_bar(not args.quiet, description=f"pipeline / {args.agent}") as on_progress:
         result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches,
                                   schedule=args.schedule, cluster=cluster, agent=args.agent, seed=args.seed,
                                   budget_seconds=args.budget_seconds, episodes=args.episodes,
                                   finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp,
-                                  name=args.source, on_best=save, on_progress=on_progress)
+                                  name=args.source, on_best=save, on_progress=_interruptible(args, on_progress))
     save(result)
     draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
     if args.json:
@@ -395,12 +487,9 @@ def _ensure_host_devices(count: int) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hlomap.plan import Plan
-
+    plan = _load_plan(Path(args.plan))
     try:
-        plan = Plan.load(args.plan)
-    except json.JSONDecodeError as err:
-        raise CliError(f"{args.plan}: not a plan JSON file: {err}") from None
+        plan.check_specs(where=str(args.plan))
     except ValueError as err:
         raise CliError(str(err)) from None
     if plan.pipeline is not None:
@@ -423,10 +512,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"{args.plan} needs {devices} devices (mesh {plan.mesh_shape}); JAX sees "
                        f"{jax.device_count()} ({jax.devices()[0].platform})")
     cap = load_source(args.source)
-    try:
-        plan.check_compatible(cap, where=str(args.plan))
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    _check_plan_for(plan, cap, args.plan)
     report = run_plan(plan, zoo.get(args.source.removeprefix("zoo:")), seed=args.seed, rtol=args.rtol,
                       atol=args.atol)
     if args.json:
@@ -448,17 +534,69 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0 (a budget of 0 or less would end a search before it starts
+    and overwrite the plan file with nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
+TRAINABLE_HELP = ("for a bare HLO dump: the trainable entry parameters, as indices, ranges and HLO names "
+                  "(0-11,15,name); a dump of a JAX step without it takes roles from its parameters' names")
+PREFIX_HELP = "for a bare HLO dump: trainable are the entry parameters whose path or name starts with PREFIX"
+
+
+def _add_role_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trainable", metavar="LIST", help=TRAINABLE_HELP)
+    p.add_argument("--trainable-prefix", metavar="PREFIX", action="append", help=PREFIX_HELP)
+
+
 PROFILE_HELP = ("calibration profile (written by scripts/calibrate_gpu.py): the cluster's devices of the "
                 "profiled kind get its fitted compute efficiency and HBM bandwidth")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (naming the option and where to look)
+    and exit status 2, like every other user error of hlomap."""
+
+    def error(self, message: str) -> Any:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hlomap",
         description="Find distributed execution plans for JAX train steps on XLA's HLO.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("inspect", help="summarize an HLO module or a zoo train step",
@@ -466,8 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bytes), total parameter bytes and the FLOPs of dots and convolutions.")
     p.add_argument("source", metavar="SOURCE", help="an HLO text file, or zoo:NAME (see `hlomap zoo list`)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--trainable", metavar="LIST",
-                   help="for a bare HLO dump: comma-separated indices or names of the trainable entry parameters")
+    _add_role_options(p)
     p.add_argument("--module", type=int, default=0, metavar="K",
                    help="which module of a file split by '// -----' (default 0)")
     p.add_argument("--all-params", action="store_true", help="list every entry parameter (default: first 40)")
@@ -488,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axis-order", metavar="AXES",
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
                         "inside a node (default: the mesh's order)")
-    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    _add_role_options(p)
     p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
@@ -503,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  hlomap explore zoo:gpt-small --budget-seconds 30\n"
                               "  hlomap explore zoo:gpt-1.3b --task hybrid --mesh data=2,model=8 --reward cost\n"
                               "  hlomap explore zoo:bert-base --task pipeline --stages 2 --cluster A --agent dp\n"
-                              "  hlomap explore pipedream:profiles/vgg16.txt --task pipeline --stages 4",
+                              "  hlomap explore pipedream:vgg16.txt --task pipeline --stages 4   "
+                              "(a PipeDream profiler graph file)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE",
                    help="an HLO text file, zoo:NAME, or (pipeline task only) a PipeDream graph, pipedream:GRAPH.txt or its bare path")
@@ -521,23 +659,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", choices=("paper", "cost"), default="paper",
                    help="paper: Auto-MAP's +0.4 per partitioned dim, +0.1 per replicated one, -1 on conflict; "
                         "cost: the cost model's step-time gain (default paper)")
-    p.add_argument("--budget-seconds", type=float, default=60.0, metavar="N",
+    p.add_argument("--budget-seconds", type=_positive_float, default=60.0, metavar="N",
                    help="wall-clock budget of the search (default 60)")
-    p.add_argument("--budget-evaluations", type=int, default=None, metavar="N",
+    p.add_argument("--budget-evaluations", type=_positive_int, default=None, metavar="N",
                    help="also stop after N evaluated plans")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
                    help="where the plan is saved, and kept up to date while searching (default plan.json)")
     p.add_argument("--curve", metavar="FILE.png",
                    help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
-    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    _add_role_options(p)
     g = p.add_argument_group("pipeline task")
-    g.add_argument("--stages", type=int, default=2, metavar="S", help="pipeline stages (default 2)")
-    g.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    g.add_argument("--stages", type=_positive_int, default=2, metavar="S", help="pipeline stages (default 2)")
+    g.add_argument("--microbatches", type=_positive_int, default=8, metavar="M",
+                   help="microbatches per step (default 8)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (default 1f1b)")
-    g.add_argument("--episodes", type=int, default=2000, metavar="N",
+    g.add_argument("--episodes", type=_positive_int, default=2000, metavar="N",
                    help="DQN training episodes (default 2000; --budget-seconds also limits it)")
-    g.add_argument("--finetune-episodes", type=int, default=0, metavar="N",
+    g.add_argument("--finetune-episodes", type=_count, default=0, metavar="N",
                    help="dqn-infer: fine-tune the shipped network for N episodes on this model (default 0)")
     g.add_argument("--compare-dp", action="store_true", help="also solve the exact DP and report the gap")
     g.add_argument("--timeline", metavar="FILE.png",
@@ -586,11 +725,55 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hlomap.tasks.sharding.exact import ExactTooLarge
     from hlomap.hlo.parser import HloParseError
     from hlomap.tasks.pipeline.pipedream import PipeDreamParseError
+    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
     from hlomap.propagation.conflicts import PlanConflict
 
     return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError, PlanConflict,
-            ExactTooLarge, PipeDreamParseError, FileNotFoundError,
+            ExactTooLarge, PipeDreamParseError, NoFeasiblePlan, FileNotFoundError,
             IsADirectoryError, PermissionError)
+
+
+def _watch_interrupts(args: argparse.Namespace) -> None:
+    """Ctrl-C sets `args.interrupted` as well as raising KeyboardInterrupt: Python drops an
+    exception raised inside a garbage-collector callback (JAX's, while it traces and compiles),
+    so the flag is checked again at every progress report and between the command's phases."""
+    args.interrupted = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        args.interrupted.set()
+        if not _in_gc_callback(frame):  # there the exception would be printed and dropped
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _in_gc_callback(frame: Any) -> bool:
+    """Whether Python is running a garbage-collector callback (JAX registers one), where a raised
+    KeyboardInterrupt is reported as "Exception ignored" and lost."""
+    while frame is not None:
+        if frame.f_code.co_name.endswith("gc_callback"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stop_if_interrupted(args: argparse.Namespace) -> None:
+    event = getattr(args, "interrupted", None)
+    if event is not None and event.is_set():
+        raise KeyboardInterrupt
+
+
+def _interruptible(args: argparse.Namespace, callback: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """A driver's progress callback that stops the search (keeping its best plan) once Ctrl-C
+    was pressed, whether or not a bar is drawn."""
+
+    def on_progress(progress: Any) -> None:
+        _stop_if_interrupted(args)
+        if callback is not None:
+            callback(progress)
+
+    return on_progress
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -598,13 +781,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
+    _watch_interrupts(args)
     func: Callable[[argparse.Namespace], int] = args.func
     if os.environ.get("HLOMAP_DEBUG") == "1":
         return func(args)
     try:
         return func(args)
     except KeyboardInterrupt:
-        print("hlomap: interrupted", file=sys.stderr)
+        print("hlomap: interrupted before a plan was found; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _user_errors() as err:
         print(f"hlomap {args.command}: error: {err}", file=sys.stderr)

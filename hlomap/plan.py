@@ -290,6 +290,27 @@ class Plan:
         plan.check_compatible(cap, mesh, where=str(path))
         return plan
 
+    def check_specs(self, *, where: str = "plan") -> None:
+        """Raise ValueError naming the parameter and dim when a spec cannot apply to the plan's
+        own mesh: an axis the mesh does not have, an axis used twice, or a dim whose size the
+        axes' sizes do not divide. What `jax.jit` would only find after tracing and compiling."""
+        sizes = self.mesh_shape
+        for p in self.parameters:
+            used: dict[str, int] = {}
+            for d, axes in enumerate(p.spec):
+                for axis in axes or ():
+                    if axis not in sizes:
+                        raise ValueError(f"{where}: parameter {p.path!r} dim {d} is split on mesh axis {axis!r}, "
+                                         f"which the plan's mesh {sizes} does not have")
+                    if axis in used:
+                        raise ValueError(f"{where}: parameter {p.path!r} uses mesh axis {axis!r} twice "
+                                         f"(dims {used[axis]} and {d})")
+                    used[axis] = d
+                ways = math.prod(sizes[a] for a in axes or ())
+                if d < len(p.shape) and p.shape[d] % ways:
+                    raise ValueError(f"{where}: parameter {p.path!r} dim {d} has size {p.shape[d]}, which its "
+                                     f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
+
     def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:
         """Raise ValueError, saying what differs, when the plan was made for another module (the
         sha256 of the HLO text) or another mesh (`mesh`: a {name: size} mapping or a jax Mesh)."""
@@ -335,12 +356,16 @@ def parse_mesh_text(text: str) -> int | dict[str, int]:
     """The CLI's --mesh: `"8"` -> 8 (the axis is named by the task or plan: data for dp, model for
     megatron); `"data=2,model=4"` -> {"data": 2, "model": 4}."""
     text = text.strip()
-    if text.isdigit() and int(text) > 0:
+    if text.isdigit():
+        if int(text) < 1:
+            raise PlanError(f"mesh {text!r}: the device count must be positive")
         return int(text)
     out: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        if sep and name.strip() and size.strip().isdigit() and int(size) < 1:
+            raise PlanError(f"mesh {text!r}: axis {name.strip()!r} has size {int(size)}; sizes must be positive")
+        if not sep or not name.strip() or not size.strip().isdigit():
             raise PlanError(f"mesh {text!r}: expected N or NAME=SIZE[,NAME=SIZE...], got {part!r}")
         if name.strip() in out:
             raise PlanError(f"mesh {text!r}: axis {name.strip()!r} given twice")

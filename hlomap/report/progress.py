@@ -32,10 +32,12 @@ def progress_bar(enabled: bool = True, *, description: str = "explore") -> Itera
     if not enabled:
         yield None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
+    # on stderr: stdout may carry the result (`--json`), which must stay parseable
     bar = Bar(TextColumn(f"[bold]{description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-              TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False)
+              TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False, console=Console(stderr=True))
     task = bar.add_task(description, total=1000, stats="")
 
     def update(p: Progress) -> None:

@@ -186,6 +186,7 @@ def dqn_search(task: SearchTask, budget: Budget, seed: int = 0, *, config: DqnSe
     config = config or task.default_dqn_config(budget)
     planned = budget.episodes or budget.evaluations
     agent_config = agent_config or config.agent_config(task.episode_length, planned)
+    steps = sweeps = 0
     with tracker.guard():
         agent = DqnAgent(agent_config, env.observation_size, env.num_actions, seed=seed,
                          functions=functions or make_dqn(agent_config, env.observation_size, env.num_actions))
@@ -196,7 +197,7 @@ def dqn_search(task: SearchTask, budget: Budget, seed: int = 0, *, config: DqnSe
         if floor is not None:
             tracker.record(floor, task.score(floor), curve=False)
         last_greedy: bytes | None = None
-        stable = stale = sweeps = 0
+        stable = stale = 0
         last_improvement = (len(tracker.improvements), 0)
         while tracker.episodes == 0 or not tracker.exhausted():
             runner.play()
@@ -224,8 +225,9 @@ def dqn_search(task: SearchTask, budget: Budget, seed: int = 0, *, config: DqnSe
             last_improvement = (len(tracker.improvements), tracker.episodes)
         if tracker.greedy is None and _may_score(tracker):
             runner.greedy()
+        steps = runner.steps
         tracker.notes.append(f"{tracker.episodes} episodes, {agent.num_updates} learner updates, "
                              f"{sweeps} fine-tuning sweep(s)")
-    log.info("DQN search: %d episodes, %d steps in %.1f s; best %.6g", tracker.episodes, runner.steps,
+    log.info("DQN search: %d episodes, %d steps in %.1f s; best %.6g", tracker.episodes, steps,
              tracker.seconds, tracker.best.value)
     return tracker.result()

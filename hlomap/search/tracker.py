@@ -223,6 +223,8 @@ class Tracker:
         return self.best_choices
 
     def result(self) -> SearchResult:
+        if self.best_choices is None and self.interrupted:
+            raise KeyboardInterrupt  # stopped before any plan: nothing to keep, let the caller stop
         if self.best_choices is None:
             raise RuntimeError(f"{self.driver} search ended without a conflict-free plan "
                                f"after {self.evaluations} evaluations")

@@ -170,14 +170,17 @@ class CutTask:
     oom_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 2 <= self.n_stages <= self.profile.n_layers:
-            raise ValueError(
-                f"{self.profile.source}: a cut search needs 2 <= stages <= layers "
-                f"({self.profile.n_layers}); got {self.n_stages}"
+        if self.n_stages < 2:
+            raise ValueError(f"{self.profile.source}: a cut search needs at least 2 stages; got {self.n_stages}")
+        if self.n_stages > self.profile.n_layers:
+            raise NoFeasiblePlan(
+                f"{self.profile.source}: {self.n_stages} stages need {self.n_stages - 1} cuts, but the step has "
+                f"{self.profile.n_pivots} candidate cut points, so at most {self.profile.n_layers} stages"
             )
         if self.n_stages > self.links.n_devices:
             raise NoFeasiblePlan(
-                f"{self.n_stages} stages do not fit on {self.links.n_devices} devices"
+                f"{self.n_stages} stages do not fit on {self.links.n_devices} devices (at most "
+                f"{self.links.n_devices} stages)"
             )
         if self.device_radius < 0:
             raise ValueError(f"device_radius = {self.device_radius} must be >= 0")
