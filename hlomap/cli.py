@@ -208,7 +208,7 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
 
     rows = [(name, zoo.get(name)) for name in zoo.names()]
     if args.json:
-        json.dump([{"name": n, "family": m.family, "parameters": m.param_count(), "description": m.description}
+        json.dump([{"name": n, "family": m.family, "parameters": m.parameters, "description": m.description}
                    for n, m in rows], sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -218,7 +218,7 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
     table.add_column("parameters", justify="right")
     table.add_column("description")
     for name, model in rows:
-        table.add_row(name, model.family, human_count(model.param_count()), model.description)
+        table.add_row(name, model.family, human_count(model.parameters), model.description)
     _console().print(table)
     return 0
 

@@ -187,6 +187,9 @@ class ZooModel:
     description: str
     config: Architecture
     arg_names: tuple[str, ...] = ("params", "opt_state", "batch")
+    #: trainable parameters as the registry declares them (what `zoo list` shows without
+    #: tracing); `param_count()` computes them from the model
+    parameters: int = 0
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.adam(self.config.learning_rate)
