@@ -30,7 +30,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_time, collective_time
 from hlomap.cost.estimate import Reason, step_work
-from hlomap.cost.mapping import AxisMapping, axis_devices
+from hlomap.cost.mapping import axis_devices
 from hlomap.cost.sharding import ShardedGraph
 from hlomap.hlo.capture import Capture, Role
 from hlomap.propagation.conflicts import MeshAxes
