@@ -25,6 +25,7 @@ __all__ = [
     "SourceError",
     "estimate",
     "explore",
+    "explore_auto",
     "explore_detailed",
     "is_pipedream_graph",
     "load_pipeline_source",
@@ -173,18 +174,40 @@ def explore(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str
     Options: budget_evaluations, output (path saved as the search runs), graph,
     replicate_residual, dqn_config, with_estimate, on_progress.
 
+    task "auto" plans the whole cluster at once (pipeline stages with data and tensor
+    parallelism inside each, Alpa-style two-level search): options schedule, microbatches,
+    max_stages, output; see `explore_auto`.
+
     task "pipeline" decides stage cuts instead: agent "dqn", "dqn-infer" or "dp"; mesh and
     reward do not apply. Options: stages (default: one stage per server of the cluster),
     microbatches, schedule, episodes, finetune_episodes, compare_dp, output, on_progress. The
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.
     """
+    if str(getattr(task, "value", task)) == "auto":
+        return explore_auto(cap, cluster=cluster, **options)
     if str(getattr(task, "value", task)) == "pipeline":
         from hlomap.tasks.pipeline.explore import explore_pipeline_plan
 
         return explore_pipeline_plan(cap, cluster=cluster, agent=str(getattr(agent, "value", agent)),
                                      budget_seconds=budget_seconds, seed=seed, **options)
     return explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options).plan
+
+
+def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", microbatches: Sequence[int] | None = None,
+                 max_stages: int | None = None, output: str | Path | None = None, **options: Any) -> Any:
+    """The joint plan (`hlomap.tasks.joint`): stage cuts, each stage's device group, mesh shape
+    and sharding, microbatches and schedule, by the exact two-level search, with Megatron-LM's
+    expert grid priced beside it (in the plan's `search` record)."""
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+    result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
+                           max_stages=max_stages, **options)
+    plan = joint_plan(result)
+    if output is not None:
+        plan.save(output)
+    return plan
 
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",

@@ -458,11 +458,36 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     return 0 if not result.simulation.violations or not args.fail_if_oom else 3
 
 
+def _explore_auto(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.report.joint import format_joint_result
+    from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+    cluster = _cluster_argument(args.cluster, args.profile)
+    cap = _load_capture(args)
+    _require_roles(cap, "the auto task")
+    _stop_if_interrupted(args)
+    if not args.quiet:
+        print(f"planning {cap.source} on {cluster.name} ({cluster.n_devices} devices): stages x data x model ...",
+              file=sys.stderr)
+    result = explore_joint(cap, cluster, schedule=args.schedule)
+    plan = joint_plan(result)
+    plan.save(output)
+    if args.json:
+        json.dump(plan.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _console().print(format_joint_result(result, name=args.source))
+    print(f"plan: {output}", file=sys.stderr)
+    return 0 if result.cost.fits or not args.fail_if_oom else 3
+
+
 def cmd_explore(args: argparse.Namespace) -> int:
     output = Path(args.output)
     _check_output(output)
     if args.task == "pipeline":
         return _explore_pipeline(args, output)
+    if args.task == "auto":
+        return _explore_auto(args, output)
     from hlomap.api import PIPEDREAM_PREFIX, is_pipedream_graph
 
     if args.source.startswith(PIPEDREAM_PREFIX) or is_pipedream_graph(args.source):
@@ -645,7 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE",
                    help="an HLO text file, zoo:NAME, or (pipeline task only) a PipeDream graph, pipedream:GRAPH.txt or its bare path")
-    p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline"), default="opp", help="what to search (default opp)")
+    p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline", "auto"), default="opp",
+                   help="what to search (default opp); auto: pipeline stages x data x model for the whole cluster")
     p.add_argument("--mesh", default="8", metavar="8|data=2,model=4",
                    help="device mesh of the opp/adp/hybrid tasks; a bare count is one axis, model (data for adp) "
                         "(default 8)")
