@@ -31,7 +31,7 @@ from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.search.budget import Budget  # noqa: E402
 from hlomap.search.dqn import dqn_search  # noqa: E402
 from hlomap.tasks.joint.costs import JointModel, stage_options  # noqa: E402
-from hlomap.tasks.joint.explore import explore_joint, joint_model  # noqa: E402
+from hlomap.tasks.joint.explore import explore_joint  # noqa: E402
 from hlomap.tasks.joint.solve import JointSpace, solve  # noqa: E402
 from hlomap.tasks.joint.task import JointSearchTask  # noqa: E402
 
