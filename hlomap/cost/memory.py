@@ -91,7 +91,7 @@ class MemoryEstimate:
     capacity: int
     peak_instruction: str = ""  # where the temporaries peak
     max_gradients: int = 0  # the most gradient bytes live at once, wherever that is
-    max_activations: int = 0  # the most activation bytes live at once (the end of the forward pass)
+    max_activations: int = 0  # the most activation bytes live at once (around the end of the forward pass)
 
     @property
     def temporaries(self) -> int:

@@ -193,13 +193,14 @@ DP_STEP = """HloModule dp_step
 ENTRY e {
   x = f32[8,64]{1,0} parameter(0)
   w = f32[64,64]{1,0} parameter(1)
-  y = f32[8,64]{1,0} dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp(f)/dot_general"}
-  dy = f32[8,64]{1,0} negate(y), metadata={op_name="jit(step)/transpose(jvp(f))/neg"}
-  dw = f32[64,64]{1,0} dot(x, dy), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp(f))/dot_general"}
+  y = f32[8,64]{1,0} dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jvp(f)/dot"}
+  dy = f32[8,64]{1,0} negate(y), metadata={op_name="transpose(jvp(f))/neg"}
+  dw = f32[64,64]{1,0} dot(x, dy), lhs_contracting_dims={0}, rhs_contracting_dims={0},
+    metadata={op_name="transpose(jvp(f))/dot"}
   lr = f32[] constant(0.1)
-  s = f32[64,64]{1,0} broadcast(lr), dimensions={}, metadata={op_name="jit(step)/mul"}
-  u = f32[64,64]{1,0} multiply(dw, s), metadata={op_name="jit(step)/mul"}
-  w2 = f32[64,64]{1,0} subtract(w, u), metadata={op_name="jit(step)/sub"}
+  s = f32[64,64]{1,0} broadcast(lr), dimensions={}, metadata={op_name="mul"}
+  u = f32[64,64]{1,0} multiply(dw, s), metadata={op_name="mul"}
+  w2 = f32[64,64]{1,0} subtract(w, u), metadata={op_name="sub"}
   ROOT out = (f32[64,64]{1,0}) tuple(w2)
 }
 """
@@ -225,12 +226,12 @@ LOSS_LAST = """HloModule loss_last
 """ + ADD + """
 ENTRY e {
   p = f32[256]{0} parameter(0)
-  a = f32[256]{0} exponential(p), metadata={op_name="jit(step)/jvp(f)/exp"}
-  g = f32[256]{0} negate(a), metadata={op_name="jit(step)/transpose(jvp(f))/neg"}
-  h = f32[256]{0} sqrt(g), metadata={op_name="jit(step)/transpose(jvp(f))/sqrt"}
-  t = f32[256]{0} log(a), metadata={op_name="jit(step)/jvp(f)/log"}
+  a = f32[256]{0} exponential(p), metadata={op_name="jvp(f)/exp"}
+  g = f32[256]{0} negate(a), metadata={op_name="transpose(jvp(f))/neg"}
+  h = f32[256]{0} sqrt(g), metadata={op_name="transpose(jvp(f))/sqrt"}
+  t = f32[256]{0} log(a), metadata={op_name="jvp(f)/log"}
   zero = f32[] constant(0)
-  loss = f32[] reduce(t, zero), dimensions={0}, to_apply=add, metadata={op_name="jit(step)/jvp(f)/reduce_sum"}
+  loss = f32[] reduce(t, zero), dimensions={0}, to_apply=add, metadata={op_name="jvp(f)/reduce_sum"}
   ROOT r = (f32[256]{0}, f32[]) tuple(h, loss)
 }
 """
@@ -287,4 +288,5 @@ def test_data_parallel_peak_is_xla_gradient_all_reduce(gpt_tiny) -> None:  # typ
     ref = xla_reference(cap, Plan.from_groups(cap, graph, array, axes), graph).memory
     assert mem.gradients == pytest.approx(ref.temp_bytes, rel=0.01)
     assert mem.activations <= 0.01 * mem.gradients
-    assert mem.total == pytest.approx(ref.peak, rel=0.02)
+    assert mem.temporaries == pytest.approx(ref.temp_bytes + ref.output_bytes - ref.alias_bytes, rel=0.01)
+    assert mem.total == pytest.approx(ref.peak, rel=0.01)
