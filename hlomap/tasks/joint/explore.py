@@ -21,8 +21,12 @@ from hlomap.hlo.source_info import nearest_scopes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid
-from hlomap.tasks.joint.plans import JointCost, JointPlan
-from hlomap.tasks.joint.solve import JointSpace, microbatch_choices, solve
+from hlomap.search.budget import Budget
+from hlomap.search.drivers import run_driver
+from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks.joint.plans import JointCost, JointPlan, evaluate
+from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
+from hlomap.tasks.joint.task import JointSearchTask
 from hlomap.tasks.pipeline.chain import PivotOptions, step_chain
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,7 @@ class JointResult:
     seconds: float
     driver: str
     options: int
+    search: SearchResult | None = None
 
     @property
     def best_grid(self) -> GridPoint | None:
@@ -66,23 +71,29 @@ class JointResult:
 
 def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
                   microbatches: Sequence[int] | None = None, max_stages: int | None = None,
-                  kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), with_grid: bool = True,
+                  kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
+                  budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
                   graph: FactorGraph | None = None, model: JointModel | None = None,
-                  on_progress: Callable[[str], None] | None = None) -> JointResult:
-    """The least-L joint plan of `cap` on `cluster` by the exact two-level search."""
+                  on_best: Callable[[SearchResult], None] | None = None,
+                  on_progress: Callable[[Progress], None] | None = None) -> JointResult:
+    """The least-L joint plan of `cap` on `cluster`. agent: "exact" (the two-level DP, the
+    default: optimal for the model and fast), or a search driver over the outer level ("dqn",
+    "random", "greedy"; `budget` bounds it) with the same inner level."""
     start = time.perf_counter()
     schedule = Schedule(schedule)
     model = model or joint_model(cap, cluster, graph=graph)
     options = stage_options(cluster, kinds=kinds)
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
                        schedule, max_stages)
-    if on_progress is not None:
-        on_progress(f"{model.n_layers} layers, {len(options)} stage options")
-    plan, cost = solve(model, space)
+    task = JointSearchTask(model, space)
+    found = run_driver(task, Driver(agent), budget or Budget(seconds=60.0), seed, on_best=on_best,
+                       on_progress=on_progress)
+    plan = found.plan
+    cost = evaluate(model, plan)
     grid = tuple(expert_grid(model, schedule=schedule)) if with_grid else ()
     log.info("joint plan of %s on %s: %d stages, L %.4g s (%.1f s)", cap.source, cluster.name, plan.n_stages,
              cost.latency, time.perf_counter() - start)
-    return JointResult(model, plan, cost, grid, time.perf_counter() - start, "exact", len(options))
+    return JointResult(model, plan, cost, grid, time.perf_counter() - start, found.driver.value, len(options), found)
 
 
 def option_of(plan: JointPlan, stage: int) -> StageOption:

@@ -32,7 +32,8 @@ from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JointSpace", "aligned", "brute_force", "enumerate_plans", "microbatch_choices", "solve"]
+__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "brute_force", "enumerate_plans",
+           "microbatch_choices", "problem_for", "solve"]
 
 #: Relative tolerance under which two bottlenecks count as equal.
 TIE_RTOL = 1e-9
@@ -79,7 +80,7 @@ class _Mode(enum.Enum):
     SUM = "sum"
 
 
-class _Tables(NamedTuple):
+class StageTables(NamedTuple):
     """Per option: [i, j] stage seconds (inf where j <= i), per held count the [i, j] memory,
     per first device the [j] transfer seconds after layer j - 1."""
 
@@ -95,7 +96,10 @@ class _Pass(NamedTuple):
 
 
 @dataclass(eq=False)
-class _Problem:
+class JointProblem:
+    """One microbatch count's problem: the options valid for it and their tables (`tables`),
+    shared by the DP and the DQN's environment."""
+
     model: JointModel
     space: JointSpace
     microbatches: int
@@ -118,7 +122,7 @@ class _Problem:
     def held(self, after: int) -> int:
         return in_flight(self.space.schedule, 0, after + 1, self.microbatches)
 
-    def tables(self) -> _Tables:
+    def tables(self) -> StageTables:
         n, m = self.layers, self.microbatches
         i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
         upper = j > i
@@ -140,14 +144,14 @@ class _Problem:
                     u[k] = transfer_seconds(self.model.cluster, option, d, e, nbytes)
                 per_device[d] = u
             transfer.append(per_device)
-        return _Tables(stage, memory, transfer)
+        return StageTables(stage, memory, transfer)
 
     def capacity(self, device: int, size: int) -> float:
         cluster = self.model.cluster
         return min(cluster.devices[x].memory_bytes for x in range(device, device + size))
 
 
-def _run(problem: _Problem, tables: _Tables, mode: _Mode, tau: float = math.inf) -> _Pass:
+def _run(problem: JointProblem, tables: StageTables, mode: _Mode, tau: float = math.inf) -> _Pass:
     n, devices, stages = problem.layers, problem.devices, problem.stages
     value = np.full((stages, n + 1, devices + 1), np.inf)
     next_layer = np.full(value.shape, -1, dtype=np.int32)
@@ -193,7 +197,7 @@ def _run(problem: _Problem, tables: _Tables, mode: _Mode, tau: float = math.inf)
     return _Pass(value, next_layer, chosen)
 
 
-def _best(problem: _Problem, result: _Pass) -> tuple[float, JointPlan | None]:
+def _best(problem: JointProblem, result: _Pass) -> tuple[float, JointPlan | None]:
     start = result.value[:, 0, 0]
     if not np.isfinite(start).any():
         return math.inf, None
@@ -208,19 +212,24 @@ def _best(problem: _Problem, result: _Pass) -> tuple[float, JointPlan | None]:
     return float(start[q]), JointPlan(tuple(stages), problem.microbatches, problem.space.schedule)
 
 
-def _candidates(problem: _Problem, tables: _Tables, floor: float) -> np.ndarray:
+def _candidates(problem: JointProblem, tables: StageTables, floor: float) -> np.ndarray:
     values = [t[np.isfinite(t) & (t >= floor)] for t in tables.stage]
     values += [u[(u >= floor) & (u > 0)] for per in tables.transfer for u in per.values()]
     return np.unique(np.concatenate(values)) if values else np.zeros(0)
 
 
+def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> JointProblem | None:
+    """The problem of one microbatch count (None when no option splits the batch that way)."""
+    options = tuple(o for o in space.options if _valid(model, o, microbatches))
+    return JointProblem(model, space, microbatches, options, _per_node(model)) if options else None
+
+
 def _solve_for(model: JointModel, space: JointSpace, microbatches: int,
                bound: float) -> tuple[JointPlan, JointCost] | None:
     """The least-L plan with `microbatches` microbatches (None when none fits or beats `bound`)."""
-    options = tuple(o for o in space.options if _valid(model, o, microbatches))
-    if not options:
+    problem = problem_for(model, space, microbatches)
+    if problem is None:
         return None
-    problem = _Problem(model, space, microbatches, options, _per_node(model))
     tables = problem.tables()
     tau_star, _ = _best(problem, _run(problem, tables, _Mode.MAX))
     if not math.isfinite(tau_star):

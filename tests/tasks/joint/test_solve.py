@@ -102,3 +102,19 @@ def test_stage_options_keep_tensor_parallelism_inside_a_server() -> None:
     assert all(o.model <= 8 and o.data * o.model == o.devices for o in options)
     assert {o.devices for o in options} == {1, 2, 4, 8, 16}
     assert all(o.kind is PlanKind.EXPERT for o in options)
+
+
+@pytest.mark.parametrize("layers", [4, pytest.param(6, marks=pytest.mark.slow)])
+def test_the_dqn_over_the_outer_level_finds_the_exact_optimum(gpt_tiny, layers) -> None:
+    """Small enough to enumerate: the DQN driver on the joint task reaches the DP's plan."""
+    from hlomap.search.budget import Budget
+    from hlomap.search.dqn import dqn_search
+    from hlomap.tasks.joint.task import JointSearchTask
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=layers)
+    space = JointSpace(stage_options(model.cluster), (1, 2, 4))
+    _, exact = solve(model, space)
+    assert brute_force(model, space)[1].latency == pytest.approx(exact.latency, rel=1e-9)
+    found = dqn_search(JointSearchTask(model, space), Budget(episodes=600, seconds=None), seed=0)
+    assert found.score.step_time == pytest.approx(exact.latency, rel=1e-9)
+    assert evaluate(model, found.plan).latency == pytest.approx(exact.latency, rel=1e-9)
