@@ -35,12 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions
-from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.report.gantt import draw_gantt
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.pipedream import load_pipedream
+from hlomap.tasks.pipeline.pipedream import load_pipedream, pipedream_cluster
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
 from hlomap.tasks.pipeline.baselines import first_candidates, random_candidates
 from hlomap.tasks.pipeline.cutenv import CutTask
@@ -79,7 +78,6 @@ def main() -> None:
 
     console = Console(width=200)
     console.print(f"load average before: {_load()}")
-    bandwidth = args.bandwidth_gbps * 1e9 / 8
     optima = Table(
         title=f"DP optima of straight pipelines on PipeDream profiles ({args.bandwidth_gbps:g} "
         f"Gbps; L for M = {args.microbatches})"
@@ -116,9 +114,9 @@ def main() -> None:
         profile = load_pipedream(path)
         total = float(profile.compute_time.sum())
         for n_stages in args.stages:
-            links = Links.uniform(n_stages, bandwidth=bandwidth)
+            network = pipedream_cluster(n_stages, args.bandwidth_gbps)
             start = time.perf_counter()
-            compute_only = solve(profile, links, SearchSpace(
+            compute_only = solve(profile, network, SearchSpace(
                 objective=Objective.BOTTLENECK,
                 cost=CostOptions(comm=CommModel.IGNORED),
                 check_memory=False,
@@ -129,10 +127,10 @@ def main() -> None:
                 schedule=Schedule.ONE_F_ONE_B,
                 check_memory=False,
             )
-            with_comm = solve(profile, links, space)
+            with_comm = solve(profile, network, space)
             elapsed = time.perf_counter() - start
-            result = simulate(profile, links, with_comm.plan)
-            gpipe = simulate(profile, links, replace(with_comm.plan, schedule=Schedule.GPIPE))
+            result = simulate(profile, network, with_comm.plan)
+            gpipe = simulate(profile, network, replace(with_comm.plan, schedule=Schedule.GPIPE))
             published = PUBLISHED_VGG16.get(n_stages) if path.stem == "vgg16" else None
             check = ""
             if published is not None:
@@ -151,13 +149,13 @@ def main() -> None:
                 continue
             optimum = with_comm.value
             coarse, _ = coarsen(profile, args.dqn_pivots)
-            task = CutTask(coarse, links, space, n_stages)
+            task = CutTask(coarse, network, space, n_stages)
             found = dqn_search(task, SearchBudget(max_episodes=args.dqn_episodes), seed=args.seed)
-            same = solve(coarse, links, space).value if coarse is not profile else None
+            same = solve(coarse, network, space).value if coarse is not profile else None
             first = first_candidates(task, ONLINE_CANDIDATES)
             randomly = random_candidates(task, ONLINE_CANDIDATES, found.episodes, seed=args.seed)
             # The inference network coarsens the full profile to its own 128 points.
-            inferred = infer_cuts(CutTask(profile, links, space, n_stages), policy,
+            inferred = infer_cuts(CutTask(profile, network, space, n_stages), policy,
                                   seed=args.seed)
             searches.add_row(
                 path.stem, str(n_stages), f"{optimum:.6g}",

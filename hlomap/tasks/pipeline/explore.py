@@ -30,7 +30,8 @@ from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.dqn_search import SearchBudget, dqn_search
 from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster, load_cluster
+from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
@@ -40,7 +41,6 @@ __all__ = [
     "CutDescription",
     "PipelineAgent",
     "PipelineResult",
-    "cluster_links",
     "explore_pipeline",
     "explore_pipeline_plan",
     "pipeline_plan",
@@ -154,20 +154,9 @@ class PipelineResult:
         }
 
 
-def cluster_links(cluster: Any) -> tuple[Links, Any]:
-    """Links and the device spec to profile on, from a preset name, JSON path, Cluster or
-    Links (a Links carries no device spec: None, the profile's default)."""
-    if isinstance(cluster, Links):
-        return cluster, None
-    from hlomap.cost.cluster import load_cluster
-
-    loaded = load_cluster(cluster)
-    return Links.from_cluster(loaded), loaded.devices[0]
-
-
 def pipeline_task(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     *,
     stages: int,
     microbatches: int,
@@ -177,14 +166,13 @@ def pipeline_task(
     require_trainable: bool = True,
     check_memory: bool = True,
 ) -> CutTask:
-    """The cut problem of `stages` stages on the center device groups of `links`; the DP gets the
-    same space (replication factors of the center groups, every device used, stage boundaries on
-    servers when there are at least as many servers as stages)."""
-    bounds = center_device_bounds(links, stages)
+    """The cut problem of `stages` stages on the center device groups of `cluster`; the DP gets
+    the same space (replication factors of the center groups, every device used, stage
+    boundaries on servers when there are at least as many servers as stages)."""
+    bounds = center_device_bounds(cluster, stages)
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
-    n_nodes = len(set(links.node_of))
     if device_radius > 0:
-        sizes = tuple(range(1, links.n_devices + 1))
+        sizes = tuple(range(1, cluster.n_devices + 1))
     space = SearchSpace(
         microbatches=microbatches,
         schedule=schedule,
@@ -192,11 +180,11 @@ def pipeline_task(
         replication=sizes,
         use_all_devices=True,
         max_stages=stages,
-        cut_on_node_boundary=stages <= n_nodes,
+        cut_on_node_boundary=stages <= cluster.n_nodes,
         require_trainable=require_trainable,
         check_memory=check_memory,
     )
-    return CutTask(profile, links, space, stages, device_radius=device_radius)
+    return CutTask(profile, cluster, space, stages, device_radius=device_radius)
 
 
 def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan
@@ -220,7 +208,7 @@ def explore_pipeline(
     stages: int,
     microbatches: int = 8,
     schedule: Schedule | str = Schedule.ONE_F_ONE_B,
-    cluster: Any = "A",
+    cluster: str | Path | Cluster = "A",
     agent: PipelineAgent | str = PipelineAgent.DQN,
     seed: int = 0,
     budget_seconds: float | None = None,
@@ -238,7 +226,8 @@ def explore_pipeline(
 
     source: a `hlomap.hlo.capture.Capture`, an `StepChain`, or a per-microbatch
       `PipelineProfile`.
-    cluster: a preset ("A", "B", "C"), a cluster JSON path, a `hlomap.cost.Cluster`, or `Links`.
+    cluster: a preset ("A", "B", "C"), a cluster JSON path, or a `hlomap.cost.Cluster`; its
+      devices' spec profiles an HLO source, its topology prices the communication.
     budget_seconds: wall-clock limit of the DQN (training or fine-tuning); episodes: its episode
       limit; finetune_episodes: for dqn-infer, 0 for inference alone.
     compare_dp: also run the DP and report the gap to its optimum.
@@ -250,7 +239,8 @@ def explore_pipeline(
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
-    links, device = cluster_links(cluster)
+    cluster = load_cluster(cluster)
+    device = cluster.devices[0]
     hlo: StepChain | None
     if isinstance(source, StepChain):
         hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
@@ -262,19 +252,19 @@ def explore_pipeline(
     else:
         raise TypeError(f"explore_pipeline: cannot read a pipeline profile from {type(source)!r}")
     task = pipeline_task(
-        profile, links, stages=stages, microbatches=microbatches, schedule=schedule,
+        profile, cluster, stages=stages, microbatches=microbatches, schedule=schedule,
         objective=objective, device_radius=device_radius, require_trainable=require_trainable,
     ) if stages > 1 else None
     start = time.perf_counter()
     episodes_run = 0
     space = task.space if task is not None else SearchSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
-        replication=(links.n_devices,), max_stages=1)
+        replication=(cluster.n_devices,), max_stages=1)
     if task is None:  # one stage: data parallel over every device, nothing to search
-        plan = PipelinePlan.linear((0, profile.n_layers), (links.n_devices,),
+        plan = PipelinePlan.linear((0, profile.n_layers), (cluster.n_devices,),
                                    microbatches=microbatches, schedule=schedule)
     elif agent is PipelineAgent.DP:
-        plan = solve(profile, links, task.space).plan
+        plan = solve(profile, cluster, task.space).plan
     elif agent is PipelineAgent.DQN:
         found = dqn_search(task, SearchBudget(max_episodes=episodes, seconds=budget_seconds),
                            seed=seed)
@@ -287,11 +277,11 @@ def explore_pipeline(
         inferred = infer_cuts(task, load_policy(policy_path), finetune=budget, seed=seed)
         plan, episodes_run = inferred.plan, inferred.finetune_episodes
     seconds = time.perf_counter() - start
-    cost = evaluate_plan(profile, links, plan, space.cost)
-    simulation = simulate(profile, links, plan, space.cost)
+    cost = evaluate_plan(profile, cluster, plan, space.cost)
+    simulation = simulate(profile, cluster, plan, space.cost)
     optimum = None
     if compare_dp:
-        optimum = solve(profile, links, space).value
+        optimum = solve(profile, cluster, space).value
     device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
     return PipelineResult(
         source=name or (hlo.source if hlo is not None else profile.source),
@@ -303,8 +293,8 @@ def explore_pipeline(
         cuts=_describe(hlo, profile, plan),
         device_cuts=device_cuts,
         replication=plan.replication,
-        device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
-        on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
+        device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
+        on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
         search_seconds=seconds,
         episodes=episodes_run,
         optimum=optimum,
@@ -361,8 +351,7 @@ def explore_pipeline_plan(cap: Any, *, cluster: Any = "A", agent: str = "dqn", b
     if agent not in agents:
         raise ValueError(f"agent {agent!r}: the pipeline task takes {', '.join(agents)}")
     if stages is None:
-        links, _ = cluster_links(cluster)
-        stages = len(set(links.node_of))
+        stages = load_cluster(cluster).n_nodes
     result = explore_pipeline(cap, stages=stages, cluster=cluster, agent=agent, seed=seed,
                               budget_seconds=budget_seconds, **options)
     plan = pipeline_plan(cap, result, seed=seed)

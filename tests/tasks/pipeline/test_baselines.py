@@ -13,16 +13,16 @@ def test_the_first_candidate_is_optimal_for_one_cut(seed):
     """With two stages the only cut is the last, whose estimate is exact."""
     task = random_cut_task(2, seed)
     result = first_candidates(task, ranked=8)
-    optimum = solve(task.profile, task.links, task.space)
+    optimum = solve(task.profile, task.cluster, task.space)
     assert result.value == pytest.approx(optimum.value, rel=1e-12)
     assert result.plan is not None and result.episodes == 1
-    cost = evaluate_plan(task.profile, task.links, result.plan, task.space.cost)
+    cost = evaluate_plan(task.profile, task.cluster, result.plan, task.space.cost)
     assert cost.latency == result.value
 
 
 def test_random_search_never_beats_the_optimum_and_finds_it_with_enough_episodes():
     task = random_cut_task(3)
-    optimum = solve(task.profile, task.links, task.space).value
+    optimum = solve(task.profile, task.cluster, task.space).value
     few = random_candidates(task, ranked=32, episodes=3, seed=1)
     many = random_candidates(task, ranked=32, episodes=400, seed=1)
     assert few.value >= optimum * (1 - 1e-12) and few.episodes == 3

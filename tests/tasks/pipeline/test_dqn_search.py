@@ -36,7 +36,7 @@ def found(compiled):
 
 def test_finds_the_dp_optimum_of_a_small_problem(found):
     task, result = found
-    optimum = solve(task.profile, task.links, task.space)
+    optimum = solve(task.profile, task.cluster, task.space)
     assert optimum.plan.n_stages == task.n_stages
     assert result.value >= optimum.value * (1 - 1e-12)  # nothing beats the optimum
     assert result.value == pytest.approx(optimum.value, rel=1e-9)
@@ -44,7 +44,7 @@ def test_finds_the_dp_optimum_of_a_small_problem(found):
 
 def test_reports_the_plan_it_found_with_its_own_cost(found):
     task, result = found
-    assert result.cost == evaluate_plan(task.profile, task.links, result.plan, task.space.cost)
+    assert result.cost == evaluate_plan(task.profile, task.cluster, result.plan, task.space.cost)
     assert result.value == result.cost.latency and result.feasible
     assert result.episodes == EPISODES and result.steps == EPISODES * (task.n_stages - 1)
     assert 0 <= result.found_at_episode <= result.episodes
