@@ -311,9 +311,9 @@ def all_to_all_time(cluster: Cluster, group: Group, nbytes: float) -> float:
 
 
 def collective_permute_terms(cluster: Cluster, pairs: Sequence[tuple[int, int]]) -> tuple[AlphaBeta, ...]:
-    """One term per pair that moves data (src != dst), in the order given: when every pair sends
-    n bytes at once, pair i takes `terms[i].seconds(n)`. Cross-node pairs share their nodes' NICs
-    (send and receive side), which multiplies their seconds per byte."""
+    """The terms of the pairs that move data (src != dst), in the order given: when every pair
+    sends n bytes at once, the i-th of them takes `terms[i].seconds(n)`. Cross-node pairs share
+    their nodes' NICs (send and receive side), which multiplies their seconds per byte."""
     checked = []
     for src, dst in pairs:
         for d in (src, dst):

@@ -37,7 +37,7 @@ import enum
 from dataclasses import dataclass
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.links import allreduce_time, transfer_time
+from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 
@@ -153,9 +153,20 @@ def evaluate_plan(
     cluster: Cluster,
     plan: PipelinePlan,
     options: CostOptions = CostOptions(),
+    *,
+    prices: GroupPrices | None = None,
 ) -> PlanCost:
-    """The closed-form latency, bottleneck and memory of `plan` (see the module docstring)."""
+    """The closed-form latency, bottleneck and memory of `plan` (see the module docstring).
+
+    prices: a memo of `cluster`'s group prices, for callers that evaluate many plans; the result
+      is the same with or without it.
+    """
     check_plan(profile, cluster, plan)
+    if prices is None:
+        prices = GroupPrices(cluster)
+    elif prices.cluster is not cluster and prices.cluster != cluster:
+        raise ValueError(f"prices of cluster {prices.cluster.name!r} cannot price a plan on "
+                         f"cluster {cluster.name!r}")
     comm = options.comm is CommModel.OVERLAPPED
     m = plan.microbatches
     compute, allreduce = [], []
@@ -163,11 +174,11 @@ def evaluate_plan(
         layers = profile.stage_slice(stage.start, stage.stop)
         compute.append(float(profile.compute_time[layers].sum()) / stage.replication)
         params = float(profile.parameter_bytes[layers].sum())
-        allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
+        allreduce.append(float(prices.allreduce(stage.devices)(params)) if comm else 0.0)
     transfers = []
     for a, b in zip(plan.stages[:-1], plan.stages[1:]):
         nbytes = float(profile.activation_bytes[a.stop - 1])
-        transfers.append(transfer_time(cluster, a.devices, b.devices, nbytes) if comm else 0.0)
+        transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
     stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
     bottleneck = max(stage_times + transfers)
     latency = sum(stage_times) + 2 * sum(transfers) + (m - 1) * bottleneck

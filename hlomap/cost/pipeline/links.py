@@ -21,8 +21,11 @@ pipeline's communication with these functions, on the cluster's real topology:
 
 For fixed devices each of these times is affine in the byte count (the hierarchical all-reduce
 too), and a set of concurrent pairs is a max of affine functions: `AffineMax` holds the terms
-`collectives.all_reduce_terms` and `collectives.collective_permute_terms` give, so that the DP and
-the cut environment price whole arrays of byte counts at once with the same numbers.
+`collectives.all_reduce_terms` and `collectives.collective_permute_terms` give, and every price,
+one byte count or a whole array of them (the DP, the cut environment), is that AffineMax
+evaluated, so all callers get the very same numbers. Working out a group's terms (its layout over
+servers, its slowest links, NIC loads) costs far more than evaluating them, so callers that price
+the same groups many times keep a `GroupPrices`: an explicit memo of one cluster's terms.
 """
 
 from __future__ import annotations
@@ -33,15 +36,11 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.collectives import (
-    all_reduce_terms,
-    all_reduce_time,
-    collective_permute_terms,
-    collective_permute_time,
-)
+from hlomap.cost.collectives import all_reduce_terms, collective_permute_terms
 
 __all__ = [
     "AffineMax",
+    "GroupPrices",
     "allreduce_cost",
     "allreduce_time",
     "group_memory",
@@ -76,35 +75,57 @@ def transfer_pairs(src: Group, dst: Group) -> tuple[tuple[int, int], ...]:
     return tuple((int(src[c % len(src)]), int(dst[c % len(dst)])) for c in range(chunks))
 
 
-def transfer_time(cluster: Cluster, src: Group, dst: Group, nbytes: float) -> float:
-    """Seconds to move an `nbytes` tensor from a stage on `src` to a stage on `dst`."""
-    if nbytes <= 0:
-        return 0.0
-    pairs = transfer_pairs(src, dst)
-    return collective_permute_time(cluster, pairs, nbytes / len(pairs))
-
-
 def transfer_cost(cluster: Cluster, src: Group, dst: Group) -> AffineMax:
-    """`transfer_time(cluster, src, dst, x)` as an `AffineMax` of x."""
+    """The time of a transfer of x bytes from a stage on `src` to one on `dst`, as an `AffineMax`
+    of x: the k chunks' pairs priced by `collectives.collective_permute_terms`, x / k bytes each."""
     pairs = transfer_pairs(src, dst)
     terms = collective_permute_terms(cluster, pairs)
     return AffineMax(np.array([t.alpha for t in terms], dtype=np.float64),
                      np.array([t.beta / len(pairs) for t in terms], dtype=np.float64))
 
 
-def allreduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:
-    """Seconds to all-reduce `nbytes` of gradients over a stage's devices `group`."""
-    if len(group) <= 1 or nbytes <= 0:
-        return 0.0
-    return all_reduce_time(cluster, group, nbytes)
-
-
 def allreduce_cost(cluster: Cluster, group: Group) -> AffineMax:
-    """`allreduce_time(cluster, group, x)` as an `AffineMax` of x."""
+    """The time of an all-reduce of x bytes of gradients over a stage's devices `group`, as an
+    `AffineMax` of x (`collectives.all_reduce_terms`; none over one device)."""
     if len(group) <= 1:
         return AffineMax(np.zeros(0), np.zeros(0))
     terms = all_reduce_terms(cluster, group)
     return AffineMax(np.array([terms.alpha]), np.array([terms.beta]))
+
+
+def transfer_time(cluster: Cluster, src: Group, dst: Group, nbytes: float) -> float:
+    """Seconds to move an `nbytes` tensor from a stage on `src` to a stage on `dst`."""
+    return float(transfer_cost(cluster, src, dst)(nbytes))
+
+
+def allreduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """Seconds to all-reduce `nbytes` of gradients over a stage's devices `group`."""
+    return float(allreduce_cost(cluster, group)(nbytes))
+
+
+class GroupPrices:
+    """`allreduce_cost` and `transfer_cost` of one cluster's device groups, each worked out once.
+
+    An explicit cache owned by its caller (a cut environment, one DP solve, a brute force): the
+    same stage groups are priced for every plan, and their analysis dominates the evaluation.
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._allreduces: dict[tuple[int, ...], AffineMax] = {}
+        self._transfers: dict[tuple[tuple[int, ...], tuple[int, ...]], AffineMax] = {}
+
+    def allreduce(self, group: Group) -> AffineMax:
+        key = tuple(int(d) for d in group)
+        if key not in self._allreduces:
+            self._allreduces[key] = allreduce_cost(self.cluster, key)
+        return self._allreduces[key]
+
+    def transfer(self, src: Group, dst: Group) -> AffineMax:
+        key = (tuple(int(d) for d in src), tuple(int(d) for d in dst))
+        if key not in self._transfers:
+            self._transfers[key] = transfer_cost(self.cluster, *key)
+        return self._transfers[key]
 
 
 def group_memory(cluster: Cluster, group: Group) -> float:

@@ -13,6 +13,7 @@ from typing import Iterator
 
 from hlomap.cost.pipeline.costs import evaluate_plan
 from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import GroupPrices
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace, inadmissible
 from hlomap.cost.pipeline.stages import PipelinePlan
@@ -41,8 +42,9 @@ def enumerate_plans(
 def brute_force(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
     """The admissible plan with the least objective (BOTTLENECK ties broken by latency)."""
     admissible = []
+    prices = GroupPrices(cluster)
     for plan in enumerate_plans(profile, cluster, space):
-        cost = evaluate_plan(profile, cluster, plan, space.cost)
+        cost = evaluate_plan(profile, cluster, plan, space.cost, prices=prices)
         if inadmissible(profile, cluster, plan, space, cost) is None:
             admissible.append((plan, cost))
     if not admissible:

@@ -56,13 +56,7 @@ import numpy as np
 from hlomap.agents.environment import TimeStep, restart, termination, transition
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.links import (
-    AffineMax,
-    allreduce_cost,
-    group_memory,
-    is_node_boundary,
-    transfer_cost,
-)
+from hlomap.cost.pipeline.links import AffineMax, GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
@@ -221,8 +215,7 @@ class CutEnv:
             self.reference = (m + s - 1) * self.unit
         else:
             self.reference = self.unit
-        self._transfers: dict[tuple[int, int, int], AffineMax] = {}
-        self._allreduces: dict[tuple[int, int], AffineMax] = {}
+        self._prices = GroupPrices(cluster)
         self._static = self._static_features()
         self._globals_fixed = self._fixed_globals()
         self.ranked = ranked
@@ -241,16 +234,12 @@ class CutEnv:
 
     # ---- communication prices (memoized per device group) -------------------------------------
     def _transfer(self, a: int, b: int, c: int) -> AffineMax:
-        key = (a, b, c)
-        if key not in self._transfers:
-            self._transfers[key] = transfer_cost(self.task.cluster, range(a, b), range(b, c))
-        return self._transfers[key]
+        """Devices [a, b) to [b, c)."""
+        return self._prices.transfer(range(a, b), range(b, c))
 
     def _allreduce(self, a: int, b: int) -> AffineMax:
-        key = (a, b)
-        if key not in self._allreduces:
-            self._allreduces[key] = allreduce_cost(self.task.cluster, range(a, b))
-        return self._allreduces[key]
+        """Over devices [a, b)."""
+        return self._prices.allreduce(range(a, b))
 
     # ---- fixed parts of the observation -------------------------------------------------------
     def _static_features(self) -> np.ndarray:
@@ -280,7 +269,7 @@ class CutEnv:
                 else:
                     src = range(bounds[i], bounds[i + 1])
                     dst = range(bounds[j], bounds[j + 1])
-                    t = float(transfer_cost(self.task.cluster, src, dst)(median))
+                    t = float(self._prices.transfer(src, dst)(median))
                 topology[i, j] = min(t / self.unit, _CLIP)
         return np.concatenate([
             [s / self.max_stages, math.log2(self.m) / 8.0,
@@ -539,7 +528,8 @@ class CutEnv:
     def _finish(self) -> EpisodeOutcome:
         plan = self.plan(self.cuts, self.bounds)
         task = self.task
-        cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
+        cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost,
+                             prices=self._prices)
         value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
         feasible = cost.feasible or not task.space.check_memory
         self.outcome = EpisodeOutcome(plan, cost, value, feasible)

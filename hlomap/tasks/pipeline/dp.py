@@ -34,20 +34,14 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from hlomap.cost.pipeline.costs import CommModel, evaluate_plan
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.links import (
-    AffineMax,
-    allreduce_cost,
-    group_memory,
-    is_node_boundary,
-    transfer_cost,
-)
+from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace
@@ -79,9 +73,7 @@ class _Problem:
     cluster: Cluster
     space: SearchSpace
     tables: _Tables
-    # AffineMax terms per device group, filled on first use: every pass needs the same ones.
-    allreduces: dict[tuple[int, int], AffineMax] = field(default_factory=dict)
-    transfers: dict[tuple[int, int, int], AffineMax] = field(default_factory=dict)
+    prices: GroupPrices  # every pass prices the same device groups
 
     @property
     def n(self) -> int:
@@ -94,21 +86,6 @@ class _Problem:
     @property
     def factors(self) -> tuple[int, ...]:
         return tuple(r for r in self.space.replication if r <= self.cluster.n_devices)
-
-    def allreduce(self, device: int, r: int) -> AffineMax:
-        """All-reduce over devices [device, device + r)."""
-        key = (device, r)
-        if key not in self.allreduces:
-            self.allreduces[key] = allreduce_cost(self.cluster, range(device, device + r))
-        return self.allreduces[key]
-
-    def transfer(self, device: int, r: int, r_next: int) -> AffineMax:
-        """Transfer from devices [device, device + r) to the next r_next devices."""
-        key = (device, r, r_next)
-        if key not in self.transfers:
-            self.transfers[key] = transfer_cost(
-                self.cluster, range(device, device + r), range(device + r, device + r + r_next))
-        return self.transfers[key]
 
     @property
     def max_stages(self) -> int:
@@ -152,7 +129,8 @@ def _stage_time(problem: _Problem, device: int, r: int) -> np.ndarray:
     plus its gradient all-reduce amortized over the microbatches (`links.allreduce_time`)."""
     t = problem.tables.compute / r
     if problem.comm and r > 1:
-        t = t + problem.allreduce(device, r)(problem.tables.parameter) / problem.space.microbatches
+        allreduce = problem.prices.allreduce(range(device, device + r))
+        t = t + allreduce(problem.tables.parameter) / problem.space.microbatches
     return t
 
 
@@ -162,7 +140,8 @@ def _cut_time(problem: _Problem, device: int, r: int, r_next: int) -> np.ndarray
     nbytes = problem.tables.cut_bytes
     if not problem.comm:
         return np.zeros_like(nbytes)
-    return problem.transfer(device, r, r_next)(nbytes)
+    end = device + r
+    return problem.prices.transfer(range(device, end), range(end, end + r_next))(nbytes)
 
 
 def _memory_ok(problem: _Problem, device: int, r: int, after: int) -> np.ndarray | None:
@@ -287,7 +266,8 @@ def _candidates(problem: _Problem, floor: float) -> np.ndarray:
 
 
 def _solution(problem: _Problem, plan: PipelinePlan) -> Solution:
-    cost = evaluate_plan(problem.profile, problem.cluster, plan, problem.space.cost)
+    cost = evaluate_plan(problem.profile, problem.cluster, plan, problem.space.cost,
+                         prices=problem.prices)
     return Solution(plan=plan, cost=cost, objective=problem.space.objective)
 
 
@@ -298,7 +278,7 @@ def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Sol
             f"{profile.source}: replication factors {space.replication} all exceed the "
             f"{cluster.n_devices} devices"
         )
-    problem = _Problem(profile, cluster, space, _tables(profile, space))
+    problem = _Problem(profile, cluster, space, _tables(profile, space), GroupPrices(cluster))
     tau_star, _ = _best_plan(problem, _run(problem, _Mode.MAX))
     if not math.isfinite(tau_star):
         raise NoFeasiblePlan(

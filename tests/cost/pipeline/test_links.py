@@ -139,10 +139,10 @@ def test_vectorized_terms_equal_the_scalar_collectives(cluster, data, nbytes):
     pairs = transfer_pairs(src, dst)
     for i, value in enumerate(nbytes):
         expected = all_reduce_time(cluster, group, value) if value > 0 and len(group) > 1 else 0.0
-        assert allreduce_time(cluster, group, value) == expected
+        assert allreduce_time(cluster, group, value) == pytest.approx(expected, rel=1e-12, abs=1e-18)
         assert reduce[i] == pytest.approx(expected, rel=1e-12, abs=1e-18)
         expected = collective_permute_time(cluster, pairs, value / len(pairs)) if value > 0 else 0.0
-        assert transfer_time(cluster, src, dst, value) == expected
+        assert transfer_time(cluster, src, dst, value) == pytest.approx(expected, rel=1e-12, abs=1e-18)
         assert move[i] == pytest.approx(expected, rel=1e-12, abs=1e-18)
 
 
