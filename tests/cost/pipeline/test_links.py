@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from hlomap.cost.cluster import Cluster, cluster_preset, hierarchical, random_block
 from hlomap.cost.collectives import all_reduce_time, collective_permute_time
 from hlomap.cost.devices import device_preset
+from hlomap.cost.pipeline.costs import evaluate_plan
 from hlomap.cost.pipeline.links import (
+    GroupPrices,
     allreduce_cost,
     allreduce_time,
     group_memory,
@@ -22,6 +24,8 @@ from hlomap.cost.pipeline.links import (
     transfer_time,
     with_device_memory,
 )
+from hlomap.cost.pipeline.profile import uniform_profile
+from hlomap.cost.pipeline.stages import PipelinePlan
 from tests.tasks.pipeline.strategies import clusters, uniform_cluster
 
 # Preset A: 2 servers x 8 V100; NVLink 130 GB/s, 5 us; 25 Gbps (3.125 GB/s), 15 us; one NIC.
@@ -159,3 +163,17 @@ def test_affine_link_costs_match_links(cluster, data, nbytes):
         transfer_time(cluster, src, dst, nbytes), rel=1e-12, abs=1e-18)
     assert float(allreduce_cost(cluster, src)(nbytes)) == pytest.approx(
         allreduce_time(cluster, src, nbytes), rel=1e-12, abs=1e-18)
+
+
+def test_a_group_prices_memo_changes_no_cost_and_belongs_to_one_cluster():
+    profile = uniform_profile(4, forward_time=1e-3, backward_time=2e-3, activation_bytes=1e7,
+                              parameter_bytes=1e8)
+    plan = PipelinePlan.linear([0, 2, 4], [8, 8], microbatches=4)
+    cluster = cluster_preset("A")
+    prices = GroupPrices(cluster)
+    fresh = evaluate_plan(profile, cluster, plan)
+    assert evaluate_plan(profile, cluster, plan, prices=prices) == fresh
+    assert evaluate_plan(profile, cluster, plan, prices=prices) == fresh  # from the memo
+    assert fresh.cut_transfer == (transfer_time(cluster, range(8), range(8, 16), 1e7),)
+    with pytest.raises(ValueError, match="prices of cluster 'B' cannot price a plan on cluster 'A'"):
+        evaluate_plan(profile, cluster, plan, prices=GroupPrices(cluster_preset("B")))

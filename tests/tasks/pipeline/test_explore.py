@@ -2,12 +2,10 @@
 
 import json
 
-import numpy as np
 import pytest
 from rich.console import Console
 
-from hlomap.cost.cluster import Cluster, cluster_preset
-from hlomap.cost.cluster import uniform
+from hlomap.cost.cluster import Cluster, cluster_preset, uniform
 from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
