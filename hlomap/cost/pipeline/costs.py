@@ -1,7 +1,8 @@
 """Closed-form cost of a pipeline plan: what the DP minimizes and the brute force enumerates.
 
-This is written as a plain loop over stages, on purpose independent of the vectorized tables in
-`hlomap.tasks.pipeline.dp`, so that brute force over this function is a real oracle for the DP.
+This is written as a plain loop over stages, on purpose independent of the vectorized tables and
+recursion of `hlomap.tasks.pipeline.dp`, so that brute force over this function is a real oracle
+for the DP. Only the price of a device group is shared, on purpose: there is one model.
 
 For a plan with stages s = 0..S-1 (replication r_s, devices g_s) and M microbatches:
   c_s   = (sum of forward + backward time of the stage's layers) / r_s     per microbatch
@@ -9,11 +10,12 @@ For a plan with stages s = 0..S-1 (replication r_s, devices g_s) and M microbatc
   t_s   = c_s + a_s / M          stage time per microbatch, all-reduce amortized over the batch
   u_k   = transfer of activation_bytes[cut k] from g_k to g_{k+1}           per microbatch, each
           way (activations forward, gradients back; links are full duplex)
-a_s and u_k come from `hlomap.cost.pipeline.links` on the cluster's topology: the all-reduce is
-`hlomap.cost.collectives`' (ring in a server, hierarchical across servers), the transfer a
-collective-permute of the replicas' chunks whose cross-server streams share the servers' NICs.
   tau   = max(max_s t_s, max_k u_k)                    steady-state period (slowest resource)
   L     = sum_s t_s + 2 sum_k u_k + (M - 1) tau        latency of one global batch
+a_s and u_k are the one communication model of `hlomap.cost.pipeline.links` on the cluster's
+topology: the all-reduce of `hlomap.cost.collectives` (a ring inside a server, hierarchical
+across servers), and the transfer a collective-permute of the replicas' k = max(r_k, r_{k+1})
+chunks, whose cross-server streams share the servers' NICs.
 
 L is Alpa's formula (fill and drain through every stage and link, then M - 1 periods of the
 bottleneck); tau is PipeDream's objective (time per microbatch of the slowest stage, with its
