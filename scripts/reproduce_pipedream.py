@@ -36,12 +36,11 @@ from rich.console import Console
 from rich.table import Table
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions
-from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.report.gantt import draw_gantt
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.pipedream import load_pipedream
+from hlomap.tasks.pipeline.pipedream import load_pipedream, pipedream_cluster
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
 from hlomap.tasks.pipeline.cutenv import CutTask
 from hlomap.search.budget import Budget
@@ -87,7 +86,6 @@ def main() -> None:
 
     console = Console(width=200)
     console.print(f"load average before: {_load()}")
-    bandwidth = args.bandwidth_gbps * 1e9 / 8
     optima = Table(
         title=f"DP optima of straight pipelines on PipeDream profiles ({args.bandwidth_gbps:g} "
         f"Gbps; L for M = {args.microbatches})"
@@ -124,9 +122,9 @@ def main() -> None:
         profile = load_pipedream(path)
         total = float(profile.compute_time.sum())
         for n_stages in args.stages:
-            links = Links.uniform(n_stages, bandwidth=bandwidth)
+            network = pipedream_cluster(n_stages, args.bandwidth_gbps)
             start = time.perf_counter()
-            compute_only = solve(profile, links, SearchSpace(
+            compute_only = solve(profile, network, SearchSpace(
                 objective=Objective.BOTTLENECK,
                 cost=CostOptions(comm=CommModel.IGNORED),
                 check_memory=False,
@@ -137,10 +135,10 @@ def main() -> None:
                 schedule=Schedule.ONE_F_ONE_B,
                 check_memory=False,
             )
-            with_comm = solve(profile, links, space)
+            with_comm = solve(profile, network, space)
             elapsed = time.perf_counter() - start
-            result = simulate(profile, links, with_comm.plan)
-            gpipe = simulate(profile, links, replace(with_comm.plan, schedule=Schedule.GPIPE))
+            result = simulate(profile, network, with_comm.plan)
+            gpipe = simulate(profile, network, replace(with_comm.plan, schedule=Schedule.GPIPE))
             published = PUBLISHED_VGG16.get(n_stages) if path.stem == "vgg16" else None
             check = ""
             if published is not None:
@@ -159,17 +157,17 @@ def main() -> None:
                 continue
             optimum = with_comm.value
             coarse, _ = coarsen(profile, args.dqn_pivots)
-            task = CutTask(coarse, links, space, n_stages)
+            task = CutTask(coarse, network, space, n_stages)
             search = CutSearchTask(task)
             found = dqn_search(search, Budget(episodes=args.dqn_episodes, seconds=None), seed=args.seed)
             dqn = search.cut_plan(found.decisions)
-            same = solve(coarse, links, space).value if coarse is not profile else None
+            same = solve(coarse, network, space).value if coarse is not profile else None
             first = _value(search.cut_plan(CutSearchTask(task).initial()))
             randomly = random_search(CutSearchTask(task), Budget(episodes=found.episodes, seconds=None),
                                      seed=args.seed)
             random_value = _value(search.cut_plan(randomly.decisions))
             # The inference network coarsens the full profile to its own 128 points.
-            inferred = infer_cuts(CutTask(profile, links, space, n_stages), policy,
+            inferred = infer_cuts(CutTask(profile, network, space, n_stages), policy,
                                   seed=args.seed)
             searches.add_row(
                 path.stem, str(n_stages), f"{optimum:.6g}",

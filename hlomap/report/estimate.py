@@ -75,6 +75,8 @@ def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> 
         f"memory per device: parameters {human_bytes(m.parameters)}, optimizer {human_bytes(m.optimizer)}, "
         f"inputs {human_bytes(m.inputs)}, gradients {human_bytes(m.gradients)}, activations "
         f"{human_bytes(m.activations)}, outputs {human_bytes(m.outputs)} (peak at {m.peak_instruction or '-'})",
+        f"each at its own high point: gradients {human_bytes(m.max_gradients)}, activations "
+        f"{human_bytes(m.max_activations)}",
         f"total {human_bytes(m.total)} of {human_bytes(m.capacity)}: "
         + ("fits" if m.fits else f"DOES NOT FIT, short by {human_bytes(m.shortfall)}"),
     ]

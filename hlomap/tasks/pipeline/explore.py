@@ -33,7 +33,8 @@ from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster, load_cluster
+from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
@@ -43,7 +44,6 @@ __all__ = [
     "CutDescription",
     "PipelineAgent",
     "PipelineResult",
-    "cluster_links",
     "explore_pipeline",
     "explore_pipeline_plan",
     "pipeline_plan",
@@ -162,20 +162,9 @@ class PipelineResult:
         }
 
 
-def cluster_links(cluster: Any) -> tuple[Links, Any]:
-    """Links and the device spec to profile on, from a preset name, JSON path, Cluster or
-    Links (a Links carries no device spec: None, the profile's default)."""
-    if isinstance(cluster, Links):
-        return cluster, None
-    from hlomap.cost.cluster import load_cluster
-
-    loaded = load_cluster(cluster)
-    return Links.from_cluster(loaded), loaded.devices[0]
-
-
 def pipeline_task(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     *,
     stages: int,
     microbatches: int,
@@ -185,14 +174,13 @@ def pipeline_task(
     require_trainable: bool = True,
     check_memory: bool = True,
 ) -> CutTask:
-    """The cut problem of `stages` stages on the center device groups of `links`; the DP gets the
-    same space (replication factors of the center groups, every device used, stage boundaries on
-    servers when there are at least as many servers as stages)."""
-    bounds = center_device_bounds(links, stages)
+    """The cut problem of `stages` stages on the center device groups of `cluster`; the DP gets
+    the same space (replication factors of the center groups, every device used, stage
+    boundaries on servers when there are at least as many servers as stages)."""
+    bounds = center_device_bounds(cluster, stages)
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
-    n_nodes = len(set(links.node_of))
     if device_radius > 0:
-        sizes = tuple(range(1, links.n_devices + 1))
+        sizes = tuple(range(1, cluster.n_devices + 1))
     space = SearchSpace(
         microbatches=microbatches,
         schedule=schedule,
@@ -200,11 +188,11 @@ def pipeline_task(
         replication=sizes,
         use_all_devices=True,
         max_stages=stages,
-        cut_on_node_boundary=stages <= n_nodes,
+        cut_on_node_boundary=stages <= cluster.n_nodes,
         require_trainable=require_trainable,
         check_memory=check_memory,
     )
-    return CutTask(profile, links, space, stages, device_radius=device_radius)
+    return CutTask(profile, cluster, space, stages, device_radius=device_radius)
 
 
 def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan
@@ -228,7 +216,7 @@ def explore_pipeline(
     stages: int,
     microbatches: int = 8,
     schedule: Schedule | str = Schedule.ONE_F_ONE_B,
-    cluster: Any = "A",
+    cluster: str | Path | Cluster = "A",
     agent: PipelineAgent | str = PipelineAgent.DQN,
     seed: int = 0,
     budget_seconds: float | None = None,
@@ -248,7 +236,8 @@ def explore_pipeline(
 
     source: a `hlomap.hlo.capture.Capture`, an `StepChain`, or a per-microbatch
       `PipelineProfile`.
-    cluster: a preset ("A", "B", "C"), a cluster JSON path, a `hlomap.cost.Cluster`, or `Links`.
+    cluster: a preset ("A", "B", "C"), a cluster JSON path, or a `hlomap.cost.Cluster`; its
+      devices' spec profiles an HLO source, its topology prices the communication.
     budget_seconds: wall-clock limit of the DQN (training or fine-tuning); episodes: its episode
       limit; finetune_episodes: for dqn-infer, 0 for inference alone.
     compare_dp: also run the DP and report the gap to its optimum.
@@ -264,7 +253,8 @@ def explore_pipeline(
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
-    links, device = cluster_links(cluster)
+    cluster = load_cluster(cluster)
+    device = cluster.devices[0]
     hlo: StepChain | None
     if isinstance(source, StepChain):
         hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
@@ -276,13 +266,13 @@ def explore_pipeline(
     else:
         raise TypeError(f"explore_pipeline: cannot read a pipeline profile from {type(source)!r}")
     task = pipeline_task(
-        profile, links, stages=stages, microbatches=microbatches, schedule=schedule,
+        profile, cluster, stages=stages, microbatches=microbatches, schedule=schedule,
         objective=objective, device_radius=device_radius, require_trainable=require_trainable,
     ) if stages > 1 else None
     start = time.perf_counter()
     space = task.space if task is not None else SearchSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
-        replication=(links.n_devices,), max_stages=1)
+        replication=(cluster.n_devices,), max_stages=1)
     label = name or (hlo.source if hlo is not None else profile.source)
 
     def result_of(plan: PipelinePlan, episodes_run: int = 0, interrupted: bool = False,
@@ -290,11 +280,11 @@ def explore_pipeline(
         device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
         return PipelineResult(
             source=label, agent=agent, profile=profile, plan=plan,
-            cost=evaluate_plan(profile, links, plan, space.cost),
-            simulation=simulate(profile, links, plan, space.cost),
+            cost=evaluate_plan(profile, cluster, plan, space.cost),
+            simulation=simulate(profile, cluster, plan, space.cost),
             cuts=_describe(hlo, profile, plan), device_cuts=device_cuts, replication=plan.replication,
-            device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
-            on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
+            device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
+            on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
             search_seconds=time.perf_counter() - start, episodes=episodes_run, optimum=optimum,
             objective=objective, interrupted=interrupted,
         )
@@ -305,7 +295,7 @@ def explore_pipeline(
 
     episodes_run, interrupted = 0, False
     if task is None:  # one stage: data parallel over every device, nothing to search
-        plan = PipelinePlan.linear((0, profile.n_layers), (links.n_devices,),
+        plan = PipelinePlan.linear((0, profile.n_layers), (cluster.n_devices,),
                                    microbatches=microbatches, schedule=schedule)
     elif agent is PipelineAgent.INFER:
         from hlomap.tasks.pipeline.infer import infer_cuts, load_policy
@@ -319,7 +309,7 @@ def explore_pipeline(
         found = run_driver(CutSearchTask(task), driver, Budget(episodes=episodes, seconds=budget_seconds),
                            seed, on_best=report_best, on_progress=on_progress)
         plan, episodes_run, interrupted = found.plan, found.episodes, found.interrupted
-    optimum = solve(profile, links, space).value if compare_dp else None
+    optimum = solve(profile, cluster, space).value if compare_dp else None
     return result_of(plan, episodes_run, interrupted, optimum)
 
 
@@ -373,8 +363,7 @@ def explore_pipeline_plan(cap: Any, *, cluster: Any = "A", agent: str = "dqn", b
     if agent not in agents:
         raise ValueError(f"agent {agent!r}: the pipeline task takes {', '.join(agents)}")
     if stages is None:
-        links, _ = cluster_links(cluster)
-        stages = len(set(links.node_of))
+        stages = load_cluster(cluster).n_nodes
     user_on_best = options.pop("on_best", None)
 
     def on_best(partial: PipelineResult) -> None:

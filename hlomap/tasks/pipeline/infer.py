@@ -181,7 +181,7 @@ def _validation_tasks(config: TrainingConfig) -> list[tuple[CutTask, float]]:
         try:
             CutEnv(task, slots=config.spec.slots, ranked=CANDIDATES).reset(0)
             space = replace(task.space, max_stages=task.n_stages)
-            optimum = solve(task.profile, task.links, space).value
+            optimum = solve(task.profile, task.cluster, space).value
         except NoFeasiblePlan:
             continue
         tasks.append((task, optimum))
@@ -327,7 +327,7 @@ def infer_cuts(
     if best_plan is None:
         raise NoFeasiblePlan(f"{task.profile.source}: the inference network reached a dead end")
     plan = _lift(task, best_plan, kept)
-    cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
+    cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
     value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
     return InferenceResult(
         plan=plan,

@@ -102,7 +102,7 @@ class CutSearchTask:
         k = len(decisions) // 2
         cuts, starts = [int(c) for c in decisions[:k]], [int(b) for b in decisions[k:]]
         layers = [0, *(c + 1 for c in cuts), self.task.profile.n_layers]
-        bounds = [0, *starts, self.task.links.n_devices]
+        bounds = [0, *starts, self.task.cluster.n_devices]
         stages = tuple(Stage(layers[s], layers[s + 1], tuple(range(bounds[s], bounds[s + 1])))
                        for s in range(len(layers) - 1))
         space = self.task.space
@@ -112,7 +112,7 @@ class CutSearchTask:
         """The plan of `decisions` with its closed-form cost."""
         task = self.task
         plan = self.plan_of(decisions)
-        cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
+        cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
         value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
         return CutPlan(plan, cost, value, cost.feasible or not task.space.check_memory)
 
@@ -165,7 +165,7 @@ class CutSearchTask:
         """The exact DP over the same space, restricted to this task's stage count."""
         task = self.task
         space = replace(task.space, max_stages=task.n_stages)
-        solution = solve(task.profile, task.links, space)
+        solution = solve(task.profile, task.cluster, space)
         decisions = decisions_of(solution.plan)
         tracker.record(decisions, self.score(decisions))
         tracker.optimal = not tracker.interrupted

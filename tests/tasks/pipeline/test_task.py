@@ -40,7 +40,7 @@ def found(compiled):
 
 def test_finds_the_dp_optimum_of_a_small_problem(found):
     task, result = found
-    optimum = solve(task.profile, task.links, task.space)
+    optimum = solve(task.profile, task.cluster, task.space)
     assert optimum.plan.n_stages == task.n_stages
     value = CutSearchTask(task).cut_plan(result.decisions).value
     assert value >= optimum.value * (1 - 1e-12)  # nothing beats the optimum
@@ -49,7 +49,7 @@ def test_finds_the_dp_optimum_of_a_small_problem(found):
 
 def test_reports_the_plan_it_found_with_its_own_cost(found):
     task, result = found
-    cost = evaluate_plan(task.profile, task.links, result.plan, task.space.cost)
+    cost = evaluate_plan(task.profile, task.cluster, result.plan, task.space.cost)
     assert result.score.step_time == cost.latency and result.score.fits
     assert np.array_equal(decisions_of(result.plan), result.decisions)
     assert result.episodes == EPISODES and f"{EPISODES} episodes" in result.notes[0]
@@ -78,7 +78,7 @@ def test_the_exact_driver_is_the_dp():
     task = random_cut_task(3)
     result = exact_search(CutSearchTask(task))
     assert result.optimal
-    optimum = solve(task.profile, task.links, task.space).value
+    optimum = solve(task.profile, task.cluster, task.space).value
     assert CutSearchTask(task).cut_plan(result.decisions).value == pytest.approx(optimum, rel=1e-12)
 
 
@@ -91,15 +91,15 @@ def test_the_first_candidate_is_optimal_for_one_cut(seed):
     task = random_cut_task(2, seed)
     search = CutSearchTask(task, ranked=8)
     first = search.cut_plan(search.initial())
-    optimum = solve(task.profile, task.links, task.space)
+    optimum = solve(task.profile, task.cluster, task.space)
     assert first.value == pytest.approx(optimum.value, rel=1e-12)
-    cost = evaluate_plan(task.profile, task.links, first.plan, task.space.cost)
+    cost = evaluate_plan(task.profile, task.cluster, first.plan, task.space.cost)
     assert cost.latency == first.value
 
 
 def test_random_search_never_beats_the_optimum_and_finds_it_with_enough_episodes():
     task = random_cut_task(3)
-    optimum = solve(task.profile, task.links, task.space).value
+    optimum = solve(task.profile, task.cluster, task.space).value
     few = random_search(CutSearchTask(task, ranked=32), Budget(episodes=3, seconds=None), seed=1)
     many = random_search(CutSearchTask(task, ranked=32), Budget(episodes=400, seconds=None), seed=1)
     value = lambda r: CutSearchTask(task).cut_plan(r.decisions).value  # noqa: E731
@@ -110,7 +110,7 @@ def test_random_search_never_beats_the_optimum_and_finds_it_with_enough_episodes
 
 def test_greedy_climbs_from_the_first_candidate_and_never_beats_the_optimum():
     task = random_cut_task(3)
-    optimum = solve(task.profile, task.links, task.space).value
+    optimum = solve(task.profile, task.cluster, task.space).value
     result = greedy_search(CutSearchTask(task, ranked=8), Budget(seconds=None, evaluations=500))
     start = result.improvements[0].value
     assert result.score.value >= start
