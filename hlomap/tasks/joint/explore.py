@@ -20,7 +20,7 @@ from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
-from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid
+from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_split_ends
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
@@ -33,19 +33,21 @@ log = logging.getLogger(__name__)
 
 __all__ = ["JointResult", "explore_joint", "joint_model"]
 
-#: Cut points the joint search considers (on top of every block end); the pipeline explorer's
-#: 256 would make the DP's tables large for little gain between two blocks.
-JOINT_PIVOTS = 48
+#: Cut points the joint search considers (on top of the block ends of every uniform split); the
+#: pipeline explorer's 256 would make the DP's tables large for little gain between two blocks.
+JOINT_PIVOTS = 32
 
 
 def joint_model(cap: Capture, cluster: Cluster, *, max_pivots: int = JOINT_PIVOTS,
                 graph: FactorGraph | None = None) -> JointModel:
     """The step cut into layers: the pipeline explorer's candidate pivots (fewest crossing bytes)
-    plus the end of every repeated block, so that Megatron's uniform splits are plans too."""
+    plus the block ends where a uniform split into any stage count dividing the devices cuts,
+    so that Megatron's uniform splits are plans too."""
     chain = step_chain(cap, cluster.devices[0], options=PivotOptions(max_pivots=max_pivots))
     probe = JointModel.build(cap, cluster, (), graph=graph)
     last = probe.attribution.length - 1
-    pivots = sorted({p.position for p in chain.pivots} | {e for e in block_ends(probe) if e < last})
+    ends = uniform_split_ends(block_ends(probe), cluster.n_devices)
+    pivots = sorted({p.position for p in chain.pivots} | {e for e in ends if e < last})
     scopes = nearest_scopes(chain.chain.layers)
     bounds = [0, *(p + 1 for p in pivots), probe.attribution.length]
     names = tuple(scopes[b - 1] or f"layer{k}" for k, b in enumerate(bounds[1:]))

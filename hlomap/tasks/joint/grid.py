@@ -57,6 +57,17 @@ def _layer_of(model: JointModel, position: int) -> int:
     return model.pivots.index(position) + 1
 
 
+def _split_end(ends: Sequence[int], pp: int, b: int) -> int:
+    """The block end after which stage b of a uniform split of the blocks into pp stages starts."""
+    return ends[round(b * len(ends) / pp) - 1]
+
+
+def uniform_split_ends(ends: Sequence[int], devices: int) -> tuple[int, ...]:
+    """Every block end a uniform split into pp stages cuts at, for each pp dividing `devices`."""
+    return tuple(sorted({_split_end(ends, pp, b) for pp in range(2, min(len(ends), devices) + 1) if devices % pp == 0
+                         for b in range(1, pp)}))
+
+
 def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
     """Layer bounds [0, ..., n_layers] of a uniform split of the blocks over `pp` stages, or None
     when there are fewer blocks than stages or a block end is not a cut point of the model."""
@@ -65,7 +76,7 @@ def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
         return None
     bounds = [0]
     for b in range(1, pp):
-        end = ends[round(b * len(ends) / pp) - 1]
+        end = _split_end(ends, pp, b)
         if end not in model.pivots:
             return None
         bounds.append(_layer_of(model, end))
@@ -81,9 +92,10 @@ def expert_grid(model: JointModel, *, schedule: Schedule = Schedule.ONE_F_ONE_B,
     per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
     choices = tuple(microbatches) if microbatches else microbatch_choices(model.batch)
     out = []
+    tp_limit = per_node if per_node > 1 else 8  # as `costs.stage_options`: inside a server, or 8 on a torus
     for pp in (p for p in range(1, devices + 1) if devices % p == 0):
         group = devices // pp
-        for tp in (t for t in range(1, group + 1) if group % t == 0 and t & (t - 1) == 0 and t <= max(per_node, 1)):
+        for tp in (t for t in range(1, group + 1) if group % t == 0 and t & (t - 1) == 0 and t <= tp_limit):
             dp = group // tp
             bounds = uniform_cuts(model, pp)
             if bounds is None or not all(aligned(per_node, s * group, group) for s in range(pp)):

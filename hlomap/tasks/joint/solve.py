@@ -152,49 +152,64 @@ class JointProblem:
 
 
 def _run(problem: JointProblem, tables: StageTables, mode: _Mode, tau: float = math.inf) -> _Pass:
+    """One pass over every (first device, option), all stage counts at once (q is an array axis:
+    F[q, ., d] needs F[q - 1, ., e] for e > d only, all done when devices go right to left)."""
     n, devices, stages = problem.layers, problem.devices, problem.stages
     value = np.full((stages, n + 1, devices + 1), np.inf)
     next_layer = np.full(value.shape, -1, dtype=np.int32)
     chosen = np.full(value.shape, -1, dtype=np.int32)
-    rows = np.arange(n + 1)
+    grid = np.indices((stages - 1, n + 1))
+    costs = [_stage_costs(problem, tables, k, mode, tau) for k in range(len(problem.options))]
     for d in range(devices - 1, -1, -1):
         for k, option in enumerate(problem.options):
             e = d + option.devices
             if e > devices or not aligned(problem.per_node, d, option.devices):
                 continue
-            stage = tables.stage[k]
-            if mode is _Mode.SUM:
-                stage = np.where(stage <= tau, stage, np.inf)
-            capacity = problem.capacity(d, option.devices)
+            cost = costs[k][problem.capacity(d, option.devices)]  # [Q, i, j]
+            if e == devices:  # the last stage: every remaining layer
+                total = cost[0, :, n]
+                better = total < value[0, :, d]
+                value[0, :, d] = np.where(better, total, value[0, :, d])
+                next_layer[0, :, d] = np.where(better, n, next_layer[0, :, d])
+                chosen[0, :, d] = np.where(better, k, chosen[0, :, d])
+                continue
             u = tables.transfer[k].get(d)
-            if u is not None and mode is _Mode.SUM:
+            if u is None or stages < 2:
+                continue
+            if mode is _Mode.SUM:
                 u = np.where(u <= tau, 2 * u, np.inf)
-            for q in range(stages):
-                cost = stage
-                if problem.space.check_memory:
-                    cost = np.where(tables.memory[k][problem.held(q)] <= capacity, stage, np.inf)
-                if q == 0:
-                    if e != devices:
-                        continue
-                    total = cost[:, n]
-                    better = total < value[0, :, d]
-                    value[0, :, d] = np.where(better, total, value[0, :, d])
-                    next_layer[0, :, d] = np.where(better, n, next_layer[0, :, d])
-                    chosen[0, :, d] = np.where(better, k, chosen[0, :, d])
-                    continue
-                if u is None or e >= devices:
-                    continue
-                tail = value[q - 1, :, e].copy()
-                tail[n] = np.inf  # the next stage needs layers
-                through = np.maximum(u, tail) if mode is _Mode.MAX else u + tail
-                total = np.maximum(cost, through[None, :]) if mode is _Mode.MAX else cost + through[None, :]
-                j = np.argmin(total, axis=1)
-                best = total[rows, j]
-                better = best < value[q, :, d]
-                value[q, :, d] = np.where(better, best, value[q, :, d])
-                next_layer[q, :, d] = np.where(better, j, next_layer[q, :, d])
-                chosen[q, :, d] = np.where(better, k, chosen[q, :, d])
+            tail = value[:-1, :, e].copy()
+            tail[:, n] = np.inf  # the next stage needs layers
+            through = np.maximum(u[None, :], tail) if mode is _Mode.MAX else u[None, :] + tail
+            inner = cost[1:]
+            total = np.maximum(inner, through[:, None, :]) if mode is _Mode.MAX else inner + through[:, None, :]
+            j = np.argmin(total, axis=2)
+            best = total[grid[0], grid[1], j]
+            better = best < value[1:, :, d]
+            value[1:, :, d] = np.where(better, best, value[1:, :, d])
+            next_layer[1:, :, d] = np.where(better, j, next_layer[1:, :, d])
+            chosen[1:, :, d] = np.where(better, k, chosen[1:, :, d])
     return _Pass(value, next_layer, chosen)
+
+
+def _stage_costs(problem: JointProblem, tables: StageTables, k: int, mode: _Mode,
+                 tau: float) -> dict[float, np.ndarray]:
+    """capacity -> [Q, i, j]: option k's stage times where the stage fits with q stages after it
+    (and, in SUM mode, is within the threshold), inf elsewhere; one entry per distinct device
+    memory a group of the option can have."""
+    stage = tables.stage[k]
+    if mode is _Mode.SUM:
+        stage = np.where(stage <= tau, stage, np.inf)
+    option = problem.options[k]
+    capacities = {problem.capacity(d, option.devices) for d in range(problem.devices - option.devices + 1)}
+    out = {}
+    for capacity in capacities:
+        if not problem.space.check_memory:
+            out[capacity] = np.broadcast_to(stage, (problem.stages, *stage.shape))
+            continue
+        out[capacity] = np.stack([np.where(tables.memory[k][problem.held(q)] <= capacity, stage, np.inf)
+                                  for q in range(problem.stages)])
+    return out
 
 
 def _best(problem: JointProblem, result: _Pass) -> tuple[float, JointPlan | None]:
