@@ -1,0 +1,408 @@
+"""Executor A: a pipeline as one SPMD program (GPipe), on one host or several.
+
+One `jax.jit` around a `jax.shard_map` that is manual over a `stage` mesh axis and automatic
+over the plan's axes inside a stage (data, model), so that XLA partitions each stage's work as
+an SPMD plan would (GPipe, Huang et al. 2019, section 2; the formulation of MaxText's and
+Praxis's pipelines):
+
+- Each stage's state is flattened into a row; rows are padded to one length and stacked
+  `[S, L]`, sharded on `stage` (`layout`). Leaves several stages read (a tied embedding) sit at
+  the same offsets of every row and their gradients are summed over `stage`.
+- Clock tick t: stage s runs microbatch t - s through its own code, chosen with
+  `lax.switch(lax.axis_index('stage'), stage_programs)`, then `lax.ppermute` shifts every
+  stage's output (packed into one padded buffer) to the next stage. M + S - 1 ticks.
+- The last stage's loss, summed over ticks, is `psum`'d over `stage` and divided by M.
+- `jax.value_and_grad` of the whole gives GPipe's backward (the scan runs backwards, ppermute
+  transposes to the reverse shift). Each tick's stage call is rematerialized (`jax.checkpoint`
+  with nothing saved), so a stage keeps only its input per microbatch in flight, not every
+  intermediate activation.
+- Then a second `shard_map` runs each stage's part of the step outside the loss (`update`) on
+  its own rows: the optimizer update per stage.
+
+The stage axis can span processes (`jax.distributed`): the program is the same on every host.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_lengths
+from hlomap.run.meshes import STAGE_AXIS, auto_mesh, pick
+from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.staged import Staged, put, to_host
+from hlomap.run.trace import InputKind
+from hlomap.run.update import Source
+
+__all__ = ["RowLayout", "SpmdPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """Where each state leaf sits in the `[S, L]` rows: leaves every stage holds first, at the
+    same offsets in every row (`shared`), then each stage's own leaves."""
+
+    leaves: tuple[int, ...]  # flat argument indices, in the user's pytree order
+    avals: tuple[Any, ...]
+    stages: tuple[FlatLayout, ...]
+    shared: dict[str, int]  # dtype -> length of the shared region
+    lengths: dict[str, int]
+    treedef: Any
+
+    @classmethod
+    def of(cls, leaves: Sequence[int], avals: Sequence[Any], residence: Sequence[frozenset[int]], n_stages: int,
+           treedef: Any) -> RowLayout:
+        every = frozenset(range(n_stages))
+        shared_items = [(leaf, aval) for leaf, aval in zip(leaves, avals) if residence[leaf] == every]
+        shared = FlatLayout.of(shared_items)
+        stages = []
+        for s in range(n_stages):
+            own = [(leaf, aval) for leaf, aval in zip(leaves, avals) if residence[leaf] != every and s in residence[leaf]]
+            layout = FlatLayout.of(own, start=shared.lengths)
+            stages.append(FlatLayout(shared.keys + layout.keys, shared.slots + layout.slots))
+        lengths = buffer_lengths(stages)
+        return cls(tuple(leaves), tuple(avals), tuple(stages), shared.lengths, {d: max(n, 1) for d, n in lengths.items()},
+                   treedef)
+
+    def home(self, leaf: int) -> int:
+        return next(s for s, layout in enumerate(self.stages) if leaf in layout.keys)
+
+    def host_rows(self, values: Sequence[Any]) -> dict[str, np.ndarray]:
+        """dtype -> `[S, L]` numpy rows of the leaves `values` (in `leaves` order)."""
+        rows = {d: np.zeros((len(self.stages), n), dtype=d) for d, n in self.lengths.items()}
+        by_leaf = dict(zip(self.leaves, values))
+        for s, layout in enumerate(self.stages):
+            for leaf, slot in zip(layout.keys, layout.slots):
+                rows[slot.dtype][s, slot.offset:slot.offset + slot.size] = np.ravel(np.asarray(by_leaf[leaf]))
+        return rows
+
+    def from_rows(self, rows: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for leaf, aval in zip(self.leaves, self.avals):
+            s = self.home(leaf)
+            slot = self.stages[s].slots[self.stages[s].keys.index(leaf)]
+            out.append(rows[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(aval.shape))
+        return out
+
+
+def _floating(dtype: str) -> bool:
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+
+
+class SpmdPipeline:
+    """Executor A for one traced step and pipeline plan (module docstring)."""
+
+    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any]):
+        section = program.section
+        if not section.uniform:
+            raise ValueError("executor A needs every stage to have the same mesh; use executor B")
+        self.program = program
+        traced = program.traced
+        self.n_stages = section.n_stages
+        self.microbatches = section.microbatches
+        devices = pick(order, [d for ids in section.devices for d in ids], "the pipeline plan")
+        inner = section.inner[0]
+        self.mesh = auto_mesh(devices, ((STAGE_AXIS, self.n_stages),) + inner)
+        self.inner_axes = dict(inner)
+        self.batch_axes = batch_axes(plan, traced, self.inner_axes, program.microbatch)
+        self.specs = {leaf: spec for leaf, spec in leaf_specs(plan, traced.state_leaves).items()}
+        flat_avals = [v.aval for v in traced.step.jaxpr.invars]
+        n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
+        trees = traced.arg_tree.children()
+        residence = program.update.residence
+        self.params = RowLayout.of(range(n0), flat_avals[:n0], residence, self.n_stages, trees[0])
+        self.opt = RowLayout.of(range(n0, n0 + n1), flat_avals[n0:n0 + n1], residence, self.n_stages, trees[1])
+        self.cut_layouts = [BatchedLayout.of([v.aval for v in stage.sends], program.microbatch)
+                            for stage in program.split.stages[:-1]]
+        self.act_lengths = buffer_lengths(self.cut_layouts)
+        self.aux_layouts = [FlatLayout.of([(j, program.micro.loss.jaxpr.outvars[1 + j].aval) for j in stage.aux])
+                            for stage in program.split.stages]
+        self.aux_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.aux_layouts).items()}
+        outvars = traced.step.jaxpr.outvars
+        self.out_layouts = [FlatLayout.of([(o, outvars[o].aval) for o in sorted(program.update.owner)
+                                           if program.update.owner[o] == s]) for s in range(self.n_stages)]
+        self.out_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.out_layouts).items()}
+        self.row_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
+        self.replicated = NamedSharding(self.mesh, P())
+        self._step = jax.jit(self._run, donate_argnums=(0, 1))
+        self._grads = jax.jit(self._value_and_grad)
+
+    # -- state ------------------------------------------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
+        out = []
+        for layout, tree in ((self.params, params), (self.opt, opt_state)):
+            rows = layout.host_rows([to_host(x) for x in jax.tree_util.tree_leaves(tree)])
+            out.append(Staged({d: put(r, self.row_sharding) for d, r in rows.items()}, layout))
+        return out[0], out[1]
+
+    def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+        out = []
+        for staged in (params, opt_state):
+            layout: RowLayout = staged.layout
+            rows = {d: to_host(r) for d, r in staged.parts.items()}
+            out.append(jax.tree_util.tree_unflatten(layout.treedef, layout.from_rows(rows)))
+        return out[0], out[1]
+
+    def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
+        return self._step(params, opt_state, *rest)
+
+    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+        """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them."""
+        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
+        loss, aux, grads = self._grads(params, opt_state, *rest)
+        return to_host(loss), [to_host(a) for a in aux], [to_host(g) for g in grads]
+
+    # -- the program ------------------------------------------------------------------------------
+    def _arguments(self, rest: Sequence[Any]) -> list[Any]:
+        """Flat non-state arguments (batch, later arguments)."""
+        return jax.tree_util.tree_leaves(tuple(rest))
+
+    def _microbatched(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(microbatched [M, mb, ...] batch leaves, whole later-argument leaves) for every loss
+        input of those kinds, in `program.data_inputs()` order."""
+        program = self.program
+        n_state = program.traced.state_leaves
+        m, mb = self.microbatches, program.microbatch
+        spec = P(None, self.batch_axes or None)
+        split, whole = [], []
+        for p in program.data_inputs():
+            item = program.traced.loss_inputs[p]
+            value = args[item.leaf - n_state]
+            if item.kind is InputKind.DATA:
+                value = jnp.reshape(value, (m, mb) + value.shape[1:])
+                split.append(lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec)))
+                whole.append(None)
+            else:
+                split.append(None)
+                whole.append(value)
+        return split, whole
+
+    def _stage_values(self, stage: int, p_row: Mapping[str, Any], o_row: Mapping[str, Any]) -> dict[int, Any]:
+        """State leaves of `stage` from its local rows, with the plan's specs inside the stage."""
+        values = {**self.params.stages[stage].unpack(p_row), **self.opt.stages[stage].unpack(o_row)}
+        for leaf, spec in self.specs.items():
+            if leaf in values:
+                values[leaf] = lax.with_sharding_constraint(values[leaf], spec)
+        return values
+
+    def _pipeline(self, p_float: Mapping[str, Any], p_other: Mapping[str, Any], o_rows: Mapping[str, Any],
+                  split: Sequence[Any], whole: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+        program = self.program
+        traced = program.traced
+        m, n_stages = self.microbatches, self.n_stages
+        stages = program.split.stages
+        data_positions = program.data_inputs()
+        differentiated = {traced.loss_inputs[p].leaf for p in traced.grads}
+        loss_dtype = traced.loss.jaxpr.outvars[0].aval.dtype
+        batch_spec = P(self.batch_axes or None)
+
+        def branch(k: int) -> Any:
+            program_k = stages[k]
+
+            def run(p_row: Any, o_row: Any, buffers: Any, micro: Sequence[Any]) -> Any:
+                values = self._stage_values(k, p_row, o_row)
+                values = {leaf: (v if leaf in differentiated else lax.stop_gradient(v)) for leaf, v in values.items()}
+                by_position = dict(zip(data_positions, micro))
+                params = [values[traced.loss_inputs[p].leaf] for p in program_k.params]
+                state = [values[traced.loss_inputs[p].leaf] for p in program_k.state]
+                data = [by_position[p] for p in program_k.data]
+                received = self.cut_layouts[k - 1].unpack(buffers) if k > 0 else []
+                sent, aux, loss = program_k.run(params, state, data, received)
+                out = (self.cut_layouts[k].pack(sent, self.act_lengths) if k < n_stages - 1
+                       else {key: jnp.zeros(_buffer_shape(key, n, program.microbatch), key[0])
+                             for key, n in self.act_lengths.items()})
+                out = {key: (lax.with_sharding_constraint(v, batch_spec) if key[1] and self.batch_axes else v)
+                       for key, v in out.items()}
+                aux_buf = self.aux_layouts[k].pack(dict(zip(program_k.aux, aux)), self.aux_lengths)
+                loss = jnp.zeros((), loss_dtype) if loss is None else loss
+                return out, aux_buf, loss
+
+            return run
+
+        branches = [branch(k) for k in range(n_stages)]
+
+        def body(p_float: Any, p_other: Any, o_rows: Any, split: Any, whole: Any) -> Any:
+            s = lax.axis_index(STAGE_AXIS)
+            p_row = {d: r[0] for d, r in {**p_float, **p_other}.items()}
+            o_row = {d: r[0] for d, r in o_rows.items()}
+            shift = [(j, j + 1) for j in range(n_stages - 1)]
+
+            def tick(carry: Any, t: Any) -> Any:
+                buffers, loss_sum, aux_acc = carry
+                i = t - s
+                valid = (i >= 0) & (i < m)
+                index = jnp.clip(i, 0, m - 1)
+                micro = [lax.dynamic_index_in_dim(x, index, keepdims=False) if x is not None else w
+                         for x, w in zip(split, whole)]
+
+                def call(p_row: Any, o_row: Any, buffers: Any, micro: Any) -> Any:
+                    return lax.switch(s, branches, p_row, o_row, buffers, micro)
+
+                out, aux_buf, loss = jax.checkpoint(call, policy=jax.checkpoint_policies.nothing_saveable)(
+                    p_row, o_row, buffers, micro)
+                loss_sum = loss_sum + jnp.where(valid, loss, jnp.zeros_like(loss))
+                aux_acc = {d: (a + jnp.where(valid, aux_buf[d], 0) if _floating(d)
+                               else jnp.where(valid, aux_buf[d], a)) for d, a in aux_acc.items()}
+                buffers = {key: lax.ppermute(v, STAGE_AXIS, shift) for key, v in out.items()}
+                return (buffers, loss_sum, aux_acc), None
+
+            init = ({key: jnp.zeros(_buffer_shape(key, n, program.microbatch), key[0])
+                     for key, n in self.act_lengths.items()},
+                    jnp.zeros((), loss_dtype),
+                    {d: jnp.zeros((n,), d) for d, n in self.aux_lengths.items()})
+            (_, loss_sum, aux_acc), _ = lax.scan(tick, init, jnp.arange(m + n_stages - 1))
+            loss = lax.psum(loss_sum, STAGE_AXIS) / m
+            aux = {d: (a / m if _floating(d) else a)[None] for d, a in aux_acc.items()}
+            return loss, aux
+
+        row = P(STAGE_AXIS)
+        in_specs = (jax.tree.map(lambda _: row, p_float), jax.tree.map(lambda _: row, p_other),
+                    jax.tree.map(lambda _: row, o_rows), [P() if x is not None else None for x in split],
+                    [P() if w is not None else None for w in whole])
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                               out_specs=(P(), {d: row for d in self.aux_lengths}), axis_names={STAGE_AXIS},
+                               check_vma=False)
+        return mapped(p_float, p_other, o_rows, split, whole)
+
+    def _loss_and_grads(self, params: Staged, opt_state: Staged, rest: Sequence[Any]) -> tuple[Any, Any, Any, list[Any]]:
+        args = self._arguments(rest)
+        split, whole = self._microbatched(args)
+        p_float = {d: r for d, r in params.parts.items() if _floating(d)}
+        p_other = {d: r for d, r in params.parts.items() if not _floating(d)}
+        (loss, aux_rows), grads = jax.value_and_grad(self._pipeline, has_aux=True)(
+            p_float, p_other, opt_state.parts, split, whole)
+        shared = self.params.shared
+
+        def sum_shared(d: str, g: Any) -> Any:
+            n = shared.get(d, 0)
+            if n == 0 or self.n_stages == 1:
+                return g
+            total = jnp.sum(g[:, :n], axis=0, keepdims=True)
+            return jnp.concatenate([jnp.broadcast_to(total, (self.n_stages, n)), g[:, n:]], axis=1)
+
+        grads = {d: sum_shared(d, g) for d, g in grads.items()}
+        grads = {d: lax.with_sharding_constraint(g, self.row_sharding) for d, g in grads.items()}
+        return loss, aux_rows, grads, args
+
+    def _value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+        program = self.program
+        traced = program.traced
+        loss, aux_rows, grads, _ = self._loss_and_grads(params, opt_state, rest)
+        aux = []
+        for j, source in enumerate(program.split.aux):
+            aux.append(self._aux_value(j, source, aux_rows, params, opt_state))
+        out_grads = []
+        for position in traced.grads:
+            leaf = traced.loss_inputs[position].leaf
+            s = self.params.home(leaf)
+            layout = self.params.stages[s]
+            slot = layout.slots[layout.keys.index(leaf)]
+            out_grads.append(grads[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(slot.shape))
+        return loss, aux, out_grads
+
+    def _aux_value(self, j: int, source: Any, aux_rows: Mapping[str, Any], params: Staged, opt_state: Staged) -> Any:
+        traced = self.program.traced
+        if source.stage is not None:
+            layout = self.aux_layouts[source.stage]
+            slot = layout.slots[layout.keys.index(j)]
+            return aux_rows[slot.dtype][source.stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+        if source.loss_input is not None:
+            item = traced.loss_inputs[source.loss_input]
+            if item.kind is InputKind.CONST:
+                return jnp.asarray(item.value)
+            layout = self.params if item.leaf < traced.arg_sizes[0] else self.opt
+            staged = params if layout is self.params else opt_state
+            s = layout.home(item.leaf)
+            slot = layout.stages[s].slots[layout.stages[s].keys.index(item.leaf)]
+            return staged.parts[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+        return jnp.asarray(source.constant)
+
+    def _run(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+        program = self.program
+        traced = program.traced
+        loss, aux_rows, grads, args = self._loss_and_grads(params, opt_state, rest)
+        n_state = traced.state_leaves
+        update = program.update
+        marker_aux_stage = [source.stage for source in program.split.aux]
+
+        def branch(k: int) -> Any:
+            update_k = update.programs[k]
+
+            def run(p_row: Any, o_row: Any, g_row: Any, aux_row: Any, loss: Any, args: Any) -> Any:
+                values = self._stage_values(k, p_row, o_row)
+                grad_values = self.params.stages[k].unpack(g_row)
+                aux_values = self.aux_layouts[k].unpack(aux_row)
+                inputs = []
+                for item in update_k.inputs:
+                    if item.source is Source.STATE:
+                        inputs.append(values[item.index])
+                    elif item.source is Source.ARGUMENT:
+                        inputs.append(args[item.index - n_state])
+                    elif item.source is Source.LOSS:
+                        inputs.append(loss)
+                    elif item.source is Source.AUX:
+                        if marker_aux_stage[item.index] is not None:
+                            inputs.append(aux_values[item.index])
+                        else:
+                            inputs.append(self._passthrough(item.index, values))
+                    else:
+                        leaf = traced.loss_inputs[traced.grads[item.index]].leaf
+                        inputs.append(grad_values[leaf] if leaf in grad_values
+                                      else jnp.zeros(traced.step.jaxpr.invars[leaf].aval.shape,
+                                                     traced.step.jaxpr.invars[leaf].aval.dtype))
+                outputs = dict(zip(update_k.outputs, update_k.run(*inputs)))
+                new_p = self.params.stages[k].pack(outputs, self.params.lengths)
+                new_o = self.opt.stages[k].pack(outputs, self.opt.lengths)
+                out = self.out_layouts[k].pack(outputs, self.out_lengths)
+                return new_p, new_o, out
+
+            return run
+
+        branches = [branch(k) for k in range(self.n_stages)]
+
+        def body(p_rows: Any, o_rows: Any, g_rows: Any, aux_rows: Any, loss: Any, args: Any) -> Any:
+            s = lax.axis_index(STAGE_AXIS)
+            first = lambda rows: {d: r[0] for d, r in rows.items()}  # noqa: E731 - local rows
+            g_row = {**first(g_rows), **{d: jnp.zeros_like(r[0]) for d, r in p_rows.items() if d not in g_rows}}
+            new_p, new_o, out = lax.switch(s, branches, first(p_rows), first(o_rows), g_row, first(aux_rows),
+                                           loss, args)
+            return jax.tree.map(lambda x: x[None], (new_p, new_o, out))
+
+        row = P(STAGE_AXIS)
+        rows_spec = lambda rows: {d: row for d in rows}  # noqa: E731
+        mapped = jax.shard_map(
+            body, mesh=self.mesh,
+            in_specs=(rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(grads), rows_spec(aux_rows),
+                      P(), [P() for _ in args]),
+            out_specs=(rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(self.out_lengths)),
+            axis_names={STAGE_AXIS}, check_vma=False)
+        new_p, new_o, out_rows = mapped(params.parts, opt_state.parts, grads, aux_rows, loss, list(args))
+        flat: list[Any] = [None] * len(traced.step.jaxpr.outvars)
+        for o, s in update.owner.items():
+            layout = self.out_layouts[s]
+            slot = layout.slots[layout.keys.index(o)]
+            flat[o] = out_rows[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+        results = jax.tree_util.tree_unflatten(traced.out_tree, flat)
+        return (Staged(new_p, self.params), Staged(new_o, self.opt), *results[2:])
+
+    def _passthrough(self, j: int, values: Mapping[int, Any]) -> Any:
+        source = self.program.split.aux[j]
+        if source.loss_input is not None:
+            item = self.program.traced.loss_inputs[source.loss_input]
+            return jnp.asarray(item.value) if item.kind is InputKind.CONST else values[item.leaf]
+        return jnp.asarray(source.constant)
+
+
+def _buffer_shape(key: tuple[str, bool], length: int, microbatch: int) -> tuple[int, ...]:
+    return (microbatch, length) if key[1] else (length,)
