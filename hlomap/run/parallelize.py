@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
@@ -106,8 +106,10 @@ class ParallelStep:
     """A train step under a plan (module docstring). Build with `parallelize`."""
 
     def __init__(self, step: Callable[..., Any], plan: Any, *, executor: Executor | str | None = None,
-                 devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None):
+                 devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None,
+                 compiler_options: Mapping[str, Any] | None = None):
         self.step = step
+        self.compiler_options = dict(compiler_options or {})
         self.plan = plan
         self.order = device_order(plan, devices)
         self.section = pipeline_section(plan) if plan.pipeline is not None else None
@@ -120,7 +122,7 @@ class ParallelStep:
         elif executor is not None:
             raise RunError(f"executor {Executor(executor).value!r} applies to pipeline plans; this plan has no "
                            "pipeline section")
-        self._spmd = SpmdStep(step, plan, self.order) if self.section is None else None
+        self._spmd = SpmdStep(step, plan, self.order, self.compiler_options) if self.section is None else None
         self._runner: Any = None
         if example_args is not None and self.section is not None:
             self._build(example_args)
@@ -144,11 +146,11 @@ class ParallelStep:
         if self.executor is Executor.SPMD:
             from hlomap.run.spmd_pipeline import SpmdPipeline
 
-            self._runner = SpmdPipeline(program, self.plan, self.order)
+            self._runner = SpmdPipeline(program, self.plan, self.order, self.compiler_options)
         else:
             from hlomap.run.mpmd_pipeline import MpmdPipeline
 
-            self._runner = MpmdPipeline(program, self.plan, self.order)
+            self._runner = MpmdPipeline(program, self.plan, self.order, self.compiler_options)
 
     # -- the step ---------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
@@ -231,7 +233,8 @@ def _describe(runner: Any, section: Any, executor: Executor) -> RunnerDescriptio
 
 
 def parallelize(train_step: Callable[..., Any], plan: Any, *, executor: Executor | str | None = None,
-                devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None) -> ParallelStep:
+                devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None,
+                compiler_options: Mapping[str, Any] | None = None) -> ParallelStep:
     """Run `train_step` under `plan` (module docstring).
 
     executor: for pipeline plans, "spmd" (A) or "mpmd" (B); default by the plan's schedule.
@@ -239,5 +242,7 @@ def parallelize(train_step: Callable[..., Any], plan: Any, *, executor: Executor
       `jax.devices()`).
     example_args: arguments (real or `jax.ShapeDtypeStruct`) to cut a pipelined step now rather
       than at its first call.
+    compiler_options: XLA options for every program the runner compiles (`jax.jit`'s).
     """
-    return ParallelStep(train_step, plan, executor=executor, devices=devices, example_args=example_args)
+    return ParallelStep(train_step, plan, executor=executor, devices=devices, example_args=example_args,
+                        compiler_options=compiler_options)

@@ -9,7 +9,7 @@ resharding) and the state arguments are donated.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -27,7 +27,8 @@ STATE_ARGS = 2
 class SpmdStep:
     """A train step jitted with an SPMD plan's shardings (module docstring)."""
 
-    def __init__(self, step: Callable[..., Any], plan: Any, order: Sequence[Any]):
+    def __init__(self, step: Callable[..., Any], plan: Any, order: Sequence[Any],
+                 compiler_options: Mapping[str, Any] | None = None):
         shape = plan.mesh_shape
         need = math.prod(shape.values()) if shape else 1
         if len(order) < need:
@@ -37,6 +38,7 @@ class SpmdStep:
         self.step = step
         self._specs = {p.index: p.partition_spec() for p in plan.parameters}
         self._jitted: dict[Any, Any] = {}
+        self._options = dict(compiler_options or {})
 
     def _shardings(self, flat_start: int, tree: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -78,7 +80,8 @@ class SpmdStep:
                 for k in range(STATE_ARGS))
             out_shardings = shardings[:STATE_ARGS] + (None,) * (len(out) - STATE_ARGS) if keeps_state else None
             self._jitted[key] = (jax.jit(self.step, in_shardings=shardings, out_shardings=out_shardings,
-                                         donate_argnums=donate), shardings)
+                                         donate_argnums=donate, compiler_options=self._options or None),
+                                 shardings)
         return self._jitted[key]
 
     def __call__(self, *args: Any) -> Any:

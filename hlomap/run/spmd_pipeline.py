@@ -102,7 +102,8 @@ def _floating(dtype: str) -> bool:
 class SpmdPipeline:
     """Executor A for one traced step and pipeline plan (module docstring)."""
 
-    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any]):
+    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any],
+                 compiler_options: Mapping[str, Any] | None = None):
         section = program.section
         if not section.uniform:
             raise ValueError("executor A needs every stage to have the same mesh; use executor B")
@@ -134,8 +135,9 @@ class SpmdPipeline:
         self.out_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.out_layouts).items()}
         self.row_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
         self.replicated = NamedSharding(self.mesh, P())
-        self._step = jax.jit(self._run, donate_argnums=(0, 1))
-        self._grads = jax.jit(self._value_and_grad)
+        options = dict(compiler_options or {}) or None
+        self._pipeline_jit = jax.jit(self._loss_and_grads, compiler_options=options)
+        self._update_jit = jax.jit(self._update, donate_argnums=(0, 1, 2), compiler_options=options)
 
     # -- state ------------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
@@ -155,13 +157,8 @@ class SpmdPipeline:
 
     def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
         rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
-        return self._step(params, opt_state, *rest)
-
-    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
-        """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them."""
-        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
-        loss, aux, grads = self._grads(params, opt_state, *rest)
-        return to_host(loss), [to_host(a) for a in aux], [to_host(g) for g in grads]
+        loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
+        return self._update_jit(params, opt_state, grads, aux_rows, loss, *rest)
 
     # -- the program ------------------------------------------------------------------------------
     def _arguments(self, rest: Sequence[Any]) -> list[Any]:
@@ -275,7 +272,8 @@ class SpmdPipeline:
                                check_vma=False)
         return mapped(p_float, p_other, o_rows, split, whole)
 
-    def _loss_and_grads(self, params: Staged, opt_state: Staged, rest: Sequence[Any]) -> tuple[Any, Any, Any, list[Any]]:
+    def _loss_and_grads(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, Any, Any]:
+        """(loss, aux rows, gradient rows): the pipeline, one program."""
         args = self._arguments(rest)
         split, whole = self._microbatched(args)
         p_float = {d: r for d, r in params.parts.items() if _floating(d)}
@@ -291,47 +289,48 @@ class SpmdPipeline:
             total = jnp.sum(g[:, :n], axis=0, keepdims=True)
             return jnp.concatenate([jnp.broadcast_to(total, (self.n_stages, n)), g[:, n:]], axis=1)
 
-        grads = {d: sum_shared(d, g) for d, g in grads.items()}
-        grads = {d: lax.with_sharding_constraint(g, self.row_sharding) for d, g in grads.items()}
-        return loss, aux_rows, grads, args
+        grads = {d: lax.with_sharding_constraint(sum_shared(d, g), self.row_sharding) for d, g in grads.items()}
+        return loss, aux_rows, grads
 
-    def _value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+        """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them
+        (host arrays)."""
         program = self.program
         traced = program.traced
-        loss, aux_rows, grads, _ = self._loss_and_grads(params, opt_state, rest)
-        aux = []
-        for j, source in enumerate(program.split.aux):
-            aux.append(self._aux_value(j, source, aux_rows, params, opt_state))
+        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
+        loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
+        aux_rows = {d: to_host(r) for d, r in aux_rows.items()}
+        grads = {d: to_host(r) for d, r in grads.items()}
+        p_rows = {d: to_host(r) for d, r in params.parts.items()}
+        o_rows = {d: to_host(r) for d, r in opt_state.parts.items()}
+        aux = [np.asarray(self._aux_value(j, source, aux_rows, p_rows, o_rows))
+               for j, source in enumerate(program.split.aux)]
         out_grads = []
         for position in traced.grads:
             leaf = traced.loss_inputs[position].leaf
             s = self.params.home(leaf)
-            layout = self.params.stages[s]
-            slot = layout.slots[layout.keys.index(leaf)]
-            out_grads.append(grads[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(slot.shape))
-        return loss, aux, out_grads
+            out_grads.append(_slice(grads, self.params.stages[s], s, leaf))
+        return to_host(loss), aux, out_grads
 
-    def _aux_value(self, j: int, source: Any, aux_rows: Mapping[str, Any], params: Staged, opt_state: Staged) -> Any:
+    def _aux_value(self, j: int, source: Any, aux_rows: Mapping[str, Any], p_rows: Mapping[str, Any],
+                   o_rows: Mapping[str, Any]) -> Any:
         traced = self.program.traced
         if source.stage is not None:
-            layout = self.aux_layouts[source.stage]
-            slot = layout.slots[layout.keys.index(j)]
-            return aux_rows[slot.dtype][source.stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+            return _slice(aux_rows, self.aux_layouts[source.stage], source.stage, j)
         if source.loss_input is not None:
             item = traced.loss_inputs[source.loss_input]
             if item.kind is InputKind.CONST:
-                return jnp.asarray(item.value)
-            layout = self.params if item.leaf < traced.arg_sizes[0] else self.opt
-            staged = params if layout is self.params else opt_state
+                return item.value
+            layout, rows = (self.params, p_rows) if item.leaf < traced.arg_sizes[0] else (self.opt, o_rows)
             s = layout.home(item.leaf)
-            slot = layout.stages[s].slots[layout.stages[s].keys.index(item.leaf)]
-            return staged.parts[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
-        return jnp.asarray(source.constant)
+            return _slice(rows, layout.stages[s], s, item.leaf)
+        return source.constant
 
-    def _run(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+    def _update(self, params: Staged, opt_state: Staged, grads: Any, aux_rows: Any, loss: Any, *rest: Any) -> Any:
+        """Every stage's update on its own rows: a second program."""
         program = self.program
         traced = program.traced
-        loss, aux_rows, grads, args = self._loss_and_grads(params, opt_state, rest)
+        args = self._arguments(rest)
         n_state = traced.state_leaves
         update = program.update
         marker_aux_stage = [source.stage for source in program.split.aux]
@@ -390,9 +389,7 @@ class SpmdPipeline:
         new_p, new_o, out_rows = mapped(params.parts, opt_state.parts, grads, aux_rows, loss, list(args))
         flat: list[Any] = [None] * len(traced.step.jaxpr.outvars)
         for o, s in update.owner.items():
-            layout = self.out_layouts[s]
-            slot = layout.slots[layout.keys.index(o)]
-            flat[o] = out_rows[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+            flat[o] = _slice(out_rows, self.out_layouts[s], s, o)
         results = jax.tree_util.tree_unflatten(traced.out_tree, flat)
         return (Staged(new_p, self.params), Staged(new_o, self.opt), *results[2:])
 
@@ -402,6 +399,12 @@ class SpmdPipeline:
             item = self.program.traced.loss_inputs[source.loss_input]
             return jnp.asarray(item.value) if item.kind is InputKind.CONST else values[item.leaf]
         return jnp.asarray(source.constant)
+
+
+def _slice(rows: Mapping[str, Any], layout: FlatLayout, stage: int, key: Any) -> Any:
+    """Leaf `key` of row `stage` (host or device rows)."""
+    slot = layout.slots[layout.keys.index(key)]
+    return rows[slot.dtype][stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
 
 
 def _buffer_shape(key: tuple[str, bool], length: int, microbatch: int) -> tuple[int, ...]:
