@@ -13,7 +13,7 @@ from hlomap.run.grad import value_and_grad
 
 __all__ = ["parallelize", "value_and_grad"]
 
-_LAZY = {"parallelize": "hlomap.run.parallelize"}
+_LAZY = {"parallelize": "hlomap.run.runner"}
 
 
 def __getattr__(name: str) -> Any:

@@ -35,8 +35,10 @@ __all__ = ["Comparison", "GradientResult", "LeafDiff", "compare_loss", "compare_
 #: Allowed difference of a gradient leaf, as a fraction of its scale (float32 sums reordered over
 #: microbatches and devices differ by a few ulps of the largest terms).
 GRADIENT_TOLERANCE = 1e-4
-#: A leaf's scale is at least this fraction of the largest scale of all leaves.
-SCALE_FLOOR = 1e-6
+#: Gradients below this fraction of the step's largest gradient are at the level of float32
+#: rounding noise (a gradient that is zero in exact arithmetic comes out about this small): a
+#: leaf's scale is at least this fraction of the largest, and the update check skips them.
+SCALE_FLOOR = 1e-4
 #: Relative tolerance of the loss.
 LOSS_TOLERANCE = 1e-5
 #: Gradients below this fraction of their leaf's scale are rounding noise for the update check.
@@ -133,13 +135,15 @@ def compare_loss(actual: Any, expected: Any, *, tolerance: float = LOSS_TOLERANC
 
 def compare_updates(what: str, actual: Sequence[Any], expected: Sequence[Any], before: Sequence[Any],
                     grads: Sequence[Any], paths: Sequence[str], *, noise: float = NOISE,
-                    tolerance: float = UPDATE_TOLERANCE) -> Comparison:
-    """Updated leaves, only where the reference gradient is above `noise` of its leaf's scale,
-    within `tolerance` of the leaf's largest update."""
+                    floor: float = SCALE_FLOOR, tolerance: float = UPDATE_TOLERANCE) -> Comparison:
+    """Updated leaves, only where the reference gradient is above `noise` of its leaf's scale
+    (floored at `floor` of the largest gradient), within `tolerance` of the leaf's largest
+    update there."""
+    magnitudes = [np.abs(np.asarray(g, dtype=np.float64)) for g in grads]
+    top = max((float(g.max()) for g in magnitudes if g.size), default=0.0)
     leaves = []
-    for path, a, e, old, g in zip(paths, actual, expected, before, grads):
-        g = np.abs(np.asarray(g, dtype=np.float64))
-        mask = g > noise * (float(g.max()) if g.size else 0.0)
+    for path, a, e, old, g in zip(paths, actual, expected, before, magnitudes):
+        mask = g > noise * max(float(g.max()) if g.size else 0.0, floor * top)
         step = np.abs(np.asarray(e, dtype=np.float64) - np.asarray(old, dtype=np.float64))
         scale = float(step[mask].max()) if mask.any() else 0.0
         leaves.append(_leaf(path, a, e, max(scale, 1e-30), tolerance, mask))

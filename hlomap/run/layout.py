@@ -1,11 +1,13 @@
-"""Packing leaves of different shapes into flat buffers, one per dtype.
+"""Packing leaves of different shapes into flat buffers, one per dtype (and sharding).
 
 Executor A runs different code on each stage inside one SPMD program, so everything that varies
 between stages must have one shape: each stage's parameters (and optimizer state) are flattened
 into a row, rows padded to the longest and stacked `[S, L]` (sharded on the `stage` axis), and the
 activations crossing each cut are packed into one padded buffer that `ppermute` moves. Values
 with a leading microbatch dim keep it (`[mb, F]`), so that a data-parallel axis inside the stage
-still splits them without gathering.
+still splits them without gathering; likewise a parameter split over a mesh axis inside the stage
+is stored as its local shards (`[S, shards, L]`), so that tensor parallelism inside a stage keeps
+its memory saving and needs no resharding.
 """
 
 from __future__ import annotations
@@ -18,59 +20,86 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BatchedLayout", "FlatLayout", "Slot", "buffer_lengths"]
+__all__ = ["BatchedLayout", "FlatLayout", "Slot", "buffer_dtype", "buffer_lengths", "sharded_buffer"]
 
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one leaf sits: `size` elements from `offset` of the buffer of its dtype."""
+    """Where one leaf sits: `size` elements from `offset` of buffer `buffer` (on its last axis)."""
 
-    dtype: str
+    buffer: str
     offset: int
     size: int
     shape: tuple[int, ...]
 
 
+def buffer_dtype(buffer: str) -> str:
+    """Buffers are named after their dtype, optionally followed by `@axes` (see `sharded_buffer`)."""
+    return buffer.split("@", 1)[0]
+
+
+def sharded_buffer(dtype: Any, axes: Sequence[str]) -> str:
+    """The name of the buffer of `dtype` leaves split over mesh `axes` (`float32@model`)."""
+    name = np.dtype(dtype).name
+    return f"{name}@{'+'.join(axes)}" if axes else name
+
+
 @dataclass(frozen=True)
 class FlatLayout:
-    """Leaves (by key) packed into one flat buffer per dtype, in the given order."""
+    """Leaves (by key) packed into flat buffers, one per buffer name (by default the dtype), in
+    the given order. A buffer may have leading dims (`leads`): every leaf then has them too."""
 
     keys: tuple[Any, ...]
     slots: tuple[Slot, ...]
 
     @classmethod
-    def of(cls, items: Sequence[tuple[Any, Any]], start: Mapping[str, int] | None = None) -> FlatLayout:
-        """Layout of (key, aval) items; `start` offsets each dtype (a region before them)."""
+    def of(cls, items: Sequence[tuple[Any, Any]], start: Mapping[str, int] | None = None,
+           buffers: Mapping[Any, str] | None = None) -> FlatLayout:
+        """Layout of (key, aval) items; `start` offsets each buffer (a region before them);
+        `buffers` names each key's buffer (default: its dtype)."""
         offsets = dict(start or {})
         slots = []
-        for _, aval in items:
-            dtype = np.dtype(aval.dtype).name
+        for key, aval in items:
+            buffer = (buffers or {}).get(key) or np.dtype(aval.dtype).name
             size = math.prod(aval.shape)
-            slots.append(Slot(dtype, offsets.get(dtype, 0), size, tuple(aval.shape)))
-            offsets[dtype] = offsets.get(dtype, 0) + size
+            slots.append(Slot(buffer, offsets.get(buffer, 0), size, tuple(aval.shape)))
+            offsets[buffer] = offsets.get(buffer, 0) + size
         return cls(tuple(k for k, _ in items), tuple(slots))
 
     @property
     def lengths(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for slot in self.slots:
-            out[slot.dtype] = max(out.get(slot.dtype, 0), slot.offset + slot.size)
+            out[slot.buffer] = max(out.get(slot.buffer, 0), slot.offset + slot.size)
         return out
 
-    def pack(self, values: Mapping[Any, Any], lengths: Mapping[str, int]) -> dict[str, Any]:
-        """dtype -> flat buffer of `lengths[dtype]` elements (zeros where no leaf sits)."""
-        parts: dict[str, list[tuple[int, Any]]] = {d: [] for d in lengths}
-        for key, slot in zip(self.keys, self.slots):
-            parts[slot.dtype].append((slot.offset, jnp.ravel(values[key]).astype(slot.dtype)))
-        return {dtype: _assemble(parts[dtype], length, dtype) for dtype, length in lengths.items()}
+    def slot(self, key: Any) -> Slot:
+        return self.slots[self.keys.index(key)]
 
-    def unpack(self, buffers: Mapping[str, Any]) -> dict[Any, Any]:
-        return {key: buffers[slot.dtype][slot.offset:slot.offset + slot.size].reshape(slot.shape)
-                for key, slot in zip(self.keys, self.slots)}
+    def pack(self, values: Mapping[Any, Any], lengths: Mapping[str, int],
+             leads: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+        """buffer -> `lead + (lengths[buffer],)` array (zeros where no leaf sits); `values[key]`
+        has the buffer's lead dims first."""
+        leads = leads or {}
+        parts: dict[str, list[tuple[int, Any]]] = {b: [] for b in lengths}
+        for key, slot in zip(self.keys, self.slots):
+            lead = leads.get(slot.buffer, ())
+            value = jnp.reshape(values[key], lead + (slot.size,)).astype(buffer_dtype(slot.buffer))
+            parts[slot.buffer].append((slot.offset, value))
+        return {b: _assemble(parts[b], n, buffer_dtype(b), leads.get(b, ())) for b, n in lengths.items()}
+
+    def unpack(self, buffers: Mapping[str, Any], leads: Mapping[str, tuple[int, ...]] | None = None) -> dict[Any, Any]:
+        leads = leads or {}
+        out = {}
+        for key, slot in zip(self.keys, self.slots):
+            lead = leads.get(slot.buffer, ())
+            out[key] = buffers[slot.buffer][..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
+        return out
 
 
 def _assemble(parts: list[tuple[int, Any]], length: int, dtype: str, lead: tuple[int, ...] = ()) -> Any:
-    """Concatenate (offset, value) parts laid end to end from offset 0, padded to `length`."""
+    """Concatenate (offset, value) parts laid end to end from offset 0 on the last axis, padded
+    to `length`."""
     pieces, end = [], 0
     for offset, value in sorted(parts, key=lambda p: p[0]):
         if offset > end:
@@ -122,9 +151,9 @@ class BatchedLayout:
         mb = self.microbatch
         parts: dict[tuple[str, bool], list[tuple[int, Any]]] = {key: [] for key in lengths}
         for key, slot in zip(self.batched.keys, self.batched.slots):
-            parts[(slot.dtype, True)].append((slot.offset, jnp.reshape(values[key], (mb, slot.size)).astype(slot.dtype)))
+            parts[(slot.buffer, True)].append((slot.offset, jnp.reshape(values[key], (mb, slot.size)).astype(slot.buffer)))
         for key, slot in zip(self.unbatched.keys, self.unbatched.slots):
-            parts[(slot.dtype, False)].append((slot.offset, jnp.ravel(values[key]).astype(slot.dtype)))
+            parts[(slot.buffer, False)].append((slot.offset, jnp.ravel(values[key]).astype(slot.buffer)))
         return {(dtype, batched): _assemble(parts[(dtype, batched)], length, dtype, (mb,) if batched else ())
                 for (dtype, batched), length in lengths.items()}
 
@@ -132,7 +161,7 @@ class BatchedLayout:
         mb = self.microbatch
         out: dict[int, Any] = {}
         for key, slot in zip(self.batched.keys, self.batched.slots):
-            out[key] = buffers[(slot.dtype, True)][:, slot.offset:slot.offset + slot.size].reshape((mb,) + slot.shape)
+            out[key] = buffers[(slot.buffer, True)][:, slot.offset:slot.offset + slot.size].reshape((mb,) + slot.shape)
         for key, slot in zip(self.unbatched.keys, self.unbatched.slots):
-            out[key] = buffers[(slot.dtype, False)][slot.offset:slot.offset + slot.size].reshape(slot.shape)
+            out[key] = buffers[(slot.buffer, False)][slot.offset:slot.offset + slot.size].reshape(slot.shape)
         return [out[i] for i in range(len(out))]

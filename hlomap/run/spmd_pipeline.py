@@ -25,6 +25,7 @@ The stage axis can span processes (`jax.distributed`): the program is the same o
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -35,7 +36,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_lengths
+from hlomap.run.errors import RunError
+from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, sharded_buffer
 from hlomap.run.meshes import STAGE_AXIS, auto_mesh, pick
 from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.staged import Staged, put, to_host
@@ -47,52 +49,130 @@ __all__ = ["RowLayout", "SpmdPipeline"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """How one state leaf is stored in the rows: replicated inside its stage (`dim` None), or
+    as its local shards, split on `dim` over `shards` devices of the stage's mesh."""
+
+    buffer: str
+    dim: int | None = None
+    shards: int = 1
+
+
 @dataclass(frozen=True, eq=False)
 class RowLayout:
-    """Where each state leaf sits in the `[S, L]` rows: leaves every stage holds first, at the
-    same offsets in every row (`shared`), then each stage's own leaves."""
+    """Where each state leaf sits in the rows `[S, (shards,) L]`: leaves every stage holds first,
+    at the same offsets in every row, then each stage's own leaves; a leaf split over mesh axes
+    inside the stage lives in the buffer of those axes, one shard per slot of the `shards` dim."""
 
     leaves: tuple[int, ...]  # flat argument indices, in the user's pytree order
     avals: tuple[Any, ...]
-    stages: tuple[FlatLayout, ...]
-    shared: dict[str, int]  # dtype -> length of the shared region
+    placements: dict[int, Placement]
+    stages: tuple[FlatLayout, ...]  # over local shapes
+    shared: dict[str, int]  # buffer -> length of the shared region
     lengths: dict[str, int]
+    leads: dict[str, tuple[int, ...]]  # buffer -> (shards,) or ()
+    axes: dict[str, tuple[str, ...]]  # buffer -> the mesh axes splitting it
     treedef: Any
 
     @classmethod
     def of(cls, leaves: Sequence[int], avals: Sequence[Any], residence: Sequence[frozenset[int]], n_stages: int,
-           treedef: Any) -> RowLayout:
+           specs: Mapping[int, Any], mesh_axes: Mapping[str, int], treedef: Any) -> RowLayout:
+        placements, axes_of, local = {}, {}, {}
+        for leaf, aval in zip(leaves, avals):
+            placement, axes = _placement(leaf, aval, specs.get(leaf), mesh_axes)
+            placements[leaf] = placement
+            axes_of[placement.buffer] = axes
+            shape = list(aval.shape)
+            if placement.dim is not None:
+                shape[placement.dim] //= placement.shards
+            local[leaf] = jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
+        buffers = {leaf: placements[leaf].buffer for leaf in leaves}
         every = frozenset(range(n_stages))
-        shared_items = [(leaf, aval) for leaf, aval in zip(leaves, avals) if residence[leaf] == every]
-        shared = FlatLayout.of(shared_items)
+        shared = FlatLayout.of([(leaf, local[leaf]) for leaf in leaves if residence[leaf] == every], buffers=buffers)
         stages = []
         for s in range(n_stages):
-            own = [(leaf, aval) for leaf, aval in zip(leaves, avals) if residence[leaf] != every and s in residence[leaf]]
-            layout = FlatLayout.of(own, start=shared.lengths)
+            own = [(leaf, local[leaf]) for leaf in leaves if residence[leaf] != every and s in residence[leaf]]
+            layout = FlatLayout.of(own, start=shared.lengths, buffers=buffers)
             stages.append(FlatLayout(shared.keys + layout.keys, shared.slots + layout.slots))
-        lengths = buffer_lengths(stages)
-        return cls(tuple(leaves), tuple(avals), tuple(stages), shared.lengths, {d: max(n, 1) for d, n in lengths.items()},
+        lengths = {b: max(n, 1) for b, n in buffer_lengths(stages).items()}
+        leads = {p.buffer: ((p.shards,) if p.dim is not None else ()) for p in placements.values()}
+        return cls(tuple(leaves), tuple(avals), placements, tuple(stages), shared.lengths, lengths, leads, axes_of,
                    treedef)
 
     def home(self, leaf: int) -> int:
         return next(s for s, layout in enumerate(self.stages) if leaf in layout.keys)
 
+    def spec(self, buffer: str) -> Any:
+        axes = self.axes.get(buffer, ())
+        return P(STAGE_AXIS, axes) if axes else P(STAGE_AXIS)
+
+    def to_global(self, leaf: int, value: Any) -> Any:
+        """A leaf from its stored form (`[shards, *local]` when split) to its own shape."""
+        placement = self.placements[leaf]
+        if placement.dim is None:
+            return value
+        moved = jnp.moveaxis(value, 0, placement.dim)
+        return jnp.reshape(moved, self.avals[self.leaves.index(leaf)].shape)
+
+    def to_stored(self, leaf: int, value: Any) -> Any:
+        placement = self.placements[leaf]
+        if placement.dim is None:
+            return value
+        d, n = placement.dim, placement.shards
+        shape = value.shape
+        split = jnp.reshape(value, shape[:d] + (n, shape[d] // n) + shape[d + 1:])
+        return jnp.moveaxis(split, d, 0)
+
     def host_rows(self, values: Sequence[Any]) -> dict[str, np.ndarray]:
-        """dtype -> `[S, L]` numpy rows of the leaves `values` (in `leaves` order)."""
-        rows = {d: np.zeros((len(self.stages), n), dtype=d) for d, n in self.lengths.items()}
+        """buffer -> `[S, (shards,) L]` numpy rows of the leaves `values` (in `leaves` order)."""
+        rows = {b: np.zeros((len(self.stages),) + self.leads.get(b, ()) + (n,), dtype=buffer_dtype(b))
+                for b, n in self.lengths.items()}
         by_leaf = dict(zip(self.leaves, values))
         for s, layout in enumerate(self.stages):
             for leaf, slot in zip(layout.keys, layout.slots):
-                rows[slot.dtype][s, slot.offset:slot.offset + slot.size] = np.ravel(np.asarray(by_leaf[leaf]))
+                stored = np.asarray(self.to_stored(leaf, np.asarray(by_leaf[leaf])))
+                lead = self.leads.get(slot.buffer, ())
+                rows[slot.buffer][s, ..., slot.offset:slot.offset + slot.size] = stored.reshape(lead + (slot.size,))
         return rows
 
-    def from_rows(self, rows: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        out = []
-        for leaf, aval in zip(self.leaves, self.avals):
-            s = self.home(leaf)
-            slot = self.stages[s].slots[self.stages[s].keys.index(leaf)]
-            out.append(rows[slot.dtype][s, slot.offset:slot.offset + slot.size].reshape(aval.shape))
-        return out
+    def leaf_from_rows(self, rows: Mapping[str, Any], leaf: int, stage: int | None = None) -> Any:
+        """A leaf (its own shape) from rows (host or device), read on `stage` (default: its home)."""
+        s = self.home(leaf) if stage is None else stage
+        slot = self.stages[s].slot(leaf)
+        lead = self.leads.get(slot.buffer, ())
+        stored = rows[slot.buffer][s, ..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
+        return self.to_global(leaf, stored)
+
+    def unpack(self, stage: int, row: Mapping[str, Any]) -> dict[int, Any]:
+        """Leaves of `stage` from its local row (inside the program)."""
+        stored = self.stages[stage].unpack(row, self.leads)
+        return {leaf: self.to_global(leaf, value) for leaf, value in stored.items()}
+
+    def pack(self, stage: int, values: Mapping[int, Any]) -> dict[str, Any]:
+        stored = {leaf: self.to_stored(leaf, values[leaf]) for leaf in self.stages[stage].keys}
+        return self.stages[stage].pack(stored, self.lengths, self.leads)
+
+
+def _placement(leaf: int, aval: Any, spec: Any, mesh_axes: Mapping[str, int]) -> tuple[Placement, tuple[str, ...]]:
+    """Replicated, or split on its one sharded dim (executor A stores local shards)."""
+    if spec is None:
+        return Placement(sharded_buffer(aval.dtype, ())), ()
+    split = [(d, (entry,) if isinstance(entry, str) else tuple(entry)) for d, entry in enumerate(spec)
+             if entry is not None]
+    if not split:
+        return Placement(sharded_buffer(aval.dtype, ())), ()
+    if len(split) > 1:
+        raise RunError(f"parameter {leaf} (shape {aval.shape}) is split on {len(split)} dims by the plan ({spec}); "
+                       "executor A stores a parameter split on one dim, use executor B (mpmd)")
+    d, axes = split[0]
+    unknown = [a for a in axes if a not in mesh_axes]
+    if unknown:
+        raise RunError(f"parameter {leaf} is split over mesh axes {unknown} that the stage mesh {dict(mesh_axes)} lacks")
+    shards = math.prod(mesh_axes[a] for a in axes)
+    if aval.shape[d] % shards:
+        raise RunError(f"parameter {leaf} dim {d} of size {aval.shape[d]} does not split into {shards} shards")
+    return Placement(sharded_buffer(aval.dtype, axes), d, shards), axes
 
 
 def _floating(dtype: str) -> bool:
@@ -116,13 +196,15 @@ class SpmdPipeline:
         self.mesh = auto_mesh(devices, ((STAGE_AXIS, self.n_stages),) + inner)
         self.inner_axes = dict(inner)
         self.batch_axes = batch_axes(plan, traced, self.inner_axes, program.microbatch)
-        self.specs = {leaf: spec for leaf, spec in leaf_specs(plan, traced.state_leaves).items()}
+        self.specs = leaf_specs(plan, traced.state_leaves)
         flat_avals = [v.aval for v in traced.step.jaxpr.invars]
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()
         residence = program.update.residence
-        self.params = RowLayout.of(range(n0), flat_avals[:n0], residence, self.n_stages, trees[0])
-        self.opt = RowLayout.of(range(n0, n0 + n1), flat_avals[n0:n0 + n1], residence, self.n_stages, trees[1])
+        self.params = RowLayout.of(range(n0), flat_avals[:n0], residence, self.n_stages, self.specs, self.inner_axes,
+                                   trees[0])
+        self.opt = RowLayout.of(range(n0, n0 + n1), flat_avals[n0:n0 + n1], residence, self.n_stages, self.specs,
+                                self.inner_axes, trees[1])
         self.cut_layouts = [BatchedLayout.of([v.aval for v in stage.sends], program.microbatch)
                             for stage in program.split.stages[:-1]]
         self.act_lengths = buffer_lengths(self.cut_layouts)
@@ -133,7 +215,6 @@ class SpmdPipeline:
         self.out_layouts = [FlatLayout.of([(o, outvars[o].aval) for o in sorted(program.update.owner)
                                            if program.update.owner[o] == s]) for s in range(self.n_stages)]
         self.out_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.out_layouts).items()}
-        self.row_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
         self.replicated = NamedSharding(self.mesh, P())
         options = dict(compiler_options or {}) or None
         self._pipeline_jit = jax.jit(self._loss_and_grads, compiler_options=options)
@@ -144,15 +225,16 @@ class SpmdPipeline:
         out = []
         for layout, tree in ((self.params, params), (self.opt, opt_state)):
             rows = layout.host_rows([to_host(x) for x in jax.tree_util.tree_leaves(tree)])
-            out.append(Staged({d: put(r, self.row_sharding) for d, r in rows.items()}, layout))
+            out.append(Staged({b: put(r, NamedSharding(self.mesh, layout.spec(b))) for b, r in rows.items()}, layout))
         return out[0], out[1]
 
     def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
         out = []
         for staged in (params, opt_state):
             layout: RowLayout = staged.layout
-            rows = {d: to_host(r) for d, r in staged.parts.items()}
-            out.append(jax.tree_util.tree_unflatten(layout.treedef, layout.from_rows(rows)))
+            rows = {b: to_host(r) for b, r in staged.parts.items()}
+            values = [np.asarray(layout.leaf_from_rows(rows, leaf)) for leaf in layout.leaves]
+            out.append(jax.tree_util.tree_unflatten(layout.treedef, values))
         return out[0], out[1]
 
     def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
@@ -187,7 +269,7 @@ class SpmdPipeline:
 
     def _stage_values(self, stage: int, p_row: Mapping[str, Any], o_row: Mapping[str, Any]) -> dict[int, Any]:
         """State leaves of `stage` from its local rows, with the plan's specs inside the stage."""
-        values = {**self.params.stages[stage].unpack(p_row), **self.opt.stages[stage].unpack(o_row)}
+        values = {**self.params.unpack(stage, p_row), **self.opt.unpack(stage, o_row)}
         for leaf, spec in self.specs.items():
             if leaf in values:
                 values[leaf] = lax.with_sharding_constraint(values[leaf], spec)
@@ -276,20 +358,21 @@ class SpmdPipeline:
         """(loss, aux rows, gradient rows): the pipeline, one program."""
         args = self._arguments(rest)
         split, whole = self._microbatched(args)
-        p_float = {d: r for d, r in params.parts.items() if _floating(d)}
-        p_other = {d: r for d, r in params.parts.items() if not _floating(d)}
+        p_float = {b: r for b, r in params.parts.items() if _floating(buffer_dtype(b))}
+        p_other = {b: r for b, r in params.parts.items() if not _floating(buffer_dtype(b))}
         (loss, aux_rows), grads = jax.value_and_grad(self._pipeline, has_aux=True)(
             p_float, p_other, opt_state.parts, split, whole)
         shared = self.params.shared
 
-        def sum_shared(d: str, g: Any) -> Any:
-            n = shared.get(d, 0)
+        def sum_shared(b: str, g: Any) -> Any:
+            n = shared.get(b, 0)
             if n == 0 or self.n_stages == 1:
                 return g
-            total = jnp.sum(g[:, :n], axis=0, keepdims=True)
-            return jnp.concatenate([jnp.broadcast_to(total, (self.n_stages, n)), g[:, n:]], axis=1)
+            total = jnp.sum(g[..., :n], axis=0, keepdims=True)
+            return jnp.concatenate([jnp.broadcast_to(total, g.shape[:-1] + (n,)), g[..., n:]], axis=-1)
 
-        grads = {d: lax.with_sharding_constraint(sum_shared(d, g), self.row_sharding) for d, g in grads.items()}
+        grads = {b: lax.with_sharding_constraint(sum_shared(b, g), NamedSharding(self.mesh, self.params.spec(b)))
+                 for b, g in grads.items()}
         return loss, aux_rows, grads
 
     def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
@@ -301,15 +384,14 @@ class SpmdPipeline:
         loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
         aux_rows = {d: to_host(r) for d, r in aux_rows.items()}
         grads = {d: to_host(r) for d, r in grads.items()}
-        p_rows = {d: to_host(r) for d, r in params.parts.items()}
-        o_rows = {d: to_host(r) for d, r in opt_state.parts.items()}
+        p_rows = {b: to_host(r) for b, r in params.parts.items()}
+        o_rows = {b: to_host(r) for b, r in opt_state.parts.items()}
         aux = [np.asarray(self._aux_value(j, source, aux_rows, p_rows, o_rows))
                for j, source in enumerate(program.split.aux)]
         out_grads = []
         for position in traced.grads:
             leaf = traced.loss_inputs[position].leaf
-            s = self.params.home(leaf)
-            out_grads.append(_slice(grads, self.params.stages[s], s, leaf))
+            out_grads.append(np.asarray(self.params.leaf_from_rows(grads, leaf)))
         return to_host(loss), aux, out_grads
 
     def _aux_value(self, j: int, source: Any, aux_rows: Mapping[str, Any], p_rows: Mapping[str, Any],
@@ -322,8 +404,7 @@ class SpmdPipeline:
             if item.kind is InputKind.CONST:
                 return item.value
             layout, rows = (self.params, p_rows) if item.leaf < traced.arg_sizes[0] else (self.opt, o_rows)
-            s = layout.home(item.leaf)
-            return _slice(rows, layout.stages[s], s, item.leaf)
+            return layout.leaf_from_rows(rows, item.leaf)
         return source.constant
 
     def _update(self, params: Staged, opt_state: Staged, grads: Any, aux_rows: Any, loss: Any, *rest: Any) -> Any:
@@ -340,7 +421,7 @@ class SpmdPipeline:
 
             def run(p_row: Any, o_row: Any, g_row: Any, aux_row: Any, loss: Any, args: Any) -> Any:
                 values = self._stage_values(k, p_row, o_row)
-                grad_values = self.params.stages[k].unpack(g_row)
+                grad_values = self.params.unpack(k, g_row)
                 aux_values = self.aux_layouts[k].unpack(aux_row)
                 inputs = []
                 for item in update_k.inputs:
@@ -361,8 +442,8 @@ class SpmdPipeline:
                                       else jnp.zeros(traced.step.jaxpr.invars[leaf].aval.shape,
                                                      traced.step.jaxpr.invars[leaf].aval.dtype))
                 outputs = dict(zip(update_k.outputs, update_k.run(*inputs)))
-                new_p = self.params.stages[k].pack(outputs, self.params.lengths)
-                new_o = self.opt.stages[k].pack(outputs, self.opt.lengths)
+                new_p = self.params.pack(k, outputs)
+                new_o = self.opt.pack(k, outputs)
                 out = self.out_layouts[k].pack(outputs, self.out_lengths)
                 return new_p, new_o, out
 
@@ -403,8 +484,8 @@ class SpmdPipeline:
 
 def _slice(rows: Mapping[str, Any], layout: FlatLayout, stage: int, key: Any) -> Any:
     """Leaf `key` of row `stage` (host or device rows)."""
-    slot = layout.slots[layout.keys.index(key)]
-    return rows[slot.dtype][stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+    slot = layout.slot(key)
+    return rows[slot.buffer][stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
 
 
 def _buffer_shape(key: tuple[str, bool], length: int, microbatch: int) -> tuple[int, ...]:
