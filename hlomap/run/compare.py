@@ -29,8 +29,8 @@ import numpy as np
 
 from hlomap.verify.numerics import compare_outputs
 
-__all__ = ["Comparison", "GradientResult", "LeafDiff", "compare_loss", "compare_scaled", "compare_updates",
-           "reference_gradients"]
+__all__ = ["Comparison", "GradientResult", "LeafDiff", "PipelineCheck", "check_pipeline", "compare_loss",
+           "compare_scaled", "compare_updates", "reference_gradients"]
 
 #: Allowed difference of a gradient leaf, as a fraction of its scale (float32 sums reordered over
 #: microbatches and devices differ by a few ulps of the largest terms).
@@ -206,3 +206,60 @@ def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatc
 
     return GradientResult(mean(losses).astype(dtype), [mean([a[j] for a in auxes]) for j in range(len(auxes[0]))],
                           [mean([g[k] for g in grads]) for k in range(len(grads[0]))])
+
+
+@dataclass(frozen=True)
+class PipelineCheck:
+    """A pipelined step against the unsharded one (`check_pipeline`).
+
+    comparisons: what decides (loss, gradients, aux against the reference with the same
+    microbatches). microbatching: the same reference against the whole batch in one piece,
+    for information: it differs when the loss is not a mean over examples or uses batch
+    statistics (batch norm), which microbatching changes by design.
+    """
+
+    comparisons: tuple[Comparison, ...]
+    microbatching: tuple[Comparison, ...]
+    seconds: float  # one pipelined step after compiling
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.comparisons)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "comparisons": [c.to_json() for c in self.comparisons],
+                "microbatching": [c.to_json() for c in self.microbatching], "step_seconds": self.seconds}
+
+
+def check_pipeline(step: Any, args: Sequence[Any]) -> PipelineCheck:
+    """Loss, gradients and aux of `step` (a pipelined `hlomap.parallelize` step) against the
+    unsharded reference with the plan's microbatches, then one timed step."""
+    import time
+
+    import jax
+
+    step.describe(args)  # cuts the step now if its first call has not
+    program = step.program
+    microbatches = program.microbatches
+    traced = program.traced
+    paths = [traced.loss_inputs[p].path for p in traced.grads]
+    loss, aux, grads = step.value_and_grad(*args)
+    reference = reference_gradients(step.step, args, microbatches)
+
+    def against(ref: GradientResult, label: str) -> tuple[Comparison, ...]:
+        out = [compare_loss(loss, ref.loss), compare_scaled(f"gradients{label}", grads, ref.grads, paths)]
+        if ref.aux:
+            out.append(compare_scaled(f"aux outputs{label}", aux, ref.aux, [f"aux {j}" for j in range(len(aux))]))
+        return tuple(out)
+
+    decisive = against(reference, "")
+    informative: tuple[Comparison, ...] = ()
+    if microbatches > 1:
+        informative = against(reference_gradients(step.step, args, 1), " (whole batch)")
+    placed = step.place(args[0], args[1])
+    out = step(*placed, *args[2:])
+    jax.block_until_ready(out)
+    placed = out[0], out[1]
+    start = time.perf_counter()
+    jax.block_until_ready(step(*placed, *args[2:]))
+    return PipelineCheck(decisive, informative, time.perf_counter() - start)
