@@ -40,8 +40,12 @@ class Staged:
 
 
 def put(value: Any, sharding: Any) -> Any:
-    """`jax.device_put` that also works when the sharding spans several processes (every
-    process passes the same full value and keeps its own shards)."""
+    """`jax.device_put` into buffers of its own (the steps donate the state they are given, which
+    must not delete the caller's arrays: `device_put` may hand back the caller's buffer as one of
+    the shards, even with `may_alias=False`), also when the sharding spans several processes
+    (every process passes the same full value and keeps its own shards)."""
+    if isinstance(value, jax.Array) and value.is_fully_addressable:
+        value = jax.numpy.copy(value)
     if jax.process_count() == 1 or getattr(sharding, "is_fully_addressable", True):
         return jax.device_put(value, sharding)
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
