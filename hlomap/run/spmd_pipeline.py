@@ -217,8 +217,8 @@ class SpmdPipeline:
         self.out_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.out_layouts).items()}
         self.replicated = NamedSharding(self.mesh, P())
         options = dict(compiler_options or {}) or None
-        self._pipeline_jit = jax.jit(self._loss_and_grads, compiler_options=options)
-        self._update_jit = jax.jit(self._update, donate_argnums=(0, 1, 2), compiler_options=options)
+        self._pipeline_jit = _Checked(jax.jit(self._loss_and_grads, compiler_options=options))
+        self._update_jit = _Checked(jax.jit(self._update, donate_argnums=(0, 1, 2), compiler_options=options))
 
     # -- state ------------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
@@ -480,6 +480,40 @@ class SpmdPipeline:
             item = self.program.traced.loss_inputs[source.loss_input]
             return jnp.asarray(item.value) if item.kind is InputKind.CONST else values[item.leaf]
         return jnp.asarray(source.constant)
+
+
+class _Checked:
+    """A jitted program compiled once per argument layout and checked before it first runs.
+
+    Each stage's code sits in a branch of a conditional that only that stage's devices take.
+    XLA partitions a branch as if every device ran it; a collective-permute it puts there (to
+    reshard between layouts it cannot convert locally) then waits on the CPU runtime for
+    devices that never arrive, and the process hangs until XLA aborts it. Such a program is
+    refused with an explanation instead.
+    """
+
+    def __init__(self, jitted: Any):
+        self.jitted = jitted
+        self.compiled: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        key = (treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        if key not in self.compiled:
+            compiled = self.jitted.lower(*args).compile()
+            if jax.devices()[0].platform == "cpu":
+                _refuse_branch_permutes(compiled.as_text())
+            self.compiled[key] = compiled
+        return self.compiled[key](*args)
+
+
+def _refuse_branch_permutes(text: str) -> None:
+    for line in text.splitlines():
+        if " collective-permute(" in line and "/cond/branch_" in line and "ppermute" not in line.split("=")[0]:
+            where = line.split('op_name="', 1)[-1].split('"', 1)[0]
+            raise RunError(f"XLA resharded a value inside a stage's branch with a collective-permute ({where}); on "
+                           "the CPU runtime that waits for devices of other stages and hangs. Use executor B (mpmd) "
+                           "for this plan, or parameter specs that split one dim each")
 
 
 def _slice(rows: Mapping[str, Any], layout: FlatLayout, stage: int, key: Any) -> Any:
