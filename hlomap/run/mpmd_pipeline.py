@@ -106,6 +106,8 @@ class MpmdPipeline:
                             for _ in range(self.n_stages)]
         self._update = [self._make_update(s) for s in range(self.n_stages)]
         self.stats = StepStats()
+        self._recording: dict[tuple[int, Pass], Any] = {}
+        self._stamps: list[tuple[int, str, int, int, float]] = []
 
     # -- shardings --------------------------------------------------------------------------------
     def _sharding(self, s: int, leaf: int) -> NamedSharding:
@@ -141,7 +143,26 @@ class MpmdPipeline:
 
     def _make_backward(self, s: int) -> Any:
         _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
-        return jax.jit(self._counted("backward", s, bwd), donate_argnums=0, compiler_options=self.options)
+        return jax.jit(self._counted("backward", s, bwd), compiler_options=self.options)
+
+    def _make_recording(self, s: int, kind: Pass) -> Any:
+        """The forward or backward of stage s that also tells the host when it starts and ends
+        on its devices (`jax.debug.callback`, no blocking: the stages still overlap)."""
+        fwd, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+        run = fwd if kind is Pass.FORWARD else bwd
+
+        def recorded(microbatch: Any, *args: Any) -> Any:
+            first = jax.tree_util.tree_leaves(args)[0]
+            jax.debug.callback(self._stamp, s, kind.value, microbatch, jnp.ravel(first)[0], 0)
+            out = run(*args)
+            last = jax.tree_util.tree_leaves(out)[-1]
+            jax.debug.callback(self._stamp, s, kind.value, microbatch, jnp.ravel(last)[0], 1)
+            return out
+
+        return jax.jit(recorded, compiler_options=self.options)
+
+    def _stamp(self, stage: int, kind: str, microbatch: Any, _: Any, end: int) -> None:
+        self._stamps.append((int(stage), kind, int(microbatch), int(end), time.perf_counter()))
 
     def _make_update(self, s: int) -> Any:
         run = self.program.update.programs[s].run
@@ -230,11 +251,14 @@ class MpmdPipeline:
         for event in self.order:
             s, i = event.stage, event.microbatch
             stage = split.stages[s]
-            t0 = time.perf_counter() - start
             if event.kind is Pass.FORWARD:
                 params_s, state_s = inputs[s]
                 micro = tuple(data[s][p][i] for p in stage.data)
-                out, res, aux = self._forward[s](params_s, received.pop((s, i)), state_s, micro)
+                if record:
+                    out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, received.pop((s, i)),
+                                                                   state_s, micro)
+                else:
+                    out, res, aux = self._forward[s](params_s, received.pop((s, i)), state_s, micro)
                 residuals[(s, i)] = res
                 in_flight[s] += 1
                 live_bytes[s] += _nbytes(res)
@@ -246,7 +270,6 @@ class MpmdPipeline:
                 if s + 1 < n_stages:
                     received[(s + 1, i)] = tuple(jax.device_put(v, self._value_sharding(s + 1, var.aval))
                                                  for v, var in zip(sent, split.stages[s + 1].receives))
-                done = out
             else:
                 res = residuals.pop((s, i))
                 live_bytes[s] -= _nbytes(res)
@@ -256,7 +279,11 @@ class MpmdPipeline:
                     cts = ()
                 sent_cts = tuple(c for c in cts)
                 loss_ct = (jnp.asarray(scale, traced.loss.jaxpr.outvars[0].aval.dtype),) if stage.computes_loss else ()
-                g_params, g_received = self._backward[s](res, sent_cts + loss_ct)
+                if record:
+                    g_params, g_received = self._recorder(s, Pass.BACKWARD)(np.int32(i), res, sent_cts + loss_ct)
+                else:
+                    g_params, g_received = self._backward[s](res, sent_cts + loss_ct)
+                del res  # the residuals of microbatch i on stage s are freed here
                 grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
                 if s > 0:
                     previous = split.stages[s - 1]
@@ -264,10 +291,9 @@ class MpmdPipeline:
                         jax.device_put(g, self._value_sharding(s - 1, var.aval)) if _is_float(var.aval.dtype)
                         else _float0_like(var.aval)
                         for g, var in zip(g_received, previous.sends))
-                done = g_params
-            if record:
-                jax.block_until_ready(done)
-                events.append(RecordedEvent(event, t0, time.perf_counter() - start))
+        if record:
+            jax.block_until_ready((loss_sum, grads))
+            events = self._recorded_events(start)
         self.stats = StepStats(peak, peak_bytes, events)
         loss = loss_sum * scale
         aux_means = []
@@ -279,6 +305,21 @@ class MpmdPipeline:
         per_leaf = self._sum_shared([{traced.loss_inputs[p].leaf: g for p, g in zip(stage.params, grads[s])}
                                      for s, stage in enumerate(split.stages)])
         return loss, per_leaf, aux_means, args
+
+    def _recorder(self, s: int, kind: Pass) -> Any:
+        if (s, kind) not in self._recording:
+            self._recording[(s, kind)] = self._make_recording(s, kind)
+        return self._recording[(s, kind)]
+
+    def _recorded_events(self, start: float) -> list[RecordedEvent]:
+        """Each pass from the first device starting it to the last finishing it."""
+        spans: dict[tuple[int, str, int], list[float]] = {}
+        for stage, kind, microbatch, end, moment in self._stamps:
+            span = spans.setdefault((stage, kind, microbatch), [float("inf"), float("-inf")])
+            span[end] = min(span[0], moment - start) if end == 0 else max(span[1], moment - start)
+        self._stamps = []
+        return sorted((RecordedEvent(Event(stage, Pass(kind), microbatch), a, b)
+                       for (stage, kind, microbatch), (a, b) in spans.items()), key=lambda e: e.start)
 
     def _sum_shared(self, per_stage: list[dict[int, Any]]) -> list[dict[int, Any]]:
         """Gradients of a leaf several stages read: the sum of theirs, on each of them."""

@@ -79,3 +79,91 @@ def test_uneven_microbatches_name_both_numbers(zoo_case) -> None:
     plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=16, devices_per_stage=4)
     with pytest.raises(RunError, match=r"microbatch of 2 examples cannot be split over the 4 devices"):
         parallelize(case.model.train_step(), plan, example_args=case.args)
+
+
+# -- the acceptance matrix (slow) -----------------------------------------------------------------
+
+EXECUTORS = {"gpipe": "spmd", "1f1b": "mpmd"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [1, 4, 8])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpt_matrix(zoo_case, stages: int, microbatches: int, schedule: str) -> None:
+    case = zoo_case("gpt-tiny")  # batch 8
+    per_stage = max(1, min(8 // stages, 8 // microbatches))
+    plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, stages - 1), microbatches=microbatches,
+                         schedule=schedule, devices_per_stage=per_stage)
+    _run(case, plan, EXECUTORS[schedule])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_gpt_cuts_inside_layers(zoo_case, executor: str) -> None:
+    case = zoo_case("gpt-tiny")
+    plan = pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.3, 0.55, 0.8]), microbatches=4,
+                         devices_per_stage=2)
+    step = _run(case, plan, executor)
+    assert any(case.chain.pivots[k].scope.split("/")[0] == case.chain.pivots[k + 1].scope.split("/")[0]
+               for k in pivots_at(case.chain, [0.3, 0.55, 0.8]))  # some cut lies inside a layer
+    assert step.describe().cuts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_gpt_two_stages_tensor_parallel(zoo_case, executor: str) -> None:
+    case = zoo_case("gpt-tiny")
+    plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=2, devices_per_stage=4,
+                         mesh={"model": 4}, specs=_megatron_specs(case.cap, 4))
+    _run(case, plan, executor)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_gpt_four_stages_data_parallel(zoo_case, executor: str) -> None:
+    case = zoo_case("gpt-tiny")
+    plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 3), microbatches=4, devices_per_stage=2)
+    _run(case, plan, executor)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert-tiny", "haiku-mlp"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_other_families(zoo_case, name: str, schedule: str) -> None:
+    case = zoo_case(name)
+    plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 3), microbatches=8, schedule=schedule,
+                         devices_per_stage=1)
+    _run(case, plan, EXECUTORS[schedule])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_t5_encoder_output_crosses_stages(zoo_case, schedule: str) -> None:
+    """Cuts at the end of the encoder and inside the decoder: the encoder output is sent from
+    stage 0 through stage 1 to stage 2."""
+    case = zoo_case("t5-tiny")
+    pivots = case.chain.pivots
+    encoder_end = max(k for k, p in enumerate(pivots) if p.scope.startswith("encoder") and p.live_tensors <= 2)
+    decoder = min(k for k, p in enumerate(pivots) if p.scope.startswith("decoder/layers_1"))
+    plan = pipeline_plan(case.cap, case.chain, [encoder_end, decoder], microbatches=4, schedule=schedule,
+                         devices_per_stage=2)
+    step = _run(case, plan, EXECUTORS[schedule])
+    middle = step.program.split.stages[1]
+    assert set(middle.receives) & set(middle.sends)  # passed through
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_resnet_batch_norm(zoo_case, schedule: str) -> None:
+    """Batch norm: with M = 1 the pipeline is the plain step (running statistics included); with
+    M = 4 each microbatch is normalized with its own statistics and the running statistics are
+    averaged over microbatches, which the reference with the same microbatches computes."""
+    case = zoo_case("resnet50-tiny")
+    executor = EXECUTORS[schedule]
+    one = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=1, schedule=schedule,
+                        devices_per_stage=4)
+    _run(case, one, executor)
+    four = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=4, schedule=schedule,
+                         devices_per_stage=2)
+    _run(case, four, executor, microbatches_reference=4, update=False)
