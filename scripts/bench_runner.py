@@ -30,7 +30,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import hlomap  # noqa: E402
 from hlomap import zoo  # noqa: E402

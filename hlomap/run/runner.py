@@ -107,8 +107,9 @@ class ParallelStep:
 
     def __init__(self, step: Callable[..., Any], plan: Any, *, executor: Executor | str | None = None,
                  devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None,
-                 compiler_options: Mapping[str, Any] | None = None):
+                 compiler_options: Mapping[str, Any] | None = None, check_source: bool = True):
         self.step = step
+        self.check_source = check_source  # off only to re-run a float32 plan in float64 (same instructions)
         self.compiler_options = dict(compiler_options or {})
         self.plan = plan
         self.order = device_order(plan, devices)
@@ -137,7 +138,7 @@ class ParallelStep:
 
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(args))
         cap = capture(self.step, *abstract)
-        if self.plan.source.sha256 and cap.text_sha256 != self.plan.source.sha256:
+        if self.check_source and self.plan.source.sha256 and cap.text_sha256 != self.plan.source.sha256:
             raise RunError(f"the plan was made for another module ({self.plan.source.kind or 'a step'} with HLO sha256 "
                            f"{self.plan.source.sha256[:12]}...), not this step ({cap.text_sha256[:12]}...): the step, "
                            "its argument shapes or the JAX version changed; explore again")

@@ -32,7 +32,7 @@ from hlomap.run.trace import TracedStep
 
 __all__ = ["Source", "UpdateInput", "UpdatePlan", "UpdateProgram", "plan_update"]
 
-Home = frozenset  # of stage indices; empty = any stage
+#: A home is a frozenset of stage indices; the empty set means any stage.
 ANYWHERE: frozenset[int] = frozenset()
 
 

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import hlomap
 from hlomap.run.grad import GradCall, intercept, value_and_grad

@@ -144,7 +144,7 @@ def test_t5_encoder_output_crosses_stages(zoo_case, schedule: str) -> None:
     stage 0 through stage 1 to stage 2."""
     case = zoo_case("t5-tiny")
     pivots = case.chain.pivots
-    encoder_end = max(k for k, p in enumerate(pivots) if p.scope.startswith("encoder") and p.live_tensors <= 2)
+    encoder_end = max(k for k, p in enumerate(pivots) if p.scope.startswith("encoder"))
     decoder = min(k for k, p in enumerate(pivots) if p.scope.startswith("decoder/layers_1"))
     plan = pipeline_plan(case.cap, case.chain, [encoder_end, decoder], microbatches=4, schedule=schedule,
                          devices_per_stage=2)
@@ -158,12 +158,30 @@ def test_t5_encoder_output_crosses_stages(zoo_case, schedule: str) -> None:
 def test_resnet_batch_norm(zoo_case, schedule: str) -> None:
     """Batch norm: with M = 1 the pipeline is the plain step (running statistics included); with
     M = 4 each microbatch is normalized with its own statistics and the running statistics are
-    averaged over microbatches, which the reference with the same microbatches computes."""
+    averaged over microbatches, which the reference with the same microbatches computes.
+
+    In float64: batch norm's statistics (E[x^2] - E[x]^2 over 8 examples at 1x1 resolution in the
+    last stage) are so ill-conditioned in float32 that the unsharded step is 7e-4 (relative) from
+    its float64 value and merely splitting the batch over 4 devices (plain jit, no pipeline)
+    moves some gradients by 13%; in float64 both agree to 1e-12, and so must the pipeline."""
+    import dataclasses
+
+    import jax
+
+    import hlomap
+    from hlomap.verify.shardings import to_float64
+    from tests.run.helpers import chain_of
+
     case = zoo_case("resnet50-tiny")
     executor = EXECUTORS[schedule]
-    one = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=1, schedule=schedule,
-                        devices_per_stage=4)
-    _run(case, one, executor)
-    four = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=4, schedule=schedule,
-                         devices_per_stage=2)
-    _run(case, four, executor, microbatches_reference=4, update=False)
+    with jax.enable_x64(True):
+        wide = tuple(to_float64(case.args))
+        cap = hlomap.capture(case.model.train_step(), *wide)
+        chain = chain_of(cap)
+        wide_case = case._replace(cap=cap, chain=chain, args=wide)
+        one = pipeline_plan(cap, chain, boundary_pivots(chain, 1), microbatches=1, schedule=schedule,
+                            devices_per_stage=4)
+        _run(wide_case, one, executor)
+        four = dataclasses.replace(one, pipeline={**one.pipeline, "microbatches": 4,
+                                                  "stages": [{"devices": [0, 1]}, {"devices": [2, 3]}]})
+        _run(wide_case, four, executor, microbatches_reference=4, update=False)
