@@ -25,6 +25,7 @@ __all__ = [
     "SourceError",
     "estimate",
     "explore",
+    "explore_auto",
     "explore_detailed",
     "is_pipedream_graph",
     "load_pipeline_source",
@@ -46,15 +47,19 @@ class SourceError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, module_index: int = 0) -> Capture:
+def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, trainable_prefix: Iterable[str] = (),
+                module_index: int = 0) -> Capture:
     """`zoo:NAME` lowers a zoo train step abstractly; anything else is read as HLO text.
 
     For an HLO file holding several modules (split by `// -----`), `module_index` picks one.
-    `trainable` names the trainable entry parameters of a bare dump (indices or HLO names).
+    `trainable` (indices or HLO names) and `trainable_prefix` (starts of paths or names) name
+    the trainable entry parameters of a bare dump; without them, a dump of a JAX step takes its
+    roles from its parameters' names (`hlomap.hlo.capture.from_module`, `infer_roles`).
     """
     if spec.startswith(ZOO_PREFIX):
         return _load_zoo(spec[len(ZOO_PREFIX):])
-    return _load_file(Path(spec), trainable=trainable, module_index=module_index)
+    return _load_file(Path(spec), trainable=trainable, trainable_prefix=tuple(trainable_prefix),
+                      module_index=module_index)
 
 
 def _load_zoo(name: str) -> Capture:
@@ -71,7 +76,8 @@ def _load_zoo(name: str) -> Capture:
     return capture(model.train_step(), *model.abstract_args(), arg_names=model.arg_names, roles=roles or None)
 
 
-def _load_file(path: Path, *, trainable: Iterable[int | str] | None, module_index: int) -> Capture:
+def _load_file(path: Path, *, trainable: Iterable[int | str] | None, trainable_prefix: tuple[str, ...],
+               module_index: int) -> Capture:
     from hlomap.hlo.parser import parse_all
 
     if not path.exists():
@@ -88,7 +94,11 @@ def _load_file(path: Path, *, trainable: Iterable[int | str] | None, module_inde
     # The source hash identifies the module a plan was made for; hash the module's own text
     # when the file holds several.
     own_text = text if len(modules) == 1 else None
-    return from_module(modules[module_index], trainable=trainable, source=str(path), text=own_text)
+    try:
+        return from_module(modules[module_index], trainable=trainable, trainable_prefix=trainable_prefix,
+                           source=str(path), text=own_text, infer_roles=True)
+    except ValueError as err:  # an index out of range, an unknown name, a prefix matching nothing
+        raise SourceError(f"{path}: {err}") from None
 
 
 def is_pipedream_graph(path: str | Path) -> bool:
@@ -104,7 +114,8 @@ def is_pipedream_graph(path: str | Path) -> bool:
     return False
 
 
-def load_pipeline_source(spec: str | Path, *, trainable: Sequence[int | str] | None = None) -> Any:
+def load_pipeline_source(spec: str | Path, *, trainable: Sequence[int | str] | None = None,
+                         trainable_prefix: Iterable[str] = ()) -> Any:
     """What the pipeline explorer takes, from a SOURCE: a PipeDream graph (`pipedream:PATH`, or
     a file recognised by its content) becomes a per-minibatch `PipelineProfile`; `zoo:NAME` or
     an HLO text file becomes a `Capture` (`trainable` naming the weights of a bare dump)."""
@@ -118,7 +129,7 @@ def load_pipeline_source(spec: str | Path, *, trainable: Sequence[int | str] | N
         from hlomap.tasks.pipeline.pipedream import load_pipedream
 
         return load_pipedream(spec)
-    return load_source(text, trainable=trainable)
+    return load_source(text, trainable=trainable, trainable_prefix=trainable_prefix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,18 +174,40 @@ def explore(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str
     Options: budget_evaluations, output (path saved as the search runs), graph,
     replicate_residual, dqn_config, with_estimate, on_progress.
 
+    task "auto" plans the whole cluster at once (pipeline stages with data and tensor
+    parallelism inside each, Alpa-style two-level search): options schedule, microbatches,
+    max_stages, output; see `explore_auto`.
+
     task "pipeline" decides stage cuts instead: agent "dqn", "dqn-infer" or "dp"; mesh and
     reward do not apply. Options: stages (default: one stage per server of the cluster),
     microbatches, schedule, episodes, finetune_episodes, compare_dp, output, on_progress. The
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.
     """
+    if str(getattr(task, "value", task)) == "auto":
+        return explore_auto(cap, cluster=cluster, **options)
     if str(getattr(task, "value", task)) == "pipeline":
         from hlomap.tasks.pipeline.explore import explore_pipeline_plan
 
         return explore_pipeline_plan(cap, cluster=cluster, agent=str(getattr(agent, "value", agent)),
                                      budget_seconds=budget_seconds, seed=seed, **options)
     return explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options).plan
+
+
+def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", microbatches: Sequence[int] | None = None,
+                 max_stages: int | None = None, output: str | Path | None = None, **options: Any) -> Any:
+    """The joint plan (`hlomap.tasks.joint`): stage cuts, each stage's device group, mesh shape
+    and sharding, microbatches and schedule, by the exact two-level search, with Megatron-LM's
+    expert grid priced beside it (in the plan's `search` record)."""
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+    result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
+                           max_stages=max_stages, **options)
+    plan = joint_plan(result)
+    if output is not None:
+        plan.save(output)
+    return plan
 
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",

@@ -11,7 +11,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -29,16 +31,59 @@ class CliError(Exception):
 
 
 def _parse_trainable(text: str | None) -> list[int | str] | None:
+    """`--trainable 0-11,15,name`: indices, inclusive ranges of indices and HLO names."""
     if not text:
         return None
-    return [int(t) if t.strip().isdigit() else t.strip() for t in text.split(",") if t.strip()]
+    out: list[int | str] = []
+    for part in (t.strip() for t in text.split(",")):
+        low, dash, high = part.partition("-")
+        if dash and low.isdigit() and high.isdigit():
+            if int(high) < int(low):
+                raise CliError(f"--trainable {text}: range {part!r} runs backwards")
+            out.extend(range(int(low), int(high) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+        elif part:
+            out.append(part)
+    return out
+
+
+ROLE_HELP = ("name the trainable entry parameters with --trainable 0-11,15 (indices, ranges or HLO names) or "
+             "--trainable-prefix params (the start of their path or name); `hlomap inspect FILE` lists them")
+
+
+def _load_capture(args: argparse.Namespace, *, module_index: int = 0) -> Any:
+    """The Capture of SOURCE with the roles the options name; a notice on stderr when the roles
+    were inferred from a dump's parameter names."""
+    from hlomap.api import load_source
+
+    cap = load_source(args.source, trainable=_parse_trainable(getattr(args, "trainable", None)),
+                      trainable_prefix=tuple(getattr(args, "trainable_prefix", None) or ()), module_index=module_index)
+    if cap.role_source == "argument names":
+        print(f"note: {args.source} is a bare dump; roles were inferred from its parameters' names (params -> "
+              "trainable, opt_state -> optimizer state, batch -> data); to override, " + ROLE_HELP, file=sys.stderr)
+    return cap
+
+
+def _require_roles(cap: Any, what: str, *, trainable: bool = True) -> None:
+    """Refuse a search that would be nonsense without roles (ADP on a role-less dump would
+    split the weights as if they were data)."""
+    from hlomap.hlo.capture import Role
+
+    if not cap.has_roles:
+        raise CliError(f"{cap.source} has no roles (a bare HLO dump whose parameters carry no names hlomap knows): "
+                       f"{what} needs to know which parameters are weights; " + ROLE_HELP)
+    if trainable and not cap.with_role(Role.TRAINABLE):
+        raise CliError(f"{cap.source} names no trainable parameter: {what} splits weights; " + ROLE_HELP)
 
 
 def _inspect_report(cap: Any) -> dict[str, Any]:
+    from hlomap.cost.compute import flops_by_opcode, module_flops
     from hlomap.hlo.capture import Role
     from hlomap.hlo.stats import summarize
 
     summary = summarize(cap.module)
+    flops = flops_by_opcode(cap.module)
     params = [
         {
             "index": p.index,
@@ -67,8 +112,11 @@ def _inspect_report(cap: Any) -> dict[str, Any]:
         "parameter_bytes_by_role": bytes_by_role,
         "trainable_parameter_count": sum(p.shape.num_elements for p in cap.parameters if p.role is Role.TRAINABLE),
         "has_roles": cap.has_roles,
-        "dot_flops": summary.dot_flops,
-        "convolution_flops": summary.convolution_flops,
+        # One run of the module as the cost model counts it (`hlomap simulate` reports the same):
+        # XLA's conventions, while loops times their trip counts.
+        "flops": module_flops(cap.module),
+        "dot_flops": flops.get("dot", 0.0),
+        "convolution_flops": flops.get("convolution", 0.0),
     }
 
 
@@ -82,17 +130,10 @@ def _console() -> Any:
     return Console() if sys.stdout.isatty() else Console(width=140)
 
 
-def _human_flops(n: float) -> str:
-    from hlomap.report.units import human_count
-
-    text = human_count(n)
-    return f"{text}FLOP" if text[-1].isalpha() else f"{text} FLOP"
-
-
 def _print_inspect(report: dict[str, Any], max_params: int) -> None:
     from rich.table import Table
 
-    from hlomap.report.units import human_bytes, human_count
+    from hlomap.report.units import human_bytes, human_count, human_flops
 
     console = _console()
     console.print(f"[bold]{report['module']}[/bold]  from {report['source']}  ({report['instructions']} instructions)")
@@ -139,14 +180,12 @@ def _print_inspect(report: dict[str, Any], max_params: int) -> None:
     else:
         console.print("[yellow]The entry parameters have no roles[/yellow] (a bare HLO dump): pass --trainable "
                       "INDICES to name the trainable ones, or capture the step from JAX.")
-    console.print(f"FLOPs: dots {_human_flops(report['dot_flops'])}, convolutions "
-                  f"{_human_flops(report['convolution_flops'])} (while bodies counted once)")
+    console.print(f"FLOPs per run: {human_flops(report['flops'])} (dots {human_flops(report['dot_flops'])}, "
+                  f"convolutions {human_flops(report['convolution_flops'])}; while loops times their trip counts)")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hlomap.api import load_source
-
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable), module_index=args.module)
+    cap = _load_capture(args, module_index=args.module)
     report = _inspect_report(cap)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -169,7 +208,7 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
 
     rows = [(name, zoo.get(name)) for name in zoo.names()]
     if args.json:
-        json.dump([{"name": n, "family": m.family, "parameters": m.param_count(), "description": m.description}
+        json.dump([{"name": n, "family": m.family, "parameters": m.parameters, "description": m.description}
                    for n, m in rows], sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -179,7 +218,7 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
     table.add_column("parameters", justify="right")
     table.add_column("description")
     for name, model in rows:
-        table.add_row(name, model.family, human_count(model.param_count()), model.description)
+        table.add_row(name, model.family, human_count(model.parameters), model.description)
     _console().print(table)
     return 0
 
@@ -206,12 +245,34 @@ def _plan_argument(text: str) -> Any:
     """`dp`, `megatron`, `dp+megatron` name built-in reference plans; anything else is a file."""
     if text in ("dp", "megatron", "dp+megatron"):
         return text
+    if not Path(text).exists():
+        raise CliError(f"--plan {text}: not dp, megatron, dp+megatron, nor an existing plan file")
+    return _load_plan(Path(text))
+
+
+def _load_plan(path: Path) -> Any:
+    """A saved plan, or one line saying what is wrong with the file (missing, a folder, not
+    text, not JSON, not a plan, another version)."""
     from hlomap.plan import Plan
 
-    path = Path(text)
     if not path.exists():
-        raise CliError(f"--plan {text}: not dp, megatron, dp+megatron, nor an existing plan file")
-    return Plan.load(path)
+        raise CliError(f"{path}: No such file (a plan saved by hlomap explore or Plan.save)")
+    if path.is_dir():
+        raise CliError(f"{path}: is a directory, not a plan file")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise CliError(f"{path}: not a plan file (binary data at byte {err.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CliError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: not a plan JSON file (the top level is a {type(data).__name__}, not an object)")
+    try:
+        return Plan.from_json(data, where=str(path))
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
 
 def _mesh_argument(text: str) -> Any:
@@ -223,15 +284,25 @@ def _mesh_argument(text: str) -> Any:
         raise CliError(f"--mesh: {err}") from None
 
 
+def _check_plan_for(plan: Any, cap: Any, where: str) -> None:
+    """A saved plan must have been made for this module, and its specs must fit the shapes and
+    mesh it names: checked before anything is compiled or estimated."""
+    try:
+        plan.check_compatible(cap, where=str(where))
+        plan.check_specs(where=str(where))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
 def _cluster_argument(cluster: str, profile: str | None) -> Any:
-    """What --cluster names, unchanged without --profile; with it, the loaded Cluster with the
-    profile's efficiencies applied to the devices it was measured on."""
-    if profile is None:
-        return cluster
+    """The Cluster --cluster names (loaded now, so a bad preset or file fails before any work),
+    with a --profile's efficiencies applied to the devices it was measured on."""
     from hlomap.cost.calibration import CalibrationError, apply_calibration, load_calibration
     from hlomap.cost.cluster import load_cluster
 
     loaded = load_cluster(cluster)
+    if profile is None:
+        return loaded
     try:
         calibration = load_calibration(profile)
     except CalibrationError as err:  # names the file and the field already
@@ -280,7 +351,7 @@ def _simulate_pipeline(args: argparse.Namespace, plan: Any) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from hlomap.api import estimate, load_source
+    from hlomap.api import estimate
     from hlomap.plan import Plan
     from hlomap.report.estimate import format_estimate
     from hlomap.report.placement import placement_line
@@ -294,7 +365,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     mesh = None if args.mesh is None else _mesh_argument(args.mesh)
     cluster = _cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
     _warn_other_cluster(plan, cluster)
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    cap = _load_capture(args)
+    if not isinstance(plan, str):
+        _check_plan_for(plan, cap, args.plan)
+    else:
+        _require_roles(cap, f"the built-in plan {plan!r}")
     order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
     est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=order)
     identity = estimate(cap, dataclasses.replace(plan, placement=None), mesh=mesh, cluster=cluster) if placed else None
@@ -318,17 +393,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 PLACEMENT_AGENTS = ("greedy", "ppo", "exact", "random", "identity")
 
 
-def _load_plan(path: str) -> Any:
-    from hlomap.plan import Plan
-
-    try:
-        return Plan.load(path)
-    except json.JSONDecodeError as err:
-        raise CliError(f"{path}: not a plan JSON file: {err}") from None
-    except ValueError as err:
-        raise CliError(str(err)) from None
-
-
 def cmd_place(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -340,21 +404,16 @@ def cmd_place(args: argparse.Namespace) -> int:
 
     if args.agent not in PLACEMENT_AGENTS:
         raise CliError(f"--agent {args.agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
-    if args.budget_seconds is not None and args.budget_seconds <= 0:
-        raise CliError(f"--budget-seconds {args.budget_seconds} must be positive")
-    plan = _load_plan(args.plan)
+    plan = _load_plan(Path(args.plan))
     cluster = load_cluster(args.cluster)
     output = Path(args.output) if args.output else _beside(Path(args.plan), "placed.json")
     _check_output(output)
     estimate = None
     if args.source and plan.pipeline is None:
-        from hlomap.api import estimate as estimate_step, load_source
+        from hlomap.api import estimate as estimate_step
 
-        cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
-        try:
-            plan.check_compatible(cap, where=args.plan)
-        except ValueError as err:
-            raise CliError(str(err)) from None
+        cap = _load_capture(args)
+        _check_plan_for(plan, cap, args.plan)
         estimate = estimate_step(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
     problem = problem_from_plan(plan, cluster, estimate=estimate, where=args.plan)
     estimated_on = (plan.estimate or {}).get("cluster")
@@ -396,12 +455,17 @@ def _beside(output: Path, suffix: str) -> Path:
 
 
 def _check_output(path: Path) -> None:
+    """An output path is checked before any work, so a long search never ends unable to save."""
+    if path.is_dir():
+        raise CliError(f"{path}: is a directory; name the file to write, e.g. {path / 'plan.json'}")
     if not path.parent.exists():
         raise CliError(f"{path.parent}: directory does not exist (for {path.name})")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliError(f"{path}: not writable")
 
 
 def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
-    from hlomap.api import explore_detailed, load_source, parse_mesh
+    from hlomap.api import explore_detailed, parse_mesh
     from hlomap.report.sharding import format_plan_summary, plot_convergence, progress_bar
 
     if args.agent not in SHARDING_AGENTS:
@@ -415,11 +479,13 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     curve = Path(args.curve) if args.curve else _beside(output, "convergence.png")
     _check_output(curve)
     cluster = _cluster_argument(args.cluster, args.profile)
-    cap = load_source(args.source, trainable=_parse_trainable(args.trainable))
+    cap = _load_capture(args)
+    _require_roles(cap, f"the {args.task} task", trainable=args.task != "adp")
+    _stop_if_interrupted(args)
     with progress_bar(not args.quiet, description=f"{args.task} / {args.agent}") as on_progress:
         found = explore_detailed(cap, args.task, mesh, cluster, args.agent, args.budget_seconds, args.seed,
                                  args.reward, budget_evaluations=args.budget_evaluations, output=output,
-                                 on_progress=on_progress)
+                                 on_progress=_interruptible(args, on_progress))
     plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
     if args.json:
         json.dump(found.plan.to_json(), sys.stdout, indent=1)
@@ -439,42 +505,81 @@ def _pipeline_source(args: argparse.Namespace) -> tuple[Any, Any]:
     from hlomap.api import load_pipeline_source
     from hlomap.hlo.capture import Capture
 
-    source = load_pipeline_source(args.source, trainable=_parse_trainable(args.trainable))
+    source = load_pipeline_source(args.source, trainable=_parse_trainable(args.trainable),
+                                  trainable_prefix=tuple(args.trainable_prefix or ()))
     return source, source if isinstance(source, Capture) else None
 
 
+def _check_stages(stages: int, cluster: Any) -> None:
+    """A stage needs at least one device: say the maximum before any work."""
+    if stages > cluster.n_devices:
+        raise CliError(f"--stages {stages}: cluster {cluster.name} has {cluster.n_devices} devices, so at most "
+                       f"{cluster.n_devices} stages")
+
+
 def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.plan import write_atomic
     from hlomap.report.gantt import draw_gantt
     from hlomap.report.pipeline import format_pipeline_result, gantt_title
+    from hlomap.report.sharding import progress_bar
     from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan
 
     if args.agent not in PIPELINE_AGENTS:
         raise CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
-    if args.stages < 1 or args.microbatches < 1:
-        raise CliError(f"--stages {args.stages} and --microbatches {args.microbatches} must be at least 1")
     timeline = Path(args.timeline) if args.timeline else _beside(output, "timeline.png")
     _check_output(timeline)
     cluster = _cluster_argument(args.cluster, args.profile)
+    _check_stages(args.stages, cluster)
     source, cap = _pipeline_source(args)
-    if not args.quiet:
-        print(f"searching {args.stages}-stage cuts with {args.agent} ...", file=sys.stderr)
-    result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
-                              cluster=cluster, agent=args.agent, seed=args.seed,
-                              budget_seconds=args.budget_seconds, episodes=args.episodes,
-                              finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp,
-                              name=args.source)
+
+    def save(result: Any) -> None:
+        if cap is not None:
+            pipeline_plan(cap, result, seed=args.seed).save(output)
+        else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
+            write_atomic(output, json.dumps(result.to_json(), indent=1) + "\n")
+
+    _stop_if_interrupted(args)
+    with progress_bar(not args.quiet, description=f"pipeline / {args.agent}") as on_progress:
+        result = explore_pipeline(source, stages=args.stages, microbatches=args.microbatches,
+                                  schedule=args.schedule, cluster=cluster, agent=args.agent, seed=args.seed,
+                                  budget_seconds=args.budget_seconds, episodes=args.episodes,
+                                  finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp,
+                                  name=args.source, on_best=save, on_progress=_interruptible(args, on_progress))
+    save(result)
     draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
-    if cap is not None:
-        pipeline_plan(cap, result, seed=args.seed).save(output)
-    else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
-        output.write_text(json.dumps(result.to_json(), indent=1) + "\n")
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         _console().print(format_pipeline_result(result))
     print(f"plan: {output}; timeline: {timeline}", file=sys.stderr)
+    if result.interrupted:
+        print("interrupted: the best plan found so far is saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0 if not result.simulation.violations or not args.fail_if_oom else 3
+
+
+def _explore_auto(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.report.joint import format_joint_result
+    from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+    cluster = _cluster_argument(args.cluster, args.profile)
+    cap = _load_capture(args)
+    _require_roles(cap, "the auto task")
+    _stop_if_interrupted(args)
+    if not args.quiet:
+        print(f"planning {cap.source} on {cluster.name} ({cluster.n_devices} devices): stages x data x model ...",
+              file=sys.stderr)
+    result = explore_joint(cap, cluster, schedule=args.schedule)
+    plan = joint_plan(result)
+    plan.save(output)
+    if args.json:
+        json.dump(plan.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _console().print(format_joint_result(result, name=args.source))
+    print(f"plan: {output}", file=sys.stderr)
+    return 0 if result.cost.fits or not args.fail_if_oom else 3
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
@@ -482,6 +587,8 @@ def cmd_explore(args: argparse.Namespace) -> int:
     _check_output(output)
     if args.task == "pipeline":
         return _explore_pipeline(args, output)
+    if args.task == "auto":
+        return _explore_auto(args, output)
     from hlomap.api import PIPEDREAM_PREFIX, is_pipedream_graph
 
     if args.source.startswith(PIPEDREAM_PREFIX) or is_pipedream_graph(args.source):
@@ -504,7 +611,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
 
     if args.show not in REPLAN_POLICIES:
         raise CliError(f"--show {args.show}: choose one of {', '.join(REPLAN_POLICIES)}")
-    plan = _load_plan(args.plan)
+    plan = _load_plan(Path(args.plan))
     trace = load_trace(args.trace)
     plot = Path(args.plot) if args.plot else _beside(Path(args.plan), "replan.png")
     _check_output(plot)
@@ -561,39 +668,141 @@ def _ensure_host_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={count}".strip()
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from hlomap.plan import Plan
-
-    try:
-        plan = Plan.load(args.plan)
-    except json.JSONDecodeError as err:
-        raise CliError(f"{args.plan}: not a plan JSON file: {err}") from None
-    except ValueError as err:
-        raise CliError(str(err)) from None
+def _plan_devices(plan: Any) -> int:
+    """Devices a plan needs: its mesh, or every device its pipeline stages name, or, when it is
+    placed, up to the highest device id of its placement."""
+    if plan.placement is not None:
+        return max(plan.device_order(), default=0) + 1
     if plan.pipeline is not None:
-        raise CliError(f"{args.plan} is a pipeline plan; hlomap run executes tensor and data parallel plans only "
-                       "(the pipeline runner is not built yet)")
-    if not args.source.startswith("zoo:"):
-        raise CliError(f"--source {args.source}: hlomap run needs the JAX train step, i.e. zoo:NAME "
-                       "(an HLO dump cannot be executed with the plan's in_shardings)")
+        ids = [int(d) for stage in plan.pipeline.get("stages", ()) for d in stage.get("devices", ())]
+        return max(ids, default=0) + 1
     devices = 1
     for _, size in plan.mesh:
         devices *= size
+    return devices
+
+
+def _run_source(spec: str, seed: int) -> tuple[Any, tuple[Any, ...], Any]:
+    """(train step, real example arguments, zoo model or None) of --source."""
+    if spec.startswith("zoo:"):
+        from hlomap import zoo
+
+        try:
+            model = zoo.get(spec.removeprefix("zoo:"))
+        except KeyError as err:
+            raise CliError(f"--source {spec}: {err}") from None
+        return model.train_step(), tuple(model.example_args(seed)), model
+    from hlomap.run.source import load_step_file
+
+    step, example = load_step_file(spec)
+    return step, example, None
+
+
+def _print_run_description(description: Any) -> None:
+    """The runner's cuts with the layer names `hlomap explore --task pipeline` printed, and what
+    each stage runs."""
+    from rich.table import Table
+
+    from hlomap.report.pipeline import _short_path
+
+    console = _console()
+    console.print(f"pipeline on {description.devices} devices: {len(description.stages)} stages, executor "
+                  f"{description.executor} ({'SPMD, one program' if description.executor == 'spmd' else 'one program per stage'}), "
+                  f"{description.schedule}, {description.microbatches} microbatches; mesh {description.mesh}")
+    cuts = Table(title="Cuts", show_edge=False)
+    for column in ("#", "after HLO instruction", "layer (metadata)", "nearest layer", "source", "jaxpr equation", "match"):
+        cuts.add_column(column, justify="right" if column == "#" else "left")
+    for k, mapping in enumerate(description.cuts):
+        cut = mapping.cut
+        cuts.add_row(str(k), cut.instruction, cut.layer, cut.scope or "-", _short_path(cut.source) if cut.source else "-",
+                     mapping.equation, "exact" if mapping.exact else f"[yellow]snapped[/yellow]: {mapping.note}")
+    console.print(cuts)
+    stages = Table(title="Stages", show_edge=False)
+    for column in ("stage", "devices", "mesh", "first .. last equation", "parameters", "receives"):
+        stages.add_column(column)
+    for stage in description.stages:
+        devices = f"{stage.devices[0]}-{stage.devices[-1]}" if len(stage.devices) > 1 else str(stage.devices[0])
+        stages.add_row(str(stage.index), devices, ",".join(f"{k}={v}" for k, v in stage.mesh.items()),
+                       f"{stage.first} .. {stage.last}", str(stage.parameters), " ".join(stage.receives) or "-")
+    console.print(stages)
+    if description.matched_equations:
+        matched, total = description.matched_equations
+        console.print(f"{matched} of the loss's {total} equations found their HLO instruction")
+    for note in description.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _run_pipeline(args: argparse.Namespace, plan: Any, step: Any, example: tuple[Any, ...], devices: int) -> int:
+    import jax
+
+    from hlomap.run import parallelize
+    from hlomap.run.compare import check_pipeline
+
+    parallel = parallelize(step, plan, executor=args.executor, example_args=example)
+    description = parallel.describe()
+    if not args.json:
+        _print_run_description(description)
+    check = check_pipeline(parallel, example)
+    if args.json:
+        json.dump({"plan": str(args.plan), "source": args.source, "description": description.to_json(),
+                   **check.to_json()}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0 if check.ok else EXIT_MISMATCH
+    console = _console()
+    for comparison in check.comparisons:
+        style = "green" if comparison.ok else "red"
+        console.print(f"[{style}]{comparison.words()}[/{style}]")
+    for comparison in check.float64:
+        style = "green" if comparison.ok else "red"
+        console.print(f"[{style}]{comparison.words()}[/{style}]")
+    if check.reference_float32 is not None:
+        console.print(check.reference_float32.words().replace("to the unsharded step's", "to the unsharded float64 "
+                                                                "step's"))
+    if check.rounding:
+        console.print("the float32 difference is float32 rounding amplified by an ill-conditioned step (the pipeline "
+                      "agrees in float64, and the unsharded float32 step is as far from float64): not a wrong pipeline")
+    for comparison in check.microbatching:
+        if not comparison.ok:
+            console.print(f"note: microbatching changes the step by design: {comparison.words()} (batch statistics "
+                          "or a loss that is not a mean over examples)")
+    verdict = ("[green]equal[/green]" if check.exact else "[green]equal in float64[/green] (float32 rounding)"
+               if check.rounding else "[red]DIFFERENT[/red]")
+    console.print(f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: {verdict} to the "
+                  f"unsharded step; pipelined step {check.seconds * 1e3:.1f} ms")
+    return 0 if check.ok else EXIT_MISMATCH
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    plan = _load_plan(Path(args.plan))
+    try:
+        plan.check_specs(where=str(args.plan))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    if plan.pipeline is None and args.executor is not None:
+        raise CliError(f"--executor {args.executor}: {args.plan} has no pipeline section (executors run pipelines)")
+    devices = _plan_devices(plan)
     _ensure_host_devices(max(devices, 1))
 
     import jax
 
-    from hlomap.api import load_source
+    from hlomap.hlo.capture import capture
+    from hlomap.run.errors import RunError
     from hlomap.verify.numerics import run_plan
     if jax.device_count() < devices:
-        raise CliError(f"{args.plan} needs {devices} devices (mesh {plan.mesh_shape}); JAX sees "
-                       f"{jax.device_count()} ({jax.devices()[0].platform})")
-    cap = load_source(args.source)
+        raise CliError(f"{args.plan} needs {devices} devices; JAX sees {jax.device_count()} "
+                       f"({jax.devices()[0].platform})")
     try:
-        plan.check_compatible(cap, where=str(args.plan))
-    except ValueError as err:
+        step, example, model = _run_source(args.source, args.seed)
+    except RunError as err:
         raise CliError(str(err)) from None
-    report = run_plan(plan, args.source, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
+    _check_plan_for(plan, cap, args.plan)
+    if plan.pipeline is not None:
+        try:
+            return _run_pipeline(args, plan, step, example, devices)
+        except RunError as err:
+            raise CliError(str(err)) from None
+    report = run_plan(plan, model if model is not None else cap, seed=args.seed, rtol=args.rtol, atol=args.atol)
     if args.json:
         json.dump(report._asdict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -613,6 +822,50 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0 (a budget of 0 or less would end a search before it starts
+    and overwrite the plan file with nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
+TRAINABLE_HELP = ("for a bare HLO dump: the trainable entry parameters, as indices, ranges and HLO names "
+                  "(0-11,15,name); a dump of a JAX step without it takes roles from its parameters' names")
+PREFIX_HELP = "for a bare HLO dump: trainable are the entry parameters whose path or name starts with PREFIX"
+
+
+def _add_role_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trainable", metavar="LIST", help=TRAINABLE_HELP)
+    p.add_argument("--trainable-prefix", metavar="PREFIX", action="append", help=PREFIX_HELP)
+
+
 CLUSTER_METAVAR = "A|B|C|TOPOLOGY|FILE.json"
 CLUSTER_HELP = ("cluster: a preset (A, B, C: 2, 3, 4 servers of 8 V100s), a topology (torus:8x8x8, mesh:4x4, "
                 "hier:4x8 servers x GPUs, random:64:SEED random-block, uniform:16[:SEED]; @DEVICE picks the device) "
@@ -621,13 +874,21 @@ PROFILE_HELP = ("calibration profile (written by scripts/calibrate_gpu.py): the 
                 "profiled kind get its fitted compute efficiency and HBM bandwidth")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (naming the option and where to look)
+    and exit status 2, like every other user error of hlomap."""
+
+    def error(self, message: str) -> Any:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hlomap",
         description="Find distributed execution plans for JAX train steps on XLA's HLO.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("inspect", help="summarize an HLO module or a zoo train step",
@@ -635,8 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bytes), total parameter bytes and the FLOPs of dots and convolutions.")
     p.add_argument("source", metavar="SOURCE", help="an HLO text file, or zoo:NAME (see `hlomap zoo list`)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--trainable", metavar="LIST",
-                   help="for a bare HLO dump: comma-separated indices or names of the trainable entry parameters")
+    _add_role_options(p)
     p.add_argument("--module", type=int, default=0, metavar="K",
                    help="which module of a file split by '// -----' (default 0)")
     p.add_argument("--all-params", action="store_true", help="list every entry parameter (default: first 40)")
@@ -657,7 +917,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axis-order", metavar="AXES",
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
                         "inside a node (default: the mesh's order)")
-    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    _add_role_options(p)
     p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
@@ -672,11 +932,13 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  hlomap explore zoo:gpt-small --budget-seconds 30\n"
                               "  hlomap explore zoo:gpt-1.3b --task hybrid --mesh data=2,model=8 --reward cost\n"
                               "  hlomap explore zoo:bert-base --task pipeline --stages 2 --cluster A --agent dp\n"
-                              "  hlomap explore pipedream:profiles/vgg16.txt --task pipeline --stages 4",
+                              "  hlomap explore pipedream:vgg16.txt --task pipeline --stages 4   "
+                              "(a PipeDream profiler graph file)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE",
                    help="an HLO text file, zoo:NAME, or (pipeline task only) a PipeDream graph, pipedream:GRAPH.txt or its bare path")
-    p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline"), default="opp", help="what to search (default opp)")
+    p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline", "auto"), default="opp",
+                   help="what to search (default opp); auto: pipeline stages x data x model for the whole cluster")
     p.add_argument("--mesh", default="8", metavar="8|data=2,model=4",
                    help="device mesh of the opp/adp/hybrid tasks; a bare count is one axis, model (data for adp) "
                         "(default 8)")
@@ -689,23 +951,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", choices=("paper", "cost"), default="paper",
                    help="paper: Auto-MAP's +0.4 per partitioned dim, +0.1 per replicated one, -1 on conflict; "
                         "cost: the cost model's step-time gain (default paper)")
-    p.add_argument("--budget-seconds", type=float, default=60.0, metavar="N",
+    p.add_argument("--budget-seconds", type=_positive_float, default=60.0, metavar="N",
                    help="wall-clock budget of the search (default 60)")
-    p.add_argument("--budget-evaluations", type=int, default=None, metavar="N",
+    p.add_argument("--budget-evaluations", type=_positive_int, default=None, metavar="N",
                    help="also stop after N evaluated plans")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
                    help="where the plan is saved, and kept up to date while searching (default plan.json)")
     p.add_argument("--curve", metavar="FILE.png",
                    help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
-    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    _add_role_options(p)
     g = p.add_argument_group("pipeline task")
-    g.add_argument("--stages", type=int, default=2, metavar="S", help="pipeline stages (default 2)")
-    g.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    g.add_argument("--stages", type=_positive_int, default=2, metavar="S", help="pipeline stages (default 2)")
+    g.add_argument("--microbatches", type=_positive_int, default=8, metavar="M",
+                   help="microbatches per step (default 8)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (default 1f1b)")
-    g.add_argument("--episodes", type=int, default=2000, metavar="N",
+    g.add_argument("--episodes", type=_positive_int, default=2000, metavar="N",
                    help="DQN training episodes (default 2000; --budget-seconds also limits it)")
-    g.add_argument("--finetune-episodes", type=int, default=0, metavar="N",
+    g.add_argument("--finetune-episodes", type=_count, default=0, metavar="N",
                    help="dqn-infer: fine-tune the shipped network for N episodes on this model (default 0)")
     g.add_argument("--compare-dp", action="store_true", help="also solve the exact DP and report the gap")
     g.add_argument("--timeline", metavar="FILE.png",
@@ -716,17 +979,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explore)
 
     p = sub.add_parser("run", help="run a step under a plan and check it against the unsharded step",
-                       description="Compile the zoo train step twice with jax.jit, plain and with the plan's "
-                                   "NamedShardings, run both on the same real arguments and compare every output "
-                                   "(|sharded - plain| <= atol + rtol |plain|). On a CPU-only machine the CPU backend "
-                                   "is given as many devices as the plan's mesh needs. The report's max rel error is "
-                                   "taken over elements whose abs error exceeds atol (near-zero outputs would "
-                                   "otherwise dominate it). Exit status 3 when the outputs differ.")
+                       description="Run a train step under a plan on this machine's devices and check it computes "
+                                   "what the unsharded step computes. SPMD plans (opp, adp, hybrid): the step is "
+                                   "compiled plain and with the plan's NamedShardings, both run on the same real "
+                                   "arguments and every output is compared (|sharded - plain| <= atol + rtol |plain|; "
+                                   "the max rel error is taken over elements whose abs error exceeds atol). Pipeline "
+                                   "plans: the step runs with hlomap.parallelize's pipeline executor; its loss and "
+                                   "gradients (before the optimizer, where Adam would turn rounding noise into +-lr) "
+                                   "are compared with the unsharded step on the same microbatches, each gradient leaf "
+                                   "within 1e-4 of its own scale. On a CPU-only machine the CPU backend is given as "
+                                   "many devices as the plan needs. Exit status 3 when they differ, 2 on a user error.",
+                       epilog="a FILE.py:FUNCTION source names a function of no arguments returning "
+                              "(train_step, example_args); a pipelined step takes its gradient with "
+                              "hlomap.value_and_grad")
     p.add_argument("plan", metavar="PLAN.json", help="a plan saved by hlomap explore or Plan.save")
-    p.add_argument("--source", required=True, metavar="zoo:NAME", help="the zoo train step the plan was made for")
+    p.add_argument("--source", required=True, metavar="zoo:NAME|FILE.py:FUNCTION",
+                   help="the train step the plan was made for: a zoo step, or a function of yours returning "
+                        "(train_step, example_args)")
+    p.add_argument("--executor", choices=("spmd", "mpmd"), default=None,
+                   help="pipeline plans: spmd (A: one SPMD program, GPipe, multi-host) or mpmd (B: one program per "
+                        "stage, any schedule); default: spmd for gpipe, mpmd for 1f1b")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="SPMD plans: relative tolerance (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="SPMD plans: absolute tolerance (default 1e-5)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -745,14 +1020,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy: construction + pairwise-swap local search; ppo: the shipped placement policy, then "
                         "local search; exact: every permutation (clusters of up to 8 devices); random: best random "
                         "placement; identity: the plan's own order (default greedy)")
-    p.add_argument("--budget-seconds", type=float, default=60.0, metavar="N", help="wall-clock budget (default 60)")
-    p.add_argument("--budget-evaluations", type=int, default=None, metavar="N",
+    p.add_argument("--budget-seconds", type=_positive_float, default=60.0, metavar="N",
+                   help="wall-clock budget (default 60)")
+    p.add_argument("--budget-evaluations", type=_positive_int, default=None, metavar="N",
                    help="also stop after N evaluations (a swap tried, or a placement priced)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("--source", metavar="SOURCE",
                    help="an SPMD plan's step (zoo:NAME or HLO file) to estimate its collectives on this cluster, "
                         "instead of the estimate saved in the plan")
-    p.add_argument("--trainable", metavar="LIST", help="for a bare HLO dump: the trainable entry parameters")
+    _add_role_options(p)
     p.add_argument("--policy", metavar="POLICY.npz", help="ppo: a placement policy file (default: the shipped one)")
     p.add_argument("--finetune-seconds", type=float, default=0.0, metavar="N",
                    help="ppo: fine-tune the policy on this plan for N seconds of the budget first (default 0)")
@@ -807,13 +1083,57 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hlomap.tasks.sharding.exact import ExactTooLarge
     from hlomap.hlo.parser import HloParseError
     from hlomap.tasks.pipeline.pipedream import PipeDreamParseError
+    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
     from hlomap.propagation.conflicts import PlanConflict
     from hlomap.tasks.placement.problem import PlacementError
     from hlomap.tasks.replan.trace import TraceError
 
     return (CliError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError, PlanConflict,
-            ExactTooLarge, PipeDreamParseError, PlacementError, TraceError, FileNotFoundError,
+            ExactTooLarge, PipeDreamParseError, NoFeasiblePlan, PlacementError, TraceError, FileNotFoundError,
             IsADirectoryError, PermissionError)
+
+
+def _watch_interrupts(args: argparse.Namespace) -> None:
+    """Ctrl-C sets `args.interrupted` as well as raising KeyboardInterrupt: Python drops an
+    exception raised inside a garbage-collector callback (JAX's, while it traces and compiles),
+    so the flag is checked again at every progress report and between the command's phases."""
+    args.interrupted = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        args.interrupted.set()
+        if not _in_gc_callback(frame):  # there the exception would be printed and dropped
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _in_gc_callback(frame: Any) -> bool:
+    """Whether Python is running a garbage-collector callback (JAX registers one), where a raised
+    KeyboardInterrupt is reported as "Exception ignored" and lost."""
+    while frame is not None:
+        if frame.f_code.co_name.endswith("gc_callback"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stop_if_interrupted(args: argparse.Namespace) -> None:
+    event = getattr(args, "interrupted", None)
+    if event is not None and event.is_set():
+        raise KeyboardInterrupt
+
+
+def _interruptible(args: argparse.Namespace, callback: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """A driver's progress callback that stops the search (keeping its best plan) once Ctrl-C
+    was pressed, whether or not a bar is drawn."""
+
+    def on_progress(progress: Any) -> None:
+        _stop_if_interrupted(args)
+        if callback is not None:
+            callback(progress)
+
+    return on_progress
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -821,13 +1141,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
+    _watch_interrupts(args)
     func: Callable[[argparse.Namespace], int] = args.func
     if os.environ.get("HLOMAP_DEBUG") == "1":
         return func(args)
     try:
         return func(args)
     except KeyboardInterrupt:
-        print("hlomap: interrupted", file=sys.stderr)
+        print("hlomap: interrupted before a plan was found; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _user_errors() as err:
         print(f"hlomap {args.command}: error: {err}", file=sys.stderr)

@@ -31,8 +31,11 @@ import enum
 import json
 import logging
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -200,8 +203,8 @@ class Plan:
                     raise PlanConflict(
                         f"inconsistent specs: {p.path!r} dim {d} is split on {axes.describe(o)} but "
                         f"{other.path!r} dim {qd} is split on {axes.describe(int(plan[g]))}; the two dims are "
-                        f"linked through the computation (group {g} of {graph.module.name}, "
-                        f"instructions {p.name!r} and {other.name!r}) and must share one sharding")
+                        f"linked {_linked_through(graph, (q, qd), (p.index, d))}, so they must share one "
+                        f"sharding. {RESHARD_CHOICE}")
                 plan[g] = o
                 owner.setdefault(g, (p.index, d))
         if strict:
@@ -212,8 +215,15 @@ class Plan:
                         q, qd = owner[g]
                         raise PlanConflict(
                             f"inconsistent specs: {p.path!r} dim {d} is replicated but "
-                            f"{cap.parameters[q].path!r} dim {qd}, linked to it, is split on "
+                            f"{cap.parameters[q].path!r} dim {qd}, linked to it "
+                            f"{_linked_through(graph, (q, qd), (p.index, d))}, is split on "
                             f"{axes.describe(int(plan[g]))}")
+        conflicts = ConflictChecker(graph, axes).explain(plan, limit=10)
+        if conflicts:
+            lines = [_explain_spec_conflict(cap, graph, owner, c) for c in conflicts]
+            across = any(len({owner[g][0] for g in c.groups if g in owner}) > 1 for c in conflicts)
+            raise PlanConflict(f"your specs conflict ({len(conflicts)}):\n" + "\n".join(f"  - {x}" for x in lines)
+                               + (f"\n{RESHARD_CHOICE}" if across else ""), conflicts)
         return cls.from_groups(cap, graph, plan, axes)
 
     @classmethod
@@ -270,6 +280,11 @@ class Plan:
         `Mesh(np.asarray(jax.devices())[list(plan.device_order())].reshape(shape), names)`; for a
         pipeline plan stage s runs on `plan.stage_devices()[s]`."""
         return self.placement.devices if self.placement is not None else self.logical_devices()
+
+    def physical_devices(self) -> dict[int, int]:
+        """Plan device id -> physical device id: what a runner indexes when it picks a stage's or
+        the mesh's devices by the ids the plan names (the identity without a placement)."""
+        return dict(zip(self.logical_devices(), self.device_order()))
 
     def stage_devices(self) -> tuple[tuple[int, ...], ...]:
         """Each pipeline stage's physical devices, in `device_order` (empty for an SPMD plan)."""
@@ -366,9 +381,9 @@ class Plan:
             raise ValueError(f"{where}: malformed plan JSON: {exc!r}") from exc
 
     def save(self, path: str | PathLike[str]) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+        """Write the plan as JSON, atomically (a search saving its best plan so far is never
+        caught half-written), with the permissions of a newly created file."""
+        write_atomic(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | PathLike[str], *, cap: Capture | None = None, mesh: Any = None) -> Plan:
@@ -377,6 +392,27 @@ class Plan:
             plan = cls.from_json(json.load(f), where=str(path))
         plan.check_compatible(cap, mesh, where=str(path))
         return plan
+
+    def check_specs(self, *, where: str = "plan") -> None:
+        """Raise ValueError naming the parameter and dim when a spec cannot apply to the plan's
+        own mesh: an axis the mesh does not have, an axis used twice, or a dim whose size the
+        axes' sizes do not divide. What `jax.jit` would only find after tracing and compiling."""
+        sizes = self.mesh_shape
+        for p in self.parameters:
+            used: dict[str, int] = {}
+            for d, axes in enumerate(p.spec):
+                for axis in axes or ():
+                    if axis not in sizes:
+                        raise ValueError(f"{where}: parameter {p.path!r} dim {d} is split on mesh axis {axis!r}, "
+                                         f"which the plan's mesh {sizes} does not have")
+                    if axis in used:
+                        raise ValueError(f"{where}: parameter {p.path!r} uses mesh axis {axis!r} twice "
+                                         f"(dims {used[axis]} and {d})")
+                    used[axis] = d
+                ways = math.prod(sizes[a] for a in axes or ())
+                if d < len(p.shape) and p.shape[d] % ways:
+                    raise ValueError(f"{where}: parameter {p.path!r} dim {d} has size {p.shape[d]}, which its "
+                                     f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
 
     def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:
         """Raise ValueError, saying what differs, when the plan was made for another module (the
@@ -423,12 +459,16 @@ def parse_mesh_text(text: str) -> int | dict[str, int]:
     """The CLI's --mesh: `"8"` -> 8 (the axis is named by the task or plan: data for dp, model for
     megatron); `"data=2,model=4"` -> {"data": 2, "model": 4}."""
     text = text.strip()
-    if text.isdigit() and int(text) > 0:
+    if text.isdigit():
+        if int(text) < 1:
+            raise PlanError(f"mesh {text!r}: the device count must be positive")
         return int(text)
     out: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        if sep and name.strip() and size.strip().isdigit() and int(size) < 1:
+            raise PlanError(f"mesh {text!r}: axis {name.strip()!r} has size {int(size)}; sizes must be positive")
+        if not sep or not name.strip() or not size.strip().isdigit():
             raise PlanError(f"mesh {text!r}: expected N or NAME=SIZE[,NAME=SIZE...], got {part!r}")
         if name.strip() in out:
             raise PlanError(f"mesh {text!r}: axis {name.strip()!r} given twice")
@@ -528,6 +568,87 @@ def resolve_plan(graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | MeshAx
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+#: What hlomap does where XLA would reshard, said once in every message about conflicting specs.
+RESHARD_CHOICE = (
+    "XLA would accept such specs and insert a reshard (an all-gather or all-to-all) where the "
+    "linked tensors meet; hlomap plans keep one sharding per linkage group (Auto-MAP's "
+    "conflict-free plans, whose communication the cost model prices), so it rejects them: give "
+    "the linked dims the same split.")
+
+
+def _dim_of(graph: FactorGraph, parameter: int, dim: int) -> int:
+    return int(graph.parameter_dims(parameter)[dim])
+
+
+def _linked_through(graph: FactorGraph, a: tuple[int, int], b: tuple[int, int]) -> str:
+    """`through dot.3 [layers_0/attn/dot_general] (gpt.py:40) -> add.5 ...`: the instructions
+    that tie parameter `a`'s dim to parameter `b`'s (the forward pass's where possible)."""
+    from hlomap.hlo.source_info import layer_name
+
+    path = graph.link_path(_dim_of(graph, *a), _dim_of(graph, *b))
+    if not path:
+        return "through the computation"
+    steps = []
+    for node in path[:8]:
+        inst = graph.nodes[node].instruction
+        scope = layer_name(inst.metadata)
+        steps.append(f"{inst.name}" + (f" [{scope}]" if scope else ""))
+    where = next((graph.source_of(graph.nodes[n].instruction) for n in path
+                  if graph.source_of(graph.nodes[n].instruction)), None)
+    more = f" -> ... ({len(path) - 8} more)" if len(path) > 8 else ""
+    return "through " + " -> ".join(steps) + more + (f" ({where})" if where else "")
+
+
+def _explain_spec_conflict(cap: Capture, graph: FactorGraph, owner: Mapping[int, tuple[int, int]],
+                           conflict: Conflict) -> str:
+    """A conflict in terms of what the user wrote: which spec put the axis on each group, and
+    through which instructions that reaches the tensor where the conflict appears."""
+    writers = [(g, owner[g]) for g in conflict.groups if g in owner]
+    if not writers:
+        return str(conflict)
+    return f"{conflict.kind.value}: {_in_user_terms(cap, graph, writers, conflict)}"
+
+
+def _in_user_terms(cap: Capture, graph: FactorGraph, writers: Sequence[tuple[int, tuple[int, int]]],
+                   conflict: Conflict) -> str:
+    named = "; ".join(f"your spec splits {cap.parameters[q].path!r} dim {d} on {conflict.axis}"
+                      for _, (q, d) in writers)
+    distinct = {q for _, (q, _) in writers}
+    target = next((p for p in cap.parameters if p.path == conflict.tensor), None)
+    if conflict.kind.value == "same_axis" and len(writers) == 2 and len(distinct) == 1 \
+            and target is not None and target.index in distinct:
+        return (f"{named.split(';')[0]} and dim {writers[1][1][1]} too: a PartitionSpec can use mesh axis "
+                f"{conflict.axis} for one dim only")
+    if conflict.kind.value != "same_axis":
+        return f"{named}, but {conflict}"
+    links = []
+    if target is not None:
+        for g, (q, d) in writers:
+            dims = [i for i, tg in enumerate(graph.parameter_groups(target.index)) if tg == g]
+            if dims and (q, d) != (target.index, dims[0]):
+                links.append(f"{cap.parameters[q].path!r} dim {d} is linked to {target.path!r} dim {dims[0]} "
+                             f"{_linked_through(graph, (q, d), (target.index, dims[0]))}")
+    where = f"; {'; '.join(links)}" if links else ""
+    return (f"{named}; so {conflict.tensor!r} would have dims {list(conflict.dims)} both on {conflict.axis} "
+            f"(at {conflict.instruction}){where}")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename; the
+    file gets the mode open() would give it (0666 less the umask), not mkstemp's 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _conflict_message(conflicts: Sequence[Conflict]) -> str:

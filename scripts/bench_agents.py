@@ -1,6 +1,6 @@
 """Throughput of hlomap.agents: learner updates per second and environment steps per second.
 
-    python scripts/bench_agents.py            # the issue's configurations (a few minutes)
+    python scripts/bench_agents.py            # every configuration below (a few minutes)
     python scripts/bench_agents.py --quick    # shorter timing windows
     python scripts/bench_agents.py --json out.json
 
@@ -125,7 +125,7 @@ def bench_loop(seconds: float, repeats: int) -> dict[str, Rate]:
         # A fresh loop per chunk of steps: it restarts the episode while the agent carries on
         # learning; 512 steps are long enough that the restart costs nothing measurable.
         def run(agent: object = agent, env: TrivialEnv = env) -> int:
-            run_loop(env, agent, LoopConfig(num_steps=chunk, progress=False))  # type: ignore
+            run_loop(env, agent, LoopConfig(num_steps=chunk))  # type: ignore
             return chunk
 
         out[name] = rate(run, seconds, repeats)

@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hlomap.tasks.sharding.dqn_search import DqnSearchConfig, dqn_search  # noqa: E402
+from hlomap.search.dqn import DqnSearchConfig, dqn_search  # noqa: E402
+from hlomap.tasks.sharding.task import ShardingTask  # noqa: E402
 from hlomap.tasks.sharding.objective import PaperObjective  # noqa: E402
 from hlomap.tasks.sharding.compare import compare_with_megatron  # noqa: E402
 from hlomap.search.tracker import Budget, SearchResult  # noqa: E402
@@ -59,7 +60,7 @@ def time_to_megatron(graph: FactorGraph, axes: MeshAxes, *, tie: bool, seed: int
             raise KeyboardInterrupt  # found: stop the search (the driver keeps the plan)
 
     start = time.perf_counter()
-    result = dqn_search(space, PaperObjective(space), Budget(seconds=limit), seed,
+    result = dqn_search(ShardingTask(space, PaperObjective(space)), Budget(seconds=limit), seed,
                         config=DqnSearchConfig(fine_tune=fine_tune), on_best=on_best)
     total = time.perf_counter() - start
     return {"positions": space.num_positions, "tied": tie, "seed": seed,
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fine-tune", action="store_true", help="ablation: the agent alone, no §5.2.1 stage")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    logging.getLogger("hlomap.explore").setLevel(logging.ERROR)  # "interrupted" is how a run stops here
+    logging.getLogger("hlomap.search").setLevel(logging.ERROR)  # "interrupted" is how a run stops here
     ties = [True] if args.tied_only else [False] if args.untied_only else [True, False]
     rows = []
     print("| model | positions | seed | capture+graph s | search s to Megatron | evaluations | goal |")

@@ -6,7 +6,7 @@ best plan, the inference network's plan without training, their gaps, search tim
 every device cut falls on a server boundary. `scripts/reproduce_pipeline.py` prints the table;
 the tests run a small case by default and the rest as slow tests.
 
-Values are the closed-form L the DP and the DQN both minimize (`costmodel.evaluate_plan`); the
+Values are the closed-form L the DP and the DQN both minimize (`costs.evaluate_plan`); the
 event simulator's L of the DP's and the DQN's plans is recorded beside them, because it differs
 (1F1B exposes transfers, and a stage's all-reduce runs after its last backward instead of being
 amortized). So that the DQN is judged against what its pruning alone gives, each case also
@@ -21,13 +21,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hlomap.tasks.pipeline.baselines import first_candidates, random_candidates
 from hlomap.tasks.pipeline.cutenv import CutTask
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import dqn_search
+from hlomap.search.random import random_search
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.explore import pipeline_task
 from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import scale_batch
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
@@ -55,7 +58,7 @@ class Case:
     dqn_value: float
     dqn_seconds: float
     dqn_episodes: int
-    dqn_found_at: int  # episode of the DQN's best plan
+    dqn_found_at: int  # evaluation (episode or greedy check) of the DQN's best plan
     dqn_plan: PipelinePlan
     dqn_on_server_boundaries: bool
     infer_value: float | None  # inference network alone (None: not run)
@@ -92,8 +95,8 @@ def model_profile(model: str, options: PivotOptions = PivotOptions()) -> StepCha
     return step_chain(load_source(f"zoo:{model}"), device, options=options)
 
 
-def _on_boundaries(links: Links, plan: PipelinePlan) -> bool:
-    return all(links.is_node_boundary(stage.devices[0]) for stage in plan.stages[1:])
+def _on_boundaries(cluster: Cluster, plan: PipelinePlan) -> bool:
+    return all(is_node_boundary(cluster, stage.devices[0]) for stage in plan.stages[1:])
 
 
 def run_case(
@@ -103,7 +106,7 @@ def run_case(
     hlo: StepChain | None = None,
     microbatches: int = 8,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
-    budget: SearchBudget = SearchBudget(max_episodes=2000),
+    budget: Budget = Budget(episodes=2000, seconds=None),
     seed: int = 0,
     policy_path: str | Path | None = None,
     infer: bool = True,
@@ -112,17 +115,20 @@ def run_case(
     from hlomap.cost.cluster import cluster_preset
 
     hlo = hlo or model_profile(model)
-    links = Links.from_cluster(cluster_preset(config))
+    cluster = cluster_preset(config)
     stages = CONFIG_STAGES[config.upper()]
     profile = scale_batch(hlo.profile, 1.0 / microbatches)
-    task: CutTask = pipeline_task(profile, links, stages=stages, microbatches=microbatches,
+    task: CutTask = pipeline_task(profile, cluster, stages=stages, microbatches=microbatches,
                                   schedule=schedule)
     start = time.perf_counter()
-    optimum = solve(profile, links, task.space)
+    optimum = solve(profile, cluster, task.space)
     dp_seconds = time.perf_counter() - start
-    found = dqn_search(task, budget, seed=seed)
-    first = first_candidates(task, ONLINE_CANDIDATES)
-    randomly = random_candidates(task, ONLINE_CANDIDATES, found.episodes, seed=seed)
+    search = CutSearchTask(task)
+    found = dqn_search(search, budget, seed=seed)
+    dqn = search.cut_plan(found.decisions)
+    first = search.cut_plan(CutSearchTask(task).initial())
+    randomly = random_search(CutSearchTask(task), Budget(episodes=found.episodes, seconds=None), seed=seed)
+    random_value = search.cut_plan(randomly.decisions)
     infer_value = infer_seconds = None
     if infer:
         from hlomap.tasks.pipeline.infer import infer_cuts, load_policy
@@ -132,13 +138,14 @@ def run_case(
     case = Case(
         model=model, config=config.upper(), stages=stages, pivots=profile.n_pivots,
         dp_value=optimum.value, dp_seconds=dp_seconds,
-        dqn_value=found.value, dqn_seconds=found.seconds, dqn_episodes=found.episodes,
-        dqn_found_at=found.found_at_episode,
-        dqn_plan=found.plan, dqn_on_server_boundaries=_on_boundaries(links, found.plan),
+        dqn_value=dqn.value, dqn_seconds=found.seconds, dqn_episodes=found.episodes,
+        dqn_found_at=found.improvements[-1].evaluation,
+        dqn_plan=found.plan, dqn_on_server_boundaries=_on_boundaries(cluster, found.plan),
         infer_value=infer_value, infer_seconds=infer_seconds,
-        dp_simulated=simulate(profile, links, optimum.plan, task.space.cost).length,
-        dqn_simulated=simulate(profile, links, found.plan, task.space.cost).length,
-        first_value=first.value, random_value=randomly.value, random_seconds=randomly.seconds,
+        dp_simulated=simulate(profile, cluster, optimum.plan, task.space.cost).length,
+        dqn_simulated=simulate(profile, cluster, found.plan, task.space.cost).length,
+        first_value=first.value if first.feasible else float("inf"),
+        random_value=random_value.value if random_value.feasible else float("inf"), random_seconds=randomly.seconds,
     )
     log.info("%s on %s: DP %.6g, DQN %.6g (gap %.3f%%)", model, config, case.dp_value,
              case.dqn_value, 100 * case.gap)

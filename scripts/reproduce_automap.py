@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hlomap import zoo  # noqa: E402
 from hlomap.api import explore_detailed  # noqa: E402
 from hlomap.tasks.sharding.problem import Exploration, build_problem, run_driver, to_plan  # noqa: E402
 from hlomap.tasks.sharding.objective import PaperObjective  # noqa: E402
@@ -287,7 +288,7 @@ def execution(ctx: Context) -> list[str]:
              "| model | plan | max abs err | max rel err | ok |", "|---|---|---:|---:|---|"]
     for name, plan in ctx.runnable:
         what = f"{plan.search['task']} / {plan.search['reward']} / {plan.search['driver']}"
-        report = run_plan(plan, name, seed=0)
+        report = run_plan(plan, zoo.get(name), seed=0)
         lines.append(f"| {name} | {what} | {report.max_abs_err:.2e} | {report.max_rel_err:.2e} | "
                      f"{'yes' if report.ok else 'NO'} |")
     lines.append("")

@@ -30,21 +30,23 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions
-from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.report.gantt import draw_gantt
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.pipedream import load_pipedream
+from hlomap.tasks.pipeline.pipedream import load_pipedream, pipedream_cluster
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
-from hlomap.tasks.pipeline.baselines import first_candidates, random_candidates
 from hlomap.tasks.pipeline.cutenv import CutTask
-from hlomap.tasks.pipeline.dqn_search import ONLINE_CANDIDATES, SearchBudget, dqn_search
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import dqn_search
+from hlomap.search.random import random_search
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.infer import infer_cuts
 from hlomap.tasks.pipeline.normalize import coarsen
 
@@ -56,6 +58,11 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "pi
 
 def _load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def _value(cut: Any) -> float:
+    """L or the bottleneck of a plan, infinite when it does not fit in memory."""
+    return cut.value if cut.feasible else math.inf
 
 
 def _gap(value: float, optimum: float) -> str:
@@ -79,7 +86,6 @@ def main() -> None:
 
     console = Console(width=200)
     console.print(f"load average before: {_load()}")
-    bandwidth = args.bandwidth_gbps * 1e9 / 8
     optima = Table(
         title=f"DP optima of straight pipelines on PipeDream profiles ({args.bandwidth_gbps:g} "
         f"Gbps; L for M = {args.microbatches})"
@@ -116,9 +122,9 @@ def main() -> None:
         profile = load_pipedream(path)
         total = float(profile.compute_time.sum())
         for n_stages in args.stages:
-            links = Links.uniform(n_stages, bandwidth=bandwidth)
+            network = pipedream_cluster(n_stages, args.bandwidth_gbps)
             start = time.perf_counter()
-            compute_only = solve(profile, links, SearchSpace(
+            compute_only = solve(profile, network, SearchSpace(
                 objective=Objective.BOTTLENECK,
                 cost=CostOptions(comm=CommModel.IGNORED),
                 check_memory=False,
@@ -129,10 +135,10 @@ def main() -> None:
                 schedule=Schedule.ONE_F_ONE_B,
                 check_memory=False,
             )
-            with_comm = solve(profile, links, space)
+            with_comm = solve(profile, network, space)
             elapsed = time.perf_counter() - start
-            result = simulate(profile, links, with_comm.plan)
-            gpipe = simulate(profile, links, replace(with_comm.plan, schedule=Schedule.GPIPE))
+            result = simulate(profile, network, with_comm.plan)
+            gpipe = simulate(profile, network, replace(with_comm.plan, schedule=Schedule.GPIPE))
             published = PUBLISHED_VGG16.get(n_stages) if path.stem == "vgg16" else None
             check = ""
             if published is not None:
@@ -151,26 +157,30 @@ def main() -> None:
                 continue
             optimum = with_comm.value
             coarse, _ = coarsen(profile, args.dqn_pivots)
-            task = CutTask(coarse, links, space, n_stages)
-            found = dqn_search(task, SearchBudget(max_episodes=args.dqn_episodes), seed=args.seed)
-            same = solve(coarse, links, space).value if coarse is not profile else None
-            first = first_candidates(task, ONLINE_CANDIDATES)
-            randomly = random_candidates(task, ONLINE_CANDIDATES, found.episodes, seed=args.seed)
+            task = CutTask(coarse, network, space, n_stages)
+            search = CutSearchTask(task)
+            found = dqn_search(search, Budget(episodes=args.dqn_episodes, seconds=None), seed=args.seed)
+            dqn = search.cut_plan(found.decisions)
+            same = solve(coarse, network, space).value if coarse is not profile else None
+            first = _value(search.cut_plan(CutSearchTask(task).initial()))
+            randomly = random_search(CutSearchTask(task), Budget(episodes=found.episodes, seconds=None),
+                                     seed=args.seed)
+            random_value = _value(search.cut_plan(randomly.decisions))
             # The inference network coarsens the full profile to its own 128 points.
-            inferred = infer_cuts(CutTask(profile, links, space, n_stages), policy,
+            inferred = infer_cuts(CutTask(profile, network, space, n_stages), policy,
                                   seed=args.seed)
             searches.add_row(
                 path.stem, str(n_stages), f"{optimum:.6g}",
                 f"{coarse.n_pivots}/{profile.n_pivots}",
                 f"{same:.6g}" if same is not None else "same",
-                f"{found.value:.6g}", _gap(found.value, optimum),
-                f"{found.found_at_episode}/{found.episodes}", f"{found.seconds:.1f}",
-                _gap(first.value, optimum), _gap(randomly.value, optimum),
+                f"{_value(dqn):.6g}", _gap(_value(dqn), optimum),
+                f"{found.improvements[-1].evaluation}/{found.episodes}", f"{found.seconds:.1f}",
+                _gap(first, optimum), _gap(random_value, optimum),
                 f"{inferred.value:.6g}", _gap(inferred.value, optimum),
                 f"{inferred.seconds:.2f}",
             )
             console.print(f"  {path.stem} S={n_stages}: DP {optimum:.6g}, DQN "
-                          f"{_gap(found.value, optimum)} in {found.seconds:.1f} s, inference "
+                          f"{_gap(_value(dqn), optimum)} in {found.seconds:.1f} s, inference "
                           f"{_gap(inferred.value, optimum)}")
     console.print(optima)
     console.print(

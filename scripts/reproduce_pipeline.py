@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline_acceptance import ACCEPTANCE_MODELS, CONFIG_STAGES, model_profile, run_case
-from hlomap.tasks.pipeline.dqn_search import SearchBudget
+from hlomap.search.budget import Budget
 from hlomap.cost.pipeline.stages import Schedule
 
 
@@ -57,7 +57,7 @@ def main() -> None:
         table.add_column(column, justify="left" if column in ("model", "config") else "right")
     console.print(f"load average before: {_load()}")
     cases = []
-    budget = SearchBudget(max_episodes=args.episodes, seconds=args.seconds)
+    budget = Budget(episodes=args.episodes, seconds=args.seconds)
     for model in args.models:
         start = time.perf_counter()
         hlo = model_profile(model)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from hlomap.report.progress import training_bar
 from hlomap.tasks.pipeline.infer import DEFAULT_POLICY, TrainingConfig, Validation, train_policy
 
 
@@ -46,9 +47,10 @@ def main() -> None:
 
     config = TrainingConfig(
         episodes=args.episodes, seed=args.seed, validation=args.validation,
-        validate_every=args.validate_every, progress=not args.no_progress,
+        validate_every=args.validate_every,
     )
-    _, best = train_policy(config, out=args.out, report=report)
+    with training_bar(not args.no_progress, console=console) as on_progress:
+        _, best = train_policy(config, out=args.out, report=report, on_progress=on_progress)
     console.print(
         f"kept the network with mean gap {100 * best.mean_gap:.2f}%, within 1% on "
         f"{100 * best.within_1pct:.1f}% of {args.validation} validation tasks; wrote {args.out} "

@@ -27,7 +27,8 @@ def test_inspect_json_on_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run(["inspect", str(path), "--json", "--trainable", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["opcodes"] == {"parameter": 2, "dot": 1}
-    assert report["dot_flops"] == 2 * 8 * 4 * 16
+    assert report["dot_flops"] == report["flops"] == 2 * 8 * 4 * 16
+    assert report["convolution_flops"] == 0
     assert report["parameter_bytes"] == (8 * 16 + 16 * 4) * 4
     assert [p["role"] for p in report["parameters"]] == ["data", "trainable"]
 
@@ -67,6 +68,58 @@ def test_console_script_help_and_exit_code() -> None:
     done = subprocess.run([sys.executable, "-m", "hlomap.cli", "inspect", "/nonexistent.hlo"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def _json_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    run(argv)
+    return json.loads(capsys.readouterr().out)
+
+
+def _inspect_and_simulate_flops(model: str, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> tuple[dict, dict]:
+    """`inspect --json` and `simulate --plan dp --mesh 1 --json` of one zoo step, captured once
+    for both commands (they pass different, equivalent keyword arguments)."""
+    import inspect
+
+    import hlomap.api
+
+    load, captured = hlomap.api.load_source, {}
+    signature = inspect.signature(load)
+
+    def load_once(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = repr(sorted(bound.arguments.items()))
+        if key not in captured:
+            captured[key] = load(*args, **kwargs)
+        return captured[key]
+
+    monkeypatch.setattr(hlomap.api, "load_source", load_once)
+    inspected = _json_of(["inspect", f"zoo:{model}", "--json"], capsys)
+    simulated = _json_of(["simulate", f"zoo:{model}", "--plan", "dp", "--mesh", "1", "--json"], capsys)
+    return inspected, simulated
+
+
+def _check_one_flop_count(inspected: dict, simulated: dict) -> None:
+    # One FLOP count (hlomap.cost.compute): a one-device data-parallel step does the module's work.
+    assert inspected["flops"] == simulated["flops"] > 0
+    assert 0 < inspected["dot_flops"] + inspected["convolution_flops"] <= inspected["flops"]
+    by_kind = {row["kind"]: row["flops"] for row in simulated["by_kind"]}
+    assert inspected["dot_flops"] == by_kind.get("dot", 0.0)
+    assert inspected["convolution_flops"] == by_kind.get("convolution", 0.0)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "vgg19-tiny"])
+def test_inspect_and_simulate_report_the_same_flops(model: str, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_one_flop_count(*_inspect_and_simulate_flops(model, capsys, monkeypatch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["vgg19", "resnet50", "gpt-small"])
+def test_inspect_and_simulate_report_the_same_flops_on_full_models(
+        model: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_one_flop_count(*_inspect_and_simulate_flops(model, capsys, monkeypatch))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,8 +182,68 @@ def test_explore_pipeline_on_a_zoo_step(tmp_path: Path, capsys: pytest.CaptureFi
     assert len(stages) == 2 and [s["devices"][0] for s in stages] == [0, 8]
     assert saved["search"]["driver"] == "dp" and saved["estimate"]["step_seconds"] > 0
     assert (tmp_path / "pp.timeline.png").stat().st_size > 0
-    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 2  # pipeline plans do not run yet
-    assert "pipeline plan" in capsys.readouterr().err
+    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 2  # cluster A's 16 GPUs, 8 CPU devices here
+    assert "needs 16 devices" in capsys.readouterr().err
+
+
+USER_STEP = Path(__file__).resolve().parent / "run" / "user_step.py"
+
+
+def _user_pipeline_plan(tmp_path: Path, microbatches: int = 4, schedule: str = "gpipe") -> Path:
+    """A 2-stage plan (4 devices per stage) for tests/run/user_step.py, saved to a file."""
+    import hlomap
+    from tests.run.helpers import boundary_pivots, chain_of, pipeline_plan
+    from tests.run.user_step import make
+
+    step, args = make()
+    cap = hlomap.capture(step, *args)
+    chain = chain_of(cap)
+    plan = pipeline_plan(cap, chain, boundary_pivots(chain, 1), microbatches=microbatches, schedule=schedule,
+                         devices_per_stage=4)
+    path = tmp_path / "pipeline.json"
+    plan.save(path)
+    return path
+
+
+def test_run_a_pipeline_plan_of_a_user_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = _user_pipeline_plan(tmp_path)
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "Cuts" in out and "layer1/" in out and "exact" in out  # the explorer's layer names, mapped
+    assert "gradients equal" in out and "loss equal" in out
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make", "--executor", "mpmd", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["description"]["executor"] == "mpmd"
+    assert {c["what"] for c in report["comparisons"]} == {"loss", "gradients"}
+
+
+def test_run_exits_3_when_the_pipeline_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from hlomap.run import compare
+
+    original = compare.reference_gradients
+
+    def off_by_a_little(*args, **kwargs):
+        reference = original(*args, **kwargs)
+        return compare.GradientResult(reference.loss, reference.aux, [g * 1.01 for g in reference.grads])
+
+    monkeypatch.setattr(compare, "reference_gradients", off_by_a_little)
+    assert run(["run", str(_user_pipeline_plan(tmp_path)), "--source", f"{USER_STEP}:make"]) == 3
+    assert "gradients DIFFERENT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source, microbatches, message", [
+    (f"{USER_STEP}:nowhere", 4, "has no function 'nowhere'"),
+    (f"{USER_STEP}:make_unmarked", 4, "hlomap.value_and_grad"),
+    (f"{USER_STEP}:make", 3, "batch of 16 examples cannot be split into 3 equal microbatches"),
+    ("not-a-source", 4, "expected zoo:NAME or FILE.py:FUNCTION"),
+])
+def test_run_pipeline_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str,
+                                  microbatches: int, message: str) -> None:
+    plan_path = _user_pipeline_plan(tmp_path, microbatches=microbatches)
+    assert run(["run", str(plan_path), "--source", source]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(not PIPEDREAM_VGG16.exists(), reason="needs ../shared/corpus/pipedream")

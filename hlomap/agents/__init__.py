@@ -17,12 +17,14 @@ from hlomap.agents.base import Agent, UpdateStats
 from hlomap.agents.dqn import DqnAgent, DqnConfig, DqnFunctions, DqnState, TargetUpdate, make_dqn
 from hlomap.agents.environment import (Environment, StepType, TimeStep, restart, termination,
                                        transition, truncation)
-from hlomap.agents.loop import EpisodeRecord, LoopConfig, LoopResult, episode_seed, run_loop
+from hlomap.agents.loop import (EpisodeRecord, LoopConfig, LoopProgress, LoopResult, episode_seed,
+                               run_loop)
 from hlomap.agents.ppo import Advantage, PpoAgent, PpoConfig, PpoFunctions, PpoState, make_ppo
 
 __all__ = [
     "Advantage", "Agent", "DqnAgent", "DqnConfig", "DqnFunctions", "DqnState", "Environment",
-    "EpisodeRecord", "LoopConfig", "LoopResult", "PpoAgent", "PpoConfig", "PpoFunctions",
-    "PpoState", "StepType", "TargetUpdate", "TimeStep", "UpdateStats", "episode_seed",
-    "make_dqn", "make_ppo", "restart", "run_loop", "termination", "transition", "truncation",
+    "EpisodeRecord", "LoopConfig", "LoopProgress", "LoopResult", "PpoAgent", "PpoConfig",
+    "PpoFunctions", "PpoState", "StepType", "TargetUpdate", "TimeStep", "UpdateStats",
+    "episode_seed", "make_dqn", "make_ppo", "restart", "run_loop", "termination", "transition",
+    "truncation",
 ]

@@ -1,10 +1,13 @@
-"""The training loop: environment <-> agent, statistics, progress bar, checkpoint and resume.
+"""The training loop: environment <-> agent, statistics, progress reports, checkpoint and resume.
 
 Resuming needs no pickled environment: episode e is reset with a seed derived from (loop seed, e),
 and the loop checkpoints the actions taken so far in the current episode. On resume it resets the
 environment with that seed and replays those actions (the agent already holds what it learned from
 them), so an interrupted run continues exactly where it stopped and ends bit-identical to an
 uninterrupted one. Ctrl-C is caught at a step boundary, checkpointed, then re-raised.
+
+The loop draws nothing: it logs, and reports progress to an `on_progress` callback
+(`hlomap.report.progress.training_bar` turns that into a progress bar).
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,8 +40,25 @@ class LoopConfig:
     checkpoint_path: str | None = None
     checkpoint_every_steps: int | None = None  # None: only at the end and on Ctrl-C
     resume: bool = True  # continue from checkpoint_path when it exists
-    progress: bool = True  # a rich progress bar on stderr
     stats_window: int = 100  # episodes in the running mean return
+    progress_seconds: float = 0.1  # at most one `on_progress` call per this interval, plus the last
+
+
+class LoopProgress(NamedTuple):
+    """Where a run stands, as reported to `run_loop`'s `on_progress`."""
+
+    step: int  # environment steps so far, counting those of a resumed run
+    total: int  # the run's `num_steps`
+    episodes: int  # finished episodes
+    mean_return: float | None  # over the last `stats_window` episodes; None before the first ends
+    best_return: float | None  # None before the first episode ends
+    loss: float | None  # of the last learner update; None before the first
+    metrics: Mapping[str, float]  # the agent's cheap scalars (`Agent.metrics`: epsilon, entropy...)
+
+    @property
+    def epsilon(self) -> float | None:
+        """The exploration rate of an epsilon-greedy agent (None for others)."""
+        return self.metrics.get("epsilon")
 
 
 class EpisodeRecord(NamedTuple):
@@ -99,11 +120,13 @@ class _LoopState:
 
 
 def run_loop(env: Environment, agent: Agent, config: LoopConfig, *,
-             on_episode: Callable[[EpisodeRecord], bool | None] | None = None) -> LoopResult:
+             on_episode: Callable[[EpisodeRecord], bool | None] | None = None,
+             on_progress: Callable[[LoopProgress], None] | None = None) -> LoopResult:
     """Trains `agent` on `env` for `config.num_steps` environment steps.
 
     `on_episode` is called after every episode; returning True stops the run early (at that
-    episode boundary, after a checkpoint if one is configured).
+    episode boundary, after a checkpoint if one is configured). `on_progress` is called at most
+    every `config.progress_seconds` and once when the run ends; it only observes.
     """
     state = _LoopState()
     timestep: TimeStep | None = None
@@ -121,7 +144,8 @@ def run_loop(env: Environment, agent: Agent, config: LoopConfig, *,
             agent.save(path, extra={"loop": state.to_json()})
 
     stopped_early = False
-    with _progress(config, state.step) as report, _deferred_interrupt() as interrupted:
+    last_report = -math.inf
+    with _deferred_interrupt() as interrupted:
         while state.step < config.num_steps:
             if timestep is None or timestep.last:
                 timestep = env.reset(episode_seed(config.seed, state.episode))
@@ -140,8 +164,9 @@ def run_loop(env: Environment, agent: Agent, config: LoopConfig, *,
             if timestep.last:
                 record = _finish_episode(state)
                 stop = bool(on_episode(record)) if on_episode is not None else False
-            if report is not None and (state.step % 100 == 0 or timestep.last):
-                report(state, agent, False)
+            if on_progress is not None and time.monotonic() - last_report >= config.progress_seconds:
+                on_progress(_progress_of(state, agent, config))
+                last_report = time.monotonic()
             due = (config.checkpoint_every_steps is not None
                    and state.step % config.checkpoint_every_steps == 0)
             if due or interrupted():
@@ -152,8 +177,8 @@ def run_loop(env: Environment, agent: Agent, config: LoopConfig, *,
             if stop:
                 stopped_early = True
                 break
-        if report is not None:
-            report(state, agent, True)
+        if on_progress is not None:
+            on_progress(_progress_of(state, agent, config))
     checkpoint()
     log.info("trained to step %d: %d episodes, best return %s (episode %d)", state.step,
              len(state.returns), state.best_return, state.best_episode)
@@ -216,36 +241,8 @@ def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-@contextlib.contextmanager
-def _progress(config: LoopConfig, start: int
-              ) -> Iterator[Callable[[_LoopState, Agent, bool], None] | None]:
-    """A rich progress bar with return/loss/epsilon/best; yields None when switched off."""
-    if not config.progress:
-        yield None
-        return
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
-
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("{task.fields[stats]}"))
-    task = progress.add_task("train", total=config.num_steps, completed=start, stats="")
-    last = [time.monotonic()]
-
-    def report(state: _LoopState, agent: Agent, force: bool = False) -> None:
-        now = time.monotonic()
-        if now - last[0] < 0.1 and not force:  # rich redraws at 10 Hz anyway
-            return
-        last[0] = now
-        window = state.returns[-config.stats_window:]
-        parts = [f"ep {state.episode}"]
-        if window:
-            parts.append(f"return {np.mean(window):.3g}")
-        if state.best_return is not None:
-            parts.append(f"best {state.best_return:.3g}")
-        if state.last_loss is not None:
-            parts.append(f"loss {state.last_loss:.3g}")
-        parts += [f"{k} {v:.3g}" for k, v in agent.metrics().items()]
-        progress.update(task, completed=state.step, stats="  ".join(parts))
-
-    with progress:
-        yield report
+def _progress_of(state: _LoopState, agent: Agent, config: LoopConfig) -> LoopProgress:
+    window = state.returns[-config.stats_window:]
+    return LoopProgress(state.step, config.num_steps, state.episode,
+                        float(np.mean(window)) if window else None, state.best_return, state.last_loss,
+                        agent.metrics())

@@ -26,6 +26,11 @@ several groups run at once (`collective_time` with many groups, e.g. every data-
 of a mesh axis), their streams add up. With one NIC per 8-GPU server, the k rings of a
 hierarchical all-reduce therefore move n bytes over the network in total, not n/k. Contention on
 links inside a node is not modeled (each GPU has its own NVLinks).
+
+For fixed devices every time here is affine in n: `all_reduce_terms` and
+`collective_permute_terms` return the alpha-beta terms the scalar functions evaluate, so that
+callers pricing many byte counts at once (the pipeline DP, `hlomap.cost.pipeline.links`) use the
+very same numbers.
 """
 
 from __future__ import annotations
@@ -56,23 +61,47 @@ class Collective(enum.Enum):
     COLLECTIVE_PERMUTE = "collective-permute"
 
 
+class AlphaBeta(NamedTuple):
+    """A time affine in the byte count n: `alpha + beta * n` seconds (alpha: latencies, beta:
+    seconds per byte)."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+
+_FREE = AlphaBeta(0.0, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Closed forms on one ring of p devices with bandwidth B and per-step latency a
 # ---------------------------------------------------------------------------------------------
 
 
-def ring_all_reduce_seconds(p: int, nbytes: float, bandwidth: float, latency: float) -> float:
+def ring_all_reduce_terms(p: int, bandwidth: float, latency: float) -> AlphaBeta:
     """Ring all-reduce (reduce-scatter then all-gather): 2(p-1) steps of n/p bytes each."""
     if p <= 1:
-        return 0.0
-    return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency
+        return _FREE
+    return AlphaBeta(2 * (p - 1) * latency, 2 * (p - 1) / p / bandwidth)
+
+
+def ring_all_gather_terms(p: int, bandwidth: float, latency: float) -> AlphaBeta:
+    """Ring all-gather or reduce-scatter of an n-byte full buffer: p-1 steps of n/p bytes."""
+    if p <= 1:
+        return _FREE
+    return AlphaBeta((p - 1) * latency, (p - 1) / p / bandwidth)
+
+
+def ring_all_reduce_seconds(p: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """2(p-1)/p * n/B + 2(p-1) a."""
+    return ring_all_reduce_terms(p, bandwidth, latency).seconds(nbytes)
 
 
 def ring_all_gather_seconds(p: int, nbytes: float, bandwidth: float, latency: float) -> float:
-    """Ring all-gather or reduce-scatter of an n-byte full buffer: p-1 steps of n/p bytes."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) / p * nbytes / bandwidth + (p - 1) * latency
+    """(p-1)/p * n/B + (p-1) a."""
+    return ring_all_gather_terms(p, bandwidth, latency).seconds(nbytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,20 +204,25 @@ def _flat_bandwidth(cluster: Cluster, layout: _Layout, share: float) -> float:
     return min(layout.inside.bandwidth, layout.across.bandwidth / share)
 
 
-def _all_reduce(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
+def _all_reduce_terms(cluster: Cluster, layout: _Layout, share: float) -> AlphaBeta:
     if layout.size <= 1:
-        return 0.0
+        return _FREE
     if _hierarchical(layout):
         k, m = layout.per_node_max, layout.nodes
         inside, across = layout.inside, layout.across
-        intra = ring_all_gather_seconds(k, nbytes, inside.bandwidth, inside.latency)
-        inter = ring_all_reduce_seconds(m, nbytes / k, across.bandwidth / share, across.latency)
-        return 2 * intra + inter
+        intra = ring_all_gather_terms(k, inside.bandwidth, inside.latency)
+        # The rings across nodes each carry 1/k of the buffer.
+        inter = ring_all_reduce_terms(m, across.bandwidth / share, across.latency)
+        return AlphaBeta(2 * intra.alpha + inter.alpha, 2 * intra.beta + inter.beta / k)
     if layout.nodes >= 2 and layout.per_node_max >= 2:
         _LOG.debug("all-reduce over %s spreads unevenly over nodes %s; using one flat ring",
                    layout.devices.tolist(), dict(layout.per_node))
     bandwidth = _flat_bandwidth(cluster, layout, share)
-    return ring_all_reduce_seconds(layout.size, nbytes, bandwidth, layout.ring_latency)
+    return ring_all_reduce_terms(layout.size, bandwidth, layout.ring_latency)
+
+
+def _all_reduce(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
+    return _all_reduce_terms(cluster, layout, share).seconds(nbytes)
 
 
 def _all_gather(cluster: Cluster, layout: _Layout, nbytes: float, share: float) -> float:
@@ -294,6 +328,14 @@ def all_reduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:
     return collective_time(Collective.ALL_REDUCE, cluster, [group], nbytes)
 
 
+def all_reduce_terms(cluster: Cluster, group: Group) -> AlphaBeta:
+    """The terms of `all_reduce_time(cluster, group, n)`, which is `alpha + beta * n` for every
+    n >= 0 (zero terms for one device)."""
+    layout = _layout(cluster, group, "all-reduce group")
+    load = Counter(_cross_node_streams(Collective.ALL_REDUCE, layout))
+    return _all_reduce_terms(cluster, layout, _nic_share(cluster, layout, load))
+
+
 def all_gather_time(cluster: Cluster, group: Group, nbytes: float) -> float:
     """All-gather whose gathered result is `nbytes` on each device."""
     return collective_time(Collective.ALL_GATHER, cluster, [group], nbytes)
@@ -309,11 +351,10 @@ def all_to_all_time(cluster: Cluster, group: Group, nbytes: float) -> float:
     return collective_time(Collective.ALL_TO_ALL, cluster, [group], nbytes)
 
 
-def collective_permute_time(cluster: Cluster, pairs: Sequence[tuple[int, int]], nbytes: float) -> float:
-    """Every (src, dst) pair sends `nbytes` at once (a collective-permute, or pipeline p2p);
-    the slowest pair decides. Cross-node pairs share their nodes' NICs (send and receive side)."""
-    if nbytes < 0:
-        raise ValueError(f"collective-permute: nbytes must be >= 0, got {nbytes!r}")
+def collective_permute_terms(cluster: Cluster, pairs: Sequence[tuple[int, int]]) -> tuple[AlphaBeta, ...]:
+    """The terms of the pairs that move data (src != dst), in the order given: when every pair
+    sends n bytes at once, the i-th of them takes `terms[i].seconds(n)`. Cross-node pairs share
+    their nodes' NICs (send and receive side), which multiplies their seconds per byte."""
     checked = []
     for src, dst in pairs:
         for d in (src, dst):
@@ -325,12 +366,20 @@ def collective_permute_time(cluster: Cluster, pairs: Sequence[tuple[int, int]], 
     remote = [(s, d) for s, d in checked if node[s] != node[d]]
     out_load = Counter(node[s] for s, _ in remote)
     in_load = Counter(node[d] for _, d in remote)
-    worst = 0.0
+    terms = []
     for src, dst in checked:
         if src == dst:
             continue
         share = 1.0
         if node[src] != node[dst]:
             share = max(1.0, max(out_load[node[src]], in_load[node[dst]]) / cluster.nics_per_node)
-        worst = max(worst, float(cluster.latency[src, dst] + nbytes * share / cluster.bandwidth[src, dst]))
-    return worst
+        terms.append(AlphaBeta(float(cluster.latency[src, dst]), share / float(cluster.bandwidth[src, dst])))
+    return tuple(terms)
+
+
+def collective_permute_time(cluster: Cluster, pairs: Sequence[tuple[int, int]], nbytes: float) -> float:
+    """Every (src, dst) pair sends `nbytes` at once (a collective-permute, or pipeline p2p);
+    the slowest pair decides. Cross-node pairs share their nodes' NICs (send and receive side)."""
+    if nbytes < 0:
+        raise ValueError(f"collective-permute: nbytes must be >= 0, got {nbytes!r}")
+    return max((term.seconds(nbytes) for term in collective_permute_terms(cluster, pairs)), default=0.0)

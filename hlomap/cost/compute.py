@@ -12,7 +12,8 @@ equals `compiled.cost_analysis()["flops"]` and the two can be checked against ea
   size - 1) x result elements x the reducer's flops;
 - data movement (copy, transpose, broadcast, slice, gather, pad, ...) does no flops.
 Shape-only ops (parameter, constant, tuple, get-tuple-element, bitcast, reshape) cost nothing,
-bytes included. Other ops move `operands + result` bytes.
+bytes included. Other ops move `operands + result` bytes. Which of these classes prices an
+opcode (`cost_class`) is read from the opcode table, `hlomap.hlo.opcodes`.
 
 Time is a roofline: max(compute, memory), compute = flops / (peak(dtype) x efficiency) plus
 transcendentals at `TRANSCENDENTAL_FLOPS` f32 flops each, memory = bytes / HBM bandwidth. Dots
@@ -29,17 +30,21 @@ only on modules without loops of more than one trip.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Callable, Mapping, MutableMapping
 
 import numpy as np
 
 from hlomap.cost.devices import FALLBACK_DTYPE, DeviceSpec
 from hlomap.hlo.ir import ArrayShape, Computation, Instruction, Module, Shape
+from hlomap.hlo.opcodes import OPCODES, AsyncPart, Elementwise, OpcodeInfo, opcode_names
 
 _LOG = logging.getLogger(__name__)
 
@@ -47,31 +52,52 @@ _LOG = logging.getLogger(__name__)
 #: quarter of the FP32 throughput (16 SFUs vs 64 FP32 lanes per SM on V100, A100 and H100).
 TRANSCENDENTAL_FLOPS = 4.0
 
-#: Ops that only rename or regroup buffers; XLA emits no kernel for them.
-FREE_OPCODES = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "reshape",
-    "after-all", "add-dependency", "domain", "opt-barrier", "partition-id", "replica-id",
-    "get-dimension-size", "set-dimension-size",
-})
+#: Ops that only rename or regroup buffers, or bring values in; XLA emits no kernel for them.
+FREE_OPCODES = opcode_names(lambda op: op.free)
 
 #: Elementwise ops counted as transcendentals rather than flops (XLA's list).
-TRANSCENDENTAL_OPCODES = frozenset({
-    "exp", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh", "tan",
-    "sine", "cosine", "sin", "cos", "expm1", "exponential-minus-one", "log1p", "log-plus-one",
-    "atan2", "erf",
+TRANSCENDENTAL_OPCODES = opcode_names(lambda op: op.elementwise is Elementwise.TRANSCENDENTAL)
+
+#: Ops worth one flop per result element: elementwise arithmetic and predicates, and
+#: bitcast-convert, which XLA's cost analysis counts alike although its result may have an extra
+#: dim (a narrower element type).
+ELEMENTWISE_OPCODES = opcode_names(
+    lambda op: op.elementwise in (Elementwise.ARITHMETIC, Elementwise.PREDICATE)
+) | {"bitcast-convert"}
+
+#: Ops that move data and do no arithmetic: their operand and result bytes, no flops. The
+#: communication of the collectives among them is priced by `hlomap.cost.collectives`.
+DATA_MOVEMENT_OPCODES = opcode_names(lambda op: op.elementwise is Elementwise.COPY) | {
+    "all-gather", "all-to-all", "broadcast", "collective-broadcast", "collective-permute",
+    "concatenate", "dynamic-reshape", "dynamic-slice", "dynamic-update-slice", "gather", "infeed",
+    "iota", "outfeed", "pad", "ragged-all-to-all", "recv", "reverse", "rng-get-and-update-state",
+    "send", "shuffle", "slice", "transpose",
+}
+
+#: Ops that do arithmetic the model does not count, and why: they are priced by their bytes.
+FLOPS_NOT_MODELED: Mapping[str, str] = MappingProxyType({
+    "batch-norm-grad": "JAX lowers batch norm to reductions and elementwise ops",
+    "batch-norm-inference": "JAX lowers batch norm to reductions and elementwise ops",
+    "batch-norm-training": "JAX lowers batch norm to reductions and elementwise ops",
+    "collective-reduce": "a collective written by hand; its reduction is not counted",
+    "custom-call": "what a custom-call target computes is unknown",
+    "ragged-dot": "its groups' sizes are known only at run time",
+    "reduce-scatter": "its local reduction is not counted (all-reduce's is, as XLA counts it)",
+    "scaled-dot": "block-scaled dots are not modeled",
+    "scan": "JAX lowers scans to while loops; this loop form is not modeled",
+    "topk": "selection work is not modeled",
 })
 
-#: Elementwise ops worth one flop per result element.
-ELEMENTWISE_OPCODES = frozenset({
-    "abs", "add", "and", "bitcast-convert", "ceil", "clamp", "compare", "complex", "convert", "count-leading-zeros",
-    "divide", "floor", "imag", "is-finite", "maximum", "minimum", "multiply", "negate", "not", "or",
-    "popcnt", "real", "reduce-precision", "remainder", "round-nearest-afz", "round-nearest-even",
-    "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "subtract",
-    "xor", "stochastic-convert",
-})
 
-#: Ops whose compute cost is that of the computations they call, summed.
-CALLING_OPCODES = frozenset({"call", "async-start"})
+class CostClass(enum.Enum):
+    """How `instruction_cost` prices an opcode (see `cost_class`)."""
+
+    FREE = "no kernel"
+    AT_START = "priced at the start of its async pair"
+    FLOP_PER_ELEMENT = "one flop per result element"
+    TRANSCENDENTAL_PER_ELEMENT = "one transcendental per result element"
+    FORMULA = "a formula of its own (dot, convolution, reduce, fusion, while, ...)"
+    BYTES_ONLY = "its operand and result bytes, no flops"
 
 
 @dataclass(frozen=True)
@@ -333,6 +359,13 @@ def _kernel(flops: float, transcendentals: float, nbytes: float, dtype: str,
                            max(compute_seconds, memory_seconds))
 
 
+def _computation(module: Module, name: str) -> Computation:
+    try:
+        return module.computation(name)
+    except KeyError:
+        raise ValueError(f"module {module.name!r} has no computation {name!r}") from None
+
+
 def computation_cost(module: Module, name: str, device: DeviceSpec | None = None,
                      cache: CostCache | None = None) -> InstructionCost:
     """Sum of the costs of a computation's instructions (each one kernel), memoized in `cache`."""
@@ -341,10 +374,7 @@ def computation_cost(module: Module, name: str, device: DeviceSpec | None = None
     cached = cache.get(key)
     if cached is not None:
         return cached
-    try:
-        comp = module.computation(name)
-    except KeyError:
-        raise ValueError(f"module {module.name!r} has no computation {name!r}") from None
+    comp = _computation(module, name)
     total = ZERO
     for inst in comp.instructions:
         total = total + instruction_cost(inst, comp, module, device, cache)
@@ -372,23 +402,25 @@ def instruction_cost(inst: Instruction, comp: Computation, module: Module,
     device. Without a device only flops, transcendentals and bytes are computed.
     """
     cache = {} if cache is None else cache
-    op = inst.opcode
-    if op in FREE_OPCODES or op.endswith(("-done", "-update")):
+    op = _PRICED_AS.get(inst.opcode, inst.opcode)
+    kind = _COST_CLASSES.get(op)
+    if kind is CostClass.FREE or kind is CostClass.AT_START:
         return ZERO  # an async pair is costed once, at its start
-    if op.endswith("-start") and op not in _HANDLERS:
-        op = inst.base_opcode  # all-reduce-start -> all-reduce, ...; copy-start stays itself
     handler = _HANDLERS.get(op)
     if handler is not None:
         return handler(inst, comp, module, device, cache)
     nbytes = _operand_bytes(inst, comp) + inst.shape.byte_size
     dtype = _first_dtype(inst.shape)
-    if op in TRANSCENDENTAL_OPCODES:
+    if kind is CostClass.TRANSCENDENTAL_PER_ELEMENT:
         return _kernel(0.0, _elements(inst.shape), nbytes, dtype, device)
-    if op in ELEMENTWISE_OPCODES:
+    if kind is CostClass.FLOP_PER_ELEMENT:
         return _kernel(_elements(inst.shape), 0.0, nbytes, dtype, device)
-    if op == "custom-call":
-        _LOG.debug("custom-call %r (target %r): no flops known, costing its memory traffic only",
-                   inst.name, inst.custom_call_target)
+    if kind is None:
+        _LOG.debug("%r (%s) is not an opcode of XLA's text format: costing its memory traffic "
+                   "only", inst.name, inst.opcode)
+    elif op in FLOPS_NOT_MODELED:
+        _LOG.debug("%r (%s): flops not modeled (%s); costing its memory traffic only",
+                   inst.name, op, FLOPS_NOT_MODELED[op])
     return _kernel(0.0, 0.0, nbytes, dtype, device)
 
 
@@ -556,6 +588,45 @@ _HANDLERS: Mapping[str, Handler] = {
 }
 
 
+def _priced_as(info: OpcodeInfo) -> str:
+    """The opcode whose price an opcode takes: an async start without a formula of its own is
+    priced as its synchronous form (all-reduce-start as all-reduce, copy-start as copy)."""
+    base = info.name.removesuffix("-start")
+    if info.async_part is AsyncPart.START and info.name not in _HANDLERS and base in OPCODES:
+        return base
+    return info.name
+
+
+def _classify(info: OpcodeInfo) -> CostClass | None:
+    if info.free:
+        return CostClass.FREE
+    if info.async_part in (AsyncPart.UPDATE, AsyncPart.DONE):
+        return CostClass.AT_START
+    op = _priced_as(info)
+    if op in _HANDLERS:
+        return CostClass.FORMULA
+    if op in TRANSCENDENTAL_OPCODES:
+        return CostClass.TRANSCENDENTAL_PER_ELEMENT
+    if op in ELEMENTWISE_OPCODES:
+        return CostClass.FLOP_PER_ELEMENT
+    if op in DATA_MOVEMENT_OPCODES or op in FLOPS_NOT_MODELED:
+        return CostClass.BYTES_ONLY
+    return None
+
+
+_PRICED_AS: Mapping[str, str] = {name: _priced_as(info) for name, info in OPCODES.items()}
+_COST_CLASSES: Mapping[str, CostClass] = {
+    name: kind for name, info in OPCODES.items() if (kind := _classify(info)) is not None
+}
+
+
+def cost_class(opcode: str) -> CostClass | None:
+    """How the cost model prices `opcode`; None for a name that is not an opcode of the table or
+    that the model has no class for (such an instruction is priced by its bytes, and the opcode
+    table's coverage test fails)."""
+    return _COST_CLASSES.get(opcode)
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole modules
 # ---------------------------------------------------------------------------------------------
@@ -569,3 +640,44 @@ def module_cost(module: Module, device: DeviceSpec | None = None) -> Instruction
 def module_flops(module: Module) -> float:
     """FLOPs of one run of the module (XLA's conventions; loops times their trip counts)."""
     return module_cost(module).flops
+
+
+def flops_by_opcode(module: Module) -> dict[str, float]:
+    """`module_flops` split by the opcode of the instruction doing the work (they sum to it).
+
+    Instructions inside fusions, calls and while loops (times the trip count) count under their
+    own opcode; a conditional counts its costliest branch, as its cost does; the flops of a
+    reducer or map function count under the instruction applying it (reduce, scatter, map...).
+    Opcodes doing no flops are left out.
+    """
+    cache: CostCache = {}
+    memo: dict[str, Counter[str]] = {}
+
+    def walk(name: str) -> Counter[str]:
+        if name in memo:
+            return memo[name]
+        comp = _computation(module, name)
+        out: Counter[str] = Counter()
+        for inst in comp.instructions:
+            handler = _HANDLERS.get(_PRICED_AS.get(inst.opcode, inst.opcode))
+            if handler is _fusion:
+                out.update(walk(_called(inst, "calls")))
+            elif handler is _call:
+                for callee in inst.called_computations:
+                    out.update(walk(callee))
+            elif handler is _while:
+                trips = while_trip_count(inst, comp, module)
+                once = walk(_called(inst, "body")) + walk(_called(inst, "condition"))
+                out.update({opcode: flops * trips for opcode, flops in once.items()})
+            elif handler is _conditional and inst.called_computations:
+                costliest = max(inst.called_computations,
+                                key=lambda callee: computation_cost(module, callee, None, cache).flops)
+                out.update(walk(costliest))
+            else:
+                flops = instruction_cost(inst, comp, module, None, cache).flops
+                if flops:
+                    out[inst.opcode] += flops
+        memo[name] = out
+        return out
+
+    return dict(walk(module.entry_name))

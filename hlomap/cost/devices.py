@@ -42,15 +42,16 @@ class DeviceSpec:
     """One accelerator as the cost model sees it.
 
     `peak_flops` maps an HLO element type to FLOP/s; `hbm_bandwidth` is bytes/s;
-    `memory_bytes` the device memory; `efficiency` the achieved/peak factor the roofline applies
-    to compute (memory traffic is assumed to reach the full HBM bandwidth, which copies and
-    elementwise kernels come close to).
+    `memory_bytes` the device memory, `math.inf` for memory that never binds (PipeDream's
+    optimizer assumes so; JSON writes it as null, having no infinity); `efficiency` the
+    achieved/peak factor the roofline applies to compute (memory traffic is assumed to reach the
+    full HBM bandwidth, which copies and elementwise kernels come close to).
     """
 
     name: str
     peak_flops: Mapping[str, float]
     hbm_bandwidth: float
-    memory_bytes: int
+    memory_bytes: float
     efficiency: float = DEFAULT_EFFICIENCY
 
     def __post_init__(self) -> None:
@@ -74,7 +75,7 @@ class DeviceSpec:
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
             "hbm_bandwidth": self.hbm_bandwidth,
-            "memory_bytes": self.memory_bytes,
+            "memory_bytes": None if math.isinf(self.memory_bytes) else self.memory_bytes,
             "efficiency": self.efficiency,
         }
 
@@ -102,7 +103,7 @@ class DeviceSpec:
                 name=str(data["name"]),
                 peak_flops={str(k): _number(v, f"{where}.peak_flops.{k}") for k, v in peak.items()},
                 hbm_bandwidth=_number(data["hbm_bandwidth"], f"{where}.hbm_bandwidth"),
-                memory_bytes=int(_number(data["memory_bytes"], f"{where}.memory_bytes")),
+                memory_bytes=_memory(data["memory_bytes"], f"{where}.memory_bytes"),
                 efficiency=_number(data.get("efficiency", DEFAULT_EFFICIENCY), f"{where}.efficiency"),
             )
         except DeviceSpecError as err:
@@ -116,6 +117,11 @@ def _number(value: Any, where: str) -> float:
     return float(value)
 
 
+def _memory(value: Any, where: str) -> float:
+    """Bytes as an integer count, or null for unlimited memory (`math.inf`)."""
+    return math.inf if value is None else int(_number(value, where))
+
+
 def _validate(spec: DeviceSpec) -> None:
     if FALLBACK_DTYPE not in spec.peak_flops:
         raise DeviceSpecError(f"device {spec.name!r}: peak_flops needs an {FALLBACK_DTYPE!r} entry "
@@ -125,7 +131,7 @@ def _validate(spec: DeviceSpec) -> None:
             raise DeviceSpecError(f"device {spec.name!r}: peak_flops[{dtype!r}] = {rate!r} must be positive")
     if not (math.isfinite(spec.hbm_bandwidth) and spec.hbm_bandwidth > 0):
         raise DeviceSpecError(f"device {spec.name!r}: hbm_bandwidth = {spec.hbm_bandwidth!r} must be positive")
-    if spec.memory_bytes <= 0:
+    if not spec.memory_bytes > 0:  # inf (unlimited) passes, NaN does not
         raise DeviceSpecError(f"device {spec.name!r}: memory_bytes = {spec.memory_bytes!r} must be positive")
     if not 0 < spec.efficiency <= 1:
         raise DeviceSpecError(f"device {spec.name!r}: efficiency = {spec.efficiency!r} must be in (0, 1]")

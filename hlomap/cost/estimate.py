@@ -274,8 +274,13 @@ def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mappi
         count = int(sg.node_count[n])
         if count == 0 or inst.opcode in CONTAINER_OPCODES or inst.opcode in FREE_OPCODES:
             continue
-        comp = module.computation(node.computation)
-        full = instruction_cost(inst, comp, module, device, cache)
+        # an instruction's unsplit cost does not depend on the plan: memoized per graph node for
+        # callers that estimate many plans of one module with one cache
+        key = ("node", inst.name, node.computation, device.name)
+        full = cache.get(key)  # type: ignore[call-overload]
+        if full is None:
+            full = instruction_cost(inst, module.computation(node.computation), module, device, cache)
+            cache[key] = full  # type: ignore[index]
         degree = int(sg.node_degree[n])
         for axis in gathered.get(n, ()):  # runs unsplit along the axes its operands were gathered on
             degree //= mesh[axis]
@@ -332,6 +337,8 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
         if count == 0:
             continue
         size = math.prod(mesh[a] for a in pr.axes)
+        if size == 1:
+            continue  # split over one device is no split: nothing to all-reduce, no local sums
         where = ",".join(pr.axes)
         phase = phases[pr.node]
         if pr.node in gathered:
@@ -415,12 +422,20 @@ def _detail(pr: PartialResult, inst: Instruction, module: Module, where: str) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, plan_name: str = "plan",
-                     overlap: Overlap = Overlap.NONE, fusion: Fusion = Fusion.ELEMENTWISE,
-                     donated: frozenset[int] | None = None, cache: CostCache | None = None) -> StepEstimate:
-    """The estimate of a plan already applied to a graph (`ShardedGraph`), on `cluster` with the
-    mesh axes mapped to devices by `mapping`. `cache` memoizes computation costs across calls for
-    one module and device (explorers evaluating many plans pass the same dict)."""
+class StepWork(NamedTuple):
+    """The work of one step on one device under a plan, without memory: what `estimate_sharded`
+    adds up, and what a pipeline planner sums over each stage's instructions."""
+
+    device: DeviceSpec
+    instructions: list[InstructionEstimate]
+    collectives: list[CollectiveEstimate]
+    reduce_flops: float
+
+
+def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusion: Fusion = Fusion.ELEMENTWISE,
+              cache: CostCache | None = None) -> StepWork:
+    """Per-instruction compute and the collectives of a plan already applied to a graph, on
+    `cluster` with the mesh axes mapped to devices by `mapping`."""
     device = cluster.devices[int(mapping.devices.flat[0])] if mapping.devices.size else cluster.devices[0]
     kinds = {cluster.devices[int(d)].name for d in mapping.devices.flat}
     if len(kinds) > 1:
@@ -429,6 +444,16 @@ def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *
     instructions = _instruction_estimates(sg, device, gathered, fused_nodes(sg, fusion),
                                           {} if cache is None else cache)
     collectives, reduce_flops = _collectives(sg, cluster, mapping, gathered)
+    return StepWork(device, instructions, collectives, reduce_flops)
+
+
+def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, plan_name: str = "plan",
+                     overlap: Overlap = Overlap.NONE, fusion: Fusion = Fusion.ELEMENTWISE,
+                     donated: frozenset[int] | None = None, cache: CostCache | None = None) -> StepEstimate:
+    """The estimate of a plan already applied to a graph (`ShardedGraph`), on `cluster` with the
+    mesh axes mapped to devices by `mapping`. `cache` memoizes computation costs across calls for
+    one module and device (explorers evaluating many plans pass the same dict)."""
+    device, instructions, collectives, reduce_flops = step_work(sg, cluster, mapping, fusion=fusion, cache=cache)
     compute = sum(i.seconds for i in instructions)
     communication = sum(c.total_seconds for c in collectives)
     if overlap is Overlap.GRADIENT_SYNC:

@@ -6,9 +6,11 @@
 
 Every tensor's bytes are its per-device shard (`ShardedGraph.tensor_bytes_all`). Temporaries are
 simulated in the module's program order (the HLO text's order, a topological order that places
-each value close to its uses): a buffer is allocated when its instruction runs and freed after its
-last use; tuple, get-tuple-element, bitcast and reshape alias their operands instead of
-allocating. A `call` (or while, conditional) adds its callee's own peak while it runs.
+each value close to its uses), except that the forward ops only the outputs read (the loss) run
+with the forward pass (`outputs_early`): a buffer is allocated when its instruction runs and freed
+after its last use; each top-level element of a tuple-shaped result is its own buffer; tuple,
+get-tuple-element, bitcast and reshape alias their operands instead of allocating. A `call` (or
+while, conditional) adds its callee's own peak while it runs.
 
 Assumptions, each what a training loop does and what `hlomap.verify.xla` compiles:
 - donation: the trainable parameters and optimizer state are donated, so their updated values are
@@ -17,14 +19,19 @@ Assumptions, each what a training loop does and what `hlomap.verify.xla` compile
   users are all elementwise ops or reductions is fused into them and never materialized, as XLA's
   loop and input fusion do; its consumers then read its operands, which live until they run.
   `Fusion.NONE` materializes every result;
-- collectives: the all-reduce of a partial result writes a new buffer next to the partial one;
-  gradient sync is bucketed (one combined all-reduce once the last gradient is ready, as XLA's
-  all-reduce combiner and DDP's buckets do), so every synced gradient lives until then, next to
-  its reduced copy.
+- collectives: the all-reduce of a partial result writes a new buffer next to the partial one, as
+  XLA:CPU's synchronous all-reduce does; gradient sync is bucketed (one combined all-reduce once
+  the last gradient is ready, as XLA's all-reduce combiner and DDP's buckets do), so every synced
+  gradient lives until then, next to its reduced copy.
 
 At the peak, live temporaries are split into *gradients* (backward values the optimizer update
-reads, and the synced gradients) and *activations* (everything else). A plan fits when the total
-is at most the device's memory.
+reads, and the synced gradients) and *activations* (everything else). Under data parallelism the
+peak is the bucketed sync, where the gradients are twice the synced bytes: the local gradient of
+each use of a leaf (a leaf read twice, like a tied embedding, has two until they are summed after
+the sync) and its all-reduced copy; the forward activations are all dead by then. So the split at
+the peak is not each category's own footprint: `max_gradients` and `max_activations` are those
+(the activations peak at the end of the forward pass). A plan fits when the total is at most the
+device's memory.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from hlomap.cost.compute import ELEMENTWISE_OPCODES, TRANSCENDENTAL_OPCODES
 from hlomap.cost.sharding import ShardedGraph
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
+from hlomap.hlo.opcodes import CallContext, Storage, opcode_names
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +58,16 @@ class Fusion(enum.Enum):
 
 
 #: Results that are views of their operands' buffers (no allocation).
-ALIASING_OPCODES = frozenset({"tuple", "get-tuple-element", "bitcast", "reshape", "opt-barrier",
-                              "add-dependency", "domain"})
+ALIASING_OPCODES = opcode_names(lambda op: op.storage is Storage.VIEW)
 #: Results that live in read-only program memory or nowhere.
-NO_BUFFER_OPCODES = frozenset({"parameter", "constant", "after-all", "partition-id", "replica-id"})
+NO_BUFFER_OPCODES = opcode_names(lambda op: op.storage is Storage.NONE)
 #: Producers XLA fuses into their consumers (loop fusion).
 FUSIBLE_PRODUCERS = ELEMENTWISE_OPCODES | TRANSCENDENTAL_OPCODES | frozenset(
-    {"broadcast", "iota", "convert", "select", "clamp", "compare", "reshape", "bitcast", "exponential"})
+    {"broadcast", "iota", "reshape", "bitcast"})
 #: Consumers that absorb a fused producer (elementwise loops and reductions).
 FUSING_CONSUMERS = FUSIBLE_PRODUCERS | frozenset({"reduce", "transpose", "copy"})
 #: Instructions whose called computations run while they do.
-_CALLERS = frozenset({"call", "while", "conditional", "async-start"})
+_CALLERS = opcode_names(lambda op: op.calls is CallContext.CONTROL_FLOW)
 
 
 class Category(enum.Enum):
@@ -71,7 +78,9 @@ class Category(enum.Enum):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device. `gradients` and `activations` are what is live at the peak."""
+    """Bytes per device. `gradients`, `activations` and `outputs` are what is live at the peak of
+    the temporaries (they add up to the total); `max_gradients` and `max_activations` are each
+    category's own high point over the step, wherever it falls."""
 
     parameters: int
     optimizer: int
@@ -81,6 +90,8 @@ class MemoryEstimate:
     outputs: int  # outputs that do not reuse a donated buffer
     capacity: int
     peak_instruction: str = ""  # where the temporaries peak
+    max_gradients: int = 0  # the most gradient bytes live at once, wherever that is
+    max_activations: int = 0  # the most activation bytes live at once (around the end of the forward pass)
 
     @property
     def temporaries(self) -> int:
@@ -103,7 +114,8 @@ class MemoryEstimate:
         return {"parameters": self.parameters, "optimizer": self.optimizer, "inputs": self.inputs,
                 "gradients": self.gradients, "activations": self.activations, "outputs": self.outputs,
                 "total": self.total, "capacity": self.capacity, "fits": self.fits,
-                "shortfall": self.shortfall, "peak_instruction": self.peak_instruction}
+                "shortfall": self.shortfall, "peak_instruction": self.peak_instruction,
+                "max_gradients": self.max_gradients, "max_activations": self.max_activations}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +167,9 @@ def aliased_outputs(sg: ShardedGraph, donated: frozenset[int]) -> frozenset[int]
 @dataclass(frozen=True)
 class _Peak:
     bytes: float
-    by_category: Mapping[Category, float]
+    by_category: Mapping[Category, float]  # what is live at the peak
     instruction: str
+    most: Mapping[Category, float]  # each category's own high point over the computation
 
 
 def _users(instructions: Sequence[Instruction]) -> dict[str, list[Instruction]]:
@@ -221,38 +234,103 @@ def _context(sg: ShardedGraph, fusion: Fusion, aliased: frozenset[int]) -> _Cont
     return _Context(sg, fusion, {k: tuple(v) for k, v in children.items()}, partial, sync, aliased)
 
 
+def outputs_early(instructions: Sequence[Instruction], root: str,
+                  phase_of: Callable[[Instruction], Phase] = instruction_phase) -> tuple[Instruction, ...]:
+    """Program order with the forward ops that only the step's outputs read (the loss, metrics)
+    moved up to run as soon as their operands exist.
+
+    Post-order HLO text emits the loss last, next to the root, so the log-softmax and one-hot of
+    the logits it reads would stay alive through the whole backward pass and the gradient sync;
+    XLA's scheduler reduces them to the loss during the forward pass and frees them. Parameters and
+    constants, which allocate nothing, go first; every other instruction keeps its place: the
+    forward values the backward pass reads are computed where the text computes them, which is how
+    XLA's fusion recomputes cheap ones next to their use. The result is a topological order.
+    `phase_of` reads an instruction's phase (default: its own metadata)."""
+    names = {inst.name for inst in instructions}
+    free = {inst.name for inst in instructions if not inst.operands and inst.opcode in NO_BUFFER_OPCODES}
+    needed: set[str] = set()  # read, directly or not, by the backward pass or the update
+    for inst in reversed(instructions):  # every operand is visited after its users
+        if inst.name in needed or (inst.name != root and phase_of(inst) is not Phase.FORWARD):
+            needed.add(inst.name)
+            needed.update(o for o in (*inst.operands, *inst.control_predecessors) if o in names)
+    position = {inst.name: k for k, inst in enumerate(instructions)}
+    anchor: dict[str, int] = {}  # an output-only op runs right after its last operand that stays put
+    for inst in instructions:
+        if inst.name not in needed and inst.name not in free and inst.name != root:
+            anchor[inst.name] = max((anchor.get(o, position[o]) for o in (*inst.operands, *inst.control_predecessors)
+                                     if o in names and o not in free), default=-1)
+    after: dict[int, list[Instruction]] = {}
+    for inst in instructions:
+        if inst.name in anchor:
+            after.setdefault(anchor[inst.name], []).append(inst)
+    order = [inst for inst in instructions if inst.name in free] + after.get(-1, [])
+    for k, inst in enumerate(instructions):
+        if inst.name not in anchor and inst.name not in free:
+            order.append(inst)
+            order.extend(after.get(k, ()))
+    return tuple(order)
+
+
 def _simulate(ctx: _Context, instance: int, cache: dict[int, float]) -> _Peak:
-    """Peak live bytes of one computation instance in program order. Its parameters cost nothing
-    here: they are the caller's buffers, or entry inputs counted apart."""
+    """Peak live bytes of one computation instance in program order (the entry's in
+    `outputs_early` order). Its parameters cost nothing here: they are the caller's buffers, or
+    entry inputs counted apart."""
     sg = ctx.sg
     g = sg.graph
     index = sg.instance_index(instance)
     comp = g.module.computation(g.instances[instance].computation)
-    instructions = comp.instructions
+    phases = sg.facts.phases
+
+    def phase_of(inst: Instruction) -> Phase:
+        return phases[index[inst.name]]
+
+    instructions = (outputs_early(comp.instructions, comp.root.name, phase_of) if instance == 0
+                    else comp.instructions)
     users = _users(instructions)
 
-    owners: dict[str, tuple[str, ...]] = {}  # instruction -> the buffers its value lives in
+    # Each top-level element of a tuple-shaped result is its own buffer, freed after the last
+    # read of that element, as XLA's buffer assignment does: a call's residual for the backward
+    # pass does not keep its siblings alive.
+    elements: dict[str, tuple[tuple[str, ...], ...]] = {}  # instruction -> buffers per element
+    own: dict[str, tuple[str, ...]] = {}  # instruction -> the buffers it allocates
     size: dict[str, float] = {}
     category: dict[str, Category] = {}
     phase: dict[str, Phase] = {}
     last_use: dict[str, int] = {}
+
+    flat: dict[str, tuple[str, ...]] = {}  # instruction -> all its buffers
+
+    def owners(name: str) -> tuple[str, ...]:
+        if name not in flat:
+            flat[name] = tuple(dict.fromkeys(b for element in elements.get(name, ()) for b in element))
+        return flat[name]
+
     for i, inst in enumerate(instructions):
-        if inst.opcode in ALIASING_OPCODES or _fused_away(inst, users[inst.name], ctx.fusion):
-            # views alias their operands; a fused producer is recomputed where its consumers run,
-            # so its operands live until then
-            owners[inst.name] = tuple(dict.fromkeys(b for o in inst.operands for b in owners.get(o, ())))
+        if inst.opcode == "get-tuple-element":
+            parts = elements.get(inst.operands[0], ())
+            k = inst.tuple_index
+            elements[inst.name] = (parts[k],) if k is not None and k < len(parts) else (owners(inst.operands[0]),)
+        elif inst.opcode == "tuple":
+            elements[inst.name] = tuple(owners(o) for o in inst.operands)
+        elif inst.opcode in ALIASING_OPCODES or _fused_away(inst, users[inst.name], ctx.fusion):
+            # views alias their operands (a one-operand view keeps its operand's elements); a fused
+            # producer is recomputed where its consumers run, so its operands live until then
+            elements[inst.name] = (elements.get(inst.operands[0], ()) if len(inst.operands) == 1
+                                   and inst.opcode in ALIASING_OPCODES
+                                   else (tuple(dict.fromkeys(b for o in inst.operands for b in owners(o))),))
         elif inst.opcode in NO_BUFFER_OPCODES:
-            owners[inst.name] = ()
+            elements[inst.name] = ()
         else:
-            owners[inst.name] = (inst.name,)
-            size[inst.name] = sg.node_result_bytes(index[inst.name])
-            category[inst.name] = (Category.GRADIENT if (instance, inst.name) in ctx.sync_bytes
-                                   else Category.ACTIVATION)
-            phase[inst.name] = instruction_phase(inst)
-            last_use[inst.name] = i
-        reader = instruction_phase(inst)
+            parts = _element_bytes(sg, index[inst.name], inst)
+            names = (inst.name,) if len(parts) == 1 else tuple(f"{inst.name}{{{k}}}" for k in range(len(parts)))
+            elements[inst.name] = tuple((b,) for b in names)
+            own[inst.name] = names
+            kind = Category.GRADIENT if (instance, inst.name) in ctx.sync_bytes else Category.ACTIVATION
+            for b, nbytes in zip(names, parts):
+                size[b], category[b], phase[b], last_use[b] = nbytes, kind, phase_of(inst), i
+        reader = phase_of(inst)
         for o in inst.operands:
-            for b in owners.get(o, ()):
+            for b in owners(o):
                 last_use[b] = max(last_use.get(b, -1), i)
                 # a backward value the optimizer update reads (through views and fusions) is a gradient
                 if reader is Phase.UPDATE and phase.get(b) is Phase.BACKWARD:
@@ -262,7 +340,7 @@ def _simulate(ctx: _Context, instance: int, cache: dict[int, float]) -> _Peak:
     outputs: set[str] = set()
     in_place: set[str] = set()
     for k, operand in enumerate(_root_leaves(root)):
-        bufs = owners.get(operand, ())
+        bufs = owners(operand)
         for b in bufs:
             last_use[b] = end
         if instance == 0:
@@ -278,36 +356,63 @@ def _simulate(ctx: _Context, instance: int, cache: dict[int, float]) -> _Peak:
     if sync_at >= 0:
         for inst in instructions:
             if (instance, inst.name) in ctx.sync_bytes:
-                for b in owners[inst.name]:
+                for b in owners(inst.name):
                     last_use[b] = max(last_use[b], sync_at)
 
     frees: dict[int, list[str]] = {}
     for b, i in last_use.items():
         if b in size:
             frees.setdefault(i, []).append(b)
-    live: dict[str, float] = {}
-    best = _Peak(0.0, {c: 0.0 for c in Category}, "")
+    kinds = tuple(Category)  # running sums are plain lists indexed like this: the loop is hot
+    grad, act = kinds.index(Category.GRADIENT), kinds.index(Category.ACTIVATION)
+    kind_of = {b: kinds.index(Category.OUTPUT if b in outputs else category[b]) for b in size}
+    live: set[str] = set()
+    live_by_kind = [0.0] * len(kinds)
+    most = [0.0] * len(kinds)
+    best: tuple[float, list[float], str] = (0.0, [0.0] * len(kinds), "")
     for i, inst in enumerate(instructions):
-        if inst.name in size and inst.name not in in_place:
-            live[inst.name] = size[inst.name]
-        transient = ctx.partial_bytes.get(index[inst.name], 0.0)  # the all-reduce's output
+        for b in own.get(inst.name, ()):
+            if b not in in_place:
+                live.add(b)
+                live_by_kind[kind_of[b]] += size[b]
+        # buffers that exist only while this instruction runs: an all-reduce's output, the synced
+        # gradients' reduced copies, a callee's own temporaries
+        now = list(live_by_kind)
+        now[act] += ctx.partial_bytes.get(index[inst.name], 0.0)
         if i == sync_at:
-            transient += sync_total
+            now[grad] += sync_total
         if inst.opcode in _CALLERS:
             peaks = [cache[k] if k in cache else cache.setdefault(k, _simulate(ctx, k, cache).bytes)
                      for k in ctx.children.get((instance, inst.name), ())]
             # the callee's own peak includes its result, which the caller already holds
-            transient += max(0.0, max(peaks, default=0.0) - size.get(inst.name, 0.0))
-        total = sum(live.values()) + transient
-        if total > best.bytes:
-            by_cat = {c: 0.0 for c in Category}
-            for b, v in live.items():
-                by_cat[Category.OUTPUT if b in outputs else category[b]] += v
-            by_cat[Category.GRADIENT if i == sync_at else Category.ACTIVATION] += transient
-            best = _Peak(total, by_cat, inst.name)
+            held = sum(size[b] for b in own.get(inst.name, ()))
+            now[act] += max(0.0, max(peaks, default=0.0) - held)
+        for k, value in enumerate(now):
+            if value > most[k]:
+                most[k] = value
+        total = sum(now)
+        if total > best[0]:
+            best = (total, now, inst.name)
         for b in frees.get(i, ()):
-            live.pop(b, None)
-    return best
+            if b in live:
+                live.remove(b)
+                live_by_kind[kind_of[b]] -= size[b]
+    return _Peak(best[0], dict(zip(kinds, best[1])), best[2], dict(zip(kinds, most)))
+
+
+def _element_bytes(sg: ShardedGraph, node: int, inst: Instruction) -> tuple[float, ...]:
+    """Per-device bytes of each top-level element of `inst`'s result (one entry for an array)."""
+    first, count = sg.graph.node_tensors[node]
+    per_leaf = sg.tensor_bytes_all[first: first + count]
+    if not inst.shape.is_tuple:
+        return (float(per_leaf.sum()),)
+    out: list[float] = []
+    lo = 0
+    for element in inst.shape.elements:  # type: ignore[union-attr]
+        n = sum(1 for _ in element.leaves()) if element.is_tuple else 1
+        out.append(float(per_leaf[lo: lo + n].sum()))
+        lo += n
+    return tuple(out)
 
 
 def _root_leaves(root: Instruction) -> tuple[str, ...]:
@@ -338,4 +443,6 @@ def estimate_memory(sg: ShardedGraph, capacity: int, *, donated: frozenset[int] 
         outputs=int(round(peak.by_category[Category.OUTPUT])),
         capacity=int(capacity),
         peak_instruction=peak.instruction,
+        max_gradients=int(round(peak.most[Category.GRADIENT])),
+        max_activations=int(round(peak.most[Category.ACTIVATION])),
     )

@@ -26,6 +26,7 @@ import numpy as np
 from hlomap.cost.compute import while_trip_count
 from hlomap.hlo.capture import Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
+from hlomap.hlo.opcodes import CallContext, opcode_names
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 #: Opcodes whose work is that of the computations they call; those computations' instructions are
 #: nodes of the graph (instantiated per call site) and are costed there.
-CONTAINER_OPCODES = frozenset({"call", "while", "conditional", "async-start"})
+CONTAINER_OPCODES = opcode_names(lambda op: op.calls is CallContext.CONTROL_FLOW)
 
 
 class PartialResult(NamedTuple):

@@ -1,4 +1,5 @@
-"""HLO front end: IR, parser, printer, graph helpers and capture from jax.jit.
+"""HLO front end: IR (and its printer), the opcode table, parser, graph helpers and capture
+from jax.jit.
 
     from hlomap.hlo import parse, parse_all, parse_file, print_module, HloParseError
     module = parse(text)                  # exactly one module
@@ -43,10 +44,13 @@ from hlomap.hlo.ir import (
     parse_replica_groups,
     parse_slice,
     parse_window,
+    print_computation,
+    print_instruction,
+    print_module,
     shape_at,
 )
+from hlomap.hlo.opcodes import OPCODES, OpcodeInfo
 from hlomap.hlo.parser import HloParseError, parse, parse_all, parse_file, split_modules
-from hlomap.hlo.printer import print_computation, print_instruction, print_module
 
 __all__ = [
     "CALLED_COMPUTATION_KEYS",
@@ -63,6 +67,8 @@ __all__ = [
     "Metadata",
     "Module",
     "ModuleGraph",
+    "OPCODES",
+    "OpcodeInfo",
     "PaddingDimension",
     "ScatterDimensionNumbers",
     "Shape",

@@ -115,6 +115,9 @@ class Capture:
     args: tuple[Any, ...] | None = field(default=None, repr=False)
     in_tree: Any = field(default=None, repr=False)
     arg_names: tuple[str, ...] = ()
+    #: how the roles were decided: "given" (by the caller), "argument names" (inferred from a
+    #: dump's metadata paths), "" (captured from JAX, or no roles)
+    role_source: str = ""
 
     @property
     def has_roles(self) -> bool:
@@ -212,45 +215,95 @@ def from_module(
     module: Module,
     *,
     trainable: Iterable[int | str] | None = None,
+    trainable_prefix: Iterable[str] = (),
     data: Iterable[int | str] | None = None,
     source: str = "<hlo>",
     text: str | None = None,
+    infer_roles: bool = False,
 ) -> Capture:
     """Wrap a bare HLO module (e.g. a dump from any framework).
 
-    As in Auto-MAP, the caller names the trainable parameters (by index or HLO name); `data`
-    names data inputs. When neither is given every role is UNKNOWN. When only `trainable` is
-    given, the remaining non-scalar parameters are taken as DATA candidates.
+    Roles, the first rule that applies:
+    1. As in Auto-MAP, the caller names the trainable parameters: `trainable` by index or HLO
+       name, `trainable_prefix` by the start of their path or name; `data` names data inputs.
+       The others are then optimizer state when their path says so (`opt_state/...`), data
+       inputs when not scalar (unless `data` names them), else other.
+    2. With `infer_roles`, nothing named, but JAX's metadata carries the parameters' pytree paths
+       (a dump of a jitted step: `params['layers_0']...`, `opt_state[0].mu...`, `batch['tokens']`):
+       the argument-name rules of `capture` apply (params -> trainable, opt_state -> optimizer state,
+       batch -> data), and `Capture.role_source` says that the roles were inferred.
+    3. Otherwise every role is UNKNOWN.
+    Raises ValueError naming an index out of range, an unknown name or a prefix matching nothing.
     """
+    params = module.entry.parameters
+    from_metadata = {inst.name: _metadata_path(inst) for inst in params}
+    paths = {name: path or name for name, path in from_metadata.items()}
     trainable_keys = set(trainable or ())
     data_keys = set(data or ())
-    params = module.entry.parameters
     _check_keys(trainable_keys | data_keys, params)
+    for prefix in trainable_prefix:
+        hits = {inst.name for inst in params if paths[inst.name].startswith(prefix) or inst.name.startswith(prefix)}
+        if not hits:
+            raise ValueError(f"trainable prefix {prefix!r} matches no entry parameter; paths start with "
+                             f"{sorted({paths[i.name].split('/')[0] for i in params})}")
+        trainable_keys |= hits
     named_any = bool(trainable_keys or data_keys)
+    inferred = infer_roles and not named_any and any(path is not None and _arg_name(path) in _KNOWN_ARG_NAMES
+                                                     for path in from_metadata.values())
 
     def role_of(inst: Instruction) -> Role:
         keys = {inst.parameter_number, inst.name}
+        shape = inst.shape
+        is_float = isinstance(shape, ArrayShape) and _is_float_name(shape.dtype)
         if keys & trainable_keys:
             return Role.TRAINABLE
         if keys & data_keys:
             return Role.DATA
+        if inferred:
+            return _role_by_argument_name(_arg_name(paths[inst.name]), shape, is_float)
         if not named_any:
             return Role.UNKNOWN
-        shape = inst.shape
+        if _arg_name(paths[inst.name]) in OPTIMIZER_ARG_NAMES:
+            return Role.OPTIMIZER_STATE if is_float else Role.OTHER
         return Role.DATA if isinstance(shape, ArrayShape) and shape.rank > 0 and not data_keys else Role.OTHER
 
     parameters = tuple(
         EntryParameter(
             index=inst.parameter_number or 0,
             name=inst.name,
-            path=_metadata_path(inst) or inst.name,
+            path=paths[inst.name],
             shape=_array_shape(inst),
             role=role_of(inst),
         )
         for inst in params
     )
     digest = module_fingerprint(text if text is not None else str(module))
-    return Capture(module=module, parameters=parameters, source=source, text_sha256=digest)
+    role_source = "given" if named_any else ("argument names" if inferred else "")
+    return Capture(module=module, parameters=parameters, source=source, text_sha256=digest, role_source=role_source)
+
+
+_KNOWN_ARG_NAMES = TRAINABLE_ARG_NAMES | DATA_ARG_NAMES | OPTIMIZER_ARG_NAMES
+#: JAX's key path as metadata prints it: `params['layers_0']['attn']`, `opt_state[0].mu['w']`.
+_KEYSTR_PART = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
+
+
+def _arg_name(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+def _role_by_argument_name(arg_name: str, shape: Any, is_float: bool) -> Role:
+    """`capture`'s argument-name rules for one parameter of a dump (rule 2 of `from_module`)."""
+    if arg_name in OPTIMIZER_ARG_NAMES:
+        return Role.OPTIMIZER_STATE if is_float else Role.OTHER
+    if arg_name in TRAINABLE_ARG_NAMES:
+        return Role.TRAINABLE if is_float else Role.OTHER
+    if arg_name in DATA_ARG_NAMES:
+        return Role.DATA
+    return Role.OTHER
+
+
+def _is_float_name(dtype: str) -> bool:
+    return dtype.startswith(("f", "bf"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,15 +427,31 @@ def _array_shape(inst: Instruction) -> ArrayShape:
 
 
 def _metadata_path(inst: Instruction) -> str | None:
+    """A parameter's pytree path from JAX's metadata, `/`-joined (`params['embed']['w']` ->
+    `params/embed/w`); the op_name as is when it is not a key path; None without metadata."""
     md = inst.metadata
-    return md.op_name if md is not None and md.op_name else None
+    if md is None or not md.op_name:
+        return None
+    text = md.op_name.replace("\\'", "'")  # HLO text escapes the quotes of JAX's key path
+    head = re.match(r"^(\w+)", text)
+    if head is None:
+        return md.op_name
+    rest = text[head.end():]
+    parts = _KEYSTR_PART.findall(rest)
+    if "".join(f"['{a}']" if a else (f"[{b}]" if b else f".{c}") for a, b, c in parts) != rest:
+        return md.op_name
+    return "/".join([head.group(1), *(a or b or c for a, b, c in parts)])
 
 
 def _check_keys(keys: set[int | str], params: Sequence[Instruction]) -> None:
+    out_of_range = sorted(k for k in keys if isinstance(k, int) and not 0 <= k < len(params))
+    if out_of_range:
+        raise ValueError(f"unknown entry parameter {out_of_range[0]}: index out of range, the entry has "
+                         f"{len(params)} parameters, 0..{len(params) - 1}")
     known = {p.parameter_number for p in params} | {p.name for p in params}
     unknown = sorted(map(str, keys - known))
     if unknown:
         raise ValueError(
-            f"unknown entry parameter(s) {unknown}; the entry has {len(params)} parameters"
-            f" (indices 0..{len(params) - 1}, names {[p.name for p in params][:8]}...)"
+            f"unknown entry parameter(s) {unknown}: name them by index (0..{len(params) - 1}) or by HLO "
+            f"name, e.g. {[p.name for p in params][:3]} (`hlomap inspect` lists them)"
         )

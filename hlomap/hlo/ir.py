@@ -10,6 +10,9 @@ Design:
   instructions (elementwise ops) have none of them.
 - Source positions (`SourceLocation`) are excluded from equality: two modules are equal when
   they mean the same thing, wherever their text came from.
+- The IR prints itself back to XLA's classic text (`print_module`, `str(module)`), and the
+  canonical form of name-valued attributes lives here too, so that the parser imports the IR and
+  nothing in the IR imports the parser.
 """
 
 from __future__ import annotations
@@ -267,6 +270,38 @@ CALLED_COMPUTATION_KEYS: tuple[str, ...] = (
     "async_execution_thread_computations",
 )
 
+#: XLA's identifier, `[a-zA-Z_][a-zA-Z0-9_.-]*` (hlo_lexer.cc): instruction and computation names.
+NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+
+#: Attributes whose value names computations or instructions. Their values are stored in one
+#: canonical form, without `%` sigils (`to_apply=add`, `calls={a, b}`), so that the classic and
+#: the JAX style of the same module compare equal; the printer adds the sigils back.
+NAME_VALUED_KEYS = frozenset(CALLED_COMPUTATION_KEYS) | {"control-predecessors"}
+_NAME_FULL_RE = re.compile(r"%?" + NAME_PATTERN)
+
+
+def split_name_value(value: str) -> tuple[tuple[str, ...], bool] | None:
+    """`%add` -> (("add",), False); `{%a, b}` -> (("a", "b"), True); None when `value` is not
+    a name or a braced list of names."""
+    stripped = value.strip()
+    braced = stripped.startswith("{") and stripped.endswith("}")
+    inner = stripped[1:-1].strip() if braced else stripped
+    if braced and not inner:
+        return (), True
+    parts = [p.strip() for p in inner.split(",")]
+    if (len(parts) > 1 and not braced) or not all(_NAME_FULL_RE.fullmatch(p) for p in parts):
+        return None
+    return tuple(p[1:] if p.startswith("%") else p for p in parts), braced
+
+
+def canonical_names(value: str) -> str:
+    """`%add` -> `add`; `{%a,%b}` -> `{a, b}`. Values that are not names stay verbatim."""
+    split = split_name_value(value)
+    if split is None:
+        return value
+    names, braced = split
+    return "{" + ", ".join(names) + "}" if braced else names[0]
+
 
 # ---------------------------------------------------------------------------------------------
 # Instructions, computations, modules
@@ -516,8 +551,6 @@ class Module:
         return sum(len(c.instructions) for c in self.computations)
 
     def __str__(self) -> str:
-        from hlomap.hlo.printer import print_module
-
         return print_module(self)
 
 
@@ -645,3 +678,71 @@ def parse_metadata(text: str) -> Metadata:
         source_line=ints.get("source_line"),
         stack_frame_id=ints.get("stack_frame_id"),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Text form
+# ---------------------------------------------------------------------------------------------
+# The printer lives with the IR it prints, so that `str(module)` imports nothing: the imports of
+# the hlo layer stay a DAG (parser -> ir).
+
+
+def shape_without_layout(shape: Shape) -> str:
+    """`f32[2,3]`, `(f32[2], s32[])`: how XLA prints shapes in computation signatures."""
+    if isinstance(shape, TupleShape):
+        return "(" + ", ".join(shape_without_layout(e) for e in shape.elements) + ")"
+    if shape.layout is None:
+        return str(shape)
+    return str(ArrayShape(shape.dtype, shape.dims, shape.dynamic))
+
+
+def _with_sigils(value: str) -> str:
+    """`add` -> `%add`, `{a, b}` -> `{%a, %b}` for values that name computations/instructions;
+    anything else verbatim."""
+    split = split_name_value(value)
+    if split is None:
+        return value
+    names, braced = split
+    sigiled = ", ".join("%" + name for name in names)
+    return "{" + sigiled + "}" if braced else sigiled
+
+
+def _print_attributes(pairs: tuple[tuple[str, str], ...]) -> str:
+    return "".join(
+        f", {key}={_with_sigils(value) if key in NAME_VALUED_KEYS else value}"
+        for key, value in pairs
+    )
+
+
+def print_instruction(inst: Instruction) -> str:
+    """One instruction, without indentation: `ROOT %add.1 = f32[2]{0} add(%a, %b), k=v`."""
+    if inst.payload is not None:
+        inside = inst.payload
+    else:
+        inside = ", ".join("%" + operand for operand in inst.operands)
+    root = "ROOT " if inst.is_root else ""
+    return f"{root}%{inst.name} = {inst.shape} {inst.opcode}({inside}){_print_attributes(inst.attributes)}"
+
+
+def print_computation(computation: Computation, *, is_entry: bool = False) -> str:
+    """A computation with its signature: parameters by number, then the root's shape."""
+    params = ", ".join(
+        f"{p.name}: {shape_without_layout(p.shape)}" for p in computation.parameters
+    )
+    result = shape_without_layout(computation.root.shape)
+    head = f"{'ENTRY ' if is_entry else ''}%{computation.name} ({params}) -> {result} {{"
+    body = "\n".join("  " + print_instruction(inst) for inst in computation.instructions)
+    return f"{head}\n{body}\n}}{_print_attributes(computation.attributes)}"
+
+
+def print_module(module: Module) -> str:
+    """The whole module in XLA's classic style (`%` sigils, signatures, `ROOT`), which both XLA's
+    parser and hlomap's read back: header, stack-frame tables (if any), computations in stored
+    order. Attribute values, literals and tables print verbatim, so `parse(str(m)) == m`."""
+    parts = [f"HloModule {module.name}{_print_attributes(module.attributes)}"]
+    if module.trailer:
+        # XLA prints the tables right after the header and reads them only there.
+        parts.append(module.trailer)
+    for computation in module.computations:
+        parts.append(print_computation(computation, is_entry=computation.name == module.entry_name))
+    return "\n\n".join(parts) + "\n"

@@ -19,7 +19,8 @@ verbatim, except those naming computations or instructions (`to_apply`, `calls`,
 modules. Conventions shared with XLA's parser: without an ENTRY marker the last computation is
 the entry; a file without a header is named `module_<entry>`; a computation without ROOT has its
 last instruction marked ROOT; a result shape may be omitted where it can be inferred (tuple,
-get-tuple-element, elementwise ops; XLA infers a few more). The stack-frame tables may also
+get-tuple-element, elementwise ops: the opcode table, `hlomap.hlo.opcodes`, says how; XLA infers a
+few more). The stack-frame tables may also
 follow the computations (XLA only reads them after the header, where the printer puts them).
 
 Design, for speed: most instructions sit on one line in one of a few shapes, so each is first
@@ -44,6 +45,8 @@ from typing import NoReturn
 from hlomap.hlo.ir import (
     CALLED_COMPUTATION_KEYS,
     ELEMENT_BITS,
+    NAME_PATTERN,
+    NAME_VALUED_KEYS,
     ArrayShape,
     Computation,
     Instruction,
@@ -52,8 +55,10 @@ from hlomap.hlo.ir import (
     SourceLocation,
     TupleShape,
     _name_list,
+    canonical_names,
     shape_at,
 )
+from hlomap.hlo.opcodes import OPCODES, InferredShape
 
 __all__ = ["HloParseError", "parse", "parse_all", "parse_file", "split_modules"]
 
@@ -101,8 +106,8 @@ class HloParseError(ValueError):
 # Lexical patterns
 # ---------------------------------------------------------------------------------------------
 
-#: XLA's identifier: `[a-zA-Z_][a-zA-Z0-9_.-]*` (hlo_lexer.cc).
-_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+#: XLA's identifier (hlo_lexer.cc), shared with the IR's name-valued attributes.
+_NAME = NAME_PATTERN
 _NAME_RE = re.compile(r"%?(" + _NAME + r")")
 _ATTR_KEY_RE = re.compile(_NAME)
 _OPCODE_RE = re.compile(r"[a-z][a-z0-9\-]*")
@@ -168,46 +173,6 @@ _FAST_RE = re.compile(
 _ATTR_FAST_RE = re.compile(_ATTR_FAST)
 _SHAPE_FAST_RE = re.compile(_ARRAY_SHAPE_FAST + "|" + _TUPLE_SHAPE_FAST)
 _INDEX_COMMENT_RE = re.compile(_INDEX_COMMENT)
-
-# -- shape inference for instructions printed without a result shape (XLA allows it) --------
-
-_SAME_SHAPE_OPCODES = frozenset(
-    "abs acos acosh add asin asinh atan2 atanh cbrt ceil copy cos cosh count-leading-zeros "
-    "divide erf exponential exponential-minus-one floor log log-plus-one logistic and not or xor "
-    "maximum minimum multiply negate opt-barrier popcnt power remainder round-nearest-afz "
-    "round-nearest-even rsqrt shift-left shift-right-arithmetic shift-right-logical sign sin "
-    "sinh sqrt subtract tan tanh add-dependency".split()
-)
-_PRED_OPCODES = frozenset({"compare", "is-finite"})
-
-#: Attributes whose value names computations or instructions. Their values are stored in one
-#: canonical form, without `%` sigils (`to_apply=add`, `calls={a, b}`), so that the classic and
-#: the JAX style of the same module compare equal; the printer adds the sigils back.
-NAME_VALUED_KEYS = frozenset(CALLED_COMPUTATION_KEYS) | {"control-predecessors"}
-_NAME_FULL_RE = re.compile(r"%?" + _NAME)
-
-
-def split_name_value(value: str) -> tuple[tuple[str, ...], bool] | None:
-    """`%add` -> (("add",), False); `{%a, b}` -> (("a", "b"), True); None when `value` is not
-    a name or a braced list of names."""
-    stripped = value.strip()
-    braced = stripped.startswith("{") and stripped.endswith("}")
-    inner = stripped[1:-1].strip() if braced else stripped
-    if braced and not inner:
-        return (), True
-    parts = [p.strip() for p in inner.split(",")]
-    if (len(parts) > 1 and not braced) or not all(_NAME_FULL_RE.fullmatch(p) for p in parts):
-        return None
-    return tuple(p[1:] if p.startswith("%") else p for p in parts), braced
-
-
-def canonical_names(value: str) -> str:
-    """`%add` -> `add`; `{%a,%b}` -> `{a, b}`. Values that are not names stay verbatim."""
-    split = split_name_value(value)
-    if split is None:
-        return value
-    names, braced = split
-    return "{" + ", ".join(names) + "}" if braced else names[0]
 
 
 def _canonical_attributes(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -726,13 +691,15 @@ class _Parser:
                     "defined above)", self.describe(pos),
                 )
             shapes.append(by_name[operand].shape)
-        if opcode == "tuple":
+        info = OPCODES.get(opcode)
+        rule = info.inferred_shape if info is not None else None
+        if rule is InferredShape.TUPLE_OF_OPERANDS:
             return TupleShape(tuple(shapes))
-        if opcode == "after-all":
+        if rule is InferredShape.TOKEN:
             return ArrayShape("token")
-        if opcode in ("replica-id", "partition-id"):
+        if rule is InferredShape.U32_SCALAR:
             return ArrayShape("u32")
-        if opcode == "get-tuple-element" and len(shapes) == 1:
+        if rule is InferredShape.TUPLE_ELEMENT and len(shapes) == 1:
             index = dict(attributes).get("index", "")
             if _DIGITS_RE.fullmatch(index):
                 try:
@@ -740,11 +707,11 @@ class _Parser:
                 except IndexError:
                     pass
         if shapes and isinstance(shapes[0], ArrayShape):
-            if opcode in _SAME_SHAPE_OPCODES:
+            if rule is InferredShape.SAME_AS_FIRST:
                 return shapes[0]
-            if opcode in _PRED_OPCODES:
+            if rule is InferredShape.PREDICATE_OF_FIRST:
                 return replace(shapes[0], dtype="pred")
-        if opcode in ("select", "clamp") and len(shapes) == 3:
+        if rule is InferredShape.SAME_AS_SECOND and len(shapes) == 3:
             return shapes[1]
         self.error(pos, f"a result shape (hlomap cannot infer it for '{opcode}')")
 

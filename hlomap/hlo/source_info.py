@@ -1,17 +1,30 @@
-"""Source locations of instructions: metadata's source_file/line, or JAX's stack frame tables.
+"""Where an instruction comes from, read from its metadata: the file and line of the source
+(metadata's source_file/line, or JAX's stack frame tables) and the layer it belongs to (the
+scopes of JAX's name stack in op_name).
 
 JAX (with debug info) prints `stack_frame_id=N` in metadata and appends FileNames /
 FileLocations / StackFrames tables to the module text; the parser keeps them verbatim in
 `Module.trailer`. `source_tables` parses them once; `source_location` resolves one instruction.
+`layer_name` reads the scope path from op_name (`jit(step)/jvp(layers_0)/dot_general` ->
+`layers_0/dot_general`), `scope_of` and `nearest_scopes` the layer scope of such paths.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from hlomap.hlo.ir import Instruction, Module
+from hlomap.hlo.ir import Instruction, Metadata, Module
+
+__all__ = [
+    "SourceTables",
+    "layer_name",
+    "nearest_scopes",
+    "scope_of",
+    "source_location",
+    "source_tables",
+]
 
 _TABLE_LINE = re.compile(r"^\s*(\d+)\s+(.*)$")
 _KV = re.compile(r"(\w+)=(-?\d+)")
@@ -66,3 +79,75 @@ def source_location(inst: Instruction, tables: SourceTables | None = None) -> st
     file_id, line = tables.locations.get(frame[0], (0, 0))
     path = tables.files.get(file_id)
     return f"{path}:{line}" if path else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers: JAX's name stacks in op_name
+# ---------------------------------------------------------------------------------------------
+
+#: Name-stack wrappers JAX puts around scopes; `layer_name` unwraps them.
+_WRAPPERS = frozenset({"jvp", "transpose", "jit", "pjit", "remat", "checkpoint", "vmap", "pmap"})
+_WRAPPED = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split a name stack on '/' outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        elif ch == "/" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _unwrap(component: str) -> list[str]:
+    """`transpose(jvp(layers_0))` -> ['layers_0']; `jvp()` -> []; `jit(_take)` -> ['_take']."""
+    match = _WRAPPED.match(component)
+    while match and match.group(1) in _WRAPPERS:
+        component = match.group(2)
+        match = _WRAPPED.match(component)
+    return [part for part in _split_top_level(component) if part]
+
+
+def layer_name(metadata: Metadata | None, fallback: str = "") -> str:
+    """The scope path of an op from its metadata op_name, without JAX's transformation wrappers:
+    `jit(train_step)/jvp(layers_0)/dot_general` -> `layers_0/dot_general`."""
+    if metadata is None or not metadata.op_name:
+        return fallback
+    # Fused ops list several names separated by ';': the first is representative.
+    components = _split_top_level(metadata.op_name.split(";")[0])
+    if components and components[0].startswith(("jit(", "pjit(")):
+        components = components[1:]  # the step function itself
+    parts = [part for component in components for part in _unwrap(component)]
+    return "/".join(parts) or fallback
+
+
+def scope_of(layer: str) -> str:
+    """`layers_0/attn/dot_general` -> `layers_0/attn`; a bare op name has no scope: ''."""
+    return layer.rsplit("/", 1)[0] if "/" in layer else ""
+
+
+def nearest_scopes(layers: Sequence[str]) -> tuple[str, ...]:
+    """For each layer name, its own scope, else `after X` with X the scope of the closest scoped
+    name before it, else `before X` with the closest after it, else ''; so that every position
+    of a chain of ops names a layer (as Auto-MAP's Table 7 names its cuts)."""
+    own = [scope_of(name) for name in layers]
+    out = list(own)
+    previous = ""
+    for i, scope in enumerate(own):
+        if scope:
+            previous = scope
+        elif previous:
+            out[i] = f"after {previous}"
+    following = ""
+    for i in range(len(own) - 1, -1, -1):
+        if own[i]:
+            following = own[i]
+        elif not out[i] and following:
+            out[i] = f"before {following}"
+    return tuple(out)

@@ -36,6 +36,7 @@ import numpy as np
 
 from hlomap.hlo.capture import Capture, EntryParameter, Role
 from hlomap.hlo.ir import Computation, Instruction, Module, Shape
+from hlomap.hlo.opcodes import CallContext, opcode_names
 from hlomap.propagation.factors import FactorKind, OpRule
 from hlomap.propagation.rules import ELEMENTWISE_OPCODES as _ELEMENTWISE_OPCODES
 from hlomap.propagation.rules import rule_for
@@ -157,6 +158,7 @@ class FactorGraph:
         unknown: Mapping[str, int],
         tensor_free: np.ndarray | None = None,
         followed: np.ndarray | None = None,
+        links: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.module = module
         self.parameters = tuple(parameters)
@@ -178,6 +180,9 @@ class FactorGraph:
         self.num_groups = int(group_of_dim.max()) + 1 if len(group_of_dim) else 0
         #: group -> group whose sharding it takes when deriving shardings (see followed_groups)
         self.followed = followed if followed is not None else np.arange(self.num_groups, dtype=np.int32)
+        #: (dim a, dim b, node): every pair of dims an instruction tied together, and which
+        empty = np.zeros(0, dtype=np.int64)
+        self.links = links if links is not None else (empty, empty, empty)
         self.dim_tensor = np.repeat(np.arange(len(tensor_rank), dtype=np.int32), tensor_rank)
         self.dim_index = (np.arange(len(dim_size)) - np.repeat(tensor_first_dim, tensor_rank)).astype(np.int32)
 
@@ -311,6 +316,41 @@ class FactorGraph:
         order, starts = self._group_members
         return order[starts[group]: starts[group + 1]]
 
+    def link_path(self, dim_a: int, dim_b: int) -> tuple[int, ...]:
+        """The nodes (instructions) along a chain of links from dim `dim_a` to dim `dim_b` of one
+        group: why the two must share a sharding. Links made by forward-pass instructions are
+        preferred (a user recognizes the attention product, not its transpose). Empty when they
+        are the same dim or not linked."""
+        from scipy.sparse import coo_matrix
+        from scipy.sparse.csgraph import dijkstra
+
+        from hlomap.hlo.capture import Phase, instruction_phase
+
+        a, b, nodes = self.links
+        if dim_a == dim_b or not len(a):
+            return ()
+        n = self.num_dims
+        forward = np.asarray([instruction_phase(self.nodes[int(x)].instruction) is Phase.FORWARD
+                              if x >= 0 else False for x in nodes])
+        cost = np.where(forward, 1.0, 10.0)
+        # one entry per pair of dims (a sparse matrix would add up duplicates), both directions
+        u, v = np.concatenate([a, b]), np.concatenate([b, a])
+        index = np.concatenate([np.arange(len(a)), np.arange(len(a))])
+        order = np.lexsort((cost[index], u * n + v))  # the cheapest link of each pair first
+        _, first = np.unique((u * n + v)[order], return_index=True)
+        keep = order[first]
+        weights = coo_matrix((cost[index[keep]], (u[keep], v[keep])), shape=(n, n)).tocsr()
+        which = coo_matrix((index[keep] + 1, (u[keep], v[keep])), shape=(n, n)).tocsr()
+        _, parent = dijkstra(weights, indices=dim_a, return_predecessors=True)
+        if parent[dim_b] < 0:
+            return ()
+        path, here = [], dim_b
+        while here != dim_a:
+            previous = int(parent[here])
+            path.append(int(nodes[int(which[previous, here]) - 1]))
+            here = previous
+        return tuple(dict.fromkeys(x for x in reversed(path) if x >= 0))
+
     def group_members(self, group: int) -> list[DimRef]:
         return [self.dim_ref(int(d)) for d in self.group_dims(group)]
 
@@ -390,6 +430,8 @@ class _Builder:
         self.soft: list[tuple[int, int]] = []  # (constant-derived dim, the consumer dim it follows)
         self.edges_a: list[int] = []
         self.edges_b: list[int] = []
+        self.edges_node: list[int] = []  # the instruction (node) that links each pair of dims
+        self.current_node = -1
         # (node, rep dim) records, resolved to groups after the union
         self.units: list[tuple[int, list[int]]] = []
         self.nr: list[tuple[int, int]] = []
@@ -434,6 +476,7 @@ class _Builder:
             unknown=self.unknown,
             tensor_free=np.asarray(self.tensor_free, dtype=bool),
             followed=self.followed_groups(labels),
+            links=(a, b, np.asarray(self.edges_node, dtype=np.int64)),
         )
 
     def followed_groups(self, labels: np.ndarray) -> np.ndarray:
@@ -491,6 +534,7 @@ class _Builder:
         return dims
 
     def apply(self, comp: Computation, inst: Instruction, node: int, dims: dict[str, list[list[int]]]) -> None:
+        self.current_node = node
         per_operand: list[list[list[int]]] = []
         operand_shapes: list[Shape] = []
         for name in inst.operands:
@@ -559,6 +603,7 @@ class _Builder:
                 for d in major[f][1:]:
                     self.edges_a.append(first)
                     self.edges_b.append(d)
+                    self.edges_node.append(node)
             kind = rule.factor_kinds[f]
             if kind is FactorKind.NEED_REPLICATION:
                 self.nr.append((node, ds[0]))
@@ -587,10 +632,12 @@ class _Builder:
                 if self.dim_size[da] == self.dim_size[db] and self.dim_size[da] > 1:
                     self.edges_a.append(da)
                     self.edges_b.append(db)
+                    self.edges_node.append(self.current_node)
 
     def link_called(self, inst: Instruction, instance: int, per_operand: list[list[list[int]]],
                     result_leaves: list[list[int]]) -> None:
-        """Instantiate the computations `inst` calls and link them to its operands and results."""
+        """Instantiate the computations `inst` calls and link them to its operands and results
+        (the links are recorded as the call site's, `current_node`)."""
         names = [(key, n) for key in _INSTANTIATED_KEYS[inst.opcode] if key in inst.attrs for n in _names(inst.attrs[key])]
         operand_leaves = [leaf for leaves in per_operand for leaf in leaves]
         for branch, (key, name) in enumerate(names):
@@ -598,7 +645,9 @@ class _Builder:
             if callee is None:
                 log.warning("%s calls unknown computation %s; ignored", inst.name, name)
                 continue
+            call_node = self.current_node
             cdims = self.instantiate(callee, parent=instance, call_site=inst.name)
+            self.current_node = call_node
             params = [cdims[p.name] for p in callee.parameters]
             root = cdims[callee.root.name]
             if inst.opcode == "conditional":
@@ -672,15 +721,17 @@ class _Builder:
         )
 
 
-#: Opcodes whose result is never constant-derived (inputs, randomness, device-dependent values,
-#: opaque calls).
-_NEVER_FREE = frozenset({
-    "parameter", "rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "recv",
-    "recv-done", "custom-call", "while", "call", "conditional", "fusion", "async-start",
-    "async-done", "partition-id", "replica-id", "after-all", "all-reduce", "all-gather",
-    "all-to-all", "reduce-scatter", "collective-permute", "all-reduce-start", "all-reduce-done",
-})
+#: Sources whose value the program itself defines: free in any sharding.
 _FREE_SOURCES = frozenset({"constant", "iota"})
+
+#: Opcodes whose result is never constant-derived: inputs, randomness and device ids (the
+#: table's other sources, but for get-dimension-size, which follows its operand), values from
+#: other devices (collectives, received data), and opaque calls.
+_NEVER_FREE = opcode_names(
+    lambda op: (op.source and op.name not in _FREE_SOURCES | {"get-dimension-size"})
+    or op.collective
+    or op.calls is CallContext.CONTROL_FLOW
+) | {"fusion", "custom-call", "recv-done"}
 
 
 def _free_leaves(inst: Instruction, free: Mapping[str, list[bool]]) -> list[bool]:

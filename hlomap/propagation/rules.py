@@ -3,7 +3,9 @@
 `rule_for(inst, operand_shapes, module)` returns the `OpRule` of an instruction. Rules never
 raise on odd input: an unknown opcode or custom-call target gets a conservative rule in which
 every dimension is its own need-replication factor (nothing is linked, nothing may be sharded),
-with `OpRule.fallback` saying why; the factor graph logs one warning per unknown name.
+with `OpRule.fallback` saying why; the factor graph logs one warning per unknown name. The
+families (elementwise ops, sources) come from the opcode table, `hlomap.hlo.opcodes`; opcodes of
+the table left without a rule on purpose are listed in `UNKNOWN_OPCODES` with the reason.
 
 Choices worth knowing (see factors.py for the kinds):
 - Dims whose sizes differ between operand and result (slice, pad, concatenate, dynamic-slice,
@@ -25,6 +27,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
 
 from hlomap.hlo.ir import ArrayShape, Instruction, Module, Shape, WindowDimension
+from hlomap.hlo.opcodes import opcode_names
 from hlomap.propagation.factors import (
     FactorKind,
     OpRule,
@@ -411,19 +414,10 @@ def rule_get_tuple_element(inst: Instruction, operands: tuple[Shape, ...], modul
     return b.build(independent_leaves=True)
 
 
-def rule_iota(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
-    """A sharded iota is computed locally from the device's offset: free on every dim."""
-    return _isolated(inst, operands)
-
-
 def rule_pad(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
     b = _builder(inst, operands)
     _match_dims(b, [(0, 0)])
     return b.build()
-
-
-def rule_parameter(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
-    return _isolated(inst, operands)
 
 
 def rule_reduce(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
@@ -554,8 +548,15 @@ def rule_sort(inst: Instruction, operands: tuple[Shape, ...], module: Module | N
     return _pointwise(inst, operands, lambda d: NR if d in sort_dims else PT)
 
 
+def rule_source(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
+    """Sources create their result (parameters, constants, iota, random bits, ids, infeed): no
+    dim corresponds to an operand dim, and every dim is free. A sharded parameter is fed in
+    pieces, a sharded iota computed locally from the device's offset."""
+    return _isolated(inst, operands)
+
+
 def rule_structural(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
-    """tuple / optimization-barrier / while / domain: result leaf i is operand leaf i."""
+    """tuple / opt-barrier / while / domain: result leaf i is operand leaf i."""
     b = _builder(inst, operands)
     for r, rshape in enumerate(b.result_shapes):
         if r < len(b.operand_shapes) and b.operand_shapes[r].dims == rshape.dims:
@@ -605,7 +606,10 @@ def rule_async_done(inst: Instruction, operands: tuple[Shape, ...], module: Modu
 
 
 def unknown_rule(inst: Instruction, operands: tuple[Shape, ...], module: Module | None) -> OpRule:
-    return _isolated(inst, operands, NR, fallback=f"opcode {inst.opcode!r}")
+    """Every dim its own need-replication factor; the fallback says why (see `UNKNOWN_OPCODES`)."""
+    reason = UNKNOWN_OPCODES.get(inst.opcode)
+    detail = f" ({reason})" if reason else ""
+    return _isolated(inst, operands, NR, fallback=f"opcode {inst.opcode!r}{detail}")
 
 
 def _int_attr_list(text: str) -> tuple[int, ...]:
@@ -614,25 +618,41 @@ def _int_attr_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"-?\d+", text))
 
 
-_ELEMENTWISE = (
-    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "clz", "compare", "complex", "convert",
-    "copy", "cosine", "divide", "erf", "exponential", "exponential-minus-one", "floor", "imag",
-    "is-finite", "log", "log-plus-one", "logistic", "map", "maximum", "minimum", "multiply",
-    "negate", "not", "or", "popcnt", "power", "real", "reduce-precision", "remainder",
-    "round-nearest-afz", "round-nearest-even", "rsqrt", "select", "shift-left",
-    "shift-right-arithmetic", "shift-right-logical", "sign", "sine", "sqrt", "stochastic-convert",
-    "subtract", "tan", "tanh", "xor", "set-dimension-size",
-)
-#: opcodes whose rule depends on operand and result shapes only
-ELEMENTWISE_OPCODES = frozenset(_ELEMENTWISE)
+#: The elementwise family: every opcode the table marks elementwise (and set-dimension-size, whose
+#: result has its operand's dims) shares the pointwise rule.
+_ELEMENTWISE = tuple(sorted(opcode_names(lambda op: op.elementwise is not None) | {"set-dimension-size"}))
 
-_SOURCES = ("constant", "rng", "rng-bit-generator", "rng-get-and-update-state", "partition-id",
-            "replica-id", "after-all", "infeed", "recv", "get-dimension-size")
+#: Sources: every opcode the table marks as creating its result.
+_SOURCES = tuple(sorted(opcode_names(lambda op: op.source)))
+
+#: Opcodes of the text format left to `unknown_rule` on purpose, and why. Nothing in them may be
+#: sharded, which is always correct and never fast; a test checks that every opcode of the table
+#: has a rule or a line here.
+UNKNOWN_OPCODES: Mapping[str, str] = MappingProxyType({
+    "batch-norm-grad": "JAX lowers batch norm to reductions; other front ends' batch norms "
+                       "are not modeled",
+    "batch-norm-inference": "JAX lowers batch norm to reductions; other front ends' batch norms "
+                            "are not modeled",
+    "batch-norm-training": "JAX lowers batch norm to reductions; other front ends' batch norms "
+                           "are not modeled",
+    "collective-reduce": "a collective written by hand whose reduction is not modeled",
+    "dynamic-reshape": "its result dims are sizes known only at run time",
+    "outfeed": "sends its operand to the host whole",
+    "ragged-all-to-all": "the sizes it exchanges are known only at run time",
+    "ragged-dot": "its groups' sizes are known only at run time",
+    "recv-done": "a point-to-point transfer written by hand; the peer's layout is unknown",
+    "scaled-dot": "block-scaled dot: the scales' dims are not modeled",
+    "scan": "JAX lowers scans to while loops; this loop form is not modeled",
+    "send": "a point-to-point transfer written by hand; the peer's layout is unknown",
+    "send-done": "a point-to-point transfer written by hand; the peer's layout is unknown",
+    "shuffle": "its permutation of elements is not modeled",
+})
 
 #: opcode -> rule. The literal lists families then single opcodes alphabetically; the mapping
 #: itself is sorted by opcode so that listings and docs read alphabetically.
 RULES: Mapping[str, RuleFn] = MappingProxyType(dict(sorted({
     **{op: rule_elementwise for op in _ELEMENTWISE},
+    **{op: rule_source for op in _SOURCES},
     "add-dependency": rule_structural,
     "all-gather": rule_collective,
     "all-gather-start": rule_collective,
@@ -667,10 +687,8 @@ RULES: Mapping[str, RuleFn] = MappingProxyType(dict(sorted({
     "fusion": rule_call,
     "gather": rule_gather,
     "get-tuple-element": rule_get_tuple_element,
-    "iota": rule_iota,
-    "optimization-barrier": rule_structural,
+    "opt-barrier": rule_structural,
     "pad": rule_pad,
-    "parameter": rule_parameter,
     "reduce": rule_reduce,
     "reduce-scatter": rule_collective,
     "reduce-window": rule_reduce_window,
@@ -685,8 +703,11 @@ RULES: Mapping[str, RuleFn] = MappingProxyType(dict(sorted({
     "triangular-solve": rule_triangular_solve,
     "tuple": rule_structural,
     "while": rule_structural,
-    **{op: rule_parameter for op in _SOURCES},
 }.items())))
+
+#: Opcodes whose rule depends on operand and result shapes only (the factor graph shares one
+#: rule between instructions with equal shapes).
+ELEMENTWISE_OPCODES = frozenset(_ELEMENTWISE)
 
 
 def rule_for(inst: Instruction, operands: Sequence[Shape], module: Module | None = None) -> OpRule:

@@ -20,13 +20,18 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _plan_title(name: str) -> str:
+    """`plan dp` for a built-in plan, `the plan` for a saved or given one (not `plan plan`)."""
+    return "the plan" if name == "plan" else f"plan {name}"
+
+
 def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:
     """A plain-text report: step time, the by-kind table (the `top_kinds` slowest opcodes, the
     rest summed, then every collective kind), the `top` slowest instructions, the collectives
     (grouped by kind, reason and axes) and the memory per device."""
     mesh = ", ".join(f"{k}={v}" for k, v in est.mesh)
     lines = [
-        f"plan {est.plan} on mesh {{{mesh}}}, cluster {est.cluster} ({est.device}); per device:",
+        f"{_plan_title(est.plan)} on mesh {{{mesh}}}, cluster {est.cluster} ({est.device}); per device:",
         f"step {human_seconds(est.step_seconds)} = compute {human_seconds(est.compute_seconds)} + exposed "
         f"communication {human_seconds(est.exposed_communication_seconds)} (of "
         f"{human_seconds(est.communication_seconds)}; overlap assumed: {est.overlap.value}); "
@@ -70,6 +75,8 @@ def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> 
         f"memory per device: parameters {human_bytes(m.parameters)}, optimizer {human_bytes(m.optimizer)}, "
         f"inputs {human_bytes(m.inputs)}, gradients {human_bytes(m.gradients)}, activations "
         f"{human_bytes(m.activations)}, outputs {human_bytes(m.outputs)} (peak at {m.peak_instruction or '-'})",
+        f"each at its own high point: gradients {human_bytes(m.max_gradients)}, activations "
+        f"{human_bytes(m.max_activations)}",
         f"total {human_bytes(m.total)} of {human_bytes(m.capacity)}: "
         + ("fits" if m.fits else f"DOES NOT FIT, short by {human_bytes(m.shortfall)}"),
     ]

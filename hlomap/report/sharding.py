@@ -1,5 +1,6 @@
 """Reports on explored sharding plans: convergence plots (Auto-MAP's Figure 16 style), baseline
-tables, the per-layer summary the CLI prints and the search's progress bar.
+tables and the per-layer summary the CLI prints; the search's progress bar (from
+`report.progress`) is re-exported for the CLI.
 
 Rich and matplotlib are imported inside the functions that draw, so the library stays importable
 (and fast to import) without a display.
@@ -7,15 +8,15 @@ Rich and matplotlib are imported inside the functions that draw, so the library 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
 from os import PathLike
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.search.tracker import Progress, SearchResult
+from hlomap.report.progress import progress_bar
+from hlomap.search.tracker import SearchResult
 from hlomap.tasks.sharding.compare import layer_of
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def plot_convergence(results: Sequence[SearchResult], path: str | PathLike[str],
     if optimum is not None:
         ax.axhline(optimum, ls="--", color="k", lw=1, label=f"optimum {optimum:.4g}")
     ax.set_xlabel("episode / evaluated plan")
-    ax.set_ylabel(f"score ({results[0].reward.value} reward)" if results else "score")
+    ax.set_ylabel(f"score ({results[0].reward} reward)" if results else "score")
     if title:
         ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8)
@@ -140,28 +141,3 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
                           + (f", memory {mem.get('total', 0) / 2**30:.2f} GiB per device"
                              + ("" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")) if mem else "")))
     return Group(table, *lines)
-
-
-@contextlib.contextmanager
-def progress_bar(enabled: bool = True, *, description: str = "explore") -> Iterator[Callable[[Progress], None] | None]:
-    """A rich progress bar fed by a driver's `on_progress` callback; yields None when disabled.
-
-        with progress_bar(not quiet) as on_progress:
-            explore_detailed(cap, ..., on_progress=on_progress)
-    """
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-
-    bar = Bar(TextColumn(f"[bold]{description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-              TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False)
-    task = bar.add_task(description, total=1000, stats="")
-
-    def update(p: Progress) -> None:
-        bar.update(task, completed=int(1000 * p.fraction),
-                   stats=f"{p.driver.value}: best {p.best:.4g}, last {p.last:.4g}, {p.evaluations} evaluations")
-
-    with bar:
-        yield update
-        bar.update(task, completed=1000)

@@ -1,11 +1,11 @@
 """What every search driver shares: budgets, the result record, and the tracker that keeps the
 best plan, the convergence curve and the evaluation count while a driver runs.
 
-A driver calls `tracker.record(choices, score)` for every complete plan it scores (an episode,
-a greedy candidate, an enumerated plan) and stops when `tracker.exhausted()`. The tracker calls
-`on_best` whenever the best plan improves, so the caller can save it as the search runs; a
-KeyboardInterrupt inside a driver is caught by `tracker.guard()` and the driver returns what it
-has, marked `interrupted`.
+A driver calls `tracker.record(decisions, score)` for every complete plan it scores (an
+episode, a greedy candidate, an enumerated plan) and stops when `tracker.exhausted()`. The
+tracker calls `on_best` whenever the best plan improves, so the caller can save it as the
+search runs; a KeyboardInterrupt inside a driver is caught by `tracker.guard()` and the driver
+returns what it has, marked `interrupted`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from hlomap.tasks.sharding.objective import WORST, Objective, RewardMode, Score
-from hlomap.tasks.sharding.space import SearchSpace
+from hlomap.search.budget import Budget
+from hlomap.search.score import WORST, Score
+from hlomap.search.task import SearchTask
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +36,6 @@ class Driver(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-@dataclass(frozen=True)
-class Budget:
-    """When a search stops: whichever limit comes first (None: no limit of that kind; with
-    neither, only drivers that end by themselves, exact and greedy, accept it)."""
-
-    seconds: float | None = 60.0
-    evaluations: int | None = None
-
-    @property
-    def unlimited(self) -> bool:
-        return self.seconds is None and self.evaluations is None
-
-    def require_limit(self, driver: str) -> None:
-        if self.unlimited:
-            raise ValueError(f"the {driver} driver needs a budget in seconds or evaluations")
 
 
 class Improvement(NamedTuple):
@@ -76,13 +60,18 @@ class Progress(NamedTuple):
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The outcome of one driver run on one space and objective."""
+    """The outcome of one driver run on one task.
+
+    decisions: the best decision vector; plan: the task's plan of it (`SearchTask.plan_of`);
+    episodes: learning episodes played (learned drivers; 0 otherwise); greedy: the score of
+    what the final greedy policy builds (learned drivers; None otherwise).
+    """
 
     driver: Driver
-    reward: RewardMode
+    reward: str
     seed: int
-    choices: np.ndarray  # best choice vector [P]
-    plan: np.ndarray  # its plan array over the graph's groups
+    decisions: np.ndarray
+    plan: Any
     score: Score
     evaluations: int
     seconds: float
@@ -91,6 +80,13 @@ class SearchResult:
     interrupted: bool = False
     optimal: bool = False  # proven optimal (exact driver)
     notes: tuple[str, ...] = field(default=())
+    episodes: int = 0
+    greedy: Score | None = None
+
+    @property
+    def choices(self) -> np.ndarray:
+        """The decisions under the sharding tasks' name for them (a choice per position)."""
+        return self.decisions
 
     @property
     def best_curve(self) -> np.ndarray:
@@ -99,7 +95,7 @@ class SearchResult:
 
     def search_json(self) -> dict[str, object]:
         """The `search` record stored in a saved plan."""
-        return {"driver": self.driver.value, "reward": self.reward.value, "seed": self.seed,
+        return {"driver": self.driver.value, "reward": self.reward, "seed": self.seed,
                 "evaluations": self.evaluations, "seconds": round(self.seconds, 3),
                 "score": self.score.to_json(), "interrupted": self.interrupted, "optimal": self.optimal,
                 **({"notes": list(self.notes)} if self.notes else {})}
@@ -108,30 +104,37 @@ class SearchResult:
 class Tracker:
     """Best plan, curve, evaluation count and budget of one driver run."""
 
-    def __init__(self, space: SearchSpace, objective: Objective, budget: Budget, driver: Driver, seed: int, *,
+    def __init__(self, task: SearchTask, budget: Budget, driver: Driver, seed: int, *,
                  on_best: Callable[[SearchResult], None] | None = None,
                  on_progress: Callable[[Progress], None] | None = None) -> None:
-        self.space = space
-        self.objective = objective
+        self.task = task
         self.budget = budget
         self.driver = driver
         self.seed = seed
         self.on_best = on_best
         self.on_progress = on_progress
         self.start = time.perf_counter()
-        self.start_evaluations = objective.evaluations
-        self.best_choices = space.empty_choices()
+        self.start_evaluations = task.evaluations
+        self.best_choices: np.ndarray | None = None
         self.best = WORST
+        self.episodes = 0
+        self.greedy: Score | None = None
         self.curve: list[float] = []
         self.improvements: list[Improvement] = []
         self.interrupted = False
         self.optimal = False
         self.notes: list[str] = []
+        # What the task knows without searching: a proven optimum's score, or how many plans
+        # there are at all; a search that reaches either has nothing left to find.
+        settles = budget.settle and driver in (Driver.DQN, Driver.RANDOM)
+        self.ceiling: Score | None = task.known_optimum() if settles else None
+        self.universe: int | None = task.plan_count() if settles else None
+        self._seen: set[bytes] = set()
 
     # -- accounting -----------------------------------------------------------------------------
     @property
     def evaluations(self) -> int:
-        return self.objective.evaluations - self.start_evaluations
+        return self.task.evaluations - self.start_evaluations
 
     @property
     def seconds(self) -> float:
@@ -143,12 +146,16 @@ class Tracker:
             parts.append(self.seconds / max(self.budget.seconds, 1e-9))
         if self.budget.evaluations is not None:
             parts.append(self.evaluations / max(self.budget.evaluations, 1))
-        return float(min(1.0, max(parts)))
+        if self.budget.episodes is not None:
+            parts.append(self.episodes / max(self.budget.episodes, 1))
+        return float(min(1.0, max(parts, default=0.0)))
 
     def exhausted(self) -> bool:
-        if self.interrupted:
+        if self.interrupted or self.optimal:
             return True
         if self.budget.evaluations is not None and self.evaluations >= self.budget.evaluations:
+            return True
+        if self.budget.episodes is not None and self.episodes >= self.budget.episodes:
             return True
         return self.budget.seconds is not None and self.seconds >= self.budget.seconds
 
@@ -158,13 +165,32 @@ class Tracker:
         return max(0, self.budget.evaluations - self.evaluations)
 
     # -- recording ------------------------------------------------------------------------------
-    def record(self, choices: np.ndarray, score: Score, *, curve: bool = True) -> bool:
+    def record(self, decisions: np.ndarray, score: Score, *, curve: bool = True) -> bool:
         """Note one scored plan; returns True when it is the new best."""
         if curve:
             self.curve.append(score.value)
+        if self.universe is not None and score.conflict_free:
+            self._seen.add(np.asarray(decisions).tobytes())
+        improved = self._improve(decisions, score)
+        self._settle()
+        return improved
+
+    def _settle(self) -> None:
+        """Mark the search optimal (so it stops) once its best is the proven optimum or every
+        plan of the space has been scored."""
+        if self.optimal or self.best_choices is None:
+            return
+        if self.ceiling is not None and self.best.key >= self.ceiling.key:
+            self.optimal = True
+            self.notes.append("stopped at the proven optimum (the exact solver's score)")
+        elif self.universe is not None and len(self._seen) >= self.universe:
+            self.optimal = True
+            self.notes.append(f"stopped after scoring every one of the {self.universe} conflict-free plans")
+
+    def _improve(self, decisions: np.ndarray, score: Score) -> bool:
         if score.conflict_free and score.key > self.best.key:
             self.best = score
-            self.best_choices = np.array(choices, dtype=np.int8, copy=True)
+            self.best_choices = np.array(decisions, copy=True)
             self.improvements.append(Improvement(self.evaluations, self.seconds, score.value, score.tiebreak))
             log.debug("%s: new best %.4f (tie-break %.1f) after %d evaluations", self.driver, score.value,
                       score.tiebreak, self.evaluations)
@@ -189,13 +215,25 @@ class Tracker:
             log.warning("%s search interrupted after %d evaluations; keeping the best plan so far",
                         self.driver, self.evaluations)
 
+    @property
+    def best_decisions(self) -> np.ndarray:
+        """The best decision vector so far (raises before any conflict-free plan was scored)."""
+        if self.best_choices is None:
+            raise RuntimeError(f"{self.driver} search has scored no conflict-free plan yet")
+        return self.best_choices
+
     def result(self) -> SearchResult:
+        if self.best_choices is None and self.interrupted:
+            raise KeyboardInterrupt  # stopped before any plan: nothing to keep, let the caller stop
+        if self.best_choices is None:
+            raise RuntimeError(f"{self.driver} search ended without a conflict-free plan "
+                               f"after {self.evaluations} evaluations")
         return SearchResult(
             driver=self.driver,
-            reward=self.objective.mode,
+            reward=self.task.reward,
             seed=self.seed,
-            choices=self.best_choices.copy(),
-            plan=self.space.plan_of(self.best_choices),
+            decisions=self.best_choices.copy(),
+            plan=self.task.plan_of(self.best_choices),
             score=self.best,
             evaluations=self.evaluations,
             seconds=self.seconds,
@@ -204,4 +242,6 @@ class Tracker:
             interrupted=self.interrupted,
             optimal=self.optimal,
             notes=tuple(self.notes),
+            episodes=self.episodes,
+            greedy=self.greedy,
         )

@@ -1,5 +1,6 @@
-"""XLA as the oracle: compile a step with a plan's in_shardings, read the shardings XLA's own
-propagation (shardy) chose, and compare them with the ones the factor graph derives.
+"""XLA as the oracle of propagation: compile a step with a plan's in_shardings
+(`verify.compile.compile_plan` with an XLA dump), read the shardings XLA's own propagation
+(shardy) chose, and compare them with the ones the factor graph derives.
 
     report, numerics = check_plan(cap, plan, mesh, workdir, example_args=args, reference=outputs)
     report.agreement(Category.INTERMEDIATE), report.disagreements, numerics.ok
@@ -14,6 +15,7 @@ are compared semantically: each is reduced to the tile coordinates of every devi
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import glob
 import logging
@@ -21,13 +23,21 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from hlomap.hlo.ir import Module
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
+from hlomap.verify.compile import compile_plan
+from hlomap.verify.numerics import OutputComparison, compare_outputs
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from hlomap.hlo.capture import Capture
+    from hlomap.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -283,84 +293,6 @@ def _free_tensors(graph: FactorGraph) -> np.ndarray:
     return np.asarray(graph.tensor_free, dtype=bool)
 
 
-# ---------------------------------------------------------------------------------------------
-# Compiling with JAX
-# ---------------------------------------------------------------------------------------------
-
-
-def compile_with_dump(step: Any, args: Sequence[Any], in_shardings: Any, workdir: str) -> tuple[Module, Any]:
-    """Compile `step` with `in_shardings`; return XLA's module just before SPMD partitioning (with
-    the shardings its propagation chose) and the compiled executable (callable on real args)."""
-    import jax
-
-    from hlomap.hlo.parser import parse
-
-    os.makedirs(workdir, exist_ok=True)
-    jitted = jax.jit(step, in_shardings=in_shardings, keep_unused=True)
-    compiled = jitted.lower(*args).compile(
-        compiler_options={"xla_dump_to": workdir, "xla_dump_hlo_pass_re": "shardy-xla"})
-    found = sorted(glob.glob(os.path.join(workdir, "*before_spmd-partitioning*")))
-    if not found:
-        raise FileNotFoundError(f"XLA wrote no *before_spmd-partitioning* dump under {workdir}; "
-                                f"files: {sorted(os.listdir(workdir))[:10]}")
-    with open(found[-1]) as f:
-        return parse(f.read(), filename=found[-1]), compiled
-
-
-@dataclass(frozen=True)
-class NumericCheck:
-    """Sharded step vs unsharded step on the same real inputs, leaf by leaf, with
-    `numpy.allclose(rtol=1e-4, atol=1e-5)` semantics."""
-
-    leaves: int
-    mismatched: tuple[str, ...]  # "leaf i (path): n of m elements, max abs error e" per failing leaf
-    max_abs_error: float
-    worst_fraction: float  # the largest fraction of a leaf's elements outside tolerance
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatched
-
-    @property
-    def isolated_only(self) -> bool:
-        """Every element outside tolerance is isolated (at most 1 in 10,000 of its leaf) and off by
-        less than 1e-4: the signature of Adam's first step dividing an eps-sized gradient by its
-        own magnitude, which turns rounding into O(lr) differences in single elements. A
-        partitioning error spoils whole blocks of a tensor instead."""
-        return self.worst_fraction <= 1e-4 and self.max_abs_error < 1e-4
-
-
-def compare_outputs(sharded: Any, reference: Any, rtol: float = 1e-4, atol: float = 1e-5) -> NumericCheck:
-    import jax
-
-    got = jax.tree_util.tree_leaves_with_path(sharded)
-    want = jax.tree_util.tree_leaves(reference)
-    if len(got) != len(want):
-        raise ValueError(f"sharded step returned {len(got)} leaves, the reference {len(want)}")
-    bad, worst, fraction = [], 0.0, 0.0
-    for i, ((path, a), b) in enumerate(zip(got, want)):
-        a, b = np.asarray(a).astype(np.float64), np.asarray(b).astype(np.float64)
-        err = np.abs(a - b)
-        worst = max(worst, float(err.max())) if a.size else worst
-        outside = ~np.isclose(a, b, rtol=rtol, atol=atol)
-        if outside.any():
-            fraction = max(fraction, float(outside.mean()))
-            bad.append(f"leaf {i} {jax.tree_util.keystr(path)}: {int(outside.sum())} of {a.size} elements, "
-                       f"max abs error {float(err.max()):.3g}")
-    return NumericCheck(len(got), tuple(bad), worst, fraction)
-
-
-def to_float64(tree: Any) -> Any:
-    """Floating-point leaves of `tree` as float64 numpy arrays (others unchanged)."""
-    import jax
-
-    def cast(leaf: Any) -> Any:
-        arr = np.asarray(leaf)
-        return arr.astype(np.float64) if np.issubdtype(arr.dtype, np.floating) else arr
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
 def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: FactorGraph, plan_array: np.ndarray,
                              axes: MeshAxes, mesh_names: Sequence[str], mesh_devices: np.ndarray) -> None:
     """Add the captured module's derived output shardings, compared with XLA's root sharding."""
@@ -383,165 +315,53 @@ def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: Fa
             tuple(int(x) for x in graph.dim_size[dims]), spec, text, _verdict(ours, xla), bool(graph.tensor_free[t])))
 
 
-def check_plan(cap: Any, plan: Any, mesh: Any, workdir: str, *, example_args: Sequence[Any] | None = None,
-               reference: Any = None, float64: bool = False,
-               graph: FactorGraph | None = None) -> tuple[OracleReport, NumericCheck | None]:
-    """Compile the captured step with the plan's shardings on `mesh` once: compare XLA's
-    propagated shardings with ours (see the module docstring) and, when `example_args` and the
-    unsharded step's outputs (`reference`) are given, run it and compare the results. With the
-    captured module's `graph`, its derived output shardings are compared with XLA's too.
+# ---------------------------------------------------------------------------------------------
+# Checking a plan
+# ---------------------------------------------------------------------------------------------
 
-    With `float64=True` (and float64 `example_args` / `reference`, see `reference_outputs`) the
-    step is compiled and run in double precision: partitioning changes the order of floating
-    point sums, and Adam's first step divides a gradient by its own magnitude, which turns the
-    rounding of a near-zero gradient in float32 into errors above 1e-5. In float64 that rounding
-    is far below the tolerance, so a mismatch means a partitioning error. Shardings do not depend
-    on the element type.
+
+def propagated_module(dump_dir: str) -> Module:
+    """XLA's module just before SPMD partitioning, from a `compile_plan(..., dump_dir=...)`: the
+    step after propagation, every instruction carrying the sharding XLA chose for it."""
+    from hlomap.hlo.parser import parse
+
+    found = sorted(glob.glob(os.path.join(dump_dir, "*before_spmd-partitioning*")))
+    if not found:
+        raise FileNotFoundError(f"XLA wrote no *before_spmd-partitioning* dump under {dump_dir}; "
+                                f"files: {sorted(os.listdir(dump_dir))[:10]}")
+    with open(found[-1]) as f:
+        return parse(f.read(), filename=found[-1])
+
+
+def check_plan(cap: Capture, plan: Plan, mesh: Mesh | None, workdir: str, *,
+               example_args: Sequence[Any] | None = None, reference: Any = None, float64: bool = False,
+               graph: FactorGraph | None = None) -> tuple[OracleReport, OutputComparison | None]:
+    """Compile the captured step with the plan's in_shardings on `mesh` (None: the plan's mesh of
+    the host devices) once: compare XLA's propagated shardings with ours (see the module
+    docstring) and, when `example_args` and the unsharded step's outputs (`reference`) are given,
+    run it and compare the results (`numerics.compare_outputs`). With the captured module's
+    `graph`, its derived output shardings are compared with XLA's too.
+
+    With `float64=True` (and float64 `example_args` / `reference`, see
+    `numerics.reference_outputs`) the step is compiled and run in double precision: partitioning
+    changes the order of floating-point sums, and Adam's first step divides a gradient by its own
+    magnitude, which turns the rounding of a near-zero gradient in float32 into errors above 1e-5.
+    In float64 that rounding is far below the tolerance, so a mismatch means a partitioning
+    error. Shardings do not depend on the element type.
     """
-    import contextlib
-
     import jax
 
-    context = jax.enable_x64(True) if float64 else contextlib.nullcontext()
-    with context:
+    with jax.enable_x64(True) if float64 else contextlib.nullcontext():
         args = example_args if example_args is not None else cap.args
-        module, compiled = compile_with_dump(cap.step, args, plan.shardings(mesh), workdir)
+        compiled = compile_plan(cap.step, args, plan, mesh=mesh, dump_dir=workdir)
+        module = propagated_module(workdir)
         specs = [p.spec for p in sorted(plan.parameters, key=lambda p: p.index)]
-        names, devices = tuple(mesh.axis_names), np.asarray(mesh.device_ids)
+        names, devices = tuple(compiled.mesh.axis_names), np.asarray(compiled.mesh.device_ids)
         report = compare_module(module, specs, names, devices)
         if graph is not None:
             axes = MeshAxes.from_mesh(plan.mesh_shape, extra=[g.axes for g in plan.groups])
             compare_captured_outputs(report, module, graph, plan.group_array(graph, axes), axes, names, devices)
         numerics = None
         if example_args is not None and reference is not None:
-            placed = jax.device_put(tuple(example_args), plan.shardings(mesh))
-            numerics = compare_outputs(compiled(*placed), reference)
+            numerics = compare_outputs(compiled.compiled(*compiled.place(example_args)), reference)
     return report, numerics
-
-
-def reference_outputs(step: Any, example_args: Sequence[Any], *, float64: bool = False) -> tuple[Any, Any]:
-    """(arguments, outputs) of the unsharded step, in float64 when asked (see `check_plan`)."""
-    import contextlib
-
-    import jax
-
-    args = to_float64(tuple(example_args)) if float64 else tuple(example_args)
-    with jax.enable_x64(True) if float64 else contextlib.nullcontext():
-        outputs = jax.device_get(jax.jit(step)(*args))
-    return args, outputs
-
-
-# ---------------------------------------------------------------------------------------------
-# The acceptance matrix (issue #3, section 4)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AcceptanceRow:
-    model: str
-    mesh: str
-    plan: str
-    groups_sharded: int
-    parameters: float
-    outputs: float
-    captured_outputs: float
-    intermediates: float
-    intermediates_count: int
-    numerics: NumericCheck | None
-    disagreements: tuple[tuple[tuple[str, str, str], int], ...]  # ((category, verdict, opcode), n)
-    notes: tuple[str, ...]
-
-
-MESHES: dict[str, dict[str, int]] = {"1x8": {"model": 8}, "2x4": {"data": 2, "model": 4}}
-
-
-def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed: int = 0,
-                    run_numerics: bool = True, float64: bool = True,
-                    meshes: Sequence[str] = ("1x8", "2x4")) -> list[AcceptanceRow]:
-    """Every plan of the acceptance matrix for one zoo model: data-parallel and Megatron on each
-    mesh, their combination on 2x4, and `random_per_mesh` random conflict-free plans per mesh.
-    Numerics run in float64 by default (see `check_plan`)."""
-    import jax
-
-    import hlomap
-    from hlomap import zoo
-    from hlomap.plan import Plan
-    from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan, random_plans
-
-    entry = zoo.get(model)
-    step = entry.train_step()
-    cap = hlomap.capture(step, *entry.abstract_args())
-    graph = FactorGraph.from_capture(cap)
-    example, reference = (reference_outputs(step, entry.example_args(seed=seed), float64=float64)
-                          if run_numerics else (None, None))
-    rng = np.random.default_rng(seed)
-    rows = []
-    for mesh_name in meshes:
-        shape = MESHES[mesh_name]
-        axes = MeshAxes.from_mesh(shape)
-        names = list(shape)
-        # Auto axes: XLA propagates shardings itself, which is what is being checked
-        mesh = jax.make_mesh(tuple(shape.values()), tuple(shape),
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-        dp = data_parallel_plan(graph, names[0], axes)
-        mg = megatron_plan(graph, names[-1], axes)
-        plans = [("data-parallel", dp), ("megatron", mg)]
-        if len(names) > 1:
-            plans.append(("data-parallel x megatron", combine(dp, mg)))
-        plans += [(f"random {i}", p) for i, p in enumerate(random_plans(graph, axes, random_per_mesh, rng))]
-        for label, array in plans:
-            plan = Plan.from_groups(cap, graph, array, axes)
-            where = os.path.join(workdir, f"{model}_{mesh_name}_{label.replace(' ', '_')}")
-            report, numerics = check_plan(cap, plan, mesh, where, example_args=example, reference=reference,
-                                          float64=float64, graph=graph)
-            rows.append(AcceptanceRow(
-                model, mesh_name, label, int((array >= 0).sum()),
-                report.agreement(Category.PARAMETER), report.agreement(Category.OUTPUT),
-                report.agreement(Category.CAPTURED_OUTPUT), report.agreement(Category.INTERMEDIATE), len(report.of(Category.INTERMEDIATE)),
-                numerics, tuple(report.kinds().most_common()), tuple(report.notes)))
-    return rows
-
-
-def format_rows(rows: Sequence[AcceptanceRow]) -> str:
-    lines = [f"{'model':12} {'mesh':4} {'plan':26} {'groups':>6} {'params':>7} {'outputs':>7} {'out/cap':>7} "
-             f"{'interm.':>7} {'of':>5} numerics"]
-    for r in rows:
-        num = "-" if r.numerics is None else ("ok" if r.numerics.ok else
-                                              ("isolated" if r.numerics.isolated_only else "FAIL")
-                                              + f" {r.numerics.mismatched[:2]}")
-        if r.numerics is not None:
-            num += f" (max err {r.numerics.max_abs_error:.1e})"
-        lines.append(f"{r.model:12} {r.mesh:4} {r.plan:26} {r.groups_sharded:6d} {r.parameters:7.1%} "
-                     f"{r.outputs:7.1%} {r.captured_outputs:7.1%} {r.intermediates:7.1%} {r.intermediates_count:5d} {num}")
-        for (cat, verdict, opcode), n in r.disagreements:
-            lines.append(f"{'':14}{n} x {cat} {opcode}: {verdict}")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m hlomap.verify.shardings [MODEL ...]`: the acceptance table per zoo model."""
-    import argparse
-    import tempfile
-
-    from hlomap import zoo
-
-    parser = argparse.ArgumentParser(
-        prog="python -m hlomap.verify.shardings",
-        description="Compare hlomap's propagated shardings with XLA's (shardy) for reference and random "
-                    "plans of zoo models, and run each plan against the unsharded step.")
-    parser.add_argument("models", nargs="*", default=["gpt-tiny"], metavar="MODEL",
-                        help="zoo model names (default gpt-tiny); `hlomap zoo list` shows them")
-    args = parser.parse_args(argv)
-    known = set(zoo.names())
-    unknown = [m for m in args.models if m not in known]
-    if unknown:
-        parser.error(f"unknown zoo model(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            print(format_rows(acceptance_rows(name, tmp)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

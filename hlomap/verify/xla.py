@@ -1,7 +1,9 @@
-"""XLA as the oracle: compile a captured step under a plan and read what XLA itself decided.
+"""XLA as the oracle of the cost model: compile a captured step under a plan and read what XLA
+itself decided.
 
 On the host's CPU devices (tests force 8 of them), `xla_reference(cap, plan)` compiles the step
-with `jax.jit(in_shardings=..., out_shardings=..., donate_argnums=...)` and returns:
+with `verify.compile.compile_plan` (`jax.jit(in_shardings=..., out_shardings=...,
+donate_argnums=...)`) and returns:
 - the collectives in `compiled.as_text()`, by kind, with per-device result bytes (tuple results
   summed, `-start`/`-done` pairs counted once, ops in while bodies times their trip count);
 - `compiled.cost_analysis()["flops"]`: FLOPs per device of the partitioned module;
@@ -22,14 +24,15 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
 from hlomap.cost.collectives import Collective
 from hlomap.cost.compute import while_trip_count
-from hlomap.hlo.capture import Capture, Role
+from hlomap.hlo.capture import Capture
 from hlomap.hlo.ir import Computation, Instruction, Module
+from hlomap.verify.compile import compile_plan, donated_arguments, output_specs
 
 if TYPE_CHECKING:
     from hlomap.cost.estimate import StepEstimate
@@ -168,7 +171,7 @@ def collective_totals(items: Iterable[Any]) -> dict[Collective, KindTotal]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compiling a plan
+# What XLA compiled for a plan
 # ---------------------------------------------------------------------------------------------
 
 
@@ -202,85 +205,19 @@ class XlaReference:
         return collective_totals(self.collectives)
 
 
-def _output_specs(graph: FactorGraph, plan: np.ndarray, axes: Any) -> list[Any]:
-    """A PartitionSpec per output leaf of the step, from the groups of the entry root's leaves."""
-    from jax.sharding import PartitionSpec
-
-    specs = []
-    for t in graph.output_tensors:
-        entries: list[Any] = []
-        for d in graph.tensor_dims(t):
-            o = int(plan[graph.group_of_dim[d]])
-            entries.append(None if o < 0 else (axes.options[o][0] if len(axes.options[o]) == 1 else axes.options[o]))
-        while entries and entries[-1] is None:
-            entries.pop()
-        specs.append(PartitionSpec(*entries))
-    return specs
-
-
-def donated_arguments(cap: Capture) -> tuple[int, ...]:
-    """Argument positions a training loop donates: those holding trainable parameters or
-    optimizer state (their updated values are outputs of the same shapes)."""
-    if cap.in_tree is None or cap.args is None:
-        return ()
-    import jax
-
-    donate = []
-    offset = 0
-    for i, arg in enumerate(cap.args):
-        n = len(jax.tree_util.tree_leaves(arg))
-        roles = {p.role for p in cap.parameters[offset: offset + n]}
-        if roles & {Role.TRAINABLE, Role.OPTIMIZER_STATE}:
-            donate.append(i)
-        offset += n
-    return tuple(donate)
-
-
-def jax_mesh(mesh: Mapping[str, int] | Sequence[tuple[str, int]]) -> Any:
-    """A `jax.sharding.Mesh` of the first prod(sizes) devices with these named axes."""
-    import jax
-
-    shape = dict(mesh)
-    need = math.prod(shape.values())
-    devices = jax.devices()
-    if len(devices) < need:
-        raise ValueError(f"mesh {shape} needs {need} devices; JAX sees {len(devices)} "
-                         f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} before importing jax)")
-    return jax.sharding.Mesh(np.asarray(devices[:need]).reshape(tuple(shape.values())), tuple(shape))
-
-
-def compile_plan(cap: Capture, plan: Plan, graph: FactorGraph | None = None, *, donate: bool = True) -> Any:
-    """`jax.jit(step, in_shardings=plan, out_shardings=derived, donate_argnums=...)` compiled."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    from hlomap.propagation.conflicts import MeshAxes
+def xla_reference(cap: Capture, plan: Plan, graph: FactorGraph | None = None, *,
+                  donate: bool = True) -> XlaReference:
+    """Compile `plan` for `cap` on the host devices as a training loop runs it (outputs pinned to
+    the plan's shardings, parameters and optimizer state donated unless `donate=False`) and read
+    collectives, FLOPs and memory."""
+    from hlomap.hlo.parser import parse
     from hlomap.propagation.graph import FactorGraph
 
     if cap.step is None or cap.args is None:
         raise ValueError(f"capture {cap.source!r} has no JAX step (a bare HLO dump); XLA cannot recompile it")
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
-    axes = MeshAxes.from_mesh(plan.mesh_shape, extra=[g.axes for g in plan.groups])
-    array = plan.group_array(graph, axes)
-    mesh = jax_mesh(plan.mesh)
-    in_shardings = plan.shardings(mesh, like=cap.args)
-    out_shape = jax.eval_shape(cap.step, *cap.args)
-    leaves, treedef = jax.tree_util.tree_flatten(out_shape)
-    specs = _output_specs(graph, array, axes)
-    if len(specs) != len(leaves):
-        raise ValueError(f"the step has {len(leaves)} outputs but the module's root has {len(specs)} leaves")
-    out_shardings = jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
-    jitted = jax.jit(cap.step, in_shardings=in_shardings, out_shardings=out_shardings,
-                     donate_argnums=donated_arguments(cap) if donate else ())
-    return jitted.lower(*cap.args).compile()
-
-
-def xla_reference(cap: Capture, plan: Plan, graph: FactorGraph | None = None, *,
-                  donate: bool = True) -> XlaReference:
-    """Compile `plan` for `cap` on the host devices and read collectives, FLOPs and memory."""
-    from hlomap.hlo.parser import parse
-
-    compiled = compile_plan(cap, plan, graph, donate=donate)
+    compiled = compile_plan(cap.step, cap.args, plan, outputs=output_specs(graph, plan),
+                            donate=donated_arguments(cap) if donate else ()).compiled
     module = parse(normalize_replica_groups(compiled.as_text()), filename="<compiled>")
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older jax returned one dict per program

@@ -32,7 +32,7 @@ def train(env: Environment, config: DqnConfig, steps: int, seed: int,
           functions: DqnFunctions | None = None) -> DqnAgent:
     agent = DqnAgent(config, env.observation_size, env.num_actions, seed=seed,
                      functions=functions)
-    run_loop(env, agent, LoopConfig(num_steps=steps, seed=seed, progress=False))
+    run_loop(env, agent, LoopConfig(num_steps=steps, seed=seed))
     return agent
 
 

@@ -13,8 +13,9 @@ import pytest
 
 from hlomap.agents import checkpoint
 from hlomap.agents.dqn import DqnAgent, DqnConfig, DqnFunctions, make_dqn
-from hlomap.agents.loop import EpisodeRecord, LoopConfig, LoopResult, run_loop
+from hlomap.agents.loop import EpisodeRecord, LoopConfig, LoopProgress, LoopResult, run_loop
 from hlomap.agents.ppo import PpoAgent, PpoConfig, PpoFunctions, make_ppo
+from hlomap.report.progress import training_bar
 from tests.agents.toy_envs import ContextualBandit, MaskedMDP, PlacementMDP
 
 # Small enough to be quick, with updates every step, n-step pending across the cut, and a
@@ -66,7 +67,7 @@ def test_same_seed_same_run_other_seed_other_run(dqn_fns: DqnFunctions) -> None:
     for seed in (0, 0, 1):
         agent = _dqn(dqn_fns, seed)
         runs.append((agent, run_loop(MaskedMDP(), agent,
-                                     LoopConfig(num_steps=150, seed=seed, progress=False))))
+                                     LoopConfig(num_steps=150, seed=seed))))
     assert_same_run(runs[0], runs[1])
     assert not np.array_equal(_leaves(runs[0][0].state)[0], _leaves(runs[2][0].state)[0])
 
@@ -77,18 +78,16 @@ def test_dqn_resume_mid_episode_is_bit_identical(dqn_fns: DqnFunctions, tmp_path
     total = 160
     whole = _dqn(dqn_fns)
     expected = (whole, run_loop(MaskedMDP(), whole,
-                                LoopConfig(num_steps=total, seed=3, progress=False)))
+                                LoopConfig(num_steps=total, seed=3)))
     path = str(tmp_path / "ckpt.npz")
     first = _dqn(dqn_fns)
-    run_loop(MaskedMDP(), first, LoopConfig(num_steps=cut, seed=3, progress=False,
-                                            checkpoint_path=path))
+    run_loop(MaskedMDP(), first, LoopConfig(num_steps=cut, seed=3, checkpoint_path=path))
     # A fresh process would build a fresh agent; the checkpoint carries everything else.
     resumed, extra = DqnAgent.from_checkpoint(path, functions=dqn_fns)
     assert extra is not None and extra["loop"]["step"] == cut
     assert extra["loop"]["in_episode"] == (cut % 4 != 0)
     again = _dqn(dqn_fns, seed=99)  # the seed is overwritten by the checkpoint's state
-    result = run_loop(MaskedMDP(), again, LoopConfig(num_steps=total, seed=3, progress=False,
-                                                     checkpoint_path=path))
+    result = run_loop(MaskedMDP(), again, LoopConfig(num_steps=total, seed=3, checkpoint_path=path))
     assert_same_run(expected, (again, result))
     assert resumed.num_steps == cut
 
@@ -97,13 +96,12 @@ def test_ppo_resume_mid_rollout_is_bit_identical(ppo_fns: PpoFunctions, tmp_path
     total, cut = 24 * 4, 24 + 13
     whole = _ppo(ppo_fns)
     expected = (whole, run_loop(PlacementMDP(), whole,
-                                LoopConfig(num_steps=total, seed=5, progress=False)))
+                                LoopConfig(num_steps=total, seed=5)))
     path = str(tmp_path / "ppo.npz")
     run_loop(PlacementMDP(), _ppo(ppo_fns),
-             LoopConfig(num_steps=cut, seed=5, progress=False, checkpoint_path=path))
+             LoopConfig(num_steps=cut, seed=5, checkpoint_path=path))
     resumed = _ppo(ppo_fns, seed=7)
-    result = run_loop(PlacementMDP(), resumed, LoopConfig(num_steps=total, seed=5,
-                                                          progress=False, checkpoint_path=path))
+    result = run_loop(PlacementMDP(), resumed, LoopConfig(num_steps=total, seed=5, checkpoint_path=path))
     assert_same_run(expected, (resumed, result))
 
 
@@ -112,7 +110,7 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(dqn_fns: DqnFunctions
     total = 120
     whole = _dqn(dqn_fns)
     expected = (whole, run_loop(MaskedMDP(), whole,
-                                LoopConfig(num_steps=total, seed=1, progress=False)))
+                                LoopConfig(num_steps=total, seed=1)))
     path = str(tmp_path / "int.npz")
 
     def interrupt(record: EpisodeRecord) -> None:
@@ -124,8 +122,7 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(dqn_fns: DqnFunctions
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=total, seed=1, progress=False,
-                                                            checkpoint_path=path),
+            run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=total, seed=1, checkpoint_path=path),
                      on_episode=interrupt)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
     finally:
@@ -133,8 +130,7 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(dqn_fns: DqnFunctions
     _, meta = checkpoint.load(path)
     assert meta["extra"]["loop"]["episode"] == 11 and meta["num_steps"] == 44
     resumed = _dqn(dqn_fns)
-    result = run_loop(MaskedMDP(), resumed, LoopConfig(num_steps=total, seed=1, progress=False,
-                                                        checkpoint_path=path))
+    result = run_loop(MaskedMDP(), resumed, LoopConfig(num_steps=total, seed=1, checkpoint_path=path))
     assert_same_run(expected, (resumed, result))
 
 
@@ -147,9 +143,17 @@ def test_periodic_checkpoints_early_stop_and_progress_bar(
         seen.append(record)
         return record.index == 4
 
-    result = run_loop(MaskedMDP(), _dqn(dqn_fns),
-                      LoopConfig(num_steps=1000, progress=True, checkpoint_path=str(path),
-                                 checkpoint_every_steps=7), on_episode=stop_after_five)
+    reports: list[LoopProgress] = []
+
+    def keep(progress: LoopProgress) -> None:
+        reports.append(progress)
+        draw(progress)
+
+    with training_bar() as draw:
+        result = run_loop(MaskedMDP(), _dqn(dqn_fns),
+                          LoopConfig(num_steps=1000, checkpoint_path=str(path), checkpoint_every_steps=7,
+                                     progress_seconds=0.0),
+                          on_episode=stop_after_five, on_progress=keep)
     assert result.stopped_early and result.num_episodes == 5 and result.num_steps == 20
     assert [r.end_step for r in seen] == [4, 8, 12, 16, 20]
     assert result.best_return == max(r.episode_return for r in seen)
@@ -157,8 +161,14 @@ def test_periodic_checkpoints_early_stop_and_progress_bar(
     assert checkpoint.load(path)[1]["num_steps"] == 20
     out = capsys.readouterr()
     assert "train" in out.out + out.err and "epsilon" in out.out + out.err
+    # every step reported (no interval), then once more at the end
+    assert [p.step for p in reports] == list(range(1, 21)) + [20]
+    assert reports[-1].total == 1000 and reports[-1].episodes == 5
+    assert reports[-1].best_return == result.best_return and reports[-1].loss == result.last_loss
+    assert reports[-1].mean_return == pytest.approx(result.mean_return())
+    assert reports[-1].epsilon is not None and 0.0 < reports[-1].epsilon < 1.0
     # The bar only reports: the same run without it is the same run.
-    quiet = run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=1000, progress=False),
+    quiet = run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=1000),
                      on_episode=lambda r: r.index == 4)
     np.testing.assert_array_equal(quiet.episode_returns, result.episode_returns)
 
@@ -187,8 +197,7 @@ def test_restore_refuses_another_config(dqn_fns: DqnFunctions, tmp_path: Path) -
     with pytest.raises(ValueError, match="checkpoint is for"):
         other.restore(path)
     with pytest.raises(ValueError, match="no training-loop state"):
-        run_loop(env, _dqn(dqn_fns), LoopConfig(num_steps=5, progress=False,
-                                                checkpoint_path=str(path)))
+        run_loop(env, _dqn(dqn_fns), LoopConfig(num_steps=5, checkpoint_path=str(path)))
 
 
 def test_config_json_round_trip() -> None:
@@ -201,10 +210,10 @@ def test_params_snapshot_survives_updates(tmp_path: Path) -> None:
     env = ContextualBandit()
     config = dataclasses.replace(DQN, n_step=1, min_replay_size=8)
     agent = DqnAgent(config, env.observation_size, env.num_actions)
-    run_loop(env, agent, LoopConfig(num_steps=20, progress=False))
+    run_loop(env, agent, LoopConfig(num_steps=20))
     snapshot = agent.get_params()
     copy = jax.tree.map(np.copy, snapshot)
-    run_loop(env, agent, LoopConfig(num_steps=40, progress=False))  # donating updates
+    run_loop(env, agent, LoopConfig(num_steps=40))  # donating updates
     for x, y in zip(jax.tree.leaves(snapshot), jax.tree.leaves(copy)):
         np.testing.assert_array_equal(x, y)
     agent.set_params(snapshot)
@@ -232,7 +241,7 @@ def test_an_ignored_sigint_stays_ignored(dqn_fns: DqnFunctions) -> None:
     """A loop started as a background job (SIGINT ignored) must not make itself interruptible."""
     inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        result = run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=8, seed=1, progress=False),
+        result = run_loop(MaskedMDP(), _dqn(dqn_fns), LoopConfig(num_steps=8, seed=1),
                           on_episode=lambda record: os.kill(os.getpid(), signal.SIGINT))
         assert result.num_steps == 8 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:

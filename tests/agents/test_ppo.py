@@ -89,7 +89,7 @@ def test_ppo_solves_placement(advantage: Advantage, seed: int) -> None:
     config = PpoConfig(hidden=(64, 64), rollout_length=96, advantage=advantage,
                        learning_rate=1e-3)
     agent = PpoAgent(config, env.observation_size, env.num_actions, seed=seed)
-    result = run_loop(env, agent, LoopConfig(num_steps=4800, seed=seed, progress=False))
+    result = run_loop(env, agent, LoopConfig(num_steps=4800, seed=seed))
     ts, total = env.reset(0), 0.0
     while not ts.last:  # PlacementMDP raises on an illegal (full) device
         ts = env.step(agent.greedy_action(ts.observation, ts.legal))

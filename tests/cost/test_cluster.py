@@ -1,6 +1,7 @@
 """Device specs, topology builders, JSON round trips and their error messages."""
 
 import json
+import math
 import re
 
 import numpy as np
@@ -40,6 +41,18 @@ def test_device_spec_is_frozen_and_hashable():
     with pytest.raises(TypeError):
         spec.peak_flops["f32"] = 1.0  # type: ignore[index]
     assert len({spec, device_preset("H100-80GB"), device_preset("A100-80GB")}) == 2
+
+
+def test_unlimited_memory_is_infinity_written_as_null():
+    """PipeDream's optimizer never checks memory: a device may say so, and strict JSON keeps it."""
+    from dataclasses import replace
+
+    unlimited = replace(device_preset("V100-16GB"), memory_bytes=math.inf)
+    data = unlimited.to_json()
+    assert data["memory_bytes"] is None and "Infinity" not in json.dumps(data)
+    assert DeviceSpec.from_json(json.loads(json.dumps(data))) == unlimited
+    with pytest.raises(DeviceSpecError, match="memory_bytes = nan must be positive"):
+        replace(unlimited, memory_bytes=math.nan)
 
 
 @pytest.mark.parametrize("data, field", [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hlomap.cost.compute import (
-    TRANSCENDENTAL_FLOPS, InstructionCost, computation_cost, instruction_cost, module_cost,
-    module_flops, while_trip_count,
+    TRANSCENDENTAL_FLOPS, InstructionCost, computation_cost, flops_by_opcode, instruction_cost,
+    module_cost, module_flops, while_trip_count,
 )
 from hlomap.cost.devices import device_preset
 from hlomap.hlo import parse
@@ -278,6 +278,11 @@ XLA_CASES = {
     "reductions": (lambda x: (x.sum(0), jnp.argmax(x, 0), jnp.cumsum(x, 0)), jnp.ones((10, 7))),
     "pooling": (lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
                 jnp.ones((2, 8, 8, 3))),
+    # elementwise kinds of the opcode table: flops, transcendentals, predicates, bit ops
+    "elementwise_kinds": (
+        lambda x, i: (jnp.sin(x) * jnp.cos(x) + jax.scipy.special.erf(x), jnp.isfinite(x),
+                      jax.lax.clz(i) + jax.lax.population_count(i), jax.lax.reduce_precision(x, 5, 10)),
+        jnp.ones((8, 16)), jnp.ones((8, 16), jnp.int32)),
 }
 
 
@@ -307,6 +312,60 @@ def test_convolution_flops_equal_twice_the_sum_of_a_ones_convolution():
     out = jax.lax.conv_general_dilated(x, w, **args)
     lowered = jax.jit(lambda a, b: jax.lax.conv_general_dilated(a, b, **args)).lower(x, w)
     assert module_flops(parse(lowered.as_text(dialect="hlo"))) == 2 * float(np.asarray(out).sum())
+
+
+def test_flops_by_opcode_count_loops_fusions_and_calls_under_their_own_opcodes():
+    m = parse("""HloModule m
+
+body {
+  p = (s32[], f32[8,8]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  x = f32[8,8] get-tuple-element(p), index=1
+  one = s32[] constant(1)
+  n = s32[] add(i, one)
+  d = f32[8,8] dot(x, x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT t = (s32[], f32[8,8]) tuple(n, d)
+}
+
+cond {
+  p = (s32[], f32[8,8]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  c = s32[] constant(3)
+  ROOT lt = pred[] compare(i, c), direction=LT
+}
+
+fused {
+  a = f32[8,8] parameter(0)
+  ROOT m = f32[8,8] multiply(a, a)
+}
+
+ENTRY main {
+  x = f32[8,8] parameter(0)
+  z = s32[] constant(0)
+  t = (s32[], f32[8,8]) tuple(z, x)
+  w = (s32[], f32[8,8]) while(t), condition=cond, body=body
+  r = f32[8,8] get-tuple-element(w), index=1
+  f = f32[8,8] fusion(r), kind=kLoop, calls=fused
+  ROOT e = f32[8,8] exponential(f)
+}
+""")
+    by_opcode = flops_by_opcode(m)
+    assert by_opcode == {"dot": 3 * 2 * 8 * 8 * 8, "add": 3, "compare": 3, "multiply": 64}
+    assert sum(by_opcode.values()) == module_flops(m)
+
+
+def test_flops_by_opcode_sum_to_the_module_flops_on_the_corpus(corpus_dir):
+    from hlomap.hlo import HloParseError
+
+    checked = 0
+    for path in sorted(corpus_dir.glob("hlo/*/*.hlo")):
+        try:
+            module = parse(path.read_text())
+        except HloParseError:
+            continue
+        assert sum(flops_by_opcode(module).values()) == pytest.approx(module_flops(module), rel=1e-12), path.name
+        checked += 1
+    assert checked >= 40
 
 
 def test_every_corpus_module_gets_a_finite_cost(corpus_dir):

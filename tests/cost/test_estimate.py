@@ -234,6 +234,16 @@ def test_compute_is_split_by_the_plan(gpt) -> None:  # type: ignore[no-untyped-d
     assert row["all-reduce"].seconds == pytest.approx(dp.communication_seconds)
 
 
+def test_data_parallel_over_one_device_is_the_unsharded_step(gpt) -> None:  # type: ignore[no-untyped-def]
+    """A split over one device is no split: no all-reduce, no local sums, the module's flops."""
+    from hlomap.cost.compute import module_flops
+
+    cap, graph = gpt
+    one = estimate(cap, "dp", mesh={"data": 1}, graph=graph)
+    assert not one.collectives and one.communication_seconds == 0
+    assert one.flops == module_flops(cap.module)
+
+
 def test_report_and_json(gpt) -> None:  # type: ignore[no-untyped-def]
     cap, graph = gpt
     est = estimate(cap, "megatron", mesh=8, graph=graph)

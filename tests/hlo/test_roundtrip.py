@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hlomap.hlo.parser import NAME_VALUED_KEYS
+from hlomap.hlo.ir import NAME_VALUED_KEYS
 from hlomap.hlo import (
     ELEMENT_BITS,
     ArrayShape,

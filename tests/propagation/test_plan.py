@@ -163,3 +163,34 @@ def test_load_rejects_other_versions(tmp_path):
     path.write_text(json.dumps({"version": 0}))
     with pytest.raises(ValueError, match=r"old\.json.*version 0"):
         Plan.load(path)
+
+
+def test_a_spec_using_one_axis_twice_names_the_tensor_the_user_wrote(zoo_capture, zoo_graph):
+    cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
+
+    def twice(path: str) -> P | None:
+        return P(None, "model", "model") if path == "params/layers_0/attn/query/kernel" else None
+
+    with pytest.raises(PlanConflict) as info:
+        Plan.from_specs(cap, _specs(cap, twice), mesh={"model": 8}, graph=g)
+    message = str(info.value)
+    assert "'params/layers_0/attn/query/kernel' dim 1 on 'model'" in message and "dim 2 too" in message
+    assert "attn/key" not in message  # not a tensor the user touched
+    assert "reshard" not in message  # one spec: nothing for XLA to reshard
+
+
+def test_two_specs_meeting_in_one_tensor_are_named_with_the_instructions_linking_them(zoo_capture, zoo_graph):
+    """query splits head_dim, key splits heads: the attention scores' dot ties query's heads to
+    key's heads, so query would carry "model" twice. XLA would reshard; hlomap says why it does
+    not, naming both specs and the instructions between them."""
+    cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
+    specs = {"params/layers_0/attn/query/kernel": P(None, None, "model"),
+             "params/layers_0/attn/key/kernel": P(None, "model", None)}
+
+    with pytest.raises(PlanConflict) as info:
+        Plan.from_specs(cap, _specs(cap, specs.get), mesh={"model": 8}, graph=g)
+    message = str(info.value)
+    assert "your spec splits 'params/layers_0/attn/key/kernel' dim 1" in message
+    assert "your spec splits 'params/layers_0/attn/query/kernel' dim 2" in message
+    assert "bqhd,bkhd->bhqk" in message  # the attention scores: where the two specs meet
+    assert "XLA would accept such specs and insert a reshard" in message

@@ -1,4 +1,4 @@
-"""Acceptance: the cost model against what XLA compiles on 8 host CPU devices (issue #4).
+"""Acceptance: the cost model against what XLA compiles on 8 host CPU devices, the oracle.
 
 For zoo GPT, BERT, T5, VGG-19 and MoE train steps under data parallel, Megatron, 2x4 data x
 Megatron and random plans, compare with `compiled.as_text()` / `cost_analysis()` /

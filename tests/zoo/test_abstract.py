@@ -139,6 +139,12 @@ def test_param_count_matches_closed_form(name: str, abstract_args_of) -> None:
     assert trainable_size(abstract_args_of(name)[0]) == CLOSED_FORM[entry.family](entry.config)
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_declared_parameter_counts_match_the_models(name: str, abstract_args_of) -> None:
+    """`hlomap zoo list` shows the registry's declared counts without tracing a model."""
+    assert zoo.get(name).parameters == trainable_size(abstract_args_of(name)[0])
+
+
 #: Parameter counts of the released models (HF checkpoints / torchvision / Keras).
 PUBLISHED = {
     "t5-small": 60_506_624,

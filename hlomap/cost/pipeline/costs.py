@@ -1,16 +1,21 @@
 """Closed-form cost of a pipeline plan: what the DP minimizes and the brute force enumerates.
 
-This is written as a plain loop over stages, on purpose independent of the vectorized tables in
-`hlomap.tasks.pipeline.dp`, so that brute force over this function is a real oracle for the DP.
+This is written as a plain loop over stages, on purpose independent of the vectorized tables and
+recursion of `hlomap.tasks.pipeline.dp`, so that brute force over this function is a real oracle
+for the DP. Only the price of a device group is shared, on purpose: there is one model.
 
 For a plan with stages s = 0..S-1 (replication r_s, devices g_s) and M microbatches:
   c_s   = (sum of forward + backward time of the stage's layers) / r_s     per microbatch
-  a_s   = ring all-reduce of the stage's parameter bytes over g_s          once per batch
+  a_s   = all-reduce of the stage's parameter bytes over g_s               once per batch
   t_s   = c_s + a_s / M          stage time per microbatch, all-reduce amortized over the batch
   u_k   = transfer of activation_bytes[cut k] from g_k to g_{k+1}           per microbatch, each
           way (activations forward, gradients back; links are full duplex)
   tau   = max(max_s t_s, max_k u_k)                    steady-state period (slowest resource)
   L     = sum_s t_s + 2 sum_k u_k + (M - 1) tau        latency of one global batch
+a_s and u_k are the one communication model of `hlomap.cost.pipeline.links` on the cluster's
+topology: the all-reduce of `hlomap.cost.collectives` (a ring inside a server, hierarchical
+across servers), and the transfer a collective-permute of the replicas' k = max(r_k, r_{k+1})
+chunks, whose cross-server streams share the servers' NICs.
 
 L is Alpa's formula (fill and drain through every stage and link, then M - 1 periods of the
 bottleneck); tau is PipeDream's objective (time per microbatch of the slowest stage, with its
@@ -33,7 +38,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 
@@ -104,29 +110,30 @@ class PlanCost:
         return not self.violations
 
 
-def check_plan(profile: PipelineProfile, links: Links, plan: PipelinePlan) -> None:
-    """Raise ValueError unless `plan` covers the profile's layers on devices the links have."""
+def check_plan(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> None:
+    """Raise ValueError unless `plan` covers the profile's layers on devices the cluster has."""
     if plan.n_layers != profile.n_layers:
         raise ValueError(
             f"plan covers {plan.n_layers} layers but {profile.source} has {profile.n_layers}"
         )
     for s, stage in enumerate(plan.stages):
         for d in stage.devices:
-            if not 0 <= d < links.n_devices:
+            if not 0 <= d < cluster.n_devices:
                 raise ValueError(
-                    f"stage {s} uses device {d}; the links have {links.n_devices} devices"
+                    f"stage {s} uses device {d}; cluster {cluster.name!r} has "
+                    f"{cluster.n_devices} devices"
                 )
 
 
 def memory_violations(
-    links: Links, plan: PipelinePlan, stage_memory: tuple[float, ...]
+    cluster: Cluster, plan: PipelinePlan, stage_memory: tuple[float, ...]
 ) -> tuple[MemoryViolation, ...]:
     """Every (stage, device) whose need exceeds the device's memory."""
     return tuple(
-        MemoryViolation(s, d, need, links.memory_bytes[d])
+        MemoryViolation(s, d, need, float(cluster.devices[d].memory_bytes))
         for s, (stage, need) in enumerate(zip(plan.stages, stage_memory))
         for d in stage.devices
-        if need > links.memory_bytes[d]
+        if need > cluster.devices[d].memory_bytes
     )
 
 
@@ -145,12 +152,23 @@ def stage_memory_bytes(
 
 def evaluate_plan(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     plan: PipelinePlan,
     options: CostOptions = CostOptions(),
+    *,
+    prices: GroupPrices | None = None,
 ) -> PlanCost:
-    """The closed-form latency, bottleneck and memory of `plan` (see the module docstring)."""
-    check_plan(profile, links, plan)
+    """The closed-form latency, bottleneck and memory of `plan` (see the module docstring).
+
+    prices: a memo of `cluster`'s group prices, for callers that evaluate many plans; the result
+      is the same with or without it.
+    """
+    check_plan(profile, cluster, plan)
+    if prices is None:
+        prices = GroupPrices(cluster)
+    elif prices.cluster is not cluster and prices.cluster != cluster:
+        raise ValueError(f"prices of cluster {prices.cluster.name!r} cannot price a plan on "
+                         f"cluster {cluster.name!r}")
     comm = options.comm is CommModel.OVERLAPPED
     m = plan.microbatches
     compute, allreduce = [], []
@@ -158,11 +176,11 @@ def evaluate_plan(
         layers = profile.stage_slice(stage.start, stage.stop)
         compute.append(float(profile.compute_time[layers].sum()) / stage.replication)
         params = float(profile.parameter_bytes[layers].sum())
-        allreduce.append(links.allreduce_time(stage.devices, params) if comm else 0.0)
+        allreduce.append(float(prices.allreduce(stage.devices)(params)) if comm else 0.0)
     transfers = []
-    for k, (a, b) in enumerate(zip(plan.stages[:-1], plan.stages[1:])):
+    for a, b in zip(plan.stages[:-1], plan.stages[1:]):
         nbytes = float(profile.activation_bytes[a.stop - 1])
-        transfers.append(links.transfer_time(a.devices, b.devices, nbytes) if comm else 0.0)
+        transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
     stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
     bottleneck = max(stage_times + transfers)
     latency = sum(stage_times) + 2 * sum(transfers) + (m - 1) * bottleneck
@@ -178,7 +196,7 @@ def evaluate_plan(
         cut_transfer=tuple(transfers),
         stage_memory=memory,
         in_flight=counts,
-        violations=memory_violations(links, plan, memory),
+        violations=memory_violations(cluster, plan, memory),
     )
 
 
@@ -195,7 +213,7 @@ def _flow_shop_finish(times: list[float], jobs: int) -> list[float]:
 
 def gpipe_latency(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     plan: PipelinePlan,
     options: CostOptions = CostOptions(),
 ) -> float:
@@ -206,7 +224,7 @@ def gpipe_latency(
     T_F = sum + (M - 1) * max. Backward: b_{S-1}, u_{S-2}, b_{S-2}, ..., b_0 from T_F on, and
     stage s starts its all-reduce when its last backward ends. L = max_s (end_s + a_s).
     """
-    check_plan(profile, links, plan)
+    check_plan(profile, cluster, plan)
     comm = options.comm is CommModel.OVERLAPPED
     m, n_stages = plan.microbatches, plan.n_stages
     forward, backward, allreduce = [], [], []
@@ -215,9 +233,9 @@ def gpipe_latency(
         forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
         backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
         params = float(profile.parameter_bytes[layers].sum())
-        allreduce.append(links.allreduce_time(stage.devices, params) if comm else 0.0)
+        allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
     cuts = [
-        links.transfer_time(a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
+        transfer_time(cluster, a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
         if comm
         else 0.0
         for a, b in zip(plan.stages[:-1], plan.stages[1:])

@@ -1,143 +1,147 @@
-"""`Links`: the part of a cluster a pipeline search needs (alpha-beta links, nodes, memory).
+"""Pipeline communication on a `Cluster`, priced by `hlomap.cost.collectives`: one model.
 
-The simulator and the DP take this small frozen dataclass instead of `hlomap.cost.Cluster` so
-that they work with hand-made links (a uniform 10 Gbps network for the PipeDream profiles) and do
-not depend on the cost package at import time. `Links.from_cluster` adapts a Cluster by reading
-only the agreed attributes (bandwidth, latency, node_of, devices[i].memory_bytes).
+The simulator, the closed form, the DP, the brute force and the cut environment all price a
+pipeline's communication with these functions, on the cluster's real topology:
 
-Communication model, shared by the simulator and the DP:
-- point-to-point: `latency + nbytes / bandwidth` on the directed link src -> dst. Links are full
-  duplex: activations going forward and gradients coming back do not share a direction.
-- stage to stage (`transfer_time`): a stage replicated r ways splits every microbatch evenly over
-  its replicas. A tensor going from a stage on devices g (r of them) to one on g' (r') is cut into
-  k = max(r, r') equal chunks, chunk c going g[c % r] -> g'[c % r'], all at once; the transfer
-  takes as long as its slowest chunk. Contention between chunks sharing a link is ignored.
-- gradient all-reduce (`allreduce_time`): a ring over the group in the given order, 2 (k - 1)
-  steps of nbytes / k per ring edge, each step as slow as the slowest edge.
+- Gradient all-reduce of a stage replicated over devices g: `collectives.all_reduce_time` over g:
+  a ring inside a server; across servers hierarchical, as NCCL runs it (reduce-scatter inside
+  each server, k rings across servers, all-gather), the k rings sharing each server's NICs.
+- Stage-to-stage transfer of an n-byte tensor from a stage on src (r devices) to one on dst
+  (r'): each replica holds 1/r of every microbatch, so the tensor moves as k = max(r, r') chunks
+  of n / k bytes, chunk c from src[c % r] to dst[c % r'], all at once: a collective-permute of
+  those pairs (`collectives.collective_permute_time`), in which the streams leaving or entering a
+  server share its `nics_per_node` NICs. Between two 8-GPU servers with one NIC each, the 8
+  chunks take as long as the whole tensor over one link.
+- Links are full duplex: activations going forward and gradients coming back use opposite
+  directions and do not slow each other; transfers at different cuts do not share NICs in this
+  model (each direction of each cut is its own resource in the simulator).
+- Nothing to send (no bytes, or an all-reduce over one device) takes no time.
+- A stage's replicas all hold its parameters: the group's smallest device memory bounds it.
+- Stage boundaries fall on servers where `Cluster.node_of` changes.
+
+For fixed devices each of these times is affine in the byte count (the hierarchical all-reduce
+too), and a set of concurrent pairs is a max of affine functions: `AffineMax` holds the terms
+`collectives.all_reduce_terms` and `collectives.collective_permute_terms` give, and every price,
+one byte count or a whole array of them (the DP, the cut environment), is that AffineMax
+evaluated, so all callers get the very same numbers. Working out a group's terms (its layout over
+servers, its slowest links, NIC loads) costs far more than evaluating them, so callers that price
+the same groups many times keep a `GroupPrices`: an explicit memo of one cluster's terms.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+import dataclasses
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Links"]
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.collectives import all_reduce_terms, collective_permute_terms
+
+__all__ = [
+    "AffineMax",
+    "GroupPrices",
+    "allreduce_cost",
+    "allreduce_time",
+    "group_memory",
+    "is_node_boundary",
+    "transfer_cost",
+    "transfer_pairs",
+    "transfer_time",
+    "with_device_memory",
+]
+
+Group = Sequence[int]
 
 
-@dataclass(frozen=True, eq=False)
-class Links:
-    """Directed alpha-beta links between devices, plus each device's node and memory.
+class AffineMax(NamedTuple):
+    """t(x) = max_c(alpha_c + beta_c x) for x > 0, and 0 for x <= 0: the time of a transfer or a
+    gradient all-reduce of x bytes over fixed devices, vectorized over x."""
 
-    Attributes:
-      bandwidth: [n, n] bytes/s from row device to column device (diagonal ignored).
-      latency: [n, n] seconds per message (alpha).
-      node_of: server (node) id of each device; stage cuts may be forced onto node boundaries.
-      memory_bytes: usable memory of each device, in bytes (math.inf: unchecked).
+    alpha: np.ndarray
+    beta: np.ndarray
+
+    def __call__(self, nbytes: np.ndarray | float) -> np.ndarray:
+        x = np.asarray(nbytes, dtype=np.float64)
+        if self.alpha.size == 0:
+            return np.zeros_like(x)
+        t = np.max(self.alpha[:, None] + self.beta[:, None] * x.reshape(1, -1), axis=0)
+        return np.where(x > 0, t.reshape(x.shape), 0.0)
+
+
+def transfer_pairs(src: Group, dst: Group) -> tuple[tuple[int, int], ...]:
+    """The (src, dst) device pair of each of the k = max(r, r') chunks of a stage transfer."""
+    chunks = max(len(src), len(dst))
+    return tuple((int(src[c % len(src)]), int(dst[c % len(dst)])) for c in range(chunks))
+
+
+def transfer_cost(cluster: Cluster, src: Group, dst: Group) -> AffineMax:
+    """The time of a transfer of x bytes from a stage on `src` to one on `dst`, as an `AffineMax`
+    of x: the k chunks' pairs priced by `collectives.collective_permute_terms`, x / k bytes each."""
+    pairs = transfer_pairs(src, dst)
+    terms = collective_permute_terms(cluster, pairs)
+    return AffineMax(np.array([t.alpha for t in terms], dtype=np.float64),
+                     np.array([t.beta / len(pairs) for t in terms], dtype=np.float64))
+
+
+def allreduce_cost(cluster: Cluster, group: Group) -> AffineMax:
+    """The time of an all-reduce of x bytes of gradients over a stage's devices `group`, as an
+    `AffineMax` of x (`collectives.all_reduce_terms`; none over one device)."""
+    if len(group) <= 1:
+        return AffineMax(np.zeros(0), np.zeros(0))
+    terms = all_reduce_terms(cluster, group)
+    return AffineMax(np.array([terms.alpha]), np.array([terms.beta]))
+
+
+def transfer_time(cluster: Cluster, src: Group, dst: Group, nbytes: float) -> float:
+    """Seconds to move an `nbytes` tensor from a stage on `src` to a stage on `dst`."""
+    return float(transfer_cost(cluster, src, dst)(nbytes))
+
+
+def allreduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """Seconds to all-reduce `nbytes` of gradients over a stage's devices `group`."""
+    return float(allreduce_cost(cluster, group)(nbytes))
+
+
+class GroupPrices:
+    """`allreduce_cost` and `transfer_cost` of one cluster's device groups, each worked out once.
+
+    An explicit cache owned by its caller (a cut environment, one DP solve, a brute force): the
+    same stage groups are priced for every plan, and their analysis dominates the evaluation.
     """
 
-    bandwidth: np.ndarray
-    latency: np.ndarray
-    node_of: tuple[int, ...]
-    memory_bytes: tuple[float, ...]
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._allreduces: dict[tuple[int, ...], AffineMax] = {}
+        self._transfers: dict[tuple[tuple[int, ...], tuple[int, ...]], AffineMax] = {}
 
-    def __post_init__(self) -> None:
-        n = len(self.node_of)
-        if n == 0:
-            raise ValueError("Links needs at least one device")
-        for name in ("bandwidth", "latency"):
-            matrix = np.array(getattr(self, name), dtype=np.float64, copy=True)
-            if matrix.shape != (n, n):
-                raise ValueError(f"Links.{name} has shape {matrix.shape}, expected ({n}, {n})")
-            off_diagonal = ~np.eye(n, dtype=bool)
-            if name == "bandwidth":
-                bad = off_diagonal & ~(matrix > 0)
-            else:
-                bad = off_diagonal & ~(np.isfinite(matrix) & (matrix >= 0))
-            if bad.any():
-                i, j = (int(v) for v in np.argwhere(bad)[0])
-                raise ValueError(f"Links.{name}[{i}, {j}] = {float(matrix[i, j])!r} is not valid")
-            matrix.setflags(write=False)
-            object.__setattr__(self, name, matrix)
-        object.__setattr__(self, "node_of", tuple(int(v) for v in self.node_of))
-        memory = tuple(float(v) for v in self.memory_bytes)
-        if len(memory) != n:
-            raise ValueError(f"Links.memory_bytes has {len(memory)} entries, expected {n}")
-        for i, value in enumerate(memory):
-            if not value > 0:
-                raise ValueError(f"Links.memory_bytes[{i}] = {value!r} must be > 0")
-        object.__setattr__(self, "memory_bytes", memory)
+    def allreduce(self, group: Group) -> AffineMax:
+        key = tuple(int(d) for d in group)
+        if key not in self._allreduces:
+            self._allreduces[key] = allreduce_cost(self.cluster, key)
+        return self._allreduces[key]
 
-    @property
-    def n_devices(self) -> int:
-        return len(self.node_of)
+    def transfer(self, src: Group, dst: Group) -> AffineMax:
+        key = (tuple(int(d) for d in src), tuple(int(d) for d in dst))
+        if key not in self._transfers:
+            self._transfers[key] = transfer_cost(self.cluster, *key)
+        return self._transfers[key]
 
-    @classmethod
-    def uniform(
-        cls,
-        n_devices: int,
-        *,
-        bandwidth: float,
-        latency: float = 0.0,
-        memory_bytes: float = math.inf,
-        devices_per_node: int | None = None,
-    ) -> Links:
-        """Every pair of devices joined by the same link (bandwidth in bytes/s).
 
-        `devices_per_node` groups consecutive devices into nodes (default: all on one node).
-        """
-        per_node = devices_per_node or n_devices
-        return cls(
-            bandwidth=np.full((n_devices, n_devices), float(bandwidth)),
-            latency=np.full((n_devices, n_devices), float(latency)),
-            node_of=tuple(d // per_node for d in range(n_devices)),
-            memory_bytes=(float(memory_bytes),) * n_devices,
-        )
+def group_memory(cluster: Cluster, group: Group) -> float:
+    """Memory of the smallest device in the group: every replica stores the same parameters."""
+    return min(float(cluster.devices[d].memory_bytes) for d in group)
 
-    @classmethod
-    def from_cluster(cls, cluster: Any) -> Links:
-        """Adapt an `hlomap.cost.Cluster` (or anything with the same agreed attributes)."""
-        return cls(
-            bandwidth=np.asarray(cluster.bandwidth, dtype=np.float64),
-            latency=np.asarray(cluster.latency, dtype=np.float64),
-            node_of=tuple(cluster.node_of),
-            memory_bytes=tuple(float(device.memory_bytes) for device in cluster.devices),
-        )
 
-    def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
-        """Seconds to move `nbytes` from src to dst; 0 on the same device or for no data."""
-        if src == dst or nbytes <= 0:
-            return 0.0
-        return float(self.latency[src, dst] + nbytes / self.bandwidth[src, dst])
+def is_node_boundary(cluster: Cluster, device: int) -> bool:
+    """True when a device cut before `device` (in linear order) falls between two nodes."""
+    if device <= 0 or device >= cluster.n_devices:
+        return True
+    return cluster.node_of[device - 1] != cluster.node_of[device]
 
-    def transfer_time(self, src: Sequence[int], dst: Sequence[int], nbytes: float) -> float:
-        """Seconds to move a tensor of `nbytes` from a stage on `src` to a stage on `dst`."""
-        if nbytes <= 0:
-            return 0.0
-        chunks = max(len(src), len(dst))
-        return max(
-            self.p2p_time(src[c % len(src)], dst[c % len(dst)], nbytes / chunks)
-            for c in range(chunks)
-        )
 
-    def allreduce_time(self, group: Sequence[int], nbytes: float) -> float:
-        """Seconds for a ring all-reduce of `nbytes` over `group` (0 for one device)."""
-        k = len(group)
-        if k <= 1 or nbytes <= 0:
-            return 0.0
-        step = max(
-            self.p2p_time(group[i], group[(i + 1) % k], nbytes / k) for i in range(k)
-        )
-        return 2 * (k - 1) * step
-
-    def group_memory(self, group: Sequence[int]) -> float:
-        """Memory of the smallest device in the group: every replica stores the same data."""
-        return min(self.memory_bytes[d] for d in group)
-
-    def is_node_boundary(self, device: int) -> bool:
-        """True when a device cut before `device` (in linear order) falls between two nodes."""
-        if device <= 0 or device >= self.n_devices:
-            return True
-        return self.node_of[device - 1] != self.node_of[device]
+def with_device_memory(cluster: Cluster, memory_bytes: float) -> Cluster:
+    """`cluster` with every device's memory set to `memory_bytes`; `math.inf` makes memory never
+    bind (PipeDream's optimizer; random problems without a memory limit)."""
+    devices = tuple(dataclasses.replace(d, memory_bytes=memory_bytes) for d in cluster.devices)
+    return dataclasses.replace(cluster, devices=devices)

@@ -8,10 +8,14 @@ Model:
   stage (forward) or the gradient from the next stage (backward; the last stage's backward only
   needs its own forward).
 - Each direction of each cut is one serial link resource. A transfer starts when its producer
-  pass ends and the link is free (first come, first served), and takes `Links.transfer_time`.
-  Links and compute run concurrently: communication overlaps with compute.
+  pass ends and the link is free (first come, first served), and takes
+  `hlomap.cost.pipeline.links.transfer_time`: the replicas' chunks as one collective-permute on
+  the cluster, cross-server streams sharing the servers' NICs. Links and compute run
+  concurrently: communication overlaps with compute.
 - After its last backward, a replicated stage all-reduces its parameter gradients over its
-  devices (`Links.allreduce_time`); the batch ends when the last all-reduce or pass ends.
+  devices (`links.allreduce_time`, the all-reduce of `hlomap.cost.collectives`: a ring inside a
+  server, hierarchical across servers); the batch ends when the last all-reduce or pass ends.
+  These are the prices the closed form (`costs`) and the searches use.
 - Memory: a stage stashes a microbatch's activations from the start of its forward to the end of
   its backward; the peak count, from the timeline, prices the stash. Devices short of memory are
   reported in `SimulationResult.violations`, logged, and raised by `check()`: never ignored.
@@ -32,7 +36,8 @@ from hlomap.cost.pipeline.costs import (
     memory_violations,
     stage_memory_bytes,
 )
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Pass, PipelinePlan, stage_order
 
@@ -110,12 +115,12 @@ class SimulationResult:
 
 def simulate(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     plan: PipelinePlan,
     options: CostOptions = CostOptions(),
 ) -> SimulationResult:
-    """Run one global batch of `plan` on `links`; see the module docstring for the model."""
-    check_plan(profile, links, plan)
+    """Run one global batch of `plan` on `cluster`; see the module docstring for the model."""
+    check_plan(profile, cluster, plan)
     comm = options.comm is CommModel.OVERLAPPED
     n_stages, m = plan.n_stages, plan.microbatches
     forward, backward = [], []
@@ -124,7 +129,7 @@ def simulate(
         forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
         backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
     transfer = [
-        links.transfer_time(a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
+        transfer_time(cluster, a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
         if comm
         else 0.0
         for a, b in zip(plan.stages[:-1], plan.stages[1:])
@@ -198,12 +203,12 @@ def simulate(
     for s, stage in enumerate(plan.stages):
         layers = profile.stage_slice(stage.start, stage.stop)
         params = float(profile.parameter_bytes[layers].sum())
-        duration = links.allreduce_time(stage.devices, params) if comm else 0.0
+        duration = allreduce_time(cluster, stage.devices, params) if comm else 0.0
         if duration > 0:
             spans.append(Span(SpanKind.ALLREDUCE, s, -1, stage_free[s], stage_free[s] + duration))
 
     memory = stage_memory_bytes(profile, plan, tuple(peaks), options.param_memory_factor)
-    violations = memory_violations(links, plan, memory)
+    violations = memory_violations(cluster, plan, memory)
     for violation in violations:
         log.warning("%s: %s", profile.source, violation)
     spans.sort(key=lambda span: (span.start, span.stage, span.kind.value))

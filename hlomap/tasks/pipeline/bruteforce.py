@@ -1,7 +1,7 @@
 """Exhaustive search over every plan of a small `SearchSpace`: the oracle for the DP's tests.
 
 It enumerates every composition of the layer chain into stages and every tuple of replication
-factors, prices each plan with `costmodel.evaluate_plan` and filters it with
+factors, prices each plan with `costs.evaluate_plan` and filters it with
 `space.inadmissible`; nothing is shared with the DP's tables. Cost grows like
 C(n - 1, S - 1) * |R|^S, so keep n and the device count small (n <= 8, <= 4 devices).
 """
@@ -12,7 +12,8 @@ import itertools
 from typing import Iterator
 
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import GroupPrices
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace, inadmissible
 from hlomap.cost.pipeline.stages import PipelinePlan
@@ -22,32 +23,33 @@ __all__ = ["brute_force", "enumerate_plans"]
 
 
 def enumerate_plans(
-    profile: PipelineProfile, links: Links, space: SearchSpace
+    profile: PipelineProfile, cluster: Cluster, space: SearchSpace
 ) -> Iterator[PipelinePlan]:
     """Every linear-order plan with stage count and replications that fit the devices."""
     n = profile.n_layers
-    most = min(n, links.n_devices) if space.max_stages is None else min(n, space.max_stages)
+    most = min(n, cluster.n_devices) if space.max_stages is None else min(n, space.max_stages)
     for n_stages in range(1, most + 1):
         for cuts in itertools.combinations(range(1, n), n_stages - 1):
             bounds = (0, *cuts, n)
             for replication in itertools.product(space.replication, repeat=n_stages):
-                if sum(replication) > links.n_devices:
+                if sum(replication) > cluster.n_devices:
                     continue
                 yield PipelinePlan.linear(
                     bounds, replication, microbatches=space.microbatches, schedule=space.schedule
                 )
 
 
-def brute_force(profile: PipelineProfile, links: Links, space: SearchSpace) -> Solution:
+def brute_force(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
     """The admissible plan with the least objective (BOTTLENECK ties broken by latency)."""
     admissible = []
-    for plan in enumerate_plans(profile, links, space):
-        cost = evaluate_plan(profile, links, plan, space.cost)
-        if inadmissible(profile, links, plan, space, cost) is None:
+    prices = GroupPrices(cluster)
+    for plan in enumerate_plans(profile, cluster, space):
+        cost = evaluate_plan(profile, cluster, plan, space.cost, prices=prices)
+        if inadmissible(profile, cluster, plan, space, cost) is None:
             admissible.append((plan, cost))
     if not admissible:
         raise NoFeasiblePlan(
-            f"{profile.source}: no plan in {space} fits on {links.n_devices} devices"
+            f"{profile.source}: no plan in {space} fits on {cluster.n_devices} devices"
         )
     if space.objective is Objective.BOTTLENECK:
         least = min(cost.bottleneck for _, cost in admissible)

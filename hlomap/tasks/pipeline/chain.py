@@ -47,9 +47,8 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,20 +56,19 @@ from hlomap.cost.compute import CostCache, instruction_cost
 from hlomap.cost.devices import DeviceSpec, device_preset
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
-from hlomap.hlo.ir import Computation, Instruction, Metadata
+from hlomap.hlo.ir import Computation, Instruction
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
-# Source locations resolve JAX's stack-frame tables; the helper lives with propagation's error
-# messages but is a pure reader of the module text (no propagation machinery runs).
-from hlomap.hlo.source_info import source_location, source_tables
+from hlomap.hlo.source_info import layer_name, nearest_scopes, scope_of, source_location, source_tables
 
 __all__ = [
     "ChainArrays",
+    "ChainAttribution",
+    "attribute",
+    "crossing_bytes",
     "StepChain",
     "Pivot",
     "PivotOptions",
     "forward_chain",
-    "layer_name",
-    "nearest_scopes",
     "step_chain",
     "select_pivots",
     "thin_pivots",
@@ -80,10 +78,6 @@ log = logging.getLogger(__name__)
 
 #: Device used when none is given: the V100 of Auto-MAP's clusters A, B and C.
 DEFAULT_DEVICE = "V100-16GB"
-
-#: Name-stack wrappers JAX puts around scopes; `layer_name` unwraps them.
-_WRAPPERS = frozenset({"jvp", "transpose", "jit", "pjit", "remat", "checkpoint", "vmap", "pmap"})
-_WRAPPED = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
 
 
 @dataclass(frozen=True)
@@ -175,75 +169,8 @@ class StepChain:
 
 
 # ---------------------------------------------------------------------------------------------
-# Names
-# ---------------------------------------------------------------------------------------------
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split a name stack on '/' outside parentheses."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth = max(depth - 1, 0)
-        elif ch == "/" and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
-
-
-def _unwrap(component: str) -> list[str]:
-    """`transpose(jvp(layers_0))` -> ['layers_0']; `jvp()` -> []; `jit(_take)` -> ['_take']."""
-    match = _WRAPPED.match(component)
-    while match and match.group(1) in _WRAPPERS:
-        component = match.group(2)
-        match = _WRAPPED.match(component)
-    return [part for part in _split_top_level(component) if part]
-
-
-def layer_name(metadata: Metadata | None, fallback: str = "") -> str:
-    """The scope path of an op from its metadata op_name, without JAX's transformation wrappers:
-    `jit(train_step)/jvp(layers_0)/dot_general` -> `layers_0/dot_general`."""
-    if metadata is None or not metadata.op_name:
-        return fallback
-    # Fused ops list several names separated by ';': the first is representative.
-    components = _split_top_level(metadata.op_name.split(";")[0])
-    if components and components[0].startswith(("jit(", "pjit(")):
-        components = components[1:]  # the step function itself
-    parts = [part for component in components for part in _unwrap(component)]
-    return "/".join(parts) or fallback
-
-
-# ---------------------------------------------------------------------------------------------
 # The forward chain and attribution
 # ---------------------------------------------------------------------------------------------
-
-
-def _scope_of(layer: str) -> str:
-    """`layers_0/attn/dot_general` -> `layers_0/attn`; a bare op name has no scope: ''."""
-    return layer.rsplit("/", 1)[0] if "/" in layer else ""
-
-
-def nearest_scopes(layers: Sequence[str]) -> tuple[str, ...]:
-    """For each layer name, its own scope, else `after X` with X the scope of the closest scoped
-    name before it, else `before X` with the closest after it, else '' (see `Pivot.scope`)."""
-    own = [_scope_of(name) for name in layers]
-    out = list(own)
-    previous = ""
-    for i, scope in enumerate(own):
-        if scope:
-            previous = scope
-        elif previous:
-            out[i] = f"after {previous}"
-    following = ""
-    for i in range(len(own) - 1, -1, -1):
-        if own[i]:
-            following = own[i]
-        elif not out[i] and following:
-            out[i] = f"before {following}"
-    return tuple(out)
 
 
 def _byte_size(inst: Instruction) -> float:
@@ -253,7 +180,7 @@ def _byte_size(inst: Instruction) -> float:
 def _scope(inst: Instruction) -> str:
     """The layer scope of an op (its layer name without the op itself); forward ops and the
     backward ops that transpose them share it."""
-    return _scope_of(layer_name(inst.metadata))
+    return scope_of(layer_name(inst.metadata))
 
 
 def forward_chain(entry: Computation) -> tuple[Instruction, ...]:
@@ -301,15 +228,43 @@ def _first_uses(chain: Sequence[Instruction], params: Iterable[str]) -> dict[str
     return first
 
 
-def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainArrays:
-    """Per-chain-instruction forward/backward seconds, crossing bytes, W and stash."""
-    spec = _device(device)
+@dataclass(frozen=True, eq=False)
+class ChainAttribution:
+    """Where every instruction of a train step's entry computation belongs in its forward chain
+    (module docstring), independent of what anything costs.
+
+    anchor: the chain position of every forward, side and backward instruction (a chain
+      instruction's own position); forward: which of them run in the forward pass.
+    spans: (value, defined at, last read at) for every chain or side value read at a later
+      position: what crosses the pivots in between.
+    stashed: forward values some backward op reads -> the position their stash is charged to.
+    parameters: each trainable parameter (HLO name) -> the position that owns its bytes.
+    update, unattributed: the optimizer update's instructions and the phase-less ones.
+    """
+
+    chain: tuple[Instruction, ...]
+    anchor: Mapping[str, int]
+    forward: frozenset[str]
+    spans: tuple[tuple[str, int, int], ...]
+    stashed: Mapping[str, int]
+    parameters: Mapping[str, int]
+    update: tuple[str, ...]
+    unattributed: tuple[str, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.chain)
+
+
+def attribute(cap: Capture) -> ChainAttribution:
+    """Attribute the entry computation's instructions to forward-chain positions (module
+    docstring: forward chain, side ops, backward anchors, stash, W)."""
     module = cap.module
     entry = module.entry
     chain = forward_chain(entry)
     position = {inst.name: p for p, inst in enumerate(chain)}
     n = len(chain)
-    trainable = {p.name: p for p in cap.parameters if p.role is Role.TRAINABLE}
+    trainable = {p.name for p in cap.parameters if p.role is Role.TRAINABLE}
     if not trainable:
         log.warning(
             "%s: no TRAINABLE entry parameters; parameter bytes (W) are all zero", cap.source
@@ -317,17 +272,8 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
     # Every entry parameter (weights, and data read by weight-gradient ops such as x^T g of a
     # first layer) anchors a backward op at the parameter's first chain use.
     first_use = _first_uses(chain, (inst.name for inst in entry.parameters))
-    cache: CostCache = {}
-
-    def seconds(inst: Instruction) -> float:
-        return instruction_cost(inst, entry, module, spec, cache).seconds
-
-    forward_time = np.zeros(n)
-    backward_time = np.zeros(n)
-    parameter_bytes = np.zeros(n)
-    stash_bytes = np.zeros(n)
-    # anchor: forward position of every non-chain value that has one (side and backward ops).
-    anchor: dict[str, int] = {}
+    anchor: dict[str, int] = dict(position)
+    forward: set[str] = set(position)
     side: set[str] = set()
     stashed: dict[str, int] = {}  # forward value -> position its stash is charged to
     # last chain/side position that reads each chain value, for the crossing bytes.
@@ -340,22 +286,22 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
         for operand in inst.operands:
             if operand in position:
                 readers[(operand, scope)] = p
-    update_seconds = unattributed = 0.0
+    update: list[str] = []
+    unattributed: list[str] = []
 
     for inst in topological_order(entry):
         phase = instruction_phase(inst)
         if inst.name in position:
             p = position[inst.name]
-            forward_time[p] += seconds(inst)
             for operand in inst.operands:
                 if operand in position:
                     last_read[operand] = max(last_read[operand], p)
             continue
         if phase is Phase.UPDATE:
-            update_seconds += seconds(inst)
+            update.append(inst.name)
             continue
         if phase is not Phase.FORWARD and phase is not Phase.BACKWARD:
-            unattributed += seconds(inst)
+            unattributed.append(inst.name)
             continue
         forward_anchors, backward_anchors = [], []
         scope = _scope(inst)
@@ -373,7 +319,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
             a = max(forward_anchors, default=0)
             anchor[inst.name] = a
             side.add(inst.name)
-            forward_time[a] += seconds(inst)
+            forward.add(inst.name)
             for operand in inst.operands:
                 if operand in position:
                     last_read[operand] = max(last_read[operand], a)
@@ -383,36 +329,53 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
         else:
             a = max(backward_anchors, default=n - 1)
         anchor[inst.name] = a
-        backward_time[a] += seconds(inst)
         for operand in inst.operands:
             if operand in position:
                 stashed.setdefault(operand, position[operand])
             elif operand in side:
                 stashed.setdefault(operand, anchor[operand])
 
-    by_name = {inst.name: inst for inst in entry.instructions}
-    for name, p in stashed.items():
-        stash_bytes[p] += _byte_size(by_name[name])
-    for name, parameter in trainable.items():
+    owner: dict[str, int] = {}
+    for name in sorted(trainable):
         p = first_use.get(name)
         if p is None:
             # Only side or backward ops read it (or nothing): charge it where they are.
             users = [anchor[i.name] for i in entry.instructions
-                     if i.name in anchor and name in i.operands]
+                     if i.name in anchor and i.name not in position and name in i.operands]
             p = min(users, default=0)
-        parameter_bytes[p] += float(parameter.byte_size)
+        owner[name] = p
+    spans = tuple((inst.name, p, last_read[inst.name]) for p, inst in enumerate(chain) if last_read[inst.name] > p)
+    return ChainAttribution(tuple(chain), anchor, frozenset(forward), spans, stashed, owner,
+                            tuple(update), tuple(unattributed))
 
-    delta = np.zeros(n + 1)
-    count = np.zeros(n + 1)
-    for p, inst in enumerate(chain):
-        end = last_read[inst.name]
-        if end > p:
-            delta[p] += _byte_size(inst)
-            delta[end] -= _byte_size(inst)
-            count[p] += 1
-            count[end] -= 1
-    crossing = np.maximum(np.cumsum(delta)[: n - 1], 0.0)
-    live = np.rint(np.cumsum(count)[: n - 1]).astype(np.int64)
+
+def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainArrays:
+    """Per-chain-instruction forward/backward seconds, crossing bytes, W and stash."""
+    spec = _device(device)
+    module = cap.module
+    entry = module.entry
+    found = attribute(cap)
+    chain = found.chain
+    n = found.length
+    cache: CostCache = {}
+    by_name = {inst.name: inst for inst in entry.instructions}
+
+    def seconds(name: str) -> float:
+        return instruction_cost(by_name[name], entry, module, spec, cache).seconds
+
+    forward_time = np.zeros(n)
+    backward_time = np.zeros(n)
+    for name, p in found.anchor.items():
+        (forward_time if name in found.forward else backward_time)[p] += seconds(name)
+    update_seconds = sum(seconds(name) for name in found.update)
+    unattributed = sum(seconds(name) for name in found.unattributed)
+    stash_bytes = np.zeros(n)
+    for name, p in found.stashed.items():
+        stash_bytes[p] += _byte_size(by_name[name])
+    parameter_bytes = np.zeros(n)
+    for name, p in found.parameters.items():
+        parameter_bytes[p] += float(by_name[name].shape.byte_size)
+    crossing, live = crossing_bytes(found, {name: _byte_size(by_name[name]) for name, _, _ in found.spans})
     layers = []
     previous = ""
     for inst in chain:
@@ -432,6 +395,22 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
     tables = source_tables(module)
     sources = tuple(source_location(inst, tables) for inst in chain)
     return ChainArrays(profile, live, tuple(layers), update_seconds, unattributed, sources)
+
+
+def crossing_bytes(found: ChainAttribution, nbytes: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:
+    """([n - 1] bytes crossing each pivot, [n - 1] values crossing it) when value v weighs
+    `nbytes[v]` (its full size, or its shard on one device under a sharding plan)."""
+    n = found.length
+    delta = np.zeros(n + 1)
+    count = np.zeros(n + 1)
+    for name, start, end in found.spans:
+        delta[start] += nbytes[name]
+        delta[end] -= nbytes[name]
+        count[start] += 1
+        count[end] -= 1
+    crossing = np.maximum(np.cumsum(delta)[: n - 1], 0.0)
+    live = np.rint(np.cumsum(count)[: n - 1]).astype(np.int64)
+    return crossing, live
 
 
 def _device(device: DeviceSpec | str | None) -> DeviceSpec:

@@ -18,7 +18,10 @@ An episode builds one pipeline plan of S stages by choosing its S - 1 cuts left 
   plus the normalized prefix sums of C and W and the crossing bytes A (section 3.5), a mask of
   the current cuts, the step, and the topology matrix between the stage device groups. Times are
   divided by T = total compute / devices (a perfectly balanced stage's time), so one network can
-  read models of any size.
+  read models of any size. Every all-reduce and transfer time, in the features, the estimates
+  and the final value, is the one model of `hlomap.cost.pipeline.links` on the task's cluster
+  (`hlomap.cost.collectives`' all-reduce; chunked transfers as collective-permutes whose
+  cross-server streams share NICs), as in the DP and the simulator.
 - Reward. ref / value at the end of the episode (value: L, or the bottleneck for PipeDream's
   objective; ref: the L or bottleneck of a perfect split without communication, so a reward
   is at most about 1), and -`oom_penalty` for a plan out of memory. With `shaping` the reward is
@@ -51,8 +54,11 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hlomap.agents.environment import TimeStep, restart, termination, transition
+from hlomap.search.score import Score
+from hlomap.search.task import EpisodeOutcome
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import AffineMax, GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
@@ -61,13 +67,10 @@ from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
 __all__ = [
     "FEATURES",
     "MAX_STAGES",
-    "AffineMax",
     "CutEnv",
     "CutTask",
-    "EpisodeOutcome",
-    "allreduce_cost",
+    "CutPlan",
     "center_device_bounds",
-    "transfer_cost",
 ]
 
 #: Stage counts the fixed-size observation (step one-hot, topology matrix) is laid out for.
@@ -93,51 +96,13 @@ FEATURES = (
 _F = len(FEATURES)
 
 
-class AffineMax(NamedTuple):
-    """t(x) = max_c(alpha_c + beta_c x) for x > 0, and 0 for x <= 0: the time of a transfer or a
-    ring all-reduce of x bytes over fixed devices (`Links`), vectorized over x."""
-
-    alpha: np.ndarray
-    beta: np.ndarray
-
-    def __call__(self, nbytes: np.ndarray | float) -> np.ndarray:
-        x = np.asarray(nbytes, dtype=np.float64)
-        if self.alpha.size == 0:
-            return np.zeros_like(x)
-        t = np.max(self.alpha[:, None] + self.beta[:, None] * x.reshape(1, -1), axis=0)
-        return np.where(x > 0, t.reshape(x.shape), 0.0)
-
-
-def transfer_cost(links: Links, src: Sequence[int], dst: Sequence[int]) -> AffineMax:
-    """`Links.transfer_time(src, dst, x)` as an `AffineMax` of x."""
-    chunks = max(len(src), len(dst))
-    alpha, beta = [], []
-    for c in range(chunks):
-        a, b = src[c % len(src)], dst[c % len(dst)]
-        if a != b:
-            alpha.append(links.latency[a, b])
-            beta.append(1.0 / (chunks * links.bandwidth[a, b]))
-    return AffineMax(np.array(alpha, dtype=np.float64), np.array(beta, dtype=np.float64))
-
-
-def allreduce_cost(links: Links, group: Sequence[int]) -> AffineMax:
-    """`Links.allreduce_time(group, x)` as an `AffineMax` of x."""
-    k = len(group)
-    if k <= 1:
-        return AffineMax(np.zeros(0), np.zeros(0))
-    steps = 2 * (k - 1)
-    alpha = [steps * links.latency[group[i], group[(i + 1) % k]] for i in range(k)]
-    beta = [steps / (k * links.bandwidth[group[i], group[(i + 1) % k]]) for i in range(k)]
-    return AffineMax(np.array(alpha, dtype=np.float64), np.array(beta, dtype=np.float64))
-
-
-def center_device_bounds(links: Links, n_stages: int) -> tuple[int, ...]:
+def center_device_bounds(cluster: Cluster, n_stages: int) -> tuple[int, ...]:
     """Device bounds [0, b_1, ..., D] of the center solution: each cut on the network boundary
     nearest an even split when there are at least as many servers as stages, else even."""
-    d = links.n_devices
+    d = cluster.n_devices
     if not 1 <= n_stages <= d:
         raise NoFeasiblePlan(f"{n_stages} stages do not fit on {d} devices")
-    boundaries = [b for b in range(1, d) if links.node_of[b - 1] != links.node_of[b]]
+    boundaries = [b for b in range(1, d) if is_node_boundary(cluster, b)]
     if len(boundaries) < n_stages - 1:
         boundaries = list(range(1, d))
     bounds = [0]
@@ -153,39 +118,42 @@ def center_device_bounds(links: Links, n_stages: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, eq=False)
 class CutTask:
-    """One pipeline-cut problem: S stages of `profile` on `links`, plans as in `space`.
+    """One pipeline-cut problem: S stages of `profile` on `cluster`, plans as in `space`.
 
-    The plan always uses every device of `links` (the center device groups cover them);
+    The plan always uses every device of `cluster` (the center device groups cover them);
     `space` supplies the microbatches, schedule, objective, replication factors a stage may have,
     the node-boundary and trainable-layer rules, and whether memory is checked.
     """
 
     profile: PipelineProfile
-    links: Links
+    cluster: Cluster
     space: SearchSpace
     n_stages: int
     device_radius: int = 0
     oom_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 2 <= self.n_stages <= self.profile.n_layers:
-            raise ValueError(
-                f"{self.profile.source}: a cut search needs 2 <= stages <= layers "
-                f"({self.profile.n_layers}); got {self.n_stages}"
-            )
-        if self.n_stages > self.links.n_devices:
+        if self.n_stages < 2:
+            raise ValueError(f"{self.profile.source}: a cut search needs at least 2 stages; got {self.n_stages}")
+        if self.n_stages > self.profile.n_layers:
             raise NoFeasiblePlan(
-                f"{self.n_stages} stages do not fit on {self.links.n_devices} devices"
+                f"{self.profile.source}: {self.n_stages} stages need {self.n_stages - 1} cuts, but the step has "
+                f"{self.profile.n_pivots} candidate cut points, so at most {self.profile.n_layers} stages"
+            )
+        if self.n_stages > self.cluster.n_devices:
+            raise NoFeasiblePlan(
+                f"{self.n_stages} stages do not fit on {self.cluster.n_devices} devices (at most "
+                f"{self.cluster.n_devices} stages)"
             )
         if self.device_radius < 0:
             raise ValueError(f"device_radius = {self.device_radius} must be >= 0")
 
     @property
     def center(self) -> tuple[int, ...]:
-        return center_device_bounds(self.links, self.n_stages)
+        return center_device_bounds(self.cluster, self.n_stages)
 
 
-class EpisodeOutcome(NamedTuple):
+class CutPlan(NamedTuple):
     """The plan an episode built and what it is worth."""
 
     plan: PipelinePlan
@@ -218,7 +186,7 @@ class CutEnv:
         shaping: bool = True,
         ranked: int | None = None,
     ) -> None:
-        profile, links, space = task.profile, task.links, task.space
+        profile, cluster, space = task.profile, task.cluster, task.space
         self.task = task
         self.shaping = shaping
         self.n_pivots = profile.n_pivots
@@ -242,7 +210,7 @@ class CutEnv:
         self._stash = np.asarray(prefix.stash)
         self._trainable = np.asarray(prefix.trainable)
         self._crossing = profile.activation_bytes
-        d = links.n_devices
+        d = cluster.n_devices
         self.n_stages = task.n_stages
         self.m = space.microbatches
         total = float(self._compute[-1])
@@ -252,8 +220,7 @@ class CutEnv:
             self.reference = (m + s - 1) * self.unit
         else:
             self.reference = self.unit
-        self._transfers: dict[tuple[int, int, int], AffineMax] = {}
-        self._allreduces: dict[tuple[int, int], AffineMax] = {}
+        self._prices = GroupPrices(cluster)
         self._static = self._static_features()
         self._globals_fixed = self._fixed_globals()
         self.ranked = ranked
@@ -267,22 +234,19 @@ class CutEnv:
             self.observation_size = ranked * _F + 4 * self.slots + n_globals
             self.num_actions = ranked
         self._order = np.full(ranked or 0, -1, dtype=np.int64)
-        self.outcome: EpisodeOutcome | None = None
+        self.outcome: CutPlan | None = None
+        #: complete plans this environment has priced (episodes that reached their last cut)
+        self.plans_scored = 0
         self._reset_state()
 
-    # ---- link costs (memoized per device group) -----------------------------------------------
+    # ---- communication prices (memoized per device group) -------------------------------------
     def _transfer(self, a: int, b: int, c: int) -> AffineMax:
-        key = (a, b, c)
-        if key not in self._transfers:
-            links = self.task.links
-            self._transfers[key] = transfer_cost(links, range(a, b), range(b, c))
-        return self._transfers[key]
+        """Devices [a, b) to [b, c)."""
+        return self._prices.transfer(range(a, b), range(b, c))
 
     def _allreduce(self, a: int, b: int) -> AffineMax:
-        key = (a, b)
-        if key not in self._allreduces:
-            self._allreduces[key] = allreduce_cost(self.task.links, range(a, b))
-        return self._allreduces[key]
+        """Over devices [a, b)."""
+        return self._prices.allreduce(range(a, b))
 
     # ---- fixed parts of the observation -------------------------------------------------------
     def _static_features(self) -> np.ndarray:
@@ -312,7 +276,7 @@ class CutEnv:
                 else:
                     src = range(bounds[i], bounds[i + 1])
                     dst = range(bounds[j], bounds[j + 1])
-                    t = float(transfer_cost(self.task.links, src, dst)(median))
+                    t = float(self._prices.transfer(src, dst)(median))
                 topology[i, j] = min(t / self.unit, _CLIP)
         return np.concatenate([
             [s / self.max_stages, math.log2(self.m) / 8.0,
@@ -334,6 +298,7 @@ class CutEnv:
         self.decided = _Decided()
         self.potential = 0.0
         self.actions: list[int] = []
+        self.episode_return = 0.0
         self._cache: dict[str, np.ndarray] = {}
 
     def reset(self, seed: int = 0) -> TimeStep:
@@ -353,8 +318,8 @@ class CutEnv:
     def _device_options(self) -> np.ndarray:
         """[J] the next device bound of each offset, or -1 where that offset is illegal."""
         k, s = self.step_index, self.n_stages
-        links, space = self.task.links, self.task.space
-        d = links.n_devices
+        cluster, space = self.task.cluster, self.task.space
+        d = cluster.n_devices
         previous = self.bounds[-1]
         out = np.full(len(self.offsets), -1, dtype=np.int64)
         for j, offset in enumerate(self.offsets):
@@ -363,7 +328,7 @@ class CutEnv:
                 continue
             if b - previous not in space.replication:
                 continue
-            if space.cut_on_node_boundary and not links.is_node_boundary(b):
+            if space.cut_on_node_boundary and not is_node_boundary(cluster, b):
                 continue
             remaining = s - k - 1  # stages after this one
             if remaining == 1 and d - b not in space.replication:
@@ -376,8 +341,8 @@ class CutEnv:
     def _observe(self) -> tuple[np.ndarray, np.ndarray]:
         """The observation and legal mask of the current state; caches per-action arrays."""
         k, s, m = self.step_index, self.n_stages, self.m
-        space, links = self.task.space, self.task.links
-        d = links.n_devices
+        space, cluster = self.task.space, self.task.cluster
+        d = cluster.n_devices
         n = self.task.profile.n_layers
         start = self.cuts[-1] + 1 if self.cuts else 0
         previous = self.bounds[-1]
@@ -434,7 +399,7 @@ class CutEnv:
                 value, other = biggest, latency
             low = np.minimum(np.minimum(decided.min_compute, own), rest)
             high = np.maximum(np.maximum(decided.max_compute, own), rest)
-            memory = (factor * params + count * stash / r) / links.group_memory(range(previous, b))
+            memory = (factor * params + count * stash / r) / group_memory(cluster, range(previous, b))
             features[j] = np.stack([
                 *self._static,
                 np.minimum(own / self.unit, _CLIP),
@@ -551,11 +516,12 @@ class CutEnv:
         self.step_index += 1
         old = self.potential
         if self.step_index == self.n_stages - 1:
-            self.bounds.append(self.task.links.n_devices)
+            self.bounds.append(self.task.cluster.n_devices)
             outcome = self._finish()
             final = self.score(outcome.value) if outcome.feasible else -self.task.oom_penalty
             self.potential = 0.0
             reward = final - old if self.shaping else final
+            self.episode_return += reward
             observation = np.zeros(self.observation_size, np.float32)
             return termination(observation, reward, np.zeros(self.num_actions, dtype=bool))
         observation, legal = self._observe()
@@ -563,19 +529,70 @@ class CutEnv:
             self.outcome = None
             self.potential = 0.0
             penalty = -self.task.oom_penalty
+            self.episode_return += penalty - old if self.shaping else penalty
             return termination(observation, penalty - old if self.shaping else penalty, legal)
         self.potential = float(self._cache["best"])
         shaped = self.potential - old if self.shaping else 0.0
+        self.episode_return += shaped
         return transition(observation, shaped, legal)
 
-    def _finish(self) -> EpisodeOutcome:
+    def _finish(self) -> CutPlan:
         plan = self.plan(self.cuts, self.bounds)
         task = self.task
-        cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
+        cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost,
+                             prices=self._prices)
         value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
         feasible = cost.feasible or not task.space.check_memory
-        self.outcome = EpisodeOutcome(plan, cost, value, feasible)
+        self.outcome = CutPlan(plan, cost, value, feasible)
+        self.plans_scored += 1
         return self.outcome
+
+    # ---- what a search driver needs (`hlomap.search.task.TaskEnv`) -----------------------------
+    @property
+    def position(self) -> int:
+        return self.step_index
+
+    @property
+    def last_outcome(self) -> EpisodeOutcome | None:
+        """The finished episode as a search driver sees it (None at a dead end)."""
+        if self.outcome is None:
+            return None
+        decisions = decisions_of(self.outcome.plan)
+        return EpisodeOutcome(decisions, len(self.cuts), self.episode_return, self.plan_score(self.outcome))
+
+    def plan_score(self, cut: CutPlan) -> Score:
+        """A plan's search score: ref / value (the reward), above every plan out of memory,
+        which scores in [-1, -0.5] (less negative the faster it would be); latency breaks
+        bottleneck ties, as the DP does."""
+        value = float(self.score(cut.value))
+        if not cut.feasible:
+            value = -1.0 + 0.5 * min(value, 1.0)
+        tiebreak = float(self.score(cut.cost.latency)) if self.task.space.objective is Objective.BOTTLENECK else 0.0
+        return Score(value, tiebreak, True, cut.feasible, cut.cost.latency, max(cut.cost.stage_memory))
+
+    def replay_action(self, decisions: np.ndarray) -> int:
+        """The action placing this step's cut and device bound as `decisions` does (pivots of
+        the cuts, then the device bounds, as `decisions_of`); the best-estimated legal action
+        when that cut is not among this state's actions."""
+        k, cuts = self.step_index, (len(decisions) // 2)
+        pivot, bound = int(decisions[k]), int(decisions[cuts + k])
+        cache = self._cache
+        legal = cache["legal"]
+        for j in np.flatnonzero(cache["options"] == bound):
+            slots = np.flatnonzero((self.slot_pivot == pivot) & legal[j])
+            if slots.size:
+                flat = int(j) * self.slots + int(slots[0])
+                if self.ranked is None:
+                    return flat
+                hits = np.flatnonzero(self._order == flat)
+                if hits.size:
+                    return int(hits[0])
+        if self.ranked is not None:
+            return 0
+        return int(np.flatnonzero(legal.reshape(-1))[0])
+
+    def set_replaying(self, replaying: bool) -> None:
+        """Legality does not depend on replaying here: every legal cut keeps the plan valid."""
 
     def plan(self, cuts: Sequence[int], bounds: Sequence[int]) -> PipelinePlan:
         """The plan of pivots `cuts` (S - 1) and device bounds (S + 1, from 0 to D)."""
@@ -587,3 +604,9 @@ class CutEnv:
         space = self.task.space
         return PipelinePlan(stages=stages, microbatches=space.microbatches,
                             schedule=space.schedule)
+
+
+def decisions_of(plan: PipelinePlan) -> np.ndarray:
+    """A plan as a search's decision vector: the pivots of its S - 1 cuts, then the first
+    device of stages 1..S-1."""
+    return np.asarray([*plan.cuts, *(stage.devices[0] for stage in plan.stages[1:])], dtype=np.int64)

@@ -8,7 +8,12 @@ State. F[q, i, d, k]: the best value of a suffix of the pipeline that starts at 
 d with a first stage of replication R[k] and q more stages after it. Working right to left fixes
 each stage's distance from the end, which 1F1B's memory needs (stage s stashes min(S - s, M)
 microbatches, and S - s = q + 1), and knowing the replication of the next stage prices the cut
-between them (`Links.transfer_time` depends on both device groups).
+between them (a transfer depends on both device groups).
+
+Prices. Stage all-reduces and cut transfers are those of `hlomap.cost.pipeline.links` on the
+cluster's topology (the all-reduce of `hlomap.cost.collectives`, transfers as collective-permutes
+whose cross-server streams share NICs), evaluated over whole tables of byte counts through their
+`AffineMax` terms: the same numbers `costs.evaluate_plan` computes one plan at a time.
 
 Passes. Two kinds of pass share one recursion:
 - MAX: value = max over stages and cuts of their per-microbatch time: the least achievable
@@ -35,7 +40,8 @@ from typing import NamedTuple
 import numpy as np
 
 from hlomap.cost.pipeline.costs import CommModel, evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace
@@ -64,9 +70,10 @@ class _Tables(NamedTuple):
 @dataclass(frozen=True)
 class _Problem:
     profile: PipelineProfile
-    links: Links
+    cluster: Cluster
     space: SearchSpace
     tables: _Tables
+    prices: GroupPrices  # every pass prices the same device groups
 
     @property
     def n(self) -> int:
@@ -74,11 +81,11 @@ class _Problem:
 
     @property
     def devices(self) -> int:
-        return self.links.n_devices
+        return self.cluster.n_devices
 
     @property
     def factors(self) -> tuple[int, ...]:
-        return tuple(r for r in self.space.replication if r <= self.links.n_devices)
+        return tuple(r for r in self.space.replication if r <= self.cluster.n_devices)
 
     @property
     def max_stages(self) -> int:
@@ -119,33 +126,22 @@ def _tables(profile: PipelineProfile, space: SearchSpace) -> _Tables:
 
 def _stage_time(problem: _Problem, device: int, r: int) -> np.ndarray:
     """[i, j]: per-microbatch time of a stage [i, j) on devices [device, device + r): compute / r
-    plus its ring all-reduce amortized over the microbatches (`Links.allreduce_time`)."""
+    plus its gradient all-reduce amortized over the microbatches (`links.allreduce_time`)."""
     t = problem.tables.compute / r
     if problem.comm and r > 1:
-        links, params = problem.links, problem.tables.parameter
-        step = np.zeros_like(params)
-        for e in range(r):
-            a, b = device + e, device + (e + 1) % r
-            np.maximum(step, links.latency[a, b] + (params / r) / links.bandwidth[a, b], out=step)
-        allreduce = np.where(params > 0, 2 * (r - 1) * step, 0.0)
-        t = t + allreduce / problem.space.microbatches
+        allreduce = problem.prices.allreduce(range(device, device + r))
+        t = t + allreduce(problem.tables.parameter) / problem.space.microbatches
     return t
 
 
 def _cut_time(problem: _Problem, device: int, r: int, r_next: int) -> np.ndarray:
     """[j]: per-microbatch, per-direction time of the cut at boundary j from a stage on devices
-    [device, device + r) to one on the next r_next devices (`Links.transfer_time`)."""
+    [device, device + r) to one on the next r_next devices (`links.transfer_time`)."""
     nbytes = problem.tables.cut_bytes
-    u = np.zeros_like(nbytes)
     if not problem.comm:
-        return u
-    chunks = max(r, r_next)
-    links = problem.links
-    for c in range(chunks):
-        src, dst = device + c % r, device + r + c % r_next
-        cost = links.latency[src, dst] + (nbytes / chunks) / links.bandwidth[src, dst]
-        np.maximum(u, np.where(nbytes > 0, cost, 0.0), out=u)
-    return u
+        return np.zeros_like(nbytes)
+    end = device + r
+    return problem.prices.transfer(range(device, end), range(end, end + r_next))(nbytes)
 
 
 def _memory_ok(problem: _Problem, device: int, r: int, after: int) -> np.ndarray | None:
@@ -158,7 +154,7 @@ def _memory_ok(problem: _Problem, device: int, r: int, after: int) -> np.ndarray
         space.cost.param_memory_factor * problem.tables.parameter
         + count * problem.tables.stash / r
     )
-    return need <= problem.links.group_memory(range(device, device + r))
+    return need <= group_memory(problem.cluster, range(device, device + r))
 
 
 def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
@@ -183,7 +179,7 @@ def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
             # replication, for every count of stages behind; cut time included.
             cuts = []
             if end < devices and (
-                not space.cut_on_node_boundary or problem.links.is_node_boundary(end)
+                not space.cut_on_node_boundary or is_node_boundary(problem.cluster, end)
             ):
                 for k2, r2 in enumerate(factors):
                     if end + r2 <= devices:
@@ -270,23 +266,25 @@ def _candidates(problem: _Problem, floor: float) -> np.ndarray:
 
 
 def _solution(problem: _Problem, plan: PipelinePlan) -> Solution:
-    cost = evaluate_plan(problem.profile, problem.links, plan, problem.space.cost)
+    cost = evaluate_plan(problem.profile, problem.cluster, plan, problem.space.cost,
+                         prices=problem.prices)
     return Solution(plan=plan, cost=cost, objective=problem.space.objective)
 
 
-def solve(profile: PipelineProfile, links: Links, space: SearchSpace) -> Solution:
-    """The plan of `space` with the least objective on `links`; raises `NoFeasiblePlan`."""
-    if not any(r <= links.n_devices for r in space.replication):
+def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
+    """The plan of `space` with the least objective on `cluster`; raises `NoFeasiblePlan`."""
+    if not any(r <= cluster.n_devices for r in space.replication):
         raise NoFeasiblePlan(
             f"{profile.source}: replication factors {space.replication} all exceed the "
-            f"{links.n_devices} devices"
+            f"{cluster.n_devices} devices"
         )
-    problem = _Problem(profile, links, space, _tables(profile, space))
+    problem = _Problem(profile, cluster, space, _tables(profile, space), GroupPrices(cluster))
     tau_star, _ = _best_plan(problem, _run(problem, _Mode.MAX))
     if not math.isfinite(tau_star):
         raise NoFeasiblePlan(
-            f"{profile.source}: no plan of {profile.n_layers} layers on {links.n_devices} devices "
-            f"satisfies {space} (memory per device {min(links.memory_bytes):.4g} bytes)"
+            f"{profile.source}: no plan of {profile.n_layers} layers on {cluster.n_devices} devices "
+            f"satisfies {space} (memory per device "
+            f"{group_memory(cluster, range(cluster.n_devices)):.4g} bytes)"
         )
     _, plan = _best_plan(problem, _run(problem, _Mode.SUM, tau_star * (1 + TIE_RTOL)))
     assert plan is not None, "the SUM pass at tau* must reach the plan the MAX pass found"

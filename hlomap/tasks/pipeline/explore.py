@@ -23,14 +23,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.dqn_search import SearchBudget, dqn_search
+from hlomap.search.budget import Budget
+from hlomap.search.drivers import run_driver
+from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster, load_cluster
+from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
@@ -40,7 +44,6 @@ __all__ = [
     "CutDescription",
     "PipelineAgent",
     "PipelineResult",
-    "cluster_links",
     "explore_pipeline",
     "explore_pipeline_plan",
     "pipeline_plan",
@@ -55,8 +58,11 @@ log = logging.getLogger(__name__)
 
 
 class PipelineAgent(enum.Enum):
+    """How the cuts are found: the DQN driver trained online on this model (section 3.4), the
+    shipped inference network, optionally fine-tuned (section 3.5), or the exact DP."""
+
     DQN = "dqn"
-    DQN_INFER = "dqn-infer"
+    INFER = "dqn-infer"
     DP = "dp"
 
 
@@ -97,6 +103,7 @@ class PipelineResult:
     episodes: int
     optimum: float | None  # the DP's L (or bottleneck) when compared, else None
     objective: Objective
+    interrupted: bool = False  # Ctrl-C ended the search; the plan is the best found so far
 
     @property
     def latency(self) -> float:
@@ -150,24 +157,14 @@ class PipelineResult:
             "memory_violations": [str(v) for v in self.simulation.violations],
             "search_seconds": self.search_seconds,
             "episodes": self.episodes,
+            "interrupted": self.interrupted,
             "optimum": self.optimum,
         }
 
 
-def cluster_links(cluster: Any) -> tuple[Links, Any]:
-    """Links and the device spec to profile on, from a preset name, JSON path, Cluster or
-    Links (a Links carries no device spec: None, the profile's default)."""
-    if isinstance(cluster, Links):
-        return cluster, None
-    from hlomap.cost.cluster import load_cluster
-
-    loaded = load_cluster(cluster)
-    return Links.from_cluster(loaded), loaded.devices[0]
-
-
 def pipeline_task(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     *,
     stages: int,
     microbatches: int,
@@ -177,14 +174,13 @@ def pipeline_task(
     require_trainable: bool = True,
     check_memory: bool = True,
 ) -> CutTask:
-    """The cut problem of `stages` stages on the center device groups of `links`; the DP gets the
-    same space (replication factors of the center groups, every device used, stage boundaries on
-    servers when there are at least as many servers as stages)."""
-    bounds = center_device_bounds(links, stages)
+    """The cut problem of `stages` stages on the center device groups of `cluster`; the DP gets
+    the same space (replication factors of the center groups, every device used, stage
+    boundaries on servers when there are at least as many servers as stages)."""
+    bounds = center_device_bounds(cluster, stages)
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
-    n_nodes = len(set(links.node_of))
     if device_radius > 0:
-        sizes = tuple(range(1, links.n_devices + 1))
+        sizes = tuple(range(1, cluster.n_devices + 1))
     space = SearchSpace(
         microbatches=microbatches,
         schedule=schedule,
@@ -192,11 +188,11 @@ def pipeline_task(
         replication=sizes,
         use_all_devices=True,
         max_stages=stages,
-        cut_on_node_boundary=stages <= n_nodes,
+        cut_on_node_boundary=stages <= cluster.n_nodes,
         require_trainable=require_trainable,
         check_memory=check_memory,
     )
-    return CutTask(profile, links, space, stages, device_radius=device_radius)
+    return CutTask(profile, cluster, space, stages, device_radius=device_radius)
 
 
 def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan
@@ -220,7 +216,7 @@ def explore_pipeline(
     stages: int,
     microbatches: int = 8,
     schedule: Schedule | str = Schedule.ONE_F_ONE_B,
-    cluster: Any = "A",
+    cluster: str | Path | Cluster = "A",
     agent: PipelineAgent | str = PipelineAgent.DQN,
     seed: int = 0,
     budget_seconds: float | None = None,
@@ -233,16 +229,23 @@ def explore_pipeline(
     policy_path: str | Path | None = None,
     compare_dp: bool = False,
     name: str | None = None,
+    on_best: Callable[[PipelineResult], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> PipelineResult:
     """Find a pipeline plan of `stages` stages for `source` (module docstring).
 
     source: a `hlomap.hlo.capture.Capture`, an `StepChain`, or a per-microbatch
       `PipelineProfile`.
-    cluster: a preset ("A", "B", "C"), a cluster JSON path, a `hlomap.cost.Cluster`, or `Links`.
+    cluster: a preset ("A", "B", "C"), a cluster JSON path, or a `hlomap.cost.Cluster`; its
+      devices' spec profiles an HLO source, its topology prices the communication.
     budget_seconds: wall-clock limit of the DQN (training or fine-tuning); episodes: its episode
       limit; finetune_episodes: for dqn-infer, 0 for inference alone.
     compare_dp: also run the DP and report the gap to its optimum.
     name: how to call the source in reports (default: its profile's source).
+    on_best: called with the result of every better plan the search finds (to save it as the
+    search runs);
+    on_progress: the driver's progress reports. Ctrl-C ends a search with its best plan so far
+    (`PipelineResult.interrupted`).
     """
     agent = PipelineAgent(agent)
     schedule = Schedule(schedule)
@@ -250,7 +253,8 @@ def explore_pipeline(
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
-    links, device = cluster_links(cluster)
+    cluster = load_cluster(cluster)
+    device = cluster.devices[0]
     hlo: StepChain | None
     if isinstance(source, StepChain):
         hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
@@ -262,54 +266,51 @@ def explore_pipeline(
     else:
         raise TypeError(f"explore_pipeline: cannot read a pipeline profile from {type(source)!r}")
     task = pipeline_task(
-        profile, links, stages=stages, microbatches=microbatches, schedule=schedule,
+        profile, cluster, stages=stages, microbatches=microbatches, schedule=schedule,
         objective=objective, device_radius=device_radius, require_trainable=require_trainable,
     ) if stages > 1 else None
     start = time.perf_counter()
-    episodes_run = 0
     space = task.space if task is not None else SearchSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
-        replication=(links.n_devices,), max_stages=1)
+        replication=(cluster.n_devices,), max_stages=1)
+    label = name or (hlo.source if hlo is not None else profile.source)
+
+    def result_of(plan: PipelinePlan, episodes_run: int = 0, interrupted: bool = False,
+                  optimum: float | None = None) -> PipelineResult:
+        device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
+        return PipelineResult(
+            source=label, agent=agent, profile=profile, plan=plan,
+            cost=evaluate_plan(profile, cluster, plan, space.cost),
+            simulation=simulate(profile, cluster, plan, space.cost),
+            cuts=_describe(hlo, profile, plan), device_cuts=device_cuts, replication=plan.replication,
+            device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
+            on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
+            search_seconds=time.perf_counter() - start, episodes=episodes_run, optimum=optimum,
+            objective=objective, interrupted=interrupted,
+        )
+
+    def report_best(found: SearchResult) -> None:
+        if on_best is not None:
+            on_best(result_of(found.plan, found.episodes))
+
+    episodes_run, interrupted = 0, False
     if task is None:  # one stage: data parallel over every device, nothing to search
-        plan = PipelinePlan.linear((0, profile.n_layers), (links.n_devices,),
+        plan = PipelinePlan.linear((0, profile.n_layers), (cluster.n_devices,),
                                    microbatches=microbatches, schedule=schedule)
-    elif agent is PipelineAgent.DP:
-        plan = solve(profile, links, task.space).plan
-    elif agent is PipelineAgent.DQN:
-        found = dqn_search(task, SearchBudget(max_episodes=episodes, seconds=budget_seconds),
-                           seed=seed)
-        plan, episodes_run = found.plan, found.episodes
-    else:
+    elif agent is PipelineAgent.INFER:
         from hlomap.tasks.pipeline.infer import infer_cuts, load_policy
 
-        budget = (SearchBudget(max_episodes=finetune_episodes, seconds=budget_seconds)
+        budget = (Budget(episodes=finetune_episodes, seconds=budget_seconds)
                   if finetune_episodes > 0 else None)
         inferred = infer_cuts(task, load_policy(policy_path), finetune=budget, seed=seed)
         plan, episodes_run = inferred.plan, inferred.finetune_episodes
-    seconds = time.perf_counter() - start
-    cost = evaluate_plan(profile, links, plan, space.cost)
-    simulation = simulate(profile, links, plan, space.cost)
-    optimum = None
-    if compare_dp:
-        optimum = solve(profile, links, space).value
-    device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
-    return PipelineResult(
-        source=name or (hlo.source if hlo is not None else profile.source),
-        agent=agent,
-        profile=profile,
-        plan=plan,
-        cost=cost,
-        simulation=simulation,
-        cuts=_describe(hlo, profile, plan),
-        device_cuts=device_cuts,
-        replication=plan.replication,
-        device_memory=tuple(links.group_memory(stage.devices) for stage in plan.stages),
-        on_node_boundaries=all(links.is_node_boundary(d) for d in device_cuts),
-        search_seconds=seconds,
-        episodes=episodes_run,
-        optimum=optimum,
-        objective=objective,
-    )
+    else:
+        driver = Driver.EXACT if agent is PipelineAgent.DP else Driver.DQN
+        found = run_driver(CutSearchTask(task), driver, Budget(episodes=episodes, seconds=budget_seconds),
+                           seed, on_best=report_best, on_progress=on_progress)
+        plan, episodes_run, interrupted = found.plan, found.episodes, found.interrupted
+    optimum = solve(profile, cluster, space).value if compare_dp else None
+    return result_of(plan, episodes_run, interrupted, optimum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Pla
                        for p in cap.parameters)
     search = {"task": "pipeline", "driver": result.agent.value, "reward": result.objective.value,
               "episodes": result.episodes, "evaluations": result.episodes,
-              "seconds": round(result.search_seconds, 3), "seed": seed}
+              "seconds": round(result.search_seconds, 3), "seed": seed, "interrupted": result.interrupted}
     if result.optimum is not None:
         search["optimum"] = result.optimum
     plan = Plan(mesh=(), parameters=parameters, source=PlanSource(cap.source, cap.text_sha256))
@@ -361,15 +362,23 @@ def explore_pipeline_plan(cap: Any, *, cluster: Any = "A", agent: str = "dqn", b
                           **options: Any) -> Plan:
     """`hlomap.explore(cap, task="pipeline")`: the pipeline explorer's result as a `Plan`, every
     parameter replicated inside its stage and the `pipeline` section holding the stages,
-    microbatches and schedule. Default stages: one per server of the cluster."""
+    microbatches and schedule. Default stages: one per server of the cluster. With `output`,
+    the best plan so far is saved there as the search improves it (Ctrl-C keeps it)."""
     agents = [a.value for a in PipelineAgent]
     if agent not in agents:
         raise ValueError(f"agent {agent!r}: the pipeline task takes {', '.join(agents)}")
     if stages is None:
-        links, _ = cluster_links(cluster)
-        stages = len(set(links.node_of))
+        stages = load_cluster(cluster).n_nodes
+    user_on_best = options.pop("on_best", None)
+
+    def on_best(partial: PipelineResult) -> None:
+        if output is not None:
+            pipeline_plan(cap, partial, seed=seed).save(output)
+        if user_on_best is not None:
+            user_on_best(partial)
+
     result = explore_pipeline(cap, stages=stages, cluster=cluster, agent=agent, seed=seed,
-                              budget_seconds=budget_seconds, **options)
+                              budget_seconds=budget_seconds, on_best=on_best, **options)
     plan = pipeline_plan(cap, result, seed=seed)
     if output is not None:
         plan.save(output)

@@ -23,10 +23,12 @@ import numpy as np
 
 from hlomap.agents import checkpoint
 from hlomap.agents.dqn import DqnAgent, DqnConfig, DqnFunctions, make_dqn
-from hlomap.agents.loop import EpisodeRecord, LoopConfig, run_loop
+from hlomap.agents.loop import EpisodeRecord, LoopConfig, LoopProgress, run_loop
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.tasks.pipeline.cutenv import FEATURES, MAX_STAGES, CutEnv, CutTask
-from hlomap.tasks.pipeline.dqn_search import SearchBudget, dqn_search, greedy_rollout
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import dqn_search, greedy_episode
+from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.normalize import (CANDIDATES, SLOTS, GeneratorSpec, RandomCutEnv, coarsen,
                                        random_task)
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: The shipped policy (package data).
 DEFAULT_POLICY = Path(__file__).resolve().parent / "data" / "cut_policy.npz"
+#: Fraction of a fine-tuning run over which epsilon decays from 0.3 to its floor.
+FINETUNE_EXPLORATION = 0.6
 #: Bump when the observation layout changes: old policy files are then refused.
 LAYOUT_VERSION = 1
 _KIND = "pipeline-cut-policy"
@@ -155,7 +159,6 @@ class TrainingConfig:
     validation: int = 64
     validate_every: int = 5_000
     spec: GeneratorSpec = GeneratorSpec()
-    progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def _validation_tasks(config: TrainingConfig) -> list[tuple[CutTask, float]]:
         try:
             CutEnv(task, slots=config.spec.slots, ranked=CANDIDATES).reset(0)
             space = replace(task.space, max_stages=task.n_stages)
-            optimum = solve(task.profile, task.links, space).value
+            optimum = solve(task.profile, task.cluster, space).value
         except NoFeasiblePlan:
             continue
         tasks.append((task, optimum))
@@ -189,7 +192,9 @@ def validate(agent: DqnAgent, tasks: list[tuple[CutTask, float]], slots: int = S
     """Greedy plans of `agent` on `tasks` against their optima."""
     gaps, infeasible = [], 0
     for task, optimum in tasks:
-        outcome, _ = greedy_rollout(CutEnv(task, slots=slots, ranked=CANDIDATES), agent)
+        env = CutEnv(task, slots=slots, ranked=CANDIDATES)
+        greedy_episode(env, agent)
+        outcome = env.outcome
         if outcome is None or not outcome.feasible:
             infeasible += 1
             gaps.append(np.inf)
@@ -209,9 +214,11 @@ def train_policy(
     *,
     out: str | Path | None = None,
     report: Callable[[int, Validation], None] | None = None,
+    on_progress: Callable[[LoopProgress], None] | None = None,
 ) -> tuple[DqnAgent, Validation]:
     """Train the inference network on random environments; keep the best validated network,
-    write it to `out` when given, and return the agent holding it and its validation."""
+    write it to `out` when given, and return the agent holding it and its validation.
+    `report` gets every validation, `on_progress` the training loop's progress (`run_loop`)."""
     env = RandomCutEnv(config.spec)
     total_steps = int(config.episodes * 4.2)  # mean episode length of the default generator
     dqn = inference_dqn_config(total_steps)
@@ -235,9 +242,8 @@ def train_policy(
             consider(record.index + 1)
         return record.index + 1 >= config.episodes
 
-    result = run_loop(env, agent, LoopConfig(
-        num_steps=10 * config.episodes, seed=config.seed, progress=config.progress,
-    ), on_episode=on_episode)
+    result = run_loop(env, agent, LoopConfig(num_steps=10 * config.episodes, seed=config.seed),
+                      on_episode=on_episode, on_progress=on_progress)
     consider(result.num_episodes)
     agent.set_params(best[0])
     if out is not None:
@@ -285,10 +291,11 @@ def infer_cuts(
     task: CutTask,
     policy: Policy | None = None,
     *,
-    finetune: SearchBudget | None = None,
+    finetune: Budget | None = None,
     seed: int = 0,
 ) -> InferenceResult:
-    """Cuts for `task` from the inference network, optionally fine-tuned on the task."""
+    """Cuts for `task` from the inference network, optionally fine-tuned on the task (with the
+    DQN driver, from the network's parameters, for `finetune`'s episodes or seconds)."""
     if task.device_radius != 0:
         raise ValueError("the inference network places device cuts at the center solution only "
                          f"(device_radius 0); got {task.device_radius}")
@@ -299,27 +306,28 @@ def infer_cuts(
     coarse_profile, kept = coarsen(task.profile, slots)
     coarse = replace(task, profile=coarse_profile)
     agent = policy.agent(seed)
-    outcome, _ = greedy_rollout(CutEnv(coarse, slots=slots, ranked=ranked), agent)
+    env = CutEnv(coarse, slots=slots, ranked=ranked)
+    greedy_episode(env, agent)
+    outcome = env.outcome
     inference_value = (outcome.value if outcome is not None and outcome.feasible
                        else float("inf"))
     best_plan = outcome.plan if outcome is not None else None
     episodes = 0
     if finetune is not None:
+        planned = finetune.episodes or finetune.evaluations or 1000
         config = replace(policy.config, epsilon_start=0.3, epsilon_end=0.02,
-                         epsilon_decay_steps=max(1, int(finetune.exploration
-                                                        * finetune.max_episodes
-                                                        * (task.n_stages - 1))),
+                         epsilon_decay_steps=max(1, int(FINETUNE_EXPLORATION * planned * (task.n_stages - 1))),
                          min_replay_size=64, update_period=2, batch_size=32)
-        found = dqn_search(coarse, finetune, seed=seed, config=config, params=policy.params,
-                           slots=slots, ranked=ranked)
+        search_task = CutSearchTask(coarse, slots=slots, ranked=ranked)
+        found = dqn_search(search_task, finetune, seed, agent_config=config, params=policy.params)
         episodes = found.episodes
-        if outcome is None or not outcome.feasible or (found.feasible
-                                                       and found.value < outcome.value):
-            best_plan = found.plan
+        tuned = search_task.cut_plan(found.decisions)
+        if outcome is None or not outcome.feasible or (tuned.feasible and tuned.value < outcome.value):
+            best_plan = tuned.plan
     if best_plan is None:
         raise NoFeasiblePlan(f"{task.profile.source}: the inference network reached a dead end")
     plan = _lift(task, best_plan, kept)
-    cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
+    cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
     value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
     return InferenceResult(
         plan=plan,

@@ -9,8 +9,9 @@
   parameters, stash and crossing bytes drawn from uniform, normal or binomial distributions,
   optionally with a repeating block pattern (transformer layers) and a heavy first or last layer
   (embeddings, an LM head); 2 to 8 stages on as many servers of 1 to 8 devices with random
-  bandwidths; random microbatches, schedule, objective and memory. Communication is scaled so
-  that transfer and all-reduce times range from negligible to dominant against compute.
+  bandwidths (one NIC per server); random microbatches, schedule, objective and memory.
+  Communication is scaled so that transfer and all-reduce times, priced like every pipeline's
+  (`hlomap.cost.pipeline.links`), range from negligible to dominant against compute.
 - `RandomCutEnv`: an environment whose every episode is a fresh random task (drawn from the
   reset seed), so one training run sees hundreds of thousands of environments.
 """
@@ -24,16 +25,12 @@ import numpy as np
 
 from hlomap.agents.environment import TimeStep
 from hlomap.cost.pipeline.costs import CostOptions
-from hlomap.tasks.pipeline.cutenv import (
-    MAX_STAGES,
-    AffineMax,
-    CutEnv,
-    CutTask,
-    allreduce_cost,
-    transfer_cost,
-)
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.devices import device_preset
+from hlomap.cost.pipeline.links import AffineMax, allreduce_cost, transfer_cost, with_device_memory
+from hlomap.cost.topology import block_tables
+from hlomap.tasks.pipeline.cutenv import MAX_STAGES, CutEnv, CutTask
 from hlomap.tasks.pipeline.chain import thin_pivots
-from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
 from hlomap.cost.pipeline.stages import Schedule
@@ -44,7 +41,7 @@ __all__ = [
     "GeneratorSpec",
     "RandomCutEnv",
     "coarsen",
-    "random_links",
+    "random_cluster",
     "random_profile",
     "random_task",
 ]
@@ -113,7 +110,7 @@ def _pattern(rng: np.random.Generator, n: int, values: np.ndarray) -> np.ndarray
 
 def random_profile(rng: np.random.Generator, n_layers: int) -> PipelineProfile:
     """A random chain of `n_layers` layers; compute sums to 1 second, the other arrays have
-    arbitrary scales (`random_task` scales them against the links)."""
+    arbitrary scales (`random_task` scales them against the cluster)."""
     compute = _pattern(rng, n_layers, _draw(rng, n_layers))
     if rng.random() < 0.3:  # a heavy head or tail: an LM head, an embedding, a classifier
         heavy = rng.uniform(0.05, 0.5) * compute.sum() / (1 - 0.5)
@@ -140,20 +137,19 @@ def random_profile(rng: np.random.Generator, n_layers: int) -> PipelineProfile:
     )
 
 
-def random_links(rng: np.random.Generator, nodes: int, per_node: int) -> Links:
-    """`nodes` servers of `per_node` devices: fast links inside a server, slower and uneven ones
-    between servers (bytes/s), small latencies, unlimited memory."""
-    d = nodes * per_node
+def random_cluster(rng: np.random.Generator, nodes: int, per_node: int) -> Cluster:
+    """`nodes` servers of `per_node` devices, one NIC each: fast links inside a server, slower
+    and uneven ones between servers (bytes/s), small latencies, unlimited memory."""
     node_of = np.repeat(np.arange(nodes), per_node)
     inside = 10 ** rng.uniform(10.5, 11.5)
     outside = 10 ** rng.uniform(8.5, 10.5)
     pair = np.triu(rng.uniform(0.3, 1.0, (nodes, nodes)), 1)
     pair = pair + pair.T + np.eye(nodes)
-    same = node_of[:, None] == node_of[None, :]
-    bandwidth = np.where(same, inside, outside * pair[node_of][:, node_of])
-    latency = np.where(same, 5e-6, rng.uniform(5e-6, 5e-5))
-    return Links(bandwidth=bandwidth, latency=latency, node_of=tuple(int(v) for v in node_of),
-                 memory_bytes=(math.inf,) * d)
+    tables = block_tables(node_of, inside, outside * pair, 5e-6, rng.uniform(5e-6, 5e-5))
+    # The device only lends its memory, made unlimited; profiles give the compute times.
+    cluster = Cluster(f"random-{nodes}x{per_node}", (device_preset("V100-16GB"),) * len(node_of),
+                      tuple(tables.node_of.tolist()), tables.bandwidth, tables.latency)
+    return with_device_memory(cluster, math.inf)
 
 
 def _bytes_for(cost: AffineMax, target: float) -> float:
@@ -171,21 +167,21 @@ def random_task(rng: np.random.Generator, spec: GeneratorSpec = GeneratorSpec())
     if rng.random() < spec.few_pivots:
         pivots = int(rng.integers(max(stages, 8), spec.slots + 1))
     per_node = int(rng.choice(spec.devices_per_node))
-    links = random_links(rng, stages, per_node)
+    cluster = random_cluster(rng, stages, per_node)
     profile = random_profile(rng, pivots + 1)
     m = int(rng.choice(spec.microbatches))
-    d = links.n_devices
+    d = cluster.n_devices
     unit = 1.0 / d  # balanced stage time: compute sums to 1
     group0, group1 = range(0, per_node), range(per_node, 2 * per_node)
     # Transfers: the median crossing tensor between two servers takes ratio * unit.
     ratio = 10 ** rng.uniform(*spec.comm_ratio)
     median = float(np.median(profile.activation_bytes))
-    a_scale = _bytes_for(transfer_cost(links, group0, group1), ratio * unit) / median
+    a_scale = _bytes_for(transfer_cost(cluster, group0, group1), ratio * unit) / median
     # All-reduce: an even share of W over one server, amortized per microbatch.
     ratio = 10 ** rng.uniform(*spec.comm_ratio)
     share = float(profile.parameter_bytes.sum()) / stages
     if per_node > 1:
-        w_scale = _bytes_for(allreduce_cost(links, group0), ratio * unit * m) / share
+        w_scale = _bytes_for(allreduce_cost(cluster, group0), ratio * unit * m) / share
     else:
         w_scale = 1e9 / share  # no all-reduce on one device: W only weighs on memory
     profile = replace(
@@ -205,7 +201,7 @@ def random_task(rng: np.random.Generator, spec: GeneratorSpec = GeneratorSpec())
         balanced = (4.0 * float(profile.parameter_bytes.sum()) / stages
                     + m * float(stash.sum()) / stages / per_node)
         memory = balanced * rng.uniform(1.0, 3.0)
-        links = replace(links, memory_bytes=(memory,) * d)
+        cluster = with_device_memory(cluster, memory)
     space = SearchSpace(
         microbatches=m,
         schedule=schedule,
@@ -216,7 +212,7 @@ def random_task(rng: np.random.Generator, spec: GeneratorSpec = GeneratorSpec())
         check_memory=check_memory,
         cost=CostOptions(),
     )
-    return CutTask(profile=profile, links=links, space=space, n_stages=stages)
+    return CutTask(profile=profile, cluster=cluster, space=space, n_stages=stages)
 
 
 class RandomCutEnv:

@@ -24,17 +24,23 @@ it makes a choice:
   forward + backward time.
 A straight order allows fewer cuts than PipeDream's antichain states for branchy graphs, so on
 such graphs our optimum can only be equal or slower; on chains (vgg16, alexnet) they coincide.
+
+`pipedream_cluster` is the network PipeDream's optimizer assumes for such a profile: one GPU per
+worker, every pair of workers joined by the same link, memory never the limit.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from hlomap.cost.cluster import Cluster, uniform
+from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "PipeDreamParseError",
     "load_pipedream",
     "parse_graph",
+    "pipedream_cluster",
     "to_profile",
 ]
 
@@ -225,3 +232,12 @@ def load_pipedream(path: str | Path) -> PipelineProfile:
     """Read a PipeDream graph file into a straight `PipelineProfile`."""
     path = Path(path)
     return to_profile(parse_graph(path.read_text(), source=str(path)))
+
+
+def pipedream_cluster(workers: int, bandwidth_gbps: float = 10.0) -> Cluster:
+    """`workers` V100s (the profiles' GPU), each its own server, all joined by `bandwidth_gbps`
+    links without latency, with unlimited memory: the network PipeDream's optimizer prices
+    straight pipelines on (one worker per stage, so no two transfers share a NIC)."""
+    network = uniform(workers, "V100-16GB", bandwidth_gbps * 1e9 / 8, 0.0,
+                      name=f"pipedream-{workers}x{bandwidth_gbps:g}Gbps")
+    return with_device_memory(network, math.inf)

@@ -12,7 +12,8 @@ import enum
 from dataclasses import dataclass, field
 
 from hlomap.cost.pipeline.costs import CostOptions, PlanCost
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
 
@@ -37,7 +38,7 @@ class SearchSpace:
 
     microbatches, schedule: of every plan (the schedule decides the memory, not L).
     replication: the replication factors a stage may have.
-    use_all_devices: every device of the links is used (PipeDream without use_fewer_machines);
+    use_all_devices: every device of the cluster is used (PipeDream without use_fewer_machines);
       otherwise a prefix of the linear device order.
     max_stages: cap on the number of stages (None: as many as devices allow).
     cut_on_node_boundary: Auto-MAP's rule: a stage boundary in device order falls between two
@@ -73,7 +74,7 @@ class SearchSpace:
 
 def inadmissible(
     profile: PipelineProfile,
-    links: Links,
+    cluster: Cluster,
     plan: PipelinePlan,
     space: SearchSpace,
     cost: PlanCost,
@@ -89,15 +90,15 @@ def inadmissible(
             return f"stage {s} replication {stage.replication} not in {space.replication}"
         if stage.devices != tuple(range(device, device + stage.replication)):
             return f"stage {s} devices {stage.devices} are not next in linear order"
-        if s > 0 and space.cut_on_node_boundary and not links.is_node_boundary(device):
-            return f"stage {s} starts at device {device}, inside node {links.node_of[device]}"
+        if s > 0 and space.cut_on_node_boundary and not is_node_boundary(cluster, device):
+            return f"stage {s} starts at device {device}, inside node {cluster.node_of[device]}"
         if space.require_trainable and not profile.trainable[stage.start : stage.stop].any():
             return f"stage {s} (layers [{stage.start}, {stage.stop})) has no trainable layer"
         device += stage.replication
-    if device > links.n_devices:
-        return f"plan needs {device} devices, the links have {links.n_devices}"
-    if space.use_all_devices and device != links.n_devices:
-        return f"plan uses {device} of {links.n_devices} devices"
+    if device > cluster.n_devices:
+        return f"plan needs {device} devices, cluster {cluster.name!r} has {cluster.n_devices}"
+    if space.use_all_devices and device != cluster.n_devices:
+        return f"plan uses {device} of {cluster.n_devices} devices"
     if space.check_memory and not cost.feasible:
         return "; ".join(str(v) for v in cost.violations)
     return None

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from hlomap.agents.environment import TimeStep, restart, termination, transition
-from hlomap.tasks.sharding.objective import CONFLICT_REWARD, Objective, RewardMode, Score
-from hlomap.tasks.sharding.space import SearchSpace
 from hlomap.propagation.conflicts import REPLICATED
+from hlomap.search.score import Score
+from hlomap.search.task import EpisodeOutcome
+from hlomap.tasks.sharding.objective import CONFLICT_REWARD, Objective, RewardMode
+from hlomap.tasks.sharding.space import SearchSpace
 
-__all__ = ["Encoding", "EnvConfig", "EpisodeOutcome", "MaskPolicy", "PlanEnv", "observation_size"]
+__all__ = ["Encoding", "EnvConfig", "MaskPolicy", "PlanEnv", "observation_size"]
 
 
 class Encoding(str, enum.Enum):
@@ -63,19 +64,6 @@ class EnvConfig:
 TIEBREAK_SHARE = 0.1
 
 
-class EpisodeOutcome(NamedTuple):
-    """One finished episode: the decisions, where it conflicted (or P), its return and score."""
-
-    choices: np.ndarray  # int8 [P]; positions never reached are -1
-    conflict_at: int
-    episode_return: float  # unscaled
-    score: Score
-
-    @property
-    def conflict_free(self) -> bool:
-        return self.conflict_at == len(self.choices)
-
-
 def observation_size(space: SearchSpace, encoding: Encoding) -> int:
     entries = space.num_positions if encoding is Encoding.GROUPS else len(space.candidates)
     width = 1 if len(space.axes.options) == 1 else len(space.axes.options) + 1
@@ -100,7 +88,7 @@ class PlanEnv:
         bonus = config.tiebreak_bonus if config.tiebreak_bonus is not None else objective.mode is RewardMode.PAPER
         self._bonus = (TIEBREAK_SHARE * sizes / max(float(sizes.sum()), 1.0) if bonus
                        else np.zeros(space.num_positions))
-        #: the masking of the current episode; drivers may change it between episodes
+        #: the masking of the current episode (FULL while replaying decisions)
         self.mask = config.mask
         self._choices = space.empty_choices()
         self._plan = space.plan_of(self._choices)
@@ -159,6 +147,16 @@ class PlanEnv:
             return termination(self._observe(), (reward + bonus) * scale, self.legal())
         self._return += reward
         return transition(self._observe(), (reward + bonus) * scale, self.legal())
+
+    def replay_action(self, decisions: np.ndarray) -> int:
+        """The action of `decisions` at the current position, or replicate (action 0) when it
+        clashes with what this episode decided so far."""
+        action = int(decisions[self._t]) + 1
+        return action if self.space.legal_now(self._plan, self._t)[action] else 0
+
+    def set_replaying(self, replaying: bool) -> None:
+        """While replaying, every clash is masked (FULL), so the episode cannot conflict."""
+        self.mask = MaskPolicy.FULL if replaying else self.config.mask
 
     # -- helpers --------------------------------------------------------------------------------
     def legal(self) -> np.ndarray:

@@ -16,17 +16,17 @@ are more than `limit` of them.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
+from hlomap.search.tracker import Tracker
 from hlomap.tasks.sharding.objective import PAPER_PARTITIONED, PAPER_REPLICATED, Objective, PaperObjective, RewardMode
-from hlomap.search.tracker import Budget, Driver, Progress, SearchResult, Tracker
 from hlomap.tasks.sharding.space import SearchSpace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExactTooLarge", "count_conflict_free", "enumerate_conflict_free", "exact_search", "paper_milp"]
+__all__ = ["ExactTooLarge", "count_conflict_free", "enumerate_conflict_free", "paper_milp", "solve_exactly"]
 
 DEFAULT_ENUMERATION_LIMIT = 4096
 
@@ -127,32 +127,28 @@ def count_conflict_free(space: SearchSpace, limit: int) -> int:
     return n
 
 
-def exact_search(space: SearchSpace, objective: Objective, budget: Budget | None = None, seed: int = 0, *,
-                 limit: int = DEFAULT_ENUMERATION_LIMIT,
-                 on_best: Callable[[SearchResult], None] | None = None,
-                 on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
-    """The optimum: MILP for the paper reward, enumeration otherwise (ExactTooLarge beyond
-    `limit` conflict-free plans). `optimal` is False when the budget cut the search short."""
-    budget = budget or Budget(seconds=None, evaluations=None)
-    tracker = Tracker(space, objective, budget, Driver.EXACT, seed, on_best=on_best, on_progress=on_progress)
-    with tracker.guard():
-        if objective.mode is RewardMode.PAPER and isinstance(objective, PaperObjective):
-            choices, proven = paper_milp(space, time_limit=budget.seconds)
-            tracker.record(choices, objective.score(choices))
-            tracker.optimal = proven
-            tracker.notes.append("MILP (HiGHS)" + ("" if proven else ", stopped at the time limit"))
-            return tracker.result()
-        count = count_conflict_free(space, limit)
-        if count > limit:
-            raise ExactTooLarge(f"more than {limit} conflict-free plans over {space.num_positions} positions; "
-                                f"exact search with the {objective.mode} reward enumerates them all")
-        complete = True
-        for choices in enumerate_conflict_free(space):
-            if tracker.exhausted():
-                complete = False
-                break
-            tracker.record(choices, objective.score(choices))
-            tracker.progress()
-        tracker.optimal = complete and not tracker.interrupted
-        tracker.notes.append(f"enumerated {count if complete else tracker.evaluations} of {count} conflict-free plans")
-    return tracker.result()
+def solve_exactly(space: SearchSpace, objective: Objective, tracker: Tracker, *,
+                  limit: int = DEFAULT_ENUMERATION_LIMIT) -> None:
+    """The optimum into `tracker`: the MILP for the paper reward, enumeration otherwise
+    (ExactTooLarge beyond `limit` conflict-free plans); `tracker.optimal` when proven (not
+    when the budget cut the enumeration or the MILP's time limit short)."""
+    budget = tracker.budget
+    if objective.mode is RewardMode.PAPER and isinstance(objective, PaperObjective):
+        choices, proven = paper_milp(space, time_limit=budget.seconds)
+        tracker.record(choices, objective.score(choices))
+        tracker.optimal = proven
+        tracker.notes.append("MILP (HiGHS)" + ("" if proven else ", stopped at the time limit"))
+        return
+    count = count_conflict_free(space, limit)
+    if count > limit:
+        raise ExactTooLarge(f"more than {limit} conflict-free plans over {space.num_positions} positions; "
+                            f"exact search with the {objective.mode} reward enumerates them all")
+    complete = True
+    for choices in enumerate_conflict_free(space):
+        if tracker.exhausted():
+            complete = False
+            break
+        tracker.record(choices, objective.score(choices))
+        tracker.progress()
+    tracker.optimal = complete and not tracker.interrupted
+    tracker.notes.append(f"enumerated {count if complete else tracker.evaluations} of {count} conflict-free plans")

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
+from hlomap.search.score import WORST, Score
 from hlomap.tasks.sharding.space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ __all__ = [
     "PaperObjective",
     "RewardMode",
     "Score",
+    "WORST",
     "make_objective",
 ]
 
@@ -55,28 +57,6 @@ class RewardMode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-class Score(NamedTuple):
-    """A plan's score. Compare with `key`: value first, then the tie-break."""
-
-    value: float
-    tiebreak: float = 0.0
-    conflict_free: bool = True
-    fits: bool = True
-    step_time: float | None = None  # seconds (cost mode)
-    memory: float | None = None  # peak bytes per device (cost mode)
-
-    @property
-    def key(self) -> tuple[float, float]:
-        # rounded so that sums of the same rewards taken in another order compare equal
-        return (round(self.value, 9), self.tiebreak)
-
-    def to_json(self) -> dict[str, object]:
-        return {k: v for k, v in self._asdict().items() if v is not None}
-
-
-WORST = Score(float("-inf"), float("-inf"), False, False)
 
 
 class Objective(Protocol):

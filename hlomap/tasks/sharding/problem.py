@@ -13,24 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import tempfile
 from os import PathLike
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from hlomap.tasks.sharding.baselines import greedy_search, random_search
-from hlomap.tasks.sharding.costmodel import estimate_model
-from hlomap.tasks.sharding.dqn_search import DqnSearchConfig, dqn_search
-from hlomap.tasks.sharding.exact import exact_search
-from hlomap.tasks.sharding.objective import CostObjective, Objective, PaperObjective, RewardMode
-from hlomap.search.tracker import Budget, Driver, Progress, SearchResult
-from hlomap.tasks.sharding.space import SearchSpace, Task, make_space
 from hlomap.hlo.capture import Capture
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
+from hlomap.search import drivers
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import DqnSearchConfig
+from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks.sharding.costmodel import estimate_model
+from hlomap.tasks.sharding.objective import CostObjective, Objective, PaperObjective, RewardMode
+from hlomap.tasks.sharding.space import SearchSpace, Task, make_space
+from hlomap.tasks.sharding.task import ShardingTask
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +66,10 @@ class Problem:
     objective: Objective
     cluster: Any
 
+    @property
+    def task(self) -> ShardingTask:
+        return ShardingTask(self.space, self.objective)
+
 
 def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[str, int] | int | str = 8,
                   cluster: Any = "A", reward: RewardMode | str = RewardMode.PAPER, graph: FactorGraph | None = None,
@@ -94,16 +96,9 @@ def run_driver(problem: Problem, driver: Driver | str, budget: Budget, seed: int
                dqn_config: DqnSearchConfig | None = None,
                on_best: Callable[[SearchResult], None] | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
-    driver = Driver(driver)
-    kw = dict(on_best=on_best, on_progress=on_progress)
-    if driver is Driver.DQN:
-        return dqn_search(problem.space, problem.objective, budget, seed, config=dqn_config or DqnSearchConfig(), **kw)
-    if driver is Driver.RANDOM:
-        mask = (dqn_config or DqnSearchConfig()).mask
-        return random_search(problem.space, problem.objective, budget, seed, mask=mask, **kw)
-    if driver is Driver.GREEDY:
-        return greedy_search(problem.space, problem.objective, budget, seed, **kw)
-    return exact_search(problem.space, problem.objective, budget, seed, **kw)
+    """Search `problem` with `driver` (see `hlomap.search.drivers.run_driver`)."""
+    return drivers.run_driver(problem.task, driver, budget, seed, dqn_config=dqn_config, on_best=on_best,
+                              on_progress=on_progress)
 
 
 def to_plan(problem: Problem, result: SearchResult, *, with_estimate: bool = True) -> Any:
@@ -122,19 +117,6 @@ def to_plan(problem: Problem, result: SearchResult, *, with_estimate: bool = Tru
         except Exception as exc:  # an estimate is a report, not a reason to lose the plan
             log.warning("could not estimate the explored plan: %s", exc)
     return dataclasses.replace(plan, search=search, estimate=estimate)
-
-
-def _save_atomic(plan: Any, path: str | PathLike[str]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        plan.save(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,13 +146,13 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
 
     def on_best(partial: SearchResult) -> None:
         if output is not None:
-            _save_atomic(to_plan(problem, partial, with_estimate=False), output)
+            to_plan(problem, partial, with_estimate=False).save(output)
 
     result = run_driver(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
                         on_progress=on_progress)
     plan = to_plan(problem, result, with_estimate=with_estimate)
     if output is not None:
-        _save_atomic(plan, output)
+        plan.save(output)
     log.info("explored %s (%s, %s reward) with %s: score %.4g after %d evaluations in %.1f s%s",
              cap.source, problem.space.task, result.reward, result.driver, result.score.value, result.evaluations,
              result.seconds, " (interrupted)" if result.interrupted else "")

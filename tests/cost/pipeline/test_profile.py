@@ -4,10 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions, evaluate_plan
-from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers, scale_batch, uniform_profile
 from hlomap.cost.pipeline.stages import PipelinePlan
-from tests.tasks.pipeline.strategies import profiles
+from tests.tasks.pipeline.strategies import profiles, uniform_cluster
 
 
 def test_rejects_wrong_lengths_and_negative_values_naming_the_field():
@@ -63,12 +62,12 @@ def test_merged_profile_prices_plans_like_the_original(profile, data):
     merged = merge_layers(profile, kept)
     assert merged.n_layers == len(kept) + 1
     cut_positions = sorted(data.draw(st.sets(st.integers(0, len(kept) - 1), max_size=3)))
-    links = Links.uniform(len(cut_positions) + 1, bandwidth=1e9, latency=1e-4)
+    cluster = uniform_cluster(len(cut_positions) + 1, bandwidth=1e9, latency=1e-4)
     merged_bounds = [0] + [c + 1 for c in cut_positions] + [merged.n_layers]
     original_bounds = [0] + [kept[c] + 1 for c in cut_positions] + [profile.n_layers]
     reps = [1] * (len(cut_positions) + 1)
-    a = evaluate_plan(merged, links, PipelinePlan.linear(merged_bounds, reps, microbatches=3))
-    b = evaluate_plan(profile, links, PipelinePlan.linear(original_bounds, reps, microbatches=3))
+    a = evaluate_plan(merged, cluster, PipelinePlan.linear(merged_bounds, reps, microbatches=3))
+    b = evaluate_plan(profile, cluster, PipelinePlan.linear(original_bounds, reps, microbatches=3))
     assert a.latency == pytest.approx(b.latency, rel=1e-12, abs=1e-15)
     assert a.stage_memory == pytest.approx(b.stage_memory, rel=1e-12)
 
@@ -94,8 +93,8 @@ def test_scale_batch_scales_time_and_activations_not_parameters():
 
 def test_comm_model_ignored_zeroes_transfers():
     profile = uniform_profile(2, forward_time=1, backward_time=1, activation_bytes=1e9)
-    links = Links.uniform(2, bandwidth=1e9)
+    cluster = uniform_cluster(2, bandwidth=1e9)
     plan = PipelinePlan.linear([0, 1, 2], [1, 1], microbatches=1)
-    assert evaluate_plan(profile, links, plan).cut_transfer == (1.0,)
-    ignored = evaluate_plan(profile, links, plan, CostOptions(comm=CommModel.IGNORED))
+    assert evaluate_plan(profile, cluster, plan).cut_transfer == (1.0,)
+    ignored = evaluate_plan(profile, cluster, plan, CostOptions(comm=CommModel.IGNORED))
     assert ignored.cut_transfer == (0.0,)

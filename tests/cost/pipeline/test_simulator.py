@@ -1,4 +1,5 @@
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -6,13 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions, evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.devices import device_preset
+from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile, uniform_profile
 from hlomap.cost.pipeline.simulator import PipelineMemoryError, SpanKind, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage
 from hlomap.report.gantt import draw_gantt
 from hlomap.cost.pipeline.costs import gpipe_latency
-from tests.tasks.pipeline.strategies import links as random_links
+from tests.tasks.pipeline.strategies import clusters as random_clusters
+from tests.tasks.pipeline.strategies import uniform_cluster
 from tests.tasks.pipeline.strategies import profiles
 
 NO_COMM = CostOptions(comm=CommModel.IGNORED)
@@ -45,10 +49,10 @@ def test_uniform_stages_follow_the_gpipe_formula(
         activation_bytes=1e9,
     )
     plan = _straight(n_stages, microbatches, schedule, layers_per_stage)
-    result = simulate(profile, Links.uniform(n_stages, bandwidth=1e9), plan, NO_COMM)
+    result = simulate(profile, uniform_cluster(n_stages, bandwidth=1e9), plan, NO_COMM)
     assert result.length == pytest.approx((microbatches + n_stages - 1) * (t_f + t_b), rel=1e-9)
     # The closed-form model the DP minimizes agrees in this setting.
-    model = evaluate_plan(profile, Links.uniform(n_stages, bandwidth=1e9), plan, NO_COMM)
+    model = evaluate_plan(profile, uniform_cluster(n_stages, bandwidth=1e9), plan, NO_COMM)
     assert model.latency == pytest.approx(result.length, rel=1e-9)
 
 
@@ -56,10 +60,10 @@ def test_uniform_stages_follow_the_gpipe_formula(
 def test_1f1b_stashes_min_of_remaining_stages_and_microbatches(n_stages, microbatches):
     stash = 1e9
     profile = uniform_profile(n_stages, forward_time=1, backward_time=2, stash_bytes=stash)
-    links = Links.uniform(n_stages, bandwidth=1e9)
-    gpipe = simulate(profile, links, _straight(n_stages, microbatches, Schedule.GPIPE), NO_COMM)
+    cluster = uniform_cluster(n_stages, bandwidth=1e9)
+    gpipe = simulate(profile, cluster, _straight(n_stages, microbatches, Schedule.GPIPE), NO_COMM)
     one_f = simulate(
-        profile, links, _straight(n_stages, microbatches, Schedule.ONE_F_ONE_B), NO_COMM
+        profile, cluster, _straight(n_stages, microbatches, Schedule.ONE_F_ONE_B), NO_COMM
     )
     assert gpipe.peak_in_flight == (microbatches,) * n_stages
     assert one_f.peak_in_flight == tuple(
@@ -82,9 +86,9 @@ def test_two_stages_one_microbatch_by_hand():
         activation_bytes=[5e8],
         parameter_bytes=[4e8, 0.0],
     )
-    links = Links.uniform(3, bandwidth=1e9, latency=0.1)
+    cluster = uniform_cluster(3, bandwidth=1e9, latency=0.1)
     plan = PipelinePlan.linear([0, 1, 2], [2, 1], microbatches=1, schedule=Schedule.GPIPE)
-    result = simulate(profile, links, plan)
+    result = simulate(profile, cluster, plan)
     # stage 0 runs on two replicas: f0 = 0.5, b0 = 1.5. The 5e8-byte activation goes as two
     # chunks of 2.5e8 in parallel: 0.1 + 0.25 s. All-reduce of 4e8 bytes over 2 devices:
     # 2 steps of (0.1 + 2e8 / 1e9).
@@ -98,32 +102,32 @@ def test_two_stages_one_microbatch_by_hand():
 
 
 @settings(max_examples=60, deadline=None)
-@given(profile=profiles(min_layers=2, max_layers=6), links=random_links(), data=st.data())
-def test_gpipe_matches_the_flow_shop_closed_form_with_communication(profile, links, data):
-    n_stages = data.draw(st.integers(1, min(profile.n_layers, links.n_devices)))
+@given(profile=profiles(min_layers=2, max_layers=6), cluster=random_clusters(), data=st.data())
+def test_gpipe_matches_the_flow_shop_closed_form_with_communication(profile, cluster, data):
+    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
     cuts = sorted(data.draw(st.sets(
         st.integers(1, profile.n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1
     )))
     replication = [1] * n_stages
-    for _ in range(links.n_devices - n_stages):
+    for _ in range(cluster.n_devices - n_stages):
         replication[data.draw(st.integers(0, n_stages - 1))] += 1
     plan = PipelinePlan.linear(
         [0, *cuts, profile.n_layers], replication,
         microbatches=data.draw(st.integers(1, 6)), schedule=Schedule.GPIPE,
     )
-    result = simulate(profile, links, plan)
-    assert result.length == pytest.approx(gpipe_latency(profile, links, plan), rel=1e-9, abs=1e-12)
+    result = simulate(profile, cluster, plan)
+    assert result.length == pytest.approx(gpipe_latency(profile, cluster, plan), rel=1e-9, abs=1e-12)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     profile=profiles(min_layers=2, max_layers=6),
-    links=random_links(),
+    cluster=random_clusters(),
     schedule=st.sampled_from(Schedule),
     data=st.data(),
 )
-def test_timeline_respects_dependencies_and_resources(profile, links, schedule, data):
-    n_stages = data.draw(st.integers(1, min(profile.n_layers, links.n_devices)))
+def test_timeline_respects_dependencies_and_resources(profile, cluster, schedule, data):
+    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
     cuts = sorted(data.draw(st.sets(
         st.integers(1, profile.n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1
     )))
@@ -131,7 +135,7 @@ def test_timeline_respects_dependencies_and_resources(profile, links, schedule, 
     plan = PipelinePlan.linear(
         [0, *cuts, profile.n_layers], [1] * n_stages, microbatches=m, schedule=schedule
     )
-    result = simulate(profile, links, plan)
+    result = simulate(profile, cluster, plan)
     span = {(s.kind, s.stage, s.microbatch): s for s in result.spans}
     eps = 1e-9
     for s in range(n_stages):
@@ -163,17 +167,19 @@ def test_memory_violations_are_reported_logged_and_raised(caplog):
     )
     # 1F1B on 2 stages of 2 layers: stage 0 needs 4 * 2e9 params + 2 * 4e9 stash = 16e9.
     memory = (10e9, 40e9)
-    links = Links(np.full((2, 2), 1e9), np.zeros((2, 2)), (0, 0), memory)
+    v100 = device_preset("V100-16GB")
+    cluster = Cluster("two", tuple(replace(v100, memory_bytes=m) for m in memory), (0, 0),
+                    np.full((2, 2), 1e9), np.zeros((2, 2)))
     plan = PipelinePlan.linear([0, 2, 4], [1, 1], microbatches=4)
     with caplog.at_level(logging.WARNING, logger="hlomap.cost.pipeline.simulator"):
-        result = simulate(profile, links, plan)
+        result = simulate(profile, cluster, plan)
     assert result.stage_memory == pytest.approx((16e9, 12e9))
     assert not result.feasible
     assert [(v.stage, v.device) for v in result.violations] == [(0, 0)]
     assert "stage 0 needs" in caplog.text and "device 0" in caplog.text
     with pytest.raises(PipelineMemoryError, match=r"stage 0 needs 14.901 GiB on device 0"):
         result.check()
-    roomy = Links(links.bandwidth, links.latency, links.node_of, (20e9, 20e9))
+    roomy = with_device_memory(cluster, 20e9)
     assert simulate(profile, roomy, plan).check().feasible
 
 
@@ -181,9 +187,9 @@ def test_gantt_png_is_drawn(tmp_path):
     profile = uniform_profile(
         4, forward_time=1e-3, backward_time=2e-3, activation_bytes=1e6, parameter_bytes=1e6
     )
-    links = Links.uniform(6, bandwidth=1e9, latency=1e-5)
+    cluster = uniform_cluster(6, bandwidth=1e9, latency=1e-5)
     plan = PipelinePlan.linear([0, 1, 2, 4], [2, 1, 3], microbatches=4)
-    result = simulate(profile, links, plan)
+    result = simulate(profile, cluster, plan)
     path = draw_gantt(result, tmp_path / "timeline.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -196,11 +202,11 @@ def test_gantt_png_is_drawn(tmp_path):
 
 def test_plans_that_do_not_fit_the_profile_or_links_are_rejected():
     profile = uniform_profile(3, forward_time=1, backward_time=1)
-    links = Links.uniform(2, bandwidth=1e9)
+    cluster = uniform_cluster(2, bandwidth=1e9)
     with pytest.raises(ValueError, match="plan covers 2 layers but uniform_profile"):
-        simulate(profile, links, PipelinePlan.linear([0, 1, 2], [1, 1], microbatches=1))
-    with pytest.raises(ValueError, match="stage 1 uses device 2; the links have 2 devices"):
-        simulate(profile, links, PipelinePlan.linear([0, 1, 3], [2, 1], microbatches=1))
+        simulate(profile, cluster, PipelinePlan.linear([0, 1, 2], [1, 1], microbatches=1))
+    with pytest.raises(ValueError, match="stage 1 uses device 2; cluster .* has 2 devices"):
+        simulate(profile, cluster, PipelinePlan.linear([0, 1, 3], [2, 1], microbatches=1))
     with pytest.raises(ValueError, match="stage 0 ends at layer 1 but stage 1 starts at 2"):
         PipelinePlan(stages=(Stage(0, 1, (0,)), Stage(2, 3, (1,))), microbatches=1)
     with pytest.raises(ValueError, match="device 0 is in stage 0 and stage 1"):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 from hypothesis import strategies as st
 
+from hlomap.cost.cluster import Cluster, hierarchical
+from hlomap.cost.devices import device_preset
 from hlomap.cost.pipeline.costs import CommModel, CostOptions
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
@@ -32,19 +37,39 @@ def profiles(draw: st.DrawFn, *, min_layers: int = 1, max_layers: int = 6) -> Pi
 
 
 @st.composite
-def links(draw: st.DrawFn, *, max_devices: int = 4) -> Links:
-    """Random asymmetric alpha-beta links on 1..max_devices devices grouped into nodes."""
+def clusters(draw: st.DrawFn, *, max_devices: int = 4) -> Cluster:
+    """Random asymmetric alpha-beta tables on 1..max_devices devices grouped into nodes with one
+    or two NICs each, and devices of random memory."""
     d = draw(st.integers(1, max_devices))
     bandwidth = draw(st.lists(st.floats(1e8, 1e10), min_size=d * d, max_size=d * d))
     latency = draw(st.lists(st.floats(0.0, 1e-3), min_size=d * d, max_size=d * d))
     nodes = sorted(draw(st.lists(st.integers(0, 2), min_size=d, max_size=d)))
     memory = draw(st.lists(st.floats(4e9, 4e10), min_size=d, max_size=d))
-    return Links(
-        bandwidth=np.reshape(bandwidth, (d, d)),
-        latency=np.reshape(latency, (d, d)),
-        node_of=tuple(nodes),
-        memory_bytes=tuple(memory),
+    v100 = device_preset("V100-16GB")
+    return Cluster(
+        "hypothesis",
+        tuple(replace(v100, memory_bytes=m) for m in memory),
+        tuple(nodes),
+        np.reshape(bandwidth, (d, d)),
+        np.reshape(latency, (d, d)),
+        nics_per_node=draw(st.integers(1, 2)),
     )
+
+
+def uniform_cluster(
+    n_devices: int,
+    *,
+    bandwidth: float,
+    latency: float = 0.0,
+    memory_bytes: float = math.inf,
+    devices_per_node: int | None = None,
+) -> Cluster:
+    """Every pair of devices joined by the same link; consecutive `devices_per_node` devices
+    share a server with one NIC (default: all on one server)."""
+    per_node = devices_per_node or n_devices
+    cluster = hierarchical(n_devices // per_node, per_node, "V100-16GB", bandwidth, bandwidth,
+                           latency, latency)
+    return with_device_memory(cluster, memory_bytes)
 
 
 @st.composite
@@ -79,7 +104,7 @@ def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")
         stash_bytes=rng.uniform(1e6, 1e7, n),
         source=f"random{seed}",
     )
-    links = Links.uniform(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2,
-                          memory_bytes=memory)
+    cluster = uniform_cluster(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2,
+                              memory_bytes=memory)
     space = SearchSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
-    return CutTask(profile, links, space, stages)
+    return CutTask(profile, cluster, space, stages)

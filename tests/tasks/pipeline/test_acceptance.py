@@ -1,4 +1,4 @@
-"""Issue #7 acceptance on zoo steps (slow): the DQN within 1% of the DP on clusters A, B, C.
+"""Acceptance on zoo steps (slow): the DQN within 1% of the DP on clusters A, B, C.
 
 The default run covers the reduced case (gpt-tiny, config A) in test_explore.py; the full table
 is `scripts/reproduce_pipeline.py`.
@@ -7,7 +7,7 @@ is `scripts/reproduce_pipeline.py`.
 import pytest
 
 from scripts.pipeline_acceptance import ACCEPTANCE_MODELS, CONFIG_STAGES, model_profile, run_case
-from hlomap.tasks.pipeline.dqn_search import SearchBudget
+from hlomap.search.budget import Budget
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def profiles():
 @pytest.mark.parametrize("model", ACCEPTANCE_MODELS)
 def test_dqn_lands_within_one_percent_of_the_dp_on_server_boundaries(model, config, profiles):
     case = run_case(model, config, hlo=profiles(model), infer=False,
-                    budget=SearchBudget(max_episodes=2000))
+                    budget=Budget(episodes=2000, seconds=None))
     assert case.gap <= 0.01, f"{model} on {config}: DQN {case.dqn_value} vs DP {case.dp_value}"
     assert case.gap >= -1e-9  # nothing beats the optimum
     assert case.dqn_on_server_boundaries

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.links import Links
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError, plan_profile
+from tests.tasks.pipeline.strategies import uniform_cluster
 
 
 def _profile(n: int, seed: int = 0) -> PipelineProfile:
@@ -28,11 +28,11 @@ def test_blocks_keep_the_plans_cost(n, max_blocks):
     blocks = plan_profile(profile, plan, max_blocks=max_blocks)
     assert blocks.blocks.n_layers <= max(max_blocks, plan.n_stages)
     assert blocks.blocks.n_layers == (n if n <= max_blocks else blocks.blocks.n_layers)
-    links = Links.uniform(8, bandwidth=1e10, latency=1e-5)
+    cluster = uniform_cluster(8, bandwidth=1e10, latency=1e-5)
     on_blocks = PipelinePlan(tuple(Stage(a, b, s.devices) for (a, b), s in
                                    zip(zip(blocks.stage_bounds[:-1], blocks.stage_bounds[1:]), plan.stages)), 6)
-    assert evaluate_plan(blocks.blocks, links, on_blocks).latency == pytest.approx(
-        evaluate_plan(profile, links, plan).latency, rel=1e-12)
+    assert evaluate_plan(blocks.blocks, cluster, on_blocks).latency == pytest.approx(
+        evaluate_plan(profile, cluster, plan).latency, rel=1e-12)
     stage = blocks.stage_profile()
     assert stage.n_layers == 4 and stage.compute_time.sum() == pytest.approx(profile.compute_time.sum())
     again = PlanProfile.from_json(json.loads(json.dumps(blocks.to_json())))

@@ -12,13 +12,10 @@ from hypothesis import strategies as st
 from hlomap.cost.compute import instruction_cost
 from hlomap.cost.devices import device_preset
 from hlomap.hlo.capture import Phase, Role, capture, instruction_phase
-from hlomap.hlo.ir import Metadata
 from hlomap.cost.pipeline.profile import merge_layers
 from hlomap.tasks.pipeline.chain import (
     PivotOptions,
     chain_arrays,
-    layer_name,
-    nearest_scopes,
     step_chain,
     thin_pivots,
 )
@@ -49,22 +46,6 @@ def mlp():
     batch = {"x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
              "y": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)}
     return capture(_train_step, params, batch)
-
-
-@pytest.mark.parametrize("op_name, expected", [
-    ("jit(train_step)/jvp(layers_0)/dot_general", "layers_0/dot_general"),
-    ("jit(train_step)/transpose(jvp(layers_0))/dot_general", "layers_0/dot_general"),
-    ("jit(train_step)/jvp(decoder)/layers_5/add", "decoder/layers_5/add"),
-    ("jit(train_step)/jvp(jit(_take))", "_take"),
-    ("jit(train_step)/jvp()/add", "add"),
-    ("jit(train_step)/transpose(jvp())/mul;jit(train_step)/transpose(jvp())/add", "mul"),
-])
-def test_layer_name_unwraps_jax_name_stacks(op_name, expected):
-    assert layer_name(Metadata(op_name=op_name)) == expected
-
-
-def test_layer_name_falls_back_without_metadata():
-    assert layer_name(None, fallback="dot.3") == "dot.3"
 
 
 def test_chain_is_forward_and_time_and_parameters_are_conserved(mlp):
@@ -124,15 +105,6 @@ def test_every_pivot_names_its_layer_scope_and_source_line(mlp):
     for p in hlo.pivots:
         # JAX's stack frames point at _train_step in this file.
         assert re.fullmatch(r".*test_chain\.py:\d+", p.source or ""), p.source
-
-
-def test_nearest_scopes_fall_back_to_the_closest_scoped_layer():
-    layers = ["add", "embed/gather", "mul", "layers_0/attn/dot", "layers_0/add", "mul", "sub"]
-    assert nearest_scopes(layers) == (
-        "before embed", "embed", "after embed", "layers_0/attn", "layers_0",
-        "after layers_0", "after layers_0",
-    )
-    assert nearest_scopes(["add", "mul"]) == ("", "")
 
 
 def test_merged_profile_keeps_the_chain_totals(mlp):

@@ -1,4 +1,4 @@
-"""The cut environment against the brute force: reachable plans, returns, masks, link costs."""
+"""The cut environment against the brute force: reachable plans, returns, masks."""
 
 import math
 
@@ -7,40 +7,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hlomap.cost.cluster import cluster_preset
+from hlomap.cost.cluster import Cluster, cluster_preset
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import uniform_profile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
 from hlomap.tasks.pipeline.bruteforce import enumerate_plans
-from hlomap.tasks.pipeline.cutenv import (
-    FEATURES,
-    CutEnv,
-    CutTask,
-    allreduce_cost,
-    center_device_bounds,
-    transfer_cost,
-)
+from hlomap.tasks.pipeline.cutenv import FEATURES, CutEnv, CutTask, center_device_bounds
 from hlomap.tasks.pipeline.space import inadmissible
-from tests.tasks.pipeline.strategies import links as random_links
-from tests.tasks.pipeline.strategies import profiles
-
-
-@settings(max_examples=80, deadline=None)
-@given(links=random_links(max_devices=6), data=st.data(), nbytes=st.floats(0.0, 1e10))
-def test_affine_link_costs_match_links(links, data, nbytes):
-    d = links.n_devices
-    a = data.draw(st.integers(0, d - 1))
-    b = data.draw(st.integers(a + 1, d))
-    c = data.draw(st.integers(0, d - 1))
-    e = data.draw(st.integers(c + 1, d))
-    src, dst = tuple(range(a, b)), tuple(range(c, e))
-    assert float(transfer_cost(links, src, dst)(nbytes)) == pytest.approx(
-        links.transfer_time(src, dst, nbytes), rel=1e-12, abs=1e-18)
-    assert float(allreduce_cost(links, src)(nbytes)) == pytest.approx(
-        links.allreduce_time(src, nbytes), rel=1e-12, abs=1e-18)
+from tests.tasks.pipeline.strategies import profiles, uniform_cluster
 
 
 @pytest.mark.parametrize("preset, stages, bounds", [
@@ -52,8 +29,7 @@ def test_affine_link_costs_match_links(links, data, nbytes):
     ("A", 4, (0, 4, 8, 12, 16)),
 ])
 def test_center_device_cuts_sit_on_server_boundaries(preset, stages, bounds):
-    links = Links.from_cluster(cluster_preset(preset))
-    assert center_device_bounds(links, stages) == bounds
+    assert center_device_bounds(cluster_preset(preset), stages) == bounds
 
 
 @st.composite
@@ -64,8 +40,9 @@ def tasks(draw, *, objective=None):
     d = stages * per_node
     bandwidth = np.array(draw(st.lists(st.floats(1e8, 1e10), min_size=d * d, max_size=d * d)))
     memory = draw(st.sampled_from([math.inf, 3e9]))
-    links = Links(bandwidth=bandwidth.reshape(d, d), latency=np.full((d, d), 1e-5),
-                  node_of=tuple(i // per_node for i in range(d)), memory_bytes=(memory,) * d)
+    cluster = with_device_memory(Cluster(
+        "hypothesis", cluster_preset("A").devices[:1] * d, tuple(i // per_node for i in range(d)),
+        bandwidth.reshape(d, d), np.full((d, d), 1e-5)), memory)
     space = SearchSpace(
         microbatches=draw(st.integers(1, 6)),
         schedule=draw(st.sampled_from(Schedule)),
@@ -75,7 +52,7 @@ def tasks(draw, *, objective=None):
         require_trainable=draw(st.booleans()),
         check_memory=memory < math.inf,
     )
-    return CutTask(profile, links, space, stages)
+    return CutTask(profile, cluster, space, stages)
 
 
 def _leaves(env: CutEnv, prefix=()):
@@ -97,15 +74,15 @@ def _admissible_plans(task: CutTask):
     """Brute force: S-stage plans on the center device groups that `space` admits."""
     center = task.center
     found = {}
-    for plan in enumerate_plans(task.profile, task.links, task.space):
+    for plan in enumerate_plans(task.profile, task.cluster, task.space):
         if plan.n_stages != task.n_stages:
             continue
-        if tuple(s.devices[0] for s in plan.stages) + (task.links.n_devices,) != center:
+        if tuple(s.devices[0] for s in plan.stages) + (task.cluster.n_devices,) != center:
             continue
-        cost = evaluate_plan(task.profile, task.links, plan, task.space.cost)
+        cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
         space = task.space
         ignore_memory = SearchSpace(**{**space.__dict__, "check_memory": False})
-        if inadmissible(task.profile, task.links, plan, ignore_memory, cost) is None:
+        if inadmissible(task.profile, task.cluster, plan, ignore_memory, cost) is None:
             found[plan.cuts] = cost
     return found
 
@@ -170,7 +147,7 @@ def test_last_cut_estimate_is_exact_and_ranking_puts_the_best_first(task):
 
 def test_illegal_actions_are_refused_by_name():
     task = CutTask(uniform_profile(6, forward_time=1.0, backward_time=2.0),
-                   Links.uniform(3, bandwidth=1e9), SearchSpace(microbatches=4), 3)
+                   uniform_cluster(3, bandwidth=1e9), SearchSpace(microbatches=4), 3)
     env = CutEnv(task)
     env.reset(0)
     with pytest.raises(ValueError, match=r"action 4 \(pivot 4, device offset 0\) is illegal"):
@@ -184,7 +161,7 @@ def test_illegal_actions_are_refused_by_name():
 
 def test_fewer_pivots_than_slots_are_spread_and_repeats_masked():
     task = CutTask(uniform_profile(5, forward_time=1.0, backward_time=1.0),
-                   Links.uniform(2, bandwidth=1e9), SearchSpace(microbatches=2), 2)
+                   uniform_cluster(2, bandwidth=1e9), SearchSpace(microbatches=2), 2)
     env = CutEnv(task, slots=16)
     timestep = env.reset(0)
     assert env.num_actions == 16 and timestep.legal.all()
@@ -199,10 +176,10 @@ def test_fewer_pivots_than_slots_are_spread_and_repeats_masked():
 
 
 def test_a_device_radius_lets_device_cuts_move():
-    links = Links.uniform(4, bandwidth=1e9, devices_per_node=1)
+    cluster = uniform_cluster(4, bandwidth=1e9, devices_per_node=1)
     space = SearchSpace(microbatches=4, replication=(1, 2, 3))
     profile = uniform_profile(4, forward_time=1.0, backward_time=1.0, parameter_bytes=1e6)
-    env = CutEnv(CutTask(profile, links, space, 2, device_radius=1))
+    env = CutEnv(CutTask(profile, cluster, space, 2, device_radius=1))
     timestep = env.reset(0)
     assert env.num_actions == 3 * env.slots
     offsets = {env.decode(a)[1] for a in np.flatnonzero(timestep.legal)}

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions, evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, uniform_profile
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import Schedule
@@ -14,24 +14,24 @@ from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
 from hlomap.tasks.pipeline.space import inadmissible
-from tests.tasks.pipeline.strategies import links as random_links
-from tests.tasks.pipeline.strategies import profiles, spaces
+from tests.tasks.pipeline.strategies import clusters as random_clusters
+from tests.tasks.pipeline.strategies import profiles, spaces, uniform_cluster
 
 NO_COMM = CostOptions(comm=CommModel.IGNORED)
 
 
-def _outcome(search, profile, links, space):
+def _outcome(search, profile, cluster, space):
     try:
-        return search(profile, links, space)
+        return search(profile, cluster, space)
     except NoFeasiblePlan:
         return None
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(profile=profiles(), links=random_links(), space=spaces())
-def test_dp_finds_the_brute_force_optimum(profile, links, space):
-    expected = _outcome(brute_force, profile, links, space)
-    found = _outcome(solve, profile, links, space)
+@given(profile=profiles(), cluster=random_clusters(), space=spaces())
+def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
+    expected = _outcome(brute_force, profile, cluster, space)
+    found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
     if expected is None:
         return
@@ -39,8 +39,8 @@ def test_dp_finds_the_brute_force_optimum(profile, links, space):
     if space.objective is Objective.BOTTLENECK:  # ties are broken by latency in both
         assert found.cost.latency == pytest.approx(expected.cost.latency, rel=1e-9, abs=1e-12)
     # The DP's plan is itself admissible, and its reported cost is the plan's cost.
-    assert inadmissible(profile, links, found.plan, space, found.cost) is None
-    assert found.cost == evaluate_plan(profile, links, found.plan, space.cost)
+    assert inadmissible(profile, cluster, found.plan, space, found.cost) is None
+    assert found.cost == evaluate_plan(profile, cluster, found.plan, space.cost)
 
 
 def test_latency_needs_a_bottleneck_between_the_extremes():
@@ -58,13 +58,13 @@ def test_latency_needs_a_bottleneck_between_the_extremes():
         activation_bytes=[8e9, 1e9, 3e9, 1e9],
         parameter_bytes=[0.0] * 5,
     )
-    links = Links.uniform(2, bandwidth=1e9)
+    cluster = uniform_cluster(2, bandwidth=1e9)
     space = SearchSpace(microbatches=4, use_all_devices=False, check_memory=False)
-    solution = solve(profile, links, space)
+    solution = solve(profile, cluster, space)
     assert solution.value == pytest.approx(111.0)
-    assert solution.value == pytest.approx(brute_force(profile, links, space).value)
+    assert solution.value == pytest.approx(brute_force(profile, cluster, space).value)
     assert solution.plan.cuts == (1,)
-    bottleneck = solve(profile, links, SearchSpace(
+    bottleneck = solve(profile, cluster, SearchSpace(
         microbatches=4, use_all_devices=False, check_memory=False,
         objective=Objective.BOTTLENECK,
     ))
@@ -89,10 +89,10 @@ def test_latency_dp_on_communication_heavy_chains(compute, cut_gb, microbatches,
         activation_bytes=[g * 1e9 for g in cut_gb[: n - 1]],
         parameter_bytes=[0.0] * n,
     )
-    links = Links.uniform(n_devices, bandwidth=1e9)
+    cluster = uniform_cluster(n_devices, bandwidth=1e9)
     space = SearchSpace(microbatches=microbatches, use_all_devices=False, check_memory=False)
-    assert solve(profile, links, space).value == pytest.approx(
-        brute_force(profile, links, space).value, rel=1e-12
+    assert solve(profile, cluster, space).value == pytest.approx(
+        brute_force(profile, cluster, space).value, rel=1e-12
     )
 
 
@@ -100,29 +100,29 @@ def test_latency_dp_on_communication_heavy_chains(compute, cut_gb, microbatches,
 def test_uniform_layers_split_evenly(n_stages, layers_per_stage):
     """Closed form: n = S k equal layers on S devices -> bottleneck k (t_f + t_b)."""
     profile = uniform_profile(n_stages * layers_per_stage, forward_time=1.0, backward_time=2.0)
-    links = Links.uniform(n_stages, bandwidth=1e9)
+    cluster = uniform_cluster(n_stages, bandwidth=1e9)
     space = SearchSpace(objective=Objective.BOTTLENECK, cost=NO_COMM, microbatches=8)
-    solution = solve(profile, links, space)
+    solution = solve(profile, cluster, space)
     assert solution.value == pytest.approx(layers_per_stage * 3.0)
     assert [s.stop - s.start for s in solution.plan.stages] == [layers_per_stage] * n_stages
     # and the simulated batch matches the GPipe formula for this balanced plan
-    result = simulate(profile, links, solution.plan, NO_COMM)
+    result = simulate(profile, cluster, solution.plan, NO_COMM)
     assert result.length == pytest.approx((8 + n_stages - 1) * layers_per_stage * 3.0)
 
 
 def test_memory_limit_forces_more_stages_and_1f1b_fits_where_gpipe_does_not():
     # 4 layers of 1 GB stash each; M = 4 microbatches; devices of 9 GB.
     profile = uniform_profile(4, forward_time=1, backward_time=1, stash_bytes=1e9)
-    links = Links.uniform(4, bandwidth=1e9, memory_bytes=9e9)
+    cluster = uniform_cluster(4, bandwidth=1e9, memory_bytes=9e9)
     base = dict(microbatches=4, use_all_devices=False, objective=Objective.BOTTLENECK, cost=NO_COMM)
     # GPipe stashes 4 microbatches on every stage: at most 2 layers (8 GB) per stage.
-    gpipe = solve(profile, links, SearchSpace(**base, schedule=Schedule.GPIPE, max_stages=2))
+    gpipe = solve(profile, cluster, SearchSpace(**base, schedule=Schedule.GPIPE, max_stages=2))
     assert [s.stop - s.start for s in gpipe.plan.stages] == [2, 2]
     assert gpipe.cost.feasible and max(gpipe.cost.stage_memory) <= 9e9
     with pytest.raises(NoFeasiblePlan, match="no plan of 4 layers on 4 devices"):
-        solve(profile, links, SearchSpace(**base, schedule=Schedule.GPIPE, max_stages=1))
+        solve(profile, cluster, SearchSpace(**base, schedule=Schedule.GPIPE, max_stages=1))
     # 1F1B: one stage keeps only min(1, 4) = 1 microbatch: 4 GB fits on one device.
-    one_f = solve(profile, links, SearchSpace(**base, schedule=Schedule.ONE_F_ONE_B, max_stages=1))
+    one_f = solve(profile, cluster, SearchSpace(**base, schedule=Schedule.ONE_F_ONE_B, max_stages=1))
     assert one_f.plan.n_stages == 1 and one_f.cost.stage_memory == (4e9,)
 
 
@@ -135,25 +135,25 @@ def test_auto_map_rules_server_boundaries_and_trainable_stages():
         activation_bytes=[0.0, 0.0, 0.0],
         parameter_bytes=[1e6, 0.0, 0.0, 1e6],
     )
-    links = Links.uniform(4, bandwidth=1e9, devices_per_node=2)
+    cluster = uniform_cluster(4, bandwidth=1e9, devices_per_node=2)
     free = SearchSpace(objective=Objective.BOTTLENECK, cost=NO_COMM, microbatches=4)
-    assert solve(profile, links, free).plan.n_stages == 4
+    assert solve(profile, cluster, free).plan.n_stages == 4
     ruled = SearchSpace(
         objective=Objective.BOTTLENECK, cost=NO_COMM, microbatches=4, replication=(1, 2),
         cut_on_node_boundary=True, require_trainable=True,
     )
-    solution = solve(profile, links, ruled)
-    assert solution.value == pytest.approx(brute_force(profile, links, ruled).value)
+    solution = solve(profile, cluster, ruled)
+    assert solution.value == pytest.approx(brute_force(profile, cluster, ruled).value)
     for s, stage in enumerate(solution.plan.stages):
         assert profile.trainable[stage.start : stage.stop].any()
         if s > 0:
-            assert links.is_node_boundary(stage.devices[0])
+            assert is_node_boundary(cluster, stage.devices[0])
     assert solution.plan.n_stages == 2
 
 
 def test_replication_trades_compute_against_all_reduce():
     """One layer on 4 devices: replicate when gradients are small, not when they are huge."""
-    links = Links.uniform(4, bandwidth=1e9)
+    cluster = uniform_cluster(4, bandwidth=1e9)
     space = SearchSpace(
         replication=(1, 2, 4), use_all_devices=False, microbatches=1,
         objective=Objective.LATENCY, check_memory=False,
@@ -161,31 +161,31 @@ def test_replication_trades_compute_against_all_reduce():
     small = PipelineProfile(("x",), [1.0], [1.0], [], [1e6])
     large = PipelineProfile(("x",), [1.0], [1.0], [], [1e10])
     # r = 4: 2 / 4 + 2 * 3 / 4 * 1e6 / 1e9 = 0.5015 s; r = 1: 2 s
-    assert solve(profile=small, links=links, space=space).plan.replication == (4,)
-    assert solve(small, links, space).value == pytest.approx(0.5 + 1.5e-3)
+    assert solve(profile=small, cluster=cluster, space=space).plan.replication == (4,)
+    assert solve(small, cluster, space).value == pytest.approx(0.5 + 1.5e-3)
     # r = 2 would pay 1 + 2 * 1 / 2 * 10 = 11 s
-    assert solve(large, links, space).plan.replication == (1,)
+    assert solve(large, cluster, space).plan.replication == (1,)
 
 
 def test_no_feasible_plan_is_an_error_naming_the_source():
     profile = uniform_profile(2, forward_time=1, backward_time=1, parameter_bytes=1e9)
-    links = Links.uniform(2, bandwidth=1e9, memory_bytes=1e9)
+    cluster = uniform_cluster(2, bandwidth=1e9, memory_bytes=1e9)
     with pytest.raises(NoFeasiblePlan, match=r"uniform_profile\(2\)"):
-        solve(profile, links, SearchSpace())
+        solve(profile, cluster, SearchSpace())
     with pytest.raises(NoFeasiblePlan, match="all exceed the 2 devices"):
-        solve(profile, links, SearchSpace(replication=(4,)))
+        solve(profile, cluster, SearchSpace(replication=(4,)))
 
 
 @pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     profile=profiles(max_layers=8),
-    links=random_links(max_devices=5),
+    cluster=random_clusters(max_devices=5),
     space=spaces(),
 )
-def test_dp_finds_the_brute_force_optimum_larger(profile, links, space):
-    expected = _outcome(brute_force, profile, links, space)
-    found = _outcome(solve, profile, links, space)
+def test_dp_finds_the_brute_force_optimum_larger(profile, cluster, space):
+    expected = _outcome(brute_force, profile, cluster, space)
+    found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
     if expected is not None:
         assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)

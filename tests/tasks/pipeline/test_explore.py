@@ -2,12 +2,11 @@
 
 import json
 
-import numpy as np
 import pytest
 from rich.console import Console
 
-from hlomap.cost.cluster import cluster_preset
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.cluster import Cluster, cluster_preset, uniform
+from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.dp import solve
@@ -19,6 +18,8 @@ from hlomap.report.pipeline import format_pipeline_result, gantt_title
 from hlomap.report.units import human_bytes as format_bytes
 from hlomap.tasks.pipeline.explore import PipelineAgent, explore_pipeline, pipeline_task
 from hlomap.tasks.pipeline.infer import DEFAULT_POLICY
+from hlomap.tasks.pipeline.pipedream import pipedream_cluster
+from tests.tasks.pipeline.strategies import uniform_cluster
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,9 @@ def test_dp_agent_returns_the_optimum_with_a_report_and_timeline(gpt_tiny, tmp_p
     result = explore_pipeline(gpt_tiny, stages=3, microbatches=4, cluster="B", agent="dp",
                               schedule="gpipe", name="zoo:gpt-tiny")
     png = draw_gantt(result.simulation, tmp_path / "t.png", title=gantt_title(result))
-    links = Links.from_cluster(cluster_preset("B"))
-    task = pipeline_task(result.profile, links, stages=3, microbatches=4,
+    task = pipeline_task(result.profile, cluster_preset("B"), stages=3, microbatches=4,
                          schedule=Schedule.GPIPE)
-    assert result.value == pytest.approx(solve(result.profile, task.links, task.space).value)
+    assert result.value == pytest.approx(solve(result.profile, task.cluster, task.space).value)
     assert result.agent is PipelineAgent.DP and result.replication == (8, 8, 8)
     assert result.device_cuts == (8, 16) and result.on_node_boundaries
     assert png.stat().st_size > 1000
@@ -92,31 +92,31 @@ def test_one_stage_is_plain_data_parallelism_and_bare_profiles_are_per_microbatc
     from hlomap.cost.pipeline.profile import uniform_profile
 
     profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e6)
-    links = Links.uniform(4, bandwidth=1e9, devices_per_node=2)
-    single = explore_pipeline(profile, stages=1, microbatches=4, cluster=links, agent="dqn")
+    cluster = uniform_cluster(4, bandwidth=1e9, devices_per_node=2)
+    single = explore_pipeline(profile, stages=1, microbatches=4, cluster=cluster, agent="dqn")
     assert single.plan.n_stages == 1 and single.replication == (4,) and single.episodes == 0
     assert single.profile is profile  # not scaled: already per microbatch
-    double = explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dp",
+    double = explore_pipeline(profile, stages=2, microbatches=4, cluster=cluster, agent="dp",
                               require_trainable=False)
     assert double.replication == (2, 2) and double.plan.cuts == (2,)
     assert double.cuts[0].instruction == "layer2"
 
 
-def _tight_memory(profile: PipelineProfile) -> Links:
+def _tight_memory(profile: PipelineProfile) -> Cluster:
     """Two one-device servers whose memory holds half of the model's parameters: no plan fits."""
     memory = 0.5 * float(profile.parameter_bytes.sum()) * 4
-    return Links(np.full((2, 2), 1e9), np.zeros((2, 2)), (0, 1), (memory, memory))
+    return with_device_memory(uniform(2, "V100-16GB", 1e9, 0.0), memory)
 
 
 def test_memory_violations_are_reported_not_accepted():
     profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e8,
                               stash_bytes=1e8)
-    links = _tight_memory(profile)
+    cluster = _tight_memory(profile)
     # The DP refuses: no admissible plan.
     with pytest.raises(NoFeasiblePlan, match="no plan of 6 layers"):
-        explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dp")
+        explore_pipeline(profile, stages=2, microbatches=4, cluster=cluster, agent="dp")
     # A learned search still returns its best plan, flagged and reported in red.
-    result = explore_pipeline(profile, stages=2, microbatches=4, cluster=links, agent="dqn",
+    result = explore_pipeline(profile, stages=2, microbatches=4, cluster=cluster, agent="dqn",
                               episodes=5)
     assert not result.feasible and result.simulation.violations
     text = _text(result)
@@ -134,6 +134,6 @@ def test_pipedream_graphs_are_read_as_profiles(corpus_dir, tmp_path):
     hlo.write_text("HloModule m\nENTRY e {\n  ROOT p = f32[2] parameter(0)\n}\n")
     assert not is_pipedream_graph(hlo) and not is_pipedream_graph(tmp_path / "missing")
     result = explore_pipeline(source, stages=4, microbatches=4,
-                              cluster=Links.uniform(4, bandwidth=10e9 / 8), agent="dp",
+                              cluster=pipedream_cluster(4, 10.0), agent="dp",
                               require_trainable=False)
     assert result.cuts[0].instruction.startswith("node")  # PipeDream node ids name the cuts

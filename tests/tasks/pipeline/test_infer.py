@@ -9,11 +9,10 @@ import pytest
 from hlomap.agents import checkpoint
 from hlomap.agents.dqn import DqnAgent
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.links import Links
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.space import SearchSpace
 from hlomap.tasks.pipeline.cutenv import CutEnv, CutTask
-from hlomap.tasks.pipeline.dqn_search import SearchBudget
+from hlomap.search.budget import Budget
 from hlomap.tasks.pipeline.infer import (
     DEFAULT_POLICY,
     TrainingConfig,
@@ -31,6 +30,7 @@ from hlomap.tasks.pipeline.normalize import (
     random_profile,
     random_task,
 )
+from tests.tasks.pipeline.strategies import uniform_cluster
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,9 @@ def _task(n_layers: int = 300, stages: int = 3) -> CutTask:
     profile = random_profile(np.random.default_rng(5), n_layers)
     profile = replace(profile, activation_bytes=profile.activation_bytes * 1e6,
                       parameter_bytes=profile.parameter_bytes * 1e6)
-    links = Links.uniform(2 * stages, bandwidth=1e10, latency=1e-5, devices_per_node=2)
+    cluster = uniform_cluster(2 * stages, bandwidth=1e10, latency=1e-5, devices_per_node=2)
     space = SearchSpace(microbatches=8, replication=(2,), cut_on_node_boundary=True)
-    return CutTask(profile, links, space, stages)
+    return CutTask(profile, cluster, space, stages)
 
 
 def test_policy_files_round_trip(tiny_policy):
@@ -86,10 +86,10 @@ def test_inferred_cuts_are_plans_of_the_original_profile(tiny_policy):
     result = infer_cuts(task, load_policy(path))
     assert len(result.coarse_pivots) == SLOTS < task.profile.n_pivots
     assert set(result.plan.cuts) <= set(result.coarse_pivots)
-    cost = evaluate_plan(task.profile, task.links, result.plan, task.space.cost)
+    cost = evaluate_plan(task.profile, task.cluster, result.plan, task.space.cost)
     assert result.cost == cost and result.value == cost.latency
     assert result.value == pytest.approx(result.inference_value, rel=1e-12)  # no fine-tuning
-    assert result.value >= solve(task.profile, task.links, task.space).value * (1 - 1e-12)
+    assert result.value >= solve(task.profile, task.cluster, task.space).value * (1 - 1e-12)
     assert [s.devices[0] for s in result.plan.stages] == [0, 2, 4]
 
 
@@ -97,7 +97,7 @@ def test_inferred_cuts_are_plans_of_the_original_profile(tiny_policy):
 def test_fine_tuning_never_ends_worse_than_inference(tiny_policy):
     path, _ = tiny_policy
     task = _task(stages=2)
-    result = infer_cuts(task, load_policy(path), finetune=SearchBudget(max_episodes=30))
+    result = infer_cuts(task, load_policy(path), finetune=Budget(episodes=30, seconds=None))
     assert result.finetune_episodes == 30
     assert result.value <= result.inference_value * (1 + 1e-12)
 
@@ -135,7 +135,7 @@ def test_the_shipped_policy_beats_chance_on_random_problems():
         task = random_task(rng)
         try:
             CutEnv(task, slots=SLOTS, ranked=CANDIDATES).reset(0)
-            optimum = solve(task.profile, task.links,
+            optimum = solve(task.profile, task.cluster,
                             replace(task.space, max_stages=task.n_stages)).value
         except ValueError:
             continue
@@ -150,7 +150,7 @@ def test_the_shipped_policy_beats_chance_on_random_problems():
 def test_training_keeps_the_best_validated_network(tmp_path):
     reports = []
     agent, best = train_policy(
-        TrainingConfig(episodes=60, validation=3, validate_every=20, progress=False),
+        TrainingConfig(episodes=60, validation=3, validate_every=20),
         out=tmp_path / "p.npz", report=lambda episode, score: reports.append((episode, score)))
     assert [episode for episode, _ in reports] == [20, 40, 60, 60]
     assert best in [score for _, score in reports]

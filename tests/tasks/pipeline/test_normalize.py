@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.links import Links
+from hlomap.cost.pipeline.links import transfer_cost
 from hlomap.cost.pipeline.stages import PipelinePlan
-from hlomap.tasks.pipeline.cutenv import CutEnv, transfer_cost
+from hlomap.tasks.pipeline.cutenv import CutEnv
 from hlomap.tasks.pipeline.normalize import (
     CANDIDATES,
     SLOTS,
@@ -18,7 +18,7 @@ from hlomap.tasks.pipeline.normalize import (
     random_profile,
     random_task,
 )
-from tests.tasks.pipeline.strategies import profiles
+from tests.tasks.pipeline.strategies import profiles, uniform_cluster
 
 
 @settings(max_examples=40, deadline=None)
@@ -30,12 +30,12 @@ def test_coarse_plans_cost_the_same_on_the_original(profile, slots, data):
     if coarse.n_pivots == 0:
         return
     cut = data.draw(st.integers(0, coarse.n_pivots - 1))
-    links = Links.uniform(2, bandwidth=1e9, latency=1e-5)
+    cluster = uniform_cluster(2, bandwidth=1e9, latency=1e-5)
     on_coarse = PipelinePlan.linear((0, cut + 1, coarse.n_layers), (1, 1), microbatches=3)
     on_original = PipelinePlan.linear((0, kept[cut] + 1, profile.n_layers), (1, 1),
                                       microbatches=3)
-    a = evaluate_plan(coarse, links, on_coarse)
-    b = evaluate_plan(profile, links, on_original)
+    a = evaluate_plan(coarse, cluster, on_coarse)
+    b = evaluate_plan(profile, cluster, on_original)
     assert a.latency == pytest.approx(b.latency, rel=1e-12, abs=1e-15)
     assert a.stage_memory == pytest.approx(b.stage_memory, rel=1e-12, abs=1e-6)
 
@@ -55,17 +55,17 @@ def test_random_tasks_are_valid_and_varied():
         assert spec.min_stages <= task.n_stages <= spec.max_stages
         assert task.profile.compute_time.sum() == pytest.approx(1.0)
         per_node = task.space.replication[0]
-        assert task.links.n_devices == per_node * task.n_stages
-        assert task.center == tuple(range(0, task.links.n_devices + 1, per_node))
+        assert task.cluster.n_devices == per_node * task.n_stages
+        assert task.center == tuple(range(0, task.cluster.n_devices + 1, per_node))
         stages.add(task.n_stages)
         objectives.add(task.space.objective)
         memory.add(task.space.check_memory)
         sizes.add(task.profile.n_pivots == spec.slots)
         # Communication is scaled against compute: the median cut between two servers takes
         # 10^[-3, 0.5] balanced stage times.
-        unit = 1.0 / task.links.n_devices
+        unit = 1.0 / task.cluster.n_devices
         median = float(np.median(task.profile.activation_bytes))
-        t = float(transfer_cost(task.links, range(per_node), range(per_node, 2 * per_node))(median))
+        t = float(transfer_cost(task.cluster, range(per_node), range(per_node, 2 * per_node))(median))
         assert 10 ** -3.01 <= t / unit <= 10 ** 0.51
     assert len(stages) >= 5 and len(objectives) == 2 and memory == {True, False}
     assert sizes == {True, False}

@@ -4,9 +4,14 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions
-from hlomap.cost.pipeline.links import Links
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.pipedream import PipeDreamParseError, load_pipedream, parse_graph, to_profile
+from hlomap.tasks.pipeline.pipedream import (
+    PipeDreamParseError,
+    load_pipedream,
+    parse_graph,
+    pipedream_cluster,
+    to_profile,
+)
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
 
 STRAIGHT_PIPEDREAM = SearchSpace(
@@ -31,8 +36,7 @@ def test_dp_reproduces_pipedreams_optimizer_on_vgg16(corpus_dir, n_stages, publi
     one worker, stage time = sum of (forward + backward ms) / 1000 of its layers, communication
     ignored, Input nodes zeroed; it prints the slowest stage's time."""
     profile = load_pipedream(corpus_dir / "pipedream" / "vgg16.txt")
-    links = Links.uniform(n_stages, bandwidth=10e9 / 8)
-    solution = solve(profile, links, STRAIGHT_PIPEDREAM)
+    solution = solve(profile, pipedream_cluster(n_stages, 10.0), STRAIGHT_PIPEDREAM)
     assert solution.plan.n_stages == n_stages
     assert solution.value == pytest.approx(published, rel=5e-7)
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.links import Links
 from hlomap.tasks.placement.objective import affinity, new_state
 from hlomap.tasks.placement.problem import PlacementError, step_seconds
 
@@ -41,7 +40,7 @@ def test_stage_pricing_is_the_pipeline_cost_models_latency():
     devices = (5, 0, 3, 1, 4, 2)
     plan = layout.plan(devices)
     assert plan.stages[1].devices == (3, 1, 4)
-    expected = evaluate_plan(layout.profile, Links.from_cluster(pb.cluster), plan).latency
+    expected = evaluate_plan(layout.profile, pb.cluster, plan).latency
     assert step_seconds(pb, devices) == pytest.approx(expected, rel=1e-12)
 
 

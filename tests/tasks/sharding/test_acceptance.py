@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hlomap import zoo
 from hlomap.api import explore_detailed
 from hlomap.tasks.sharding.problem import build_problem, run_driver
 from hlomap.tasks.sharding.compare import compare_with_megatron, is_layer_norm, partitioned_dims, variable_specs
@@ -134,7 +135,7 @@ def test_found_plans_run_with_unsharded_numerics(cap_of, graph_of, name, task, m
     ex = explore_detailed(cap_of(name), task, mesh, "A", agent, None, 0, reward, graph=graph_of(name),
                           with_estimate=False)
     assert any(any(s is not None for s in p.spec) for p in ex.plan.parameters)
-    report = run_plan(ex.plan, name, seed=0)
+    report = run_plan(ex.plan, zoo.get(name), seed=0)
     assert report.ok, report
     assert report.max_abs_err < 1e-4
 
@@ -159,7 +160,7 @@ def test_cost_reward_plan_runs_with_unsharded_numerics(cap_of, graph_of) -> None
                           budget_evaluations=100, graph=graph_of(name), with_estimate=False)
     assert ex.result.score.fits and ex.result.score.value > 0
     assert any(any(s is not None for s in p.spec) for p in ex.plan.parameters)
-    report = run_plan(ex.plan, name, seed=0)
+    report = run_plan(ex.plan, zoo.get(name), seed=0)
     assert report.ok, report
     assert report.max_abs_err < 1e-4
 
@@ -169,7 +170,7 @@ def test_cost_reward_plan_runs_with_unsharded_numerics(cap_of, graph_of) -> None
 def test_found_plans_run_with_unsharded_numerics_more_models(cap_of, graph_of, name) -> None:
     ex = explore_detailed(cap_of(name), "opp", 8, "A", "exact", None, 0, "paper", graph=graph_of(name),
                           with_estimate=False)
-    report = run_plan(ex.plan, name, seed=0)
+    report = run_plan(ex.plan, zoo.get(name), seed=0)
     assert report.ok, report
 
 
@@ -183,7 +184,7 @@ def test_found_plans_agree_in_float64_where_float32_is_ill_conditioned(cap_of, g
     must match the unsharded one to the same tolerance: a wrong partitioning would not."""
     ex = explore_detailed(cap_of(name), "opp", 8, "A", "exact", None, 0, "paper", graph=graph_of(name),
                           with_estimate=False)
-    report = run_plan(ex.plan, name, seed=0, float64=True)
+    report = run_plan(ex.plan, zoo.get(name), seed=0, float64=True)
     assert report.ok or report.float64_ok, report
     assert report.float64_max_abs_err is not None and report.float64_max_abs_err < 1e-9, report
 
@@ -197,7 +198,7 @@ def test_found_plan_for_moe_agrees_in_loss_and_gradients(cap_of, graph_of) -> No
     nu = 0.001 g^2: the gradients) must still agree to rtol=1e-4 / atol=1e-5."""
     ex = explore_detailed(cap_of("moe-tiny"), "opp", 8, "A", "exact", None, 0, "paper", graph=graph_of("moe-tiny"),
                           with_estimate=False)
-    report = run_plan(ex.plan, "moe-tiny", seed=0)
+    report = run_plan(ex.plan, zoo.get("moe-tiny"), seed=0)
     assert all(leaf.startswith("[0]") for leaf in report.failing_leaves), report  # outputs: (params, opt, loss)
     assert report.max_abs_err < 1e-4, report
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hlomap.agents.environment import Environment
-from hlomap.tasks.sharding.baselines import random_choices
+from hlomap.tasks.sharding.task import random_choices
 from hlomap.tasks.sharding.env import Encoding, EnvConfig, MaskPolicy, PlanEnv, observation_size
 from hlomap.tasks.sharding.objective import CONFLICT_REWARD, CostEval, CostObjective, PaperObjective
 from hlomap.tasks.sharding.space import hybrid_space, opp_space
@@ -62,7 +62,7 @@ def test_a_conflict_earns_minus_one_and_ends_the_episode(graph_of, axes8) -> Non
     assert steps[-1].last and steps[-1].reward == CONFLICT_REWARD
     assert len(steps) == b + 2  # reset + positions 0..b
     outcome = env.last_outcome
-    assert outcome.conflict_at == b and not outcome.conflict_free
+    assert outcome.stopped_at == b and not outcome.conflict_free
     expected = sum(0.4 * space.weights[p] if actions[p] else 0.1 * space.weights[p] for p in range(b)) - 1
     assert outcome.episode_return == pytest.approx(expected)
     with pytest.raises(RuntimeError):

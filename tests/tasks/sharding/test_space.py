@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hlomap.tasks.sharding.baselines import random_choices
+from hlomap.tasks.sharding.task import random_choices
 from hlomap.tasks.sharding.env import MaskPolicy
 from hlomap.tasks.sharding.space import Task, adp_space, hybrid_space, opp_space
 from hlomap.hlo.capture import Role, from_module

@@ -7,12 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hlomap.tasks.sharding.baselines import greedy_search, random_search
-from hlomap.tasks.sharding.dqn_search import DqnSearchConfig, dqn_search
-from hlomap.tasks.sharding.exact import ExactTooLarge, count_conflict_free, enumerate_conflict_free, exact_search, paper_milp
+from hlomap.search.budget import Budget
+from hlomap.search.dqn import DqnSearchConfig, dqn_search
+from hlomap.search.exact import exact_search
+from hlomap.search.greedy import greedy_search
+from hlomap.search.random import random_search
+from hlomap.search.tracker import Driver
+from hlomap.tasks.sharding.exact import ExactTooLarge, count_conflict_free, enumerate_conflict_free, paper_milp
 from hlomap.tasks.sharding.objective import CostEval, CostObjective, PaperObjective
-from hlomap.search.tracker import Budget, Driver
 from hlomap.tasks.sharding.space import adp_space, hybrid_space, opp_space
+from hlomap.tasks.sharding.task import ShardingTask
 
 EVALS = Budget(seconds=None, evaluations=300)
 
@@ -56,7 +60,7 @@ def test_exact_enumeration_finds_the_cost_optimum(graph_of, axes8) -> None:
     space = opp_space(graph_of("gpt-tiny"), axes8)
     rng = np.random.default_rng(0)
     gains = {int(g): float(rng.uniform(-1, 2)) for g in space.groups}
-    result = exact_search(space, CostObjective(space, _additive_cost(space, gains)))
+    result = exact_search(ShardingTask(space, CostObjective(space, _additive_cost(space, gains))))
     assert result.optimal and result.driver is Driver.EXACT
     brute = max(CostObjective(space, _additive_cost(space, gains)).score(c).value for c in enumerate_conflict_free(space))
     assert result.score.value == pytest.approx(brute)
@@ -67,13 +71,13 @@ def test_exact_refuses_spaces_too_large_to_enumerate(graph_of, axes8) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
     obj = CostObjective(space, _additive_cost(space, {}))
     with pytest.raises(ExactTooLarge):
-        exact_search(space, obj, limit=100)
+        exact_search(ShardingTask(space, obj, enumeration_limit=100))
 
 
 @pytest.mark.parametrize("driver", [random_search, greedy_search])
 def test_baselines_respect_the_evaluation_budget(graph_of, axes8, driver) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
-    result = driver(space, PaperObjective(space), Budget(seconds=None, evaluations=57), 0)
+    result = driver(ShardingTask(space, PaperObjective(space)), Budget(seconds=None, evaluations=57), 0)
     assert result.evaluations <= 57
     assert len(result.curve) == result.evaluations
     assert space.ok(result.choices[None])[0]
@@ -85,10 +89,10 @@ def test_baselines_respect_the_evaluation_budget(graph_of, axes8, driver) -> Non
 
 def test_greedy_reaches_a_local_optimum_and_says_so(graph_of, axes8) -> None:
     space = opp_space(graph_of("gpt-tiny"), axes8, replicate_residual=False)
-    result = greedy_search(space, PaperObjective(space), Budget(seconds=30), 0)
+    result = greedy_search(ShardingTask(space, PaperObjective(space)), Budget(seconds=30), 0)
     assert any("local optimum" in n for n in result.notes)
     # greedy takes the residual stream first (28 dims at once) and is then stuck: the paper optimum
-    exact = exact_search(space, PaperObjective(space))
+    exact = exact_search(ShardingTask(space, PaperObjective(space)))
     assert result.score.value == pytest.approx(exact.score.value)
 
 
@@ -101,7 +105,7 @@ def test_interrupt_keeps_the_best_plan(graph_of, axes8) -> None:
         if len(calls) == 3:
             raise KeyboardInterrupt
 
-    result = random_search(space, PaperObjective(space), Budget(seconds=60), 0, batch=16, on_progress=stop)
+    result = random_search(ShardingTask(space, PaperObjective(space)), Budget(seconds=60), 0, batch=16, on_progress=stop)
     assert result.interrupted
     assert result.evaluations == 1 + 3 * 16 and result.score.conflict_free  # the replicated plan, 3 batches
     assert result.seconds < 60
@@ -110,7 +114,7 @@ def test_interrupt_keeps_the_best_plan(graph_of, axes8) -> None:
 def test_on_best_sees_every_improvement(graph_of, axes8) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
     seen = []
-    result = random_search(space, PaperObjective(space), EVALS, 3, on_best=lambda r: seen.append(r.score.value))
+    result = random_search(ShardingTask(space, PaperObjective(space)), EVALS, 3, on_best=lambda r: seen.append(r.score.value))
     assert seen == [i.value for i in result.improvements]
     assert seen[-1] == result.score.value
 
@@ -123,10 +127,10 @@ def test_dqn_learns_the_paper_optimum_and_beats_random(graph_of, axes8) -> None:
     """t5-tiny, untied (24 positions), the agent alone (no fine-tuning) against random at the
     same evaluation budget and against the MILP optimum."""
     space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
-    optimum = exact_search(space, PaperObjective(space)).score.value
-    budget = Budget(seconds=None, evaluations=400)
-    dqn = dqn_search(space, PaperObjective(space), budget, 0, config=DqnSearchConfig(fine_tune=False))
-    rnd = random_search(space, PaperObjective(space), budget, 0)
+    optimum = exact_search(ShardingTask(space, PaperObjective(space))).score.value
+    budget = Budget(seconds=None, evaluations=400, settle=False)  # the whole learning curve
+    dqn = dqn_search(ShardingTask(space, PaperObjective(space)), budget, 0, config=DqnSearchConfig(fine_tune=False))
+    rnd = random_search(ShardingTask(space, PaperObjective(space)), budget, 0)
     assert dqn.evaluations <= 400 and rnd.evaluations <= 400
     assert dqn.score.value == pytest.approx(optimum)
     assert rnd.score.value < optimum
@@ -137,11 +141,32 @@ def test_dqn_learns_the_paper_optimum_and_beats_random(graph_of, axes8) -> None:
 
 def test_fine_tuning_reaches_the_optimum_sooner(graph_of, axes8) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
-    optimum = exact_search(space, PaperObjective(space)).score.value
-    budget = Budget(seconds=None, evaluations=250)
-    tuned = dqn_search(space, PaperObjective(space), budget, 0)
-    plain = dqn_search(space, PaperObjective(space), budget, 0, config=DqnSearchConfig(fine_tune=False))
+    optimum = exact_search(ShardingTask(space, PaperObjective(space))).score.value
+    budget = Budget(seconds=None, evaluations=250, settle=False)
+    tuned = dqn_search(ShardingTask(space, PaperObjective(space)), budget, 0)
+    plain = dqn_search(ShardingTask(space, PaperObjective(space)), budget, 0, config=DqnSearchConfig(fine_tune=False))
     assert tuned.score.value == pytest.approx(optimum)
     assert "0 fine-tuning" not in tuned.notes[0]
     at_plain = _first_at(plain, optimum)
     assert _first_at(tuned, optimum) < (at_plain if at_plain is not None else 10**9)
+
+
+def test_a_search_stops_at_the_proven_optimum(graph_of, axes8) -> None:
+    """ADP with the paper reward: the MILP proves the optimum in milliseconds, so a DQN or random
+    search with a long budget stops once it has found it instead of spending the budget."""
+    space = adp_space(graph_of("gpt-tiny"), axes8)
+    optimum = exact_search(ShardingTask(space, PaperObjective(space))).score
+    for driver in (dqn_search, random_search):
+        result = driver(ShardingTask(space, PaperObjective(space)), Budget(seconds=60, evaluations=5000), 0)
+        assert result.optimal and result.score.key == optimum.key, driver
+        assert result.evaluations < 5000 and any("proven optimum" in n for n in result.notes)
+
+
+def test_a_search_stops_after_scoring_every_plan_of_a_small_space(graph_of, axes8) -> None:
+    space = adp_space(graph_of("gpt-tiny"), axes8)
+    gains = {int(g): 1.0 for g in space.groups}
+    task = ShardingTask(space, CostObjective(space, _additive_cost(space, gains)))
+    count = count_conflict_free(space, 512)
+    result = random_search(task, Budget(seconds=60, evaluations=10_000), 0)
+    assert result.optimal and f"every one of the {count}" in result.notes[-1]
+    assert result.score.value == pytest.approx(exact_search(task).score.value)

@@ -1,0 +1,53 @@
+"""A joint plan as tables: its stages (layers, devices, mesh, plan, time per microbatch, memory)
+and L, beside the expert grid's configurations priced by the same model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hlomap.report.units import human_bytes, human_seconds
+from hlomap.tasks.joint.explore import JointResult
+
+__all__ = ["format_joint_result"]
+
+
+def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | None = None) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    model, plan, cost = result.model, result.plan, result.cost
+    names = model.layer_names
+    stages = Table(title=f"{name or model.cap.source} on {model.cluster.name}: {plan.n_stages} stages, "
+                         f"{plan.microbatches} microbatches, {plan.schedule.value}", show_edge=False)
+    for column in ("stage", "layers", "devices", "mesh", "plan", "time / microbatch", "memory / device", "capacity"):
+        stages.add_column(column, justify="right" if column in ("stage", "time / microbatch", "memory / device",
+                                                                "capacity") else "left")
+    for s, stage in enumerate(plan.stages):
+        option = stage.option
+        over = cost.stage_memory[s] > cost.device_memory[s]
+        stages.add_row(str(s), f"{names[stage.start]} .. {names[stage.stop - 1]}",
+                       f"{stage.first_device}-{stage.first_device + option.devices - 1}",
+                       f"data={option.data} x model={option.model}", option.kind.value,
+                       human_seconds(cost.stage_seconds[s]),
+                       Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
+                       human_bytes(cost.device_memory[s]))
+    lines = [Text(f"L = {human_seconds(cost.latency)} per step (closed form); bottleneck "
+                  f"{human_seconds(cost.bottleneck)} per microbatch; transfers "
+                  + (", ".join(human_seconds(t) for t in cost.transfer_seconds) or "none")),
+             Text(f"search: {result.driver}, {result.options} stage options over {model.n_layers} layers, "
+                  f"{result.seconds:.1f} s")]
+    feasible = sorted((g for g in result.grid if g.cost is not None), key=lambda g: g.cost.latency)  # type: ignore[union-attr]
+    if feasible:
+        best = feasible[0]
+        gain = best.cost.latency / cost.latency  # type: ignore[union-attr]
+        lines.append(Text(f"expert grid (Megatron-LM pp x tp x dp, uniform layers): best {best.label}, "
+                          f"M = {best.plan.microbatches}, L = {human_seconds(best.cost.latency)}"  # type: ignore[union-attr]
+                          f" -> the joint plan is {gain:.2f}x faster"))
+        grid = Table(title="expert grid (same cost model)", show_edge=False)
+        for column in ("config", "microbatches", "L"):
+            grid.add_column(column, justify="left" if column == "config" else "right")
+        for g in feasible[:grid_rows]:
+            grid.add_row(g.label, str(g.plan.microbatches), human_seconds(g.cost.latency))  # type: ignore[union-attr]
+        return Group(stages, *lines, grid)
+    return Group(stages, *lines)

@@ -1,0 +1,291 @@
+"""What one pipeline stage costs when it runs a range of a train step's layers on a device group
+with a `data x model` mesh and a sharding plan: the inner level of the joint planner.
+
+The prices are the cost model's (`hlomap.cost.estimate.step_work`: the roofline of every
+instruction split by the plan, the collectives the plan implies on the group's devices); this
+module only sums them per forward-chain position (`tasks.pipeline.chain.attribute`), so that a
+stage's cost is a difference of prefix sums. A plan array applies to the whole graph and every
+instruction's price depends on its own sharding only, so restricting a plan to a stage is
+restricting the sum to the stage's instructions: one estimate per (mesh shape, plan) prices
+every stage range at once (Alpa's two-level decomposition, section 5, with the stage-level
+memo being these prefix sums).
+
+Per microbatch of a step split into M: compute, bytes of partial-result collectives and
+stashed activations scale with 1/M (they are proportional to the batch, as
+`cost.pipeline.profile.scale_batch` assumes); a collective's latency is paid once per
+microbatch; parameters, their gradient all-reduce over the `data` axis and the optimizer update
+are per step (amortized over the M microbatches, as the pipeline closed form does).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.collectives import Collective, collective_permute_time, collective_time
+from hlomap.cost.estimate import Reason, step_work
+from hlomap.cost.mapping import axis_devices
+from hlomap.cost.sharding import ShardedGraph
+from hlomap.hlo.capture import Capture, Role
+from hlomap.propagation.conflicts import MeshAxes
+from hlomap.propagation.graph import FactorGraph
+from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
+from hlomap.tasks.pipeline.chain import ChainAttribution, attribute, crossing_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["JointModel", "PlanKind", "StageArrays", "StageOption", "stage_options"]
+
+#: Bytes kept per parameter byte: weights, gradients and Adam's two moments (as the pipeline
+#: cost model's `CostOptions.param_memory_factor`).
+PARAM_MEMORY_FACTOR = 4.0
+
+
+class PlanKind(enum.Enum):
+    """Which sharding plan a stage runs on its mesh.
+
+    EXPERT: the batch split over `data` and Megatron tensor parallelism over `model` (what a
+    user copies from Megatron-LM); SEARCHED: the sharding explorer's best plan for the mesh (cost
+    reward), found by the driver the planner was given.
+    """
+
+    EXPERT = "expert"
+    SEARCHED = "searched"
+
+
+@dataclass(frozen=True, order=True)
+class StageOption:
+    """A stage's device group and what runs on it: `devices = data * model` devices, the mesh
+    shape, and the plan kind."""
+
+    devices: int
+    data: int
+    model: int
+    kind: PlanKind = PlanKind.EXPERT
+
+    def __str__(self) -> str:
+        return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value})"
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {"data": self.data, "model": self.model}
+
+
+def group_sizes(cluster: Cluster) -> tuple[int, ...]:
+    """Device-group sizes a stage may take: slices of a server (powers of two up to its size)
+    and whole servers (multiples of its size), on a cluster with servers of equal size; on one
+    device per node (a torus, a mesh), powers of two."""
+    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    sizes = {1 << k for k in range(int(math.log2(cluster.n_devices)) + 1) if (1 << k) <= per_node}
+    if per_node > 1:
+        sizes |= {per_node * m for m in range(1, cluster.n_devices // per_node + 1)}
+    else:
+        sizes |= {1 << k for k in range(int(math.log2(cluster.n_devices)) + 1)}
+    return tuple(sorted(s for s in sizes if s <= cluster.n_devices))
+
+
+def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXPERT,),
+                  max_model: int | None = None) -> tuple[StageOption, ...]:
+    """Every (group size, data x model, kind): tensor parallelism stays inside a server (its
+    all-reduces are on the critical path of every layer) unless a node holds one device."""
+    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    limit = max_model or (per_node if per_node > 1 else 8)
+    out = []
+    for n in group_sizes(cluster):
+        for model in (m for m in range(1, n + 1) if n % m == 0 and m <= limit and m & (m - 1) == 0):
+            for kind in kinds:
+                out.append(StageOption(n, n // model, model, kind))
+    return tuple(out)
+
+
+class StageArrays(NamedTuple):
+    """Prefix sums (leading 0, one entry per layer boundary) of one option's per-layer costs on
+    one device of the stage, for the whole batch, and the option's collective prices.
+
+    compute: forward + backward seconds; alpha: latency of the partial-result collectives,
+    paid once per microbatch; beta: their bandwidth seconds for the whole batch; update: the
+    optimizer update's seconds; grads: bytes of parameter gradients the `data` axis all-reduces;
+    params: parameter bytes on the device; stash: activation bytes kept for the backward pass.
+    crossing[k]: bytes of the cut after layer k on one device (k < n_layers - 1).
+    sync_alpha/sync_beta: the gradient all-reduce over the option's data groups, affine in bytes.
+    """
+
+    compute: np.ndarray
+    alpha: np.ndarray
+    beta: np.ndarray
+    update: np.ndarray
+    grads: np.ndarray
+    params: np.ndarray
+    stash: np.ndarray
+    crossing: np.ndarray
+    sync_alpha: float
+    sync_beta: float
+    plan: np.ndarray  # the plan array over the graph's groups
+    axes: MeshAxes
+
+
+@dataclass(eq=False)
+class JointModel:
+    """A captured step on a cluster, cut into layers at `pivots` (chain positions), priced per
+    stage option on demand and memoized (the inner level's memo)."""
+
+    cap: Capture
+    graph: FactorGraph
+    cluster: Cluster
+    attribution: ChainAttribution
+    pivots: tuple[int, ...]  # chain positions after which a cut may go
+    layer_names: tuple[str, ...]
+    searched_plans: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    _arrays: dict[StageOption, StageArrays] = field(default_factory=dict)
+    _cache: dict[Any, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cap: Capture, cluster: Cluster, pivots: Sequence[int], *, graph: FactorGraph | None = None,
+              layer_names: Sequence[str] = ()) -> JointModel:
+        found = attribute(cap)
+        graph = graph if graph is not None else FactorGraph.from_capture(cap)
+        names = tuple(layer_names) or tuple(f"layer{k}" for k in range(len(pivots) + 1))
+        return cls(cap, graph, cluster, found, tuple(int(p) for p in pivots), names)
+
+    # -- layers ---------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.pivots) + 1
+
+    @property
+    def boundaries(self) -> np.ndarray:
+        """Chain positions where layer k starts, and the chain's length at the end."""
+        return np.asarray([0, *(p + 1 for p in self.pivots), self.attribution.length], dtype=np.int64)
+
+    @property
+    def batch(self) -> int:
+        """The step's batch: the leading dim of its data inputs (what microbatches split)."""
+        data = [p for p in self.cap.parameters if p.role is Role.DATA and p.shape.rank > 0]
+        return min((p.shape.dims[0] for p in data), default=1)
+
+    # -- one option's arrays --------------------------------------------------------------------
+    def arrays(self, option: StageOption) -> StageArrays:
+        if option not in self._arrays:
+            self._arrays[option] = self._price(option)
+        return self._arrays[option]
+
+    def plan_for(self, option: StageOption) -> tuple[np.ndarray, MeshAxes]:
+        """The plan array a stage of this option runs, over the whole graph, and its mesh axes."""
+        axes = MeshAxes.from_mesh(option.mesh)
+        if option.kind is PlanKind.SEARCHED and (option.data, option.model) in self.searched_plans:
+            return self.searched_plans[(option.data, option.model)], axes
+        parts = []
+        if option.data > 1:
+            try:
+                parts.append(data_parallel_plan(self.graph, "data", axes))
+            except ValueError:  # no data inputs known: nothing to split on `data`
+                pass
+        if option.model > 1:
+            parts.append(megatron_plan(self.graph, "model", axes))
+        return (combine(*parts) if parts else empty_plan(self.graph)), axes
+
+    def _price(self, option: StageOption) -> StageArrays:
+        plan, axes = self.plan_for(option)
+        mapping = axis_devices(self.cluster, option.mesh, order=("data", "model"))
+        sg = ShardedGraph.build(self.graph, plan, axes)
+        work = step_work(sg, self.cluster, mapping, cache=self._cache)
+        n = self.attribution.length
+        where = _positions(self.cap, self.attribution)
+        compute, update_total = np.zeros(n), 0.0
+        for inst in work.instructions:
+            p = where.get((inst.computation, inst.name))
+            if p is None:
+                continue
+            if p == UPDATE:
+                update_total += inst.seconds
+            elif p >= 0:
+                compute[p] += inst.seconds
+        alpha, beta, grads = np.zeros(n), np.zeros(n), np.zeros(n)
+        for c in work.collectives:
+            p = where.get((c.computation, c.instruction), -1)
+            p = p if p >= 0 else n - 1  # the loss's or the update's collectives: the last stage's
+            if c.reason is Reason.GRADIENT_SYNC:
+                grads[p] += c.nbytes * c.count
+                continue
+            groups = mapping.groups(c.axes if len(c.axes) > 1 else c.axes[0])
+            empty = collective_time(c.kind, self.cluster, groups, 0.0)
+            alpha[p] += empty * c.count
+            beta[p] += (c.seconds - empty) * c.count
+        params, stash, value_bytes = self._bytes(sg)
+        update = params / max(params.sum(), 1.0) * update_total
+        crossing, _ = crossing_bytes(self.attribution, value_bytes)
+        sync_groups = mapping.groups("data")
+        zero = collective_time(Collective.ALL_REDUCE, self.cluster, sync_groups, 0.0) if option.data > 1 else 0.0
+        slope = ((collective_time(Collective.ALL_REDUCE, self.cluster, sync_groups, 2**30) - zero) / 2**30
+                 if option.data > 1 else 0.0)
+        bounds = self.boundaries
+        layer = lambda values: np.concatenate([[0.0], np.cumsum(np.add.reduceat(values, bounds[:-1]))])  # noqa: E731
+        cut = crossing[np.asarray(self.pivots, dtype=np.int64)] if self.pivots else np.zeros(0)
+        return StageArrays(layer(compute), layer(alpha), layer(beta), layer(update), layer(grads), layer(params),
+                           layer(stash), cut, zero, slope, plan, axes)
+
+    def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """Per chain position: parameter and stash bytes on one device; and every crossing
+        value's bytes on one device."""
+        n = self.attribution.length
+        entry = self.cap.module.entry
+        degree_of = {}
+        for name in {*self.attribution.parameters, *self.attribution.stashed, *(s[0] for s in self.attribution.spans)}:
+            node = self.graph.node_of(entry.name, name)
+            first = self.graph.node_tensors[node][0]
+            degree_of[name] = float(sg.tensor_degree[first])
+        nbytes = {inst.name: float(inst.shape.byte_size) for inst in entry.instructions}
+        params, stash = np.zeros(n), np.zeros(n)
+        for name, p in self.attribution.parameters.items():
+            params[p] += nbytes[name] / degree_of[name]
+        for name, p in self.attribution.stashed.items():
+            stash[p] += nbytes[name] / degree_of[name]
+        values = {name: nbytes[name] / degree_of[name] for name, _, _ in self.attribution.spans}
+        return params, stash, values
+
+
+#: `_positions`' mark of an optimizer-update instruction.
+UPDATE = -2
+
+
+def _positions(cap: Capture, found: ChainAttribution) -> dict[tuple[str, str], int]:
+    """(computation, instruction) -> chain position (UPDATE for the optimizer update, -1 for
+    the rest) for every instruction of the entry and of the computations its instructions call
+    (charged where their call site is)."""
+    module = cap.module
+    entry = module.entry
+    out: dict[tuple[str, str], int] = {}
+    updates = set(found.update)
+    for inst in entry.instructions:
+        p = found.anchor.get(inst.name, UPDATE if inst.name in updates else -1)
+        out[(entry.name, inst.name)] = p
+        stack, seen = list(inst.called_computations), set()
+        while stack:
+            name = stack.pop()
+            if name in seen or name not in module.by_name:
+                continue
+            seen.add(name)
+            for inner in module.computation(name).instructions:
+                out.setdefault((name, inner.name), p)
+                stack.extend(inner.called_computations)
+    return out
+
+
+def transfer_seconds(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
+                     nbytes: float) -> float:
+    """Moving a cut's activations (`nbytes` in all, one shard per data replica) from a stage of
+    `option` on devices from `first_device` to the next stage, whose devices start at
+    `receiver_first`: replica c's first device sends its shard to the next stage's c-th device,
+    all at once (streams leaving a server share its NICs: `collective_permute_time`). The
+    receiving stage's layout does not enter, so a planner prices a cut from its sending side."""
+    if nbytes <= 0:
+        return 0.0
+    shards = max(1, min(option.data, cluster.n_devices - receiver_first))
+    pairs = [(first_device + c * option.model, receiver_first + c) for c in range(shards)]
+    return collective_permute_time(cluster, pairs, nbytes / shards)

@@ -1,0 +1,169 @@
+"""From a captured train step to a joint plan: layers, options, the outer search, the expert grid
+beside it, and the `Plan` that `hlomap.parallelize` runs.
+
+    result = explore_joint(cap, cluster)                 # exact DP outer level, expert plans inside
+    result.plan.describe(result.model.layer_names)
+    result.best_grid                                     # what Megatron-LM's grid gives, same model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.hlo.capture import Capture
+from hlomap.hlo.source_info import nearest_scopes
+from hlomap.propagation.graph import FactorGraph
+from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
+from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_split_ends
+from hlomap.search.budget import Budget
+from hlomap.search.drivers import run_driver
+from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks.joint.plans import JointCost, JointPlan, evaluate
+from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
+from hlomap.tasks.joint.task import JointSearchTask
+from hlomap.tasks.pipeline.chain import PivotOptions, step_chain
+
+log = logging.getLogger(__name__)
+
+__all__ = ["JointResult", "explore_joint", "joint_model"]
+
+#: Cut points the joint search considers (on top of the block ends of every uniform split); the
+#: pipeline explorer's 256 would make the DP's tables large for little gain between two blocks.
+JOINT_PIVOTS = 32
+
+
+def joint_model(cap: Capture, cluster: Cluster, *, max_pivots: int = JOINT_PIVOTS,
+                graph: FactorGraph | None = None) -> JointModel:
+    """The step cut into layers: the pipeline explorer's candidate pivots (fewest crossing bytes)
+    plus the block ends where a uniform split into any stage count dividing the devices cuts,
+    so that Megatron's uniform splits are plans too."""
+    chain = step_chain(cap, cluster.devices[0], options=PivotOptions(max_pivots=max_pivots))
+    probe = JointModel.build(cap, cluster, (), graph=graph)
+    last = probe.attribution.length - 1
+    ends = uniform_split_ends(block_ends(probe), cluster.n_devices)
+    pivots = sorted({p.position for p in chain.pivots} | {e for e in ends if e < last})
+    scopes = nearest_scopes(chain.chain.layers)
+    bounds = [0, *(p + 1 for p in pivots), probe.attribution.length]
+    names = tuple(scopes[b - 1] or f"layer{k}" for k, b in enumerate(bounds[1:]))
+    return dataclasses.replace(probe, pivots=tuple(pivots), layer_names=names, _arrays={})
+
+
+@dataclass(frozen=True, eq=False)
+class JointResult:
+    model: JointModel
+    plan: JointPlan
+    cost: JointCost
+    grid: tuple[GridPoint, ...]
+    seconds: float
+    driver: str
+    options: int
+    search: SearchResult | None = None
+
+    @property
+    def best_grid(self) -> GridPoint | None:
+        feasible = [g for g in self.grid if g.cost is not None]
+        return min(feasible, key=lambda g: g.cost.latency) if feasible else None  # type: ignore[union-attr]
+
+
+def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+                  microbatches: Sequence[int] | None = None, max_stages: int | None = None,
+                  kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
+                  budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
+                  graph: FactorGraph | None = None, model: JointModel | None = None,
+                  on_best: Callable[[SearchResult], None] | None = None,
+                  on_progress: Callable[[Progress], None] | None = None) -> JointResult:
+    """The least-L joint plan of `cap` on `cluster`. agent: "exact" (the two-level DP, the
+    default: optimal for the model and fast), or a search driver over the outer level ("dqn",
+    "random", "greedy"; `budget` bounds it) with the same inner level."""
+    start = time.perf_counter()
+    schedule = Schedule(schedule)
+    model = model or joint_model(cap, cluster, graph=graph)
+    options = stage_options(cluster, kinds=kinds)
+    space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
+                       schedule, max_stages)
+    task = JointSearchTask(model, space)
+    found = run_driver(task, Driver(agent), budget or Budget(seconds=60.0), seed, on_best=on_best,
+                       on_progress=on_progress)
+    plan = found.plan
+    cost = evaluate(model, plan)
+    grid = tuple(expert_grid(model, schedule=schedule)) if with_grid else ()
+    log.info("joint plan of %s on %s: %d stages, L %.4g s (%.1f s)", cap.source, cluster.name, plan.n_stages,
+             cost.latency, time.perf_counter() - start)
+    return JointResult(model, plan, cost, grid, time.perf_counter() - start, found.driver.value, len(options), found)
+
+
+def option_of(plan: JointPlan, stage: int) -> StageOption:
+    return plan.stages[stage].option
+
+
+def describe_grid(grid: Sequence[GridPoint]) -> list[dict[str, Any]]:
+    return [{"config": g.label, "latency": None if g.cost is None else g.cost.latency, "note": g.note,
+             "microbatches": None if g.plan is None else g.plan.microbatches} for g in grid]
+
+
+# ---------------------------------------------------------------------------------------------
+# As a Plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _cut(model: JointModel, layer: int) -> dict[str, Any]:
+    """The cut before joint layer `layer`: the HLO instruction it follows, its layer name and
+    source line from metadata (the pipeline plans' cut record, which the runner maps back)."""
+    from hlomap.hlo.source_info import layer_name, source_location, source_tables
+
+    position = model.pivots[layer - 1]
+    inst = model.attribution.chain[position]
+    return {"pivot": position, "instruction": inst.name, "layer": layer_name(inst.metadata, inst.opcode),
+            "scope": model.layer_names[layer - 1],
+            "source": source_location(inst, source_tables(model.cap.module))}
+
+
+def joint_plan(result: JointResult) -> Any:
+    """The `Plan` of a joint result: no global mesh; a `pipeline` section whose stages carry
+    their devices, mesh and the PartitionSpec of every parameter inside the stage, plus the
+    microbatches and schedule; the estimate (L, memory per stage) and how it was found."""
+    from hlomap.plan import Plan, PlanSource
+
+    model, plan, cost = result.model, result.plan, result.cost
+    stages = []
+    for s, stage in enumerate(plan.stages):
+        array, axes = model.plan_for(stage.option)
+        inner = Plan.from_groups(model.cap, model.graph, array, axes, check=False)
+        stages.append({
+            "layers": [stage.start, stage.stop], "devices": list(stage.devices),
+            "replication": stage.option.data, "mesh": stage.option.mesh, "plan": stage.option.kind.value,
+            "specs": [p.to_json()["spec"] for p in inner.parameters],
+            "seconds_per_microbatch": cost.stage_seconds[s], "memory_bytes": cost.stage_memory[s],
+            "device_memory_bytes": cost.device_memory[s],
+        })
+    first = [st.first_device for st in plan.stages[1:]]
+    per_node = max(len(model.cluster.devices_on(n)) for n in set(model.cluster.node_of))
+    pipeline = {
+        "kind": "joint", "stages": stages, "microbatches": plan.microbatches, "schedule": plan.schedule.value,
+        "cuts": [_cut(model, st.start) for st in plan.stages[1:]], "device_cuts": first,
+        "on_node_boundaries": all(d % per_node == 0 for d in first),
+        "layer_names": list(model.layer_names),
+    }
+    best = result.best_grid
+    estimate = {
+        "step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
+        "transfer_seconds": list(cost.transfer_seconds),
+        "memory": {"per_stage": list(cost.stage_memory), "total": max(cost.stage_memory), "fits": cost.fits},
+        "cluster": model.cluster.name,
+    }
+    search = {"task": "auto", "driver": result.driver, "seconds": round(result.seconds, 3),
+              "options": result.options, "layers": model.n_layers,
+              "expert_grid_best": None if best is None else {"config": best.label,
+                                                               "step_seconds": best.cost.latency,
+                                                               "microbatches": best.plan.microbatches}}
+    parameters = Plan.from_groups(model.cap, model.graph, model.plan_for(plan.stages[0].option)[0],
+                                  model.plan_for(plan.stages[0].option)[1], check=False).parameters
+    replicated = tuple(dataclasses.replace(p, spec=(None,) * len(p.shape)) for p in parameters)
+    base = Plan(mesh=(), parameters=replicated, source=PlanSource(model.cap.source, model.cap.text_sha256))
+    return dataclasses.replace(base, pipeline=pipeline, estimate=estimate, search=search)

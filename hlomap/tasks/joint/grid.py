@@ -1,0 +1,116 @@
+"""The expert baseline: every Megatron-LM configuration (pp, tp, dp) a user would try by hand.
+
+pp * tp * dp = devices, tensor parallelism inside a server, pp <= the model's repeated blocks;
+the blocks (`layers_k` scopes: transformer layers, encoder then decoder for T5) split
+uniformly over the stages, the embedding with the first stage and the head with the last;
+Megatron's specs on `model` and the batch on `data` inside every stage; the best microbatch
+count. Each configuration is priced by the same cost model as the joint planner
+(`plans.evaluate`), so the comparison is between plans, not between models.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.hlo.source_info import layer_name
+from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption
+from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
+from hlomap.tasks.joint.solve import aligned, microbatch_choices
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GridPoint", "block_ends", "expert_grid"]
+
+_BLOCK = re.compile(r"^(.*?layers_\d+)(/|$)")
+
+
+def block_ends(model: JointModel) -> tuple[int, ...]:
+    """The chain position where each repeated block (`.../layers_k`) ends, in chain order."""
+    ends: dict[str, int] = {}
+    for p, inst in enumerate(model.attribution.chain):
+        match = _BLOCK.match(layer_name(inst.metadata))
+        if match:
+            ends[match.group(1)] = p
+    return tuple(sorted(ends.values()))
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    pp: int
+    tp: int
+    dp: int
+    plan: JointPlan | None
+    cost: JointCost | None  # None when no microbatch count fits in memory
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"pp={self.pp} tp={self.tp} dp={self.dp}"
+
+
+def _layer_of(model: JointModel, position: int) -> int:
+    """The joint model's layer that ends at chain position `position` (a pivot)."""
+    return model.pivots.index(position) + 1
+
+
+def _split_end(ends: Sequence[int], pp: int, b: int) -> int:
+    """The block end after which stage b of a uniform split of the blocks into pp stages starts."""
+    return ends[round(b * len(ends) / pp) - 1]
+
+
+def uniform_split_ends(ends: Sequence[int], devices: int) -> tuple[int, ...]:
+    """Every block end a uniform split into pp stages cuts at, for each pp dividing `devices`."""
+    return tuple(sorted({_split_end(ends, pp, b) for pp in range(2, min(len(ends), devices) + 1) if devices % pp == 0
+                         for b in range(1, pp)}))
+
+
+def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
+    """Layer bounds [0, ..., n_layers] of a uniform split of the blocks over `pp` stages, or None
+    when there are fewer blocks than stages or a block end is not a cut point of the model."""
+    ends = block_ends(model)
+    if pp > len(ends):
+        return None
+    bounds = [0]
+    for b in range(1, pp):
+        end = _split_end(ends, pp, b)
+        if end not in model.pivots:
+            return None
+        bounds.append(_layer_of(model, end))
+    bounds.append(model.n_layers)
+    return tuple(bounds) if all(a < b for a, b in zip(bounds[:-1], bounds[1:])) else None
+
+
+def expert_grid(model: JointModel, *, schedule: Schedule = Schedule.ONE_F_ONE_B,
+                microbatches: Sequence[int] | None = None) -> list[GridPoint]:
+    """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring)."""
+    cluster = model.cluster
+    devices = cluster.n_devices
+    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    choices = tuple(microbatches) if microbatches else microbatch_choices(model.batch)
+    out = []
+    tp_limit = per_node if per_node > 1 else 8  # as `costs.stage_options`: inside a server, or 8 on a torus
+    for pp in (p for p in range(1, devices + 1) if devices % p == 0):
+        group = devices // pp
+        for tp in (t for t in range(1, group + 1) if group % t == 0 and t & (t - 1) == 0 and t <= tp_limit):
+            dp = group // tp
+            bounds = uniform_cuts(model, pp)
+            if bounds is None or not all(aligned(per_node, s * group, group) for s in range(pp)):
+                out.append(GridPoint(pp, tp, dp, None, None, "no uniform split of the blocks"))
+                continue
+            option = StageOption(group, dp, tp, PlanKind.EXPERT)
+            best: tuple[JointPlan, JointCost] | None = None
+            for m in choices:
+                if model.batch % (m * dp):
+                    continue
+                plan = JointPlan(tuple(JointStage(bounds[s], bounds[s + 1], s * group, option) for s in range(pp)),
+                                 m, schedule)
+                cost = evaluate(model, plan)
+                if cost.fits and (best is None or cost.latency < best[1].latency):
+                    best = (plan, cost)
+            out.append(GridPoint(pp, tp, dp, *(best or (None, None)),
+                                 "" if best else "out of memory at every microbatch count"))
+    return out

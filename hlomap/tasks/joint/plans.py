@@ -1,0 +1,104 @@
+"""Joint plans (pipeline stages, each a device group with its own mesh and sharding plan) and
+their closed-form cost: what the joint planner's searches minimize.
+
+For stages s = 0..S-1 of layers [i_s, j_s) on devices [d_s, d_s + n_s) with option o_s, and
+M microbatches (`costs.StageArrays` are per step, on one device of the stage):
+  t_s = (compute + collective bandwidth + gradient all-reduce + update) / M + collective latency
+  u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
+  L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
+the pipeline closed form of `hlomap.cost.pipeline.costs` (Alpa's; fill and drain, then M - 1
+periods of the slowest stage or link) with the stages priced by the sharded step. Memory per
+device: 4 x the stage's parameters (weights, gradients, Adam's moments) + the microbatches in
+flight (1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from hlomap.cost.pipeline.stages import Schedule, in_flight
+from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, StageArrays, StageOption, transfer_seconds
+
+__all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
+
+
+@dataclass(frozen=True)
+class JointStage:
+    """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
+
+    start: int
+    stop: int
+    first_device: int
+    option: StageOption
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(range(self.first_device, self.first_device + self.option.devices))
+
+
+@dataclass(frozen=True)
+class JointPlan:
+    stages: tuple[JointStage, ...]
+    microbatches: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def describe(self, names: Sequence[str] = ()) -> str:
+        lines = []
+        for s, st in enumerate(self.stages):
+            label = f" {names[st.start]}..{names[st.stop - 1]}" if names else ""
+            lines.append(f"stage {s}: layers [{st.start}, {st.stop}){label} on devices "
+                         f"{st.first_device}-{st.first_device + st.option.devices - 1}: {st.option}")
+        return "\n".join(lines) + f"\n{self.microbatches} microbatches, {self.schedule.value}"
+
+
+@dataclass(frozen=True)
+class JointCost:
+    latency: float
+    bottleneck: float
+    stage_seconds: tuple[float, ...]
+    transfer_seconds: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    device_memory: tuple[float, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(need <= have for need, have in zip(self.stage_memory, self.device_memory))
+
+
+def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int) -> Any:
+    """Per-microbatch time of layers [i, j) under the option of `a` (scalars or arrays)."""
+    grads = a.grads[j] - a.grads[i]
+    sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads, 0.0)
+    per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + sync + (a.update[j] - a.update[i])
+    return per_step / microbatches + (a.alpha[j] - a.alpha[i])
+
+
+def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -> Any:
+    return PARAM_MEMORY_FACTOR * (a.params[j] - a.params[i]) + held * (a.stash[j] - a.stash[i]) / microbatches
+
+
+def evaluate(model: JointModel, plan: JointPlan) -> JointCost:
+    """The closed-form cost of `plan` (module docstring)."""
+    cluster = model.cluster
+    m, n = plan.microbatches, plan.n_stages
+    times, transfers, memory, capacity = [], [], [], []
+    for s, stage in enumerate(plan.stages):
+        a = model.arrays(stage.option)
+        times.append(float(stage_seconds(a, stage.start, stage.stop, m)))
+        held = in_flight(plan.schedule, s, n, m)
+        memory.append(float(stage_memory(a, stage.start, stage.stop, held, m)))
+        capacity.append(min(cluster.devices[d].memory_bytes for d in stage.devices))
+        if s + 1 < n:
+            nbytes = float(a.crossing[stage.stop - 1]) * stage.option.data / m
+            transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
+                                              plan.stages[s + 1].first_device, nbytes))
+    bottleneck = max(times + transfers)
+    latency = sum(times) + 2 * sum(transfers) + (m - 1) * bottleneck
+    return JointCost(latency, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity))

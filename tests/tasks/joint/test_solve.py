@@ -1,0 +1,120 @@
+"""The joint planner's exact outer level against enumeration, its inner level against the cost
+model's own estimate, and the expert grid inside its space."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hlomap.cost.cluster import hierarchical, mesh_topology
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
+from hlomap.tasks.joint.grid import expert_grid
+from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
+from hlomap.tasks.joint.solve import JointSpace, brute_force, microbatch_choices, solve
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny(cap_of):
+    return cap_of("gpt-tiny")
+
+
+def _model(cap, cluster, layers: int = 5) -> JointModel:
+    """gpt-tiny cut into `layers` layers at evenly spaced chain positions."""
+    probe = JointModel.build(cap, cluster, ())
+    n = probe.attribution.length
+    pivots = tuple(round(k * n / layers) - 1 for k in range(1, layers))
+    return JointModel.build(cap, cluster, pivots, graph=probe.graph)
+
+
+CLUSTERS = {
+    "2 servers x 4": lambda: hierarchical(2, 4, "V100-16GB"),
+    "torus 2x2": lambda: mesh_topology((2, 2), "V100-16GB", 25e9, 1e-6, torus=True),
+}
+
+
+@pytest.mark.parametrize("cluster", sorted(CLUSTERS))
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+def test_the_dp_finds_the_enumerated_optimum(gpt_tiny, cluster, schedule) -> None:
+    model = _model(gpt_tiny, CLUSTERS[cluster](), layers=4)
+    space = JointSpace(stage_options(model.cluster), (1, 2, 4), schedule)
+    plan, cost = solve(model, space)
+    best_plan, best = brute_force(model, space)
+    assert cost.latency == pytest.approx(best.latency, rel=1e-9)
+    assert evaluate(model, plan).latency == pytest.approx(cost.latency, rel=1e-12)
+    assert sum(stage.option.devices for stage in plan.stages) == model.cluster.n_devices
+
+
+def test_memory_limits_are_honoured(gpt_tiny) -> None:
+    """Devices too small for the unconstrained optimum: the DP finds the best plan that fits,
+    the one enumeration finds."""
+    from hlomap.cost.devices import DeviceSpec
+    from hlomap.tasks.joint.solve import enumerate_plans
+
+    roomy = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=4)
+    space = JointSpace(stage_options(roomy.cluster), (1, 2))
+    free_plan, free = solve(roomy, space)
+    leanest = min(max(evaluate(roomy, plan).stage_memory) for plan in enumerate_plans(roomy, space))
+    assert leanest < max(free.stage_memory)
+    capacity = int((leanest + max(free.stage_memory)) / 2)
+    small = DeviceSpec("small", {"f32": 1e13}, 9e11, capacity)
+    model = _model(gpt_tiny, hierarchical(2, 4, small), layers=4)
+    plan, cost = solve(model, space)
+    assert cost.fits and max(cost.stage_memory) <= capacity and plan != free_plan
+    assert cost.latency >= free.latency
+    assert brute_force(model, space)[1].latency == pytest.approx(cost.latency, rel=1e-9)
+
+
+def test_a_stage_costs_what_the_cost_model_says_for_the_whole_step(gpt_tiny) -> None:
+    """One stage over all layers with M = 1 is the whole step on the group: its compute is the
+    cost model's compute of the step minus the optimizer update it amortizes."""
+    from hlomap.api import estimate
+
+    cluster = hierarchical(1, 8, "V100-16GB")
+    model = _model(gpt_tiny, cluster)
+    option = StageOption(8, 2, 4)
+    arrays = model.arrays(option)
+    est = estimate(gpt_tiny, "dp+megatron", mesh={"data": 2, "model": 4}, cluster=cluster, graph=model.graph)
+    priced = arrays.compute[-1] + arrays.update[-1]
+    attributed = sum(i.seconds for i in est.instructions)
+    assert priced == pytest.approx(attributed, rel=0.05)  # the rest: phase-less ops (constants)
+    partial = sum(c.total_seconds for c in est.collectives if c.reason.value != "gradient sync")
+    assert arrays.alpha[-1] + arrays.beta[-1] == pytest.approx(partial, rel=1e-9)
+    one = JointPlan((JointStage(0, model.n_layers, 0, option),), 1)
+    assert math.isfinite(evaluate(model, one).latency)
+
+
+def test_the_expert_grid_lies_inside_the_joint_space(gpt_tiny) -> None:
+    from hlomap.tasks.joint.explore import joint_model
+
+    cluster = hierarchical(2, 4, "V100-16GB")
+    model = joint_model(gpt_tiny, cluster, max_pivots=6)
+    grid = [g for g in expert_grid(model) if g.cost is not None]
+    assert {g.label for g in grid} >= {"pp=1 tp=4 dp=2", "pp=2 tp=4 dp=1", "pp=2 tp=2 dp=2"}
+    plan, cost = solve(model, JointSpace(stage_options(cluster), microbatch_choices(model.batch)))
+    assert cost.latency <= min(g.cost.latency for g in grid) * (1 + 1e-12)
+
+
+def test_stage_options_keep_tensor_parallelism_inside_a_server() -> None:
+    options = stage_options(hierarchical(2, 8, "V100-16GB"))
+    assert StageOption(16, 2, 8) in options and StageOption(8, 1, 8) in options
+    assert all(o.model <= 8 and o.data * o.model == o.devices for o in options)
+    assert {o.devices for o in options} == {1, 2, 4, 8, 16}
+    assert all(o.kind is PlanKind.EXPERT for o in options)
+
+
+@pytest.mark.parametrize("layers", [4, pytest.param(6, marks=pytest.mark.slow)])
+def test_the_dqn_over_the_outer_level_finds_the_exact_optimum(gpt_tiny, layers) -> None:
+    """Small enough to enumerate: the DQN driver on the joint task reaches the DP's plan."""
+    from hlomap.search.budget import Budget
+    from hlomap.search.dqn import dqn_search
+    from hlomap.tasks.joint.task import JointSearchTask
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=layers)
+    space = JointSpace(stage_options(model.cluster), (1, 2, 4))
+    _, exact = solve(model, space)
+    assert brute_force(model, space)[1].latency == pytest.approx(exact.latency, rel=1e-9)
+    found = dqn_search(JointSearchTask(model, space), Budget(episodes=600, seconds=None), seed=0)
+    assert found.score.step_time == pytest.approx(exact.latency, rel=1e-9)
+    assert evaluate(model, found.plan).latency == pytest.approx(exact.latency, rel=1e-9)

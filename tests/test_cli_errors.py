@@ -1,0 +1,266 @@
+"""What a user's mistakes get from the `hlomap` command: one line on stderr naming the value and
+where it came from, exit status 2, and nothing they saved overwritten; and Ctrl-C at any moment
+stops the command, keeping the best plan found so far."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hlomap.cli import run
+
+#: A dump with no names hlomap knows: its parameters have no roles until the user names them.
+BARE_HLO = """HloModule small, entry_computation_layout={(f32[8,16]{1,0}, f32[16,4]{1,0})->f32[8,4]{1,0}}
+
+ENTRY main {
+  x = f32[8,16]{1,0} parameter(0)
+  w = f32[16,4]{1,0} parameter(1)
+  ROOT d = f32[8,4]{1,0} dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+SAVED = '{"saved": "by the user"}\n'
+
+
+@pytest.fixture
+def bare(tmp_path: Path) -> Path:
+    path = tmp_path / "dump.hlo"
+    path.write_text(BARE_HLO)
+    return path
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """A file the user saved where the command would write its plan."""
+    path = tmp_path / "plan.json"
+    path.write_text(SAVED)
+    return path
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("task", ["opp", "adp", "hybrid"])
+def test_a_dump_without_roles_is_refused_saying_how_to_name_the_weights(
+        bare: Path, saved: Path, task: str, capsys: pytest.CaptureFixture[str]) -> None:
+    mesh = "data=2,model=4" if task == "hybrid" else "8"
+    assert run(["explore", str(bare), "--task", task, "--mesh", mesh, "-q", "-o", str(saved)]) == 2
+    _one_line_error(capsys, "has no roles", "--trainable 0-11", "--trainable-prefix")
+    assert saved.read_text() == SAVED
+
+
+def test_trainable_takes_ranges_and_prefixes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dump = tmp_path / "gpt.hlo"
+    assert run(["zoo", "dump", "gpt-tiny", "-o", str(dump)]) == 0
+    capsys.readouterr()
+    assert run(["inspect", str(dump), "--json", "--trainable", "0-2,4"]) == 0
+    roles = [p["role"] for p in json.loads(capsys.readouterr().out)["parameters"]]
+    assert roles[:5] == ["trainable", "trainable", "trainable", "data", "trainable"]
+    assert run(["inspect", str(dump), "--json", "--trainable-prefix", "params/layers_0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    trainable = {p["path"] for p in report["parameters"] if p["role"] == "trainable"}
+    assert trainable and all(path.startswith("params/layers_0/") for path in trainable)
+    # the rest of the optimizer state is optimizer state, not data to split
+    assert all(p["role"] == "optimizer_state" for p in report["parameters"]
+               if p["path"].startswith("opt_state/0/mu/"))
+
+
+def test_a_jax_dump_takes_its_roles_from_parameter_names_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dump = tmp_path / "gpt.hlo"
+    assert run(["zoo", "dump", "gpt-tiny", "-o", str(dump)]) == 0
+    capsys.readouterr()
+    assert run(["inspect", str(dump), "--json"]) == 0
+    captured = capsys.readouterr()
+    roles = {p["path"].split("/")[0]: p["role"] for p in json.loads(captured.out)["parameters"]
+             if len(p["shape"]) > 0}
+    assert roles == {"params": "trainable", "opt_state": "optimizer_state", "batch": "data"}
+    assert "roles were inferred from its parameters' names" in captured.err
+
+
+@pytest.mark.parametrize("value, needle", [("99", "index out of range"), ("foo", "unknown entry parameter"),
+                                          ("3-1", "runs backwards")])
+def test_bad_trainable_values_are_named(bare: Path, saved: Path, value: str, needle: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["explore", str(bare), "--trainable", value, "-q", "-o", str(saved)]) == 2
+    _one_line_error(capsys, needle)
+    assert saved.read_text() == SAVED
+
+
+def test_too_many_stages_says_the_maximum(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "1000", "-q", "-o", str(saved)]) == 2
+    _one_line_error(capsys, "--stages 1000", "at most 16 stages")
+    assert saved.read_text() == SAVED
+
+
+@pytest.mark.parametrize("option, value", [("--budget-seconds", "0"), ("--budget-seconds", "-5"),
+                                           ("--budget-evaluations", "0"), ("--budget-evaluations", "-3")])
+def test_non_positive_budgets_are_refused_before_anything_is_written(
+        saved: Path, option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run(["explore", "zoo:gpt-tiny", option, value, "-q", "-o", str(saved)])
+    assert exit_info.value.code == 2
+    _one_line_error(capsys, option, "must be positive")
+    assert saved.read_text() == SAVED
+
+
+def test_a_bad_cluster_file_fails_before_the_search(saved: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["explore", "zoo:gpt-tiny", "--cluster", str(tmp_path / "garbage.json"), "-q",
+                "-o", str(saved)]) == 2
+    _one_line_error(capsys, "garbage.json", "neither a preset")
+    assert saved.read_text() == SAVED
+
+
+def test_an_output_that_is_a_directory_fails_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    assert run(["explore", "zoo:gpt-tiny", "-o", str(tmp_path), "-q"]) == 2
+    assert time.perf_counter() - start < 30  # no search ran (it takes its 60 s budget)
+    _one_line_error(capsys, str(tmp_path), "is a directory")
+
+
+def test_mesh_zero_says_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["explore", "zoo:gpt-tiny", "--mesh", "0", "-q"]) == 2
+    _one_line_error(capsys, "--mesh", "must be positive")
+
+
+def test_json_output_is_valid_json_even_with_the_progress_bar(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    assert run(["explore", "zoo:gpt-tiny", "--agent", "greedy", "--budget-evaluations", "20", "--json",
+                "-o", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 1
+
+
+# -- plan files --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A real plan of gpt-tiny (greedy, a few evaluations), as JSON."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert run(["explore", "zoo:gpt-tiny", "--agent", "greedy", "--budget-evaluations", "5", "-q",
+                "-o", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def _write(tmp_path: Path, data: dict | bytes) -> Path:
+    path = tmp_path / "given.json"
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(json.dumps(data))
+    return path
+
+
+def _tampered(plan: dict, *, mesh: dict | None = None, spec: list | None = None, version: int | None = None) -> dict:
+    data = json.loads(json.dumps(plan))
+    if mesh is not None:
+        data["mesh"]["axes"] = mesh
+    if spec is not None:
+        embed = next(p for p in data["parameters"] if p["path"] == "params/embed/embedding")
+        embed["spec"] = spec
+        data["groups"] = []
+    if version is not None:
+        data["version"] = version
+    return data
+
+
+@pytest.mark.parametrize("command", ["simulate", "run"])
+@pytest.mark.parametrize("change, needle", [
+    (dict(mesh={"model": 3}, spec=["model", None]), "does not divide"),  # 512 rows over 3
+    (dict(mesh={"model": 7}, spec=["model", None]), "does not divide"),
+    (dict(spec=[None, "nope"]), "does not have"),
+    (dict(spec=["model", "model"]), "twice"),
+    (dict(version=99), "version 99"),
+])
+def test_broken_plans_are_refused_before_compiling(gpt_tiny_plan: dict, tmp_path: Path, command: str,
+                                                   change: dict, needle: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, _tampered(gpt_tiny_plan, **change))
+    argv = (["simulate", "zoo:gpt-tiny", "--plan", str(path)] if command == "simulate"
+            else ["run", str(path), "--source", "zoo:gpt-tiny"])
+    start = time.perf_counter()
+    assert run(argv) == 2
+    assert time.perf_counter() - start < 20  # checked before JAX compiles anything
+    _one_line_error(capsys, needle)
+
+
+@pytest.mark.parametrize("command", ["simulate", "run"])
+def test_a_plan_for_another_model_says_so(gpt_tiny_plan: dict, tmp_path: Path, command: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, gpt_tiny_plan)
+    argv = (["simulate", "zoo:bert-tiny", "--plan", str(path)] if command == "simulate"
+            else ["run", str(path), "--source", "zoo:bert-tiny"])
+    assert run(argv) == 2
+    _one_line_error(capsys, "made for another module")
+
+
+@pytest.mark.parametrize("command", ["simulate", "run"])
+@pytest.mark.parametrize("content, needle", [(None, "No such file"), (b"\x89PNG\r\n\x1a\n\x00\xff", "binary"),
+                                             (b"not json", "not a plan JSON file")])
+def test_missing_or_binary_plan_files_are_named(tmp_path: Path, command: str, content: bytes | None, needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "given.json"
+    if content is not None:
+        path.write_bytes(content)
+    argv = (["simulate", "zoo:gpt-tiny", "--plan", str(path)] if command == "simulate"
+            else ["run", str(path), "--source", "zoo:gpt-tiny"])
+    assert run(argv) == 2
+    if command == "simulate" and content is None:  # --plan also takes dp, megatron, dp+megatron
+        needle = "nor an existing plan file"
+    line = _one_line_error(capsys, needle)
+    assert str(path) in line
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------
+
+
+#: `hlomap` as a user's shell starts it: Ctrl-C (SIGINT) delivered, not ignored as it is for a
+#: background job (the tests may run as one).
+_AS_IN_A_TERMINAL = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                     "from hlomap.cli import main; sys.argv[0] = 'hlomap'; main()")
+
+
+def _start(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _AS_IN_A_TERMINAL, *argv], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+
+def test_ctrl_c_while_starting_stops_the_command(tmp_path: Path) -> None:
+    proc = _start(["explore", "zoo:gpt-small", "--budget-seconds", "120", "-q", "-o", "plan.json"], tmp_path)
+    time.sleep(3.0)  # importing JAX, lowering the step: where Ctrl-C used to be swallowed
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_ctrl_c_during_a_pipeline_dqn_search_keeps_its_best_plan(tmp_path: Path) -> None:
+    proc = _start(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--episodes", "100000", "-q",
+                   "-o", "plan.json"], tmp_path)
+    plan = tmp_path / "plan.json"
+    deadline = time.time() + 120
+    while not plan.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert plan.exists(), "the search saves its best plan as it improves"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err
+    saved = json.loads(plan.read_text())
+    assert saved["pipeline"]["stages"] and saved["search"]["interrupted"] is True
+    assert "best plan found so far is saved" in err
