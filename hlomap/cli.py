@@ -422,7 +422,13 @@ def cmd_place(args: argparse.Namespace) -> int:
               f"step on {cluster.name}", file=sys.stderr)
     options: dict[str, Any] = {}
     if args.agent == "ppo":
-        options = {"policy": args.policy, "finetune_seconds": args.finetune_seconds}
+        from hlomap.tasks.placement.ppo import load_policy
+
+        try:
+            policy = load_policy(args.policy)
+        except ValueError as err:  # not a policy file, or one of another version (FileNotFoundError: a user error)
+            raise CliError(f"--policy {err}" if args.policy else str(err)) from None
+        options = {"policy": policy, "finetune_seconds": args.finetune_seconds}
     budget = Budget(args.budget_seconds, args.budget_evaluations)
     if not args.quiet:
         print(f"placing {problem.n_positions} logical positions on {cluster.n_devices} devices of {cluster.name} "
@@ -606,12 +612,13 @@ REPLAN_POLICIES = ("static", "re-solve", "arbiter", "meta", "oracle")
 def cmd_replan(args: argparse.Namespace) -> int:
     from hlomap.report.replan import format_decisions, format_totals, plot_throughput
     from hlomap.tasks.replan.policies import Policy
-    from hlomap.tasks.replan.replay_plan import replan_plan
+    from hlomap.tasks.replan.replay_plan import replan_plan, workload_of
     from hlomap.tasks.replan.trace import load_trace
 
     if args.show not in REPLAN_POLICIES:
         raise CliError(f"--show {args.show}: choose one of {', '.join(REPLAN_POLICIES)}")
     plan = _load_plan(Path(args.plan))
+    workload_of(plan, args.plan)  # a plan that cannot be re-planned fails before the trace is read
     trace = load_trace(args.trace)
     plot = Path(args.plot) if args.plot else _beside(Path(args.plan), "replan.png")
     _check_output(plot)
@@ -628,7 +635,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise CliError(str(err)) from None
     if not args.quiet:
-        print(f"playing {len(REPLAN_POLICIES)} policies over {len(trace.events)} changes of {trace.name} ...",
+        print(f"playing {len(REPLAN_POLICIES) - (network is None)} policies over {len(trace.events)} changes of {trace.name} ...",
               file=sys.stderr)
     report = replan_plan(plan, trace, network=network, where=args.plan)
     shown = report.runs.get(Policy(args.show))
@@ -721,7 +728,9 @@ def _print_run_description(description: Any) -> None:
     for column in ("stage", "devices", "mesh", "first .. last equation", "parameters", "receives"):
         stages.add_column(column)
     for stage in description.stages:
-        devices = f"{stage.devices[0]}-{stage.devices[-1]}" if len(stage.devices) > 1 else str(stage.devices[0])
+        ids = list(stage.devices)
+        devices = (f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1))
+                   else ",".join(map(str, ids)))
         stages.add_row(str(stage.index), devices, ",".join(f"{k}={v}" for k, v in stage.mesh.items()),
                        f"{stage.first} .. {stage.last}", str(stage.parameters), " ".join(stage.receives) or "-")
     console.print(stages)
@@ -842,6 +851,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
     return value
 
 
@@ -1030,7 +1050,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of the estimate saved in the plan")
     _add_role_options(p)
     p.add_argument("--policy", metavar="POLICY.npz", help="ppo: a placement policy file (default: the shipped one)")
-    p.add_argument("--finetune-seconds", type=float, default=0.0, metavar="N",
+    p.add_argument("--finetune-seconds", type=_seconds, default=0.0, metavar="N",
                    help="ppo: fine-tune the policy on this plan for N seconds of the budget first (default 0)")
     p.add_argument("-o", "--output", metavar="OUT.json", help="the placed plan (default: PLAN.placed.json beside it)")
     p.add_argument("--json", action="store_true", help="print the placement section as JSON")

@@ -226,6 +226,103 @@ def test_missing_or_binary_plan_files_are_named(tmp_path: Path, command: str, co
     assert str(path) in line
 
 
+# -- place and replan --------------------------------------------------------------------------
+
+
+def _small_plans(tmp_path: Path) -> dict[str, Path]:
+    """Plans each of which `place` or `replan` must refuse in one line."""
+    from hlomap.plan import Plan, PlanSource
+
+    plans = {
+        "spmd-without-estimate": Plan(mesh=(("model", 4),), parameters=(), source=PlanSource("test", "")),
+        "one-device": Plan(mesh=(), parameters=(), source=PlanSource("test", "")),
+        "pipeline-without-profile": Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+            "stages": [{"devices": [0, 1]}, {"devices": [2, 3]}], "microbatches": 2, "schedule": "1f1b"}),
+        "joint": Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+            "kind": "joint", "stages": [{"devices": [0, 1], "mesh": {"model": 2}}, {"devices": [2, 3],
+                                                                                   "mesh": {"model": 2}}],
+            "microbatches": 2, "schedule": "1f1b"}),
+    }
+    paths = {}
+    for name, plan in plans.items():
+        paths[name] = tmp_path / f"{name}.json"
+        plan.save(paths[name])
+    return paths
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["place", "pipeline-without-profile", "--cluster", "torus:4x0"], "--cluster 'torus:4x0'"),
+    (["place", "pipeline-without-profile", "--cluster", "random:sixty-four"], "random:N:SEED"),
+    (["place", "pipeline-without-profile", "--cluster", "hier:4"], "NODESxGPUS"),
+    (["simulate", "zoo:gpt-tiny", "--cluster", "torus:9x"], "--cluster 'torus:9x'"),
+    (["place", "spmd-without-estimate", "--cluster", "torus:2x2"], "no estimate section"),
+    (["place", "one-device", "--cluster", "torus:2x2"], "nothing to place"),
+    (["place", "pipeline-without-profile", "--cluster", "torus:2x2"], "no block_profile"),
+    (["place", "joint", "--cluster", "torus:2x2"], "joint plan"),
+    (["replan", "spmd-without-estimate", "--trace", "TRACE"], "needs a pipeline plan"),
+    (["replan", "joint", "--trace", "TRACE"], "joint plan"),
+])
+def test_place_and_replan_refuse_what_they_cannot_use_in_one_line(
+        tmp_path: Path, argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = _small_plans(tmp_path)
+    trace = tmp_path / "trace.json"
+    trace.write_text('{"version": 1, "cluster": "hier:2x2", "horizon_seconds": 10, "events": []}')
+    argv = [str(plans[a]) if a in plans else str(trace) if a == "TRACE" else a for a in argv]
+    assert run(argv) == 2
+    _one_line_error(capsys, needle)
+
+
+@pytest.mark.parametrize("option, value, needle", [("--budget-seconds", "0", "must be positive"),
+                                                   ("--budget-evaluations", "-2", "must be positive"),
+                                                   ("--finetune-seconds", "-1", "must be 0 or more")])
+def test_place_refuses_bad_budgets_before_reading_the_plan(tmp_path: Path, option: str, value: str, needle: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    plans = _small_plans(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run(["place", str(plans["one-device"]), "--cluster", "torus:2x2", option, value])
+    assert exit_info.value.code == 2
+    _one_line_error(capsys, option, needle)
+
+
+@pytest.mark.parametrize("command", ["place", "replan"])
+def test_a_policy_or_network_file_that_is_not_ours_is_named(tmp_path: Path, command: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.plan import Plan, PlanSource
+    from hlomap.tasks.pipeline.block_profile import PlanProfile
+    from tests.tasks.replan.helpers import small_workload
+
+    Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+        "stages": [{"devices": [0, 1, 2, 3]}, {"devices": [4, 5, 6, 7]}], "microbatches": 8, "schedule": "1f1b",
+        "block_profile": PlanProfile(small_workload().profile, (0, 4, 8)).to_json()}).save(tmp_path / "plan.json")
+    (tmp_path / "trace.json").write_text('{"version": 1, "cluster": "hier:2x4", "horizon_seconds": 10, "events": []}')
+    (tmp_path / "notes.npz").write_text("not arrays")
+    argv = (["place", str(tmp_path / "plan.json"), "--cluster", "torus:2x2x2", "--agent", "ppo", "--policy"]
+            if command == "place" else ["replan", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"),
+                                        "--network"])
+    assert run([*argv, str(tmp_path / "notes.npz"), "-q"]) == 2
+    _one_line_error(capsys, "notes.npz", "not a checkpoint written by hlomap")
+
+
+@pytest.mark.parametrize("trace, needle", [("missing", "no such trace file"), ("folder", "is a directory"),
+                                           ("binary", "binary data")])
+def test_replan_names_a_trace_it_cannot_read(tmp_path: Path, trace: str, needle: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.plan import Plan, PlanSource
+    from hlomap.tasks.pipeline.block_profile import PlanProfile
+    from tests.tasks.replan.helpers import small_workload
+
+    Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+        "stages": [{"devices": [0, 1, 2, 3]}, {"devices": [4, 5, 6, 7]}], "microbatches": 8, "schedule": "1f1b",
+        "block_profile": PlanProfile(small_workload().profile, (0, 4, 8)).to_json()}).save(tmp_path / "plan.json")
+    path = tmp_path / "trace.json"
+    if trace == "folder":
+        path.mkdir()
+    elif trace == "binary":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    assert run(["replan", str(tmp_path / "plan.json"), "--trace", str(path), "--no-meta", "-q"]) == 2
+    assert str(path) in _one_line_error(capsys, needle)
+
+
 # -- Ctrl-C ------------------------------------------------------------------------------------
 
 

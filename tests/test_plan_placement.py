@@ -46,6 +46,17 @@ def test_a_plan_written_before_placements_existed_still_loads():
     assert Plan.from_json(data) == SPMD
 
 
+def test_physical_devices_map_the_ids_a_pipeline_names_to_their_placed_devices():
+    """Positions run stage by stage in the order each stage lists its devices, which need not be
+    the plan's device ids in order: the runner indexes by id, so the map must follow the listing."""
+    shuffled = Plan(mesh=(), parameters=(), source=PlanSource("test", "abc"),
+                    pipeline={"stages": [{"devices": [3, 2]}, {"devices": [0, 1]}], "microbatches": 2})
+    placed = dataclasses.replace(shuffled, placement=Placement((10, 11, 12, 13)))
+    assert placed.physical_devices() == {3: 10, 2: 11, 0: 12, 1: 13}
+    assert placed.stage_devices() == ((10, 11), (12, 13))
+    assert SPMD.physical_devices() == {i: i for i in range(8)}
+
+
 def test_the_runner_can_build_its_mesh_from_the_order():
     placed = dataclasses.replace(SPMD, placement=Placement((7, 6, 5, 4, 3, 2, 1, 0)))
     devices = np.asarray(jax.devices())[list(placed.device_order())].reshape(tuple(placed.mesh_shape.values()))

@@ -47,10 +47,16 @@ def save(path: str | os.PathLike[str], arrays: dict[str, np.ndarray], meta: dict
 
 
 def load(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Reads a checkpoint written by `save`: (arrays, meta)."""
-    with np.load(Path(path), allow_pickle=False) as data:
-        arrays = {name: data[name] for name in data.files}
-    meta = json.loads(arrays.pop(_META).tobytes().decode())
+    """Reads a checkpoint written by `save`: (arrays, meta). A file that is not one raises
+    ValueError naming it."""
+    try:
+        with np.load(Path(path), allow_pickle=False) as data:
+            if not hasattr(data, "files") or _META not in data.files:
+                raise ValueError("no checkpoint metadata")
+            arrays = {name: data[name] for name in data.files}
+        meta = json.loads(arrays.pop(_META).tobytes().decode())
+    except (ValueError, TypeError, OSError, EOFError):  # pickled, not an .npz (a .npy: TypeError), not our metadata
+        raise ValueError(f"{path}: not a checkpoint written by hlomap (an .npz of named arrays)") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {meta.get('format_version')} is not "
                          f"{FORMAT_VERSION}")

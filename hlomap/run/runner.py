@@ -65,7 +65,7 @@ def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str
 @dataclass(frozen=True)
 class StageDescription:
     index: int
-    devices: tuple[int, ...]
+    devices: tuple[int, ...]  # the JAX ids of the devices it runs on (the plan's placement applied)
     mesh: dict[str, int]
     first: str  # the first and last of the stage's own loss equations
     last: str
@@ -205,7 +205,7 @@ class ParallelStep:
             if example_args is None:
                 raise RunError("describe() of a pipeline step needs example_args before the first call")
             self._build(example_args)
-        return _describe(self._runner, self.section, self.executor)
+        return _describe(self._runner, self.section, self.executor, self.order)
 
 
 def _host(x: Any) -> Any:
@@ -214,14 +214,14 @@ def _host(x: Any) -> Any:
     return np.asarray(x)
 
 
-def _describe(runner: Any, section: Any, executor: Executor) -> RunnerDescription:
+def _describe(runner: Any, section: Any, executor: Executor, order: Sequence[Any]) -> RunnerDescription:
     program: PipelineProgram = runner.program
     eqns = program.traced.loss.jaxpr.eqns
     stages = []
     for stage, ids, inner in zip(program.split.stages, section.devices, section.inner):
         trainable = {program.traced.loss_inputs[p].leaf for p in stage.params}
         stages.append(StageDescription(
-            stage.index, ids, dict(inner),
+            stage.index, tuple(int(order[i].id) for i in ids), dict(inner),
             describe_eqn(eqns[stage.first]) if stage.first is not None else "-",
             describe_eqn(eqns[stage.last]) if stage.last is not None else "-",
             len(trainable), tuple(v.aval.str_short() for v in stage.receives),

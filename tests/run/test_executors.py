@@ -73,3 +73,69 @@ def test_spmd_plan_is_jit_with_the_plans_shardings(zoo_case) -> None:
     for a, b in zip(jax.tree.leaves(step.gather(new_params, new_opt_state)), jax.tree.leaves(plain[:2])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     assert step.describe().kind == "spmd" and step.describe().mesh == {"data": 2, "model": 4}
+
+
+# -- the plan's placement (hlomap place) ------------------------------------------------------
+
+
+def _device_ids(mesh) -> list[int]:
+    return [int(d.id) for d in np.asarray(mesh.devices).flat]
+
+
+def test_a_placed_spmd_plan_lays_its_mesh_on_the_placement_order(zoo_case) -> None:
+    import dataclasses
+
+    from hlomap.plan import Placement
+
+    case = zoo_case("gpt-tiny")
+    graph = FactorGraph.from_capture(case.cap)
+    array, axes = reference_plan(graph, "dp+megatron", {"data": 2, "model": 4})
+    order = (5, 7, 3, 1, 0, 2, 6, 4)
+    plan = dataclasses.replace(Plan.from_groups(case.cap, graph, array, axes), placement=Placement(order, "test"))
+    step = hlomap.parallelize(case.model.train_step(), plan, compiler_options=FAST_COMPILE)
+    params, opt_state = step.place(case.args[0], case.args[1])
+    assert _device_ids(params["layers_0"]["attn"]["query"]["kernel"].sharding.mesh) == list(order)
+    _, _, loss = step(params, opt_state, case.args[2])
+    plain = jax.jit(case.model.train_step())(*case.args)
+    np.testing.assert_allclose(float(loss), float(plain[2]), rtol=1e-6)
+
+
+def test_a_placed_pipeline_plan_runs_each_stage_on_its_placed_devices(zoo_case) -> None:
+    import dataclasses
+
+    from hlomap.plan import Placement
+
+    case = zoo_case("haiku-mlp")
+    plan = pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.5]), microbatches=2, schedule="1f1b",
+                         devices_per_stage=4)
+    placed = dataclasses.replace(plan, placement=Placement((6, 1, 7, 0, 3, 5, 2, 4), "test"))
+    step = hlomap.parallelize(case.model.train_step(), placed, executor="mpmd", compiler_options=FAST_COMPILE)
+    params, opt_state = step.place(case.args[0], case.args[1])
+    _, _, loss = step(params, opt_state, case.args[2])
+    assert [_device_ids(mesh) for mesh in step._runner.meshes] == [[6, 1, 7, 0], [3, 5, 2, 4]]
+    assert [s.devices for s in step.describe().stages] == list(placed.stage_devices())
+    plain = jax.jit(case.model.train_step())(*case.args)
+    np.testing.assert_allclose(float(loss), float(plain[2]), rtol=1e-5)
+
+
+def test_a_placement_on_devices_jax_does_not_see_is_refused(zoo_case) -> None:
+    import dataclasses
+
+    from hlomap.plan import Placement
+
+    case = zoo_case("haiku-mlp")
+    plan = pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.5]), microbatches=2, devices_per_stage=2)
+    placed = dataclasses.replace(plan, placement=Placement((0, 1, 2, 63), "torus:4x4x4"))
+    with pytest.raises(RunError, match=r"devices \[63\] that JAX does not see"):
+        hlomap.parallelize(case.model.train_step(), placed, executor="mpmd", compiler_options=FAST_COMPILE)
+
+
+def test_the_runner_order_follows_a_placement_of_stages_listed_out_of_order() -> None:
+    from hlomap.plan import Placement, PlanSource
+    from hlomap.run.meshes import device_order
+
+    plan = Plan(mesh=(), parameters=(), source=PlanSource("test", ""), placement=Placement((4, 5, 6, 7, 0)),
+                pipeline={"stages": [{"devices": [2, 3]}, {"devices": [0, 1, 5]}], "microbatches": 2})
+    order = [int(d.id) for d in device_order(plan)]
+    assert [order[i] for i in (2, 3)] == [4, 5] and [order[i] for i in (0, 1, 5)] == [6, 7, 0]
+    assert len(set(order)) == len(order)  # id 4, which no stage uses, takes a device no position took

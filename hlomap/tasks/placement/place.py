@@ -50,6 +50,10 @@ def _mesh_layout(plan: Plan, estimate: StepEstimate | Mapping[str, Any] | None, 
 def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
     """The block profile a pipeline plan's section carries (`tasks.pipeline.block_profile`)."""
     pipeline = plan.pipeline or {}
+    if pipeline.get("kind") == "joint":
+        raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has tensor-parallel stages, which "
+                             "placement and re-planning do not price yet; they take the pipeline plans of hlomap "
+                             "explore --task pipeline")
     if "block_profile" not in pipeline:
         raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")

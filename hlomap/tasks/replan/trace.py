@@ -263,10 +263,14 @@ def _event(data: Any, where: str) -> Event:
 
 def load_trace(path: str | Path) -> Trace:
     path = Path(path)
+    if path.is_dir():
+        raise TraceError(f"{path}: is a directory, not a trace file")
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     try:
         data = json.loads(path.read_text())
+    except UnicodeDecodeError as err:
+        raise TraceError(f"{path}: not a trace file (binary data at byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise TraceError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
     return Trace.from_json(data, where=str(path))
