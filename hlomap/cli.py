@@ -327,13 +327,12 @@ def _warn_other_cluster(plan: Any, cluster: Any) -> None:
 
 def _simulate_pipeline(args: argparse.Namespace, plan: Any) -> int:
     """A pipeline plan, priced from the stage profile it carries, on its placement."""
-    from hlomap.cost.cluster import load_cluster
     from hlomap.report.placement import format_pipeline_estimate
     from hlomap.tasks.placement.place import estimate_pipeline_plan
 
     if args.mesh is not None or args.axis_order:
         raise CliError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
-    cluster = load_cluster(_cluster_argument(args.cluster, args.profile))
+    cluster = _cluster_argument(args.cluster, args.profile)
     _warn_other_cluster(plan, cluster)
     est = estimate_pipeline_plan(plan, cluster, where=args.plan)
     if args.json:

@@ -294,6 +294,25 @@ def test_place_a_pipeline_plan_on_a_torus_and_simulate_it(tmp_path: Path, capsys
     assert "identity order" in capsys.readouterr().out
 
 
+def test_place_an_spmd_plan_then_simulate_and_run_it_on_its_placement(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path, placed_path = tmp_path / "hybrid.json", tmp_path / "placed.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "hybrid", "--mesh", "data=2,model=4", "--agent", "greedy", "-q",
+                "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert run(["place", str(plan_path), "--cluster", "torus:2x2x2", "--source", "zoo:gpt-tiny",
+                "--budget-evaluations", "2000", "--json", "-q", "-o", str(placed_path)]) == 0
+    placement = json.loads(capsys.readouterr().out)
+    assert sorted(placement["devices"]) == list(range(8))
+    assert placement["step_seconds"] < placement["identity_step_seconds"]  # rings of one hop, not two
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(placed_path), "--cluster", "torus:2x2x2", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["step_seconds"] == pytest.approx(placement["step_seconds"], rel=1e-9)
+    assert simulated["identity_order_step_seconds"] == pytest.approx(placement["identity_step_seconds"], rel=1e-9)
+    assert run(["run", str(placed_path), "--source", "zoo:gpt-tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["place", "PLAN", "--cluster", "torus:4xx4"], "shape '4xx4'"),
     (["place", "PLAN", "--cluster", "mesh:2x2"], "16 logical positions but cluster 'mesh:2x2' has only 4"),
