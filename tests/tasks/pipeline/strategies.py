@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from hypothesis import strategies as st
@@ -15,6 +16,9 @@ from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
+
+if TYPE_CHECKING:
+    from hlomap.tasks.pipeline.cutenv import CutTask
 
 
 @st.composite
@@ -89,7 +93,7 @@ def spaces(draw: st.DrawFn) -> SearchSpace:
     )
 
 
-def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")) -> "CutTask":
+def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")) -> CutTask:
     """A seeded 14-layer cut problem on `2 * stages` devices (2 per server, cuts on servers)."""
     from hlomap.tasks.pipeline.cutenv import CutTask
 
