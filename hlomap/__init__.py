@@ -28,6 +28,8 @@ _PUBLIC: dict[str, str] = {
     "Cluster": "hlomap.cost.cluster",
     "load_cluster": "hlomap.cost.cluster",
     "cluster_preset": "hlomap.cost.cluster",
+    "parallelize": "hlomap.run",
+    "value_and_grad": "hlomap.run",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

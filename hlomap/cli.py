@@ -511,35 +511,138 @@ def _ensure_host_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={count}".strip()
 
 
+def _plan_devices(plan: Any) -> int:
+    """Devices a plan needs: its mesh, or every device its pipeline stages name."""
+    if plan.pipeline is not None:
+        ids = [int(d) for stage in plan.pipeline.get("stages", ()) for d in stage.get("devices", ())]
+        return max(ids, default=0) + 1
+    devices = 1
+    for _, size in plan.mesh:
+        devices *= size
+    return devices
+
+
+def _run_source(spec: str, seed: int) -> tuple[Any, tuple[Any, ...], Any]:
+    """(train step, real example arguments, zoo model or None) of --source."""
+    if spec.startswith("zoo:"):
+        from hlomap import zoo
+
+        try:
+            model = zoo.get(spec.removeprefix("zoo:"))
+        except KeyError as err:
+            raise CliError(f"--source {spec}: {err}") from None
+        return model.train_step(), tuple(model.example_args(seed)), model
+    from hlomap.run.source import load_step_file
+
+    step, example = load_step_file(spec)
+    return step, example, None
+
+
+def _print_run_description(description: Any) -> None:
+    """The runner's cuts with the layer names `hlomap explore --task pipeline` printed, and what
+    each stage runs."""
+    from rich.table import Table
+
+    from hlomap.report.pipeline import _short_path
+
+    console = _console()
+    console.print(f"pipeline on {description.devices} devices: {len(description.stages)} stages, executor "
+                  f"{description.executor} ({'SPMD, one program' if description.executor == 'spmd' else 'one program per stage'}), "
+                  f"{description.schedule}, {description.microbatches} microbatches; mesh {description.mesh}")
+    cuts = Table(title="Cuts", show_edge=False)
+    for column in ("#", "after HLO instruction", "layer (metadata)", "nearest layer", "source", "jaxpr equation", "match"):
+        cuts.add_column(column, justify="right" if column == "#" else "left")
+    for k, mapping in enumerate(description.cuts):
+        cut = mapping.cut
+        cuts.add_row(str(k), cut.instruction, cut.layer, cut.scope or "-", _short_path(cut.source) if cut.source else "-",
+                     mapping.equation, "exact" if mapping.exact else f"[yellow]snapped[/yellow]: {mapping.note}")
+    console.print(cuts)
+    stages = Table(title="Stages", show_edge=False)
+    for column in ("stage", "devices", "mesh", "first .. last equation", "parameters", "receives"):
+        stages.add_column(column)
+    for stage in description.stages:
+        devices = f"{stage.devices[0]}-{stage.devices[-1]}" if len(stage.devices) > 1 else str(stage.devices[0])
+        stages.add_row(str(stage.index), devices, ",".join(f"{k}={v}" for k, v in stage.mesh.items()),
+                       f"{stage.first} .. {stage.last}", str(stage.parameters), " ".join(stage.receives) or "-")
+    console.print(stages)
+    if description.matched_equations:
+        matched, total = description.matched_equations
+        console.print(f"{matched} of the loss's {total} equations found their HLO instruction")
+    for note in description.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _run_pipeline(args: argparse.Namespace, plan: Any, step: Any, example: tuple[Any, ...], devices: int) -> int:
+    import jax
+
+    from hlomap.run import parallelize
+    from hlomap.run.compare import check_pipeline
+
+    parallel = parallelize(step, plan, executor=args.executor, example_args=example)
+    description = parallel.describe()
+    if not args.json:
+        _print_run_description(description)
+    check = check_pipeline(parallel, example)
+    if args.json:
+        json.dump({"plan": str(args.plan), "source": args.source, "description": description.to_json(),
+                   **check.to_json()}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0 if check.ok else EXIT_MISMATCH
+    console = _console()
+    for comparison in check.comparisons:
+        style = "green" if comparison.ok else "red"
+        console.print(f"[{style}]{comparison.words()}[/{style}]")
+    for comparison in check.float64:
+        style = "green" if comparison.ok else "red"
+        console.print(f"[{style}]{comparison.words()}[/{style}]")
+    if check.reference_float32 is not None:
+        console.print(check.reference_float32.words().replace("to the unsharded step's", "to the unsharded float64 "
+                                                                "step's"))
+    if check.rounding:
+        console.print("the float32 difference is float32 rounding amplified by an ill-conditioned step (the pipeline "
+                      "agrees in float64, and the unsharded float32 step is as far from float64): not a wrong pipeline")
+    for comparison in check.microbatching:
+        if not comparison.ok:
+            console.print(f"note: microbatching changes the step by design: {comparison.words()} (batch statistics "
+                          "or a loss that is not a mean over examples)")
+    verdict = ("[green]equal[/green]" if check.exact else "[green]equal in float64[/green] (float32 rounding)"
+               if check.rounding else "[red]DIFFERENT[/red]")
+    console.print(f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: {verdict} to the "
+                  f"unsharded step; pipelined step {check.seconds * 1e3:.1f} ms")
+    return 0 if check.ok else EXIT_MISMATCH
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     plan = _load_plan(Path(args.plan))
     try:
         plan.check_specs(where=str(args.plan))
     except ValueError as err:
         raise CliError(str(err)) from None
-    if plan.pipeline is not None:
-        raise CliError(f"{args.plan} is a pipeline plan; hlomap run executes tensor and data parallel plans only "
-                       "(the pipeline runner is not built yet)")
-    if not args.source.startswith("zoo:"):
-        raise CliError(f"--source {args.source}: hlomap run needs the JAX train step, i.e. zoo:NAME "
-                       "(an HLO dump cannot be executed with the plan's in_shardings)")
-    devices = 1
-    for _, size in plan.mesh:
-        devices *= size
+    if plan.pipeline is None and args.executor is not None:
+        raise CliError(f"--executor {args.executor}: {args.plan} has no pipeline section (executors run pipelines)")
+    devices = _plan_devices(plan)
     _ensure_host_devices(max(devices, 1))
 
     import jax
 
-    from hlomap import zoo
-    from hlomap.api import load_source
+    from hlomap.hlo.capture import capture
+    from hlomap.run.errors import RunError
     from hlomap.verify.numerics import run_plan
     if jax.device_count() < devices:
-        raise CliError(f"{args.plan} needs {devices} devices (mesh {plan.mesh_shape}); JAX sees "
-                       f"{jax.device_count()} ({jax.devices()[0].platform})")
-    cap = load_source(args.source)
+        raise CliError(f"{args.plan} needs {devices} devices; JAX sees {jax.device_count()} "
+                       f"({jax.devices()[0].platform})")
+    try:
+        step, example, model = _run_source(args.source, args.seed)
+    except RunError as err:
+        raise CliError(str(err)) from None
+    cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
     _check_plan_for(plan, cap, args.plan)
-    report = run_plan(plan, zoo.get(args.source.removeprefix("zoo:")), seed=args.seed, rtol=args.rtol,
-                      atol=args.atol)
+    if plan.pipeline is not None:
+        try:
+            return _run_pipeline(args, plan, step, example, devices)
+        except RunError as err:
+            raise CliError(str(err)) from None
+    report = run_plan(plan, model if model is not None else cap, seed=args.seed, rtol=args.rtol, atol=args.atol)
     if args.json:
         json.dump(report._asdict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -713,17 +816,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explore)
 
     p = sub.add_parser("run", help="run a step under a plan and check it against the unsharded step",
-                       description="Compile the zoo train step twice with jax.jit, plain and with the plan's "
-                                   "NamedShardings, run both on the same real arguments and compare every output "
-                                   "(|sharded - plain| <= atol + rtol |plain|). On a CPU-only machine the CPU backend "
-                                   "is given as many devices as the plan's mesh needs. The report's max rel error is "
-                                   "taken over elements whose abs error exceeds atol (near-zero outputs would "
-                                   "otherwise dominate it). Exit status 3 when the outputs differ.")
+                       description="Run a train step under a plan on this machine's devices and check it computes "
+                                   "what the unsharded step computes. SPMD plans (opp, adp, hybrid): the step is "
+                                   "compiled plain and with the plan's NamedShardings, both run on the same real "
+                                   "arguments and every output is compared (|sharded - plain| <= atol + rtol |plain|; "
+                                   "the max rel error is taken over elements whose abs error exceeds atol). Pipeline "
+                                   "plans: the step runs with hlomap.parallelize's pipeline executor; its loss and "
+                                   "gradients (before the optimizer, where Adam would turn rounding noise into +-lr) "
+                                   "are compared with the unsharded step on the same microbatches, each gradient leaf "
+                                   "within 1e-4 of its own scale. On a CPU-only machine the CPU backend is given as "
+                                   "many devices as the plan needs. Exit status 3 when they differ, 2 on a user error.",
+                       epilog="a FILE.py:FUNCTION source names a function of no arguments returning "
+                              "(train_step, example_args); a pipelined step takes its gradient with "
+                              "hlomap.value_and_grad")
     p.add_argument("plan", metavar="PLAN.json", help="a plan saved by hlomap explore or Plan.save")
-    p.add_argument("--source", required=True, metavar="zoo:NAME", help="the zoo train step the plan was made for")
+    p.add_argument("--source", required=True, metavar="zoo:NAME|FILE.py:FUNCTION",
+                   help="the train step the plan was made for: a zoo step, or a function of yours returning "
+                        "(train_step, example_args)")
+    p.add_argument("--executor", choices=("spmd", "mpmd"), default=None,
+                   help="pipeline plans: spmd (A: one SPMD program, GPipe, multi-host) or mpmd (B: one program per "
+                        "stage, any schedule); default: spmd for gpipe, mpmd for 1f1b")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="SPMD plans: relative tolerance (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="SPMD plans: absolute tolerance (default 1e-5)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_run)
 

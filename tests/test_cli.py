@@ -182,8 +182,68 @@ def test_explore_pipeline_on_a_zoo_step(tmp_path: Path, capsys: pytest.CaptureFi
     assert len(stages) == 2 and [s["devices"][0] for s in stages] == [0, 8]
     assert saved["search"]["driver"] == "dp" and saved["estimate"]["step_seconds"] > 0
     assert (tmp_path / "pp.timeline.png").stat().st_size > 0
-    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 2  # pipeline plans do not run yet
-    assert "pipeline plan" in capsys.readouterr().err
+    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 2  # cluster A's 16 GPUs, 8 CPU devices here
+    assert "needs 16 devices" in capsys.readouterr().err
+
+
+USER_STEP = Path(__file__).resolve().parent / "run" / "user_step.py"
+
+
+def _user_pipeline_plan(tmp_path: Path, microbatches: int = 4, schedule: str = "gpipe") -> Path:
+    """A 2-stage plan (4 devices per stage) for tests/run/user_step.py, saved to a file."""
+    import hlomap
+    from tests.run.helpers import boundary_pivots, chain_of, pipeline_plan
+    from tests.run.user_step import make
+
+    step, args = make()
+    cap = hlomap.capture(step, *args)
+    chain = chain_of(cap)
+    plan = pipeline_plan(cap, chain, boundary_pivots(chain, 1), microbatches=microbatches, schedule=schedule,
+                         devices_per_stage=4)
+    path = tmp_path / "pipeline.json"
+    plan.save(path)
+    return path
+
+
+def test_run_a_pipeline_plan_of_a_user_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = _user_pipeline_plan(tmp_path)
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "Cuts" in out and "layer1/" in out and "exact" in out  # the explorer's layer names, mapped
+    assert "gradients equal" in out and "loss equal" in out
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make", "--executor", "mpmd", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["description"]["executor"] == "mpmd"
+    assert {c["what"] for c in report["comparisons"]} == {"loss", "gradients"}
+
+
+def test_run_exits_3_when_the_pipeline_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from hlomap.run import compare
+
+    original = compare.reference_gradients
+
+    def off_by_a_little(*args, **kwargs):
+        reference = original(*args, **kwargs)
+        return compare.GradientResult(reference.loss, reference.aux, [g * 1.01 for g in reference.grads])
+
+    monkeypatch.setattr(compare, "reference_gradients", off_by_a_little)
+    assert run(["run", str(_user_pipeline_plan(tmp_path)), "--source", f"{USER_STEP}:make"]) == 3
+    assert "gradients DIFFERENT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source, microbatches, message", [
+    (f"{USER_STEP}:nowhere", 4, "has no function 'nowhere'"),
+    (f"{USER_STEP}:make_unmarked", 4, "hlomap.value_and_grad"),
+    (f"{USER_STEP}:make", 3, "batch of 16 examples cannot be split into 3 equal microbatches"),
+    ("not-a-source", 4, "expected zoo:NAME or FILE.py:FUNCTION"),
+])
+def test_run_pipeline_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str,
+                                  microbatches: int, message: str) -> None:
+    plan_path = _user_pipeline_plan(tmp_path, microbatches=microbatches)
+    assert run(["run", str(plan_path), "--source", source]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(not PIPEDREAM_VGG16.exists(), reason="needs ../shared/corpus/pipedream")

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hlomap.run.grad import value_and_grad
+
 logger = logging.getLogger(__name__)
 
 #: Nested dict of arrays (or of `jax.ShapeDtypeStruct`s when abstract).
@@ -129,7 +131,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
 
     def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, jax.Array]:
         trainable, other = split_other(params)
-        (loss, new_other), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, other, batch)
+        (loss, new_other), grads = value_and_grad(loss_fn, has_aux=True)(trainable, other, batch)
         updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
         new_trainable = optax.apply_updates(trainable, updates)
         return join_other(new_trainable, new_other), new_opt_state, loss

@@ -1,0 +1,300 @@
+"""Is a parallelized step the unsharded step? Loss and gradients compared before the optimizer.
+
+Why before: Adam's first update is `lr * g / (|g| + eps)`, so a gradient that is zero up to
+float32 rounding (the gradient of a key bias under softmax, say) becomes +-lr in either run
+with a random sign; comparing updated parameters would fail on noise and pass on gradients
+that are wrong by a constant factor (Adam divides it out). So:
+
+- the loss: relative tolerance;
+- each gradient leaf against a tolerance relative to that leaf's scale (its largest magnitude,
+  floored at a small fraction of the largest gradient so leaves that are zero in exact
+  arithmetic are held to the rounding of the others);
+- the optimizer's output (updated parameters) only where the gradient is well above rounding
+  noise, relative to the size of the update.
+
+Each leaf goes through `hlomap.verify.numerics.compare_outputs` (the project's comparison) with
+an absolute tolerance made from that leaf's scale; this module only decides the tolerances.
+
+The unsharded reference (`reference_gradients`) is the marked function's loss and gradient on
+one device: the mean over M equal microbatches of the loss and gradient of each (for a loss
+that averages over examples, the loss and gradient of the whole batch), aux outputs averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hlomap.verify.numerics import Tolerance, compare_outputs
+
+__all__ = ["Comparison", "GradientResult", "LeafDiff", "PipelineCheck", "check_pipeline", "compare_loss",
+           "compare_scaled", "compare_updates", "reference_gradients"]
+
+#: Allowed difference of a gradient leaf, as a fraction of its scale (float32 sums reordered over
+#: microbatches and devices differ by a few ulps of the largest terms).
+GRADIENT_TOLERANCE = 1e-4
+#: Gradients below this fraction of the step's largest gradient are at the level of float32
+#: rounding noise (a gradient that is zero in exact arithmetic comes out about this small): a
+#: leaf's scale is at least this fraction of the largest, and the update check skips them.
+SCALE_FLOOR = 1e-4
+#: Relative tolerance of the loss.
+LOSS_TOLERANCE = 1e-5
+#: Gradients below this fraction of their leaf's scale are rounding noise for the update check.
+NOISE = 1e-3
+#: Allowed difference of an updated parameter, as a fraction of the leaf's largest update.
+UPDATE_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class GradientResult:
+    """The marked call's results: loss, aux leaves, gradient leaves (host arrays)."""
+
+    loss: Any
+    aux: list[Any]
+    grads: list[Any]
+
+
+@dataclass(frozen=True)
+class LeafDiff:
+    path: str
+    max_error: float  # largest |actual - expected|
+    scale: float  # what the tolerance is relative to
+    ok: bool
+
+    @property
+    def relative(self) -> float:
+        return self.max_error / self.scale if self.scale > 0 else (0.0 if self.max_error == 0 else float("inf"))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A comparison of several leaves: ok when every leaf is within its tolerance."""
+
+    what: str
+    tolerance: float
+    leaves: tuple[LeafDiff, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.leaves)
+
+    @property
+    def worst(self) -> LeafDiff | None:
+        return max(self.leaves, key=lambda d: d.relative, default=None)
+
+    @property
+    def failing(self) -> tuple[str, ...]:
+        return tuple(d.path for d in self.leaves if not d.ok)
+
+    def words(self) -> str:
+        worst = self.worst
+        if worst is None:
+            return f"{self.what}: nothing to compare"
+        verdict = "equal" if self.ok else "DIFFERENT"
+        text = (f"{self.what} {verdict} to the unsharded step's within {self.tolerance:g} of each leaf's scale "
+                f"(worst {worst.path}: {worst.relative:.2g} of its scale {worst.scale:.3g})")
+        if not self.ok:
+            text += f"; {len(self.failing)} of {len(self.leaves)} leaves differ: {', '.join(self.failing[:3])}"
+            text += " ..." if len(self.failing) > 3 else ""
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {"what": self.what, "ok": self.ok, "tolerance": self.tolerance, "leaves": len(self.leaves),
+                "failing": list(self.failing), "worst_leaf": worst.path if worst else None,
+                "worst_relative_error": worst.relative if worst else None}
+
+
+def _leaf(path: str, actual: Any, expected: Any, scale: float, tolerance: float, mask: Any = None) -> LeafDiff:
+    a = np.asarray(actual, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"{path}: shape {a.shape} against {b.shape}")
+    if mask is not None:
+        a, b = a[mask], b[mask]
+    diff = compare_outputs([a], [b], Tolerance(rtol=0.0, atol=tolerance * scale))
+    return LeafDiff(path, diff.max_abs_error, scale, diff.ok)
+
+
+def compare_scaled(what: str, actual: Sequence[Any], expected: Sequence[Any], paths: Sequence[str], *,
+                   tolerance: float = GRADIENT_TOLERANCE, floor: float = SCALE_FLOOR) -> Comparison:
+    """Each leaf within `tolerance` of its scale: max |expected leaf|, floored at `floor` times
+    the largest scale."""
+    scales = [float(np.max(np.abs(np.asarray(e, dtype=np.float64)))) if np.size(e) else 0.0 for e in expected]
+    top = max(scales, default=0.0)
+    return Comparison(what, tolerance, tuple(
+        _leaf(p, a, e, max(s, floor * top), tolerance) for p, a, e, s in zip(paths, actual, expected, scales)))
+
+
+def compare_loss(actual: Any, expected: Any, *, tolerance: float = LOSS_TOLERANCE) -> Comparison:
+    scale = abs(float(np.asarray(expected)))
+    return Comparison("loss", tolerance, (_leaf("loss", actual, expected, max(scale, 1e-30), tolerance),))
+
+
+def compare_updates(what: str, actual: Sequence[Any], expected: Sequence[Any], before: Sequence[Any],
+                    grads: Sequence[Any], paths: Sequence[str], *, noise: float = NOISE,
+                    floor: float = SCALE_FLOOR, tolerance: float = UPDATE_TOLERANCE) -> Comparison:
+    """Updated leaves, only where the reference gradient is above `noise` of its leaf's scale
+    (floored at `floor` of the largest gradient), within `tolerance` of the leaf's largest
+    update there."""
+    magnitudes = [np.abs(np.asarray(g, dtype=np.float64)) for g in grads]
+    top = max((float(g.max()) for g in magnitudes if g.size), default=0.0)
+    leaves = []
+    for path, a, e, old, g in zip(paths, actual, expected, before, magnitudes):
+        mask = g > noise * max(float(g.max()) if g.size else 0.0, floor * top)
+        step = np.abs(np.asarray(e, dtype=np.float64) - np.asarray(old, dtype=np.float64))
+        scale = float(step[mask].max()) if mask.any() else 0.0
+        leaves.append(_leaf(path, a, e, max(scale, 1e-30), tolerance, mask))
+    return Comparison(what, tolerance, tuple(leaves))
+
+
+def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatches: int = 1) -> GradientResult:
+    """The marked call of `step(*args)` without a pipeline (module docstring): jit on one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.extend import core as jcore
+
+    from hlomap.run.errors import RunError
+    from hlomap.run.trace import InputKind, trace_step
+
+    args = tuple(args)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    whole = trace_step(step, abstract)
+    if whole.batch_size % microbatches:
+        raise RunError(f"the batch of {whole.batch_size} examples cannot be split into {microbatches} equal "
+                       "microbatches")
+    mb = whole.batch_size // microbatches
+    if microbatches > 1:
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb,) + tuple(x.shape[1:]), x.dtype), abstract[2])
+        abstract = (*abstract[:2], batch, *abstract[3:])
+    traced = trace_step(step, abstract)
+    flat = jax.tree_util.tree_leaves(args)
+    positions = [p for p in traced.grads]
+    run = jcore.jaxpr_as_fun(traced.loss)
+
+    def loss_of(grad_values: Sequence[Any], values: Sequence[Any]) -> Any:
+        values = list(values)
+        for p, v in zip(positions, grad_values):
+            values[p] = v
+        out = run(*values)
+        return out[0], out[1:]
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
+    losses, auxes, grads = [], [], []
+    for i in range(microbatches):
+        values = []
+        for item in traced.loss_inputs:
+            if item.kind is InputKind.CONST:
+                values.append(item.value)
+            elif item.kind is InputKind.DATA:
+                values.append(jnp.asarray(flat[item.leaf])[i * mb:(i + 1) * mb])
+            else:
+                values.append(jnp.asarray(flat[item.leaf]))
+        (loss, aux), g = value_and_grad([values[p] for p in positions], values)
+        losses.append(np.asarray(loss))
+        auxes.append([np.asarray(a) for a in aux])
+        grads.append([np.asarray(x) for x in g])
+    dtype = losses[0].dtype
+
+    def mean(values: list[Any]) -> Any:
+        first = np.asarray(values[0])
+        if not np.issubdtype(first.dtype, np.floating):
+            return first if len(values) == 1 else np.asarray(values[-1])
+        return (np.sum(np.asarray(values, dtype=np.float64), axis=0) / len(values)).astype(first.dtype)
+
+    return GradientResult(mean(losses).astype(dtype), [mean([a[j] for a in auxes]) for j in range(len(auxes[0]))],
+                          [mean([g[k] for g in grads]) for k in range(len(grads[0]))])
+
+
+@dataclass(frozen=True)
+class PipelineCheck:
+    """A pipelined step against the unsharded one (`check_pipeline`).
+
+    comparisons: loss, gradients, aux against the reference with the same microbatches.
+    microbatching: the same reference against the whole batch in one piece, for information: it
+    differs when the loss is not a mean over examples or uses batch statistics (batch norm),
+    which microbatching changes by design.
+    float64: when the float32 comparison fails, the same comparison with both run in float64,
+    and `reference_float32`: how far the unsharded float32 gradients are from float64. When the
+    pipeline agrees in float64 and the unsharded float32 step is itself outside the tolerance,
+    the float32 difference is rounding amplified by an ill-conditioned step (batch-norm
+    statistics), not a wrong pipeline: a wrong cut or schedule stays wrong in float64.
+    """
+
+    comparisons: tuple[Comparison, ...]
+    microbatching: tuple[Comparison, ...]
+    seconds: float  # one pipelined step after compiling
+    float64: tuple[Comparison, ...] = ()
+    reference_float32: Comparison | None = None
+
+    @property
+    def exact(self) -> bool:
+        return all(c.ok for c in self.comparisons)
+
+    @property
+    def rounding(self) -> bool:
+        """The float32 difference is explained by float32 rounding (see the class docstring)."""
+        return (not self.exact and bool(self.float64) and all(c.ok for c in self.float64)
+                and self.reference_float32 is not None and not self.reference_float32.ok)
+
+    @property
+    def ok(self) -> bool:
+        return self.exact or self.rounding
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "float32_equal": self.exact, "float32_rounding": self.rounding,
+                "comparisons": [c.to_json() for c in self.comparisons],
+                "microbatching": [c.to_json() for c in self.microbatching],
+                "float64": [c.to_json() for c in self.float64],
+                "reference_float32": self.reference_float32.to_json() if self.reference_float32 else None,
+                "step_seconds": self.seconds}
+
+
+def check_pipeline(step: Any, args: Sequence[Any]) -> PipelineCheck:
+    """Loss, gradients and aux of `step` (a pipelined `hlomap.parallelize` step) against the
+    unsharded reference with the plan's microbatches, in float64 too when float32 differs;
+    then one timed step."""
+    import time
+
+    import jax
+
+    step.describe(args)  # cuts the step now if its first call has not
+    microbatches = step.program.microbatches
+    traced = step.program.traced
+    paths = [traced.loss_inputs[p].path for p in traced.grads]
+
+    def against(result: tuple[Any, list[Any], list[Any]], ref: GradientResult, label: str) -> tuple[Comparison, ...]:
+        loss, aux, grads = result
+        out = [compare_loss(loss, ref.loss), compare_scaled(f"gradients{label}", grads, ref.grads, paths)]
+        if ref.aux:
+            out.append(compare_scaled(f"aux outputs{label}", aux, ref.aux, [f"aux {j}" for j in range(len(aux))]))
+        return tuple(out)
+
+    result = step.value_and_grad(*args)
+    reference = reference_gradients(step.step, args, microbatches)
+    decisive = against(result, reference, "")
+    informative: tuple[Comparison, ...] = ()
+    if microbatches > 1:
+        informative = against(result, reference_gradients(step.step, args, 1), " (whole batch)")
+    wide_checks: tuple[Comparison, ...] = ()
+    reference_error = None
+    if not all(c.ok for c in decisive):
+        from hlomap.run.runner import ParallelStep
+        from hlomap.verify.numerics import to_float64
+
+        with jax.enable_x64(True):
+            wide = tuple(to_float64(tuple(args)))
+            wide_step = ParallelStep(step.step, step.plan, executor=step.executor, devices=step.order,
+                                     example_args=wide, compiler_options=step.compiler_options, check_source=False)
+            wide_reference = reference_gradients(step.step, wide, microbatches)
+            wide_checks = against(wide_step.value_and_grad(*wide), wide_reference, " in float64")
+            reference_error = compare_scaled("unsharded float32 gradients against float64", reference.grads,
+                                             wide_reference.grads, paths)
+    placed = step.place(args[0], args[1])
+    out = step(*placed, *args[2:])
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    jax.block_until_ready(step(out[0], out[1], *args[2:]))
+    return PipelineCheck(decisive, informative, time.perf_counter() - start, wide_checks, reference_error)

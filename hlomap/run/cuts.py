@@ -1,0 +1,249 @@
+"""From the HLO cuts of a pipeline plan to the equations of the loss jaxpr.
+
+The pipeline explorer cuts the forward chain of the step's HLO after an instruction (the plan
+records its name, layer name, nearest scope and `file:line`): chain instructions up to the
+first cut are stage 0, and so on. The runner assigns every equation of the loss jaxpr to a
+stage the same way, by finding each equation's HLO instruction:
+
+- HLO metadata is made from the equation (`hlomap.run.program`), so an instruction and its
+  equation share a key `(layer, file:line)` and the output shape.
+- Among the equations the loss depends on with one key and shape, the j-th in program order is
+  the j-th of the chain instructions with that key, shape and opcode, ordered by the numeric
+  suffix of their names (the HLO converter numbers each name in program order, which is the
+  jaxpr's order). Of several opcodes the one with as many instructions as there are equations
+  is the equation's own op (broadcasts and reshapes of its operands share its metadata).
+- An equation with no such instruction (one equation lowered to several ops of one kind, a
+  custom-derivative call whose HLO is named after its inside), and every equation the loss does
+  not depend on (batch-statistics updates), goes to the latest stage of the equations it reads.
+
+The stages are then a partition of the jaxpr that follows the plan's instruction order, not a
+prefix of the jaxpr's own order: XLA may order independent branches differently (T5's decoder
+self-attention of layer 0 comes before the encoder in its HLO), and a prefix could not hold the
+parameters the plan priced. A cut is exact when its instruction is an equation's own op; a cut
+inside an equation (after a broadcast of an operand) or after an unmatched instruction snaps to
+the nearest equation boundary, and the mapping says so. If a stage then reads other parameters
+than its HLO instructions do, that is reported too.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from hlomap.hlo.source_info import source_location, source_tables
+from hlomap.run.errors import RunError
+from hlomap.run.program import describe_eqn, eqn_label, eqn_layer, eqn_source, is_literal, needed_eqns
+from hlomap.run.trace import InputKind, TracedStep
+from hlomap.tasks.pipeline.chain import forward_chain, layer_name
+
+if TYPE_CHECKING:
+    from hlomap.hlo.capture import Capture
+
+__all__ = ["CutMapping", "CutRecord", "StageAssignment", "assign_stages", "cut_records"]
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = re.compile(r"\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class CutRecord:
+    """One cut as a pipeline plan records it (`hlomap.tasks.pipeline.explore.CutDescription`)."""
+
+    instruction: str
+    layer: str = ""
+    scope: str = ""
+    source: str | None = None
+    pivot: int | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CutRecord:
+        return cls(str(data["instruction"]), str(data.get("layer", "")), str(data.get("scope", "")),
+                   data.get("source"), data.get("pivot"))
+
+
+def cut_records(pipeline: Mapping[str, Any], where: str = "plan") -> tuple[CutRecord, ...]:
+    """The cuts of a plan's pipeline section, checked against its stage count."""
+    try:
+        cuts = tuple(CutRecord.from_json(c) for c in pipeline.get("cuts", ()))
+    except (KeyError, TypeError) as err:
+        raise RunError(f"{where}: malformed pipeline cut ({err!r}); each cut needs an 'instruction'") from None
+    stages = len(pipeline.get("stages", ()))
+    if stages and len(cuts) != stages - 1:
+        raise RunError(f"{where}: {stages} stages need {stages - 1} cuts; the pipeline section has {len(cuts)}")
+    return cuts
+
+
+@dataclass(frozen=True)
+class CutMapping:
+    """Where one HLO cut lands in the loss jaxpr: `equation` (index `eqn`) is the equation of the
+    cut instruction, or the last equation before the boundary when the cut has none of its own."""
+
+    cut: CutRecord
+    eqn: int
+    equation: str  # `layers_0/add (gpt.py:81)`
+    exact: bool
+    note: str = ""  # why the cut was snapped, when it was
+
+    def to_json(self) -> dict[str, Any]:
+        return {"instruction": self.cut.instruction, "layer": self.cut.layer, "scope": self.cut.scope,
+                "source": self.cut.source, "equation_index": self.eqn, "equation": self.equation,
+                "exact": self.exact, "note": self.note}
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """Every loss equation's stage, how each cut mapped, and what did not match."""
+
+    stage_of_eqn: tuple[int, ...]
+    cuts: tuple[CutMapping, ...]
+    matched: int  # equations the loss depends on that found their HLO instruction
+    on_loss: int  # equations the loss depends on
+    notes: tuple[str, ...] = ()  # parameter sets that differ from the plan's, per stage
+
+
+def _suffix(name: str) -> int:
+    match = _SUFFIX.search(name)
+    return int(match.group(1)) if match else -1
+
+
+def _dims(shape: Any) -> tuple[int, ...] | None:
+    dims = getattr(shape, "dims", None)
+    return tuple(dims) if dims is not None else None
+
+
+def _out_shape(eqn: Any) -> tuple[int, ...] | None:
+    for v in eqn.outvars:
+        shape = getattr(v.aval, "shape", None)
+        if shape is not None:
+            return tuple(shape)
+    return None
+
+
+def _match(cap: Capture, traced: TracedStep, chain: Sequence[Any]) -> dict[int, int]:
+    """Loss equation index -> chain position of its own HLO instruction (module docstring)."""
+    tables = source_tables(cap.module)
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for q, inst in enumerate(chain):
+        key = (layer_name(inst.metadata), source_location(inst, tables), _dims(inst.shape))
+        by_key.setdefault(key, []).append(q)
+    eqns = traced.loss.jaxpr.eqns
+    on_loss = needed_eqns(eqns, traced.loss.jaxpr.outvars[:1])
+    by_eqn_key: dict[tuple[Any, ...], list[int]] = {}
+    for i in on_loss:
+        layer, source = eqn_layer(eqns[i]), eqn_source(eqns[i])
+        # A call's own op is the HLO `call`, whose shape is a tuple of its results.
+        called = eqn_label(eqns[i]) != eqns[i].primitive.name and (layer, source, None) in by_key
+        by_eqn_key.setdefault((layer, source, None if called else _out_shape(eqns[i])), []).append(i)
+    matched: dict[int, int] = {}
+    for key, equations in by_eqn_key.items():
+        positions = by_key.get(key, [])
+        by_opcode: dict[str, list[int]] = {}
+        for q in positions:
+            by_opcode.setdefault(chain[q].opcode, []).append(q)
+        fitting = [sorted(qs, key=lambda q: _suffix(chain[q].name)) for qs in by_opcode.values()
+                   if len(qs) == len(equations)]
+        if not fitting:
+            continue
+        # The equation's own op is emitted after the broadcasts of its operands: highest numbers.
+        own = max(fitting, key=lambda qs: sum(_suffix(chain[q].name) for q in qs))
+        matched.update(zip(equations, own))
+    return matched
+
+
+def assign_stages(cap: Capture, traced: TracedStep, cuts: Sequence[CutRecord]) -> StageAssignment:
+    """The stage of every loss equation under a plan's HLO cuts (module docstring). Raises
+    RunError when a cut names no forward instruction of `cap` or the cuts are out of order."""
+    chain = forward_chain(cap.module.entry)
+    tables = source_tables(cap.module)
+    position = {inst.name: q for q, inst in enumerate(chain)}
+    cut_positions = []
+    for number, cut in enumerate(cuts):
+        if cut.instruction not in position:
+            raise RunError(f"cut {number} of the plan is after HLO instruction {cut.instruction!r} ({cut.layer}), "
+                           f"which is not in the forward pass of {cap.source}; was the plan made for this step?")
+        cut_positions.append(position[cut.instruction])
+    if cut_positions != sorted(set(cut_positions)):
+        raise RunError(f"the plan's cuts after {', '.join(c.instruction for c in cuts)} are not in forward order")
+    bounds = np.asarray(cut_positions)
+
+    def hlo_stage(q: int) -> int:
+        return int(np.searchsorted(bounds, q, side="left"))
+
+    eqns = traced.loss.jaxpr.eqns
+    matched = _match(cap, traced, chain)
+    stages = _eqn_stages(eqns, {i: hlo_stage(q) for i, q in matched.items()})
+    eqn_of_position = {q: i for i, q in matched.items()}
+    mappings = []
+    for number, (cut, q) in enumerate(zip(cuts, cut_positions)):
+        inst = chain[q]
+        own = eqn_of_position.get(q)
+        if own is None and inst.opcode == "get-tuple-element" and inst.operands[0] in position:
+            own = eqn_of_position.get(position[inst.operands[0]])  # unpacking a call's result
+        if own is not None and stages[own] == number:
+            mappings.append(CutMapping(cut, own, describe_eqn(eqns[own]), True))
+            continue
+        before = [i for i in range(len(eqns)) if stages[i] <= number]
+        last = max(before) if before else 0
+        key = (layer_name(inst.metadata), source_location(inst, tables))
+        owner = next((i for i in range(len(eqns)) if stages[i] > number
+                      and (eqn_layer(eqns[i]), eqn_source(eqns[i])) == key), None)
+        why = (f"{inst.name} is a {inst.opcode} inside equation {describe_eqn(eqns[owner])}"
+               if owner is not None else f"{inst.name} ({inst.opcode}) has no equation of its own")
+        note = f"{why}; the stage ends at the equation boundary before it"
+        mappings.append(CutMapping(cut, last, describe_eqn(eqns[last]), False, note))
+        log.warning("pipeline cut %d after %s (%s) has no exact jaxpr counterpart: %s", number, cut.instruction,
+                    cut.layer, note)
+    notes = _parameter_notes(cap, traced, chain, stages, [hlo_stage(q) for q in range(len(chain))])
+    for note in notes:
+        log.warning("%s", note)
+    on_loss = needed_eqns(eqns, traced.loss.jaxpr.outvars[:1])
+    return StageAssignment(tuple(stages), tuple(mappings), len(matched), len(on_loss), tuple(notes))
+
+
+def _eqn_stages(eqns: Sequence[Any], placed: Mapping[int, int]) -> list[int]:
+    """Stages of all equations from those of the matched ones (`placed`): an equation that
+    depends on a placed one runs on the latest stage of what it reads; one that reads only loss
+    inputs (a reshape of a parameter, the momentum term of a running statistic) runs on the
+    earliest stage that uses it, so that it travels with its user instead of its data."""
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    operands = [[producer[v] for v in e.invars if not is_literal(v) and v in producer] for e in eqns]
+    stages: list[int | None] = []
+    for i in range(len(eqns)):
+        earlier = [stages[j] for j in operands[i] if stages[j] is not None]
+        anchored = i in placed or len(earlier) > 0
+        stages.append(max([placed.get(i, 0), *earlier]) if anchored else None)
+    users: list[list[int]] = [[] for _ in eqns]
+    for i, ops in enumerate(operands):
+        for j in ops:
+            users[j].append(i)
+    for i in range(len(eqns) - 1, -1, -1):
+        if stages[i] is None:
+            stages[i] = min((stages[u] for u in users[i] if stages[u] is not None), default=0)
+    return [int(s) for s in stages]  # type: ignore[arg-type]
+
+
+def _parameter_notes(cap: Capture, traced: TracedStep, chain: Sequence[Any], stages: Sequence[int],
+                     chain_stages: Sequence[int]) -> list[str]:
+    """One line per stage whose loss equations read other parameters than its HLO instructions."""
+    jaxpr = traced.loss.jaxpr
+    param_leaf = {v: item.leaf for v, item in zip(jaxpr.invars, traced.loss_inputs) if item.kind is InputKind.PARAM}
+    index = {p.name: p.index for p in cap.parameters if p.index in set(param_leaf.values())}
+    n_stages = max(max(stages, default=0), max(chain_stages, default=0)) + 1
+    hlo = [set() for _ in range(n_stages)]
+    for inst, s in zip(chain, chain_stages):
+        hlo[s].update(index[o] for o in inst.operands if o in index)
+    runner = [set() for _ in range(n_stages)]
+    for eqn, s in zip(jaxpr.eqns, stages):
+        runner[s].update(param_leaf[v] for v in eqn.invars if not is_literal(v) and v in param_leaf)
+    notes = []
+    for s in range(n_stages):
+        if hlo[s] != runner[s]:
+            differ = sorted(cap.parameters[i].path for i in hlo[s] ^ runner[s])
+            notes.append(f"stage {s} reads other parameters than the plan's HLO cut gives it: "
+                         f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}")
+    return notes

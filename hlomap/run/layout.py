@@ -1,0 +1,167 @@
+"""Packing leaves of different shapes into flat buffers, one per dtype (and sharding).
+
+Executor A runs different code on each stage inside one SPMD program, so everything that varies
+between stages must have one shape: each stage's parameters (and optimizer state) are flattened
+into a row, rows padded to the longest and stacked `[S, L]` (sharded on the `stage` axis), and the
+activations crossing each cut are packed into one padded buffer that `ppermute` moves. Values
+with a leading microbatch dim keep it (`[mb, F]`), so that a data-parallel axis inside the stage
+still splits them without gathering; likewise a parameter split over a mesh axis inside the stage
+is stored as its local shards (`[S, shards, L]`), so that tensor parallelism inside a stage keeps
+its memory saving and needs no resharding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["BatchedLayout", "FlatLayout", "Slot", "buffer_dtype", "buffer_lengths", "sharded_buffer"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one leaf sits: `size` elements from `offset` of buffer `buffer` (on its last axis)."""
+
+    buffer: str
+    offset: int
+    size: int
+    shape: tuple[int, ...]
+
+
+def buffer_dtype(buffer: str) -> str:
+    """Buffers are named after their dtype, optionally followed by `@axes` (see `sharded_buffer`)."""
+    return buffer.split("@", 1)[0]
+
+
+def sharded_buffer(dtype: Any, axes: Sequence[str]) -> str:
+    """The name of the buffer of `dtype` leaves split over mesh `axes` (`float32@model`)."""
+    name = np.dtype(dtype).name
+    return f"{name}@{'+'.join(axes)}" if axes else name
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Leaves (by key) packed into flat buffers, one per buffer name (by default the dtype), in
+    the given order. A buffer may have leading dims (`leads`): every leaf then has them too."""
+
+    keys: tuple[Any, ...]
+    slots: tuple[Slot, ...]
+
+    @classmethod
+    def of(cls, items: Sequence[tuple[Any, Any]], start: Mapping[str, int] | None = None,
+           buffers: Mapping[Any, str] | None = None) -> FlatLayout:
+        """Layout of (key, aval) items; `start` offsets each buffer (a region before them);
+        `buffers` names each key's buffer (default: its dtype)."""
+        offsets = dict(start or {})
+        slots = []
+        for key, aval in items:
+            buffer = (buffers or {}).get(key) or np.dtype(aval.dtype).name
+            size = math.prod(aval.shape)
+            slots.append(Slot(buffer, offsets.get(buffer, 0), size, tuple(aval.shape)))
+            offsets[buffer] = offsets.get(buffer, 0) + size
+        return cls(tuple(k for k, _ in items), tuple(slots))
+
+    @property
+    def lengths(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for slot in self.slots:
+            out[slot.buffer] = max(out.get(slot.buffer, 0), slot.offset + slot.size)
+        return out
+
+    def slot(self, key: Any) -> Slot:
+        return self.slots[self.keys.index(key)]
+
+    def pack(self, values: Mapping[Any, Any], lengths: Mapping[str, int],
+             leads: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+        """buffer -> `lead + (lengths[buffer],)` array (zeros where no leaf sits); `values[key]`
+        has the buffer's lead dims first."""
+        leads = leads or {}
+        parts: dict[str, list[tuple[int, Any]]] = {b: [] for b in lengths}
+        for key, slot in zip(self.keys, self.slots):
+            lead = leads.get(slot.buffer, ())
+            value = jnp.reshape(values[key], lead + (slot.size,)).astype(buffer_dtype(slot.buffer))
+            parts[slot.buffer].append((slot.offset, value))
+        return {b: _assemble(parts[b], n, buffer_dtype(b), leads.get(b, ())) for b, n in lengths.items()}
+
+    def unpack(self, buffers: Mapping[str, Any], leads: Mapping[str, tuple[int, ...]] | None = None) -> dict[Any, Any]:
+        leads = leads or {}
+        out = {}
+        for key, slot in zip(self.keys, self.slots):
+            lead = leads.get(slot.buffer, ())
+            out[key] = buffers[slot.buffer][..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
+        return out
+
+
+def _assemble(parts: list[tuple[int, Any]], length: int, dtype: str, lead: tuple[int, ...] = ()) -> Any:
+    """Concatenate (offset, value) parts laid end to end from offset 0 on the last axis, padded
+    to `length`."""
+    pieces, end = [], 0
+    for offset, value in sorted(parts, key=lambda p: p[0]):
+        if offset > end:
+            pieces.append(jnp.zeros(lead + (offset - end,), dtype))
+        pieces.append(value)
+        end = offset + value.shape[-1]
+    if length > end:
+        pieces.append(jnp.zeros(lead + (length - end,), dtype))
+    if not pieces:
+        return jnp.zeros(lead + (0,), dtype)
+    return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
+
+
+def buffer_lengths(layouts: Sequence[FlatLayout | BatchedLayout], dtypes: Sequence[str] = ()) -> dict[str, int]:
+    """The longest buffer of each dtype over several layouts (rows of different stages)."""
+    out = {d: 0 for d in dtypes}
+    for layout in layouts:
+        for dtype, length in layout.lengths.items():
+            out[dtype] = max(out.get(dtype, 0), length)
+    return out
+
+
+@dataclass(frozen=True)
+class BatchedLayout:
+    """Values crossing a cut: those whose leading dim is the microbatch go to `[mb, F]` buffers
+    (batched), the rest to flat buffers (unbatched), one of each per dtype."""
+
+    microbatch: int
+    batched: FlatLayout  # over the trailing elements of each batched value
+    unbatched: FlatLayout
+
+    @classmethod
+    def of(cls, avals: Sequence[Any], microbatch: int) -> BatchedLayout:
+        batched, unbatched = [], []
+        for i, aval in enumerate(avals):
+            if aval.shape and aval.shape[0] == microbatch:
+                batched.append((i, jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype)))
+            else:
+                unbatched.append((i, aval))
+        return cls(microbatch, FlatLayout.of(batched), FlatLayout.of(unbatched))
+
+    @property
+    def lengths(self) -> dict[tuple[str, bool], int]:
+        out = {(d, True): n for d, n in self.batched.lengths.items()}
+        out.update({(d, False): n for d, n in self.unbatched.lengths.items()})
+        return out
+
+    def pack(self, values: Sequence[Any], lengths: Mapping[tuple[str, bool], int]) -> dict[tuple[str, bool], Any]:
+        mb = self.microbatch
+        parts: dict[tuple[str, bool], list[tuple[int, Any]]] = {key: [] for key in lengths}
+        for key, slot in zip(self.batched.keys, self.batched.slots):
+            parts[(slot.buffer, True)].append((slot.offset, jnp.reshape(values[key], (mb, slot.size)).astype(slot.buffer)))
+        for key, slot in zip(self.unbatched.keys, self.unbatched.slots):
+            parts[(slot.buffer, False)].append((slot.offset, jnp.ravel(values[key]).astype(slot.buffer)))
+        return {(dtype, batched): _assemble(parts[(dtype, batched)], length, dtype, (mb,) if batched else ())
+                for (dtype, batched), length in lengths.items()}
+
+    def unpack(self, buffers: Mapping[tuple[str, bool], Any]) -> list[Any]:
+        mb = self.microbatch
+        out: dict[int, Any] = {}
+        for key, slot in zip(self.batched.keys, self.batched.slots):
+            out[key] = buffers[(slot.buffer, True)][:, slot.offset:slot.offset + slot.size].reshape((mb,) + slot.shape)
+        for key, slot in zip(self.unbatched.keys, self.unbatched.slots):
+            out[key] = buffers[(slot.buffer, False)][slot.offset:slot.offset + slot.size].reshape(slot.shape)
+        return [out[i] for i in range(len(out))]

@@ -1,0 +1,126 @@
+"""Meshes from a plan: the device order, the SPMD mesh, the pipeline's stages and their meshes.
+
+A pipeline plan's `pipeline` section lists its stages with the (plan) device ids each uses; the
+mesh inside a stage is the stage's own `mesh` entry when it has one, else the plan's top-level
+mesh (its parameters' PartitionSpecs then apply inside every stage: tensor parallelism), else
+one `data` axis over the stage's devices (the explorer's replicated stages). Plan device i is
+the i-th device of the order: the plan's `placement` section when present, the order given to
+`parallelize`, else `jax.devices()` (every process's devices when several run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.run.cuts import CutRecord, cut_records
+from hlomap.run.errors import RunError
+
+__all__ = [
+    "DATA_AXIS",
+    "STAGE_AXIS",
+    "PipelineSection",
+    "auto_mesh",
+    "device_order",
+    "pipeline_section",
+]
+
+STAGE_AXIS = "stage"
+DATA_AXIS = "data"
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    """A plan's pipeline: per stage its plan device ids and inner mesh; cuts, M, schedule."""
+
+    devices: tuple[tuple[int, ...], ...]
+    inner: tuple[tuple[tuple[str, int], ...], ...]
+    cuts: tuple[CutRecord, ...]
+    microbatches: int
+    schedule: Schedule
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.devices)
+
+    @property
+    def uniform(self) -> bool:
+        """Every stage has the same inner mesh (what one SPMD program over a `stage` axis needs)."""
+        return len(set(self.inner)) == 1
+
+
+def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
+    """Read and check `plan.pipeline` (module docstring)."""
+    data: Mapping[str, Any] = plan.pipeline
+    stages = data.get("stages") or []
+    if not stages:
+        raise RunError(f"{where}: the pipeline section has no stages")
+    try:
+        schedule = Schedule(data.get("schedule", Schedule.GPIPE.value))
+    except ValueError:
+        raise RunError(f"{where}: unknown pipeline schedule {data.get('schedule')!r}; the runner takes "
+                       f"{', '.join(s.value for s in Schedule)}") from None
+    microbatches = int(data.get("microbatches", 1))
+    if microbatches < 1:
+        raise RunError(f"{where}: {microbatches} microbatches; need at least 1")
+    top = tuple((str(k), int(v)) for k, v in plan.mesh)
+    devices, inner = [], []
+    for s, stage in enumerate(stages):
+        ids = tuple(int(d) for d in stage.get("devices", ()))
+        if not ids:
+            raise RunError(f"{where}: stage {s} lists no devices")
+        mesh = tuple((str(k), int(v)) for k, v in (stage.get("mesh") or {}).items()) or top or ((DATA_AXIS, len(ids)),)
+        if math.prod(size for _, size in mesh) != len(ids):
+            raise RunError(f"{where}: stage {s} has {len(ids)} devices but its mesh {dict(mesh)} has "
+                           f"{math.prod(size for _, size in mesh)}")
+        if any(name == STAGE_AXIS for name, _ in mesh):
+            raise RunError(f"{where}: stage {s}'s mesh uses the axis name {STAGE_AXIS!r}, which the runner reserves")
+        devices.append(ids)
+        inner.append(mesh)
+    used = [d for ids in devices for d in ids]
+    if len(set(used)) != len(used):
+        raise RunError(f"{where}: a device is in two stages ({used})")
+    return PipelineSection(tuple(devices), tuple(inner), cut_records(data, where), microbatches, schedule)
+
+
+def device_order(plan: Any, devices: Sequence[Any] | None = None) -> list[Any]:
+    """The devices plan device ids index (module docstring)."""
+    import jax
+
+    if devices is not None:
+        return list(devices)
+    everything = jax.devices()
+    placement = getattr(plan, "placement", None)
+    if placement:
+        order = [int(d) for d in (placement.get("order") if isinstance(placement, Mapping) else placement)]
+        by_id = {d.id: d for d in everything}
+        missing = [d for d in order if d not in by_id]
+        if missing:
+            raise RunError(f"the plan's placement names devices {missing} that JAX does not see "
+                           f"({len(everything)} devices)")
+        return [by_id[d] for d in order]
+    return list(everything)
+
+
+def auto_mesh(devices: Sequence[Any], axes: Sequence[tuple[str, int]]) -> Any:
+    """A `jax.sharding.Mesh` of `devices` (in order) with these axes, all `AxisType.Auto`."""
+    from jax.sharding import AxisType, Mesh
+
+    shape = tuple(size for _, size in axes)
+    if math.prod(shape) != len(devices):
+        raise RunError(f"mesh {dict(axes)} needs {math.prod(shape)} devices, given {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(name for name, _ in axes),
+                axis_types=(AxisType.Auto,) * len(axes))
+
+
+def pick(order: Sequence[Any], ids: Sequence[int], what: str) -> list[Any]:
+    """Plan device ids -> devices of `order`, or RunError naming how many there are."""
+    if max(ids) >= len(order):
+        raise RunError(f"{what} uses plan devices up to {max(ids)}, but {len(order)} devices are available; run "
+                       "on a machine with as many devices (or set XLA_FLAGS=--xla_force_host_platform_device_count "
+                       "on a CPU), or explore a plan for this cluster")
+    return [order[i] for i in ids]

@@ -1,0 +1,424 @@
+"""Executor B: a pipeline as one program per stage, driven by a Python scheduler (1F1B or GPipe).
+
+Each stage is its own `jax.jit` on its own mesh (the plan's tensor or data parallelism inside the
+stage applies there), compiled once: its forward returns its outputs and the residuals of its
+backward (`jax.fwd_and_bwd`), its backward maps the residuals and the output cotangents to
+parameter and input cotangents. Activations and cotangents move between stages with
+`jax.device_put` to the receiving stage's `NamedSharding`. The scheduler dispatches the passes
+in the order the pipeline simulator predicts (`schedule.dispatch_order`): under 1F1B (PipeDream-
+Flush, Narayanan et al., SC'21, section 2.2) stage s holds at most S - s microbatches' residuals,
+under GPipe all M. Gradients accumulate per stage; a leaf several stages hold (a tied
+embedding) gets the sum of their gradients; then each stage runs its own update program.
+
+Dispatch is asynchronous, so stages on different devices overlap; one Python process drives them
+all (single controller), which is why this executor does not run across processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hlomap.cost.pipeline.stages import Pass
+from hlomap.run.meshes import auto_mesh, pick
+from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.schedule import Event, RecordedEvent, dispatch_order
+from hlomap.run.staged import Staged, put, to_host
+from hlomap.run.trace import InputKind
+from hlomap.run.update import Source
+
+__all__ = ["MpmdPipeline", "StageLeaves", "StepStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class StageLeaves:
+    """Which state leaves (flat argument indices) each stage holds, for one state argument."""
+
+    per_stage: tuple[tuple[int, ...], ...]
+    leaves: tuple[int, ...]
+    treedef: Any
+
+    def home(self, leaf: int) -> int:
+        return next(s for s, held in enumerate(self.per_stage) if leaf in held)
+
+
+@dataclass
+class StepStats:
+    """What the last step held and did, per stage (from the scheduler's own bookkeeping)."""
+
+    peak_in_flight: list[int] = field(default_factory=list)  # microbatches with residuals alive
+    peak_residual_bytes: list[int] = field(default_factory=list)
+    events: list[RecordedEvent] = field(default_factory=list)  # when recording
+
+
+def _float0_like(aval: Any) -> Any:
+    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _nbytes(tree: Any) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
+
+
+class MpmdPipeline:
+    """Executor B for one traced step and pipeline plan (module docstring)."""
+
+    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any],
+                 compiler_options: Mapping[str, Any] | None = None):
+        self.options = dict(compiler_options or {}) or None
+        section = program.section
+        self.program = program
+        traced = program.traced
+        self.n_stages = section.n_stages
+        self.microbatches = section.microbatches
+        self.meshes = [auto_mesh(pick(order, ids, f"stage {s}"), inner)
+                       for s, (ids, inner) in enumerate(zip(section.devices, section.inner))]
+        self.batch_axes = [batch_axes(plan, traced, dict(inner), program.microbatch) for inner in section.inner]
+        specs = leaf_specs(plan, traced.state_leaves)
+        self.leaf_sharding = [
+            {leaf: NamedSharding(mesh, spec if _fits(spec, mesh) else P()) for leaf, spec in specs.items()}
+            for mesh in self.meshes]
+        n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
+        trees = traced.arg_tree.children()
+        residence = program.update.residence
+        self.params = StageLeaves(tuple(tuple(l for l in range(n0) if s in residence[l]) for s in range(self.n_stages)),
+                                  tuple(range(n0)), trees[0])
+        self.opt = StageLeaves(tuple(tuple(l for l in range(n0, n0 + n1) if s in residence[l])
+                                     for s in range(self.n_stages)), tuple(range(n0, n0 + n1)), trees[1])
+        self.order = dispatch_order(section.schedule, self.n_stages, self.microbatches)
+        self.trace_counts: dict[tuple[str, int], int] = {}
+        self._forward = [self._make_forward(s) for s in range(self.n_stages)]
+        self._backward = [self._make_backward(s) for s in range(self.n_stages)]
+        self._accumulate = [jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options)
+                            for _ in range(self.n_stages)]
+        self._update = [self._make_update(s) for s in range(self.n_stages)]
+        self.stats = StepStats()
+        self._recording: dict[tuple[int, Pass], Any] = {}
+        self._stamps: list[tuple[int, str, int, int, float]] = []
+
+    # -- shardings --------------------------------------------------------------------------------
+    def _sharding(self, s: int, leaf: int) -> NamedSharding:
+        return self.leaf_sharding[s].get(leaf) or NamedSharding(self.meshes[s], P())
+
+    def _value_sharding(self, s: int, aval: Any) -> NamedSharding:
+        """Activations and microbatch leaves: split on the stage's batch axes when batched."""
+        axes = self.batch_axes[s]
+        if axes and aval.shape and aval.shape[0] == self.program.microbatch:
+            return NamedSharding(self.meshes[s], P(axes))
+        return NamedSharding(self.meshes[s], P())
+
+    def _counted(self, kind: str, s: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def traced(*args: Any) -> Any:
+            self.trace_counts[(kind, s)] = self.trace_counts.get((kind, s), 0) + 1
+            return fn(*args)
+
+        return traced
+
+    # -- per-stage programs -----------------------------------------------------------------------
+    def _stage_function(self, s: int) -> Callable[..., Any]:
+        stage = self.program.split.stages[s]
+
+        def f(params: Any, received: Any, state: Any, data: Any) -> Any:
+            sent, aux, loss = stage.run(params, state, data, received)
+            return (tuple(sent) + ((loss,) if stage.computes_loss else ())), tuple(aux)
+
+        return f
+
+    def _make_forward(self, s: int) -> Any:
+        fwd, _ = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+        return jax.jit(self._counted("forward", s, fwd), compiler_options=self.options)
+
+    def _make_backward(self, s: int) -> Any:
+        _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+        return jax.jit(self._counted("backward", s, bwd), compiler_options=self.options)
+
+    def _make_recording(self, s: int, kind: Pass) -> Any:
+        """The forward or backward of stage s that also tells the host when it starts and ends
+        on its devices (`jax.debug.callback`, no blocking: the stages still overlap)."""
+        fwd, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+        run = fwd if kind is Pass.FORWARD else bwd
+
+        def recorded(microbatch: Any, *args: Any) -> Any:
+            first = jax.tree_util.tree_leaves(args)[0]
+            jax.debug.callback(self._stamp, s, kind.value, microbatch, jnp.ravel(first)[0], 0)
+            out = run(*args)
+            last = jax.tree_util.tree_leaves(out)[-1]
+            jax.debug.callback(self._stamp, s, kind.value, microbatch, jnp.ravel(last)[0], 1)
+            return out
+
+        return jax.jit(recorded, compiler_options=self.options)
+
+    def _stamp(self, stage: int, kind: str, microbatch: Any, _: Any, end: int) -> None:
+        self._stamps.append((int(stage), kind, int(microbatch), int(end), time.perf_counter()))
+
+    def _make_update(self, s: int) -> Any:
+        run = self.program.update.programs[s].run
+
+        def update(*inputs: Any) -> Any:
+            return run(*inputs)
+
+        return jax.jit(self._counted("update", s, update), compiler_options=self.options)
+
+    # -- state ------------------------------------------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
+        out = []
+        for layout, tree in ((self.params, params), (self.opt, opt_state)):
+            values = dict(zip(layout.leaves, jax.tree_util.tree_leaves(tree)))
+            parts = tuple(tuple(put(values[leaf], self._sharding(s, leaf)) for leaf in held)
+                          for s, held in enumerate(layout.per_stage))
+            out.append(Staged(parts, layout))
+        return out[0], out[1]
+
+    def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+        out = []
+        for staged in (params, opt_state):
+            layout: StageLeaves = staged.layout
+            values = []
+            for leaf in layout.leaves:
+                s = layout.home(leaf)
+                values.append(to_host(staged.parts[s][layout.per_stage[s].index(leaf)]))
+            out.append(jax.tree_util.tree_unflatten(layout.treedef, values))
+        return out[0], out[1]
+
+    def _held(self, params: Staged, opt_state: Staged, s: int) -> dict[int, Any]:
+        return {**dict(zip(self.params.per_stage[s], params.parts[s])),
+                **dict(zip(self.opt.per_stage[s], opt_state.parts[s]))}
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _microbatches(self, rest: Sequence[Any]) -> tuple[list[dict[int, list[Any]]], list[Any]]:
+        """Per stage: loss-input position -> value for each microbatch (on the stage's mesh);
+        and the flat non-state arguments (host)."""
+        program = self.program
+        traced = program.micro
+        n_state = traced.state_leaves
+        args = [np.asarray(x) if not isinstance(x, jax.Array) else x for x in jax.tree_util.tree_leaves(tuple(rest))]
+        mb = program.microbatch
+        per_stage: list[dict[int, list[Any]]] = []
+        for s, stage in enumerate(program.split.stages):
+            values: dict[int, list[Any]] = {}
+            for p in stage.data:
+                item = traced.loss_inputs[p]
+                value = args[item.leaf - n_state]
+                aval = traced.loss.jaxpr.invars[p].aval
+                sharding = self._value_sharding(s, aval)
+                if item.kind is InputKind.DATA:
+                    values[p] = [jax.device_put(value[i * mb:(i + 1) * mb], sharding) for i in range(self.microbatches)]
+                else:
+                    values[p] = [jax.device_put(value, sharding)] * self.microbatches
+            per_stage.append(values)
+        return per_stage, args
+
+    def _gradients(self, params: Staged, opt_state: Staged, rest: Sequence[Any], record: bool = False
+                   ) -> tuple[Any, list[dict[int, Any]], list[dict[int, Any]], list[Any]]:
+        """Run every forward and backward pass in the dispatch order. Returns (loss on the last
+        stage, per stage leaf -> summed gradient, per stage aux number -> mean, arguments)."""
+        program = self.program
+        traced = program.micro
+        split = program.split
+        m, n_stages = self.microbatches, self.n_stages
+        data, args = self._microbatches(rest)
+        held = [self._held(params, opt_state, s) for s in range(n_stages)]
+        inputs = []
+        for s, stage in enumerate(split.stages):
+            leaf = lambda p: traced.loss_inputs[p].leaf  # noqa: E731
+            inputs.append((tuple(held[s][leaf(p)] for p in stage.params), tuple(held[s][leaf(p)] for p in stage.state)))
+        received: dict[tuple[int, int], tuple[Any, ...]] = {(0, i): () for i in range(m)}
+        cotangent: dict[tuple[int, int], tuple[Any, ...]] = {}
+        residuals: dict[tuple[int, int], Any] = {}
+        grads: list[Any] = [None] * n_stages
+        aux_sum: list[Any] = [None] * n_stages
+        loss_sum: Any = None
+        scale = 1.0 / m
+        in_flight = [0] * n_stages
+        peak = [0] * n_stages
+        live_bytes = [0] * n_stages
+        peak_bytes = [0] * n_stages
+        events: list[RecordedEvent] = []
+        start = time.perf_counter()
+        for event in self.order:
+            s, i = event.stage, event.microbatch
+            stage = split.stages[s]
+            if event.kind is Pass.FORWARD:
+                params_s, state_s = inputs[s]
+                micro = tuple(data[s][p][i] for p in stage.data)
+                if record:
+                    out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, received.pop((s, i)),
+                                                                   state_s, micro)
+                else:
+                    out, res, aux = self._forward[s](params_s, received.pop((s, i)), state_s, micro)
+                residuals[(s, i)] = res
+                in_flight[s] += 1
+                live_bytes[s] += _nbytes(res)
+                peak[s], peak_bytes[s] = max(peak[s], in_flight[s]), max(peak_bytes[s], live_bytes[s])
+                aux_sum[s] = aux if aux_sum[s] is None else self._accumulate[s](aux_sum[s], aux)
+                sent = out[:len(stage.sends)]
+                if stage.computes_loss:
+                    loss_sum = out[-1] if loss_sum is None else loss_sum + out[-1]
+                if s + 1 < n_stages:
+                    received[(s + 1, i)] = tuple(jax.device_put(v, self._value_sharding(s + 1, var.aval))
+                                                 for v, var in zip(sent, split.stages[s + 1].receives))
+            else:
+                res = residuals.pop((s, i))
+                live_bytes[s] -= _nbytes(res)
+                in_flight[s] -= 1
+                cts = cotangent.pop((s, i), None)
+                if cts is None:  # the last stage: d(mean loss)/d(its loss) = 1/M
+                    cts = ()
+                sent_cts = tuple(c for c in cts)
+                loss_ct = (jnp.asarray(scale, traced.loss.jaxpr.outvars[0].aval.dtype),) if stage.computes_loss else ()
+                if record:
+                    g_params, g_received = self._recorder(s, Pass.BACKWARD)(np.int32(i), res, sent_cts + loss_ct)
+                else:
+                    g_params, g_received = self._backward[s](res, sent_cts + loss_ct)
+                del res  # the residuals of microbatch i on stage s are freed here
+                grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
+                if s > 0:
+                    previous = split.stages[s - 1]
+                    cotangent[(s - 1, i)] = tuple(
+                        jax.device_put(g, self._value_sharding(s - 1, var.aval)) if _is_float(var.aval.dtype)
+                        else _float0_like(var.aval)
+                        for g, var in zip(g_received, previous.sends))
+        if record:
+            jax.block_until_ready((loss_sum, grads))
+            events = self._recorded_events(start)
+        self.stats = StepStats(peak, peak_bytes, events)
+        loss = loss_sum * scale
+        aux_means = []
+        for s, stage in enumerate(split.stages):
+            values = {}
+            for j, value in zip(stage.aux, aux_sum[s] or ()):
+                values[j] = value * scale if _is_float(value.dtype) else value
+            aux_means.append(values)
+        per_leaf = self._sum_shared([{traced.loss_inputs[p].leaf: g for p, g in zip(stage.params, grads[s])}
+                                     for s, stage in enumerate(split.stages)])
+        return loss, per_leaf, aux_means, args
+
+    def _recorder(self, s: int, kind: Pass) -> Any:
+        if (s, kind) not in self._recording:
+            self._recording[(s, kind)] = self._make_recording(s, kind)
+        return self._recording[(s, kind)]
+
+    def _recorded_events(self, start: float) -> list[RecordedEvent]:
+        """Each pass from the first device starting it to the last finishing it."""
+        spans: dict[tuple[int, str, int], list[float]] = {}
+        for stage, kind, microbatch, end, moment in self._stamps:
+            span = spans.setdefault((stage, kind, microbatch), [float("inf"), float("-inf")])
+            span[end] = min(span[0], moment - start) if end == 0 else max(span[1], moment - start)
+        self._stamps = []
+        return sorted((RecordedEvent(Event(stage, Pass(kind), microbatch), a, b)
+                       for (stage, kind, microbatch), (a, b) in spans.items()), key=lambda e: e.start)
+
+    def _sum_shared(self, per_stage: list[dict[int, Any]]) -> list[dict[int, Any]]:
+        """Gradients of a leaf several stages read: the sum of theirs, on each of them."""
+        holders: dict[int, list[int]] = {}
+        for s, grads in enumerate(per_stage):
+            for leaf in grads:
+                holders.setdefault(leaf, []).append(s)
+        for leaf, stages in holders.items():
+            if len(stages) < 2:
+                continue
+            first = stages[0]
+            target = per_stage[first][leaf].sharding
+            total = per_stage[first][leaf]
+            for s in stages[1:]:
+                total = total + jax.device_put(per_stage[s][leaf], target)
+            for s in stages:
+                per_stage[s][leaf] = jax.device_put(total, per_stage[s][leaf].sharding)
+        return per_stage
+
+    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+        """(loss, aux leaves, gradient leaves) of the marked call (host arrays)."""
+        program = self.program
+        traced = program.traced
+        loss, grads, aux, _ = self._gradients(params, opt_state, rest)
+        aux_out = []
+        for j, source in enumerate(program.split.aux):
+            if source.stage is not None:
+                aux_out.append(to_host(aux[source.stage][j]))
+            elif source.loss_input is not None:
+                item = traced.loss_inputs[source.loss_input]
+                aux_out.append(np.asarray(item.value) if item.kind is InputKind.CONST
+                               else to_host(self._held(params, opt_state, self.params.home(item.leaf)
+                                                       if item.leaf < traced.arg_sizes[0]
+                                                       else self.opt.home(item.leaf))[item.leaf]))
+            else:
+                aux_out.append(np.asarray(source.constant))
+        grad_out = []
+        for position in traced.grads:
+            leaf = traced.loss_inputs[position].leaf
+            found = next((g[leaf] for g in grads if leaf in g), None)
+            aval = traced.step.jaxpr.invars[leaf].aval
+            grad_out.append(to_host(found) if found is not None else np.zeros(aval.shape, aval.dtype))
+        return to_host(loss), aux_out, grad_out
+
+    def __call__(self, params: Staged, opt_state: Staged, *rest: Any, record: bool = False) -> Any:
+        program = self.program
+        traced = program.traced
+        update = program.update
+        n_state = traced.state_leaves
+        loss, grads, aux, args = self._gradients(params, opt_state, rest, record=record)
+        new_parts: list[dict[int, Any]] = []
+        results: dict[int, Any] = {}
+        for s in range(self.n_stages):
+            mesh_any = NamedSharding(self.meshes[s], P())
+            held = self._held(params, opt_state, s)
+            inputs = []
+            for item in update.programs[s].inputs:
+                if item.source is Source.STATE:
+                    inputs.append(held[item.index])
+                elif item.source is Source.ARGUMENT:
+                    inputs.append(jax.device_put(args[item.index - n_state], mesh_any))
+                elif item.source is Source.LOSS:
+                    inputs.append(jax.device_put(loss, mesh_any))
+                elif item.source is Source.AUX:
+                    source = program.split.aux[item.index]
+                    if source.stage is not None:
+                        inputs.append(aux[s][item.index])
+                    elif source.loss_input is not None and traced.loss_inputs[source.loss_input].leaf is not None:
+                        inputs.append(held[traced.loss_inputs[source.loss_input].leaf])
+                    else:
+                        value = source.constant if source.loss_input is None else traced.loss_inputs[source.loss_input].value
+                        inputs.append(jnp.asarray(value))
+                else:
+                    leaf = traced.loss_inputs[traced.grads[item.index]].leaf
+                    aval = traced.step.jaxpr.invars[leaf].aval
+                    inputs.append(grads[s].get(leaf, jax.device_put(jnp.zeros(aval.shape, aval.dtype), mesh_any)))
+            outputs = dict(zip(update.programs[s].outputs, self._update[s](*inputs)))
+            new_parts.append({o: v for o, v in outputs.items() if o < n_state})
+            results.update({o: v for o, v in outputs.items() if o >= n_state and update.owner[o] == s})
+        staged = []
+        for layout in (self.params, self.opt):
+            parts = tuple(tuple(new_parts[s][leaf] for leaf in held) for s, held in enumerate(layout.per_stage))
+            staged.append(Staged(parts, layout))
+        flat: list[Any] = [None] * len(traced.step.jaxpr.outvars)
+        for o, value in results.items():
+            flat[o] = value
+        out = jax.tree_util.tree_unflatten(traced.out_tree, flat)
+        return (staged[0], staged[1], *out[2:])
+
+
+def _accumulate(a: Any, b: Any) -> Any:
+    """Running sums of float leaves (gradients, aux); other leaves keep the latest value."""
+    return jax.tree.map(lambda x, y: x + y if _is_float(x.dtype) else y, a, b)
+
+
+def _fits(spec: Any, mesh: Any) -> bool:
+    names = set(mesh.axis_names)
+    for entry in spec:
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None and axis not in names:
+                return False
+    return True

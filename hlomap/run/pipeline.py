@@ -1,0 +1,140 @@
+"""What both pipeline executors share: the step split into stages, and the plan read for them.
+
+`prepare` traces the step (`trace`), maps the plan's HLO cuts to loss equations (`cuts`), cuts
+the loss into stage programs (`stages`) and the rest of the step into per-stage updates
+(`update`); the executors only schedule and move what these describe.
+
+Microbatches. The batch argument's leaves are split on their leading dim into M equal
+microbatches, microbatch m holding examples [m mb, (m + 1) mb). The step's loss is the mean of
+the microbatch losses and its gradient the mean of theirs: with a loss that is a mean over
+examples this is the loss and gradient of the whole batch. Aux outputs (batch-norm running
+statistics) are averaged over microbatches (integer ones: the last microbatch's). Every
+microbatch's forward sees the state as it was before the step, so a batch-norm layer normalizes
+each microbatch with that microbatch's statistics (as data-parallel replicas without
+cross-replica batch norm do) and its running statistics become the mean over microbatches of
+what each microbatch's forward computed: for the usual update `r' = m r + (1 - m) s` that is the
+update with the microbatch-mean statistics `s`. `reference_gradients` computes the same thing
+without a pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from hlomap.run.cuts import StageAssignment, assign_stages
+from hlomap.run.errors import RunError
+from hlomap.run.meshes import DATA_AXIS, PipelineSection
+from hlomap.run.stages import LossSplit, split_loss
+from hlomap.run.trace import InputKind, TracedStep, trace_step
+from hlomap.run.update import UpdatePlan, plan_update
+
+if TYPE_CHECKING:
+    from hlomap.hlo.capture import Capture
+
+__all__ = ["PipelineProgram", "batch_axes", "leaf_specs", "prepare"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineProgram:
+    """A train step cut for a pipeline plan."""
+
+    traced: TracedStep  # at the whole batch: the step around the loss, and what the plan's HLO is of
+    micro: TracedStep  # at one microbatch: what the stages run
+    assignment: StageAssignment
+    split: LossSplit
+    update: UpdatePlan
+    section: PipelineSection
+    microbatch: int  # examples per microbatch
+
+    @property
+    def n_stages(self) -> int:
+        return self.section.n_stages
+
+    @property
+    def microbatches(self) -> int:
+        return self.section.microbatches
+
+    def loss_leaf(self, position: int) -> int | None:
+        return self.traced.loss_inputs[position].leaf
+
+    def data_inputs(self) -> tuple[int, ...]:
+        """Loss inputs of the batch and later arguments (every stage may read them)."""
+        return tuple(p for p, item in enumerate(self.traced.loss_inputs)
+                     if item.kind in (InputKind.DATA, InputKind.BROADCAST))
+
+
+def prepare(step: Any, args: Sequence[Any], cap: Capture, section: PipelineSection, *,
+            widen: bool) -> PipelineProgram:
+    """Trace `step(*args)` and cut it as `section` says (module docstring)."""
+    paths = [p.path for p in cap.parameters]
+    traced = trace_step(step, args, paths)
+    m = section.microbatches
+    if traced.batch_size % m:
+        raise RunError(f"the batch of {traced.batch_size} examples cannot be split into {m} equal microbatches "
+                       f"({traced.batch_size} is not a multiple of {m})")
+    microbatch = traced.batch_size // m
+    micro = traced if m == 1 else trace_step(step, _with_batch(args, microbatch), paths)
+    _check_same_loss(traced, micro)
+    assignment = assign_stages(cap, traced, section.cuts)
+    split = split_loss(micro, assignment.stage_of_eqn, section.n_stages)
+    update = plan_update(traced, split, widen=widen)
+    return PipelineProgram(traced, micro, assignment, split, update, section, microbatch)
+
+
+def _with_batch(args: Sequence[Any], size: int) -> tuple[Any, ...]:
+    """Abstract arguments with every batch leaf cut to `size` examples."""
+    import jax
+
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(x.shape[1:]), x.dtype), args[2])
+    return (*args[:2], batch, *args[3:])
+
+
+def _check_same_loss(whole: TracedStep, micro: TracedStep) -> None:
+    """The stages run the loss traced at one microbatch, cut where the whole batch's is: both
+    traces must be the same program up to batch sizes."""
+    a, b = whole.loss.jaxpr.eqns, micro.loss.jaxpr.eqns
+    if len(a) != len(b) or any(x.primitive is not y.primitive for x, y in zip(a, b)):
+        raise RunError(f"the loss traces to another program at one microbatch ({len(b)} equations) than at the "
+                       f"whole batch ({len(a)}): its Python code depends on the batch size; the pipeline cannot cut it")
+    for j, (x, y) in enumerate(zip(whole.loss.jaxpr.outvars[1:], micro.loss.jaxpr.outvars[1:])):
+        if x.aval.shape != y.aval.shape:
+            raise RunError(f"aux output {j} of the loss has shape {x.aval.shape} for the batch but {y.aval.shape} for "
+                           "a microbatch; the pipeline averages aux outputs over microbatches, so they cannot "
+                           "depend on the batch size")
+
+
+def leaf_specs(plan: Any, n_leaves: int) -> dict[int, Any]:
+    """Flat argument index -> PartitionSpec of the plan (inside each stage for pipeline plans)."""
+    out = {}
+    for p in plan.parameters:
+        if p.index < n_leaves and any(s is not None for s in p.spec):
+            out[p.index] = p.partition_spec()
+    return out
+
+
+def batch_axes(plan: Any, traced: TracedStep, mesh_axes: Mapping[str, int], microbatch: int) -> tuple[str, ...]:
+    """Mesh axes that split a microbatch's examples inside a stage: the plan's spec of the batch
+    leaves' leading dim, else the `data` axis when the mesh has one. Raises RunError when the
+    microbatch does not divide among them."""
+    axes: tuple[str, ...] = ()
+    for p in plan.parameters:
+        if traced.arg_of(p.index) == 2 and p.spec and p.spec[0]:
+            axes = tuple(p.spec[0])
+            break
+    if not axes and DATA_AXIS in mesh_axes:
+        axes = (DATA_AXIS,)
+    unknown = [a for a in axes if a not in mesh_axes]
+    if unknown:
+        raise RunError(f"the plan splits the batch on mesh axes {unknown}, which the stage mesh {dict(mesh_axes)} "
+                       "does not have")
+    ways = 1
+    for a in axes:
+        ways *= mesh_axes[a]
+    if microbatch % ways:
+        raise RunError(f"a microbatch of {microbatch} examples cannot be split over the {ways} devices of mesh axes "
+                       f"{list(axes)} inside a stage; use fewer microbatches or a larger batch")
+    return axes

@@ -1,0 +1,249 @@
+"""`hlomap.parallelize(train_step, plan)`: any plan hlomap finds, as a runnable step.
+
+    step = hlomap.parallelize(train_step, plan)          # same signature as train_step
+    params, opt_state = step.place(params, opt_state)    # put the state where the plan wants it
+    params, opt_state, loss = step(params, opt_state, batch)
+    params, opt_state = step.gather(params, opt_state)   # back to the user's pytrees, on the host
+
+SPMD plans run as `jax.jit` with the plan's shardings (`spmd`). Pipeline plans run with one of
+two executors, picked by the plan's schedule unless `executor=` says otherwise:
+
+- `Executor.SPMD` (A, `spmd_pipeline`): GPipe as one SPMD program; runs across processes.
+- `Executor.MPMD` (B, `mpmd_pipeline`): one program per stage and a Python scheduler; any
+  schedule (1F1B by default for 1F1B plans); one controller process.
+
+A pipelined step marks its loss with `hlomap.value_and_grad` (`hlomap.run.grad`). The runner
+needs the batch's shapes to cut the step, so for pipeline plans `place` keeps the state as given
+until the first call (or give `example_args` to `parallelize`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.run.cuts import CutMapping
+from hlomap.run.errors import RunError
+from hlomap.run.meshes import STAGE_AXIS, device_order, pipeline_section
+from hlomap.run.pipeline import PipelineProgram, prepare
+from hlomap.run.program import describe_eqn
+from hlomap.run.spmd import SpmdStep
+from hlomap.run.staged import Staged
+
+__all__ = ["Executor", "ParallelStep", "RunnerDescription", "StageDescription", "parallelize"]
+
+log = logging.getLogger(__name__)
+
+
+class Executor(enum.Enum):
+    """How a pipeline plan runs (module docstring)."""
+
+    SPMD = "spmd"  # A: one SPMD program over a `stage` axis, GPipe, multi-host
+    MPMD = "mpmd"  # B: one program per stage, any schedule, single controller
+
+
+def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None) -> Executor:
+    """1F1B needs executor B; GPipe runs on A unless the stages' meshes differ or B is asked for."""
+    if requested is not None:
+        executor = Executor(requested)
+        if executor is Executor.SPMD and schedule is Schedule.ONE_F_ONE_B:
+            raise RunError("executor A (spmd) runs GPipe only; a 1f1b plan needs executor B (mpmd)")
+        if executor is Executor.SPMD and not uniform:
+            raise RunError("executor A (spmd) needs every stage to have the same mesh; this plan's stages differ, "
+                           "use executor B (mpmd)")
+        return executor
+    if schedule is Schedule.ONE_F_ONE_B or not uniform:
+        return Executor.MPMD
+    return Executor.SPMD
+
+
+@dataclass(frozen=True)
+class StageDescription:
+    index: int
+    devices: tuple[int, ...]
+    mesh: dict[str, int]
+    first: str  # the first and last of the stage's own loss equations
+    last: str
+    parameters: int  # trainable leaves the stage reads
+    receives: tuple[str, ...]  # shapes of what crosses into the stage
+    sends: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunnerDescription:
+    """What `parallelize` built, for reports (the CLI renders it)."""
+
+    kind: str  # "spmd" or "pipeline"
+    devices: int
+    mesh: dict[str, int]
+    executor: str | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    stages: tuple[StageDescription, ...] = ()
+    cuts: tuple[CutMapping, ...] = ()
+    matched_equations: tuple[int, int] | None = None  # (matched, of the loss's own)
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "devices": self.devices, "mesh": self.mesh, "executor": self.executor,
+            "microbatches": self.microbatches, "schedule": self.schedule,
+            "stages": [{"index": s.index, "devices": list(s.devices), "mesh": s.mesh, "first": s.first,
+                        "last": s.last, "parameters": s.parameters, "receives": list(s.receives),
+                        "sends": list(s.sends)} for s in self.stages],
+            "cuts": [c.to_json() for c in self.cuts],
+            "matched_equations": list(self.matched_equations) if self.matched_equations else None,
+            "notes": list(self.notes),
+        }
+
+
+class ParallelStep:
+    """A train step under a plan (module docstring). Build with `parallelize`."""
+
+    def __init__(self, step: Callable[..., Any], plan: Any, *, executor: Executor | str | None = None,
+                 devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None,
+                 compiler_options: Mapping[str, Any] | None = None, check_source: bool = True):
+        self.step = step
+        self.check_source = check_source  # off only to re-run a float32 plan in float64 (same instructions)
+        self.compiler_options = dict(compiler_options or {})
+        self.plan = plan
+        self.order = device_order(plan, devices)
+        self.section = pipeline_section(plan) if plan.pipeline is not None else None
+        self.executor: Executor | None = None
+        if self.section is not None:
+            self.executor = choose_executor(self.section.schedule, self.section.uniform, executor)
+            if self.executor is Executor.MPMD and jax.process_count() > 1:
+                raise RunError(f"executor B (mpmd) is single-controller: one Python process drives every stage, but "
+                               f"{jax.process_count()} processes run; use executor A (spmd, GPipe) across hosts")
+        elif executor is not None:
+            raise RunError(f"executor {Executor(executor).value!r} applies to pipeline plans; this plan has no "
+                           "pipeline section")
+        self._spmd = SpmdStep(step, plan, self.order, self.compiler_options) if self.section is None else None
+        self._runner: Any = None
+        if example_args is not None and self.section is not None:
+            self._build(example_args)
+
+    # -- building ---------------------------------------------------------------------------------
+    @property
+    def program(self) -> PipelineProgram | None:
+        return None if self._runner is None else self._runner.program
+
+    def _build(self, args: Sequence[Any]) -> None:
+        from hlomap.hlo.capture import capture
+
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(args))
+        cap = capture(self.step, *abstract)
+        if self.check_source and self.plan.source.sha256 and cap.text_sha256 != self.plan.source.sha256:
+            raise RunError(f"the plan was made for another module ({self.plan.source.kind or 'a step'} with HLO sha256 "
+                           f"{self.plan.source.sha256[:12]}...), not this step ({cap.text_sha256[:12]}...): the step, "
+                           "its argument shapes or the JAX version changed; explore again")
+        assert self.section is not None
+        program = prepare(self.step, abstract, cap, self.section, widen=self.executor is Executor.SPMD)
+        if self.executor is Executor.SPMD:
+            from hlomap.run.spmd_pipeline import SpmdPipeline
+
+            self._runner = SpmdPipeline(program, self.plan, self.order, self.compiler_options)
+        else:
+            from hlomap.run.mpmd_pipeline import MpmdPipeline
+
+            self._runner = MpmdPipeline(program, self.plan, self.order, self.compiler_options)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The state where the plan wants it (for pipeline plans before the first call: as given,
+        laid out per stage by that call)."""
+        if self._spmd is not None:
+            return self._spmd.place(params, opt_state)
+        if self._runner is None:
+            return Staged((params, opt_state), None), Staged((), None)
+        return self._runner.place(params, opt_state)
+
+    def _staged(self, params: Any, opt_state: Any, rest: Sequence[Any]) -> tuple[Any, Any]:
+        if isinstance(params, Staged) and params.layout is None:  # placed before the first call
+            params, opt_state = params.parts
+        if not isinstance(params, Staged):
+            if self._runner is None:
+                self._build((params, opt_state, *rest))
+            return self._runner.place(params, opt_state)
+        return params, opt_state
+
+    def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
+        if self._spmd is not None:
+            return self._spmd(params, opt_state, *rest)
+        params, opt_state = self._staged(params, opt_state, rest)
+        return self._runner(params, opt_state, *rest)
+
+    def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees of params and opt_state, as numpy arrays on the host."""
+        if self._spmd is not None:
+            return self._spmd.gather(params, opt_state)
+        if isinstance(params, Staged) and params.layout is None:
+            params, opt_state = params.parts
+        if not isinstance(params, Staged):
+            return jax.tree.map(_host, params), jax.tree.map(_host, opt_state)
+        return self._runner.gather(params, opt_state)
+
+    def value_and_grad(self, params: Any, opt_state: Any, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+        """(loss, aux leaves, gradient leaves) of the marked call as the pipeline computes them,
+        before the optimizer (host arrays); for checking numerics."""
+        if self._spmd is not None:
+            raise RunError("value_and_grad of the runner applies to pipeline plans")
+        params, opt_state = self._staged(params, opt_state, rest)
+        return self._runner.value_and_grad(params, opt_state, *rest)
+
+    def describe(self, example_args: Sequence[Any] | None = None) -> RunnerDescription:
+        """What runs where; pipeline plans need the step cut (after a call, or `example_args`)."""
+        if self._spmd is not None:
+            mesh = dict(self._spmd.mesh.shape)
+            return RunnerDescription("spmd", self._spmd.mesh.devices.size, mesh)
+        if self._runner is None:
+            if example_args is None:
+                raise RunError("describe() of a pipeline step needs example_args before the first call")
+            self._build(example_args)
+        return _describe(self._runner, self.section, self.executor)
+
+
+def _host(x: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(x)
+
+
+def _describe(runner: Any, section: Any, executor: Executor) -> RunnerDescription:
+    program: PipelineProgram = runner.program
+    eqns = program.traced.loss.jaxpr.eqns
+    stages = []
+    for stage, ids, inner in zip(program.split.stages, section.devices, section.inner):
+        trainable = {program.traced.loss_inputs[p].leaf for p in stage.params}
+        stages.append(StageDescription(
+            stage.index, ids, dict(inner),
+            describe_eqn(eqns[stage.first]) if stage.first is not None else "-",
+            describe_eqn(eqns[stage.last]) if stage.last is not None else "-",
+            len(trainable), tuple(v.aval.str_short() for v in stage.receives),
+            tuple(v.aval.str_short() for v in stage.sends)))
+    mesh = {STAGE_AXIS: section.n_stages, **dict(section.inner[0])} if section.uniform else {STAGE_AXIS: section.n_stages}
+    return RunnerDescription(
+        "pipeline", sum(len(ids) for ids in section.devices), mesh, executor.value, section.microbatches,
+        section.schedule.value, tuple(stages), program.assignment.cuts,
+        (program.assignment.matched, program.assignment.on_loss), program.assignment.notes)
+
+
+def parallelize(train_step: Callable[..., Any], plan: Any, *, executor: Executor | str | None = None,
+                devices: Sequence[Any] | None = None, example_args: Sequence[Any] | None = None,
+                compiler_options: Mapping[str, Any] | None = None) -> ParallelStep:
+    """Run `train_step` under `plan` (module docstring).
+
+    executor: for pipeline plans, "spmd" (A) or "mpmd" (B); default by the plan's schedule.
+    devices: the device order plan device ids index (default: the plan's placement, else
+      `jax.devices()`).
+    example_args: arguments (real or `jax.ShapeDtypeStruct`) to cut a pipelined step now rather
+      than at its first call.
+    compiler_options: XLA options for every program the runner compiles (`jax.jit`'s).
+    """
+    return ParallelStep(train_step, plan, executor=executor, devices=devices, example_args=example_args,
+                        compiler_options=compiler_options)

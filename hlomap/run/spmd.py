@@ -1,0 +1,91 @@
+"""SPMD plans (operator partitioning, data parallel, hybrid): `jax.jit` with the plan's shardings.
+
+The mesh is the plan's, over the first devices of the device order, with `AxisType.Auto` axes so
+that XLA's partitioner propagates the plan from the arguments. Arguments are placed with the
+plan's NamedShardings, the state outputs keep the state's shardings (so the next step needs no
+resharding) and the state arguments are donated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hlomap.run.errors import RunError
+from hlomap.run.meshes import auto_mesh
+from hlomap.run.staged import put, to_host
+
+__all__ = ["SpmdStep"]
+
+STATE_ARGS = 2
+
+
+class SpmdStep:
+    """A train step jitted with an SPMD plan's shardings (module docstring)."""
+
+    def __init__(self, step: Callable[..., Any], plan: Any, order: Sequence[Any],
+                 compiler_options: Mapping[str, Any] | None = None):
+        shape = plan.mesh_shape
+        need = math.prod(shape.values()) if shape else 1
+        if len(order) < need:
+            raise RunError(f"the plan's mesh {shape} needs {need} devices; {len(order)} are available")
+        self.mesh = auto_mesh(list(order[:need]), tuple(shape.items()))
+        self.plan = plan
+        self.step = step
+        self._specs = {p.index: p.partition_spec() for p in plan.parameters}
+        self._jitted: dict[Any, Any] = {}
+        self._options = dict(compiler_options or {})
+
+    def _shardings(self, flat_start: int, tree: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if self._specs and flat_start + len(leaves) > len(self._specs):
+            raise RunError(f"the plan has {len(self._specs)} parameters but the step's arguments have more leaves "
+                           f"({flat_start + len(leaves)} at least); was the plan made for this step?")
+        shardings = [NamedSharding(self.mesh, self._specs.get(flat_start + i, P())) for i in range(len(leaves))]
+        return jax.tree_util.tree_unflatten(treedef, shardings)
+
+    def arg_shardings(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """NamedSharding pytree for every argument (the plan's specs, by flat argument index)."""
+        out, start = [], 0
+        for arg in args:
+            out.append(self._shardings(start, arg))
+            start += len(jax.tree_util.tree_leaves(arg))
+        if self._specs and start != len(self._specs):
+            raise RunError(f"the plan has {len(self._specs)} parameters; the step's arguments have {start} leaves")
+        return tuple(out)
+
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        s_params = self._shardings(0, params)
+        s_opt = self._shardings(len(jax.tree_util.tree_leaves(params)), opt_state)
+        return jax.tree.map(put, params, s_params), jax.tree.map(put, opt_state, s_opt)
+
+    def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        return jax.tree.map(to_host, params), jax.tree.map(to_host, opt_state)
+
+    def compiled_for(self, args: Sequence[Any]) -> Any:
+        """The jitted step for arguments of this structure (built once per structure)."""
+        key = jax.tree_util.tree_structure(tuple(args))
+        if key not in self._jitted:
+            shardings = self.arg_shardings(args)
+            donate = tuple(range(min(STATE_ARGS, len(args))))
+            out = jax.eval_shape(self.step, *args)
+            # The new state keeps the state's shardings (the next step needs no resharding); the
+            # rest (loss, metrics) is left to XLA.
+            keeps_state = isinstance(out, tuple) and len(out) >= STATE_ARGS and all(
+                jax.tree_util.tree_structure(out[k]) == jax.tree_util.tree_structure(args[k])
+                for k in range(STATE_ARGS))
+            out_shardings = shardings[:STATE_ARGS] + (None,) * (len(out) - STATE_ARGS) if keeps_state else None
+            self._jitted[key] = (jax.jit(self.step, in_shardings=shardings, out_shardings=out_shardings,
+                                         donate_argnums=donate, compiler_options=self._options or None),
+                                 shardings)
+        return self._jitted[key]
+
+    def __call__(self, *args: Any) -> Any:
+        jitted, shardings = self.compiled_for(args)
+        if jax.process_count() > 1:  # host values must become global arrays first
+            args = jax.tree.map(put, tuple(args), shardings)
+        return jitted(*args)

@@ -1,0 +1,526 @@
+"""Executor A: a pipeline as one SPMD program (GPipe), on one host or several.
+
+One `jax.jit` around a `jax.shard_map` that is manual over a `stage` mesh axis and automatic
+over the plan's axes inside a stage (data, model), so that XLA partitions each stage's work as
+an SPMD plan would (GPipe, Huang et al. 2019, section 2; the formulation of MaxText's and
+Praxis's pipelines):
+
+- Each stage's state is flattened into a row; rows are padded to one length and stacked
+  `[S, L]`, sharded on `stage` (`layout`). Leaves several stages read (a tied embedding) sit at
+  the same offsets of every row and their gradients are summed over `stage`.
+- Clock tick t: stage s runs microbatch t - s through its own code, chosen with
+  `lax.switch(lax.axis_index('stage'), stage_programs)`, then `lax.ppermute` shifts every
+  stage's output (packed into one padded buffer) to the next stage. M + S - 1 ticks.
+- The last stage's loss, summed over ticks, is `psum`'d over `stage` and divided by M.
+- `jax.value_and_grad` of the whole gives GPipe's backward (the scan runs backwards, ppermute
+  transposes to the reverse shift). Each tick's stage call is rematerialized (`jax.checkpoint`
+  with nothing saved), so a stage keeps only its input per microbatch in flight, not every
+  intermediate activation.
+- Then a second `shard_map` runs each stage's part of the step outside the loss (`update`) on
+  its own rows: the optimizer update per stage.
+
+The stage axis can span processes (`jax.distributed`): the program is the same on every host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hlomap.run.errors import RunError
+from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, sharded_buffer
+from hlomap.run.meshes import STAGE_AXIS, auto_mesh, pick
+from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.staged import Staged, put, to_host
+from hlomap.run.trace import InputKind
+from hlomap.run.update import Source
+
+__all__ = ["RowLayout", "SpmdPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one state leaf is stored in the rows: replicated inside its stage (`dim` None), or
+    as its local shards, split on `dim` over `shards` devices of the stage's mesh."""
+
+    buffer: str
+    dim: int | None = None
+    shards: int = 1
+
+
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """Where each state leaf sits in the rows `[S, (shards,) L]`: leaves every stage holds first,
+    at the same offsets in every row, then each stage's own leaves; a leaf split over mesh axes
+    inside the stage lives in the buffer of those axes, one shard per slot of the `shards` dim."""
+
+    leaves: tuple[int, ...]  # flat argument indices, in the user's pytree order
+    avals: tuple[Any, ...]
+    placements: dict[int, Placement]
+    stages: tuple[FlatLayout, ...]  # over local shapes
+    shared: dict[str, int]  # buffer -> length of the shared region
+    lengths: dict[str, int]
+    leads: dict[str, tuple[int, ...]]  # buffer -> (shards,) or ()
+    axes: dict[str, tuple[str, ...]]  # buffer -> the mesh axes splitting it
+    treedef: Any
+
+    @classmethod
+    def of(cls, leaves: Sequence[int], avals: Sequence[Any], residence: Sequence[frozenset[int]], n_stages: int,
+           specs: Mapping[int, Any], mesh_axes: Mapping[str, int], treedef: Any) -> RowLayout:
+        placements, axes_of, local = {}, {}, {}
+        for leaf, aval in zip(leaves, avals):
+            placement, axes = _placement(leaf, aval, specs.get(leaf), mesh_axes)
+            placements[leaf] = placement
+            axes_of[placement.buffer] = axes
+            shape = list(aval.shape)
+            if placement.dim is not None:
+                shape[placement.dim] //= placement.shards
+            local[leaf] = jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
+        buffers = {leaf: placements[leaf].buffer for leaf in leaves}
+        every = frozenset(range(n_stages))
+        shared = FlatLayout.of([(leaf, local[leaf]) for leaf in leaves if residence[leaf] == every], buffers=buffers)
+        stages = []
+        for s in range(n_stages):
+            own = [(leaf, local[leaf]) for leaf in leaves if residence[leaf] != every and s in residence[leaf]]
+            layout = FlatLayout.of(own, start=shared.lengths, buffers=buffers)
+            stages.append(FlatLayout(shared.keys + layout.keys, shared.slots + layout.slots))
+        lengths = {b: max(n, 1) for b, n in buffer_lengths(stages).items()}
+        leads = {p.buffer: ((p.shards,) if p.dim is not None else ()) for p in placements.values()}
+        return cls(tuple(leaves), tuple(avals), placements, tuple(stages), shared.lengths, lengths, leads, axes_of,
+                   treedef)
+
+    def home(self, leaf: int) -> int:
+        return next(s for s, layout in enumerate(self.stages) if leaf in layout.keys)
+
+    def spec(self, buffer: str) -> Any:
+        axes = self.axes.get(buffer, ())
+        return P(STAGE_AXIS, axes) if axes else P(STAGE_AXIS)
+
+    def to_global(self, leaf: int, value: Any) -> Any:
+        """A leaf from its stored form (`[shards, *local]` when split) to its own shape."""
+        placement = self.placements[leaf]
+        if placement.dim is None:
+            return value
+        moved = jnp.moveaxis(value, 0, placement.dim)
+        return jnp.reshape(moved, self.avals[self.leaves.index(leaf)].shape)
+
+    def to_stored(self, leaf: int, value: Any) -> Any:
+        placement = self.placements[leaf]
+        if placement.dim is None:
+            return value
+        d, n = placement.dim, placement.shards
+        shape = value.shape
+        split = jnp.reshape(value, shape[:d] + (n, shape[d] // n) + shape[d + 1:])
+        return jnp.moveaxis(split, d, 0)
+
+    def host_rows(self, values: Sequence[Any]) -> dict[str, np.ndarray]:
+        """buffer -> `[S, (shards,) L]` numpy rows of the leaves `values` (in `leaves` order)."""
+        rows = {b: np.zeros((len(self.stages),) + self.leads.get(b, ()) + (n,), dtype=buffer_dtype(b))
+                for b, n in self.lengths.items()}
+        by_leaf = dict(zip(self.leaves, values))
+        for s, layout in enumerate(self.stages):
+            for leaf, slot in zip(layout.keys, layout.slots):
+                stored = np.asarray(self.to_stored(leaf, np.asarray(by_leaf[leaf])))
+                lead = self.leads.get(slot.buffer, ())
+                rows[slot.buffer][s, ..., slot.offset:slot.offset + slot.size] = stored.reshape(lead + (slot.size,))
+        return rows
+
+    def leaf_from_rows(self, rows: Mapping[str, Any], leaf: int, stage: int | None = None) -> Any:
+        """A leaf (its own shape) from rows (host or device), read on `stage` (default: its home)."""
+        s = self.home(leaf) if stage is None else stage
+        slot = self.stages[s].slot(leaf)
+        lead = self.leads.get(slot.buffer, ())
+        stored = rows[slot.buffer][s, ..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
+        return self.to_global(leaf, stored)
+
+    def unpack(self, stage: int, row: Mapping[str, Any]) -> dict[int, Any]:
+        """Leaves of `stage` from its local row (inside the program)."""
+        stored = self.stages[stage].unpack(row, self.leads)
+        return {leaf: self.to_global(leaf, value) for leaf, value in stored.items()}
+
+    def pack(self, stage: int, values: Mapping[int, Any]) -> dict[str, Any]:
+        stored = {leaf: self.to_stored(leaf, values[leaf]) for leaf in self.stages[stage].keys}
+        return self.stages[stage].pack(stored, self.lengths, self.leads)
+
+
+def _placement(leaf: int, aval: Any, spec: Any, mesh_axes: Mapping[str, int]) -> tuple[Placement, tuple[str, ...]]:
+    """Replicated, or split on its one sharded dim (executor A stores local shards)."""
+    if spec is None:
+        return Placement(sharded_buffer(aval.dtype, ())), ()
+    split = [(d, (entry,) if isinstance(entry, str) else tuple(entry)) for d, entry in enumerate(spec)
+             if entry is not None]
+    if not split:
+        return Placement(sharded_buffer(aval.dtype, ())), ()
+    if len(split) > 1:
+        raise RunError(f"parameter {leaf} (shape {aval.shape}) is split on {len(split)} dims by the plan ({spec}); "
+                       "executor A stores a parameter split on one dim, use executor B (mpmd)")
+    d, axes = split[0]
+    unknown = [a for a in axes if a not in mesh_axes]
+    if unknown:
+        raise RunError(f"parameter {leaf} is split over mesh axes {unknown} that the stage mesh {dict(mesh_axes)} lacks")
+    shards = math.prod(mesh_axes[a] for a in axes)
+    if aval.shape[d] % shards:
+        raise RunError(f"parameter {leaf} dim {d} of size {aval.shape[d]} does not split into {shards} shards")
+    return Placement(sharded_buffer(aval.dtype, axes), d, shards), axes
+
+
+def _floating(dtype: str) -> bool:
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+
+
+class SpmdPipeline:
+    """Executor A for one traced step and pipeline plan (module docstring)."""
+
+    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any],
+                 compiler_options: Mapping[str, Any] | None = None):
+        section = program.section
+        if not section.uniform:
+            raise ValueError("executor A needs every stage to have the same mesh; use executor B")
+        self.program = program
+        traced = program.traced
+        self.n_stages = section.n_stages
+        self.microbatches = section.microbatches
+        devices = pick(order, [d for ids in section.devices for d in ids], "the pipeline plan")
+        inner = section.inner[0]
+        self.mesh = auto_mesh(devices, ((STAGE_AXIS, self.n_stages),) + inner)
+        self.inner_axes = dict(inner)
+        self.batch_axes = batch_axes(plan, traced, self.inner_axes, program.microbatch)
+        self.specs = leaf_specs(plan, traced.state_leaves)
+        flat_avals = [v.aval for v in traced.step.jaxpr.invars]
+        n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
+        trees = traced.arg_tree.children()
+        residence = program.update.residence
+        self.params = RowLayout.of(range(n0), flat_avals[:n0], residence, self.n_stages, self.specs, self.inner_axes,
+                                   trees[0])
+        self.opt = RowLayout.of(range(n0, n0 + n1), flat_avals[n0:n0 + n1], residence, self.n_stages, self.specs,
+                                self.inner_axes, trees[1])
+        self.cut_layouts = [BatchedLayout.of([v.aval for v in stage.sends], program.microbatch)
+                            for stage in program.split.stages[:-1]]
+        self.act_lengths = buffer_lengths(self.cut_layouts)
+        self.aux_layouts = [FlatLayout.of([(j, program.micro.loss.jaxpr.outvars[1 + j].aval) for j in stage.aux])
+                            for stage in program.split.stages]
+        self.aux_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.aux_layouts).items()}
+        outvars = traced.step.jaxpr.outvars
+        self.out_layouts = [FlatLayout.of([(o, outvars[o].aval) for o in sorted(program.update.owner)
+                                           if program.update.owner[o] == s]) for s in range(self.n_stages)]
+        self.out_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.out_layouts).items()}
+        self.replicated = NamedSharding(self.mesh, P())
+        options = dict(compiler_options or {}) or None
+        self._pipeline_jit = _Checked(jax.jit(self._loss_and_grads, compiler_options=options))
+        self._update_jit = _Checked(jax.jit(self._update, donate_argnums=(0, 1, 2), compiler_options=options))
+
+    # -- state ------------------------------------------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
+        out = []
+        for layout, tree in ((self.params, params), (self.opt, opt_state)):
+            rows = layout.host_rows([to_host(x) for x in jax.tree_util.tree_leaves(tree)])
+            out.append(Staged({b: put(r, NamedSharding(self.mesh, layout.spec(b))) for b, r in rows.items()}, layout))
+        return out[0], out[1]
+
+    def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+        out = []
+        for staged in (params, opt_state):
+            layout: RowLayout = staged.layout
+            rows = {b: to_host(r) for b, r in staged.parts.items()}
+            values = [np.asarray(layout.leaf_from_rows(rows, leaf)) for leaf in layout.leaves]
+            out.append(jax.tree_util.tree_unflatten(layout.treedef, values))
+        return out[0], out[1]
+
+    def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
+        loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
+        return self._update_jit(params, opt_state, grads, aux_rows, loss, *rest)
+
+    # -- the program ------------------------------------------------------------------------------
+    def _arguments(self, rest: Sequence[Any]) -> list[Any]:
+        """Flat non-state arguments (batch, later arguments)."""
+        return jax.tree_util.tree_leaves(tuple(rest))
+
+    def _microbatched(self, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(microbatched [M, mb, ...] batch leaves, whole later-argument leaves) for every loss
+        input of those kinds, in `program.data_inputs()` order."""
+        program = self.program
+        n_state = program.traced.state_leaves
+        m, mb = self.microbatches, program.microbatch
+        spec = P(None, self.batch_axes or None)
+        split, whole = [], []
+        for p in program.data_inputs():
+            item = program.traced.loss_inputs[p]
+            value = args[item.leaf - n_state]
+            if item.kind is InputKind.DATA:
+                value = jnp.reshape(value, (m, mb) + value.shape[1:])
+                split.append(lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec)))
+                whole.append(None)
+            else:
+                split.append(None)
+                whole.append(value)
+        return split, whole
+
+    def _stage_values(self, stage: int, p_row: Mapping[str, Any], o_row: Mapping[str, Any]) -> dict[int, Any]:
+        """State leaves of `stage` from its local rows, with the plan's specs inside the stage."""
+        values = {**self.params.unpack(stage, p_row), **self.opt.unpack(stage, o_row)}
+        for leaf, spec in self.specs.items():
+            if leaf in values:
+                values[leaf] = lax.with_sharding_constraint(values[leaf], spec)
+        return values
+
+    def _pipeline(self, p_float: Mapping[str, Any], p_other: Mapping[str, Any], o_rows: Mapping[str, Any],
+                  split: Sequence[Any], whole: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+        program = self.program
+        traced = program.traced
+        m, n_stages = self.microbatches, self.n_stages
+        stages = program.split.stages
+        data_positions = program.data_inputs()
+        differentiated = {traced.loss_inputs[p].leaf for p in traced.grads}
+        loss_dtype = traced.loss.jaxpr.outvars[0].aval.dtype
+        batch_spec = P(self.batch_axes or None)
+
+        def branch(k: int) -> Any:
+            program_k = stages[k]
+
+            def run(p_row: Any, o_row: Any, buffers: Any, micro: Sequence[Any]) -> Any:
+                values = self._stage_values(k, p_row, o_row)
+                values = {leaf: (v if leaf in differentiated else lax.stop_gradient(v)) for leaf, v in values.items()}
+                by_position = dict(zip(data_positions, micro))
+                params = [values[traced.loss_inputs[p].leaf] for p in program_k.params]
+                state = [values[traced.loss_inputs[p].leaf] for p in program_k.state]
+                data = [by_position[p] for p in program_k.data]
+                received = self.cut_layouts[k - 1].unpack(buffers) if k > 0 else []
+                sent, aux, loss = program_k.run(params, state, data, received)
+                out = (self.cut_layouts[k].pack(sent, self.act_lengths) if k < n_stages - 1
+                       else {key: jnp.zeros(_buffer_shape(key, n, program.microbatch), key[0])
+                             for key, n in self.act_lengths.items()})
+                out = {key: (lax.with_sharding_constraint(v, batch_spec) if key[1] and self.batch_axes else v)
+                       for key, v in out.items()}
+                aux_buf = self.aux_layouts[k].pack(dict(zip(program_k.aux, aux)), self.aux_lengths)
+                loss = jnp.zeros((), loss_dtype) if loss is None else loss
+                return out, aux_buf, loss
+
+            return run
+
+        branches = [branch(k) for k in range(n_stages)]
+
+        def body(p_float: Any, p_other: Any, o_rows: Any, split: Any, whole: Any) -> Any:
+            s = lax.axis_index(STAGE_AXIS)
+            p_row = {d: r[0] for d, r in {**p_float, **p_other}.items()}
+            o_row = {d: r[0] for d, r in o_rows.items()}
+            shift = [(j, j + 1) for j in range(n_stages - 1)]
+
+            def tick(carry: Any, t: Any) -> Any:
+                buffers, loss_sum, aux_acc = carry
+                i = t - s
+                valid = (i >= 0) & (i < m)
+                index = jnp.clip(i, 0, m - 1)
+                micro = [lax.dynamic_index_in_dim(x, index, keepdims=False) if x is not None else w
+                         for x, w in zip(split, whole)]
+
+                def call(p_row: Any, o_row: Any, buffers: Any, micro: Any) -> Any:
+                    return lax.switch(s, branches, p_row, o_row, buffers, micro)
+
+                out, aux_buf, loss = jax.checkpoint(call, policy=jax.checkpoint_policies.nothing_saveable)(
+                    p_row, o_row, buffers, micro)
+                loss_sum = loss_sum + jnp.where(valid, loss, jnp.zeros_like(loss))
+                aux_acc = {d: (a + jnp.where(valid, aux_buf[d], 0) if _floating(d)
+                               else jnp.where(valid, aux_buf[d], a)) for d, a in aux_acc.items()}
+                buffers = {key: lax.ppermute(v, STAGE_AXIS, shift) for key, v in out.items()}
+                return (buffers, loss_sum, aux_acc), None
+
+            init = ({key: jnp.zeros(_buffer_shape(key, n, program.microbatch), key[0])
+                     for key, n in self.act_lengths.items()},
+                    jnp.zeros((), loss_dtype),
+                    {d: jnp.zeros((n,), d) for d, n in self.aux_lengths.items()})
+            (_, loss_sum, aux_acc), _ = lax.scan(tick, init, jnp.arange(m + n_stages - 1))
+            loss = lax.psum(loss_sum, STAGE_AXIS) / m
+            aux = {d: (a / m if _floating(d) else a)[None] for d, a in aux_acc.items()}
+            return loss, aux
+
+        row = P(STAGE_AXIS)
+        in_specs = (jax.tree.map(lambda _: row, p_float), jax.tree.map(lambda _: row, p_other),
+                    jax.tree.map(lambda _: row, o_rows), [P() if x is not None else None for x in split],
+                    [P() if w is not None else None for w in whole])
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                               out_specs=(P(), {d: row for d in self.aux_lengths}), axis_names={STAGE_AXIS},
+                               check_vma=False)
+        return mapped(p_float, p_other, o_rows, split, whole)
+
+    def _loss_and_grads(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, Any, Any]:
+        """(loss, aux rows, gradient rows): the pipeline, one program."""
+        args = self._arguments(rest)
+        split, whole = self._microbatched(args)
+        p_float = {b: r for b, r in params.parts.items() if _floating(buffer_dtype(b))}
+        p_other = {b: r for b, r in params.parts.items() if not _floating(buffer_dtype(b))}
+        (loss, aux_rows), grads = jax.value_and_grad(self._pipeline, has_aux=True)(
+            p_float, p_other, opt_state.parts, split, whole)
+        shared = self.params.shared
+
+        def sum_shared(b: str, g: Any) -> Any:
+            n = shared.get(b, 0)
+            if n == 0 or self.n_stages == 1:
+                return g
+            total = jnp.sum(g[..., :n], axis=0, keepdims=True)
+            return jnp.concatenate([jnp.broadcast_to(total, g.shape[:-1] + (n,)), g[..., n:]], axis=-1)
+
+        grads = {b: lax.with_sharding_constraint(sum_shared(b, g), NamedSharding(self.mesh, self.params.spec(b)))
+                 for b, g in grads.items()}
+        return loss, aux_rows, grads
+
+    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+        """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them
+        (host arrays)."""
+        program = self.program
+        traced = program.traced
+        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
+        loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
+        aux_rows = {d: to_host(r) for d, r in aux_rows.items()}
+        grads = {d: to_host(r) for d, r in grads.items()}
+        p_rows = {b: to_host(r) for b, r in params.parts.items()}
+        o_rows = {b: to_host(r) for b, r in opt_state.parts.items()}
+        aux = [np.asarray(self._aux_value(j, source, aux_rows, p_rows, o_rows))
+               for j, source in enumerate(program.split.aux)]
+        out_grads = []
+        for position in traced.grads:
+            leaf = traced.loss_inputs[position].leaf
+            out_grads.append(np.asarray(self.params.leaf_from_rows(grads, leaf)))
+        return to_host(loss), aux, out_grads
+
+    def _aux_value(self, j: int, source: Any, aux_rows: Mapping[str, Any], p_rows: Mapping[str, Any],
+                   o_rows: Mapping[str, Any]) -> Any:
+        traced = self.program.traced
+        if source.stage is not None:
+            return _slice(aux_rows, self.aux_layouts[source.stage], source.stage, j)
+        if source.loss_input is not None:
+            item = traced.loss_inputs[source.loss_input]
+            if item.kind is InputKind.CONST:
+                return item.value
+            layout, rows = (self.params, p_rows) if item.leaf < traced.arg_sizes[0] else (self.opt, o_rows)
+            return layout.leaf_from_rows(rows, item.leaf)
+        return source.constant
+
+    def _update(self, params: Staged, opt_state: Staged, grads: Any, aux_rows: Any, loss: Any, *rest: Any) -> Any:
+        """Every stage's update on its own rows: a second program."""
+        program = self.program
+        traced = program.traced
+        args = self._arguments(rest)
+        n_state = traced.state_leaves
+        update = program.update
+        marker_aux_stage = [source.stage for source in program.split.aux]
+
+        def branch(k: int) -> Any:
+            update_k = update.programs[k]
+
+            def run(p_row: Any, o_row: Any, g_row: Any, aux_row: Any, loss: Any, args: Any) -> Any:
+                values = self._stage_values(k, p_row, o_row)
+                grad_values = self.params.unpack(k, g_row)
+                aux_values = self.aux_layouts[k].unpack(aux_row)
+                inputs = []
+                for item in update_k.inputs:
+                    if item.source is Source.STATE:
+                        inputs.append(values[item.index])
+                    elif item.source is Source.ARGUMENT:
+                        inputs.append(args[item.index - n_state])
+                    elif item.source is Source.LOSS:
+                        inputs.append(loss)
+                    elif item.source is Source.AUX:
+                        if marker_aux_stage[item.index] is not None:
+                            inputs.append(aux_values[item.index])
+                        else:
+                            inputs.append(self._passthrough(item.index, values))
+                    else:
+                        leaf = traced.loss_inputs[traced.grads[item.index]].leaf
+                        inputs.append(grad_values[leaf] if leaf in grad_values
+                                      else jnp.zeros(traced.step.jaxpr.invars[leaf].aval.shape,
+                                                     traced.step.jaxpr.invars[leaf].aval.dtype))
+                outputs = dict(zip(update_k.outputs, update_k.run(*inputs)))
+                new_p = self.params.pack(k, outputs)
+                new_o = self.opt.pack(k, outputs)
+                out = self.out_layouts[k].pack(outputs, self.out_lengths)
+                return new_p, new_o, out
+
+            return run
+
+        branches = [branch(k) for k in range(self.n_stages)]
+
+        def body(p_rows: Any, o_rows: Any, g_rows: Any, aux_rows: Any, loss: Any, args: Any) -> Any:
+            s = lax.axis_index(STAGE_AXIS)
+            first = lambda rows: {d: r[0] for d, r in rows.items()}  # noqa: E731 - local rows
+            g_row = {**first(g_rows), **{d: jnp.zeros_like(r[0]) for d, r in p_rows.items() if d not in g_rows}}
+            new_p, new_o, out = lax.switch(s, branches, first(p_rows), first(o_rows), g_row, first(aux_rows),
+                                           loss, args)
+            return jax.tree.map(lambda x: x[None], (new_p, new_o, out))
+
+        row = P(STAGE_AXIS)
+        rows_spec = lambda rows: {d: row for d in rows}  # noqa: E731
+        mapped = jax.shard_map(
+            body, mesh=self.mesh,
+            in_specs=(rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(grads), rows_spec(aux_rows),
+                      P(), [P() for _ in args]),
+            out_specs=(rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(self.out_lengths)),
+            axis_names={STAGE_AXIS}, check_vma=False)
+        new_p, new_o, out_rows = mapped(params.parts, opt_state.parts, grads, aux_rows, loss, list(args))
+        flat: list[Any] = [None] * len(traced.step.jaxpr.outvars)
+        for o, s in update.owner.items():
+            flat[o] = _slice(out_rows, self.out_layouts[s], s, o)
+        results = jax.tree_util.tree_unflatten(traced.out_tree, flat)
+        return (Staged(new_p, self.params), Staged(new_o, self.opt), *results[2:])
+
+    def _passthrough(self, j: int, values: Mapping[int, Any]) -> Any:
+        source = self.program.split.aux[j]
+        if source.loss_input is not None:
+            item = self.program.traced.loss_inputs[source.loss_input]
+            return jnp.asarray(item.value) if item.kind is InputKind.CONST else values[item.leaf]
+        return jnp.asarray(source.constant)
+
+
+class _Checked:
+    """A jitted program compiled once per argument layout and checked before it first runs.
+
+    Each stage's code sits in a branch of a conditional that only that stage's devices take.
+    XLA partitions a branch as if every device ran it; a collective-permute it puts there (to
+    reshard between layouts it cannot convert locally) then waits on the CPU runtime for
+    devices that never arrive, and the process hangs until XLA aborts it. Such a program is
+    refused with an explanation instead.
+    """
+
+    def __init__(self, jitted: Any):
+        self.jitted = jitted
+        self.compiled: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        key = (treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        if key not in self.compiled:
+            compiled = self.jitted.lower(*args).compile()
+            if jax.devices()[0].platform == "cpu":
+                _refuse_branch_permutes(compiled.as_text())
+            self.compiled[key] = compiled
+        return self.compiled[key](*args)
+
+
+def _refuse_branch_permutes(text: str) -> None:
+    for line in text.splitlines():
+        if " collective-permute(" in line and "/cond/branch_" in line and "ppermute" not in line.split("=")[0]:
+            where = line.split('op_name="', 1)[-1].split('"', 1)[0]
+            raise RunError(f"XLA resharded a value inside a stage's branch with a collective-permute ({where}); on "
+                           "the CPU runtime that waits for devices of other stages and hangs. Use executor B (mpmd) "
+                           "for this plan, or parameter specs that split one dim each")
+
+
+def _slice(rows: Mapping[str, Any], layout: FlatLayout, stage: int, key: Any) -> Any:
+    """Leaf `key` of row `stage` (host or device rows)."""
+    slot = layout.slot(key)
+    return rows[slot.buffer][stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+
+
+def _buffer_shape(key: tuple[str, bool], length: int, microbatch: int) -> tuple[int, ...]:
+    return (microbatch, length) if key[1] else (length,)
