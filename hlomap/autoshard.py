@@ -147,10 +147,10 @@ def cluster_tag(cluster: Any) -> str:
 
 
 def cache_key(fingerprint: str, mesh: Mapping[str, int], cluster: Any, task: Task | str) -> CacheKey:
-    from hlomap import __version__
+    import hlomap
 
     return CacheKey(fingerprint, tuple((str(k), int(v)) for k, v in mesh.items()), cluster_tag(cluster),
-                    Task(task).value, __version__)
+                    Task(task).value, hlomap.__version__)
 
 
 def cache_path(cache_dir: Path, key: CacheKey) -> Path:
