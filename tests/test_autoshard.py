@@ -17,17 +17,16 @@ from hlomap import autoshard
 from hlomap.autoshard import Origin, Task, cache_key, cache_path, load_cached, save_cached
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The example between these markers in README.md (or, until it is pasted there, the section file).
+#: The example between these markers in README.md.
 EXAMPLE = re.compile(r"<!-- auto_shard example: start -->\s*```python\n(.*?)```\s*<!-- auto_shard example: end -->",
                      re.S)
 
 
 def readme_example() -> str:
-    for name in ("README.md", "README_auto_shard_section.md"):
-        path = ROOT / name
-        if path.is_file() and (match := EXAMPLE.search(path.read_text())):
-            return match.group(1)
-    raise AssertionError("no auto_shard example between its markers in README.md or README_auto_shard_section.md")
+    match = EXAMPLE.search((ROOT / "README.md").read_text())
+    if match:
+        return match.group(1)
+    raise AssertionError("no auto_shard example between its markers in README.md")
 
 
 @pytest.fixture(scope="module")
