@@ -575,44 +575,73 @@ def _print_run_description(description: Any) -> None:
         console.print(f"[yellow]note:[/yellow] {note}")
 
 
-def _run_pipeline(args: argparse.Namespace, plan: Any, step: Any, example: tuple[Any, ...], devices: int) -> int:
-    import jax
-
-    from hlomap.run import parallelize
-    from hlomap.run.compare import check_pipeline
-
-    parallel = parallelize(step, plan, executor=args.executor, example_args=example)
-    description = parallel.describe()
-    if not args.json:
-        _print_run_description(description)
-    check = check_pipeline(parallel, example)
-    if args.json:
-        json.dump({"plan": str(args.plan), "source": args.source, "description": description.to_json(),
-                   **check.to_json()}, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return 0 if check.ok else EXIT_MISMATCH
+def _print_check(check: Any) -> None:
+    """Each comparison of a `StepCheck` in words, then what explains a float32 difference."""
     console = _console()
-    for comparison in check.comparisons:
-        style = "green" if comparison.ok else "red"
-        console.print(f"[{style}]{comparison.words()}[/{style}]")
-    for comparison in check.float64:
+    for comparison in (*check.comparisons, *check.float64):
         style = "green" if comparison.ok else "red"
         console.print(f"[{style}]{comparison.words()}[/{style}]")
     if check.reference_float32 is not None:
         console.print(check.reference_float32.words().replace("to the unsharded step's", "to the unsharded float64 "
                                                                 "step's"))
     if check.rounding:
-        console.print("the float32 difference is float32 rounding amplified by an ill-conditioned step (the pipeline "
-                      "agrees in float64, and the unsharded float32 step is as far from float64): not a wrong pipeline")
+        console.print("the float32 difference is float32 rounding amplified by an ill-conditioned step (the plan "
+                      "agrees in float64, and the unsharded float32 step is as far from float64): not a wrong plan")
     for comparison in check.microbatching:
         if not comparison.ok:
             console.print(f"note: microbatching changes the step by design: {comparison.words()} (batch statistics "
                           "or a loss that is not a mean over examples)")
+
+
+def _run_checked(args: argparse.Namespace, plan: Any, step: Any, example: tuple[Any, ...], devices: int) -> int:
+    """Run the step under the plan with `hlomap.parallelize` and compare its loss and gradients
+    (before the optimizer) with the unsharded step's: the one comparison every plan gets."""
+    import jax
+
+    from hlomap.run import parallelize
+    from hlomap.run.compare import check_step
+
+    parallel = parallelize(step, plan, executor=args.executor, example_args=example if plan.pipeline else None)
+    description = parallel.describe(example) if plan.pipeline is not None else None
+    if description is not None and not args.json:
+        _print_run_description(description)
+    check = check_step(parallel, example)
+    if args.json:
+        json.dump({"plan": str(args.plan), "source": args.source,
+                   "description": description.to_json() if description else None, **check.to_json()},
+                  sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0 if check.ok else EXIT_MISMATCH
+    _print_check(check)
     verdict = ("[green]equal[/green]" if check.exact else "[green]equal in float64[/green] (float32 rounding)"
                if check.rounding else "[red]DIFFERENT[/red]")
-    console.print(f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: {verdict} to the "
-                  f"unsharded step; pipelined step {check.seconds * 1e3:.1f} ms")
+    kind = "pipelined" if plan.pipeline is not None else "sharded"
+    _console().print(f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: {verdict} "
+                     f"to the unsharded step (loss and gradients before the optimizer); {kind} step "
+                     f"{check.seconds * 1e3:.1f} ms")
     return 0 if check.ok else EXIT_MISMATCH
+
+
+def _run_outputs(args: argparse.Namespace, plan: Any, source: Any, devices: int) -> int:
+    """A step that does not mark its loss: compare its outputs (updated state included) with the
+    unsharded step's, as `verify.numerics.run_plan` does."""
+    import jax
+
+    from hlomap.verify.numerics import run_plan
+
+    report = run_plan(plan, source, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    if args.json:
+        json.dump(report._asdict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        verdict = "[green]equal[/green]" if report.ok else "[red]DIFFERENT[/red]"
+        _console().print(
+            f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: outputs {verdict} "
+            f"to the unsharded step (rtol {args.rtol:g}, atol {args.atol:g}); max abs error "
+            f"{report.max_abs_err:.3g}, max rel error {report.max_rel_err:.3g}"
+            + (f" at {report.worst_leaf}" if report.worst_leaf else "")
+            + f"; sharded step {report.seconds * 1e3:.1f} ms")
+    return 0 if report.ok else EXIT_MISMATCH
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -629,8 +658,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import jax
 
     from hlomap.hlo.capture import capture
-    from hlomap.run.errors import RunError
-    from hlomap.verify.numerics import run_plan
+    from hlomap.run.errors import RunError, SplitError
     if jax.device_count() < devices:
         raise CliError(f"{args.plan} needs {devices} devices; JAX sees {jax.device_count()} "
                        f"({jax.devices()[0].platform})")
@@ -640,24 +668,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
     _check_plan_for(plan, cap, args.plan)
-    if plan.pipeline is not None:
-        try:
-            return _run_pipeline(args, plan, step, example, devices)
-        except RunError as err:
+    try:
+        return _run_checked(args, plan, step, example, devices)
+    except SplitError as err:
+        if plan.pipeline is not None:
             raise CliError(str(err)) from None
-    report = run_plan(plan, model if model is not None else cap, seed=args.seed, rtol=args.rtol, atol=args.atol)
-    if args.json:
-        json.dump(report._asdict(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        verdict = "[green]equal[/green]" if report.ok else "[red]DIFFERENT[/red]"
-        _console().print(
-            f"{args.source} under {args.plan} on {devices} {jax.devices()[0].platform} devices: outputs {verdict} "
-            f"to the unsharded step (rtol {args.rtol:g}, atol {args.atol:g}); max abs error "
-            f"{report.max_abs_err:.3g}, max rel error {report.max_rel_err:.3g}"
-            + (f" at {report.worst_leaf}" if report.worst_leaf else "")
-            + f"; sharded step {report.seconds * 1e3:.1f} ms")
-    return 0 if report.ok else EXIT_MISMATCH
+        if not args.json:
+            _console().print(f"note: {err}; comparing the step's outputs instead of its gradients")
+    except RunError as err:
+        raise CliError(str(err)) from None
+    return _run_outputs(args, plan, model if model is not None else cap, devices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -820,14 +840,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a step under a plan and check it against the unsharded step",
                        description="Run a train step under a plan on this machine's devices and check it computes "
-                                   "what the unsharded step computes. SPMD plans (opp, adp, hybrid): the step is "
-                                   "compiled plain and with the plan's NamedShardings, both run on the same real "
-                                   "arguments and every output is compared (|sharded - plain| <= atol + rtol |plain|; "
-                                   "the max rel error is taken over elements whose abs error exceeds atol). Pipeline "
-                                   "plans: the step runs with hlomap.parallelize's pipeline executor; its loss and "
-                                   "gradients (before the optimizer, where Adam would turn rounding noise into +-lr) "
-                                   "are compared with the unsharded step on the same microbatches, each gradient leaf "
-                                   "within 1e-4 of its own scale. On a CPU-only machine the CPU backend is given as "
+                                   "what the unsharded step computes. The step runs under the plan with hlomap.parallelize "
+                                   "(SPMD plans: jax.jit with the plan's NamedShardings; pipeline plans: a pipeline "
+                                   "executor) and its loss and gradients are compared with the unsharded step's "
+                                   "before the optimizer (Adam's first step would turn gradients that are zero up "
+                                   "to rounding into +-lr), each gradient leaf within 1e-4 of its own scale; for SPMD "
+                                   "plans also the updated parameters where the gradient is above rounding noise. "
+                                   "When float32 differs, both run again in float64 to tell rounding from a wrong "
+                                   "plan. A step that does not mark its loss with hlomap.value_and_grad has its "
+                                   "outputs compared instead (|sharded - plain| <= atol + rtol |plain|). On a "
+                                   "CPU-only machine the CPU backend is given as "
                                    "many devices as the plan needs. Exit status 3 when they differ, 2 on a user error.",
                        epilog="a FILE.py:FUNCTION source names a function of no arguments returning "
                               "(train_step, example_args); a pipelined step takes its gradient with "
@@ -840,8 +862,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline plans: spmd (A: one SPMD program, GPipe, multi-host) or mpmd (B: one program per "
                         "stage, any schedule); default: spmd for gpipe, mpmd for 1f1b")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="SPMD plans: relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="SPMD plans: absolute tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="steps without a marked loss: relative tolerance of the outputs (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="steps without a marked loss: absolute tolerance of the outputs (default 1e-5)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_run)
 

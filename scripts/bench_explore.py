@@ -27,8 +27,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hlomap.search.dqn import DqnSearchConfig, dqn_search  # noqa: E402

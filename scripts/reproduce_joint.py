@@ -63,7 +63,7 @@ def main() -> None:
     console.print(f"load average before: {os.getloadavg()[0]:.2f}")
     table = Table(title="Joint plan vs the expert grid (same cost model)")
     for column in ("model", "cluster", "devices", "joint L (ms)", "stages", "M", "grid best", "grid L (ms)",
-                   "speed-up", "search s", "with capture s"):
+                   "speed-up", "search s", "search CPU s", "with capture s"):
         table.add_column(column, justify="left" if column in ("model", "cluster", "stages", "grid best") else "right")
     for model_name in args.models:
         start = time.perf_counter()
@@ -72,13 +72,15 @@ def main() -> None:
         prepare = time.perf_counter() - start
         for cluster_name in args.clusters:
             cluster = cluster_named(cluster_name)
+            cpu = time.process_time()
             result = explore_joint(cap, cluster, graph=graph)
+            cpu = time.process_time() - cpu
             best = result.best_grid
             ratio = best.cost.latency / result.cost.latency if best else float("nan")  # type: ignore[union-attr]
             table.add_row(model_name, cluster_name, str(cluster.n_devices), f"{result.cost.latency * 1e3:.2f}",
                           _stages(result), str(result.plan.microbatches), best.label if best else "-",
                           f"{best.cost.latency * 1e3:.2f}" if best else "-", f"{ratio:.3f}x",  # type: ignore[union-attr]
-                          f"{result.seconds:.1f}", f"{result.seconds + prepare:.1f}")
+                          f"{result.seconds:.1f}", f"{cpu:.1f}", f"{result.seconds + prepare:.1f}")
             console.print(f"  {model_name} on {cluster_name}: joint {result.cost.latency * 1e3:.2f} ms, grid "
                           f"{best.label if best else '-'} {best.cost.latency * 1e3 if best else float('nan'):.2f} ms "  # type: ignore[union-attr]
                           f"({ratio:.3f}x) in {result.seconds:.1f} s")
@@ -108,17 +110,19 @@ def main() -> None:
 
     if not args.no_scaling:
         scaling = Table(title=f"Search time as the cluster grows ({args.scaling_model}, servers of 8 V100s)")
-        for column in ("devices", "layers", "options", "search s", "joint L (ms)", "stages", "grid best",
+        for column in ("devices", "layers", "options", "search s", "search CPU s", "joint L (ms)", "stages", "grid best",
                        "grid L (ms)"):
             scaling.add_column(column, justify="right")
         cap = load_source(f"zoo:{args.scaling_model}")
         graph = FactorGraph.from_capture(cap)
         for servers in (1, 2, 4, 8):
             cluster = hierarchical(servers, 8, "V100-16GB")
+            cpu = time.process_time()
             result = explore_joint(cap, cluster, graph=graph)
+            cpu = time.process_time() - cpu
             best = result.best_grid
             scaling.add_row(str(cluster.n_devices), str(result.model.n_layers), str(result.options),
-                            f"{result.seconds:.1f}", f"{result.cost.latency * 1e3:.2f}", str(result.plan.n_stages),
+                            f"{result.seconds:.1f}", f"{cpu:.1f}", f"{result.cost.latency * 1e3:.2f}", str(result.plan.n_stages),
                             best.label if best else "-", f"{best.cost.latency * 1e3:.2f}" if best else "-")  # type: ignore[union-attr]
         console.print(scaling)
     console.print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -29,8 +29,8 @@ import numpy as np
 
 from hlomap.verify.numerics import Tolerance, compare_outputs
 
-__all__ = ["Comparison", "GradientResult", "LeafDiff", "PipelineCheck", "check_pipeline", "compare_loss",
-           "compare_scaled", "compare_updates", "reference_gradients"]
+__all__ = ["Comparison", "GradientResult", "LeafDiff", "StepCheck", "check_pipeline", "check_spmd", "check_step",
+           "compare_loss", "compare_scaled", "compare_updates", "reference_gradients"]
 
 #: Allowed difference of a gradient leaf, as a fraction of its scale (float32 sums reordered over
 #: microbatches and devices differ by a few ulps of the largest terms).
@@ -150,8 +150,11 @@ def compare_updates(what: str, actual: Sequence[Any], expected: Sequence[Any], b
     return Comparison(what, tolerance, tuple(leaves))
 
 
-def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatches: int = 1) -> GradientResult:
-    """The marked call of `step(*args)` without a pipeline (module docstring): jit on one device."""
+def _marked_gradients(step: Callable[..., Any], args: Sequence[Any], microbatches: int = 1,
+                      shardings: Sequence[Any] | None = None) -> GradientResult:
+    """Loss, aux and gradients of the marked call of `step(*args)`, averaged over `microbatches`
+    equal microbatches. `shardings`: one per flat argument (the plan's NamedShardings), so that
+    XLA partitions the gradient computation from the plan's arguments; None: one device."""
     import jax
     import jax.numpy as jnp
     from jax.extend import core as jcore
@@ -181,6 +184,9 @@ def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatc
         out = run(*values)
         return out[0], out[1:]
 
+    def placed(value: Any, leaf: int) -> Any:
+        return jnp.asarray(value) if shardings is None else jax.device_put(value, shardings[leaf])
+
     value_and_grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
     losses, auxes, grads = [], [], []
     for i in range(microbatches):
@@ -189,9 +195,9 @@ def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatc
             if item.kind is InputKind.CONST:
                 values.append(item.value)
             elif item.kind is InputKind.DATA:
-                values.append(jnp.asarray(flat[item.leaf])[i * mb:(i + 1) * mb])
+                values.append(placed(np.asarray(flat[item.leaf])[i * mb:(i + 1) * mb], item.leaf))
             else:
-                values.append(jnp.asarray(flat[item.leaf]))
+                values.append(placed(flat[item.leaf], item.leaf))
         (loss, aux), g = value_and_grad([values[p] for p in positions], values)
         losses.append(np.asarray(loss))
         auxes.append([np.asarray(a) for a in aux])
@@ -208,11 +214,17 @@ def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatc
                           [mean([g[k] for g in grads]) for k in range(len(grads[0]))])
 
 
-@dataclass(frozen=True)
-class PipelineCheck:
-    """A pipelined step against the unsharded one (`check_pipeline`).
+def reference_gradients(step: Callable[..., Any], args: Sequence[Any], microbatches: int = 1) -> GradientResult:
+    """The marked call of `step(*args)` without a pipeline (module docstring): jit on one device."""
+    return _marked_gradients(step, args, microbatches)
 
-    comparisons: loss, gradients, aux against the reference with the same microbatches.
+
+@dataclass(frozen=True)
+class StepCheck:
+    """A parallelized step against the unsharded one (`check_pipeline`, `check_spmd`).
+
+    comparisons: loss, gradients, aux against the reference with the same microbatches (SPMD
+    plans: also the updated parameters where the gradient is above rounding noise).
     microbatching: the same reference against the whole batch in one piece, for information: it
     differs when the loss is not a mean over examples or uses batch statistics (batch norm),
     which microbatching changes by design.
@@ -252,7 +264,7 @@ class PipelineCheck:
                 "step_seconds": self.seconds}
 
 
-def check_pipeline(step: Any, args: Sequence[Any]) -> PipelineCheck:
+def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
     """Loss, gradients and aux of `step` (a pipelined `hlomap.parallelize` step) against the
     unsharded reference with the plan's microbatches, in float64 too when float32 differs;
     then one timed step."""
@@ -297,4 +309,70 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> PipelineCheck:
     jax.block_until_ready(out)
     start = time.perf_counter()
     jax.block_until_ready(step(out[0], out[1], *args[2:]))
-    return PipelineCheck(decisive, informative, time.perf_counter() - start, wide_checks, reference_error)
+    return StepCheck(decisive, informative, time.perf_counter() - start, wide_checks, reference_error)
+
+
+def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
+    """An SPMD plan (`hlomap.parallelize` of a plan without pipeline) against the unsharded step:
+    the marked loss and gradients computed from arguments placed with the plan's shardings (XLA
+    partitions the computation from them), and the optimizer's output of the whole sharded step
+    where the gradient is above rounding noise (`compare_updates`); in float64 too when float32
+    differs; then one timed step."""
+    import time
+
+    import jax
+
+    from hlomap.run.trace import InputKind, trace_step
+    from hlomap.verify.numerics import to_float64
+
+    args = tuple(args)
+    flat_shardings = jax.tree_util.tree_leaves(step._spmd.arg_shardings(args))
+    traced = trace_step(step.step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args))
+    paths = [traced.loss_inputs[p].path for p in traced.grads]
+    n_params = len(jax.tree_util.tree_leaves(args[0]))
+    # gradient k -> flat parameter leaf, for the gradients of parameters (the update check)
+    leaf_of = {k: traced.loss_inputs[p].leaf for k, p in enumerate(traced.grads)
+               if traced.loss_inputs[p].kind is InputKind.PARAM and traced.loss_inputs[p].leaf < n_params}
+
+    def against(sharded: GradientResult, ref: GradientResult, label: str) -> list[Comparison]:
+        out = [compare_loss(sharded.loss, ref.loss), compare_scaled(f"gradients{label}", sharded.grads, ref.grads, paths)]
+        if ref.aux:
+            out.append(compare_scaled(f"aux outputs{label}", sharded.aux, ref.aux,
+                                      [f"aux {j}" for j in range(len(ref.aux))]))
+        return out
+
+    def updated(values: Sequence[Any]) -> list[Any]:
+        """The state leaves after one step, sharded and unsharded (copies: the step donates)."""
+        placed = step.place(values[0], values[1])
+        out = step(*placed, *values[2:])
+        reference = jax.jit(step.step)(*values)
+        return [jax.tree_util.tree_leaves(o[0]) for o in (out, reference)]
+
+    reference = reference_gradients(step.step, args)
+    decisive = against(_marked_gradients(step.step, args, 1, flat_shardings), reference, "")
+    (after, after_reference), before = updated(args), jax.tree_util.tree_leaves(args[0])
+    decisive.append(compare_updates("updated parameters", [after[leaf] for leaf in leaf_of.values()],
+                                    [after_reference[leaf] for leaf in leaf_of.values()],
+                                    [before[leaf] for leaf in leaf_of.values()],
+                                    [reference.grads[k] for k in leaf_of], [paths[k] for k in leaf_of]))
+    wide_checks: tuple[Comparison, ...] = ()
+    reference_error = None
+    if not all(c.ok for c in decisive):
+        with jax.enable_x64(True):
+            wide = tuple(to_float64(args))
+            wide_reference = reference_gradients(step.step, wide)
+            wide_checks = tuple(against(_marked_gradients(step.step, wide, 1, flat_shardings), wide_reference,
+                                        " in float64"))
+            reference_error = compare_scaled("unsharded float32 gradients against float64", reference.grads,
+                                             wide_reference.grads, paths)
+    placed = step.place(args[0], args[1])
+    out = step(*placed, *args[2:])
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    jax.block_until_ready(step(out[0], out[1], *args[2:]))
+    return StepCheck(tuple(decisive), (), time.perf_counter() - start, wide_checks, reference_error)
+
+
+def check_step(step: Any, args: Sequence[Any]) -> StepCheck:
+    """`check_pipeline` or `check_spmd`, by the plan `step` runs."""
+    return check_pipeline(step, args) if step.plan.pipeline is not None else check_spmd(step, args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hlomap.run.compare import (Comparison, LeafDiff, PipelineCheck, compare_scaled, compare_updates,
+from hlomap.run.compare import (Comparison, LeafDiff, StepCheck, compare_scaled, compare_updates,
                                 reference_gradients)
 from tests.run.user_step import make
 
@@ -38,11 +38,11 @@ def test_a_float32_difference_is_rounding_only_if_float64_agrees_and_float32_its
     def comparison(ok: bool) -> Comparison:
         return Comparison("gradients", 1e-4, (LeafDiff("w", 0.0 if ok else 1.0, 1.0, ok),))
 
-    assert PipelineCheck((comparison(True),), (), 0.0).ok
+    assert StepCheck((comparison(True),), (), 0.0).ok
     differs = (comparison(False),)
-    assert PipelineCheck(differs, (), 0.0, (comparison(True),), comparison(False)).rounding
-    assert not PipelineCheck(differs, (), 0.0, (comparison(False),), comparison(False)).ok  # wrong in float64 too
-    assert not PipelineCheck(differs, (), 0.0, (comparison(True),), comparison(True)).ok  # float32 was fine alone
+    assert StepCheck(differs, (), 0.0, (comparison(True),), comparison(False)).rounding
+    assert not StepCheck(differs, (), 0.0, (comparison(False),), comparison(False)).ok  # wrong in float64 too
+    assert not StepCheck(differs, (), 0.0, (comparison(True),), comparison(True)).ok  # float32 was fine alone
 
 
 def test_the_reference_is_jax_value_and_grad_and_microbatches_average() -> None:

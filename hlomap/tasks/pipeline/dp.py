@@ -1,14 +1,22 @@
-"""Exact dynamic programming over contiguous cuts, replication factors and linear device order.
+"""Exact dynamic programming over cut states, replication factors and linear device order.
 
 The DP returns a plan of `SearchSpace` with the least `costmodel` objective, the same optimum
-`bruteforce.brute_force` finds by enumeration, in O(D * |R| * Q * n^2) per pass (n layers, D
+`bruteforce.brute_force` finds by enumeration, in O(D * |R| * Q * K^2) per pass (K cut states, D
 devices, R replication factors, Q <= D stages).
 
-State. F[q, i, d, k]: the best value of a suffix of the pipeline that starts at layer i on device
-d with a first stage of replication R[k] and q more stages after it. Working right to left fixes
-each stage's distance from the end, which 1F1B's memory needs (stage s stashes min(S - s, M)
-microbatches, and S - s = q + 1), and knowing the replication of the next stage prices the cut
-between them (a transfer depends on both device groups).
+Cut states. A straight pipeline's stages run one after the other, so the layers before any cut
+form a set closed under predecessors; `CutStates` lists the sets the search may cut at (state 0
+holds no layer, state K - 1 all of them) with their totals, which of them nest, and the bytes
+crossing a cut after each. A stage runs the layers of a state b not in a nested state a and
+costs totals[b] - totals[a]. `solve` takes the K = n + 1 prefixes of one layer order (the
+chain of a profile; the DQN, the inference network and the greedy search cut the same order);
+`downsets.solve_downsets` takes the downsets of a layer DAG, the cuts a branching graph allows.
+
+State. F[q, a, d, k]: the best value of a suffix of the pipeline that starts after cut state a
+on device d with a first stage of replication R[k] and q more stages after it. Working right to
+left fixes each stage's distance from the end, which 1F1B's memory needs (stage s stashes
+min(S - s, M) microbatches, and S - s = q + 1), and knowing the replication of the next stage
+prices the cut between them (a transfer depends on both device groups).
 
 Prices. Stage all-reduces and cut transfers are those of `hlomap.cost.pipeline.links` on the
 cluster's topology (the all-reduce of `hlomap.cost.collectives`, transfers as collective-permutes
@@ -35,21 +43,71 @@ import enum
 import logging
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.pipeline.costs import CommModel, evaluate_plan
 from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.costs import CommModel, evaluate_plan
 from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
+from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace
-from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 
-__all__ = ["solve"]
+__all__ = ["CutStates", "Realize", "StateSolution", "chain_states", "solve", "solve_states"]
 
 log = logging.getLogger(__name__)
+
+
+class CutStates(NamedTuple):
+    """The sets of layers a straight pipeline may have run before a cut (module docstring).
+
+    totals: per-state sums of the per-layer arrays ([K] each, `Prefix`'s fields); a stage from
+      state a to state b costs totals[b] - totals[a].
+    nested: [K, K] bool, state a is a proper subset of state b: a stage from a to b may exist.
+    cut_bytes: [K] bytes of activations that cross a cut leaving exactly state a before it.
+    n_layers, source: for messages.
+    """
+
+    totals: Prefix
+    nested: np.ndarray
+    cut_bytes: np.ndarray
+    n_layers: int
+    source: str
+
+    @property
+    def count(self) -> int:
+        return len(self.cut_bytes)
+
+
+#: Turns a chain of state indices (0 first, K - 1 last) into the layers of a profile in an order
+#: that runs each stage contiguously, and the stage bounds in that order.
+Realize = Callable[[tuple[int, ...]], tuple[PipelineProfile, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class StateSolution:
+    """A solution over cut states: `solution.plan` indexes the layers of `profile`, and `states`
+    are the cut states its stages end at (0 first, K - 1 last)."""
+
+    solution: Solution
+    profile: PipelineProfile
+    states: tuple[int, ...]
+
+
+def chain_states(profile: PipelineProfile) -> CutStates:
+    """The n + 1 prefixes of the profile's layer chain: cut state p holds layers [0, p)."""
+    n = profile.n_layers
+    cut_bytes = np.zeros(n + 1)
+    cut_bytes[1:n] = profile.activation_bytes
+    return CutStates(
+        totals=profile.prefix(),
+        nested=np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1),
+        cut_bytes=cut_bytes,
+        n_layers=n,
+        source=profile.source,
+    )
 
 
 class _Mode(enum.Enum):
@@ -58,26 +116,27 @@ class _Mode(enum.Enum):
 
 
 class _Tables(NamedTuple):
-    """Pair tables [i, j] for a stage of layers [i, j) (valid where j > i), and cut bytes."""
+    """Pair tables [a, b] for a stage from cut state a to cut state b, and cut bytes."""
 
     compute: np.ndarray
     parameter: np.ndarray
     stash: np.ndarray
-    allowed: np.ndarray  # bool: j > i, and the stage has a trainable layer when required
-    cut_bytes: np.ndarray  # [n + 1]: bytes crossing boundary j (between layers j - 1 and j)
+    allowed: np.ndarray  # bool: a is nested in b, and the stage trains something when required
+    cut_bytes: np.ndarray  # [K]: bytes crossing a cut after state a
 
 
 @dataclass(frozen=True)
 class _Problem:
-    profile: PipelineProfile
+    states: CutStates
+    realize: Realize
     cluster: Cluster
     space: SearchSpace
     tables: _Tables
     prices: GroupPrices  # every pass prices the same device groups
 
     @property
-    def n(self) -> int:
-        return self.profile.n_layers
+    def count(self) -> int:
+        return self.states.count
 
     @property
     def devices(self) -> int:
@@ -89,7 +148,7 @@ class _Problem:
 
     @property
     def max_stages(self) -> int:
-        most = min(self.n, self.devices // self.factors[0])
+        most = min(self.states.n_layers, self.devices // self.factors[0])
         return most if self.space.max_stages is None else min(most, self.space.max_stages)
 
     @property
@@ -98,35 +157,32 @@ class _Problem:
 
 
 class _Pass(NamedTuple):
-    value: np.ndarray  # F[q, i, d, k]
-    next_layer: np.ndarray  # where the next stage starts
+    value: np.ndarray  # F[q, a, d, k]
+    next_state: np.ndarray  # the cut state the next stage starts after
     next_factor: np.ndarray  # index into factors of the next stage's replication
 
 
-def _tables(profile: PipelineProfile, space: SearchSpace) -> _Tables:
-    prefix = profile.prefix()
-
+def _tables(states: CutStates, space: SearchSpace) -> _Tables:
     def pair(values: np.ndarray) -> np.ndarray:
         return values[None, :] - values[:, None]
 
-    n = profile.n_layers
-    allowed = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    totals = states.totals
+    allowed = states.nested
     if space.require_trainable:
-        allowed &= pair(prefix.trainable) > 0.5
-    cut_bytes = np.zeros(n + 1)
-    cut_bytes[1:n] = profile.activation_bytes
+        allowed = allowed & (pair(totals.trainable) > 0.5)
     return _Tables(
-        compute=pair(prefix.compute),
-        parameter=pair(prefix.parameter),
-        stash=pair(prefix.stash),
+        compute=pair(totals.compute),
+        parameter=pair(totals.parameter),
+        stash=pair(totals.stash),
         allowed=allowed,
-        cut_bytes=cut_bytes,
+        cut_bytes=states.cut_bytes,
     )
 
 
 def _stage_time(problem: _Problem, device: int, r: int) -> np.ndarray:
-    """[i, j]: per-microbatch time of a stage [i, j) on devices [device, device + r): compute / r
-    plus its gradient all-reduce amortized over the microbatches (`links.allreduce_time`)."""
+    """[a, b]: per-microbatch time of a stage from a to b on devices [device, device + r):
+    compute / r plus its gradient all-reduce amortized over the microbatches
+    (`links.allreduce_time`)."""
     t = problem.tables.compute / r
     if problem.comm and r > 1:
         allreduce = problem.prices.allreduce(range(device, device + r))
@@ -135,7 +191,7 @@ def _stage_time(problem: _Problem, device: int, r: int) -> np.ndarray:
 
 
 def _cut_time(problem: _Problem, device: int, r: int, r_next: int) -> np.ndarray:
-    """[j]: per-microbatch, per-direction time of the cut at boundary j from a stage on devices
+    """[a]: per-microbatch, per-direction time of the cut after state a from a stage on devices
     [device, device + r) to one on the next r_next devices (`links.transfer_time`)."""
     nbytes = problem.tables.cut_bytes
     if not problem.comm:
@@ -145,7 +201,7 @@ def _cut_time(problem: _Problem, device: int, r: int, r_next: int) -> np.ndarray
 
 
 def _memory_ok(problem: _Problem, device: int, r: int, after: int) -> np.ndarray | None:
-    """[i, j] bool: the stage fits on its devices with `after` stages behind it (None: all do)."""
+    """[a, b] bool: the stage fits on its devices with `after` stages behind it (None: all do)."""
     space = problem.space
     if not space.check_memory:
         return None
@@ -159,13 +215,13 @@ def _memory_ok(problem: _Problem, device: int, r: int, after: int) -> np.ndarray
 
 def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
     """One DP pass (see the module docstring); `tau` masks stage and cut times in SUM mode."""
-    n, devices, factors, stages = problem.n, problem.devices, problem.factors, problem.max_stages
-    space = problem.space
-    shape = (stages, n + 1, devices + 1, len(factors))
+    count, devices, factors = problem.count, problem.devices, problem.factors
+    stages, space, last = problem.max_stages, problem.space, problem.count - 1
+    shape = (stages, count, devices + 1, len(factors))
     value = np.full(shape, np.inf)
-    next_layer = np.full(shape, -1, dtype=np.int32)
+    next_state = np.full(shape, -1, dtype=np.int32)
     next_factor = np.full(shape, -1, dtype=np.int16)
-    rows = np.arange(n + 1)
+    rows = np.arange(count)
     # Devices right to left: F[., ., d, .] needs only F[., ., e, .] for e > d.
     for d in range(devices - 1, -1, -1):
         for k, r in enumerate(factors):
@@ -175,7 +231,7 @@ def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
             stage = np.where(problem.tables.allowed, _stage_time(problem, d, r), np.inf)
             if mode is _Mode.SUM:
                 stage = np.where(stage <= tau, stage, np.inf)
-            # The best continuation after a cut at boundary j, over the next stage's
+            # The best continuation after a cut at state b, over the next stage's
             # replication, for every count of stages behind; cut time included.
             cuts = []
             if end < devices and (
@@ -188,17 +244,21 @@ def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
                             u = np.where(u <= tau, 2 * u, np.inf)
                         cuts.append((k2, u))
             for q in range(stages):
-                fits = _memory_ok(problem, d, r, q)
-                cost = stage if fits is None else np.where(fits, stage, np.inf)
                 if q == 0:
                     if space.use_all_devices and end != devices:
                         continue
-                    value[0, :, d, k] = cost[:, n]
+                    fits = _memory_ok(problem, d, r, q)
+                    cost = stage if fits is None else np.where(fits, stage, np.inf)
+                    value[0, :, d, k] = cost[:, last]
                     continue
-                if not cuts:
+                # No continuation with q stages from the next device: nothing to extend (with
+                # one device per stage on all devices, only q = D - 1 - d survives).
+                if not cuts or not np.isfinite(value[q - 1, :, end, :]).any():
                     continue
-                best_next = np.full(n + 1, np.inf)
-                best_factor = np.full(n + 1, -1, dtype=np.int16)
+                fits = _memory_ok(problem, d, r, q)
+                cost = stage if fits is None else np.where(fits, stage, np.inf)
+                best_next = np.full(count, np.inf)
+                best_factor = np.full(count, -1, dtype=np.int16)
                 for k2, u in cuts:
                     tail = value[q - 1, :, end, k2]
                     through = np.maximum(u, tail) if mode is _Mode.MAX else u + tail
@@ -212,37 +272,38 @@ def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
                 )
                 j = np.argmin(total, axis=1)
                 value[q, :, d, k] = total[rows, j]
-                next_layer[q, :, d, k] = j
+                next_state[q, :, d, k] = j
                 next_factor[q, :, d, k] = best_factor[j]
-    return _Pass(value, next_layer, next_factor)
+    return _Pass(value, next_state, next_factor)
 
 
-def _best_plan(problem: _Problem, result: _Pass) -> tuple[float, PipelinePlan | None]:
-    """The least F[q, 0, 0, k] over stage counts and first replications, and its plan."""
+class _Chain(NamedTuple):
+    """A plan as the DP sees it: the cut states its stages end at (0 first) and replications."""
+
+    states: tuple[int, ...]
+    replication: tuple[int, ...]
+
+
+def _best_chain(problem: _Problem, result: _Pass) -> tuple[float, _Chain | None]:
+    """The least F[q, 0, 0, k] over stage counts and first replications, and its chain."""
     start = result.value[:, 0, 0, :]
     if not np.isfinite(start).any():
         return math.inf, None
     q, k = np.unravel_index(int(np.argmin(start)), start.shape)
     best = float(start[q, k])
-    bounds, replication = [0], []
-    layer, device = 0, 0
+    states, replication = [0], []
+    state, device = 0, 0
     for remaining in range(int(q), -1, -1):
         r = problem.factors[k]
         replication.append(r)
         if remaining == 0:
-            bounds.append(problem.n)
+            states.append(problem.count - 1)
             break
-        nxt = int(result.next_layer[remaining, layer, device, k])
-        k = int(result.next_factor[remaining, layer, device, k])
-        bounds.append(nxt)
-        layer, device = nxt, device + r
-    plan = PipelinePlan.linear(
-        bounds,
-        replication,
-        microbatches=problem.space.microbatches,
-        schedule=problem.space.schedule,
-    )
-    return best, plan
+        nxt = int(result.next_state[remaining, state, device, k])
+        k = int(result.next_factor[remaining, state, device, k])
+        states.append(nxt)
+        state, device = nxt, device + r
+    return best, _Chain(tuple(states), tuple(replication))
 
 
 def _candidates(problem: _Problem, floor: float) -> np.ndarray:
@@ -260,47 +321,57 @@ def _candidates(problem: _Problem, floor: float) -> np.ndarray:
             values.append(stage[stage >= floor])
             for r2 in factors:
                 if d + r + r2 <= devices:
-                    u = _cut_time(problem, d, r, r2)[1 : problem.n]
+                    # Cuts happen after neither the empty nor the full state.
+                    u = _cut_time(problem, d, r, r2)[1 : problem.count - 1]
                     values.append(u[u >= floor])
     return np.unique(np.concatenate(values)) if values else np.zeros(0)
 
 
-def _solution(problem: _Problem, plan: PipelinePlan) -> Solution:
-    cost = evaluate_plan(problem.profile, problem.cluster, plan, problem.space.cost,
-                         prices=problem.prices)
-    return Solution(plan=plan, cost=cost, objective=problem.space.objective)
+def _solution(problem: _Problem, chain: _Chain) -> StateSolution:
+    """The chain's plan on the profile `realize` lays it out on, priced by `evaluate_plan`."""
+    profile, bounds = problem.realize(chain.states)
+    space = problem.space
+    plan = PipelinePlan.linear(bounds, chain.replication, microbatches=space.microbatches,
+                               schedule=space.schedule)
+    cost = evaluate_plan(profile, problem.cluster, plan, space.cost, prices=problem.prices)
+    return StateSolution(Solution(plan=plan, cost=cost, objective=space.objective), profile,
+                         chain.states)
 
 
-def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
-    """The plan of `space` with the least objective on `cluster`; raises `NoFeasiblePlan`."""
+def solve_states(
+    states: CutStates, realize: Realize, cluster: Cluster, space: SearchSpace
+) -> StateSolution:
+    """The plan of `space` over the cut `states` with the least objective on `cluster`;
+    raises `NoFeasiblePlan`. `realize` lays a chain of states out as a profile's stages."""
     if not any(r <= cluster.n_devices for r in space.replication):
         raise NoFeasiblePlan(
-            f"{profile.source}: replication factors {space.replication} all exceed the "
+            f"{states.source}: replication factors {space.replication} all exceed the "
             f"{cluster.n_devices} devices"
         )
-    problem = _Problem(profile, cluster, space, _tables(profile, space), GroupPrices(cluster))
-    tau_star, _ = _best_plan(problem, _run(problem, _Mode.MAX))
+    problem = _Problem(states, realize, cluster, space, _tables(states, space),
+                       GroupPrices(cluster))
+    tau_star, _ = _best_chain(problem, _run(problem, _Mode.MAX))
     if not math.isfinite(tau_star):
         raise NoFeasiblePlan(
-            f"{profile.source}: no plan of {profile.n_layers} layers on {cluster.n_devices} devices "
-            f"satisfies {space} (memory per device "
+            f"{states.source}: no plan of {states.n_layers} layers on {cluster.n_devices} "
+            f"devices satisfies {space} (memory per device "
             f"{group_memory(cluster, range(cluster.n_devices)):.4g} bytes)"
         )
-    _, plan = _best_plan(problem, _run(problem, _Mode.SUM, tau_star * (1 + TIE_RTOL)))
-    assert plan is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
+    _, chain = _best_chain(problem, _run(problem, _Mode.SUM, tau_star * (1 + TIE_RTOL)))
+    assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
+    best = _solution(problem, chain)
     if space.objective is Objective.BOTTLENECK:
-        return _solution(problem, plan)
+        return best
 
     m = space.microbatches
-    best = _solution(problem, plan)
-    least_sum, unconstrained = _best_plan(problem, _run(problem, _Mode.SUM))
+    least_sum, unconstrained = _best_chain(problem, _run(problem, _Mode.SUM))
     if unconstrained is not None:
         other = _solution(problem, unconstrained)
-        if other.cost.latency < best.cost.latency:
+        if other.solution.cost.latency < best.solution.cost.latency:
             best = other
     if m == 1:
         return best  # L is the plain sum: the unconstrained pass is the optimum.
-    best_value = best.cost.latency
+    best_value = best.solution.cost.latency
     taus = _candidates(problem, tau_star)
     # Only thresholds with (M - 1) tau + least_sum < best can win.
     taus = taus[(m - 1) * taus + least_sum < best_value]
@@ -311,11 +382,11 @@ def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Sol
         nonlocal best, best_value
         if index not in sums:
             tau = float(taus[index])
-            total, candidate = _best_plan(problem, _run(problem, _Mode.SUM, tau))
+            total, candidate = _best_chain(problem, _run(problem, _Mode.SUM, tau))
             sums[index] = total
             if candidate is not None and total + (m - 1) * tau < best_value:
                 best = _solution(problem, candidate)
-                best_value = min(total + (m - 1) * tau, best.cost.latency)
+                best_value = min(total + (m - 1) * tau, best.solution.cost.latency)
         return sums[index]
 
     # Branch and bound over ranges of thresholds: SUM only falls as tau grows, so every tau in
@@ -326,7 +397,7 @@ def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Sol
         if space.max_thresholds is not None and len(sums) >= space.max_thresholds:
             log.warning(
                 "%s: stopped after %d bottleneck thresholds; the plan is the best found, not "
-                "proven optimal", profile.source, len(sums),
+                "proven optimal", states.source, len(sums),
             )
             break
         if least_sum_at(hi) + (m - 1) * float(taus[lo]) >= best_value or lo == hi:
@@ -334,5 +405,15 @@ def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Sol
         mid = (lo + hi) // 2
         pending.append((mid + 1, hi))
         pending.append((lo, mid))  # popped first: small thresholds first
-    log.debug("%s: latency DP tried %d of %d thresholds", profile.source, len(sums), len(taus))
+    log.debug("%s: latency DP tried %d of %d thresholds", states.source, len(sums), len(taus))
     return best
+
+
+def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
+    """The plan of `space` that cuts the profile's layer chain with the least objective on
+    `cluster`; raises `NoFeasiblePlan`."""
+
+    def realize(chain: Sequence[int]) -> tuple[PipelineProfile, tuple[int, ...]]:
+        return profile, tuple(chain)  # state p is the prefix [0, p)
+
+    return solve_states(chain_states(profile), realize, cluster, space).solution

@@ -8,22 +8,25 @@ Times are milliseconds per minibatch (profiled on a V100); sizes are bytes (fp32
 element; vgg16's first conv 3->64 3x3 has (27 * 64 + 64) * 4 = 7168 bytes). A layer with several
 outputs (LSTMs) lists each output's bytes in brackets; they are summed.
 
-Conversion to a straight `PipelineProfile` (`to_profile`), following PipeDream's optimizer where
-it makes a choice:
+Conversion to a `LayerDag` (`to_dag`) and its straight `PipelineProfile` (`to_profile`),
+following PipeDream's optimizer where it makes a choice:
 - Source nodes named `Input...` are dropped (PipeDream zeroes them and removes them: the input is
   read where it is needed, so it costs neither compute nor a cut). Sink nodes named
   `__getitem__...` are dropped too (unused tuple outputs; PipeDream removes them).
 - Nodes are ordered topologically by Kahn's algorithm, taking the ready node with the smallest
-  numeric id first (the profiler numbers nodes in execution order), so chains keep their order.
+  numeric id first (the profiler numbers nodes in execution order), so chains keep their order:
+  the straight order.
 - The bytes crossing the cut after position p are the activation sizes of the distinct nodes at
   positions <= p that feed some node after p. Each tensor is counted once however many
   consumers it has beyond the cut, because it is sent once (PipeDream's antichain
   `output_activation_size` also sums nodes, not edges); counting per edge would charge ResNet
   skip connections twice.
-- A node's stash (memory per in-flight minibatch) is its activation size; its compute is
-  forward + backward time.
-A straight order allows fewer cuts than PipeDream's antichain states for branchy graphs, so on
-such graphs our optimum can only be equal or slower; on chains (vgg16, alexnet) they coincide.
+- A node's stash (memory per in-flight minibatch) and its output are its activation size; its
+  compute is forward + backward time.
+The straight profile is what the linear DP, the DQN and the inference network cut. On graphs with
+branches PipeDream's optimizer also cuts between positions of that order (at antichains);
+`downsets.solve_downsets` on `to_dag`'s graph searches those cuts too. On chains (vgg16, alexnet)
+the two coincide.
 
 `pipedream_cluster` is the network PipeDream's optimizer assumes for such a profile: one GPU per
 worker, every pair of workers joined by the same link, memory never the limit.
@@ -42,14 +45,17 @@ import numpy as np
 from hlomap.cost.cluster import Cluster, uniform
 from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.tasks.pipeline.downsets import LayerDag
 
 __all__ = [
     "LayerGraph",
     "LayerNode",
     "PipeDreamParseError",
     "load_pipedream",
+    "load_pipedream_dag",
     "parse_graph",
     "pipedream_cluster",
+    "to_dag",
     "to_profile",
 ]
 
@@ -194,44 +200,51 @@ def topological_order(graph: LayerGraph, keep: set[str]) -> list[str]:
     return order
 
 
-def to_profile(graph: LayerGraph) -> PipelineProfile:
-    """The straight-pipeline profile of a layer graph (see the module docstring)."""
+def to_dag(graph: LayerGraph) -> LayerDag:
+    """The layer DAG of a profiled graph (see the module docstring), layers in the straight
+    order; `solve_downsets` cuts it at any downset."""
     dropped = _drop(graph)
     keep = set(graph.nodes) - dropped
     if not keep:
         raise PipeDreamParseError(f"{graph.source}: no layers left after dropping inputs")
     order = topological_order(graph, keep)
     position = {node: p for p, node in enumerate(order)}
-    n = len(order)
-    # The last position where each kept node's output is still needed.
-    last_use = {node: position[node] for node in order}
+    consumers: list[list[int]] = [[] for _ in order]
     for src, dst in graph.edges:
         if src in keep and dst in keep:
-            last_use[src] = max(last_use[src], position[dst])
-    # A node's output crosses every cut from its own position up to (excluding) its last use.
-    crossing = np.zeros(n + 1)
-    for node in order:
-        a, b = position[node], last_use[node]
-        if b > a:
-            crossing[a] += graph.nodes[node].activation_bytes
-            crossing[b] -= graph.nodes[node].activation_bytes
-    activation = np.cumsum(crossing)[: n - 1]
+            consumers[position[src]].append(position[dst])
     nodes = [graph.nodes[node] for node in order]
-    return PipelineProfile(
+    activation = np.array([node.activation_bytes for node in nodes])
+    return LayerDag(
         names=tuple(f"{node.node_id}:{node.description.split('(')[0]}" for node in nodes),
         forward_time=np.array([node.forward_time for node in nodes]),
         backward_time=np.array([node.backward_time for node in nodes]),
-        activation_bytes=np.maximum(activation, 0.0),
         parameter_bytes=np.array([node.parameter_bytes for node in nodes]),
-        stash_bytes=np.array([node.activation_bytes for node in nodes]),
+        stash_bytes=activation,
+        output_bytes=activation,
+        consumers=tuple(tuple(c) for c in consumers),
         source=graph.source,
     )
 
 
+def to_profile(graph: LayerGraph) -> PipelineProfile:
+    """The straight-pipeline profile of a layer graph (see the module docstring)."""
+    return to_dag(graph).straight
+
+
 def load_pipedream(path: str | Path) -> PipelineProfile:
     """Read a PipeDream graph file into a straight `PipelineProfile`."""
+    return to_profile(_read(path))
+
+
+def load_pipedream_dag(path: str | Path) -> LayerDag:
+    """Read a PipeDream graph file into a `LayerDag` (for `downsets.solve_downsets`)."""
+    return to_dag(_read(path))
+
+
+def _read(path: str | Path) -> LayerGraph:
     path = Path(path)
-    return to_profile(parse_graph(path.read_text(), source=str(path)))
+    return parse_graph(path.read_text(), source=str(path))
 
 
 def pipedream_cluster(workers: int, bandwidth_gbps: float = 10.0) -> Cluster:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from hypothesis import strategies as st
@@ -14,7 +15,11 @@ from hlomap.cost.pipeline.costs import CommModel, CostOptions
 from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
+from hlomap.tasks.pipeline.downsets import LayerDag
 from hlomap.tasks.pipeline.space import Objective, SearchSpace
+
+if TYPE_CHECKING:
+    from hlomap.tasks.pipeline.cutenv import CutTask
 
 
 @st.composite
@@ -33,6 +38,38 @@ def profiles(draw: st.DrawFn, *, min_layers: int = 1, max_layers: int = 6) -> Pi
         parameter_bytes=np.array(draw(st.lists(params, min_size=n, max_size=n))),
         stash_bytes=np.array(draw(st.lists(st.floats(0.0, 1e9), min_size=n, max_size=n))),
         source="hypothesis",
+    )
+
+
+@st.composite
+def layer_dags(
+    draw: st.DrawFn, *, min_layers: int = 1, max_layers: int = 5, chain: bool = False
+) -> LayerDag:
+    """Random small layer DAGs numbered in a topological order; each later pair is an edge with
+    random odds, so both wide graphs (many downsets) and near-chains occur. `chain`: every layer
+    also feeds the next one (the straight order is the only order; skip edges stay random)."""
+    n = draw(st.integers(min_layers, max_layers))
+    coarse = draw(st.booleans())
+    time = st.integers(0, 3).map(float) if coarse else st.floats(0.0, 2.0)
+    density = draw(st.sampled_from([0.0, 0.3, 0.6]))
+    consumers = []
+    for i in range(n):
+        later = [j for j in range(i + 1, n)
+                 if (chain and j == i + 1) or draw(st.floats(0.0, 1.0)) < density]
+        consumers.append(tuple(later))
+
+    def vector(values: st.SearchStrategy[float]) -> np.ndarray:
+        return np.array(draw(st.lists(values, min_size=n, max_size=n)))
+
+    return LayerDag(
+        names=tuple(f"v{i}" for i in range(n)),
+        forward_time=vector(time),
+        backward_time=vector(time),
+        parameter_bytes=vector(st.one_of(st.just(0.0), st.floats(1e6, 1e9))),
+        stash_bytes=vector(st.floats(0.0, 1e9)),
+        output_bytes=vector(st.floats(0.0, 2e9)),
+        consumers=tuple(consumers),
+        source="hypothesis-dag",
     )
 
 
@@ -89,7 +126,7 @@ def spaces(draw: st.DrawFn) -> SearchSpace:
     )
 
 
-def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")) -> "CutTask":
+def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")) -> CutTask:
     """A seeded 14-layer cut problem on `2 * stages` devices (2 per server, cuts on servers)."""
     from hlomap.tasks.pipeline.cutenv import CutTask
 

@@ -124,9 +124,16 @@ def _random_policy_gap(tasks, seed=0):
 
 @pytest.mark.skipif(not DEFAULT_POLICY.is_file(), reason="no shipped policy")
 def test_the_shipped_policy_beats_chance_on_random_problems():
-    """Held-out random problems (not the training or validation seeds): greedy inference alone
-    lands within 1% of the DP optimum on about half or more of them, within a few percent on
-    average, and far closer than random choices among the same candidates."""
+    """Held-out random problems (not the training or validation seeds): greedy inference alone,
+    against the DP optimum and random choices among the same candidates.
+
+    Measured with the shipped policy on these 16 problems: 9 land within 1% (7 exactly on the
+    optimum; the nearest outside is at +1.06%, the nearest inside at +0.32%, so the count does
+    not move with rounding), 1 runs out of memory, the 15 feasible plans are 3.29% above the
+    optimum on average (worst +23%), and random choices are 18.0% above (5.5 times as far). The
+    bars below are those figures: the count exactly, the mean gap with 0.2 points of margin,
+    the ratio to chance rounded down to 5.
+    """
     policy = load_policy()
     json.dumps(policy.meta)  # the header is plain JSON
     rng = np.random.default_rng(20240607)
@@ -141,9 +148,10 @@ def test_the_shipped_policy_beats_chance_on_random_problems():
             continue
         tasks.append((task, optimum))
     score = validate(policy.agent(), tasks)
-    assert score.within_1pct >= 0.5
-    assert score.mean_gap <= 0.05
-    assert score.mean_gap <= _random_policy_gap(tasks) / 3
+    assert score.within_1pct >= 9 / 16
+    assert score.infeasible <= 1
+    assert score.mean_gap <= 0.035
+    assert score.mean_gap <= _random_policy_gap(tasks) / 5
 
 
 @pytest.mark.slow

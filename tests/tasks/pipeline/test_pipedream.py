@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions
-from hlomap.tasks.pipeline.dp import solve
+from hlomap.tasks.pipeline.dp import solve, solve_states
+from hlomap.tasks.pipeline.downsets import downset_family, downset_states, solve_downsets
 from hlomap.tasks.pipeline.pipedream import (
     PipeDreamParseError,
     load_pipedream,
+    load_pipedream_dag,
     parse_graph,
     pipedream_cluster,
     to_profile,
@@ -39,6 +41,23 @@ def test_dp_reproduces_pipedreams_optimizer_on_vgg16(corpus_dir, n_stages, publi
     solution = solve(profile, pipedream_cluster(n_stages, 10.0), STRAIGHT_PIPEDREAM)
     assert solution.plan.n_stages == n_stages
     assert solution.value == pytest.approx(published, rel=5e-7)
+
+
+@pytest.mark.parametrize(
+    "n_stages,published", [(2, 0.370931), (4, 0.21645), (8, 0.159531)]
+)
+def test_downset_dp_reproduces_pipedreams_optimizer_on_vgg16(corpus_dir, n_stages, published):
+    """vgg16 is a chain: its downsets are the straight order's prefixes, and the downset DP, by
+    its linear fast path or over the downset tables, gives PipeDream's numbers."""
+    dag = load_pipedream_dag(corpus_dir / "pipedream" / "vgg16.txt")
+    cluster = pipedream_cluster(n_stages, 10.0)
+    found = solve_downsets(dag, cluster, STRAIGHT_PIPEDREAM)
+    assert found.complete and found.value == pytest.approx(published, rel=5e-7)
+    family = downset_family(dag)
+    assert len(family.members) == dag.n_layers + 1
+    general = solve_states(downset_states(dag, family), lambda chain: (dag.straight, chain),
+                           cluster, STRAIGHT_PIPEDREAM)
+    assert general.solution.value == found.value
 
 
 def test_every_corpus_graph_becomes_a_profile(corpus_dir):

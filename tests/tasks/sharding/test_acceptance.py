@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import pytest
 
 from hlomap import zoo
