@@ -322,6 +322,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hlomap.report.estimate import format_estimate
 
     plan = _plan_argument(args.plan)
+    if not isinstance(plan, str) and plan.pipeline is not None:
+        raise CliError(f"--plan {args.plan} is a pipeline plan: simulate prices one SPMD step on one mesh; the "
+                       "pipeline's own estimate is the plan's 'estimate' section, and `hlomap run` runs it")
     mesh = None if args.mesh is None else _mesh_argument(args.mesh)
     cluster = _cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
     cap = _load_capture(args)
