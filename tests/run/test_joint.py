@@ -163,8 +163,7 @@ def test_stage_specs_are_read_and_checked() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_cli_explores_runs_and_refuses_to_simulate_a_joint_plan(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_explores_runs_and_simulates_a_joint_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hlomap.cli import run
 
     cluster = tmp_path / "cluster.json"
@@ -182,6 +181,18 @@ def test_cli_explores_runs_and_refuses_to_simulate_a_joint_plan(tmp_path: Path,
     assert [s["devices"] for s in report["description"]["stages"]] == [s["devices"] for s in saved["pipeline"]["stages"]]
     assert [s["mesh"] for s in report["description"]["stages"]] == [s["mesh"] for s in saved["pipeline"]["stages"]]
 
-    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(cluster)]) == 2
+    # simulate prices the saved plan again, stage by stage: the explorer's own figures
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(cluster), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["step_seconds"] == pytest.approx(saved["estimate"]["step_seconds"], rel=1e-9)
+    assert priced["stage_seconds"] == pytest.approx([s["seconds_per_microbatch"] for s in saved["pipeline"]["stages"]],
+                                                    rel=1e-9)
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(cluster)]) == 0
+    out = capsys.readouterr().out
+    assert "a saved plan priced again" in out and "L = " in out
+    # on a cluster too small for its stages: one line saying so
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(hierarchical(1, 4).to_json()))
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(small)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "is a pipeline plan" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "devices" in err
