@@ -198,3 +198,23 @@ def test_bad_arguments_fail_when_decorating(tmp_path: Path) -> None:
         hlomap.auto_shard(task="fast")
     with pytest.raises(ValueError, match=r"mesh=\[8\]"):
         hlomap.auto_shard(mesh=[8])
+
+
+@pytest.mark.slow
+def test_task_auto_runs_the_joint_plan_with_the_unsharded_numerics(tmp_path: Path) -> None:
+    """The decorator's default task on gpt-tiny and a 2-server x 4-device cluster: a pipeline
+    plan (stages with their own meshes) whose loss and gradients before the optimizer equal the
+    undecorated step's (`check_pipeline` on the step the decorator built)."""
+    from hlomap import zoo
+    from hlomap.cost.cluster import hierarchical
+    from hlomap.run.compare import check_pipeline
+
+    model = zoo.get("gpt-tiny")
+    args = tuple(model.example_args(0))
+    step = hlomap.auto_shard(mesh=8, cluster=hierarchical(2, 4), cache_dir=tmp_path)(model.train_step())
+    params, opt_state = step.place(args[0], args[1])
+    step(params, opt_state, *args[2:])
+    assert step.origin is Origin.EXPLORED and step.plan.pipeline is not None
+    assert step.plan.pipeline["kind"] == "joint" and len(step.plan.pipeline["stages"]) >= 2
+    check = check_pipeline(step.step, args)
+    assert check.exact, [c.words() for c in check.comparisons]
