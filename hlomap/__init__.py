@@ -30,6 +30,7 @@ _PUBLIC: dict[str, str] = {
     "cluster_preset": "hlomap.cost.cluster",
     "parallelize": "hlomap.run",
     "value_and_grad": "hlomap.run",
+    "auto_shard": "hlomap.autoshard",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

@@ -141,7 +141,7 @@ def parse_mesh(mesh: Mapping[str, int] | int | str, task: Any = "opp") -> dict[s
     """`{"model": 8}`, `8` or `"8"` (one axis, named `model`, or `data` for ADP) or
     `"data=2,model=4"`; the hybrid task needs two axes. `simulate` and `explore` read --mesh
     through this one function, so they accept and reject the same strings."""
-    from hlomap.tasks.sharding.problem import mesh_shape
+    from hlomap.tasks.sharding.space import mesh_shape  # not .problem: parsing a mesh needs no search
 
     return mesh_shape(mesh, task)
 

@@ -347,6 +347,30 @@ def _simulate_pipeline(args: argparse.Namespace, plan: Any) -> int:
     return 0 if est.placed.feasible or not args.fail_if_oom else 3
 
 
+def _simulate_joint(args: argparse.Namespace, plan: Any) -> int:
+    """A joint plan priced again by the cost model on --cluster: per stage its layers, devices,
+    mesh, time per microbatch and memory, then L and the transfers."""
+    from hlomap.report.joint import format_joint_result
+    from hlomap.tasks.joint.explore import reprice_joint_plan
+
+    cluster = _cluster_argument(args.cluster, args.profile)
+    cap = _load_capture(args)
+    _check_plan_for(plan, cap, args.plan)
+    try:
+        result = reprice_joint_plan(cap, cluster, plan.pipeline)
+    except ValueError as err:
+        raise CliError(f"--plan {args.plan}: {err}") from None
+    if args.json:
+        cost = result.cost
+        json.dump({"step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
+                   "stage_seconds": list(cost.stage_seconds), "stage_memory_bytes": list(cost.stage_memory),
+                   "transfer_seconds": list(cost.transfer_seconds), "fits": cost.fits}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _console().print(format_joint_result(result, name=args.source))
+    return 0 if result.cost.fits or not args.fail_if_oom else 3
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -357,6 +381,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     plan = _plan_argument(args.plan)
     if isinstance(plan, Plan) and plan.pipeline is not None:
+        if plan.pipeline.get("kind") == "joint":
+            return _simulate_joint(args, plan)
         return _simulate_pipeline(args, plan)
     placed = isinstance(plan, Plan) and plan.placement is not None
     if placed and args.axis_order:

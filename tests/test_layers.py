@@ -24,6 +24,10 @@ ALLOWED: dict[str, set[str]] = {
     "zoo": {"hlo", "run", "zoo"},
     "report": {"hlo", "propagation", "cost", "plan", "search", "agents", "tasks", "verify", "run", "report"},
     "api": {"hlo", "propagation", "cost", "plan", "search", "agents", "tasks", "verify", "run", "zoo", "api"},
+    # the decorator (`hlomap.auto_shard`; a module named auto_shard would shadow the function on
+    # the package): above api (it explores through it) and report (its progress bar, explain())
+    "autoshard": {"hlo", "propagation", "cost", "plan", "search", "agents", "tasks", "verify", "run", "zoo", "api",
+                   "report", "__init__", "autoshard"},
 }
 #: what the cli and the package's own __init__ may import: everything.
 TOP = {"cli", "__init__"}

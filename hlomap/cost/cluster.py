@@ -156,6 +156,19 @@ class Cluster:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
+def first_devices(cluster: Cluster, count: int) -> Cluster:
+    """The cluster's first `count` devices with the links between them, named `NAME[:count]`:
+    what a step running on `count` of the cluster's devices is priced on (device ids run server by
+    server, so these fill the first servers). The cluster itself when it has exactly `count`."""
+    if not 1 <= count <= cluster.n_devices:
+        raise ClusterSpecError(f"cluster {cluster.name!r} has {cluster.n_devices} devices; cannot take the first "
+                               f"{count}")
+    if count == cluster.n_devices:
+        return cluster
+    return Cluster(f"{cluster.name}[:{count}]", cluster.devices[:count], cluster.node_of[:count],
+                   cluster.bandwidth[:count, :count], cluster.latency[:count, :count], cluster.nics_per_node)
+
+
 def _device_to_json(device: DeviceSpec) -> str | dict[str, Any]:
     """A preset's name when the spec is exactly that preset (compact files), else the full spec."""
     try:

@@ -36,7 +36,8 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
                   f"{human_seconds(cost.bottleneck)} per microbatch; transfers "
                   + (", ".join(human_seconds(t) for t in cost.transfer_seconds) or "none")),
              Text(f"search: {result.driver}, {result.options} stage options over {model.n_layers} layers, "
-                  f"{result.seconds:.1f} s")]
+                  f"{result.seconds:.1f} s") if result.options else
+             Text(f"a saved plan priced again on {model.cluster.name} ({model.n_layers} layers, {result.seconds:.1f} s)")]
     feasible = sorted((g for g in result.grid if g.cost is not None), key=lambda g: g.cost.latency)  # type: ignore[union-attr]
     if feasible:
         best = feasible[0]

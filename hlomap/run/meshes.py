@@ -3,10 +3,12 @@
 A pipeline plan's `pipeline` section lists its stages with the (plan) device ids each uses; the
 mesh inside a stage is the stage's own `mesh` entry when it has one, else the plan's top-level
 mesh (its parameters' PartitionSpecs then apply inside every stage: tensor parallelism), else
-one `data` axis over the stage's devices (the explorer's replicated stages). Plan device i is
-the i-th device of the order given to `parallelize`; without one, the JAX device whose id the
-plan's `placement` section gives it (`Plan.physical_devices`), else the i-th of `jax.devices()`
-(every process's devices when several run).
+one `data` axis over the stage's devices (the explorer's replicated stages). The PartitionSpecs
+inside a stage are the stage's own `specs` entry when it has one (a joint plan's: one per plan
+parameter, in the order of `plan.parameters`, over the stage's mesh), else the plan's top-level
+parameters. Plan device i is the i-th device of the order given to `parallelize`; without one,
+the JAX device whose id the plan's `placement` section gives it (`Plan.physical_devices`), else
+the i-th of `jax.devices()` (every process's devices when several run).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hlomap.cost.pipeline.stages import Schedule
+from hlomap.plan import ParameterSpec, Plan
 from hlomap.run.cuts import CutRecord, cut_records
 from hlomap.run.errors import RunError
 
@@ -28,6 +31,7 @@ __all__ = [
     "auto_mesh",
     "device_order",
     "pipeline_section",
+    "stage_parameters",
 ]
 
 STAGE_AXIS = "stage"
@@ -36,13 +40,15 @@ DATA_AXIS = "data"
 
 @dataclass(frozen=True)
 class PipelineSection:
-    """A plan's pipeline: per stage its plan device ids and inner mesh; cuts, M, schedule."""
+    """A plan's pipeline: per stage its plan device ids, inner mesh and the plan's parameters
+    with the specs that apply inside it; cuts, M, schedule."""
 
     devices: tuple[tuple[int, ...], ...]
     inner: tuple[tuple[tuple[str, int], ...], ...]
     cuts: tuple[CutRecord, ...]
     microbatches: int
     schedule: Schedule
+    parameters: tuple[tuple[ParameterSpec, ...], ...]
 
     @property
     def n_stages(self) -> int:
@@ -50,8 +56,9 @@ class PipelineSection:
 
     @property
     def uniform(self) -> bool:
-        """Every stage has the same inner mesh (what one SPMD program over a `stage` axis needs)."""
-        return len(set(self.inner)) == 1
+        """Every stage has the same inner mesh and specs (what one SPMD program over a `stage`
+        axis needs: each parameter sits at the same place of every stage's row)."""
+        return len(set(self.inner)) == 1 and len(set(self.parameters)) == 1
 
 
 def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
@@ -69,7 +76,7 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
     if microbatches < 1:
         raise RunError(f"{where}: {microbatches} microbatches; need at least 1")
     top = tuple((str(k), int(v)) for k, v in plan.mesh)
-    devices, inner = [], []
+    devices, inner, parameters = [], [], []
     for s, stage in enumerate(stages):
         ids = tuple(int(d) for d in stage.get("devices", ()))
         if not ids:
@@ -82,10 +89,38 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
             raise RunError(f"{where}: stage {s}'s mesh uses the axis name {STAGE_AXIS!r}, which the runner reserves")
         devices.append(ids)
         inner.append(mesh)
+        parameters.append(stage_parameters(plan, stage.get("specs"), mesh, f"{where}: stage {s}"))
     used = [d for ids in devices for d in ids]
     if len(set(used)) != len(used):
         raise RunError(f"{where}: a device is in two stages ({used})")
-    return PipelineSection(tuple(devices), tuple(inner), cut_records(data, where), microbatches, schedule)
+    return PipelineSection(tuple(devices), tuple(inner), cut_records(data, where), microbatches, schedule,
+                           tuple(parameters))
+
+
+def stage_parameters(plan: Any, specs: Sequence[Any] | None, mesh: tuple[tuple[str, int], ...],
+                     where: str) -> tuple[ParameterSpec, ...]:
+    """The plan's parameters with a stage's own `specs` (JSON PartitionSpecs, one per parameter,
+    in order), checked against the stage's mesh; without them the top-level parameters."""
+    if specs is None:
+        return tuple(plan.parameters)
+    if not isinstance(specs, Sequence) or len(specs) != len(plan.parameters):
+        count = len(specs) if isinstance(specs, Sequence) else type(specs).__name__
+        raise RunError(f"{where}: 'specs' has {count} entries; the plan has {len(plan.parameters)} parameters "
+                       "and a stage gives one PartitionSpec for each, in order")
+    out = []
+    for p, spec in zip(plan.parameters, specs):
+        if not isinstance(spec, Sequence) or isinstance(spec, str) or len(spec) != len(p.shape):
+            raise RunError(f"{where}: the spec {spec!r} of parameter {p.path!r} does not give one entry per dim of "
+                           f"its shape {p.shape}")
+        try:
+            out.append(ParameterSpec.from_json({**p.to_json(), "spec": list(spec)}))
+        except (TypeError, ValueError) as err:
+            raise RunError(f"{where}: the spec {spec!r} of parameter {p.path!r} is malformed ({err})") from None
+    try:
+        Plan(mesh=mesh, parameters=tuple(out)).check_specs(where=where)
+    except ValueError as err:
+        raise RunError(str(err)) from None
+    return tuple(out)
 
 
 def device_order(plan: Any, devices: Sequence[Any] | None = None) -> list[Any]:

@@ -76,7 +76,7 @@ def _nbytes(tree: Any) -> int:
 class MpmdPipeline:
     """Executor B for one traced step and pipeline plan (module docstring)."""
 
-    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any],
+    def __init__(self, program: PipelineProgram, order: Sequence[Any],
                  compiler_options: Mapping[str, Any] | None = None):
         self.options = dict(compiler_options or {}) or None
         section = program.section
@@ -86,11 +86,12 @@ class MpmdPipeline:
         self.microbatches = section.microbatches
         self.meshes = [auto_mesh(pick(order, ids, f"stage {s}"), inner)
                        for s, (ids, inner) in enumerate(zip(section.devices, section.inner))]
-        self.batch_axes = [batch_axes(plan, traced, dict(inner), program.microbatch) for inner in section.inner]
-        specs = leaf_specs(plan, traced.state_leaves)
+        self.batch_axes = [batch_axes(parameters, traced, dict(inner), program.microbatch)
+                           for parameters, inner in zip(section.parameters, section.inner)]
         self.leaf_sharding = [
-            {leaf: NamedSharding(mesh, spec if _fits(spec, mesh) else P()) for leaf, spec in specs.items()}
-            for mesh in self.meshes]
+            {leaf: NamedSharding(mesh, spec if _fits(spec, mesh) else P())
+             for leaf, spec in leaf_specs(parameters, traced.state_leaves).items()}
+            for parameters, mesh in zip(section.parameters, self.meshes)]
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()
         residence = program.update.residence

@@ -32,6 +32,7 @@ from hlomap.run.update import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
+    from hlomap.plan import ParameterSpec
 
 __all__ = ["PipelineProgram", "batch_axes", "leaf_specs", "prepare"]
 
@@ -107,21 +108,22 @@ def _check_same_loss(whole: TracedStep, micro: TracedStep) -> None:
                            "depend on the batch size")
 
 
-def leaf_specs(plan: Any, n_leaves: int) -> dict[int, Any]:
-    """Flat argument index -> PartitionSpec of the plan (inside each stage for pipeline plans)."""
+def leaf_specs(parameters: Sequence[ParameterSpec], n_leaves: int) -> dict[int, Any]:
+    """Flat argument index -> PartitionSpec of a stage's parameters (`PipelineSection.parameters`)."""
     out = {}
-    for p in plan.parameters:
+    for p in parameters:
         if p.index < n_leaves and any(s is not None for s in p.spec):
             out[p.index] = p.partition_spec()
     return out
 
 
-def batch_axes(plan: Any, traced: TracedStep, mesh_axes: Mapping[str, int], microbatch: int) -> tuple[str, ...]:
-    """Mesh axes that split a microbatch's examples inside a stage: the plan's spec of the batch
+def batch_axes(parameters: Sequence[ParameterSpec], traced: TracedStep, mesh_axes: Mapping[str, int],
+               microbatch: int) -> tuple[str, ...]:
+    """Mesh axes that split a microbatch's examples inside a stage: the stage's spec of the batch
     leaves' leading dim, else the `data` axis when the mesh has one. Raises RunError when the
     microbatch does not divide among them."""
     axes: tuple[str, ...] = ()
-    for p in plan.parameters:
+    for p in parameters:
         if traced.arg_of(p.index) == 2 and p.spec and p.spec[0]:
             axes = tuple(p.spec[0])
             break

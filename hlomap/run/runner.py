@@ -54,8 +54,8 @@ def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str
         if executor is Executor.SPMD and schedule is Schedule.ONE_F_ONE_B:
             raise RunError("executor A (spmd) runs GPipe only; a 1f1b plan needs executor B (mpmd)")
         if executor is Executor.SPMD and not uniform:
-            raise RunError("executor A (spmd) needs every stage to have the same mesh; this plan's stages differ, "
-                           "use executor B (mpmd)")
+            raise RunError("executor A (spmd) needs every stage to have the same mesh and parameter specs; this "
+                           "plan's stages differ, use executor B (mpmd)")
         return executor
     if schedule is Schedule.ONE_F_ONE_B or not uniform:
         return Executor.MPMD
@@ -147,11 +147,11 @@ class ParallelStep:
         if self.executor is Executor.SPMD:
             from hlomap.run.spmd_pipeline import SpmdPipeline
 
-            self._runner = SpmdPipeline(program, self.plan, self.order, self.compiler_options)
+            self._runner = SpmdPipeline(program, self.order, self.compiler_options)
         else:
             from hlomap.run.mpmd_pipeline import MpmdPipeline
 
-            self._runner = MpmdPipeline(program, self.plan, self.order, self.compiler_options)
+            self._runner = MpmdPipeline(program, self.order, self.compiler_options)
 
     # -- the step ---------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:

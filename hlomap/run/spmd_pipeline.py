@@ -182,11 +182,11 @@ def _floating(dtype: str) -> bool:
 class SpmdPipeline:
     """Executor A for one traced step and pipeline plan (module docstring)."""
 
-    def __init__(self, program: PipelineProgram, plan: Any, order: Sequence[Any],
+    def __init__(self, program: PipelineProgram, order: Sequence[Any],
                  compiler_options: Mapping[str, Any] | None = None):
         section = program.section
         if not section.uniform:
-            raise ValueError("executor A needs every stage to have the same mesh; use executor B")
+            raise ValueError("executor A needs every stage to have the same mesh and specs; use executor B")
         self.program = program
         traced = program.traced
         self.n_stages = section.n_stages
@@ -195,8 +195,8 @@ class SpmdPipeline:
         inner = section.inner[0]
         self.mesh = auto_mesh(devices, ((STAGE_AXIS, self.n_stages),) + inner)
         self.inner_axes = dict(inner)
-        self.batch_axes = batch_axes(plan, traced, self.inner_axes, program.microbatch)
-        self.specs = leaf_specs(plan, traced.state_leaves)
+        self.batch_axes = batch_axes(section.parameters[0], traced, self.inner_axes, program.microbatch)
+        self.specs = leaf_specs(section.parameters[0], traced.state_leaves)
         flat_avals = [v.aval for v in traced.step.jaxpr.invars]
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()

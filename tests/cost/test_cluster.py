@@ -9,7 +9,7 @@ import pytest
 from scipy.sparse.csgraph import shortest_path
 
 from hlomap.cost.cluster import (
-    Cluster, ClusterSpecError, cluster_preset, hierarchical, load_cluster, mesh_topology,
+    Cluster, ClusterSpecError, cluster_preset, first_devices, hierarchical, load_cluster, mesh_topology,
     random_block, uniform,
 )
 from hlomap.cost.devices import DEVICE_PRESETS, DeviceSpec, DeviceSpecError, device_preset
@@ -278,3 +278,14 @@ def test_bad_topology_strings_name_the_bad_part(text, part):
     with pytest.raises(ClusterSpecError, match=re.escape(part)) as info:
         load_cluster(text)
     assert text in str(info.value)
+
+
+def test_first_devices_keeps_their_links_and_is_one_server_of_a_preset():
+    a = cluster_preset("A")
+    eight = first_devices(a, 8)
+    assert eight == hierarchical(1, 8, "V100-16GB", name="A[:8]")
+    assert first_devices(a, 16) is a
+    twelve = first_devices(a, 12)
+    assert twelve.n_nodes == 2 and twelve.p2p_time(0, 11, 1e6) == a.p2p_time(0, 11, 1e6)
+    with pytest.raises(ClusterSpecError, match="has 16 devices; cannot take the first 17"):
+        first_devices(a, 17)

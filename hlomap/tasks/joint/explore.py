@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.stages import Schedule
@@ -24,14 +24,14 @@ from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
-from hlomap.tasks.joint.plans import JointCost, JointPlan, evaluate
+from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
 from hlomap.tasks.joint.task import JointSearchTask
 from hlomap.tasks.pipeline.chain import PivotOptions, step_chain
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JointResult", "explore_joint", "joint_model"]
+__all__ = ["JointResult", "explore_joint", "joint_model", "reprice_joint_plan"]
 
 #: Cut points the joint search considers (on top of the block ends of every uniform split); the
 #: pipeline explorer's 256 would make the DP's tables large for little gain between two blocks.
@@ -167,3 +167,36 @@ def joint_plan(result: JointResult) -> Any:
     replicated = tuple(dataclasses.replace(p, spec=(None,) * len(p.shape)) for p in parameters)
     base = Plan(mesh=(), parameters=replicated, source=PlanSource(model.cap.source, model.cap.text_sha256))
     return dataclasses.replace(base, pipeline=pipeline, estimate=estimate, search=search)
+
+
+def saved_joint_plan(section: Mapping[str, Any]) -> JointPlan:
+    """The JointPlan a saved plan's `pipeline` section (kind "joint") describes. Raises
+    ValueError naming the field that is missing or malformed."""
+    try:
+        stages = tuple(JointStage(int(st["layers"][0]), int(st["layers"][1]), int(st["devices"][0]),
+                                  StageOption(len(st["devices"]), int(st["mesh"]["data"]), int(st["mesh"]["model"]),
+                                              PlanKind(st.get("plan", PlanKind.EXPERT.value))))
+                       for st in section["stages"])
+        return JointPlan(stages, int(section["microbatches"]), Schedule(section.get("schedule", "1f1b")))
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise ValueError(f"the pipeline section of a joint plan is malformed ({type(err).__name__}: {err})") from None
+
+
+def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Mapping[str, Any], *,
+                       graph: FactorGraph | None = None) -> JointResult:
+    """A saved joint plan priced again by the cost model on `cluster` (no search): what `hlomap
+    simulate` shows. The plan's layers must be this cluster's layers (the planner cuts the step
+    where the cluster's uniform splits cut), which holds for the cluster it was made for."""
+    start = time.perf_counter()
+    model = joint_model(cap, cluster, graph=graph)
+    saved = tuple(section.get("layer_names") or ())
+    if saved and saved != model.layer_names:
+        raise ValueError(f"the plan's layers ({len(saved)}) were cut for another cluster than {cluster.name} "
+                         f"({model.n_layers} layers); simulate it on the cluster it was made for")
+    plan = saved_joint_plan(section)
+    if plan.stages[-1].stop != model.n_layers or plan.stages[-1].first_device + plan.stages[-1].option.devices > \
+            cluster.n_devices:
+        raise ValueError(f"the plan's stages need {plan.stages[-1].first_device + plan.stages[-1].option.devices} "
+                         f"devices and {plan.stages[-1].stop} layers; {cluster.name} gives {cluster.n_devices} "
+                         f"devices and {model.n_layers} layers")
+    return JointResult(model, plan, evaluate(model, plan), (), time.perf_counter() - start, "saved", 0)

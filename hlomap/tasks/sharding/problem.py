@@ -27,32 +27,12 @@ from hlomap.search.dqn import DqnSearchConfig
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.sharding.costmodel import estimate_model
 from hlomap.tasks.sharding.objective import CostObjective, Objective, PaperObjective, RewardMode
-from hlomap.tasks.sharding.space import SearchSpace, Task, make_space
+from hlomap.tasks.sharding.space import SearchSpace, Task, make_space, mesh_shape
 from hlomap.tasks.sharding.task import ShardingTask
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Exploration", "build_problem", "explore_sharding", "mesh_shape", "run_driver", "to_plan"]
-
-
-def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP) -> dict[str, int]:
-    """`{"model": 8}`, `8` or `"8"` (one axis, named `model`, or `data` for ADP) or
-    `"data=2,model=4"` as a checked mesh shape; the hybrid task needs two axes."""
-    from hlomap.plan import parse_mesh_text
-
-    task = Task(task)
-    if isinstance(mesh, str):
-        mesh = parse_mesh_text(mesh)
-    if isinstance(mesh, int):
-        if task is Task.HYBRID:
-            raise ValueError(f"the hybrid task needs a data x model mesh such as data=2,model=8, not {mesh}")
-        mesh = {"data" if task is Task.ADP else "model": mesh}
-    shape = {str(k): int(v) for k, v in dict(mesh).items()}
-    if not shape or any(v < 1 for v in shape.values()):
-        raise ValueError(f"mesh {shape} needs at least one axis of size >= 1")
-    if task is Task.HYBRID and len(shape) < 2:
-        raise ValueError(f"the hybrid task needs two mesh axes (data x model), got {shape}")
-    return shape
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -28,7 +28,7 @@ import logging
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -48,6 +48,7 @@ __all__ = [
     "data_candidates",
     "hybrid_space",
     "make_space",
+    "mesh_shape",
     "opp_space",
 ]
 
@@ -61,6 +62,26 @@ class Task(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP) -> dict[str, int]:
+    """`{"model": 8}`, `8` or `"8"` (one axis, named `model`, or `data` for ADP) or
+    `"data=2,model=4"` as a checked mesh shape; the hybrid task needs two axes."""
+    from hlomap.plan import parse_mesh_text
+
+    task = Task(task)
+    if isinstance(mesh, str):
+        mesh = parse_mesh_text(mesh)
+    if isinstance(mesh, int):
+        if task is Task.HYBRID:
+            raise ValueError(f"the hybrid task needs a data x model mesh such as data=2,model=8, not {mesh}")
+        mesh = {"data" if task is Task.ADP else "model": mesh}
+    shape = {str(k): int(v) for k, v in dict(mesh).items()}
+    if not shape or any(v < 1 for v in shape.values()):
+        raise ValueError(f"mesh {shape} needs at least one axis of size >= 1")
+    if task is Task.HYBRID and len(shape) < 2:
+        raise ValueError(f"the hybrid task needs two mesh axes (data x model), got {shape}")
+    return shape
 
 
 class Candidate(NamedTuple):

@@ -1,0 +1,535 @@
+"""`@hlomap.auto_shard`: explore a plan for a train step at its first call, keep it on disk, run it.
+
+    @hlomap.auto_shard(mesh={"data": 2, "model": 4}, cluster="A", task="hybrid", budget_seconds=60)
+    def train_step(params, opt_state, batch): ...
+
+    params, opt_state = train_step.place(params, opt_state)
+    params, opt_state, loss = train_step(params, opt_state, batch)   # capture, look up / explore, compile
+    train_step.plan, train_step.explain()
+
+The first call captures the step abstractly (shapes only, no weights copied), looks the plan up in
+the cache, explores it when missing (`hlomap.api.explore`, the CLI's front) and runs it with
+`hlomap.run.parallelize`. Later calls with the same argument shapes and dtypes reuse the compiled
+step; a new shape or dtype captures again, as `jax.jit` retraces.
+
+The cache is a folder of plan files (`Plan` JSON, usable as `plan=PATH` and by `hlomap run`), one
+per key: the HLO fingerprint of the captured step, the mesh, the cluster the search priced, the
+task and the hlomap version. Writes are atomic; an entry that cannot be read is explored again
+with a warning.
+
+The cluster the search prices: the first N devices of `cluster` (a preset, a JSON file or a
+Cluster), N the devices the mesh spans. A step on 8 devices of preset "A" (two servers of 8
+V100s) is priced on its first server, where the plan will run; a cluster with fewer than N
+devices is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AutoShardConfig", "AutoShardedStep", "CacheKey", "Origin", "Task", "Timings", "auto_shard",
+           "cache_key", "cache_path", "default_cache_dir", "load_cached", "save_cached"]
+
+#: Where plans are cached unless `cache_dir` says otherwise; $HLOMAP_CACHE_DIR overrides it.
+DEFAULT_CACHE_DIR = "~/.cache/hlomap"
+CACHE_ENV = "HLOMAP_CACHE_DIR"
+#: The two state arguments (params, opt_state) that `place` lays out and the step donates.
+STATE_ARGS = 2
+
+
+class Task(str, enum.Enum):
+    """What the search decides (`hlomap.api.explore`'s task)."""
+
+    OPP = "opp"  # tensor parallelism of the trainable variables
+    ADP = "adp"  # data parallelism of the inputs
+    HYBRID = "hybrid"  # both, on a data x model mesh
+    PIPELINE = "pipeline"  # stage cuts
+    AUTO = "auto"  # stages x data x model, jointly
+
+    @property
+    def plans_its_mesh(self) -> bool:
+        """The pipeline and joint planners choose the meshes themselves: the mesh says only how
+        many devices they get."""
+        return self in (Task.PIPELINE, Task.AUTO)
+
+
+class Origin(enum.Enum):
+    """Where a step's plan came from."""
+
+    EXPLORED = "explored"
+    CACHE = "cache"
+    FILE = "file"
+
+
+@dataclass(frozen=True)
+class AutoShardConfig:
+    """The decorator's arguments, checked (see `auto_shard`)."""
+
+    mesh: int | tuple[tuple[str, int], ...] | None
+    cluster: Any
+    task: Task
+    agent: str
+    budget_seconds: float | None
+    seed: int
+    cache_dir: Path | None
+    plan_path: Path | None
+    progress: bool | None
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What a cached plan is valid for (module docstring)."""
+
+    fingerprint: str  # sha256 of the captured HLO text
+    mesh: tuple[tuple[str, int], ...]
+    cluster: str  # name and content hash of the priced cluster
+    task: str
+    version: str  # hlomap's
+
+    def digest(self) -> str:
+        text = json.dumps([self.fingerprint, [list(a) for a in self.mesh], self.cluster, self.task, self.version])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds spent by the first call for one argument signature (the bench reads them)."""
+
+    capture: float
+    lookup: float  # reading the cache, or the plan file
+    explore: float  # 0 on a cache hit
+    first_call: float = 0.0  # compile and run the first step
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A captured signature: its capture, plan, runnable step and how the plan was found."""
+
+    cap: Any
+    plan: Any
+    step: Any  # hlomap.run.runner.ParallelStep
+    origin: Origin
+    path: Path | None
+    timings: Timings
+    key: CacheKey | None = field(default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache: small pure functions
+# ---------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def cluster_tag(cluster: Any) -> str:
+    """`NAME:HASH` of a Cluster's JSON: a cluster file edited in place is another key."""
+    digest = hashlib.sha256(json.dumps(cluster.to_json(), sort_keys=True).encode()).hexdigest()
+    return f"{cluster.name}:{digest[:16]}"
+
+
+def cache_key(fingerprint: str, mesh: Mapping[str, int], cluster: Any, task: Task | str) -> CacheKey:
+    import hlomap
+
+    return CacheKey(fingerprint, tuple((str(k), int(v)) for k, v in mesh.items()), cluster_tag(cluster),
+                    Task(task).value, hlomap.__version__)
+
+
+def cache_path(cache_dir: Path, key: CacheKey) -> Path:
+    """`<cache_dir>/<task>-<fingerprint[:12]>-<key digest[:16]>.plan.json`: readable at a glance,
+    unique by the whole key."""
+    return Path(cache_dir) / f"{key.task}-{key.fingerprint[:12]}-{key.digest()[:16]}.plan.json"
+
+
+def load_cached(path: Path, cap: Any) -> Any:
+    """The plan cached at `path`, or None when there is none; an entry that cannot be read or was
+    made for another module is reported with a warning (and explored again by the caller)."""
+    from hlomap.plan import Plan
+
+    if not path.is_file():
+        return None
+    try:
+        return Plan.load(path, cap=cap)
+    except (OSError, ValueError) as err:  # JSON errors are ValueErrors
+        warnings.warn(f"hlomap.auto_shard: ignoring the corrupt cache entry {path} ({err}); exploring again",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def save_cached(path: Path, plan: Any) -> None:
+    """Save atomically (`Plan.save`): a reader never sees half a plan, even across processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes and clusters
+# ---------------------------------------------------------------------------------------------
+
+
+def mesh_devices(mesh: int | Mapping[str, int]) -> int:
+    return int(mesh) if isinstance(mesh, int) else math.prod(dict(mesh).values())
+
+
+def resolve_mesh(mesh: int | tuple[tuple[str, int], ...] | None, task: Task, available: int) -> dict[str, int]:
+    """The mesh the search gets: None -> every local device; an int or mapping checked against
+    the devices JAX sees. For the tasks that plan their own meshes, `{"devices": N}`."""
+    from hlomap.api import parse_mesh
+
+    given: int | dict[str, int] = available if mesh is None else (mesh if isinstance(mesh, int) else dict(mesh))
+    need = mesh_devices(given)
+    if need > available:
+        raise ValueError(f"auto_shard: mesh={given!r} needs {need} devices, but JAX sees {available} "
+                         f"({available} x {_platform()}); pass a smaller mesh or mesh=None for all of them")
+    if task.plans_its_mesh:
+        return {"devices": need}
+    try:
+        return parse_mesh(given, task.value)
+    except ValueError as err:
+        raise ValueError(f"auto_shard: mesh={given!r}: {err}") from None
+
+
+def priced_cluster(cluster: Any, devices: int) -> Any:
+    """The first `devices` devices of `cluster` (module docstring)."""
+    from hlomap.cost.cluster import ClusterSpecError, first_devices, load_cluster
+
+    try:
+        return first_devices(load_cluster(cluster), devices)
+    except ClusterSpecError as err:
+        raise ValueError(f"auto_shard: cluster={cluster!r}: {err}") from None
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.devices()[0].platform
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument signatures (what makes the step capture again)
+# ---------------------------------------------------------------------------------------------
+
+#: A state argument held by a pipeline runner (`hlomap.run.staged.Staged`): laid out by the
+#: step that placed it, so it matches that step's signature whatever its layout.
+_HELD = "held by the runner"
+
+
+def signature(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Tree structure, shapes and dtypes of each argument: `jax.jit`'s retrace condition."""
+    import jax
+
+    from hlomap.run.staged import Staged
+
+    out = []
+    for arg in args:
+        if isinstance(arg, Staged):
+            out.append(_HELD)
+            continue
+        leaves, treedef = jax.tree_util.tree_flatten(arg)
+        out.append((treedef, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves)))
+    return tuple(out)
+
+
+def held_signature(sig: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The signature the same arguments have once a pipeline runner holds the state."""
+    return (_HELD,) * min(STATE_ARGS, len(sig)) + sig[STATE_ARGS:]
+
+
+def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Shapes and dtypes only: capturing copies no weights."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tuple(args)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The decorated step
+# ---------------------------------------------------------------------------------------------
+
+
+class AutoShardedStep:
+    """A train step that explores (or looks up) its plan at its first call (module docstring).
+
+    `plan`, `cap`, `origin`, `plan_file`, `timings`: of the signature last called. `step`: the
+    `hlomap.parallelize` step running it. `__wrapped__`: the undecorated function.
+    """
+
+    def __init__(self, step: Callable[..., Any], config: AutoShardConfig):
+        functools.update_wrapper(self, step)
+        self.config = config
+        self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._current: _Entry | None = None
+        self._file_step: Any = None  # plan=PATH, built before the first call so that place() can lay out
+
+    # -- what the last call ran ---------------------------------------------------------------------
+    def _last(self) -> _Entry:
+        if self._current is None:
+            raise RuntimeError(f"{self.__name__}: no plan yet; call the step once (its first call explores)")
+        return self._current
+
+    @property
+    def plan(self) -> Any:
+        return self._last().plan
+
+    @property
+    def cap(self) -> Any:
+        return self._last().cap
+
+    @property
+    def step(self) -> Any:
+        return self._last().step
+
+    @property
+    def origin(self) -> Origin:
+        return self._last().origin
+
+    @property
+    def plan_file(self) -> Path | None:
+        """The cache entry (or plan=PATH) the plan was read from or saved to."""
+        return self._last().path
+
+    @property
+    def timings(self) -> Timings:
+        return self._last().timings
+
+    def explain(self, *, console: Any = None) -> Any:
+        """Print the plan as a table per variable (its spec and why: its linkage group, what else
+        the group links, why a dim stays whole) and return the rows."""
+        from hlomap.report.explain import print_explanation
+
+        entry = self._last()
+        return print_explanation(entry.plan, entry.cap, origin=entry.origin.value, path=entry.path,
+                                 console=console)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The state where the plan wants it. Before the first call there is no plan yet (it
+        depends on the batch's shapes), so the state is returned as given and laid out by the
+        first call; with `plan=PATH` it is laid out now."""
+        if self._current is not None:
+            return self._current.step.place(params, opt_state)
+        if self.config.plan_path is not None:
+            return self._plan_file_step().place(params, opt_state)
+        return params, opt_state
+
+    def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees of params and opt_state, as numpy arrays on the host."""
+        return self._last().step.gather(params, opt_state)
+
+    # -- the call -------------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        sig = signature(args)
+        entry = self._entries.get(sig)
+        if entry is None:
+            return self._first_call(args, sig)
+        if entry is not self._current:  # back to an earlier signature: the state follows its plan
+            args = self._relocate(args, entry)
+            self._current = entry
+        return entry.step(*args)
+
+    def _first_call(self, args: tuple[Any, ...], sig: tuple[Any, ...]) -> Any:
+        entry = self._build(args)
+        args = self._relocate(args, entry)
+        start = time.perf_counter()
+        out = entry.step(*args)
+        _block(out)
+        entry = dataclasses.replace(entry, timings=dataclasses.replace(entry.timings,
+                                                                       first_call=time.perf_counter() - start))
+        self._entries[sig] = entry
+        self._entries.setdefault(held_signature(sig), entry)
+        self._current = entry
+        return out
+
+    def _relocate(self, args: tuple[Any, ...], entry: _Entry) -> tuple[Any, ...]:
+        """Lay the state out for `entry`'s plan: from the user's arrays, or gathered back from the
+        step that held it."""
+        if len(args) < STATE_ARGS:
+            return args
+        params, opt_state = args[0], args[1]
+        previous = self._current
+        if previous is not None and previous is not entry and previous.step is not entry.step:
+            from hlomap.run.staged import Staged
+
+            if isinstance(params, Staged):
+                params, opt_state = previous.step.gather(params, opt_state)
+        params, opt_state = entry.step.place(params, opt_state)
+        return (params, opt_state, *args[STATE_ARGS:])
+
+    # -- capture, look up, explore --------------------------------------------------------------------
+    def _plan_file_step(self) -> Any:
+        from hlomap.run import parallelize
+
+        if self._file_step is None:
+            self._file_step = parallelize(self.__wrapped__, _read_plan_file(self.config.plan_path))
+        return self._file_step
+
+    def _build(self, args: tuple[Any, ...]) -> _Entry:
+        from hlomap.hlo.capture import capture
+        from hlomap.run import parallelize
+
+        start = time.perf_counter()
+        abstract = abstract_args(args)
+        cap = capture(self.__wrapped__, *abstract)
+        captured = time.perf_counter()
+        if self.config.plan_path is not None:
+            plan = self._plan_file_step().plan
+            try:
+                plan.check_compatible(cap, where=f"plan={str(self.config.plan_path)!r}")
+            except ValueError as err:
+                raise ValueError(f"auto_shard: {err}") from None
+            # One signature only: another shape is another module, which check_compatible refuses.
+            return _Entry(cap, plan, self._plan_file_step(), Origin.FILE, self.config.plan_path,
+                          Timings(captured - start, time.perf_counter() - captured, 0.0))
+        import jax
+
+        mesh = resolve_mesh(self.config.mesh, self.config.task, jax.local_device_count())
+        cluster = priced_cluster(self.config.cluster, mesh_devices(mesh))
+        key = cache_key(cap.text_sha256, mesh, cluster, self.config.task)
+        path = cache_path(self.config.cache_dir, key) if self.config.cache_dir is not None else None
+        plan = load_cached(path, cap) if path is not None else None
+        looked_up = time.perf_counter()
+        origin = Origin.CACHE
+        explored = looked_up
+        if plan is None:
+            origin = Origin.EXPLORED
+            plan = self._explore(cap, mesh, cluster)
+            if path is not None:
+                save_cached(path, plan)
+            explored = time.perf_counter()
+        log.info("auto_shard %s: %s plan (%s) %s", self.__name__, self.config.task.value,
+                 ", ".join(f"{k}={v}" for k, v in mesh.items()),
+                 f"read from {path}" if origin is Origin.CACHE else
+                 f"explored in {explored - looked_up:.1f} s" + (f", saved to {path}" if path else ""))
+        step = parallelize(self.__wrapped__, plan, example_args=_pipeline_args(plan, abstract))
+        return _Entry(cap, plan, step, origin, path,
+                      Timings(captured - start, looked_up - captured, explored - looked_up), key)
+
+    def _explore(self, cap: Any, mesh: dict[str, int], cluster: Any) -> Any:
+        from hlomap.api import explore
+
+        config = self.config
+        log.info("auto_shard %s: no cached plan; exploring %s on %s (%s, budget %s s)", self.__name__,
+                 config.task.value, cluster.name, config.agent, config.budget_seconds)
+        options = dict(config.options)
+        with _progress(config.progress, f"auto_shard / {config.task.value}") as on_progress:
+            if on_progress is not None:
+                options["on_progress"] = on_progress
+            return explore(cap, task=config.task.value, mesh=mesh, cluster=cluster, agent=config.agent,
+                           budget_seconds=config.budget_seconds, seed=config.seed, **options)
+
+
+def _pipeline_args(plan: Any, abstract: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A pipeline plan is cut now, from the shapes (so `place` lays the state out per stage)."""
+    return abstract if plan.pipeline is not None else None
+
+
+def _block(out: Any) -> None:
+    import jax
+
+    jax.block_until_ready(jax.tree.leaves(out))
+
+
+def _read_plan_file(path: Path) -> Any:
+    from hlomap.plan import Plan
+
+    if not path.is_file():
+        raise ValueError(f"auto_shard: plan={str(path)!r}: no such file" + (" (a directory)" if path.is_dir() else ""))
+    try:
+        return Plan.load(path)
+    except ValueError as err:  # malformed JSON or plan; the message names the file
+        raise ValueError(f"auto_shard: plan={str(path)!r}: {err}") from None
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool | None, description: str) -> Iterator[Callable[[Any], None] | None]:
+    """The search's progress bar on a terminal (report/progress.py), nothing elsewhere."""
+    from hlomap.report.progress import progress_bar
+
+    with progress_bar(sys.stderr.isatty() if enabled is None else enabled, description=description) as update:
+        yield update
+
+
+# ---------------------------------------------------------------------------------------------
+# The decorator
+# ---------------------------------------------------------------------------------------------
+
+
+def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str, int] | str | None = None,
+               cluster: Any = "A", task: Task | str = Task.AUTO, agent: str = "dqn",
+               budget_seconds: float | None = 60.0, seed: int = 0,
+               cache_dir: str | os.PathLike[str] | None = None, cache: bool = True,
+               plan: str | os.PathLike[str] | None = None, progress: bool | None = None,
+               **options: Any) -> Any:
+    """Explore a plan for a train step `fn(params, opt_state, batch, ...) -> (params, opt_state,
+    ...)` at its first call, cache it on disk and run it (module docstring). Use as
+    `@auto_shard(...)` or `auto_shard(fn, ...)`.
+
+    mesh: 8, {"data": 2, "model": 4}, "data=2,model=4", or None for every local device; for
+      task "auto" and "pipeline" only the number of devices counts (the planner picks the meshes).
+    cluster: what the search prices: a preset ("A", "B", "C"), a cluster JSON file or a Cluster;
+      its first N devices for a mesh of N devices.
+    task: "opp", "adp", "hybrid", "pipeline" or "auto" (`hlomap.api.explore`).
+    agent, budget_seconds, seed, **options: passed to `hlomap.api.explore`.
+    cache_dir: the plan cache (default $HLOMAP_CACHE_DIR or ~/.cache/hlomap); cache=False: none.
+    plan: a plan file to run instead of searching (checked against the captured step).
+    progress: a progress bar during the search; None: when stderr is a terminal.
+    """
+    config = make_config(mesh=mesh, cluster=cluster, task=task, agent=agent, budget_seconds=budget_seconds, seed=seed,
+                         cache_dir=cache_dir, cache=cache, plan=plan, progress=progress, options=options)
+
+    def decorate(step: Callable[..., Any]) -> AutoShardedStep:
+        if not callable(step):
+            raise TypeError(f"auto_shard decorates a train step function, not {step!r}")
+        return AutoShardedStep(step, config)
+
+    return decorate if fn is None else decorate(fn)
+
+
+def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, task: Task | str, agent: str,
+                budget_seconds: float | None, seed: int, cache_dir: str | os.PathLike[str] | None, cache: bool,
+                plan: str | os.PathLike[str] | None, progress: bool | None,
+                options: Mapping[str, Any]) -> AutoShardConfig:
+    """Check the decorator's arguments when it is applied, not at the first call."""
+    from hlomap.plan import parse_mesh_text
+
+    try:
+        task = Task(getattr(task, "value", task))
+    except ValueError:
+        raise ValueError(f"auto_shard: task={task!r}; one of {', '.join(t.value for t in Task)}") from None
+    if isinstance(mesh, str):
+        try:
+            mesh = parse_mesh_text(mesh)
+        except ValueError as err:
+            raise ValueError(f"auto_shard: mesh={mesh!r}: {err}") from None
+    if isinstance(mesh, bool) or not (mesh is None or isinstance(mesh, (int, Mapping))):
+        raise ValueError(f"auto_shard: mesh={mesh!r}; give a device count, a mapping such as "
+                         "{'data': 2, 'model': 4}, or None for every local device")
+    if mesh is not None and mesh_devices(mesh) < 1:
+        raise ValueError(f"auto_shard: mesh={mesh!r} has no devices")
+    frozen_mesh = mesh if mesh is None or isinstance(mesh, int) else tuple((str(k), int(v)) for k, v in mesh.items())
+    plan_path = None if plan is None else Path(plan).expanduser()
+    if plan_path is not None and not plan_path.is_file():
+        raise ValueError(f"auto_shard: plan={str(plan)!r}: no such file")
+    directory = None if not cache else (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir())
+    return AutoShardConfig(frozen_mesh, cluster, task, agent, budget_seconds, seed, directory, plan_path, progress,
+                           tuple(sorted(options.items())))

@@ -1,0 +1,198 @@
+"""Joint plans (pipeline x tensor x data, `hlomap.tasks.joint`) under `hlomap.parallelize` on a
+simulated cluster of 2 servers x 4 devices: every stage runs on its own devices and mesh with its
+own PartitionSpecs (the stage's `specs`, not the replicated top-level parameters), and the
+pipelined step's loss and gradients equal the unsharded step's with the plan's microbatches
+(`check_pipeline`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import hlomap
+from hlomap.cost.cluster import hierarchical
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.plan import ParameterSpec, Plan, PlanSource
+from hlomap.run.compare import check_pipeline
+from hlomap.run.errors import RunError
+from hlomap.run.meshes import pipeline_section
+from hlomap.run.runner import Executor
+from hlomap.tasks.joint.costs import StageOption
+from hlomap.tasks.joint.explore import JointResult, joint_model, joint_plan
+from hlomap.tasks.joint.solve import JointSpace, solve
+from tests.run.helpers import FAST_COMPILE
+
+CLUSTER = hierarchical(2, 4)
+
+
+def _stage_specs(plan: Plan, s: int) -> dict[int, Any]:
+    """Flat state leaf -> the PartitionSpec stage s of the plan's JSON gives it (the oracle)."""
+    specs = plan.pipeline["stages"][s]["specs"]
+    return {p.index: ParameterSpec.from_json({**p.to_json(), "spec": spec}).partition_spec()
+            for p, spec in zip(plan.parameters, specs)}
+
+
+def _check_layout(step: Any, plan: Plan, placed: tuple[Any, Any]) -> int:
+    """The placed state sits on each stage's devices with the stage's specs; returns how many
+    (stage, leaf) pairs are split over the `model` axis."""
+    stages = plan.pipeline["stages"]
+    split = 0
+    for staged in placed:
+        layout = staged.layout
+        if step.executor is Executor.MPMD:
+            for s, held in enumerate(layout.per_stage):
+                expected = _stage_specs(plan, s)
+                for leaf, value in zip(held, staged.parts[s]):
+                    assert value.sharding.spec == expected[leaf], (s, leaf)
+                    assert sorted(d.id for d in value.sharding.device_set) == stages[s]["devices"]
+                    split += "model" in jax.tree.leaves(tuple(expected[leaf]))
+        else:  # executor A stores a split leaf as its local shards, one per slot of the buffer's lead dim
+            expected = _stage_specs(plan, 0)
+            mesh = stages[0]["mesh"]
+            for leaf in layout.leaves:
+                entries = [(d, (e,) if isinstance(e, str) else tuple(e)) for d, e in enumerate(expected[leaf])
+                           if e is not None]
+                placement = layout.placements[leaf]
+                assert (placement.dim, placement.shards) == (
+                    (entries[0][0], math.prod(mesh[a] for a in entries[0][1])) if entries else (None, 1)), leaf
+                split += any("model" in axes for _, axes in entries)
+    return split
+
+
+def _run_and_check(case: Any, plan: Plan, executor: str | None = None) -> tuple[Any, Any]:
+    step = hlomap.parallelize(case.model.train_step(), plan, executor=executor, example_args=case.args,
+                              compiler_options=FAST_COMPILE)
+    description = step.describe()
+    stages = plan.pipeline["stages"]
+    assert [list(s.devices) for s in description.stages] == [s["devices"] for s in stages]
+    assert [s.mesh for s in description.stages] == [s["mesh"] for s in stages]
+    check = check_pipeline(step, case.args)
+    # equal in float32 at check_pipeline's tolerances, no float64 rescue
+    assert check.exact, "\n".join(c.words() for c in check.comparisons)
+    return step, check
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's optimum
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "t5-tiny"])
+def test_the_joint_optimum_runs_with_unsharded_numerics(zoo_case, name: str) -> None:
+    case = zoo_case(name)
+    plan = hlomap.explore(case.cap, task="auto", cluster=CLUSTER)
+    stages = plan.pipeline["stages"]
+    assert plan.pipeline["kind"] == "joint" and len(stages) >= 2 and plan.mesh == ()
+    assert sorted(d for s in stages for d in s["devices"]) == list(range(8))
+    assert any(s["mesh"]["data"] > 1 for s in stages)  # data parallelism inside some stage
+    step, _ = _run_and_check(case, plan)
+    assert step.executor is (Executor.MPMD if plan.pipeline["schedule"] == "1f1b" else Executor.SPMD)
+    for s, stage in enumerate(stages):  # the batch splits over each stage's own data axis
+        assert stage["mesh"]["data"] == 1 or step._runner.batch_axes[s] == ("data",)
+    _check_layout(step, plan, step.place(case.args[0], case.args[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# A joint plan with tensor parallelism inside its stages
+# ---------------------------------------------------------------------------------------------
+
+
+def _two_tensor_parallel_stages(cap: Any) -> Plan:
+    """The planner's best plan with 2 stages of one server each, data 2 x model 2 inside, GPipe:
+    stages the optimum does not pick, forced through the space the DP searches."""
+    model = joint_model(cap, CLUSTER)
+    plan, cost = solve(model, JointSpace((StageOption(4, 2, 2),), (2,), Schedule.GPIPE, max_stages=2))
+    return joint_plan(JointResult(model, plan, cost, (), 0.0, "exact", 1))
+
+
+@pytest.mark.parametrize("name,executor", [
+    ("gpt-tiny", "spmd"), ("gpt-tiny", "mpmd"),
+    pytest.param("t5-tiny", "spmd", marks=pytest.mark.slow), ("t5-tiny", "mpmd"),
+])
+def test_two_stages_with_tensor_parallelism_inside(zoo_case, name: str, executor: str) -> None:
+    case = zoo_case(name)
+    plan = _two_tensor_parallel_stages(case.cap)
+    stages = plan.pipeline["stages"]
+    assert [s["devices"] for s in stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(s["mesh"] == {"data": 2, "model": 2} for s in stages)
+    assert hlomap.parallelize(case.model.train_step(), plan).executor is Executor.SPMD  # uniform stages: A
+    step, _ = _run_and_check(case, plan, executor)
+    placed = step.place(case.args[0], case.args[1])
+    assert _check_layout(step, plan, placed) > 0  # some weights really are split over `model`
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the stages' specs
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny_plan(specs: list[Any], meshes: list[dict[str, int]]) -> Plan:
+    parameters = (ParameterSpec(0, "params/w", (4, 3), (None, None)),)
+    stages = [{"devices": [2 * s, 2 * s + 1], "mesh": mesh, "specs": spec} for s, (spec, mesh) in
+              enumerate(zip(specs, meshes))]
+    return Plan(mesh=(), parameters=parameters, source=PlanSource("", ""),
+                pipeline={"stages": stages, "cuts": [{"instruction": "add.1"}] * (len(stages) - 1)})
+
+
+def test_stage_specs_are_read_and_checked() -> None:
+    two = [{"model": 2}, {"model": 2}]
+    section = pipeline_section(_tiny_plan([[["model", None]], [["model", None]]], two))
+    assert section.uniform and section.parameters[0][0].partition_spec() == P("model")
+    assert not pipeline_section(_tiny_plan([[["model", None]], [[None, None]]], two)).uniform
+    top = Plan(mesh=(("model", 2),), parameters=(ParameterSpec(0, "params/w", (4, 3), (("model",), None)),),
+               pipeline={"stages": [{"devices": [0, 1]}]})
+    assert pipeline_section(top).parameters == (top.parameters,)  # no stage specs: the top-level ones
+    with pytest.raises(RunError, match="stage 1: parameter 'params/w' dim 0 is split on mesh axis 'model'"):
+        pipeline_section(_tiny_plan([[["model", None]], [["model", None]]], [{"model": 2}, {"data": 2}]))
+    with pytest.raises(RunError, match="stage 0: 'specs' has 2 entries; the plan has 1 parameters"):
+        pipeline_section(_tiny_plan([[[None, None], [None, None]], [[None, None]]], two))
+    with pytest.raises(RunError, match="does not give one entry per dim"):
+        pipeline_section(_tiny_plan([[[None]], [[None, None]]], two))
+    with pytest.raises(RunError, match="dim 1 has size 3, which its split over model"):
+        pipeline_section(_tiny_plan([[[None, "model"]], [[None, None]]], two))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_explores_runs_and_simulates_a_joint_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.cli import run
+
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(CLUSTER.to_json()))
+    plan_path = tmp_path / "plan.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "auto", "--cluster", str(cluster), "-q",
+                "-o", str(plan_path)]) == 0
+    saved = json.loads(plan_path.read_text())
+    assert saved["pipeline"]["kind"] == "joint"
+    capsys.readouterr()
+
+    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["float32_equal"] is True and not report["float64"]
+    assert [s["devices"] for s in report["description"]["stages"]] == [s["devices"] for s in saved["pipeline"]["stages"]]
+    assert [s["mesh"] for s in report["description"]["stages"]] == [s["mesh"] for s in saved["pipeline"]["stages"]]
+
+    # simulate prices the saved plan again, stage by stage: the explorer's own figures
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(cluster), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["step_seconds"] == pytest.approx(saved["estimate"]["step_seconds"], rel=1e-9)
+    assert priced["stage_seconds"] == pytest.approx([s["seconds_per_microbatch"] for s in saved["pipeline"]["stages"]],
+                                                    rel=1e-9)
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(cluster)]) == 0
+    out = capsys.readouterr().out
+    assert "a saved plan priced again" in out and "L = " in out
+    # on a cluster too small for its stages: one line saying so
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(hierarchical(1, 4).to_json()))
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(small)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "devices" in err
