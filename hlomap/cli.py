@@ -1112,7 +1112,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "learned meta policy, and an oracle that knows the future. Prints the decisions "
                                    "over time and every policy's total training time; draws the estimated "
                                    "throughput of each.",
-                       epilog="the trace format is described in README_place_section.md and in "
+                       epilog="the trace format is described in README.md (Re-planning when resources change) and in "
                               "hlomap/tasks/replan/trace.py",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("plan", metavar="PLAN.json", help="a pipeline plan (hlomap explore --task pipeline)")
