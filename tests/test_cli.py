@@ -414,3 +414,29 @@ def test_replan_user_errors(trace_text: str, message: str, tmp_path: Path, capsy
     assert run(["replan", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"), "--no-meta"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_run_exits_3_when_an_spmd_plans_gradients_differ(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SPMD comparison can fail: against a reference whose gradients are 1% off, Megatron's
+    plan of gpt-tiny is reported DIFFERENT (exit 3), in float64 too."""
+    from hlomap.api import load_source
+    from hlomap.plan import Plan, reference_plan
+    from hlomap.propagation.graph import FactorGraph
+    from hlomap.run import compare
+
+    cap = load_source("zoo:gpt-tiny")
+    graph = FactorGraph.from_capture(cap)
+    array, axes = reference_plan(graph, "megatron", {"model": 8})
+    plan_path = tmp_path / "megatron.json"
+    Plan.from_groups(cap, graph, array, axes).save(plan_path)
+    original = compare.reference_gradients
+
+    def off_by_a_little(*args, **kwargs):
+        reference = original(*args, **kwargs)
+        return compare.GradientResult(reference.loss, reference.aux, [g * 1.01 for g in reference.grads])
+
+    monkeypatch.setattr(compare, "reference_gradients", off_by_a_little)
+    assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 3
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gradients DIFFERENT" in out and "gradients in float64 DIFFERENT" in out and "DIFFERENT to the unsharded" in out

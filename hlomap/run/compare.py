@@ -264,12 +264,24 @@ class StepCheck:
                 "step_seconds": self.seconds}
 
 
+def _timed_step(step: Any, args: Sequence[Any]) -> float:
+    """Seconds of one step of `step` (a `hlomap.parallelize` step) after a first, compiling one."""
+    import time
+
+    import jax
+
+    placed = step.place(args[0], args[1])
+    out = step(*placed, *args[2:])
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    jax.block_until_ready(step(out[0], out[1], *args[2:]))
+    return time.perf_counter() - start
+
+
 def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
     """Loss, gradients and aux of `step` (a pipelined `hlomap.parallelize` step) against the
     unsharded reference with the plan's microbatches, in float64 too when float32 differs;
     then one timed step."""
-    import time
-
     import jax
 
     step.describe(args)  # cuts the step now if its first call has not
@@ -304,12 +316,7 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
             wide_checks = against(wide_step.value_and_grad(*wide), wide_reference, " in float64")
             reference_error = compare_scaled("unsharded float32 gradients against float64", reference.grads,
                                              wide_reference.grads, paths)
-    placed = step.place(args[0], args[1])
-    out = step(*placed, *args[2:])
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    jax.block_until_ready(step(out[0], out[1], *args[2:]))
-    return StepCheck(decisive, informative, time.perf_counter() - start, wide_checks, reference_error)
+    return StepCheck(decisive, informative, _timed_step(step, args), wide_checks, reference_error)
 
 
 def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
@@ -318,8 +325,6 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
     partitions the computation from them), and the optimizer's output of the whole sharded step
     where the gradient is above rounding noise (`compare_updates`); in float64 too when float32
     differs; then one timed step."""
-    import time
-
     import jax
 
     from hlomap.run.trace import InputKind, trace_step
@@ -365,12 +370,7 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
                                         " in float64"))
             reference_error = compare_scaled("unsharded float32 gradients against float64", reference.grads,
                                              wide_reference.grads, paths)
-    placed = step.place(args[0], args[1])
-    out = step(*placed, *args[2:])
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    jax.block_until_ready(step(out[0], out[1], *args[2:]))
-    return StepCheck(tuple(decisive), (), time.perf_counter() - start, wide_checks, reference_error)
+    return StepCheck(tuple(decisive), (), _timed_step(step, args), wide_checks, reference_error)
 
 
 def check_step(step: Any, args: Sequence[Any]) -> StepCheck:
