@@ -331,7 +331,7 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
     from hlomap.verify.numerics import to_float64
 
     args = tuple(args)
-    flat_shardings = jax.tree_util.tree_leaves(step._spmd.arg_shardings(args))
+    flat_shardings = jax.tree_util.tree_leaves(step.arg_shardings(args))
     traced = trace_step(step.step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args))
     paths = [traced.loss_inputs[p].path for p in traced.grads]
     n_params = len(jax.tree_util.tree_leaves(args[0]))

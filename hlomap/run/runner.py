@@ -188,6 +188,12 @@ class ParallelStep:
             return jax.tree.map(_host, params), jax.tree.map(_host, opt_state)
         return self._runner.gather(params, opt_state)
 
+    def arg_shardings(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """SPMD plans: the NamedSharding pytree of every argument (the plan's specs)."""
+        if self._spmd is None:
+            raise RunError("arg_shardings applies to SPMD plans; a pipeline plan's stages have their own")
+        return self._spmd.arg_shardings(args)
+
     def value_and_grad(self, params: Any, opt_state: Any, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
         """(loss, aux leaves, gradient leaves) of the marked call as the pipeline computes them,
         before the optimizer (host arrays); for checking numerics."""
