@@ -351,7 +351,8 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
         placed = step.place(values[0], values[1])
         out = step(*placed, *values[2:])
         reference = jax.jit(step.step)(*values)
-        return [jax.tree_util.tree_leaves(o[0]) for o in (out, reference)]
+        # host copies: the device buffers (the whole state, twice) are freed before the next phase
+        return [[np.asarray(x) for x in jax.tree_util.tree_leaves(o[0])] for o in (out, reference)]
 
     reference = reference_gradients(step.step, args)
     decisive = against(_marked_gradients(step.step, args, 1, flat_shardings), reference, "")
