@@ -264,6 +264,15 @@ class StepCheck:
                 "step_seconds": self.seconds}
 
 
+def _marked_comparisons(got: GradientResult, ref: GradientResult, paths: Sequence[str],
+                        label: str) -> tuple[Comparison, ...]:
+    """The loss, each gradient leaf and each aux output of the marked call against the reference."""
+    out = [compare_loss(got.loss, ref.loss), compare_scaled(f"gradients{label}", got.grads, ref.grads, paths)]
+    if ref.aux:
+        out.append(compare_scaled(f"aux outputs{label}", got.aux, ref.aux, [f"aux {j}" for j in range(len(ref.aux))]))
+    return tuple(out)
+
+
 def _timed_step(step: Any, args: Sequence[Any]) -> float:
     """Seconds of one step of `step` (a `hlomap.parallelize` step) after a first, compiling one."""
     import time
@@ -290,11 +299,7 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
     paths = [traced.loss_inputs[p].path for p in traced.grads]
 
     def against(result: tuple[Any, list[Any], list[Any]], ref: GradientResult, label: str) -> tuple[Comparison, ...]:
-        loss, aux, grads = result
-        out = [compare_loss(loss, ref.loss), compare_scaled(f"gradients{label}", grads, ref.grads, paths)]
-        if ref.aux:
-            out.append(compare_scaled(f"aux outputs{label}", aux, ref.aux, [f"aux {j}" for j in range(len(aux))]))
-        return tuple(out)
+        return _marked_comparisons(GradientResult(*result), ref, paths, label)
 
     result = step.value_and_grad(*args)
     reference = reference_gradients(step.step, args, microbatches)
@@ -340,11 +345,7 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
                if traced.loss_inputs[p].kind is InputKind.PARAM and traced.loss_inputs[p].leaf < n_params}
 
     def against(sharded: GradientResult, ref: GradientResult, label: str) -> list[Comparison]:
-        out = [compare_loss(sharded.loss, ref.loss), compare_scaled(f"gradients{label}", sharded.grads, ref.grads, paths)]
-        if ref.aux:
-            out.append(compare_scaled(f"aux outputs{label}", sharded.aux, ref.aux,
-                                      [f"aux {j}" for j in range(len(ref.aux))]))
-        return out
+        return list(_marked_comparisons(sharded, ref, paths, label))
 
     def updated(values: Sequence[Any]) -> list[Any]:
         """The state leaves after one step, sharded and unsharded (copies: the step donates)."""
