@@ -988,15 +988,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("explore", help="search a plan: tensor, data, hybrid or pipeline parallelism",
+    p = sub.add_parser("explore", help="search a plan: tensor, data, hybrid, pipeline or all at once (auto)",
                        description="Search a distributed plan for a train step. opp: operator partitioning of the "
                                    "trainable variables (tensor parallelism); adp: which dims of the data inputs to "
                                    "split (data parallelism); hybrid: both on a data x model mesh; pipeline: stage "
-                                   "cuts, device groups and replication. The best plan so far is saved to -o as the "
+                                   "cuts, device groups and replication; auto: the whole cluster at once, pipeline stages "
+                                   "each with its own data x model mesh and sharding (exact two-level search), "
+                                   "beside Megatron-LM's pp x tp x dp grid. The best plan so far is saved to -o as the "
                                    "search runs (Ctrl-C keeps it).",
                        epilog="examples:\n  hlomap explore zoo:gpt-small --budget-seconds 30\n"
                               "  hlomap explore zoo:gpt-1.3b --task hybrid --mesh data=2,model=8 --reward cost\n"
                               "  hlomap explore zoo:bert-base --task pipeline --stages 2 --cluster A --agent dp\n"
+                              "  hlomap explore zoo:gpt-1.3b --task auto --cluster A\n"
                               "  hlomap explore pipedream:vgg16.txt --task pipeline --stages 4   "
                               "(a PipeDream profiler graph file)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
