@@ -296,12 +296,13 @@ class MpmdPipeline:
             jax.block_until_ready((loss_sum, grads))
             events = self._recorded_events(start)
         self.stats = StepStats(peak, peak_bytes, events)
-        loss = loss_sum * scale
+        # an eager multiply is a dispatch of its own (milliseconds on a multi-device mesh): none for M = 1
+        loss = loss_sum * scale if m > 1 else loss_sum
         aux_means = []
         for s, stage in enumerate(split.stages):
             values = {}
             for j, value in zip(stage.aux, aux_sum[s] or ()):
-                values[j] = value * scale if _is_float(value.dtype) else value
+                values[j] = value * scale if _is_float(value.dtype) and m > 1 else value
             aux_means.append(values)
         per_leaf = self._sum_shared([{traced.loss_inputs[p].leaf: g for p, g in zip(stage.params, grads[s])}
                                      for s, stage in enumerate(split.stages)])
@@ -396,7 +397,9 @@ class MpmdPipeline:
                 else:
                     leaf = traced.loss_inputs[traced.grads[item.index]].leaf
                     aval = traced.step.jaxpr.invars[leaf].aval
-                    inputs.append(grads[s].get(leaf, jax.device_put(jnp.zeros(aval.shape, aval.dtype), mesh_any)))
+                    found = grads[s].get(leaf)  # a default argument would build the zeros every time
+                    inputs.append(found if found is not None else
+                                  jax.device_put(jnp.zeros(aval.shape, aval.dtype), mesh_any))
             outputs = dict(zip(update.programs[s].outputs, self._update[s](*inputs)))
             new_parts.append({o: v for o, v in outputs.items() if o < n_state})
             results.update({o: v for o, v in outputs.items() if o >= n_state and update.owner[o] == s})
