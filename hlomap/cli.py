@@ -876,49 +876,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _positive_float(text: str) -> float:
-    """argparse type: a number > 0 (a budget of 0 or less would end a search before it starts
-    and overwrite the plan file with nothing)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
-    return value
+def _number_type(parse: Callable[[str], Any], noun: str, *, zero_allowed: bool) -> Callable[[str], Any]:
+    """An argparse type: `parse(text)`, then > 0 (or >= 0 with `zero_allowed`); the message
+    names the value. A budget of 0 or less would end a search before it starts and overwrite
+    the plan file with nothing, so budgets are positive."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if zero_allowed and not value >= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+        if not zero_allowed and not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be positive")
+        return value
+
+    return convert
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """argparse type: a number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
-    return value
-
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
-    return value
+_positive_float = _number_type(float, "a number", zero_allowed=False)
+_positive_int = _number_type(int, "an integer", zero_allowed=False)
+_seconds = _number_type(float, "a number", zero_allowed=True)  # a number of seconds >= 0
+_count = _number_type(int, "an integer", zero_allowed=True)
 
 
 TRAINABLE_HELP = ("for a bare HLO dump: the trainable entry parameters, as indices, ranges and HLO names "
