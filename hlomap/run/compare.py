@@ -169,10 +169,10 @@ def _marked_gradients(step: Callable[..., Any], args: Sequence[Any], microbatche
         raise RunError(f"the batch of {whole.batch_size} examples cannot be split into {microbatches} equal "
                        "microbatches")
     mb = whole.batch_size // microbatches
-    if microbatches > 1:
+    traced = whole
+    if microbatches > 1:  # traced again at the microbatch's shapes
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb,) + tuple(x.shape[1:]), x.dtype), abstract[2])
-        abstract = (*abstract[:2], batch, *abstract[3:])
-    traced = trace_step(step, abstract)
+        traced = trace_step(step, (*abstract[:2], batch, *abstract[3:]))
     flat = jax.tree_util.tree_leaves(args)
     positions = [p for p in traced.grads]
     run = jcore.jaxpr_as_fun(traced.loss)
