@@ -12,6 +12,9 @@ stage the same way, by finding each equation's HLO instruction:
   suffix of their names (the HLO converter numbers each name in program order, which is the
   jaxpr's order). Of several opcodes the one with as many instructions as there are equations
   is the equation's own op (broadcasts and reshapes of its operands share its metadata).
+  Where no opcode fits (more equations than instructions), data flow decides: an instruction
+  whose operands are the own ops of equations E belongs to the equation of its key and kind
+  that reads E (`_match_by_operands`).
 - An equation with no such instruction (one equation lowered to several ops of one kind, a
   custom-derivative call whose HLO is named after its inside), and every equation the loss does
   not depend on (batch-statistics updates), goes to the latest stage of the equations it reads.
@@ -140,6 +143,7 @@ def _match(cap: Capture, traced: TracedStep, chain: Sequence[Any]) -> dict[int, 
         called = eqn_label(eqns[i]) != eqns[i].primitive.name and (layer, source, None) in by_key
         by_eqn_key.setdefault((layer, source, None if called else _out_shape(eqns[i])), []).append(i)
     matched: dict[int, int] = {}
+    ambiguous: list[tuple[list[int], list[int]]] = []
     for key, equations in by_eqn_key.items():
         positions = by_key.get(key, [])
         by_opcode: dict[str, list[int]] = {}
@@ -147,12 +151,60 @@ def _match(cap: Capture, traced: TracedStep, chain: Sequence[Any]) -> dict[int, 
             by_opcode.setdefault(chain[q].opcode, []).append(q)
         fitting = [sorted(qs, key=lambda q: _suffix(chain[q].name)) for qs in by_opcode.values()
                    if len(qs) == len(equations)]
-        if not fitting:
+        if fitting:
+            # The equation's own op is emitted after the broadcasts of its operands: highest numbers.
+            own = max(fitting, key=lambda qs: sum(_suffix(chain[q].name) for q in qs))
+            matched.update(zip(equations, own))
             continue
-        # The equation's own op is emitted after the broadcasts of its operands: highest numbers.
-        own = max(fitting, key=lambda qs: sum(_suffix(chain[q].name) for q in qs))
-        matched.update(zip(equations, own))
+        ambiguous.append((equations, positions))
+    _match_by_operands(chain, eqns, ambiguous, matched)
     return matched
+
+
+#: The HLO opcode a primitive lowers to when it lowers to one op of its own (the common ones).
+_OWN_OPCODE = {
+    "add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negate",
+    "max": "maximum", "min": "minimum", "exp": "exponential", "log": "log", "tanh": "tanh",
+    "logistic": "logistic", "rsqrt": "rsqrt", "sqrt": "sqrt", "abs": "abs", "erf": "erf",
+    "pow": "power", "dot_general": "dot", "reshape": "reshape", "squeeze": "reshape",
+    "expand_dims": "reshape", "broadcast_in_dim": "broadcast", "transpose": "transpose",
+    "reduce_sum": "reduce", "reduce_max": "reduce", "reduce_min": "reduce",
+    "convert_element_type": "convert", "select_n": "select", "concatenate": "concatenate",
+    "slice": "slice", "dynamic_slice": "dynamic-slice", "gather": "gather",
+    "conv_general_dilated": "convolution", "eq": "compare", "ne": "compare", "lt": "compare",
+    "le": "compare", "gt": "compare", "ge": "compare",
+}
+
+
+def _match_by_operands(chain: Sequence[Any], eqns: Sequence[Any],
+                       ambiguous: Sequence[tuple[Sequence[int], Sequence[int]]], matched: dict[int, int]) -> None:
+    """Match what counting could not, by data flow: an instruction whose operands are the own
+    ops of equations E is the own op of the one equation of its key and kind that reads E.
+
+    A key can hold more equations than instructions: how finely JAX tells frames apart depends
+    on the interpreter (a system Python counts site-packages as its standard library and gives a
+    library's equations its caller's line), and an equation can lower to nothing. Rounds go on
+    while they match something, since each match can resolve the operands of the next."""
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    name_position = {inst.name: q for q, inst in enumerate(chain)}
+    progress = True
+    while progress:
+        progress = False
+        eqn_of_position = {q: i for i, q in matched.items()}
+        for equations, positions in ambiguous:
+            for q in positions:
+                if q in eqn_of_position:
+                    continue
+                reads = {eqn_of_position.get(name_position.get(op, -1)) for op in chain[q].operands}
+                if not reads or None in reads:
+                    continue  # an operand that is no equation's own op says nothing
+                candidates = [i for i in equations if i not in matched
+                              and _OWN_OPCODE.get(eqns[i].primitive.name) == chain[q].opcode
+                              and {producer.get(v) for v in eqns[i].invars if not is_literal(v)} - {None} == reads]
+                if len(candidates) == 1:
+                    matched[candidates[0]] = q
+                    eqn_of_position[q] = candidates[0]
+                    progress = True
 
 
 def assign_stages(cap: Capture, traced: TracedStep, cuts: Sequence[CutRecord]) -> StageAssignment:
