@@ -115,6 +115,10 @@ class Capture:
     args: tuple[Any, ...] | None = field(default=None, repr=False)
     in_tree: Any = field(default=None, repr=False)
     arg_names: tuple[str, ...] = ()
+    #: the step's jaxpr as traced for the capture (a `ClosedJaxpr`, flat arguments and results)
+    #: and the tree of its results; None for a bare HLO dump. `program()` runs it.
+    jaxpr: Any = field(default=None, repr=False)
+    out_tree: Any = field(default=None, repr=False)
     #: how the roles were decided: "given" (by the caller), "argument names" (inferred from a
     #: dump's metadata paths), "" (captured from JAX, or no roles)
     role_source: str = ""
@@ -122,6 +126,29 @@ class Capture:
     @property
     def has_roles(self) -> bool:
         return any(p.role is not Role.UNKNOWN for p in self.parameters)
+
+    def program(self) -> Callable[..., Any]:
+        """The captured step as a function of the same arguments that replays the traced jaxpr.
+
+        `jax.jit` of it traces in a fraction of the step's own tracing (it binds the recorded
+        equations instead of running the model's Python), and computes the same thing, so a
+        caller that has captured the step need not trace it again (`hlomap.auto_shard`)."""
+        if self.jaxpr is None or self.in_tree is None or self.out_tree is None:
+            raise ValueError(f"{self.source} was not captured from JAX: it has no program to run")
+        from jax.extend import core as jcore
+
+        import jax
+
+        run, in_tree, out_tree = jcore.jaxpr_as_fun(self.jaxpr), self.in_tree, self.out_tree
+
+        def program(*args: Any) -> Any:
+            flat, tree = jax.tree_util.tree_flatten(args)
+            if tree != in_tree:
+                raise ValueError(f"the arguments' structure {tree} is not the captured step's {in_tree}")
+            return jax.tree_util.tree_unflatten(out_tree, run(*flat))
+
+        program.__name__ = getattr(self.step, "__name__", "program")
+        return program
 
     def with_role(self, role: Role) -> tuple[EntryParameter, ...]:
         return tuple(p for p in self.parameters if p.role is role)
@@ -176,7 +203,8 @@ def capture(
 
     abstract = jax.tree.map(_to_abstract, args)
     names = tuple(arg_names) if arg_names is not None else _argument_names(step, len(args))
-    lowered = jax.jit(step, keep_unused=True).lower(*abstract)
+    traced = jax.jit(step, keep_unused=True).trace(*abstract)
+    lowered = traced.lower()
     # debug_info keeps metadata (op_name with jvp/transpose tags, source lines) in the text.
     text = lowered.as_text(dialect="hlo", debug_info=True)
     fn_name = getattr(step, "__name__", type(step).__name__)
@@ -208,6 +236,8 @@ def capture(
         args=abstract,
         in_tree=in_tree,
         arg_names=names,
+        jaxpr=traced.jaxpr,
+        out_tree=jax.tree_util.tree_structure(traced.out_info),
     )
 
 

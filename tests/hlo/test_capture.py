@@ -142,3 +142,29 @@ def test_fingerprint_ignores_where_the_step_was_traced_from() -> None:
         'source_file="/a.py" source_line=3', 'source_file="/b.py" source_line=99')
     assert module_fingerprint(here) == module_fingerprint(there)
     assert module_fingerprint(here) != module_fingerprint(here.replace("f32[2]", "f32[3]"))
+
+
+def test_the_captured_program_computes_the_step_without_tracing_the_model_again():
+    traced = []
+
+    def counted(params, opt_state, batch):
+        traced.append(1)
+        return train_step(params, opt_state, batch)
+
+    cap = capture(counted, *_abstract())
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(keys[0], (16, 32)), "w2": jax.random.normal(keys[1], (32, 4))}
+    batch = {"x": jax.random.normal(keys[2], (8, 16)), "y": jax.random.normal(keys[3], (8, 4))}
+    args = (params, OPT.init(params), batch)
+    program = cap.program()
+    got = jax.jit(program)(*args)
+    assert len(traced) == 1  # the capture's trace only
+    want = jax.jit(train_step)(*args)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="structure"):
+        program(params, batch)
+    dump = from_module(cap.module, trainable=[0, 1])
+    with pytest.raises(ValueError, match="not captured from JAX"):
+        dump.program()
