@@ -87,6 +87,10 @@ class SumTree:
             # past it); then the first child whose prefix sum exceeds the target has mass > 0.
             t = np.minimum(t, prefix[:, -1] * (1.0 - 2.0**-50))
             child = (prefix <= t[:, None]).sum(axis=1)
+            # Among subnormal totals the shrink above can round to nothing, leaving every prefix
+            # <= t: fall back to the last child with mass.
+            last = f - 1 - np.argmax(block[:, ::-1] > 0, axis=1)
+            child = np.minimum(child, last)
             # t >= the exact prefix before the child, so the subtraction stays >= 0.
             t = t - np.where(child > 0, prefix[rows, child - 1], 0.0)
             idx = idx * f + child
