@@ -738,7 +738,11 @@ def _print_run_description(description: Any) -> None:
     from hlomap.report.pipeline import _short_path
 
     console = _console()
-    console.print(f"pipeline on {description.devices} devices: {len(description.stages)} stages, executor "
+    n_logical = len(description.stages)
+    stage_count = (f"{n_logical} stages" if description.repeats == 1 else
+                   f"{n_logical} logical stages on {n_logical // description.repeats} device stages (circular, "
+                   f"{description.repeats} rounds)")
+    console.print(f"pipeline on {description.devices} devices: {stage_count}, executor "
                   f"{description.executor} ({'SPMD, one program' if description.executor == 'spmd' else 'one program per stage'}), "
                   f"{description.schedule}, {description.microbatches} microbatches; mesh {description.mesh}")
     cuts = Table(title="Cuts", show_edge=False)

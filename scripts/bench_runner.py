@@ -30,6 +30,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import hlomap  # noqa: E402
 from hlomap import zoo  # noqa: E402
@@ -106,7 +107,9 @@ def one_stage_plan(cap: Any, devices: int, schedule: str) -> Plan:
 
 
 def section_one_stage(model: Any, cap: Any, repeats: int) -> None:
-    args = tuple(model.example_args())
+    # numpy arguments: a training loop hands the step host batches (a batch on one device would
+    # time a device-to-device reshard instead)
+    args = jax.tree.map(np.asarray, tuple(model.example_args()))
     mesh = auto_mesh(jax.devices()[:8], (("data", 8),))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -69,15 +69,17 @@ class CutRecord:
                    data.get("source"), data.get("pivot"))
 
 
-def cut_records(pipeline: Mapping[str, Any], where: str = "plan") -> tuple[CutRecord, ...]:
-    """The cuts of a plan's pipeline section, checked against its stage count."""
+def cut_records(pipeline: Mapping[str, Any], where: str = "plan", repeats: int = 1) -> tuple[CutRecord, ...]:
+    """The cuts of a plan's pipeline section, checked against its (logical) stage count."""
     try:
         cuts = tuple(CutRecord.from_json(c) for c in pipeline.get("cuts", ()))
     except (KeyError, TypeError) as err:
         raise RunError(f"{where}: malformed pipeline cut ({err!r}); each cut needs an 'instruction'") from None
     stages = len(pipeline.get("stages", ()))
-    if stages and len(cuts) != stages - 1:
-        raise RunError(f"{where}: {stages} stages need {stages - 1} cuts; the pipeline section has {len(cuts)}")
+    logical = stages * repeats
+    if stages and len(cuts) != logical - 1:
+        what = f"{stages} stages" if repeats == 1 else f"{stages} stages x {repeats} repeats = {logical} logical stages"
+        raise RunError(f"{where}: {what} need {logical - 1} cuts; the pipeline section has {len(cuts)}")
     return cuts
 
 

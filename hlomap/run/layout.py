@@ -90,11 +90,41 @@ class FlatLayout:
 
     def unpack(self, buffers: Mapping[str, Any], leads: Mapping[str, tuple[int, ...]] | None = None) -> dict[Any, Any]:
         leads = leads or {}
-        out = {}
-        for key, slot in zip(self.keys, self.slots):
-            lead = leads.get(slot.buffer, ())
-            out[key] = buffers[slot.buffer][..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
-        return out
+        pieces = _split_slots(buffers, self.keys, self.slots)
+        return {key: pieces[key].reshape(leads.get(slot.buffer, ()) + slot.shape)
+                for key, slot in zip(self.keys, self.slots)}
+
+
+def _split_slots(buffers: Mapping[Any, Any], keys: Sequence[Any], slots: Sequence[Slot],
+                 buffer_key: Any = None) -> dict[Any, Any]:
+    """key -> its slot's elements (on the last axis), cut from each buffer by one `split`.
+
+    One split per buffer rather than a slice per leaf because of the gradient: a slice
+    transposes to a pad of the whole buffer, and the sum of one pad per leaf costs a pass over
+    the buffer per leaf; a split transposes to one concatenate."""
+    by_buffer: dict[Any, list[tuple[Any, Slot]]] = {}
+    for key, slot in zip(keys, slots):
+        by_buffer.setdefault(slot.buffer if buffer_key is None else buffer_key(slot), []).append((key, slot))
+    out: dict[Any, Any] = {}
+    for name, items in by_buffer.items():
+        buffer = buffers[name]
+        items.sort(key=lambda item: item[1].offset)
+        sizes, owners, end = [], [], 0
+        for key, slot in items:
+            if slot.offset < end:
+                raise ValueError(f"slots of {key!r} and the leaf before it overlap in buffer {name!r}")
+            if slot.offset > end:
+                sizes.append(slot.offset - end)
+                owners.append(None)
+            sizes.append(slot.size)
+            owners.append(key)
+            end = slot.offset + slot.size
+        if buffer.shape[-1] > end:
+            sizes.append(buffer.shape[-1] - end)
+            owners.append(None)
+        parts = jnp.split(buffer, np.cumsum(sizes)[:-1].tolist(), axis=-1) if len(sizes) > 1 else [buffer]
+        out.update({key: part for key, part in zip(owners, parts) if key is not None})
+    return out
 
 
 def _assemble(parts: list[tuple[int, Any]], length: int, dtype: str, lead: tuple[int, ...] = ()) -> Any:
@@ -159,9 +189,9 @@ class BatchedLayout:
 
     def unpack(self, buffers: Mapping[tuple[str, bool], Any]) -> list[Any]:
         mb = self.microbatch
-        out: dict[int, Any] = {}
-        for key, slot in zip(self.batched.keys, self.batched.slots):
-            out[key] = buffers[(slot.buffer, True)][:, slot.offset:slot.offset + slot.size].reshape((mb,) + slot.shape)
-        for key, slot in zip(self.unbatched.keys, self.unbatched.slots):
-            out[key] = buffers[(slot.buffer, False)][slot.offset:slot.offset + slot.size].reshape(slot.shape)
+        batched = _split_slots(buffers, self.batched.keys, self.batched.slots, lambda slot: (slot.buffer, True))
+        unbatched = _split_slots(buffers, self.unbatched.keys, self.unbatched.slots, lambda slot: (slot.buffer, False))
+        out = {key: batched[key].reshape((mb,) + slot.shape) for key, slot in zip(self.batched.keys, self.batched.slots)}
+        out.update({key: unbatched[key].reshape(slot.shape)
+                    for key, slot in zip(self.unbatched.keys, self.unbatched.slots)})
         return [out[i] for i in range(len(out))]

@@ -1,6 +1,8 @@
 """Meshes from a plan: the device order, the SPMD mesh, the pipeline's stages and their meshes.
 
-A pipeline plan's `pipeline` section lists its stages with the (plan) device ids each uses; the
+A pipeline plan's `pipeline` section lists its stages with the (plan) device ids each uses (with
+`"repeats": V`, a circular schedule: the model is cut into S V logical stages and logical stage k
+runs on the devices of stage k mod S, each microbatch going round the stages V times); the
 mesh inside a stage is the stage's own `mesh` entry when it has one, else the plan's top-level
 mesh (its parameters' PartitionSpecs then apply inside every stage: tensor parallelism), else
 one `data` axis over the stage's devices (the explorer's replicated stages). The PartitionSpecs
@@ -49,10 +51,17 @@ class PipelineSection:
     microbatches: int
     schedule: Schedule
     parameters: tuple[tuple[ParameterSpec, ...], ...]
+    repeats: int = 1  # circular schedule: each stage's devices run this many of the model's stages
 
     @property
     def n_stages(self) -> int:
+        """Device stages (groups of devices)."""
         return len(self.devices)
+
+    @property
+    def logical_stages(self) -> int:
+        """Stages of the model: logical stage k runs on device stage k mod S (k // S-th round)."""
+        return len(self.devices) * self.repeats
 
     @property
     def uniform(self) -> bool:
@@ -75,6 +84,16 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
     microbatches = int(data.get("microbatches", 1))
     if microbatches < 1:
         raise RunError(f"{where}: {microbatches} microbatches; need at least 1")
+    repeats = data.get("repeats", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise RunError(f"{where}: 'repeats' is {repeats!r}; the circular schedule needs a whole number >= 1")
+    if repeats > 1 and schedule is not Schedule.GPIPE:
+        raise RunError(f"{where}: a circular pipeline (repeats {repeats}) runs the gpipe schedule, not "
+                       f"{schedule.value}")
+    if repeats > 1 and microbatches < len(stages):
+        raise RunError(f"{where}: a circular pipeline needs at least as many microbatches as stages (a microbatch "
+                       f"comes back to stage 0 after {len(stages)} ticks); it has {microbatches} microbatches and "
+                       f"{len(stages)} stages")
     top = tuple((str(k), int(v)) for k, v in plan.mesh)
     devices, inner, parameters = [], [], []
     for s, stage in enumerate(stages):
@@ -93,8 +112,8 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
     used = [d for ids in devices for d in ids]
     if len(set(used)) != len(used):
         raise RunError(f"{where}: a device is in two stages ({used})")
-    return PipelineSection(tuple(devices), tuple(inner), cut_records(data, where), microbatches, schedule,
-                           tuple(parameters))
+    return PipelineSection(tuple(devices), tuple(inner), cut_records(data, where, repeats), microbatches, schedule,
+                           tuple(parameters), repeats)
 
 
 def stage_parameters(plan: Any, specs: Sequence[Any] | None, mesh: tuple[tuple[str, int], ...],

@@ -10,6 +10,12 @@ Flush, Narayanan et al., SC'21, section 2.2) stage s holds at most S - s microba
 under GPipe all M. Gradients accumulate per stage; a leaf several stages hold (a tied
 embedding) gets the sum of their gradients; then each stage runs its own update program.
 
+Where the last stage's schedule runs a microbatch's backward right after its forward (every
+microbatch under 1F1B; under GPipe only with one microbatch), the two run as one program (`forward_backward`):
+the last stage's backward needs nothing from another stage, and its residuals then never leave
+the program. A step that records its events (`record=True`) runs them apart, to time each pass.
+Each stage's update donates the state it replaces.
+
 Dispatch is asynchronous, so stages on different devices overlap; one Python process drives them
 all (single controller), which is why this executor does not run across processes.
 """
@@ -17,6 +23,7 @@ all (single controller), which is why this executor does not run across processe
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -30,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from hlomap.cost.pipeline.stages import Pass
 from hlomap.run.meshes import auto_mesh, pick
 from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
-from hlomap.run.schedule import Event, RecordedEvent, dispatch_order
+from hlomap.run.schedule import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.staged import Staged, put, to_host
 from hlomap.run.trace import InputKind
 from hlomap.run.update import Source
@@ -103,6 +110,9 @@ class MpmdPipeline:
         self.trace_counts: dict[tuple[str, int], int] = {}
         self._forward = [self._make_forward(s) for s in range(self.n_stages)]
         self._backward = [self._make_backward(s) for s in range(self.n_stages)]
+        self.fused = fusable_passes(self.order, self.n_stages)
+        self._forward_backward = self._make_forward_backward(self.n_stages - 1)
+        self._residual_bytes: int | None = None  # of the last stage's forward, for the fused passes' bookkeeping
         self._accumulate = [jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options)
                             for _ in range(self.n_stages)]
         self._update = [self._make_update(s) for s in range(self.n_stages)]
@@ -146,6 +156,26 @@ class MpmdPipeline:
         _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
         return jax.jit(self._counted("backward", s, bwd), compiler_options=self.options)
 
+    def _make_forward_backward(self, s: int) -> Any:
+        f = self._stage_function(s)
+
+        def forward_backward(params: Any, received: Any, state: Any, data: Any, cotangents: Any) -> Any:
+            out, vjp, aux = jax.vjp(lambda p, r: f(p, r, state, data), params, received, has_aux=True)
+            g_params, g_received = vjp(cotangents)
+            return out, aux, g_params, g_received
+
+        return jax.jit(self._counted("forward_backward", s, forward_backward), compiler_options=self.options)
+
+    def _last_residual_bytes(self, *args: Any) -> int:
+        """What the last stage's forward would keep for its backward (bytes), had it run apart."""
+        if self._residual_bytes is None:
+            fwd, _ = jax.fwd_and_bwd(self._stage_function(self.n_stages - 1), argnums=(0, 1), has_aux=True,
+                                     jitted=False)
+            _, res, _ = jax.eval_shape(fwd, *args)
+            self._residual_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                                       for x in jax.tree_util.tree_leaves(res))
+        return self._residual_bytes
+
     def _make_recording(self, s: int, kind: Pass) -> Any:
         """The forward or backward of stage s that also tells the host when it starts and ends
         on its devices (`jax.debug.callback`, no blocking: the stages still overlap)."""
@@ -166,12 +196,33 @@ class MpmdPipeline:
         self._stamps.append((int(stage), kind, int(microbatch), int(end), time.perf_counter()))
 
     def _make_update(self, s: int) -> Any:
-        run = self.program.update.programs[s].run
+        update_s = self.program.update.programs[s]
+        run = update_s.run
 
         def update(*inputs: Any) -> Any:
             return run(*inputs)
 
-        return jax.jit(self._counted("update", s, update), compiler_options=self.options)
+        return jax.jit(self._counted("update", s, update), donate_argnums=self._donated(update_s),
+                       compiler_options=self.options)
+
+    def _donated(self, update_s: Any) -> tuple[int, ...]:
+        """Update inputs whose buffers the update may reuse: state leaves it replaces, each passed
+        once (a leaf also passed as an aux input is the same buffer twice and is kept)."""
+        traced = self.program.traced
+        n_state = traced.state_leaves
+        passed: dict[int, int] = {}
+        for item in update_s.inputs:
+            leaf = None
+            if item.source is Source.STATE:
+                leaf = item.index
+            elif item.source is Source.AUX and self.program.split.aux[item.index].stage is None:
+                source = self.program.split.aux[item.index]
+                leaf = traced.loss_inputs[source.loss_input].leaf if source.loss_input is not None else None
+            if leaf is not None:
+                passed[leaf] = passed.get(leaf, 0) + 1
+        replaced = {o for o in update_s.outputs if o < n_state}
+        return tuple(position for position, item in enumerate(update_s.inputs)
+                     if item.source is Source.STATE and item.index in replaced and passed[item.index] == 1)
 
     # -- state ------------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
@@ -216,6 +267,7 @@ class MpmdPipeline:
                 aval = traced.loss.jaxpr.invars[p].aval
                 sharding = self._value_sharding(s, aval)
                 if item.kind is InputKind.DATA:
+                    program.check_batch_leaf(value)
                     values[p] = [jax.device_put(value[i * mb:(i + 1) * mb], sharding) for i in range(self.microbatches)]
                 else:
                     values[p] = [jax.device_put(value, sharding)] * self.microbatches
@@ -238,7 +290,9 @@ class MpmdPipeline:
             inputs.append((tuple(held[s][leaf(p)] for p in stage.params), tuple(held[s][leaf(p)] for p in stage.state)))
         received: dict[tuple[int, int], tuple[Any, ...]] = {(0, i): () for i in range(m)}
         cotangent: dict[tuple[int, int], tuple[Any, ...]] = {}
-        residuals: dict[tuple[int, int], Any] = {}
+        residuals: dict[tuple[int, int], tuple[Any, int]] = {}  # (residuals, their bytes)
+        fused_gradients: dict[int, tuple[Any, Any]] = {}  # microbatch -> the last stage's, from its fused pass
+        loss_ct = (jnp.asarray(1.0 / m, traced.loss.jaxpr.outvars[0].aval.dtype),)  # d(mean loss)/d(a microbatch's)
         grads: list[Any] = [None] * n_stages
         aux_sum: list[Any] = [None] * n_stages
         loss_sum: Any = None
@@ -255,14 +309,20 @@ class MpmdPipeline:
             if event.kind is Pass.FORWARD:
                 params_s, state_s = inputs[s]
                 micro = tuple(data[s][p][i] for p in stage.data)
+                inbound = received.pop((s, i))
                 if record:
-                    out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, received.pop((s, i)),
-                                                                   state_s, micro)
+                    out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, inbound, state_s, micro)
+                    residuals[(s, i)] = (res, _nbytes(res))
+                elif s == n_stages - 1 and i in self.fused:
+                    out, aux, *fused_gradients[i] = self._forward_backward(params_s, inbound, state_s, micro,
+                                                                           loss_ct if stage.computes_loss else ())
+                    # booked as the separate forward's residuals would be, until the backward's turn
+                    residuals[(s, i)] = (None, self._last_residual_bytes(params_s, inbound, state_s, micro))
                 else:
-                    out, res, aux = self._forward[s](params_s, received.pop((s, i)), state_s, micro)
-                residuals[(s, i)] = res
+                    out, res, aux = self._forward[s](params_s, inbound, state_s, micro)
+                    residuals[(s, i)] = (res, _nbytes(res))
                 in_flight[s] += 1
-                live_bytes[s] += _nbytes(res)
+                live_bytes[s] += residuals[(s, i)][1]
                 peak[s], peak_bytes[s] = max(peak[s], in_flight[s]), max(peak_bytes[s], live_bytes[s])
                 aux_sum[s] = aux if aux_sum[s] is None else self._accumulate[s](aux_sum[s], aux)
                 sent = out[:len(stage.sends)]
@@ -272,18 +332,16 @@ class MpmdPipeline:
                     received[(s + 1, i)] = tuple(jax.device_put(v, self._value_sharding(s + 1, var.aval))
                                                  for v, var in zip(sent, split.stages[s + 1].receives))
             else:
-                res = residuals.pop((s, i))
-                live_bytes[s] -= _nbytes(res)
+                res, nbytes = residuals.pop((s, i))
+                live_bytes[s] -= nbytes
                 in_flight[s] -= 1
-                cts = cotangent.pop((s, i), None)
-                if cts is None:  # the last stage: d(mean loss)/d(its loss) = 1/M
-                    cts = ()
-                sent_cts = tuple(c for c in cts)
-                loss_ct = (jnp.asarray(scale, traced.loss.jaxpr.outvars[0].aval.dtype),) if stage.computes_loss else ()
-                if record:
-                    g_params, g_received = self._recorder(s, Pass.BACKWARD)(np.int32(i), res, sent_cts + loss_ct)
+                cts = cotangent.pop((s, i), ()) + (loss_ct if stage.computes_loss else ())  # the last stage: none sent
+                if s == n_stages - 1 and i in fused_gradients:
+                    g_params, g_received = fused_gradients.pop(i)
+                elif record:
+                    g_params, g_received = self._recorder(s, Pass.BACKWARD)(np.int32(i), res, cts)
                 else:
-                    g_params, g_received = self._backward[s](res, sent_cts + loss_ct)
+                    g_params, g_received = self._backward[s](res, cts)
                 del res  # the residuals of microbatch i on stage s are freed here
                 grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
                 if s > 0:

@@ -53,6 +53,7 @@ class PipelineProgram:
 
     @property
     def n_stages(self) -> int:
+        """Device stages; `split.stages` has `section.logical_stages` (more under a circular schedule)."""
         return self.section.n_stages
 
     @property
@@ -61,6 +62,16 @@ class PipelineProgram:
 
     def loss_leaf(self, position: int) -> int | None:
         return self.traced.loss_inputs[position].leaf
+
+    def check_batch_leaf(self, value: Any) -> None:
+        """A batch leaf of a call has the batch size the step was cut for."""
+        import numpy as np
+
+        shape = tuple(np.shape(value))
+        if shape[:1] != (self.traced.batch_size,):
+            raise RunError(f"the pipeline was cut for batches of {self.traced.batch_size} examples ({self.microbatches} "
+                           f"microbatches of {self.microbatch}); this call's batch has a leaf of shape {shape}: build "
+                           "another `parallelize` step for this batch size")
 
     def data_inputs(self) -> tuple[int, ...]:
         """Loss inputs of the batch and later arguments (every stage may read them)."""
@@ -81,7 +92,7 @@ def prepare(step: Any, args: Sequence[Any], cap: Capture, section: PipelineSecti
     micro = traced if m == 1 else trace_step(step, _with_batch(args, microbatch), paths)
     _check_same_loss(traced, micro)
     assignment = assign_stages(cap, traced, section.cuts)
-    split = split_loss(micro, assignment.stage_of_eqn, section.n_stages)
+    split = split_loss(micro, assignment.stage_of_eqn, section.logical_stages)
     update = plan_update(traced, split, widen=widen)
     return PipelineProgram(traced, micro, assignment, split, update, section, microbatch)
 

@@ -47,8 +47,18 @@ class Executor(enum.Enum):
     MPMD = "mpmd"  # B: one program per stage, any schedule, single controller
 
 
-def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None) -> Executor:
-    """1F1B needs executor B; GPipe runs on A unless the stages' meshes differ or B is asked for."""
+def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None,
+                    repeats: int = 1) -> Executor:
+    """1F1B needs executor B; GPipe runs on A unless the stages' meshes differ or B is asked for;
+    a circular pipeline (`repeats` > 1) runs on A only."""
+    if repeats > 1:
+        if not uniform:
+            raise RunError(f"a circular pipeline (repeats {repeats}) runs on executor A (spmd), which needs every "
+                           "stage to have the same mesh and parameter specs; this plan's stages differ")
+        if requested is not None and Executor(requested) is Executor.MPMD:
+            raise RunError(f"executor B (mpmd) does not run circular pipelines (repeats {repeats}); use executor A "
+                           "(spmd)")
+        return Executor.SPMD
     if requested is not None:
         executor = Executor(requested)
         if executor is Executor.SPMD and schedule is Schedule.ONE_F_ONE_B:
@@ -84,15 +94,16 @@ class RunnerDescription:
     executor: str | None = None
     microbatches: int | None = None
     schedule: str | None = None
-    stages: tuple[StageDescription, ...] = ()
+    stages: tuple[StageDescription, ...] = ()  # logical stages (more than device stages when circular)
     cuts: tuple[CutMapping, ...] = ()
     matched_equations: tuple[int, int] | None = None  # (matched, of the loss's own)
     notes: tuple[str, ...] = field(default=())
+    repeats: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind, "devices": self.devices, "mesh": self.mesh, "executor": self.executor,
-            "microbatches": self.microbatches, "schedule": self.schedule,
+            "microbatches": self.microbatches, "schedule": self.schedule, "repeats": self.repeats,
             "stages": [{"index": s.index, "devices": list(s.devices), "mesh": s.mesh, "first": s.first,
                         "last": s.last, "parameters": s.parameters, "receives": list(s.receives),
                         "sends": list(s.sends)} for s in self.stages],
@@ -116,7 +127,8 @@ class ParallelStep:
         self.section = pipeline_section(plan) if plan.pipeline is not None else None
         self.executor: Executor | None = None
         if self.section is not None:
-            self.executor = choose_executor(self.section.schedule, self.section.uniform, executor)
+            self.executor = choose_executor(self.section.schedule, self.section.uniform, executor,
+                                            self.section.repeats)
             if self.executor is Executor.MPMD and jax.process_count() > 1:
                 raise RunError(f"executor B (mpmd) is single-controller: one Python process drives every stage, but "
                                f"{jax.process_count()} processes run; use executor A (spmd, GPipe) across hosts")
@@ -224,7 +236,8 @@ def _describe(runner: Any, section: Any, executor: Executor, order: Sequence[Any
     program: PipelineProgram = runner.program
     eqns = program.traced.loss.jaxpr.eqns
     stages = []
-    for stage, ids, inner in zip(program.split.stages, section.devices, section.inner):
+    for stage in program.split.stages:
+        ids, inner = section.devices[stage.index % section.n_stages], section.inner[stage.index % section.n_stages]
         trainable = {program.traced.loss_inputs[p].leaf for p in stage.params}
         stages.append(StageDescription(
             stage.index, tuple(int(order[i].id) for i in ids), dict(inner),
@@ -236,7 +249,7 @@ def _describe(runner: Any, section: Any, executor: Executor, order: Sequence[Any
     return RunnerDescription(
         "pipeline", sum(len(ids) for ids in section.devices), mesh, executor.value, section.microbatches,
         section.schedule.value, tuple(stages), program.assignment.cuts,
-        (program.assignment.matched, program.assignment.on_loss), program.assignment.notes)
+        (program.assignment.matched, program.assignment.on_loss), program.assignment.notes, section.repeats)
 
 
 def parallelize(train_step: Callable[..., Any], plan: Any, *, executor: Executor | str | None = None,

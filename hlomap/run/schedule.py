@@ -19,7 +19,8 @@ from hlomap.cost.pipeline.profile import uniform_profile
 from hlomap.cost.pipeline.simulator import SimulationResult, Span, SpanKind, simulate
 from hlomap.cost.pipeline.stages import Pass, PipelinePlan, Schedule, stage_order
 
-__all__ = ["Event", "RecordedEvent", "dispatch_order", "events_from_spans", "predicted_schedule", "same_order"]
+__all__ = ["Event", "RecordedEvent", "dispatch_order", "events_from_spans", "fusable_passes", "predicted_schedule",
+           "same_order"]
 
 #: Relative cost of a backward pass in the predicted schedule (the usual rule of thumb).
 BACKWARD_COST = 2.0
@@ -68,6 +69,16 @@ def dispatch_order(schedule: Schedule, n_stages: int, microbatches: int) -> tupl
         if own != stage_order(schedule, s, n_stages, microbatches):
             raise AssertionError(f"the simulated order of stage {s} is not its {schedule.value} order")
     return events
+
+
+def fusable_passes(order: Sequence[Event], n_stages: int) -> frozenset[int]:
+    """Microbatches whose forward and backward on the last stage can run as one program: the last
+    stage's backward needs nothing from another stage, so when its schedule runs the backward
+    of a microbatch right after its forward (always under 1F1B; under GPipe only when M = 1)
+    the two fuse, and the forward's residuals never leave the program."""
+    last = [e for e in order if e.stage == n_stages - 1]
+    return frozenset(a.microbatch for a, b in zip(last, last[1:])
+                     if a.kind is Pass.FORWARD and b.kind is Pass.BACKWARD and a.microbatch == b.microbatch)
 
 
 def same_order(recorded: Sequence[RecordedEvent], predicted: Sequence[Event]) -> bool:

@@ -1,4 +1,4 @@
-"""Executor A: a pipeline as one SPMD program (GPipe), on one host or several.
+"""Executor A: a pipeline as one SPMD program (GPipe, plain or circular), on one host or several.
 
 One `jax.jit` around a `jax.shard_map` that is manual over a `stage` mesh axis and automatic
 over the plan's axes inside a stage (data, model), so that XLA partitions each stage's work as
@@ -13,11 +13,24 @@ Praxis's pipelines):
   stage's output (packed into one padded buffer) to the next stage. M + S - 1 ticks.
 - The last stage's loss, summed over ticks, is `psum`'d over `stage` and divided by M.
 - `jax.value_and_grad` of the whole gives GPipe's backward (the scan runs backwards, ppermute
-  transposes to the reverse shift). Each tick's stage call is rematerialized (`jax.checkpoint`
-  with nothing saved), so a stage keeps only its input per microbatch in flight, not every
-  intermediate activation.
+  transposes to the reverse shift). With several microbatches, each tick's stage call is
+  rematerialized (`jax.checkpoint` with nothing saved), so a stage keeps only its input per
+  microbatch in flight, not every intermediate activation (with one microbatch there is nothing
+  to save memory against, and the recomputation would only cost time).
 - Then a second `shard_map` runs each stage's part of the step outside the loss (`update`) on
-  its own rows: the optimizer update per stage.
+  its own rows: the optimizer update per stage, in the same program as the pipeline.
+
+Leaves are cut from a row by one `split` per buffer, not a slice per leaf: the gradient of a
+slice is a pad of the whole row, and summing one pad per leaf made the backward pass a pass over
+the row per leaf (it tripled a one-stage step of gpt-tiny).
+
+Circular schedule (`repeats` V > 1; Praxis's and MaxText's looped pipeline): the model is cut
+into S V logical stages and device stage s runs logical stages s, S + s, ..., so each keeps V rows
+(`circular_rows`) and the `ppermute` becomes a ring. Device stage s at tick t runs iteration
+j = t - s: microbatch j mod M in round j // M, logical stage (j // M) S + s. What leaves the last
+device stage comes back to stage 0 for its next round M - S ticks later, so stage 0 keeps one slot
+per microbatch (`_circulate`); hence M >= S. M V + S - 1 ticks, each a V-th of a stage's work:
+the bubble shrinks V times.
 
 The stage axis can span processes (`jax.distributed`): the program is the same on every host.
 """
@@ -74,10 +87,12 @@ class RowLayout:
     leads: dict[str, tuple[int, ...]]  # buffer -> (shards,) or ()
     axes: dict[str, tuple[str, ...]]  # buffer -> the mesh axes splitting it
     treedef: Any
+    rows: tuple[int, ...]  # logical stage -> its row (`circular_rows`)
 
     @classmethod
     def of(cls, leaves: Sequence[int], avals: Sequence[Any], residence: Sequence[frozenset[int]], n_stages: int,
-           specs: Mapping[int, Any], mesh_axes: Mapping[str, int], treedef: Any) -> RowLayout:
+           specs: Mapping[int, Any], mesh_axes: Mapping[str, int], treedef: Any,
+           rows: Sequence[int] | None = None) -> RowLayout:
         placements, axes_of, local = {}, {}, {}
         for leaf, aval in zip(leaves, avals):
             placement, axes = _placement(leaf, aval, specs.get(leaf), mesh_axes)
@@ -98,7 +113,7 @@ class RowLayout:
         lengths = {b: max(n, 1) for b, n in buffer_lengths(stages).items()}
         leads = {p.buffer: ((p.shards,) if p.dim is not None else ()) for p in placements.values()}
         return cls(tuple(leaves), tuple(avals), placements, tuple(stages), shared.lengths, lengths, leads, axes_of,
-                   treedef)
+                   treedef, tuple(rows) if rows is not None else tuple(range(n_stages)))
 
     def home(self, leaf: int) -> int:
         return next(s for s, layout in enumerate(self.stages) if leaf in layout.keys)
@@ -133,7 +148,8 @@ class RowLayout:
             for leaf, slot in zip(layout.keys, layout.slots):
                 stored = np.asarray(self.to_stored(leaf, np.asarray(by_leaf[leaf])))
                 lead = self.leads.get(slot.buffer, ())
-                rows[slot.buffer][s, ..., slot.offset:slot.offset + slot.size] = stored.reshape(lead + (slot.size,))
+                rows[slot.buffer][self.rows[s], ..., slot.offset:slot.offset + slot.size] = stored.reshape(
+                    lead + (slot.size,))
         return rows
 
     def leaf_from_rows(self, rows: Mapping[str, Any], leaf: int, stage: int | None = None) -> Any:
@@ -141,7 +157,7 @@ class RowLayout:
         s = self.home(leaf) if stage is None else stage
         slot = self.stages[s].slot(leaf)
         lead = self.leads.get(slot.buffer, ())
-        stored = rows[slot.buffer][s, ..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
+        stored = rows[slot.buffer][self.rows[s], ..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
         return self.to_global(leaf, stored)
 
     def unpack(self, stage: int, row: Mapping[str, Any]) -> dict[int, Any]:
@@ -152,6 +168,12 @@ class RowLayout:
     def pack(self, stage: int, values: Mapping[int, Any]) -> dict[str, Any]:
         stored = {leaf: self.to_stored(leaf, values[leaf]) for leaf in self.stages[stage].keys}
         return self.stages[stage].pack(stored, self.lengths, self.leads)
+
+
+def circular_rows(n_stages: int, repeats: int) -> tuple[int, ...]:
+    """Logical stage -> row of the `[S V, L]` arrays sharded on `stage`: device stage s holds rows
+    s V .. s V + V - 1, the logical stages s, S + s, ..., (V - 1) S + s in round order."""
+    return tuple((k % n_stages) * repeats + k // n_stages for k in range(n_stages * repeats))
 
 
 def _placement(leaf: int, aval: Any, spec: Any, mesh_axes: Mapping[str, int]) -> tuple[Placement, tuple[str, ...]]:
@@ -183,13 +205,19 @@ class SpmdPipeline:
     """Executor A for one traced step and pipeline plan (module docstring)."""
 
     def __init__(self, program: PipelineProgram, order: Sequence[Any],
-                 compiler_options: Mapping[str, Any] | None = None):
+                 compiler_options: Mapping[str, Any] | None = None, remat: bool | None = None):
         section = program.section
+        # rematerializing a stage call saves memory only when several microbatches are in flight
+        # on a stage; with one, it would recompute the forward pass for nothing
+        self.remat = section.microbatches > 1 if remat is None else remat
         if not section.uniform:
             raise ValueError("executor A needs every stage to have the same mesh and specs; use executor B")
         self.program = program
         traced = program.traced
         self.n_stages = section.n_stages
+        self.repeats = section.repeats
+        self.logical = section.logical_stages
+        self.rows = circular_rows(self.n_stages, self.repeats)
         self.microbatches = section.microbatches
         devices = pick(order, [d for ids in section.devices for d in ids], "the pipeline plan")
         inner = section.inner[0]
@@ -201,10 +229,10 @@ class SpmdPipeline:
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()
         residence = program.update.residence
-        self.params = RowLayout.of(range(n0), flat_avals[:n0], residence, self.n_stages, self.specs, self.inner_axes,
-                                   trees[0])
-        self.opt = RowLayout.of(range(n0, n0 + n1), flat_avals[n0:n0 + n1], residence, self.n_stages, self.specs,
-                                self.inner_axes, trees[1])
+        self.params = RowLayout.of(range(n0), flat_avals[:n0], residence, self.logical, self.specs, self.inner_axes,
+                                   trees[0], self.rows)
+        self.opt = RowLayout.of(range(n0, n0 + n1), flat_avals[n0:n0 + n1], residence, self.logical, self.specs,
+                                self.inner_axes, trees[1], self.rows)
         self.cut_layouts = [BatchedLayout.of([v.aval for v in stage.sends], program.microbatch)
                             for stage in program.split.stages[:-1]]
         self.act_lengths = buffer_lengths(self.cut_layouts)
@@ -213,12 +241,14 @@ class SpmdPipeline:
         self.aux_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.aux_layouts).items()}
         outvars = traced.step.jaxpr.outvars
         self.out_layouts = [FlatLayout.of([(o, outvars[o].aval) for o in sorted(program.update.owner)
-                                           if program.update.owner[o] == s]) for s in range(self.n_stages)]
+                                           if program.update.owner[o] == s]) for s in range(self.logical)]
         self.out_lengths = {d: max(n, 1) for d, n in buffer_lengths(self.out_layouts).items()}
         self.replicated = NamedSharding(self.mesh, P())
+        self.batch_leaves = frozenset(item.leaf - traced.state_leaves for item in traced.loss_inputs
+                                      if item.kind is InputKind.DATA)
         options = dict(compiler_options or {}) or None
         self._pipeline_jit = _Checked(jax.jit(self._loss_and_grads, compiler_options=options))
-        self._update_jit = _Checked(jax.jit(self._update, donate_argnums=(0, 1, 2), compiler_options=options))
+        self._step_jit = _Checked(jax.jit(self._step, donate_argnums=(0, 1), compiler_options=options))
 
     # -- state ------------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
@@ -238,9 +268,18 @@ class SpmdPipeline:
         return out[0], out[1]
 
     def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
-        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
-        loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
-        return self._update_jit(params, opt_state, grads, aux_rows, loss, *rest)
+        rest = self._put_arguments(rest)
+        return self._step_jit(params, opt_state, *rest)
+
+    def _put_arguments(self, rest: Sequence[Any]) -> Any:
+        """The non-state arguments, replicated on the mesh; the program splits the batch into
+        microbatches. (Passing the batch already split into microbatches on the stage's axes
+        made JAX 0.10.2 fail to lower the stage programs: an operand type mismatch in a nested
+        call of the loss.)"""
+        leaves, treedef = jax.tree_util.tree_flatten(tuple(rest))
+        for j in self.batch_leaves:
+            self.program.check_batch_leaf(leaves[j])
+        return jax.tree_util.tree_unflatten(treedef, [put(x, self.replicated, own=False) for x in leaves])
 
     # -- the program ------------------------------------------------------------------------------
     def _arguments(self, rest: Sequence[Any]) -> list[Any]:
@@ -279,7 +318,7 @@ class SpmdPipeline:
                   split: Sequence[Any], whole: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
         program = self.program
         traced = program.traced
-        m, n_stages = self.microbatches, self.n_stages
+        m, n_stages, repeats, n_logical = self.microbatches, self.n_stages, self.repeats, self.logical
         stages = program.split.stages
         data_positions = program.data_inputs()
         differentiated = {traced.loss_inputs[p].leaf for p in traced.grads}
@@ -298,9 +337,8 @@ class SpmdPipeline:
                 data = [by_position[p] for p in program_k.data]
                 received = self.cut_layouts[k - 1].unpack(buffers) if k > 0 else []
                 sent, aux, loss = program_k.run(params, state, data, received)
-                out = (self.cut_layouts[k].pack(sent, self.act_lengths) if k < n_stages - 1
-                       else {key: jnp.zeros(_buffer_shape(key, n, program.microbatch), key[0])
-                             for key, n in self.act_lengths.items()})
+                out = (self.cut_layouts[k].pack(sent, self.act_lengths) if k < n_logical - 1
+                       else self._empty_activations())
                 out = {key: (lax.with_sharding_constraint(v, batch_spec) if key[1] and self.batch_axes else v)
                        for key, v in out.items()}
                 aux_buf = self.aux_layouts[k].pack(dict(zip(program_k.aux, aux)), self.aux_lengths)
@@ -309,40 +347,44 @@ class SpmdPipeline:
 
             return run
 
-        branches = [branch(k) for k in range(n_stages)]
+        branches = [branch(k) for k in range(n_logical)]
 
         def body(p_float: Any, p_other: Any, o_rows: Any, split: Any, whole: Any) -> Any:
             s = lax.axis_index(STAGE_AXIS)
-            p_row = {d: r[0] for d, r in {**p_float, **p_other}.items()}
-            o_row = {d: r[0] for d, r in o_rows.items()}
-            shift = [(j, j + 1) for j in range(n_stages - 1)]
+            p_rows = {**p_float, **p_other}  # local: this device stage's `repeats` rows
+            # a circular pipeline sends the last device stage's output round to the first
+            shift = [(j, (j + 1) % n_stages) for j in range(n_stages if repeats > 1 else n_stages - 1)]
 
             def tick(carry: Any, t: Any) -> Any:
-                buffers, loss_sum, aux_acc = carry
-                i = t - s
-                valid = (i >= 0) & (i < m)
-                index = jnp.clip(i, 0, m - 1)
-                micro = [lax.dynamic_index_in_dim(x, index, keepdims=False) if x is not None else w
+                buffers, storage, loss_sum, aux_acc = carry
+                j = t - s  # this device stage's iteration: microbatch j mod M in round j // M
+                valid = (j >= 0) & (j < m * repeats)
+                index = jnp.clip(j, 0, m * repeats - 1)
+                i, v = index % m, index // m
+                if repeats > 1:
+                    buffers, storage = self._circulate(buffers, storage, s, t, i)
+                micro = [lax.dynamic_index_in_dim(x, i, keepdims=False) if x is not None else w
                          for x, w in zip(split, whole)]
+                p_row, o_row = _row(p_rows, v, repeats), _row(o_rows, v, repeats)
+                logical = v * n_stages + s if repeats > 1 else s
 
                 def call(p_row: Any, o_row: Any, buffers: Any, micro: Any) -> Any:
-                    return lax.switch(s, branches, p_row, o_row, buffers, micro)
+                    return lax.switch(logical, branches, p_row, o_row, buffers, micro)
 
-                out, aux_buf, loss = jax.checkpoint(call, policy=jax.checkpoint_policies.nothing_saveable)(
-                    p_row, o_row, buffers, micro)
+                run = jax.checkpoint(call, policy=jax.checkpoint_policies.nothing_saveable) if self.remat else call
+                out, aux_buf, loss = run(p_row, o_row, buffers, micro)
                 loss_sum = loss_sum + jnp.where(valid, loss, jnp.zeros_like(loss))
-                aux_acc = {d: (a + jnp.where(valid, aux_buf[d], 0) if _floating(d)
-                               else jnp.where(valid, aux_buf[d], a)) for d, a in aux_acc.items()}
-                buffers = {key: lax.ppermute(v, STAGE_AXIS, shift) for key, v in out.items()}
-                return (buffers, loss_sum, aux_acc), None
+                aux_acc = {d: _add_row(a, v, valid, aux_buf[d], _floating(d)) for d, a in aux_acc.items()}
+                buffers = {key: lax.ppermute(x, STAGE_AXIS, shift) for key, x in out.items()}
+                return (buffers, storage, loss_sum, aux_acc), None
 
-            init = ({key: jnp.zeros(_buffer_shape(key, n, program.microbatch), key[0])
-                     for key, n in self.act_lengths.items()},
-                    jnp.zeros((), loss_dtype),
-                    {d: jnp.zeros((n,), d) for d, n in self.aux_lengths.items()})
-            (_, loss_sum, aux_acc), _ = lax.scan(tick, init, jnp.arange(m + n_stages - 1))
-            loss = lax.psum(loss_sum, STAGE_AXIS) / m
-            aux = {d: (a / m if _floating(d) else a)[None] for d, a in aux_acc.items()}
+            storage = ({key: jnp.zeros((m,) + x.shape, x.dtype) for key, x in self._empty_activations().items()}
+                       if repeats > 1 else {})
+            init = (self._empty_activations(), storage, jnp.zeros((), loss_dtype),
+                    {d: jnp.zeros((repeats, n), d) for d, n in self.aux_lengths.items()})
+            (_, _, loss_sum, aux_acc), _ = lax.scan(tick, init, jnp.arange(m * repeats + n_stages - 1))
+            loss = (lax.psum(loss_sum, STAGE_AXIS) if n_stages > 1 else loss_sum) / m
+            aux = {d: (a / m if _floating(d) else a) for d, a in aux_acc.items()}
             return loss, aux
 
         row = P(STAGE_AXIS)
@@ -353,6 +395,29 @@ class SpmdPipeline:
                                out_specs=(P(), {d: row for d in self.aux_lengths}), axis_names={STAGE_AXIS},
                                check_vma=False)
         return mapped(p_float, p_other, o_rows, split, whole)
+
+    def _empty_activations(self) -> dict[tuple[str, bool], Any]:
+        mb = self.program.microbatch
+        return {key: jnp.zeros(_buffer_shape(key, n, mb), key[0]) for key, n in self.act_lengths.items()}
+
+    def _circulate(self, arrived: Mapping[Any, Any], storage: Mapping[Any, Any], s: Any, t: Any,
+                   i: Any) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        """A circular pipeline's loop back: what reached device stage 0 at tick t left the last
+        device stage at iteration t - S (microbatch (t - S) mod M, which comes back for its next
+        round M - S ticks later); stage 0 keeps it in `storage` (one slot per microbatch) and,
+        from its second round on, reads microbatch i's from there. Other stages take what
+        arrived."""
+        m, n_stages, repeats = self.microbatches, self.n_stages, self.repeats
+        came = t - n_stages
+        keep = (s == 0) & (came >= 0) & (came < m * (repeats - 1))  # the last round's output goes no further
+        slot = jnp.clip(came, 0, m * repeats - 1) % m
+        stored = {}
+        for key, x in arrived.items():
+            old = lax.dynamic_index_in_dim(storage[key], slot, keepdims=False)
+            stored[key] = lax.dynamic_update_index_in_dim(storage[key], jnp.where(keep, x, old), slot, 0)
+        inbound = {key: jnp.where(s == 0, lax.dynamic_index_in_dim(stored[key], i, keepdims=False), x)
+                   for key, x in arrived.items()}
+        return inbound, stored
 
     def _loss_and_grads(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, Any, Any]:
         """(loss, aux rows, gradient rows): the pipeline, one program."""
@@ -366,7 +431,7 @@ class SpmdPipeline:
 
         def sum_shared(b: str, g: Any) -> Any:
             n = shared.get(b, 0)
-            if n == 0 or self.n_stages == 1:
+            if n == 0 or self.logical == 1:
                 return g
             total = jnp.sum(g[..., :n], axis=0, keepdims=True)
             return jnp.concatenate([jnp.broadcast_to(total, g.shape[:-1] + (n,)), g[..., n:]], axis=-1)
@@ -375,12 +440,17 @@ class SpmdPipeline:
                  for b, g in grads.items()}
         return loss, aux_rows, grads
 
+    def _step(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+        """The whole step, one program: the pipeline's loss and gradients, then every stage's update."""
+        loss, aux_rows, grads = self._loss_and_grads(params, opt_state, *rest)
+        return self._update(params, opt_state, grads, aux_rows, loss, *rest)
+
     def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
         """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them
         (host arrays)."""
         program = self.program
         traced = program.traced
-        rest = jax.tree.map(lambda x: put(x, self.replicated), rest)
+        rest = self._put_arguments(rest)
         loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
         aux_rows = {d: to_host(r) for d, r in aux_rows.items()}
         grads = {d: to_host(r) for d, r in grads.items()}
@@ -398,7 +468,7 @@ class SpmdPipeline:
                    o_rows: Mapping[str, Any]) -> Any:
         traced = self.program.traced
         if source.stage is not None:
-            return _slice(aux_rows, self.aux_layouts[source.stage], source.stage, j)
+            return _slice(aux_rows, self.aux_layouts[source.stage], self.rows[source.stage], j)
         if source.loss_input is not None:
             item = traced.loss_inputs[source.loss_input]
             if item.kind is InputKind.CONST:
@@ -408,7 +478,7 @@ class SpmdPipeline:
         return source.constant
 
     def _update(self, params: Staged, opt_state: Staged, grads: Any, aux_rows: Any, loss: Any, *rest: Any) -> Any:
-        """Every stage's update on its own rows: a second program."""
+        """Every (logical) stage's update on its own rows: a second `shard_map`."""
         program = self.program
         traced = program.traced
         args = self._arguments(rest)
@@ -449,15 +519,17 @@ class SpmdPipeline:
 
             return run
 
-        branches = [branch(k) for k in range(self.n_stages)]
+        branches = [branch(k) for k in range(self.logical)]
 
         def body(p_rows: Any, o_rows: Any, g_rows: Any, aux_rows: Any, loss: Any, args: Any) -> Any:
             s = lax.axis_index(STAGE_AXIS)
-            first = lambda rows: {d: r[0] for d, r in rows.items()}  # noqa: E731 - local rows
-            g_row = {**first(g_rows), **{d: jnp.zeros_like(r[0]) for d, r in p_rows.items() if d not in g_rows}}
-            new_p, new_o, out = lax.switch(s, branches, first(p_rows), first(o_rows), g_row, first(aux_rows),
-                                           loss, args)
-            return jax.tree.map(lambda x: x[None], (new_p, new_o, out))
+            rounds = []
+            for v in range(self.repeats):  # this device stage's logical stages v S + s, one row each
+                at = lambda rows: {d: r[v] for d, r in rows.items()}  # noqa: E731 - local rows
+                g_row = {**at(g_rows), **{d: jnp.zeros_like(r[v]) for d, r in p_rows.items() if d not in g_rows}}
+                rounds.append(lax.switch(s, branches[v * self.n_stages:(v + 1) * self.n_stages], at(p_rows),
+                                         at(o_rows), g_row, at(aux_rows), loss, args))
+            return jax.tree.map(lambda *xs: jnp.stack(xs), *rounds)
 
         row = P(STAGE_AXIS)
         rows_spec = lambda rows: {d: row for d in rows}  # noqa: E731
@@ -470,7 +542,7 @@ class SpmdPipeline:
         new_p, new_o, out_rows = mapped(params.parts, opt_state.parts, grads, aux_rows, loss, list(args))
         flat: list[Any] = [None] * len(traced.step.jaxpr.outvars)
         for o, s in update.owner.items():
-            flat[o] = _slice(out_rows, self.out_layouts[s], s, o)
+            flat[o] = _slice(out_rows, self.out_layouts[s], self.rows[s], o)
         results = jax.tree_util.tree_unflatten(traced.out_tree, flat)
         return (Staged(new_p, self.params), Staged(new_o, self.opt), *results[2:])
 
@@ -516,10 +588,26 @@ def _refuse_branch_permutes(text: str) -> None:
                            "for this plan, or parameter specs that split one dim each")
 
 
-def _slice(rows: Mapping[str, Any], layout: FlatLayout, stage: int, key: Any) -> Any:
-    """Leaf `key` of row `stage` (host or device rows)."""
+def _row(rows: Mapping[str, Any], v: Any, repeats: int) -> dict[str, Any]:
+    """Row v of each local `[V, L]` array (a static index without a circular schedule: its
+    gradient is then the row itself, not an update of a zero array)."""
+    if repeats == 1:
+        return {d: r[0] for d, r in rows.items()}
+    return {d: lax.dynamic_index_in_dim(r, v, keepdims=False) for d, r in rows.items()}
+
+
+def _add_row(acc: Any, row: Any, valid: Any, value: Any, floating: bool) -> Any:
+    """Aux accumulators `[V, n]`: a float row sums what valid ticks computed (the mean is taken at
+    the end); another dtype keeps the latest valid value."""
+    current = lax.dynamic_index_in_dim(acc, row, keepdims=False)
+    updated = current + jnp.where(valid, value, 0) if floating else jnp.where(valid, value, current)
+    return lax.dynamic_update_index_in_dim(acc, updated, row, 0)
+
+
+def _slice(rows: Mapping[str, Any], layout: FlatLayout, row: int, key: Any) -> Any:
+    """Leaf `key` of row `row` (host or device rows)."""
     slot = layout.slot(key)
-    return rows[slot.buffer][stage, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+    return rows[slot.buffer][row, slot.offset:slot.offset + slot.size].reshape(slot.shape)
 
 
 def _buffer_shape(key: tuple[str, bool], length: int, microbatch: int) -> tuple[int, ...]:

@@ -39,12 +39,13 @@ class Staged:
         return cls(children[0], layout)
 
 
-def put(value: Any, sharding: Any) -> Any:
-    """`jax.device_put` into buffers of its own (the steps donate the state they are given, which
-    must not delete the caller's arrays: `device_put` may hand back the caller's buffer as one of
-    the shards, even with `may_alias=False`), also when the sharding spans several processes
-    (every process passes the same full value and keeps its own shards)."""
-    if isinstance(value, jax.Array) and value.is_fully_addressable:
+def put(value: Any, sharding: Any, *, own: bool = True) -> Any:
+    """`jax.device_put`, also when the sharding spans several processes (every process passes the
+    same full value and keeps its own shards). With `own`, into buffers of its own: the steps
+    donate the state they are given, which must not delete the caller's arrays (`device_put` may
+    hand back the caller's buffer as one of the shards, even with `may_alias=False`); arguments
+    no step donates (the batch) skip that copy."""
+    if own and isinstance(value, jax.Array) and value.is_fully_addressable:
         value = jax.numpy.copy(value)
     if jax.process_count() == 1 or getattr(sharding, "is_fully_addressable", True):
         return jax.device_put(value, sharding)

@@ -34,11 +34,12 @@ def boundary_pivots(chain: StepChain, count: int) -> list[int]:
 
 def pipeline_plan(cap: Any, chain: StepChain, pivots: Sequence[int], *, microbatches: int,
                   schedule: str = "gpipe", devices_per_stage: int = 1, mesh: Mapping[str, int] | None = None,
-                  specs: Mapping[int, Sequence[Any]] | None = None) -> Plan:
+                  specs: Mapping[int, Sequence[Any]] | None = None, repeats: int = 1) -> Plan:
     """A plan with stages cut after chain pivots `pivots`; `mesh` the mesh inside each stage (the
     plan's top-level mesh) and `specs` per flat parameter index, else replicated stages (a `data`
-    axis over each stage's devices)."""
-    n_stages = len(pivots) + 1
+    axis over each stage's devices). With `repeats` V, a circular plan: the len(pivots) + 1
+    logical stages run V rounds over (len(pivots) + 1) / V device stages."""
+    n_stages = (len(pivots) + 1) // repeats
     specs = specs or {}
     parameters = tuple(ParameterSpec(p.index, p.path, tuple(p.shape.dims),
                                      tuple(specs.get(p.index, (None,) * len(p.shape.dims))))
@@ -46,15 +47,18 @@ def pipeline_plan(cap: Any, chain: StepChain, pivots: Sequence[int], *, microbat
     stages, start = [], 0
     bounds = [*pivots, len(chain.pivots)]
     for s in range(n_stages):
-        stages.append({"layers": [start, bounds[s] + 1],
-                       "devices": list(range(s * devices_per_stage, (s + 1) * devices_per_stage))})
-        start = bounds[s] + 1
+        stage: dict[str, Any] = {"devices": list(range(s * devices_per_stage, (s + 1) * devices_per_stage))}
+        if repeats == 1:
+            stage["layers"] = [start, bounds[s] + 1]
+            start = bounds[s] + 1
+        stages.append(stage)
     cuts = [{"pivot": k, "instruction": chain.pivots[k].instruction, "layer": chain.pivots[k].layer,
              "scope": chain.pivots[k].scope, "source": chain.pivots[k].source,
              "crossing_bytes": chain.pivots[k].crossing_bytes} for k in pivots]
     return Plan(mesh=tuple((mesh or {}).items()), parameters=parameters,
                 source=PlanSource(cap.source, cap.text_sha256),
-                pipeline={"stages": stages, "microbatches": microbatches, "schedule": schedule, "cuts": cuts})
+                pipeline={"stages": stages, "microbatches": microbatches, "schedule": schedule, "cuts": cuts,
+                          **({"repeats": repeats} if repeats > 1 else {})})
 
 
 # ---------------------------------------------------------------------------------------------

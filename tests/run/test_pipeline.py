@@ -69,6 +69,36 @@ def test_mlp_two_stages_tensor_parallel_both_executors(zoo_case) -> None:
         _run(case, plan, executor, update=executor == "spmd")
 
 
+def test_gpt_circular_two_stages_two_rounds(zoo_case) -> None:
+    """Executor A, circular: 4 logical stages over 2 device stages (2 rounds) x data-parallel 2,
+    M = 2 (a microbatch comes back to stage 0 in the same tick) and M = 4 (it waits 2 ticks)."""
+    case = zoo_case("gpt-tiny")
+    for microbatches in (2, 4):
+        plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 3), microbatches=microbatches,
+                             devices_per_stage=2, repeats=2)
+        step = _run(case, plan, "spmd", update=microbatches == 4)
+        description = step.describe()
+        assert description.repeats == 2 and len(description.stages) == 4
+        assert [s.devices for s in description.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]  # stage k on k mod 2
+
+
+def test_circular_plans_are_checked(zoo_case) -> None:
+    from hlomap.run.errors import RunError
+
+    case = zoo_case("haiku-mlp")
+    pivots = pivots_at(case.chain, [0.2, 0.45, 0.7])
+    plan = pipeline_plan(case.cap, case.chain, pivots, microbatches=1, devices_per_stage=4, repeats=2)
+    with pytest.raises(RunError, match="at least as many microbatches as stages.*1 microbatches and 2 stages"):
+        parallelize(case.model.train_step(), plan)
+    plan = pipeline_plan(case.cap, case.chain, pivots, microbatches=4, devices_per_stage=4, repeats=2)
+    with pytest.raises(RunError, match="executor B .* does not run circular pipelines"):
+        parallelize(case.model.train_step(), plan, executor="mpmd")
+    short = pipeline_plan(case.cap, case.chain, pivots[:2], microbatches=4, devices_per_stage=4)
+    short.pipeline["repeats"] = 2  # 3 logical stages do not make 2 device stages x 2 rounds
+    with pytest.raises(RunError, match=r"3 stages x 2 repeats = 6 logical stages need 5 cuts"):
+        parallelize(case.model.train_step(), short)
+
+
 def test_uneven_microbatches_name_both_numbers(zoo_case) -> None:
     from hlomap.run.errors import RunError
 
@@ -96,6 +126,18 @@ def test_gpt_matrix(zoo_case, stages: int, microbatches: int, schedule: str) -> 
     plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, stages - 1), microbatches=microbatches,
                          schedule=schedule, devices_per_stage=per_stage)
     _run(case, plan, EXECUTORS[schedule])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_gpt_circular_four_stages_cuts_inside_layers(zoo_case, microbatches: int) -> None:
+    """Circular, 8 logical stages (cuts anywhere, inside layers too) over 4 device stages
+    (x data-parallel 2 while a microbatch has 2 examples)."""
+    case = zoo_case("gpt-tiny")  # batch of 8
+    pivots = pivots_at(case.chain, [k / 8 for k in range(1, 8)])
+    plan = pipeline_plan(case.cap, case.chain, pivots, microbatches=microbatches,
+                         devices_per_stage=8 // microbatches, repeats=2)
+    _run(case, plan, "spmd", update=microbatches == 4)
 
 
 @pytest.mark.slow

@@ -1,0 +1,76 @@
+"""Packing leaves into flat rows (executor A), the circular pipeline's row order and executor B's
+fusable passes: small pure pieces, checked directly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.run.layout import BatchedLayout, FlatLayout, Slot
+from hlomap.run.schedule import dispatch_order, fusable_passes
+from hlomap.run.spmd_pipeline import circular_rows
+
+
+def _avals(*shapes: tuple[int, ...]) -> list[tuple[int, jax.ShapeDtypeStruct]]:
+    return [(k, jax.ShapeDtypeStruct(shape, jnp.float32)) for k, shape in enumerate(shapes)]
+
+
+def test_pack_then_unpack_gives_the_leaves_back_with_gaps_and_padding() -> None:
+    layout = FlatLayout.of(_avals((2, 3), (4,), ()), start={"float32": 5})  # a 5-element region before them
+    values = {0: jnp.arange(6.0).reshape(2, 3), 1: jnp.arange(4.0) + 10, 2: jnp.asarray(7.0)}
+    packed = layout.pack(values, {"float32": 20})
+    assert packed["float32"].shape == (20,)
+    np.testing.assert_array_equal(packed["float32"][:5], 0)  # the region before the leaves
+    out = layout.unpack(packed)
+    for key, value in values.items():
+        np.testing.assert_array_equal(out[key], value)
+
+
+def test_the_gradient_of_unpacking_is_one_concatenate_not_a_pad_per_leaf() -> None:
+    layout = FlatLayout.of(_avals((8,), (3, 3), (5,)))
+
+    def loss(row: jax.Array) -> jax.Array:
+        return sum(jnp.sum(v ** 2) for v in layout.unpack({"float32": row}).values())
+
+    row = jnp.arange(float(layout.lengths["float32"] + 2))  # 2 padding elements at the end
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(row)
+    primitives = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert "pad" not in primitives and primitives.count("concatenate") == 1
+    expected = 2 * np.asarray(row)
+    expected[-2:] = 0
+    np.testing.assert_allclose(jax.grad(loss)(row), expected)
+
+
+def test_batched_values_keep_their_microbatch_dim() -> None:
+    avals = [jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.float32),
+             jax.ShapeDtypeStruct((4, 2, 2), jnp.float32)]
+    layout = BatchedLayout.of(avals, microbatch=4)
+    values = [jnp.ones((4, 3)), jnp.asarray([1.0, 2.0]), jnp.arange(16.0).reshape(4, 2, 2)]
+    packed = layout.pack(values, layout.lengths)
+    assert packed[("float32", True)].shape == (4, 7) and packed[("float32", False)].shape == (2,)
+    for got, want in zip(layout.unpack(packed), values):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_overlapping_slots_are_refused() -> None:
+    layout = FlatLayout((0, 1), (Slot("float32", 0, 4, (4,)), Slot("float32", 2, 4, (4,))))
+    with pytest.raises(ValueError, match="overlap"):
+        layout.unpack({"float32": jnp.zeros(8)})
+
+
+def test_circular_rows_put_each_device_stages_logical_stages_together() -> None:
+    # 3 device stages x 2 rounds: device stage s holds rows 2s, 2s + 1 = logical stages s, 3 + s
+    rows = circular_rows(3, 2)
+    assert rows == (0, 2, 4, 1, 3, 5)
+    assert circular_rows(4, 1) == (0, 1, 2, 3)
+    for k, row in enumerate(rows):
+        assert row // 2 == k % 3  # the row lies in its device stage's block of the stage-sharded array
+
+
+def test_the_last_stage_fuses_where_its_backward_follows_its_forward() -> None:
+    assert fusable_passes(dispatch_order(Schedule.ONE_F_ONE_B, 4, 8), 4) == frozenset(range(8))
+    assert fusable_passes(dispatch_order(Schedule.GPIPE, 4, 8), 4) == frozenset()
+    assert fusable_passes(dispatch_order(Schedule.GPIPE, 1, 1), 1) == frozenset({0})
