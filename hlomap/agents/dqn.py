@@ -85,6 +85,10 @@ class DqnConfig:
     epsilon_start: float = 1.0
     epsilon_end: float = 0.1
     epsilon_decay_steps: int = 10_000  # environment steps
+    # An exploring step draws legal action a with weight `rank_decay` ** a instead of uniformly:
+    # for environments whose actions are candidates ranked best-looking first, exploration
+    # then stays near the top of the ranking (None: uniform).
+    rank_decay: float | None = None
     update_period: int = 1  # environment steps per learner update
     # Learner updates fused into one jitted call (lax.scan). >1 amortises dispatch and host work,
     # at the price of sampling the later batches of a call before the earlier ones' priorities
@@ -98,6 +102,8 @@ class DqnConfig:
             raise ValueError(f"C51 needs num_atoms >= 2 and v_max > v_min: {self}")
         if not 0 <= self.epsilon_end <= 1 or not 0 <= self.epsilon_start <= 1:
             raise ValueError(f"epsilon must lie in [0, 1]: {self}")
+        if self.rank_decay is not None and not 0 < self.rank_decay <= 1:
+            raise ValueError(f"rank_decay must lie in (0, 1]: {self}")
 
 
 class DqnState(NamedTuple):
@@ -154,9 +160,16 @@ def greedy_actions(model: PureModel, params: Params, observations: jax.Array, le
     return jnp.argmax(mask_illegal(q, legal), axis=-1).astype(jnp.int32)
 
 
-def random_legal_actions(rng: np.random.Generator, legal: np.ndarray) -> np.ndarray:
-    """A uniformly random legal action per row of `legal` [B, A] (argmax of uniform noise)."""
-    return np.argmax(np.where(legal, rng.random(legal.shape), -1.0), axis=-1)
+def random_legal_actions(rng: np.random.Generator, legal: np.ndarray, rank_decay: float | None = None) -> np.ndarray:
+    """A random legal action per row of `legal` [B, A]: uniform, or with weight
+    `rank_decay` ** a (`DqnConfig.rank_decay`)."""
+    if rank_decay is None or rank_decay == 1:
+        return np.argmax(np.where(legal, rng.random(legal.shape), -1.0), axis=-1)  # argmax of uniform noise
+    weights = np.where(legal, rank_decay ** np.arange(legal.shape[-1], dtype=np.float64), 0.0)
+    cumulative = np.cumsum(weights, axis=-1)
+    draws = rng.random(legal.shape[0]) * cumulative[:, -1]
+    chosen = np.asarray([np.searchsorted(row, x, side="right") for row, x in zip(cumulative, draws)])
+    return np.minimum(chosen, legal.shape[-1] - 1)
 
 
 def dqn_loss(config: DqnConfig, model: PureModel, atoms: np.ndarray | None, params: Params,
@@ -287,6 +300,8 @@ class DqnAgent:
         """Epsilon-greedy over legal actions; exploring steps make no device call."""
         legal = np.asarray(timestep.legal, bool)
         if self.actor_rng.random() < self.epsilon:
+            if self.config.rank_decay is not None:
+                return int(random_legal_actions(self.actor_rng, legal[None], self.config.rank_decay)[0])
             choices = np.flatnonzero(legal)
             return int(choices[self.actor_rng.integers(len(choices))])
         obs = np.asarray(timestep.observation, np.float32)[None]
@@ -297,7 +312,7 @@ class DqnAgent:
         """Epsilon-greedy actions for a batch of environments (at most one jitted call)."""
         legal = np.asarray(legal, bool)
         explore = self.actor_rng.random(legal.shape[0]) < self.epsilon
-        actions = random_legal_actions(self.actor_rng, legal)
+        actions = random_legal_actions(self.actor_rng, legal, self.config.rank_decay)
         if not explore.all():
             greedy = np.asarray(self.fns.greedy(self.state.params,
                                                 np.asarray(observations, np.float32), legal,

@@ -246,6 +246,7 @@ class SpmdPipeline:
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_leaves = frozenset(item.leaf - traced.state_leaves for item in traced.loss_inputs
                                       if item.kind is InputKind.DATA)
+        self.batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
         options = dict(compiler_options or {}) or None
         self._pipeline_jit = _Checked(jax.jit(self._loss_and_grads, compiler_options=options))
         self._step_jit = _Checked(jax.jit(self._step, donate_argnums=(0, 1), compiler_options=options))
@@ -272,14 +273,20 @@ class SpmdPipeline:
         return self._step_jit(params, opt_state, *rest)
 
     def _put_arguments(self, rest: Sequence[Any]) -> Any:
-        """The non-state arguments, replicated on the mesh; the program splits the batch into
-        microbatches. (Passing the batch already split into microbatches on the stage's axes
-        made JAX 0.10.2 fail to lower the stage programs: an operand type mismatch in a nested
-        call of the loss.)"""
+        """The non-state arguments on the mesh: batch leaves split on the stage's batch axes
+        (each device receives its share, not the whole batch; with several microbatches the
+        program then moves examples to their microbatch's devices), the rest replicated.
+        (Passing the batch already reshaped to `[M, mb, ...]` and split on `mb` made JAX 0.10.2
+        fail to lower the stage programs: an operand type mismatch in a nested call of the loss.)"""
         leaves, treedef = jax.tree_util.tree_flatten(tuple(rest))
-        for j in self.batch_leaves:
-            self.program.check_batch_leaf(leaves[j])
-        return jax.tree_util.tree_unflatten(treedef, [put(x, self.replicated, own=False) for x in leaves])
+        placed = []
+        for j, value in enumerate(leaves):
+            if j in self.batch_leaves:
+                self.program.check_batch_leaf(value)
+                placed.append(put(value, self.batch_sharding, own=False))
+            else:
+                placed.append(put(value, self.replicated, own=False))
+        return jax.tree_util.tree_unflatten(treedef, placed)
 
     # -- the program ------------------------------------------------------------------------------
     def _arguments(self, rest: Sequence[Any]) -> list[Any]:

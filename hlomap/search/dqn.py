@@ -63,6 +63,7 @@ class DqnSearchConfig:
     exploration: float = 0.6
     importance_anneal_updates: int | None = None
     distributional: bool = False
+    rank_decay: float | None = None  # exploration near the top of ranked candidates (`DqnConfig.rank_decay`)
     greedy_every: int = 5  # episodes between greedy-policy episodes
     fine_tune: bool = True
     stable_after: int = 3  # unchanged greedy plans before fine-tuning ...
@@ -94,7 +95,7 @@ class DqnSearchConfig:
             replay_capacity=self.replay_capacity, target_update_period=self.target_update_period,
             n_step=self.n_step, discount=self.discount, epsilon_start=self.epsilon_start,
             epsilon_end=eps_end, epsilon_decay_steps=max(1, decay),
-            distributional=self.distributional, importance_anneal_updates=anneal,
+            distributional=self.distributional, importance_anneal_updates=anneal, rank_decay=self.rank_decay,
         )
 
 

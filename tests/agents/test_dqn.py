@@ -215,3 +215,20 @@ def test_noisy_network_learns() -> None:
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
                                                        jax.tree.leaves(agent.get_params()))]
     assert all(moved)  # the sigma parameters learn too
+
+
+def test_rank_decay_explores_near_the_top_of_the_ranking_and_only_legally() -> None:
+    import numpy as np
+
+    from hlomap.agents.dqn import random_legal_actions
+
+    rng = np.random.default_rng(0)
+    legal = np.ones((20_000, 8), dtype=bool)
+    legal[:, 1] = False  # an illegal action in the middle of the ranking is never drawn
+    drawn = random_legal_actions(rng, legal, rank_decay=0.5)
+    counts = np.bincount(drawn, minlength=8) / len(drawn)
+    assert counts[1] == 0
+    weights = np.where(legal[0], 0.5 ** np.arange(8), 0.0)
+    np.testing.assert_allclose(counts, weights / weights.sum(), atol=0.01)
+    uniform = np.bincount(random_legal_actions(rng, legal), minlength=8) / len(drawn)
+    np.testing.assert_allclose(uniform[legal[0]], 1 / 7, atol=0.01)
