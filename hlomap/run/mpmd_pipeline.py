@@ -13,8 +13,10 @@ embedding) gets the sum of their gradients; then each stage runs its own update 
 Where the last stage's schedule runs a microbatch's backward right after its forward (every
 microbatch under 1F1B; under GPipe only with one microbatch), the two run as one program (`forward_backward`):
 the last stage's backward needs nothing from another stage, and its residuals then never leave
-the program. A step that records its events (`record=True`) runs them apart, to time each pass.
-Each stage's update donates the state it replaces.
+the program. The last of them also runs the stage's update when no other stage reads its
+parameters (`forward_backward_update`: the gradients never leave the program). A step that
+records its events (`record=True`) runs the passes apart, to time each. Each stage's update
+donates the state it replaces.
 
 Dispatch is asynchronous, so stages on different devices overlap; one Python process drives them
 all (single controller), which is why this executor does not run across processes.
@@ -112,6 +114,8 @@ class MpmdPipeline:
         self._backward = [self._make_backward(s) for s in range(self.n_stages)]
         self.fused = fusable_passes(self.order, self.n_stages)
         self._forward_backward = self._make_forward_backward(self.n_stages - 1)
+        self.final_update = self._can_fuse_update()
+        self._final = self._make_final(self.n_stages - 1) if self.final_update else None
         self._residual_bytes: int | None = None  # of the last stage's forward, for the fused passes' bookkeeping
         self._accumulate = [jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options)
                             for _ in range(self.n_stages)]
@@ -165,6 +169,52 @@ class MpmdPipeline:
             return out, aux, g_params, g_received
 
         return jax.jit(self._counted("forward_backward", s, forward_backward), compiler_options=self.options)
+
+    def _can_fuse_update(self) -> bool:
+        """Whether the last stage's final fused pass can run its update too: its last microbatch's
+        passes fuse, it computes the loss, and no other stage reads its parameters (a shared
+        leaf's gradient sums every stage's before any update)."""
+        last = self.program.split.stages[-1]
+        residence = self.program.update.residence
+        shared = any(len(residence[self.program.micro.loss_inputs[p].leaf]) > 1 for p in last.params)
+        return last.computes_loss and self.microbatches - 1 in self.fused and not shared
+
+    def _make_final(self, s: int) -> Any:
+        """The last stage's last microbatch, forward and backward, then its update (the gradient
+        sums, loss and aux means completed inside): one program instead of two, and the gradients
+        never leave it."""
+        f = self._stage_function(s)
+        program = self.program
+        traced = program.micro
+        stage = program.split.stages[s]
+        update_s = program.update.programs[s]
+        m = self.microbatches
+        scale = 1.0 / m
+
+        def final(params: Any, received: Any, state: Any, data: Any, cotangents: Any, grads_before: Any,
+                  loss_before: Any, aux_before: Any, extras: Sequence[Any]) -> Any:
+            out, vjp, aux = jax.vjp(lambda p, r: f(p, r, state, data), params, received, has_aux=True)
+            g_params, g_received = vjp(cotangents)
+            loss_sum = out[-1] if loss_before is None else loss_before + out[-1]
+            grads = g_params if grads_before is None else _accumulate(grads_before, g_params)
+            aux_sum = aux if aux_before is None else _accumulate(aux_before, aux)
+            loss = loss_sum * scale if m > 1 else loss_sum
+            aux_mean = {j: (v * scale if _is_float(v.dtype) and m > 1 else v) for j, v in zip(stage.aux, aux_sum)}
+            per_leaf = {traced.loss_inputs[p].leaf: g for p, g in zip(stage.params, grads)}
+            inputs = []
+            for item, given in zip(update_s.inputs, extras):
+                if item.source is Source.LOSS:
+                    given = loss
+                elif item.source is Source.AUX and program.split.aux[item.index].stage is not None:
+                    given = aux_mean[item.index]
+                elif item.source is Source.GRAD:
+                    leaf = traced.loss_inputs[traced.grads[item.index]].leaf
+                    aval = program.traced.step.jaxpr.invars[leaf].aval
+                    given = per_leaf[leaf] if leaf in per_leaf else jnp.zeros(aval.shape, aval.dtype)
+                inputs.append(given)
+            return g_received, loss, update_s.run(*inputs)
+
+        return jax.jit(self._counted("forward_backward_update", s, final), compiler_options=self.options)
 
     def _last_residual_bytes(self, *args: Any) -> int:
         """What the last stage's forward would keep for its backward (bytes), had it run apart."""
@@ -274,10 +324,14 @@ class MpmdPipeline:
             per_stage.append(values)
         return per_stage, args
 
-    def _gradients(self, params: Staged, opt_state: Staged, rest: Sequence[Any], record: bool = False
-                   ) -> tuple[Any, list[dict[int, Any]], list[dict[int, Any]], list[Any]]:
+    def _gradients(self, params: Staged, opt_state: Staged, rest: Sequence[Any], record: bool = False,
+                   final: dict[str, Any] | None = None) -> tuple[Any, list[dict[int, Any]], list[dict[int, Any]],
+                                                                list[Any]]:
         """Run every forward and backward pass in the dispatch order. Returns (loss on the last
-        stage, per stage leaf -> summed gradient, per stage aux number -> mean, arguments)."""
+        stage, per stage leaf -> summed gradient, per stage aux number -> mean, arguments).
+        Given `final` (a step, not a gradient check), the last stage's final pass may run its
+        update as well (`final_update`): `final["outputs"]` are then the update's outputs, and
+        that stage's gradients and aux are not returned."""
         program = self.program
         traced = program.micro
         split = program.split
@@ -313,6 +367,16 @@ class MpmdPipeline:
                 if record:
                     out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, inbound, state_s, micro)
                     residuals[(s, i)] = (res, _nbytes(res))
+                elif final is not None and self.final_update and s == n_stages - 1 and i == m - 1:
+                    extras = self._update_inputs(s, held[s], args, None, None, None)
+                    g_received, final["loss"], final["outputs"] = self._final(
+                        params_s, inbound, state_s, micro, loss_ct, grads[s], loss_sum, aux_sum[s], extras)
+                    fused_gradients[i] = (None, g_received)
+                    residuals[(s, i)] = (None, self._last_residual_bytes(params_s, inbound, state_s, micro))
+                    in_flight[s] += 1
+                    live_bytes[s] += residuals[(s, i)][1]
+                    peak[s], peak_bytes[s] = max(peak[s], in_flight[s]), max(peak_bytes[s], live_bytes[s])
+                    continue
                 elif s == n_stages - 1 and i in self.fused:
                     out, aux, *fused_gradients[i] = self._forward_backward(params_s, inbound, state_s, micro,
                                                                            loss_ct if stage.computes_loss else ())
@@ -343,7 +407,8 @@ class MpmdPipeline:
                 else:
                     g_params, g_received = self._backward[s](res, cts)
                 del res  # the residuals of microbatch i on stage s are freed here
-                grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
+                if g_params is not None:  # None: the final pass summed and used them
+                    grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
                 if s > 0:
                     previous = split.stages[s - 1]
                     cotangent[(s - 1, i)] = tuple(
@@ -355,14 +420,14 @@ class MpmdPipeline:
             events = self._recorded_events(start)
         self.stats = StepStats(peak, peak_bytes, events)
         # an eager multiply is a dispatch of its own (milliseconds on a multi-device mesh): none for M = 1
-        loss = loss_sum * scale if m > 1 else loss_sum
+        loss = final["loss"] if final and "loss" in final else loss_sum * scale if m > 1 else loss_sum
         aux_means = []
         for s, stage in enumerate(split.stages):
             values = {}
             for j, value in zip(stage.aux, aux_sum[s] or ()):
                 values[j] = value * scale if _is_float(value.dtype) and m > 1 else value
             aux_means.append(values)
-        per_leaf = self._sum_shared([{traced.loss_inputs[p].leaf: g for p, g in zip(stage.params, grads[s])}
+        per_leaf = self._sum_shared([{traced.loss_inputs[p].leaf: g for p, g in zip(stage.params, grads[s] or ())}
                                      for s, stage in enumerate(split.stages)])
         return loss, per_leaf, aux_means, args
 
@@ -429,36 +494,17 @@ class MpmdPipeline:
         traced = program.traced
         update = program.update
         n_state = traced.state_leaves
-        loss, grads, aux, args = self._gradients(params, opt_state, rest, record=record)
+        final: dict[str, Any] = {}
+        loss, grads, aux, args = self._gradients(params, opt_state, rest, record=record, final=final)
         new_parts: list[dict[int, Any]] = []
         results: dict[int, Any] = {}
         for s in range(self.n_stages):
-            mesh_any = NamedSharding(self.meshes[s], P())
-            held = self._held(params, opt_state, s)
-            inputs = []
-            for item in update.programs[s].inputs:
-                if item.source is Source.STATE:
-                    inputs.append(held[item.index])
-                elif item.source is Source.ARGUMENT:
-                    inputs.append(jax.device_put(args[item.index - n_state], mesh_any))
-                elif item.source is Source.LOSS:
-                    inputs.append(jax.device_put(loss, mesh_any))
-                elif item.source is Source.AUX:
-                    source = program.split.aux[item.index]
-                    if source.stage is not None:
-                        inputs.append(aux[s][item.index])
-                    elif source.loss_input is not None and traced.loss_inputs[source.loss_input].leaf is not None:
-                        inputs.append(held[traced.loss_inputs[source.loss_input].leaf])
-                    else:
-                        value = source.constant if source.loss_input is None else traced.loss_inputs[source.loss_input].value
-                        inputs.append(jnp.asarray(value))
-                else:
-                    leaf = traced.loss_inputs[traced.grads[item.index]].leaf
-                    aval = traced.step.jaxpr.invars[leaf].aval
-                    found = grads[s].get(leaf)  # a default argument would build the zeros every time
-                    inputs.append(found if found is not None else
-                                  jax.device_put(jnp.zeros(aval.shape, aval.dtype), mesh_any))
-            outputs = dict(zip(update.programs[s].outputs, self._update[s](*inputs)))
+            if s == self.n_stages - 1 and "outputs" in final:  # updated in the last stage's final pass
+                updated = final["outputs"]
+            else:
+                inputs = self._update_inputs(s, self._held(params, opt_state, s), args, loss, aux[s], grads[s])
+                updated = self._update[s](*inputs)
+            outputs = dict(zip(update.programs[s].outputs, updated))
             new_parts.append({o: v for o, v in outputs.items() if o < n_state})
             results.update({o: v for o, v in outputs.items() if o >= n_state and update.owner[o] == s})
         staged = []
@@ -470,6 +516,39 @@ class MpmdPipeline:
             flat[o] = value
         out = jax.tree_util.tree_unflatten(traced.out_tree, flat)
         return (staged[0], staged[1], *out[2:])
+
+    def _update_inputs(self, s: int, held: Mapping[int, Any], args: Sequence[Any], loss: Any,
+                       aux: Mapping[int, Any] | None, grads: Mapping[int, Any] | None) -> list[Any]:
+        """The inputs of stage s's update, in its order. With `aux` and `grads` None (the final
+        pass computes them, and the loss), those inputs are None."""
+        program = self.program
+        traced = program.traced
+        mesh_any = NamedSharding(self.meshes[s], P())
+        inputs: list[Any] = []
+        for item in program.update.programs[s].inputs:
+            if item.source is Source.STATE:
+                inputs.append(held[item.index])
+            elif item.source is Source.ARGUMENT:
+                inputs.append(jax.device_put(args[item.index - traced.state_leaves], mesh_any))
+            elif item.source is Source.LOSS:
+                inputs.append(None if loss is None else jax.device_put(loss, mesh_any))
+            elif item.source is Source.AUX:
+                source = program.split.aux[item.index]
+                if source.stage is not None:
+                    inputs.append(None if aux is None else aux[item.index])
+                elif source.loss_input is not None and traced.loss_inputs[source.loss_input].leaf is not None:
+                    inputs.append(held[traced.loss_inputs[source.loss_input].leaf])
+                else:
+                    value = source.constant if source.loss_input is None else traced.loss_inputs[source.loss_input].value
+                    inputs.append(jnp.asarray(value))
+            elif grads is None:
+                inputs.append(None)
+            else:
+                leaf = traced.loss_inputs[traced.grads[item.index]].leaf
+                aval = traced.step.jaxpr.invars[leaf].aval
+                found = grads.get(leaf)  # a default argument would build the zeros every time
+                inputs.append(found if found is not None else jax.device_put(jnp.zeros(aval.shape, aval.dtype), mesh_any))
+        return inputs
 
 
 def _accumulate(a: Any, b: Any) -> Any:

@@ -30,14 +30,16 @@ def test_mpmd_compiles_each_stage_once_and_1f1b_bounds_the_stash(zoo_case) -> No
         runner = step._runner
         # the last stage's forward and backward of a microbatch run as one program where its
         # schedule runs them back to back: every microbatch under 1F1B, none under GPipe with
-        # M > 1 (its backward passes start at microbatch 0)
+        # M > 1 (its backward passes start at microbatch 0); the last of them runs the stage's
+        # update too (no other stage reads the MLP's last parameters)
         fused = schedule == "1f1b"
         expected = {(kind, s): 1 for kind in ("forward", "backward") for s in (range(2) if fused else range(3))}
-        expected.update({("update", s): 1 for s in range(3)})
+        expected.update({("update", s): 1 for s in (range(2) if fused else range(3))})
         if fused:
-            expected[("forward_backward", 2)] = 1
+            expected[("forward_backward", 2)] = expected[("forward_backward_update", 2)] = 1
         assert runner.trace_counts == expected
         assert runner.fused == (frozenset(range(m)) if fused else frozenset())
+        assert runner.final_update == fused
         peaks[schedule] = runner.stats.peak_in_flight
         assert np.isfinite(float(loss))
     assert peaks["1f1b"] == [3, 2, 1]  # min(S - s, M): PipeDream-Flush's bound
