@@ -11,9 +11,9 @@ under GPipe all M. Gradients accumulate per stage; a leaf several stages hold (a
 embedding) gets the sum of their gradients; then each stage runs its own update program.
 
 Where the last stage's schedule runs a microbatch's backward right after its forward (every
-microbatch under 1F1B; under GPipe only with one microbatch), the two run as one program (`forward_backward`):
-the last stage's backward needs nothing from another stage, and its residuals then never leave
-the program. The last of them also runs the stage's update when no other stage reads its
+microbatch under 1F1B; under GPipe only with one microbatch), the two run as one program
+(`forward_backward`): the last stage's backward needs nothing from another stage, and its
+residuals then never leave the program. The last of them also runs the stage's update when no other stage reads its
 parameters (`forward_backward_update`: the gradients never leave the program). A step that
 records its events (`record=True`) runs the passes apart, to time each. Each stage's update
 donates the state it replaces.
@@ -160,7 +160,9 @@ class MpmdPipeline:
         _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
         return jax.jit(self._counted("backward", s, bwd), compiler_options=self.options)
 
-    def _make_forward_backward(self, s: int) -> Any:
+    def _forward_backward_function(self, s: int) -> Callable[..., Any]:
+        """(params, received, state, data, output cotangents) -> (outputs, aux, parameter and
+        input cotangents) of stage s."""
         f = self._stage_function(s)
 
         def forward_backward(params: Any, received: Any, state: Any, data: Any, cotangents: Any) -> Any:
@@ -168,7 +170,11 @@ class MpmdPipeline:
             g_params, g_received = vjp(cotangents)
             return out, aux, g_params, g_received
 
-        return jax.jit(self._counted("forward_backward", s, forward_backward), compiler_options=self.options)
+        return forward_backward
+
+    def _make_forward_backward(self, s: int) -> Any:
+        return jax.jit(self._counted("forward_backward", s, self._forward_backward_function(s)),
+                       compiler_options=self.options)
 
     def _can_fuse_update(self) -> bool:
         """Whether the last stage's final fused pass can run its update too: its last microbatch's
@@ -183,7 +189,7 @@ class MpmdPipeline:
         """The last stage's last microbatch, forward and backward, then its update (the gradient
         sums, loss and aux means completed inside): one program instead of two, and the gradients
         never leave it."""
-        f = self._stage_function(s)
+        forward_backward = self._forward_backward_function(s)
         program = self.program
         traced = program.micro
         stage = program.split.stages[s]
@@ -193,8 +199,7 @@ class MpmdPipeline:
 
         def final(params: Any, received: Any, state: Any, data: Any, cotangents: Any, grads_before: Any,
                   loss_before: Any, aux_before: Any, extras: Sequence[Any]) -> Any:
-            out, vjp, aux = jax.vjp(lambda p, r: f(p, r, state, data), params, received, has_aux=True)
-            g_params, g_received = vjp(cotangents)
+            out, aux, g_params, g_received = forward_backward(params, received, state, data, cotangents)
             loss_sum = out[-1] if loss_before is None else loss_before + out[-1]
             grads = g_params if grads_before is None else _accumulate(grads_before, g_params)
             aux_sum = aux if aux_before is None else _accumulate(aux_before, aux)
