@@ -116,6 +116,7 @@ class MpmdPipeline:
         self._forward_backward = self._make_forward_backward(self.n_stages - 1)
         self.final_update = self._can_fuse_update()
         self._final = self._make_final(self.n_stages - 1) if self.final_update else None
+        self._reused = self._final_reused(self.n_stages - 1)
         self._residual_bytes: int | None = None  # of the last stage's forward, for the fused passes' bookkeeping
         self._accumulate = [jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options)
                             for _ in range(self.n_stages)]
@@ -196,10 +197,12 @@ class MpmdPipeline:
         update_s = program.update.programs[s]
         m = self.microbatches
         scale = 1.0 / m
+        reused = self._final_reused(s)
 
         def final(params: Any, received: Any, state: Any, data: Any, cotangents: Any, grads_before: Any,
                   loss_before: Any, aux_before: Any, extras: Sequence[Any]) -> Any:
             out, aux, g_params, g_received = forward_backward(params, received, state, data, cotangents)
+            extras = [(params, state)[reused[n][0]][reused[n][1]] if n in reused else x for n, x in enumerate(extras)]
             loss_sum = out[-1] if loss_before is None else loss_before + out[-1]
             grads = g_params if grads_before is None else _accumulate(grads_before, g_params)
             aux_sum = aux if aux_before is None else _accumulate(aux_before, aux)
@@ -220,6 +223,17 @@ class MpmdPipeline:
             return g_received, loss, update_s.run(*inputs)
 
         return jax.jit(self._counted("forward_backward_update", s, final), compiler_options=self.options)
+
+    def _final_reused(self, s: int) -> dict[int, tuple[int, int]]:
+        """Update inputs of stage s that the final pass already takes as the forward's parameters
+        (0) or state (1): input position -> (which, index). They are passed once (a buffer
+        handle per device per argument is what a small step's dispatch costs)."""
+        traced = self.program.micro
+        stage = self.program.split.stages[s]
+        where = {traced.loss_inputs[p].leaf: (0, k) for k, p in enumerate(stage.params)}
+        where.update({traced.loss_inputs[p].leaf: (1, k) for k, p in enumerate(stage.state)})
+        return {n: where[item.index] for n, item in enumerate(self.program.update.programs[s].inputs)
+                if item.source is Source.STATE and item.index in where}
 
     def _last_residual_bytes(self, *args: Any) -> int:
         """What the last stage's forward would keep for its backward (bytes), had it run apart."""
@@ -373,7 +387,8 @@ class MpmdPipeline:
                     out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, inbound, state_s, micro)
                     residuals[(s, i)] = (res, _nbytes(res))
                 elif final is not None and self.final_update and s == n_stages - 1 and i == m - 1:
-                    extras = self._update_inputs(s, held[s], args, None, None, None)
+                    extras = [None if n in self._reused else x
+                              for n, x in enumerate(self._update_inputs(s, held[s], args, None, None, None))]
                     g_received, final["loss"], final["outputs"] = self._final(
                         params_s, inbound, state_s, micro, loss_ct, grads[s], loss_sum, aux_sum[s], extras)
                     fused_gradients[i] = (None, g_received)

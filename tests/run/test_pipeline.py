@@ -82,6 +82,20 @@ def test_gpt_circular_two_stages_two_rounds(zoo_case) -> None:
         assert [s.devices for s in description.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]  # stage k on k mod 2
 
 
+@pytest.mark.parametrize("executor, schedule, microbatches", [("spmd", "gpipe", 1), ("mpmd", "1f1b", 1),
+                                                               ("mpmd", "1f1b", 4)])
+def test_one_stage_pipelines_equal_the_plain_step(zoo_case, executor: str, schedule: str, microbatches: int) -> None:
+    """One stage over 4 devices (what the S = 1 overhead benchmark runs): executor A without
+    rematerialization, executor B with its last stage's passes and update fused into one program."""
+    case = zoo_case("haiku-mlp")
+    plan = pipeline_plan(case.cap, case.chain, [], microbatches=microbatches, schedule=schedule, devices_per_stage=4)
+    step = _run(case, plan, executor)
+    if executor == "mpmd":
+        assert step._runner.final_update and step._runner.trace_counts[("forward_backward_update", 0)] == 1
+    else:
+        assert not step._runner.remat
+
+
 def test_circular_plans_are_checked(zoo_case) -> None:
     from hlomap.run.errors import RunError
 
