@@ -553,7 +553,7 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     from hlomap.report.gantt import draw_gantt
     from hlomap.report.pipeline import format_pipeline_result, gantt_title
     from hlomap.report.sharding import progress_bar
-    from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan
+    from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan, unsplittable_stages
 
     if args.agent not in PIPELINE_AGENTS:
         raise CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
@@ -583,6 +583,8 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
         sys.stdout.write("\n")
     else:
         _console().print(format_pipeline_result(result))
+    for problem in unsplittable_stages(cap, result) if cap is not None else ():
+        print(f"note: {problem}", file=sys.stderr)
     print(f"plan: {output}; timeline: {timeline}", file=sys.stderr)
     if result.interrupted:
         print("interrupted: the best plan found so far is saved", file=sys.stderr)

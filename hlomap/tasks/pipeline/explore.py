@@ -341,6 +341,28 @@ def _estimate_section(result: PipelineResult) -> dict[str, Any]:
     }
 
 
+def unsplittable_stages(cap: Capture, result: PipelineResult) -> list[str]:
+    """Why the runner would refuse `result`'s plan for `cap`: each stage replicates over its
+    devices (data parallelism), so a microbatch must split evenly among them. The cost model
+    divides the work as if it always did; these are the stages where it cannot."""
+    from hlomap.hlo.capture import Role
+
+    sizes = {p.shape.dims[0] for p in cap.parameters
+             if p.role is Role.DATA and getattr(p.shape, "dims", None)}
+    if len(sizes) != 1:
+        return []  # no batch dimension to check (or several candidates)
+    batch = sizes.pop()
+    m = result.plan.microbatches
+    problems = []
+    for s, stage in enumerate(result.plan.stages):
+        devices = len(stage.devices)
+        if batch % m or (batch // m) % devices:
+            problems.append(f"stage {s} replicates over {devices} devices, but a microbatch of the batch of {batch} "
+                            f"examples in {m} microbatches does not split among them: `hlomap run` refuses this "
+                            f"plan; explore with --microbatches M such that {batch} / M is a multiple of {devices}")
+    return problems
+
+
 def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Plan:
     """The `Plan` of a pipeline result found for `cap`."""
     from hlomap.plan import ParameterSpec, Plan, PlanSource

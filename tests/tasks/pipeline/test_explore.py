@@ -137,3 +137,18 @@ def test_pipedream_graphs_are_read_as_profiles(corpus_dir, tmp_path):
                               cluster=pipedream_cluster(4, 10.0), agent="dp",
                               require_trainable=False)
     assert result.cuts[0].instruction.startswith("node")  # PipeDream node ids name the cuts
+
+
+def test_stages_whose_replicas_cannot_split_a_microbatch_are_named():
+    """gpt-tiny's batch of 8 in 4 microbatches of 2 over stages of 8 replicas: the runner would
+    refuse the plan, and the explorer says so (and which M would do); 1 microbatch of 8 is fine."""
+    from hlomap.api import load_source
+    from hlomap.tasks.pipeline.explore import unsplittable_stages
+
+    cap = load_source("zoo:gpt-tiny")
+    result = explore_pipeline(cap, stages=3, microbatches=4, cluster="B", agent="dp", schedule="gpipe")
+    problems = unsplittable_stages(cap, result)
+    assert len(problems) == 3 and "stage 0 replicates over 8 devices" in problems[0]
+    assert "such that 8 / M is a multiple of 8" in problems[0]
+    single = explore_pipeline(cap, stages=3, microbatches=1, cluster="B", agent="dp", schedule="gpipe")
+    assert unsplittable_stages(cap, single) == []
