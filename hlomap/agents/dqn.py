@@ -168,7 +168,7 @@ def random_legal_actions(rng: np.random.Generator, legal: np.ndarray, rank_decay
     weights = np.where(legal, rank_decay ** np.arange(legal.shape[-1], dtype=np.float64), 0.0)
     cumulative = np.cumsum(weights, axis=-1)
     draws = rng.random(legal.shape[0]) * cumulative[:, -1]
-    chosen = np.asarray([np.searchsorted(row, x, side="right") for row, x in zip(cumulative, draws)])
+    chosen = np.sum(cumulative <= draws[:, None], axis=-1)  # the first action whose cumulative weight exceeds the draw
     return np.minimum(chosen, legal.shape[-1] - 1)
 
 
