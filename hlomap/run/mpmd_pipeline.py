@@ -383,6 +383,7 @@ class MpmdPipeline:
                 params_s, state_s = inputs[s]
                 micro = tuple(data[s][p][i] for p in stage.data)
                 inbound = received.pop((s, i))
+                updated = False  # the final pass ran this stage's update: nothing of its forward is left to do
                 if record:
                     out, res, aux = self._recorder(s, Pass.FORWARD)(np.int32(i), params_s, inbound, state_s, micro)
                     residuals[(s, i)] = (res, _nbytes(res))
@@ -393,10 +394,7 @@ class MpmdPipeline:
                         params_s, inbound, state_s, micro, loss_ct, grads[s], loss_sum, aux_sum[s], extras)
                     fused_gradients[i] = (None, g_received)
                     residuals[(s, i)] = (None, self._last_residual_bytes(params_s, inbound, state_s, micro))
-                    in_flight[s] += 1
-                    live_bytes[s] += residuals[(s, i)][1]
-                    peak[s], peak_bytes[s] = max(peak[s], in_flight[s]), max(peak_bytes[s], live_bytes[s])
-                    continue
+                    updated = True
                 elif s == n_stages - 1 and i in self.fused:
                     out, aux, *fused_gradients[i] = self._forward_backward(params_s, inbound, state_s, micro,
                                                                            loss_ct if stage.computes_loss else ())
@@ -408,6 +406,8 @@ class MpmdPipeline:
                 in_flight[s] += 1
                 live_bytes[s] += residuals[(s, i)][1]
                 peak[s], peak_bytes[s] = max(peak[s], in_flight[s]), max(peak_bytes[s], live_bytes[s])
+                if updated:
+                    continue
                 aux_sum[s] = aux if aux_sum[s] is None else self._accumulate[s](aux_sum[s], aux)
                 sent = out[:len(stage.sends)]
                 if stage.computes_loss:

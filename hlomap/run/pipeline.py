@@ -23,6 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import numpy as np
+
 from hlomap.run.cuts import StageAssignment, assign_stages
 from hlomap.run.errors import RunError
 from hlomap.run.meshes import DATA_AXIS, PipelineSection
@@ -65,8 +67,6 @@ class PipelineProgram:
 
     def check_batch_leaf(self, value: Any) -> None:
         """A batch leaf of a call has the batch size the step was cut for."""
-        import numpy as np
-
         shape = tuple(np.shape(value))
         if shape[:1] != (self.traced.batch_size,):
             raise RunError(f"the pipeline was cut for batches of {self.traced.batch_size} examples ({self.microbatches} "

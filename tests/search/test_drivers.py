@@ -108,7 +108,7 @@ def test_interrupt_keeps_the_best_plan(graph_of, axes8) -> None:
     result = random_search(ShardingTask(space, PaperObjective(space)), Budget(seconds=60), 0, batch=16, on_progress=stop)
     assert result.interrupted
     assert result.evaluations == 1 + 3 * 16 and result.score.conflict_free  # the replicated plan, 3 batches
-    assert result.seconds < 60
+    assert len(calls) == 3  # nothing ran after the interrupt (a structural check, not a wall-time bound)
 
 
 def test_on_best_sees_every_improvement(graph_of, axes8) -> None:

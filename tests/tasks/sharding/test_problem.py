@@ -81,7 +81,7 @@ def test_ctrl_c_keeps_the_best_plan_on_disk(cap_of, graph_of, tmp_path) -> None:
                           graph=graph_of("t5-tiny"), on_progress=interrupt, with_estimate=False)
     assert ex.result.interrupted and ex.plan.search["interrupted"]
     assert Plan.load(out).search["interrupted"]
-    assert ex.result.seconds < 600
+    assert len(calls) == 2  # the search stopped at the interrupt (a structural check, not a wall-time bound)
 
 
 def test_reports_render(cap_of, graph_of, tmp_path) -> None:
