@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BatchedLayout", "FlatLayout", "Slot", "buffer_dtype", "buffer_lengths", "sharded_buffer"]
+__all__ = ["BatchedLayout", "FlatLayout", "Slot", "buffer_dtype", "buffer_lengths", "matched_buffers", "sharded_buffer"]
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,40 @@ class Slot:
 
 
 def buffer_dtype(buffer: str) -> str:
-    """Buffers are named after their dtype, optionally followed by `@axes` (see `sharded_buffer`)."""
-    return buffer.split("@", 1)[0]
+    """Buffers are named after their dtype, optionally followed by `@axes` (see `sharded_buffer`)
+    and by `#tag` (a buffer of its own for leaves at one place on every stage, `matched_buffers`)."""
+    return buffer.split("#", 1)[0].split("@", 1)[0]
 
 
 def sharded_buffer(dtype: Any, axes: Sequence[str]) -> str:
     """The name of the buffer of `dtype` leaves split over mesh `axes` (`float32@model`)."""
     name = np.dtype(dtype).name
     return f"{name}@{'+'.join(axes)}" if axes else name
+
+
+def matched_buffers(leaves: Sequence[int], sizes: Mapping[int, int], base: Mapping[int, str],
+                    residence: Sequence[frozenset[int]], n_stages: int) -> dict[int, str]:
+    """leaf -> its buffer: a buffer of its own for a leaf every stage holds, and for the k-th
+    leaf of each (buffer, size) held by one stage when every stage has a k-th such leaf (the
+    same layer's weights on every stage of a transformer); the others share their `base` buffer.
+
+    A buffer whose rows each hold one whole leaf is read without a split and written without a
+    concatenate. Copying the state in and out of one long row per dtype made XLA:CPU run those
+    copies as parallel tasks on every step (a one-stage step of gpt-tiny took 15% longer than
+    the plain step on 8 host devices); matched leaves waste no memory, since every row is full."""
+    every = frozenset(range(n_stages))
+    names = {leaf: f"{base[leaf]}#{leaf}" for leaf in leaves if residence[leaf] == every}
+    own: list[dict[tuple[str, int], list[int]]] = [{} for _ in range(n_stages)]
+    for leaf in leaves:
+        if len(residence[leaf]) == 1 and residence[leaf] != every:
+            (stage,) = residence[leaf]
+            own[stage].setdefault((base[leaf], sizes[leaf]), []).append(leaf)
+    for key in own[0]:
+        matched = min(len(by_key.get(key, ())) for by_key in own)
+        for k in range(matched):
+            for by_key in own:
+                names[by_key[key][k]] = f"{key[0]}#{key[1]}.{k}"
+    return {leaf: names.get(leaf, base[leaf]) for leaf in leaves}
 
 
 @dataclass(frozen=True)

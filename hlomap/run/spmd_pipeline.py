@@ -5,9 +5,10 @@ over the plan's axes inside a stage (data, model), so that XLA partitions each s
 an SPMD plan would (GPipe, Huang et al. 2019, section 2; the formulation of MaxText's and
 Praxis's pipelines):
 
-- Each stage's state is flattened into a row; rows are padded to one length and stacked
-  `[S, L]`, sharded on `stage` (`layout`). Leaves several stages read (a tied embedding) sit at
-  the same offsets of every row and their gradients are summed over `stage`.
+- Each stage's state is flattened into rows; rows are padded to one length and stacked
+  `[S, L]`, sharded on `stage` (`layout`). A leaf whose counterpart (same size) is on every
+  stage, and a leaf several stages read (a tied embedding), has a buffer of its own, so it is
+  read and written whole; the gradient of the latter is summed over `stage`.
 - Clock tick t: stage s runs microbatch t - s through its own code, chosen with
   `lax.switch(lax.axis_index('stage'), stage_programs)`, then `lax.ppermute` shifts every
   stage's output (packed into one padded buffer) to the next stage. M + S - 1 ticks.
@@ -50,7 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.run.errors import RunError
-from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, sharded_buffer
+from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, matched_buffers, sharded_buffer
 from hlomap.run.meshes import STAGE_AXIS, auto_mesh, pick
 from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.staged import Staged, put, to_host
@@ -74,15 +75,17 @@ class Placement:
 
 @dataclass(frozen=True, eq=False)
 class RowLayout:
-    """Where each state leaf sits in the rows `[S, (shards,) L]`: leaves every stage holds first,
-    at the same offsets in every row, then each stage's own leaves; a leaf split over mesh axes
-    inside the stage lives in the buffer of those axes, one shard per slot of the `shards` dim."""
+    """Where each state leaf sits in the rows `[S, (shards,) L]`: a leaf every stage holds, and
+    a stage's leaf matched by one of the same size on every other stage, in a buffer of its own
+    (`matched_buffers`); the other leaves of each stage one after another in a row per dtype; a
+    leaf split over mesh axes inside the stage lives in a buffer of those axes, one shard per
+    slot of the `shards` dim."""
 
     leaves: tuple[int, ...]  # flat argument indices, in the user's pytree order
     avals: tuple[Any, ...]
     placements: dict[int, Placement]
     stages: tuple[FlatLayout, ...]  # over local shapes
-    shared: dict[str, int]  # buffer -> length of the shared region
+    shared: dict[str, int]  # buffers of the leaves every stage holds (one each) -> length
     lengths: dict[str, int]
     leads: dict[str, tuple[int, ...]]  # buffer -> (shards,) or ()
     axes: dict[str, tuple[str, ...]]  # buffer -> the mesh axes splitting it
@@ -93,22 +96,26 @@ class RowLayout:
     def of(cls, leaves: Sequence[int], avals: Sequence[Any], residence: Sequence[frozenset[int]], n_stages: int,
            specs: Mapping[int, Any], mesh_axes: Mapping[str, int], treedef: Any,
            rows: Sequence[int] | None = None) -> RowLayout:
-        placements, axes_of, local = {}, {}, {}
+        placements, leaf_axes, local = {}, {}, {}
         for leaf, aval in zip(leaves, avals):
-            placement, axes = _placement(leaf, aval, specs.get(leaf), mesh_axes)
+            placement, leaf_axes[leaf] = _placement(leaf, aval, specs.get(leaf), mesh_axes)
             placements[leaf] = placement
-            axes_of[placement.buffer] = axes
             shape = list(aval.shape)
             if placement.dim is not None:
                 shape[placement.dim] //= placement.shards
             local[leaf] = jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
-        buffers = {leaf: placements[leaf].buffer for leaf in leaves}
+        buffers = matched_buffers(leaves, {leaf: math.prod(local[leaf].shape) for leaf in leaves},
+                                  {leaf: placements[leaf].buffer for leaf in leaves}, residence, n_stages)
+        axes_of = {buffers[leaf]: leaf_axes[leaf] for leaf in leaves}
+        placements = {leaf: Placement(buffers[leaf], p.dim, p.shards) for leaf, p in placements.items()}
         every = frozenset(range(n_stages))
+        # a leaf every stage holds has a buffer of its own (`matched_buffers`), so it sits at the
+        # same place in every row and its gradient is the sum of the buffer's rows
         shared = FlatLayout.of([(leaf, local[leaf]) for leaf in leaves if residence[leaf] == every], buffers=buffers)
         stages = []
         for s in range(n_stages):
             own = [(leaf, local[leaf]) for leaf in leaves if residence[leaf] != every and s in residence[leaf]]
-            layout = FlatLayout.of(own, start=shared.lengths, buffers=buffers)
+            layout = FlatLayout.of(own, buffers=buffers)
             stages.append(FlatLayout(shared.keys + layout.keys, shared.slots + layout.slots))
         lengths = {b: max(n, 1) for b, n in buffer_lengths(stages).items()}
         leads = {p.buffer: ((p.shards,) if p.dim is not None else ()) for p in placements.values()}
@@ -318,8 +325,35 @@ class SpmdPipeline:
         values = {**self.params.unpack(stage, p_row), **self.opt.unpack(stage, o_row)}
         for leaf, spec in self.specs.items():
             if leaf in values:
-                values[leaf] = lax.with_sharding_constraint(values[leaf], spec)
+                values[leaf] = self._constrain(values[leaf], spec)
         return values
+
+    # -- the stage axis ---------------------------------------------------------------------------
+    # With one device stage the `stage` axis has size 1 and the shard_map over it would change
+    # nothing but the program XLA builds: partitioning a partly manual computation, XLA copied
+    # every donated state buffer and gathered the embedding's gradient, +15% on a one-stage step
+    # of gpt-tiny. So the same body then runs on the whole mesh directly (stage index 0, the
+    # shift a no-op), as a shard_map over a one-device axis would.
+    def _over_stages(self, body: Any, in_specs: Any, out_specs: Any) -> Any:
+        if self.n_stages == 1:
+            return body
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={STAGE_AXIS},
+                             check_vma=False)
+
+    def _stage_index(self) -> Any:
+        return lax.axis_index(STAGE_AXIS) if self.n_stages > 1 else jnp.zeros((), jnp.int32)
+
+    def _shift(self, x: Any, pairs: Sequence[tuple[int, int]]) -> Any:
+        """`ppermute` over `stage`; on one stage, what `ppermute` does there: a ring of one keeps
+        the value, no pair leaves zeros."""
+        if self.n_stages > 1:
+            return lax.ppermute(x, STAGE_AXIS, pairs)
+        return x if pairs else jnp.zeros_like(x)
+
+    def _constrain(self, x: Any, spec: Any) -> Any:
+        """A sharding constraint inside a stage: a bare spec names the axes of the shard_map's
+        mesh; without the shard_map it needs the mesh itself."""
+        return lax.with_sharding_constraint(x, spec if self.n_stages > 1 else NamedSharding(self.mesh, spec))
 
     def _pipeline(self, p_float: Mapping[str, Any], p_other: Mapping[str, Any], o_rows: Mapping[str, Any],
                   split: Sequence[Any], whole: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
@@ -346,7 +380,7 @@ class SpmdPipeline:
                 sent, aux, loss = program_k.run(params, state, data, received)
                 out = (self.cut_layouts[k].pack(sent, self.act_lengths) if k < n_logical - 1
                        else self._empty_activations())
-                out = {key: (lax.with_sharding_constraint(v, batch_spec) if key[1] and self.batch_axes else v)
+                out = {key: (self._constrain(v, batch_spec) if key[1] and self.batch_axes else v)
                        for key, v in out.items()}
                 aux_buf = self.aux_layouts[k].pack(dict(zip(program_k.aux, aux)), self.aux_lengths)
                 loss = jnp.zeros((), loss_dtype) if loss is None else loss
@@ -357,7 +391,7 @@ class SpmdPipeline:
         branches = [branch(k) for k in range(n_logical)]
 
         def body(p_float: Any, p_other: Any, o_rows: Any, split: Any, whole: Any) -> Any:
-            s = lax.axis_index(STAGE_AXIS)
+            s = self._stage_index()
             p_rows = {**p_float, **p_other}  # local: this device stage's `repeats` rows
             # a circular pipeline sends the last device stage's output round to the first
             shift = [(j, (j + 1) % n_stages) for j in range(n_stages if repeats > 1 else n_stages - 1)]
@@ -382,7 +416,7 @@ class SpmdPipeline:
                 out, aux_buf, loss = run(p_row, o_row, buffers, micro)
                 loss_sum = loss_sum + jnp.where(valid, loss, jnp.zeros_like(loss))
                 aux_acc = {d: _add_row(a, v, valid, aux_buf[d], _floating(d)) for d, a in aux_acc.items()}
-                buffers = {key: lax.ppermute(x, STAGE_AXIS, shift) for key, x in out.items()}
+                buffers = {key: self._shift(x, shift) for key, x in out.items()}
                 return (buffers, storage, loss_sum, aux_acc), None
 
             storage = ({key: jnp.zeros((m,) + x.shape, x.dtype) for key, x in self._empty_activations().items()}
@@ -398,9 +432,7 @@ class SpmdPipeline:
         in_specs = (jax.tree.map(lambda _: row, p_float), jax.tree.map(lambda _: row, p_other),
                     jax.tree.map(lambda _: row, o_rows), [P() if x is not None else None for x in split],
                     [P() if w is not None else None for w in whole])
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
-                               out_specs=(P(), {d: row for d in self.aux_lengths}), axis_names={STAGE_AXIS},
-                               check_vma=False)
+        mapped = self._over_stages(body, in_specs, (P(), {d: row for d in self.aux_lengths}))
         return mapped(p_float, p_other, o_rows, split, whole)
 
     def _empty_activations(self) -> dict[tuple[str, bool], Any]:
@@ -437,11 +469,9 @@ class SpmdPipeline:
         shared = self.params.shared
 
         def sum_shared(b: str, g: Any) -> Any:
-            n = shared.get(b, 0)
-            if n == 0 or self.logical == 1:
+            if b not in shared or self.logical == 1:
                 return g
-            total = jnp.sum(g[..., :n], axis=0, keepdims=True)
-            return jnp.concatenate([jnp.broadcast_to(total, g.shape[:-1] + (n,)), g[..., n:]], axis=-1)
+            return jnp.broadcast_to(jnp.sum(g, axis=0, keepdims=True), g.shape)
 
         grads = {b: lax.with_sharding_constraint(sum_shared(b, g), NamedSharding(self.mesh, self.params.spec(b)))
                  for b, g in grads.items()}
@@ -529,7 +559,7 @@ class SpmdPipeline:
         branches = [branch(k) for k in range(self.logical)]
 
         def body(p_rows: Any, o_rows: Any, g_rows: Any, aux_rows: Any, loss: Any, args: Any) -> Any:
-            s = lax.axis_index(STAGE_AXIS)
+            s = self._stage_index()
             rounds = []
             for v in range(self.repeats):  # this device stage's logical stages v S + s, one row each
                 at = lambda rows: {d: r[v] for d, r in rows.items()}  # noqa: E731 - local rows
@@ -540,12 +570,11 @@ class SpmdPipeline:
 
         row = P(STAGE_AXIS)
         rows_spec = lambda rows: {d: row for d in rows}  # noqa: E731
-        mapped = jax.shard_map(
-            body, mesh=self.mesh,
-            in_specs=(rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(grads), rows_spec(aux_rows),
-                      P(), [P() for _ in args]),
-            out_specs=(rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(self.out_lengths)),
-            axis_names={STAGE_AXIS}, check_vma=False)
+        mapped = self._over_stages(
+            body,
+            (rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(grads), rows_spec(aux_rows), P(),
+             [P() for _ in args]),
+            (rows_spec(params.parts), rows_spec(opt_state.parts), rows_spec(self.out_lengths)))
         new_p, new_o, out_rows = mapped(params.parts, opt_state.parts, grads, aux_rows, loss, list(args))
         flat: list[Any] = [None] * len(traced.step.jaxpr.outvars)
         for o, s in update.owner.items():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.run.layout import BatchedLayout, FlatLayout, Slot
+from hlomap.run.layout import BatchedLayout, FlatLayout, Slot, buffer_dtype, matched_buffers
 from hlomap.run.schedule import dispatch_order, fusable_passes
 from hlomap.run.spmd_pipeline import circular_rows
 
@@ -59,6 +59,24 @@ def test_overlapping_slots_are_refused() -> None:
     layout = FlatLayout((0, 1), (Slot("float32", 0, 4, (4,)), Slot("float32", 2, 4, (4,))))
     with pytest.raises(ValueError, match="overlap"):
         layout.unpack({"float32": jnp.zeros(8)})
+
+
+def test_leaves_matched_on_every_stage_get_buffers_of_their_own() -> None:
+    every = frozenset({0, 1, 2})
+    residence = [every, {0}, {0}, {1}, {1}, {2}, {2}, {0, 2}]
+    sizes = {0: 4, 1: 10, 2: 6, 3: 10, 4: 10, 5: 10, 6: 6, 7: 3}
+    base = {leaf: "float32" for leaf in sizes}
+    names = matched_buffers(range(8), sizes, base, [frozenset(r) for r in residence], 3)
+    assert names[0] == "float32#0"  # every stage holds it
+    assert names[1] == names[3] == names[5] == "float32#10.0"  # the first size-10 leaf of each stage
+    assert names[4] == "float32"  # stage 1's second size-10 leaf has no counterpart on stages 0 and 2
+    assert names[2] == names[6] == "float32"  # stage 1 has no size-6 leaf
+    assert names[7] == "float32"  # held by two of the three stages
+    assert {buffer_dtype(name) for name in names.values()} == {"float32"}
+    one_stage = matched_buffers(range(3), {0: 5, 1: 5, 2: 2}, {0: "float32", 1: "float32@model", 2: "int32"},
+                                [frozenset({0})] * 3, 1)
+    assert one_stage == {0: "float32#0", 1: "float32@model#1", 2: "int32#2"}  # one stage: every leaf alone
+    assert buffer_dtype("float32@model#10.0") == "float32"
 
 
 def test_circular_rows_put_each_device_stages_logical_stages_together() -> None:

@@ -5,6 +5,7 @@ the acceptance criteria is marked slow."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from hlomap.propagation.graph import FactorGraph
@@ -82,18 +83,34 @@ def test_gpt_circular_two_stages_two_rounds(zoo_case) -> None:
         assert [s.devices for s in description.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]  # stage k on k mod 2
 
 
-@pytest.mark.parametrize("executor, schedule, microbatches", [("spmd", "gpipe", 1), ("mpmd", "1f1b", 1),
-                                                               ("mpmd", "1f1b", 4)])
+@pytest.mark.parametrize("executor, schedule, microbatches", [("spmd", "gpipe", 1), ("spmd", "gpipe", 4),
+                                                               ("mpmd", "1f1b", 1), ("mpmd", "1f1b", 4)])
 def test_one_stage_pipelines_equal_the_plain_step(zoo_case, executor: str, schedule: str, microbatches: int) -> None:
-    """One stage over 4 devices (what the S = 1 overhead benchmark runs): executor A without
-    rematerialization, executor B with its last stage's passes and update fused into one program."""
+    """One stage over 4 devices (what the S = 1 overhead benchmark runs): executor A without the
+    shard_map over a one-device stage axis (rematerialized only with several microbatches),
+    executor B with its last stage's passes and update fused into one program."""
     case = zoo_case("haiku-mlp")
     plan = pipeline_plan(case.cap, case.chain, [], microbatches=microbatches, schedule=schedule, devices_per_stage=4)
     step = _run(case, plan, executor)
     if executor == "mpmd":
         assert step._runner.final_update and step._runner.trace_counts[("forward_backward_update", 0)] == 1
     else:
-        assert not step._runner.remat
+        assert step._runner.remat == (microbatches > 1)
+        params, opt_state = step.place(*case.args[:2])
+        assert "shard_map" not in str(jax.make_jaxpr(step._runner._step)(params, opt_state, *case.args[2:]))
+        if microbatches == 1:  # every state leaf in a buffer of its own: read and written whole, no row to assemble
+            (compiled,) = step._runner._step_jit.compiled.values()
+            assert " concatenate(" not in compiled.as_text()
+
+
+def test_circular_plan_on_one_device_stage(zoo_case) -> None:
+    """Executor A, 2 logical stages as 2 rounds of one device stage: what leaves the stage comes
+    back to it (a ring of one), M = 2."""
+    case = zoo_case("haiku-mlp")
+    plan = pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.5]), microbatches=2, devices_per_stage=4,
+                         repeats=2)
+    step = _run(case, plan, "spmd", update=True)
+    assert step.describe().repeats == 2
 
 
 def test_circular_plans_are_checked(zoo_case) -> None:
