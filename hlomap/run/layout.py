@@ -2,7 +2,8 @@
 
 Executor A runs different code on each stage inside one SPMD program, so everything that varies
 between stages must have one shape: each stage's parameters (and optimizer state) are flattened
-into a row, rows padded to the longest and stacked `[S, L]` (sharded on the `stage` axis), and the
+into a row, rows padded to the longest and stacked `[S, L]` (sharded on the `stage` axis; a leaf
+with a counterpart of its size on every stage gets a buffer of its own, `matched_buffers`), and the
 activations crossing each cut are packed into one padded buffer that `ppermute` moves. Values
 with a leading microbatch dim keep it (`[mb, F]`), so that a data-parallel axis inside the stage
 still splits them without gathering; likewise a parameter split over a mesh axis inside the stage

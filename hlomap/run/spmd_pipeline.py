@@ -3,7 +3,8 @@
 One `jax.jit` around a `jax.shard_map` that is manual over a `stage` mesh axis and automatic
 over the plan's axes inside a stage (data, model), so that XLA partitions each stage's work as
 an SPMD plan would (GPipe, Huang et al. 2019, section 2; the formulation of MaxText's and
-Praxis's pipelines):
+Praxis's pipelines). With a single device stage the same body runs on the whole mesh without
+the shard_map (`_over_stages`):
 
 - Each stage's state is flattened into rows; rows are padded to one length and stacked
   `[S, L]`, sharded on `stage` (`layout`). A leaf whose counterpart (same size) is on every
