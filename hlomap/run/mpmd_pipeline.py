@@ -15,7 +15,7 @@ microbatch under 1F1B; under GPipe only with one microbatch), the two run as one
 (`forward_backward`): the last stage's backward needs nothing from another stage, and its
 residuals then never leave the program. The last of them also runs the stage's update when no other stage reads its
 parameters (`forward_backward_update`: the gradients never leave the program). A step that
-records its events (`record=True`) runs the passes apart, to time each. Each stage's update
+records its events (`record=True`) runs the passes apart, to time each. Each stage's update (the fused one too)
 donates the state it replaces.
 
 Dispatch is asynchronous, so stages on different devices overlap; one Python process drives them
