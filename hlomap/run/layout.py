@@ -80,11 +80,10 @@ class FlatLayout:
     slots: tuple[Slot, ...]
 
     @classmethod
-    def of(cls, items: Sequence[tuple[Any, Any]], start: Mapping[str, int] | None = None,
-           buffers: Mapping[Any, str] | None = None) -> FlatLayout:
-        """Layout of (key, aval) items; `start` offsets each buffer (a region before them);
-        `buffers` names each key's buffer (default: its dtype)."""
-        offsets = dict(start or {})
+    def of(cls, items: Sequence[tuple[Any, Any]], buffers: Mapping[Any, str] | None = None) -> FlatLayout:
+        """Layout of (key, aval) items, end to end in each buffer; `buffers` names each key's
+        buffer (default: its dtype)."""
+        offsets: dict[str, int] = {}
         slots = []
         for key, aval in items:
             buffer = (buffers or {}).get(key) or np.dtype(aval.dtype).name

@@ -202,7 +202,7 @@ class MpmdPipeline:
         update_s = program.update.programs[s]
         m = self.microbatches
         scale = 1.0 / m
-        reused = self._final_reused(s)
+        reused = self._reused
 
         def final(donated: Sequence[Any], params: Any, received: Any, state: Any, data: Any, cotangents: Any,
                   grads_before: Any, loss_before: Any, aux_before: Any, extras: Sequence[Any]) -> Any:

@@ -86,7 +86,7 @@ class RowLayout:
     avals: tuple[Any, ...]
     placements: dict[int, Placement]
     stages: tuple[FlatLayout, ...]  # over local shapes
-    shared: dict[str, int]  # buffers of the leaves every stage holds (one each) -> length
+    shared: frozenset[str]  # the buffers of the leaves every stage holds (one each)
     lengths: dict[str, int]
     leads: dict[str, tuple[int, ...]]  # buffer -> (shards,) or ()
     axes: dict[str, tuple[str, ...]]  # buffer -> the mesh axes splitting it
@@ -120,8 +120,8 @@ class RowLayout:
             stages.append(FlatLayout(shared.keys + layout.keys, shared.slots + layout.slots))
         lengths = {b: max(n, 1) for b, n in buffer_lengths(stages).items()}
         leads = {p.buffer: ((p.shards,) if p.dim is not None else ()) for p in placements.values()}
-        return cls(tuple(leaves), tuple(avals), placements, tuple(stages), shared.lengths, lengths, leads, axes_of,
-                   treedef, tuple(rows) if rows is not None else tuple(range(n_stages)))
+        return cls(tuple(leaves), tuple(avals), placements, tuple(stages), frozenset(shared.lengths), lengths, leads,
+                   axes_of, treedef, tuple(rows) if rows is not None else tuple(range(n_stages)))
 
     def home(self, leaf: int) -> int:
         return next(s for s, layout in enumerate(self.stages) if leaf in layout.keys)
