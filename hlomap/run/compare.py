@@ -29,7 +29,7 @@ import numpy as np
 
 from hlomap.verify.numerics import Tolerance, compare_outputs
 
-__all__ = ["Comparison", "GradientResult", "LeafDiff", "StepCheck", "check_pipeline", "check_spmd", "check_step",
+__all__ = ["GradientResult", "LeafDiff", "LeafGroupCheck", "StepCheck", "check_pipeline", "check_spmd", "check_step",
            "compare_loss", "compare_scaled", "compare_updates", "reference_gradients"]
 
 #: Allowed difference of a gradient leaf, as a fraction of its scale (float32 sums reordered over
@@ -69,8 +69,9 @@ class LeafDiff:
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """A comparison of several leaves: ok when every leaf is within its tolerance."""
+class LeafGroupCheck:
+    """One group of leaves (the loss, the gradients, the updated parameters) of a parallelized step
+    checked against the unsharded step's: ok when every leaf is within its tolerance."""
 
     what: str
     tolerance: float
@@ -119,23 +120,23 @@ def _leaf(path: str, actual: Any, expected: Any, scale: float, tolerance: float,
 
 
 def compare_scaled(what: str, actual: Sequence[Any], expected: Sequence[Any], paths: Sequence[str], *,
-                   tolerance: float = GRADIENT_TOLERANCE, floor: float = SCALE_FLOOR) -> Comparison:
+                   tolerance: float = GRADIENT_TOLERANCE, floor: float = SCALE_FLOOR) -> LeafGroupCheck:
     """Each leaf within `tolerance` of its scale: max |expected leaf|, floored at `floor` times
     the largest scale."""
     scales = [float(np.max(np.abs(np.asarray(e, dtype=np.float64)))) if np.size(e) else 0.0 for e in expected]
     top = max(scales, default=0.0)
-    return Comparison(what, tolerance, tuple(
+    return LeafGroupCheck(what, tolerance, tuple(
         _leaf(p, a, e, max(s, floor * top), tolerance) for p, a, e, s in zip(paths, actual, expected, scales)))
 
 
-def compare_loss(actual: Any, expected: Any, *, tolerance: float = LOSS_TOLERANCE) -> Comparison:
+def compare_loss(actual: Any, expected: Any, *, tolerance: float = LOSS_TOLERANCE) -> LeafGroupCheck:
     scale = abs(float(np.asarray(expected)))
-    return Comparison("loss", tolerance, (_leaf("loss", actual, expected, max(scale, 1e-30), tolerance),))
+    return LeafGroupCheck("loss", tolerance, (_leaf("loss", actual, expected, max(scale, 1e-30), tolerance),))
 
 
 def compare_updates(what: str, actual: Sequence[Any], expected: Sequence[Any], before: Sequence[Any],
                     grads: Sequence[Any], paths: Sequence[str], *, noise: float = NOISE,
-                    floor: float = SCALE_FLOOR, tolerance: float = UPDATE_TOLERANCE) -> Comparison:
+                    floor: float = SCALE_FLOOR, tolerance: float = UPDATE_TOLERANCE) -> LeafGroupCheck:
     """Updated leaves, only where the reference gradient is above `noise` of its leaf's scale
     (floored at `floor` of the largest gradient), within `tolerance` of the leaf's largest
     update there."""
@@ -147,7 +148,7 @@ def compare_updates(what: str, actual: Sequence[Any], expected: Sequence[Any], b
         step = np.abs(np.asarray(e, dtype=np.float64) - np.asarray(old, dtype=np.float64))
         scale = float(step[mask].max()) if mask.any() else 0.0
         leaves.append(_leaf(path, a, e, max(scale, 1e-30), tolerance, mask))
-    return Comparison(what, tolerance, tuple(leaves))
+    return LeafGroupCheck(what, tolerance, tuple(leaves))
 
 
 def _marked_gradients(step: Callable[..., Any], args: Sequence[Any], microbatches: int = 1,
@@ -235,11 +236,11 @@ class StepCheck:
     statistics), not a wrong pipeline: a wrong cut or schedule stays wrong in float64.
     """
 
-    comparisons: tuple[Comparison, ...]
-    microbatching: tuple[Comparison, ...]
+    comparisons: tuple[LeafGroupCheck, ...]
+    microbatching: tuple[LeafGroupCheck, ...]
     seconds: float  # one pipelined step after compiling
-    float64: tuple[Comparison, ...] = ()
-    reference_float32: Comparison | None = None
+    float64: tuple[LeafGroupCheck, ...] = ()
+    reference_float32: LeafGroupCheck | None = None
 
     @property
     def exact(self) -> bool:
@@ -265,7 +266,7 @@ class StepCheck:
 
 
 def _marked_comparisons(got: GradientResult, ref: GradientResult, paths: Sequence[str],
-                        label: str) -> tuple[Comparison, ...]:
+                        label: str) -> tuple[LeafGroupCheck, ...]:
     """The loss, each gradient leaf and each aux output of the marked call against the reference."""
     out = [compare_loss(got.loss, ref.loss), compare_scaled(f"gradients{label}", got.grads, ref.grads, paths)]
     if ref.aux:
@@ -298,16 +299,16 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
     traced = step.program.traced
     paths = [traced.loss_inputs[p].path for p in traced.grads]
 
-    def against(result: tuple[Any, list[Any], list[Any]], ref: GradientResult, label: str) -> tuple[Comparison, ...]:
+    def against(result: tuple[Any, list[Any], list[Any]], ref: GradientResult, label: str) -> tuple[LeafGroupCheck, ...]:
         return _marked_comparisons(GradientResult(*result), ref, paths, label)
 
     result = step.value_and_grad(*args)
     reference = reference_gradients(step.step, args, microbatches)
     decisive = against(result, reference, "")
-    informative: tuple[Comparison, ...] = ()
+    informative: tuple[LeafGroupCheck, ...] = ()
     if microbatches > 1:
         informative = against(result, reference_gradients(step.step, args, 1), " (whole batch)")
-    wide_checks: tuple[Comparison, ...] = ()
+    wide_checks: tuple[LeafGroupCheck, ...] = ()
     reference_error = None
     if not all(c.ok for c in decisive):
         from hlomap.run.runner import ParallelStep
@@ -344,7 +345,7 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
     leaf_of = {k: traced.loss_inputs[p].leaf for k, p in enumerate(traced.grads)
                if traced.loss_inputs[p].kind is InputKind.PARAM and traced.loss_inputs[p].leaf < n_params}
 
-    def against(sharded: GradientResult, ref: GradientResult, label: str) -> list[Comparison]:
+    def against(sharded: GradientResult, ref: GradientResult, label: str) -> list[LeafGroupCheck]:
         return list(_marked_comparisons(sharded, ref, paths, label))
 
     def updated(values: Sequence[Any]) -> list[Any]:
@@ -362,7 +363,7 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
                                     [after_reference[leaf] for leaf in leaf_of.values()],
                                     [before[leaf] for leaf in leaf_of.values()],
                                     [reference.grads[k] for k in leaf_of], [paths[k] for k in leaf_of]))
-    wide_checks: tuple[Comparison, ...] = ()
+    wide_checks: tuple[LeafGroupCheck, ...] = ()
     reference_error = None
     if not all(c.ok for c in decisive):
         with jax.enable_x64(True):

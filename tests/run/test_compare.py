@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hlomap.run.compare import (Comparison, LeafDiff, StepCheck, compare_scaled, compare_updates,
+from hlomap.run.compare import (LeafGroupCheck, LeafDiff, StepCheck, compare_scaled, compare_updates,
                                 reference_gradients)
 from tests.run.user_step import make
 
@@ -35,8 +35,8 @@ def test_updates_are_compared_where_the_gradient_is_above_noise() -> None:
 
 
 def test_a_float32_difference_is_rounding_only_if_float64_agrees_and_float32_itself_is_off() -> None:
-    def comparison(ok: bool) -> Comparison:
-        return Comparison("gradients", 1e-4, (LeafDiff("w", 0.0 if ok else 1.0, 1.0, ok),))
+    def comparison(ok: bool) -> LeafGroupCheck:
+        return LeafGroupCheck("gradients", 1e-4, (LeafDiff("w", 0.0 if ok else 1.0, 1.0, ok),))
 
     assert StepCheck((comparison(True),), (), 0.0).ok
     differs = (comparison(False),)
