@@ -227,7 +227,7 @@ def _platform() -> str:
 # Argument signatures (what makes the step capture again)
 # ---------------------------------------------------------------------------------------------
 
-#: A state argument held by a pipeline runner (`hlomap.run.staged.Staged`): laid out by the
+#: A state argument held by a pipeline runner (`hlomap.run.pipeline.stage_state.Staged`): laid out by the
 #: step that placed it, so it matches that step's signature whatever its layout.
 _HELD = "held by the runner"
 
@@ -236,7 +236,7 @@ def signature(args: Sequence[Any]) -> tuple[Any, ...]:
     """Tree structure, shapes and dtypes of each argument: `jax.jit`'s retrace condition."""
     import jax
 
-    from hlomap.run.staged import Staged
+    from hlomap.run.pipeline.stage_state import Staged
 
     out = []
     for arg in args:
@@ -368,7 +368,7 @@ class AutoShardedStep:
         params, opt_state = args[0], args[1]
         previous = self._current
         if previous is not None and previous is not entry and previous.step is not entry.step:
-            from hlomap.run.staged import Staged
+            from hlomap.run.pipeline.stage_state import Staged
 
             if isinstance(params, Staged):
                 params, opt_state = previous.step.gather(params, opt_state)

@@ -49,7 +49,7 @@ def decorated(model: str, cache_dir: str, task: str, mesh: int) -> hlomap.autosh
 
 def hand_written(step: hlomap.autoshard.AutoShardedStep, args: tuple) -> object:
     """`jax.jit` with the plan's shardings, as a user would write it."""
-    from hlomap.run.meshes import auto_mesh
+    from hlomap.run.pipeline.section import auto_mesh
 
     plan = step.plan
     mesh = auto_mesh(jax.devices()[:8], tuple(plan.mesh_shape.items()))

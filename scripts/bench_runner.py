@@ -40,8 +40,8 @@ from hlomap.cost.pipeline.stages import Pass, PipelinePlan, Schedule  # noqa: E4
 from hlomap.plan import ParameterSpec, Plan, PlanSource, reference_plan  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.report.gantt import draw_gantt  # noqa: E402
-from hlomap.run.meshes import auto_mesh  # noqa: E402
-from hlomap.run.schedule import dispatch_order, predicted_schedule, same_order  # noqa: E402
+from hlomap.run.pipeline.dispatch import dispatch_order, predicted_schedule, same_order  # noqa: E402
+from hlomap.run.pipeline.section import auto_mesh  # noqa: E402
 from hlomap.tasks.pipeline.chain import step_chain  # noqa: E402
 
 

@@ -27,13 +27,13 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.run.cuts import CutMapping
 from hlomap.run.errors import RunError
-from hlomap.run.meshes import STAGE_AXIS, device_order, pipeline_section
-from hlomap.run.pipeline import PipelineProgram, prepare
+from hlomap.run.pipeline.cuts import CutMapping
+from hlomap.run.pipeline.prepare import PipelineProgram, prepare
+from hlomap.run.pipeline.section import STAGE_AXIS, device_order, pipeline_section
+from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.program import describe_eqn
 from hlomap.run.spmd import SpmdStep
-from hlomap.run.staged import Staged
 
 __all__ = ["Executor", "ParallelStep", "RunnerDescription", "StageDescription", "parallelize"]
 
@@ -157,11 +157,11 @@ class ParallelStep:
         assert self.section is not None
         program = prepare(self.step, abstract, cap, self.section, widen=self.executor is Executor.SPMD)
         if self.executor is Executor.SPMD:
-            from hlomap.run.spmd_pipeline import SpmdPipeline
+            from hlomap.run.pipeline.spmd_executor import SpmdPipeline
 
             self._runner = SpmdPipeline(program, self.order, self.compiler_options)
         else:
-            from hlomap.run.mpmd_pipeline import MpmdPipeline
+            from hlomap.run.pipeline.mpmd_executor import MpmdPipeline
 
             self._runner = MpmdPipeline(program, self.order, self.compiler_options)
 

@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.run.errors import RunError
-from hlomap.run.meshes import auto_mesh
-from hlomap.run.staged import put, to_host
+from hlomap.run.pipeline.section import auto_mesh
+from hlomap.run.pipeline.stage_state import put, to_host
 
 __all__ = ["SpmdStep"]
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hlomap.run.compare import (LeafGroupCheck, LeafDiff, StepCheck, compare_scaled, compare_updates,
-                                reference_gradients)
+from hlomap.run.compare import LeafDiff, LeafGroupCheck, StepCheck, compare_scaled, compare_updates, reference_gradients
 from tests.run.user_step import make
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
-from hlomap.run.cuts import CutRecord, assign_stages
-from hlomap.run.stages import split_loss
+from hlomap.run.pipeline.cuts import CutRecord, assign_stages
+from hlomap.run.pipeline.loss_split import split_loss
 from hlomap.run.trace import trace_step
 from tests.run.helpers import FAST_COMPILE, boundary_pivots
 

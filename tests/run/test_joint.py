@@ -21,7 +21,7 @@ from hlomap.cost.pipeline.stages import Schedule
 from hlomap.plan import ParameterSpec, Plan, PlanSource
 from hlomap.run.compare import check_pipeline
 from hlomap.run.errors import RunError
-from hlomap.run.meshes import pipeline_section
+from hlomap.run.pipeline.section import pipeline_section
 from hlomap.run.runner import Executor
 from hlomap.tasks.joint.costs import StageOption
 from hlomap.tasks.joint.explore import JointResult, joint_model, joint_plan

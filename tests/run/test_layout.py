@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.run.layout import BatchedLayout, FlatLayout, Slot, buffer_dtype, matched_buffers
-from hlomap.run.schedule import dispatch_order, fusable_passes
-from hlomap.run.spmd_pipeline import circular_rows
+from hlomap.run.pipeline.dispatch import dispatch_order, fusable_passes
+from hlomap.run.pipeline.layout import BatchedLayout, FlatLayout, Slot, buffer_dtype, matched_buffers
+from hlomap.run.pipeline.spmd_executor import circular_rows
 
 
 def _avals(*shapes: tuple[int, ...]) -> list[tuple[int, jax.ShapeDtypeStruct]]:

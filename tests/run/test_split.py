@@ -10,9 +10,9 @@ import pytest
 
 import hlomap
 from hlomap.run.errors import SplitError
-from hlomap.run.stages import split_loss
+from hlomap.run.pipeline.loss_split import split_loss
+from hlomap.run.pipeline.stage_update import plan_update
 from hlomap.run.trace import trace_step
-from hlomap.run.update import plan_update
 
 WIDTH = 8
 

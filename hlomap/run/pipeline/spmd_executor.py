@@ -19,7 +19,7 @@ the shard_map (`_over_stages`):
   rematerialized (`jax.checkpoint` with nothing saved), so a stage keeps only its input per
   microbatch in flight, not every intermediate activation (with one microbatch there is nothing
   to save memory against, and the recomputation would only cost time).
-- Then a second `shard_map` runs each stage's part of the step outside the loss (`update`) on
+- Then a second `shard_map` runs each stage's part of the step outside the loss (`stage_update`) on
   its own rows: the optimizer update per stage, in the same program as the pipeline.
 
 Leaves are cut from a row by one `split` per buffer, not a slice per leaf: the gradient of a
@@ -52,12 +52,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.run.errors import RunError
-from hlomap.run.layout import BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, matched_buffers, sharded_buffer
-from hlomap.run.meshes import STAGE_AXIS, auto_mesh, pick
-from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
-from hlomap.run.staged import Staged, put, to_host
+from hlomap.run.pipeline.layout import (BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, matched_buffers,
+                                        sharded_buffer)
+from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.pipeline.section import STAGE_AXIS, auto_mesh, pick
+from hlomap.run.pipeline.stage_state import Staged, put, to_host
+from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
-from hlomap.run.update import Source
 
 __all__ = ["RowLayout", "SpmdPipeline"]
 

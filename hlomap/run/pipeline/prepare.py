@@ -1,8 +1,8 @@
 """What both pipeline executors share: the step split into stages, and the plan read for them.
 
 `prepare` traces the step (`trace`), maps the plan's HLO cuts to loss equations (`cuts`), cuts
-the loss into stage programs (`stages`) and the rest of the step into per-stage updates
-(`update`); the executors only schedule and move what these describe.
+the loss into stage programs (`loss_split`) and the rest of the step into per-stage updates
+(`stage_update`); the executors only schedule and move what these describe.
 
 Microbatches. The batch argument's leaves are split on their leading dim into M equal
 microbatches, microbatch m holding examples [m mb, (m + 1) mb). The step's loss is the mean of
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from hlomap.run.cuts import StageAssignment, assign_stages
 from hlomap.run.errors import RunError
-from hlomap.run.meshes import DATA_AXIS, PipelineSection
-from hlomap.run.stages import LossSplit, split_loss
+from hlomap.run.pipeline.cuts import StageAssignment, assign_stages
+from hlomap.run.pipeline.loss_split import LossSplit, split_loss
+from hlomap.run.pipeline.section import DATA_AXIS, PipelineSection
+from hlomap.run.pipeline.stage_update import UpdatePlan, plan_update
 from hlomap.run.trace import InputKind, TracedStep, trace_step
-from hlomap.run.update import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture

@@ -5,7 +5,7 @@ stage applies there), compiled once: its forward returns its outputs and the res
 backward (`jax.fwd_and_bwd`), its backward maps the residuals and the output cotangents to
 parameter and input cotangents. Activations and cotangents move between stages with
 `jax.device_put` to the receiving stage's `NamedSharding`. The scheduler dispatches the passes
-in the order the pipeline simulator predicts (`schedule.dispatch_order`): under 1F1B (PipeDream-
+in the order the pipeline simulator predicts (`dispatch.dispatch_order`): under 1F1B (PipeDream-
 Flush, Narayanan et al., SC'21, section 2.2) stage s holds at most S - s microbatches' residuals,
 under GPipe all M. Gradients accumulate per stage; a leaf several stages hold (a tied
 embedding) gets the sum of their gradients; then each stage runs its own update program.
@@ -37,12 +37,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.cost.pipeline.stages import Pass
-from hlomap.run.meshes import auto_mesh, pick
-from hlomap.run.pipeline import PipelineProgram, batch_axes, leaf_specs
-from hlomap.run.schedule import Event, RecordedEvent, dispatch_order, fusable_passes
-from hlomap.run.staged import Staged, put, to_host
+from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
+from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.pipeline.section import auto_mesh, pick
+from hlomap.run.pipeline.stage_state import Staged, put, to_host
+from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
-from hlomap.run.update import Source
 
 __all__ = ["MpmdPipeline", "StageLeaves", "StepStats"]
 

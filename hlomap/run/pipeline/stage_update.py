@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hlomap.run.errors import SplitError
+from hlomap.run.pipeline.loss_split import LossSplit
 from hlomap.run.program import describe_eqn, free_vars, is_literal, jaxpr_function, needed_eqns
-from hlomap.run.stages import LossSplit
 from hlomap.run.trace import TracedStep
 
 __all__ = ["Source", "UpdateInput", "UpdatePlan", "UpdateProgram", "plan_update"]

@@ -23,8 +23,8 @@ import numpy as np
 
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.plan import ParameterSpec, Plan
-from hlomap.run.cuts import CutRecord, cut_records
 from hlomap.run.errors import RunError
+from hlomap.run.pipeline.cuts import CutRecord, cut_records
 
 __all__ = [
     "DATA_AXIS",
