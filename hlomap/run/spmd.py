@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.section import auto_mesh
-from hlomap.run.pipeline.stage_state import put, to_host
+from hlomap.run.transfer import put, to_host
 
 __all__ = ["SpmdStep"]
 

@@ -40,9 +40,10 @@ from hlomap.cost.pipeline.stages import Pass
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.pipeline.section import auto_mesh, pick
-from hlomap.run.pipeline.stage_state import Staged, put, to_host
+from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
+from hlomap.run.transfer import put, to_host
 
 __all__ = ["MpmdPipeline", "StageLeaves", "StepStats"]
 

@@ -56,9 +56,10 @@ from hlomap.run.pipeline.layout import (BatchedLayout, FlatLayout, buffer_dtype,
                                         sharded_buffer)
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.pipeline.section import STAGE_AXIS, auto_mesh, pick
-from hlomap.run.pipeline.stage_state import Staged, put, to_host
+from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
+from hlomap.run.transfer import put, to_host
 
 __all__ = ["RowLayout", "SpmdPipeline"]
 
