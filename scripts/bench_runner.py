@@ -2,9 +2,9 @@
 
 1. SPMD plans: a step through `parallelize` against a hand-written `jax.jit(in_shardings=...)`
    of the same plan (goal: at most 5% slower).
-2. Pipelines of one stage and one microbatch (executors A and B) against the plain step jitted
+2. Pipelines of one stage and one microbatch (the spmd and mpmd executors) against the plain step jitted
    on the same devices with the same data parallelism (goal: at most 10% slower).
-3. Executor B's measured event order (device-side timestamps per stage and microbatch) against
+3. The mpmd executor's measured event order (device-side timestamps per stage and microbatch) against
    the simulator's predicted order, and a Gantt chart of both (goal: the same order per stage).
 4. Peak activation bytes held per stage, 1F1B against GPipe, from the scheduler's count of live
    residual buffers (goal: 1F1B holds at most S - s microbatches on stage s, GPipe all M).
@@ -177,7 +177,7 @@ def section_schedule(model: Any, cap: Any, out: Path, stages: int, microbatches:
         measured_png = out / f"measured_{schedule.value}.png"
         predicted_png = out / f"predicted_{schedule.value}.png"
         draw_gantt(measured_result(events, pipeline_plan), measured_png,
-                   title=f"measured: executor B, {schedule.value}, {model.name}, S={stages}, M={microbatches}")
+                   title=f"measured: mpmd executor, {schedule.value}, {model.name}, S={stages}, M={microbatches}")
         draw_gantt(predicted_schedule(schedule, stages, microbatches), predicted_png,
                    title=f"predicted by the simulator (forward 1, backward 2 units), {schedule.value}")
         figure = Figure(figsize=(12, 7))

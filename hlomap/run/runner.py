@@ -8,8 +8,8 @@
 SPMD plans run as `jax.jit` with the plan's shardings (`spmd`). Pipeline plans run with one of
 two executors, picked by the plan's schedule unless `executor=` says otherwise:
 
-- `Executor.SPMD` (A, `spmd_pipeline`): GPipe as one SPMD program; runs across processes.
-- `Executor.MPMD` (B, `mpmd_pipeline`): one program per stage and a Python scheduler; any
+- `Executor.SPMD` (`pipeline.spmd_executor`): GPipe as one SPMD program; runs across processes.
+- `Executor.MPMD` (`pipeline.mpmd_executor`): one program per stage and a Python scheduler; any
   schedule (1F1B by default for 1F1B plans); one controller process.
 
 A pipelined step marks its loss with `hlomap.value_and_grad` (`hlomap.run.grad`). The runner
@@ -43,29 +43,39 @@ log = logging.getLogger(__name__)
 class Executor(enum.Enum):
     """How a pipeline plan runs (module docstring)."""
 
-    SPMD = "spmd"  # A: one SPMD program over a `stage` axis, GPipe, multi-host
-    MPMD = "mpmd"  # B: one program per stage, any schedule, single controller
+    SPMD = "spmd"  # one SPMD program over a `stage` axis, GPipe, multi-host
+    MPMD = "mpmd"  # one program per stage, any schedule, single controller
+
+    @classmethod
+    def parse(cls, value: Executor | str) -> Executor:
+        """An executor from its name, or a RunError listing the names (an argument of
+        `parallelize`, so a typo is the user's and gets a sentence, not a bare ValueError)."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise RunError(f"unknown executor {value!r}; the pipeline executors are "
+                           f"{', '.join(e.value for e in cls)}") from None
 
 
 def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None,
                     repeats: int = 1) -> Executor:
-    """1F1B needs executor B; GPipe runs on A unless the stages' meshes differ or B is asked for;
-    a circular pipeline (`repeats` > 1) runs on A only."""
+    """1F1B needs the mpmd executor; GPipe runs on the spmd executor unless the stages' meshes differ
+    or the mpmd one is asked for; a circular pipeline (`repeats` > 1) runs on the spmd executor only."""
     if repeats > 1:
         if not uniform:
-            raise RunError(f"a circular pipeline (repeats {repeats}) runs on executor A (spmd), which needs every "
+            raise RunError(f"a circular pipeline (repeats {repeats}) runs on the spmd executor, which needs every "
                            "stage to have the same mesh and parameter specs; this plan's stages differ")
-        if requested is not None and Executor(requested) is Executor.MPMD:
-            raise RunError(f"executor B (mpmd) does not run circular pipelines (repeats {repeats}); use executor A "
-                           "(spmd)")
+        if requested is not None and Executor.parse(requested) is Executor.MPMD:
+            raise RunError(f"the mpmd executor does not run circular pipelines (repeats {repeats}); use the spmd "
+                           "executor")
         return Executor.SPMD
     if requested is not None:
-        executor = Executor(requested)
+        executor = Executor.parse(requested)
         if executor is Executor.SPMD and schedule is Schedule.ONE_F_ONE_B:
-            raise RunError("executor A (spmd) runs GPipe only; a 1f1b plan needs executor B (mpmd)")
+            raise RunError("the spmd executor runs GPipe only; a 1f1b plan needs the mpmd executor")
         if executor is Executor.SPMD and not uniform:
-            raise RunError("executor A (spmd) needs every stage to have the same mesh and parameter specs; this "
-                           "plan's stages differ, use executor B (mpmd)")
+            raise RunError("the spmd executor needs every stage to have the same mesh and parameter specs; this "
+                           "plan's stages differ, use the mpmd executor")
         return executor
     if schedule is Schedule.ONE_F_ONE_B or not uniform:
         return Executor.MPMD
@@ -130,10 +140,10 @@ class ParallelStep:
             self.executor = choose_executor(self.section.schedule, self.section.uniform, executor,
                                             self.section.repeats)
             if self.executor is Executor.MPMD and jax.process_count() > 1:
-                raise RunError(f"executor B (mpmd) is single-controller: one Python process drives every stage, but "
-                               f"{jax.process_count()} processes run; use executor A (spmd, GPipe) across hosts")
+                raise RunError(f"the mpmd executor is single-controller: one Python process drives every stage, but "
+                               f"{jax.process_count()} processes run; use the spmd executor (GPipe) across hosts")
         elif executor is not None:
-            raise RunError(f"executor {Executor(executor).value!r} applies to pipeline plans; this plan has no "
+            raise RunError(f"executor {Executor.parse(executor).value!r} applies to pipeline plans; this plan has no "
                            "pipeline section")
         self._spmd = SpmdStep(step, plan, self.order, self.compiler_options) if self.section is None else None
         self._runner: Any = None

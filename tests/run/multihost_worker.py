@@ -1,6 +1,6 @@
 """One process of the two-process test (`test_multihost.py`): 4 CPU devices, JAX's coordinator
 on localhost, gloo CPU collectives. Runs (a) a hybrid data x model plan whose data axis spans the
-two processes and (b) executor A with its stage axis across them, and saves what process 0 sees.
+two processes and (b) the spmd executor with its stage axis across them, and saves what process 0 sees.
 
     python -m tests.run.multihost_worker PROCESS_ID PORT OUT.npz
 """

@@ -1,6 +1,6 @@
-"""What the executors do besides the numbers: executor B compiles each stage once (the last
+"""What the executors do besides the numbers: the mpmd executor compiles each stage once (the last
 stage's forward and backward fused where its schedule runs them back to back) and holds at most
-S - s microbatches under 1F1B; executor B refuses several processes; SPMD plans run as one
+S - s microbatches under 1F1B; the mpmd executor refuses several processes; SPMD plans run as one
 jit with the plan's shardings."""
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def test_executor_choice() -> None:
     assert choose_executor(Schedule.GPIPE, True, "mpmd") is Executor.MPMD
     with pytest.raises(RunError, match="runs GPipe only"):
         choose_executor(Schedule.ONE_F_ONE_B, True, "spmd")
+    with pytest.raises(RunError, match="unknown executor 'b'; the pipeline executors are spmd, mpmd"):
+        choose_executor(Schedule.GPIPE, True, "b")  # the executors have names, not letters
 
 
 def test_spmd_plan_is_jit_with_the_plans_shardings(zoo_case) -> None:

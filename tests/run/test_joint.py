@@ -52,7 +52,7 @@ def _check_layout(step: Any, plan: Plan, placed: tuple[Any, Any]) -> int:
                     assert value.sharding.spec == expected[leaf], (s, leaf)
                     assert sorted(d.id for d in value.sharding.device_set) == stages[s]["devices"]
                     split += "model" in jax.tree.leaves(tuple(expected[leaf]))
-        else:  # executor A stores a split leaf as its local shards, one per slot of the buffer's lead dim
+        else:  # the spmd executor stores a split leaf as its local shards, one per slot of the buffer's lead dim
             expected = _stage_specs(plan, 0)
             mesh = stages[0]["mesh"]
             for leaf in layout.leaves:

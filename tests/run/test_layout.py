@@ -1,4 +1,4 @@
-"""Packing leaves into flat rows (executor A), the circular pipeline's row order and executor B's
+"""Packing leaves into flat rows (the spmd executor), the circular pipeline's row order and the mpmd executor's
 fusable passes: small pure pieces, checked directly."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Two local processes with 4 CPU devices each (`jax.distributed` over localhost, gloo): a hybrid
-plan whose data axis spans the processes, and executor A with its stage axis across them,
+plan whose data axis spans the processes, and the spmd executor with its stage axis across them,
 compute what the same plans compute in one process on 8 devices."""
 
 from __future__ import annotations

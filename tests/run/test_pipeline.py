@@ -43,7 +43,7 @@ def _run(case, plan, executor, *, microbatches_reference=1, update=True):
 
 
 def test_gpt_two_stages_data_parallel_spmd_executor(zoo_case) -> None:
-    """Executor A, GPipe, 2 stages x data-parallel 4, M = 2: the tied embedding is read by both
+    """The spmd executor, GPipe, 2 stages x data-parallel 4, M = 2: the tied embedding is read by both
     stages (its gradient is summed over them)."""
     case = zoo_case("gpt-tiny")
     plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=2, devices_per_stage=4)
@@ -54,7 +54,7 @@ def test_gpt_two_stages_data_parallel_spmd_executor(zoo_case) -> None:
 
 
 def test_mlp_four_stages_data_parallel_1f1b_mid_layer_cuts(zoo_case) -> None:
-    """Executor B, 1F1B, 4 stages x data-parallel 2, M = 4, cuts inside layers."""
+    """The mpmd executor, 1F1B, 4 stages x data-parallel 2, M = 4, cuts inside layers."""
     case = zoo_case("haiku-mlp")
     plan = pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.2, 0.45, 0.7]), microbatches=4,
                          schedule="1f1b", devices_per_stage=2)
@@ -62,7 +62,7 @@ def test_mlp_four_stages_data_parallel_1f1b_mid_layer_cuts(zoo_case) -> None:
 
 
 def test_mlp_two_stages_tensor_parallel_both_executors(zoo_case) -> None:
-    """2 stages x tensor-parallel 4 (Megatron specs inside each stage), M = 4, GPipe on A and B."""
+    """2 stages x tensor-parallel 4 (Megatron specs inside each stage), M = 4, GPipe on the spmd and mpmd executors."""
     case = zoo_case("haiku-mlp")
     plan = pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=4, devices_per_stage=4,
                          mesh={"model": 4}, specs=_megatron_specs(case.cap, 4))
@@ -71,7 +71,7 @@ def test_mlp_two_stages_tensor_parallel_both_executors(zoo_case) -> None:
 
 
 def test_gpt_circular_two_stages_two_rounds(zoo_case) -> None:
-    """Executor A, circular: 4 logical stages over 2 device stages (2 rounds) x data-parallel 2,
+    """The spmd executor, circular: 4 logical stages over 2 device stages (2 rounds) x data-parallel 2,
     M = 2 (a microbatch comes back to stage 0 in the same tick) and M = 4 (it waits 2 ticks)."""
     case = zoo_case("gpt-tiny")
     for microbatches in (2, 4):
@@ -86,9 +86,9 @@ def test_gpt_circular_two_stages_two_rounds(zoo_case) -> None:
 @pytest.mark.parametrize("executor, schedule, microbatches", [("spmd", "gpipe", 1), ("spmd", "gpipe", 4),
                                                                ("mpmd", "1f1b", 1), ("mpmd", "1f1b", 4)])
 def test_one_stage_pipelines_equal_the_plain_step(zoo_case, executor: str, schedule: str, microbatches: int) -> None:
-    """One stage over 4 devices (what the S = 1 overhead benchmark runs): executor A without the
+    """One stage over 4 devices (what the S = 1 overhead benchmark runs): the spmd executor without the
     shard_map over a one-device stage axis (rematerialized only with several microbatches),
-    executor B with its last stage's passes and update fused into one program."""
+    the mpmd executor with its last stage's passes and update fused into one program."""
     case = zoo_case("haiku-mlp")
     plan = pipeline_plan(case.cap, case.chain, [], microbatches=microbatches, schedule=schedule, devices_per_stage=4)
     step = _run(case, plan, executor)
@@ -108,7 +108,7 @@ def test_one_stage_pipelines_equal_the_plain_step(zoo_case, executor: str, sched
 
 
 def test_circular_plan_on_one_device_stage(zoo_case) -> None:
-    """Executor A, 2 logical stages as 2 rounds of one device stage: what leaves the stage comes
+    """The spmd executor, 2 logical stages as 2 rounds of one device stage: what leaves the stage comes
     back to it (a ring of one), M = 2."""
     case = zoo_case("haiku-mlp")
     plan = pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.5]), microbatches=2, devices_per_stage=4,
@@ -126,7 +126,7 @@ def test_circular_plans_are_checked(zoo_case) -> None:
     with pytest.raises(RunError, match="at least as many microbatches as stages.*1 microbatches and 2 stages"):
         parallelize(case.model.train_step(), plan)
     plan = pipeline_plan(case.cap, case.chain, pivots, microbatches=4, devices_per_stage=4, repeats=2)
-    with pytest.raises(RunError, match="executor B .* does not run circular pipelines"):
+    with pytest.raises(RunError, match="the mpmd executor does not run circular pipelines"):
         parallelize(case.model.train_step(), plan, executor="mpmd")
     short = pipeline_plan(case.cap, case.chain, pivots[:2], microbatches=4, devices_per_stage=4)
     short.pipeline["repeats"] = 2  # 3 logical stages do not make 2 device stages x 2 rounds

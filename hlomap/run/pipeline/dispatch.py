@@ -1,4 +1,4 @@
-"""The order executor B runs forward and backward passes in: the simulator's.
+"""The order the mpmd executor runs forward and backward passes in: the simulator's.
 
 Each stage runs its passes in the order of its schedule (`stage_order`: GPipe or 1F1B); how the
 stages' passes interleave is what the event simulator predicts for a pipeline of S stages of
@@ -61,7 +61,7 @@ def events_from_spans(spans: Sequence[Span]) -> tuple[Event, ...]:
 
 
 def dispatch_order(schedule: Schedule, n_stages: int, microbatches: int) -> tuple[Event, ...]:
-    """The order executor B dispatches passes in (module docstring), checked against each
+    """The order the mpmd executor dispatches passes in (module docstring), checked against each
     stage's schedule."""
     events = events_from_spans(predicted_schedule(schedule, n_stages, microbatches).spans)
     for s in range(n_stages):

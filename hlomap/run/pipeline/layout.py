@@ -1,6 +1,6 @@
 """Packing leaves of different shapes into flat buffers, one per dtype (and sharding).
 
-Executor A runs different code on each stage inside one SPMD program, so everything that varies
+The spmd executor runs different code on each stage inside one SPMD program, so everything that varies
 between stages must have one shape: each stage's parameters (and optimizer state) are flattened
 into a row, rows padded to the longest and stacked `[S, L]` (sharded on the `stage` axis; a leaf
 with a counterpart of its size on every stage gets a buffer of its own, `matched_buffers`), and the

@@ -1,4 +1,4 @@
-"""Executor B: a pipeline as one program per stage, driven by a Python scheduler (1F1B or GPipe).
+"""The mpmd executor: a pipeline as one program per stage, driven by a Python scheduler (1F1B or GPipe).
 
 Each stage is its own `jax.jit` on its own mesh (the plan's tensor or data parallelism inside the
 stage applies there), compiled once: its forward returns its outputs and the residuals of its
@@ -84,7 +84,7 @@ def _nbytes(tree: Any) -> int:
 
 
 class MpmdPipeline:
-    """Executor B for one traced step and pipeline plan (module docstring)."""
+    """The mpmd executor for one traced step and pipeline plan (module docstring)."""
 
     def __init__(self, program: PipelineProgram, order: Sequence[Any],
                  compiler_options: Mapping[str, Any] | None = None):

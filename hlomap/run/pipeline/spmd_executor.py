@@ -1,4 +1,4 @@
-"""Executor A: a pipeline as one SPMD program (GPipe, plain or circular), on one host or several.
+"""The spmd executor: a pipeline as one SPMD program (GPipe, plain or circular), on one host or several.
 
 One `jax.jit` around a `jax.shard_map` that is manual over a `stage` mesh axis and automatic
 over the plan's axes inside a stage (data, model), so that XLA partitions each stage's work as
@@ -187,7 +187,7 @@ def circular_rows(n_stages: int, repeats: int) -> tuple[int, ...]:
 
 
 def _placement(leaf: int, aval: Any, spec: Any, mesh_axes: Mapping[str, int]) -> tuple[Placement, tuple[str, ...]]:
-    """Replicated, or split on its one sharded dim (executor A stores local shards)."""
+    """Replicated, or split on its one sharded dim (the spmd executor stores local shards)."""
     if spec is None:
         return Placement(sharded_buffer(aval.dtype, ())), ()
     split = [(d, (entry,) if isinstance(entry, str) else tuple(entry)) for d, entry in enumerate(spec)
@@ -196,7 +196,7 @@ def _placement(leaf: int, aval: Any, spec: Any, mesh_axes: Mapping[str, int]) ->
         return Placement(sharded_buffer(aval.dtype, ())), ()
     if len(split) > 1:
         raise RunError(f"parameter {leaf} (shape {aval.shape}) is split on {len(split)} dims by the plan ({spec}); "
-                       "executor A stores a parameter split on one dim, use executor B (mpmd)")
+                       "the spmd executor stores a parameter split on one dim, use the mpmd executor")
     d, axes = split[0]
     unknown = [a for a in axes if a not in mesh_axes]
     if unknown:
@@ -212,7 +212,7 @@ def _floating(dtype: str) -> bool:
 
 
 class SpmdPipeline:
-    """Executor A for one traced step and pipeline plan (module docstring)."""
+    """The spmd executor for one traced step and pipeline plan (module docstring)."""
 
     def __init__(self, program: PipelineProgram, order: Sequence[Any],
                  compiler_options: Mapping[str, Any] | None = None, remat: bool | None = None):
@@ -221,7 +221,8 @@ class SpmdPipeline:
         # on a stage; with one, it would recompute the forward pass for nothing
         self.remat = section.microbatches > 1 if remat is None else remat
         if not section.uniform:
-            raise ValueError("executor A needs every stage to have the same mesh and specs; use executor B")
+            raise ValueError("the spmd executor needs every stage to have the same mesh and specs; use the mpmd "
+                             "executor")
         self.program = program
         traced = program.traced
         self.n_stages = section.n_stages
@@ -623,7 +624,7 @@ def _refuse_branch_permutes(text: str) -> None:
         if " collective-permute(" in line and "/cond/branch_" in line and "ppermute" not in line.split("=")[0]:
             where = line.split('op_name="', 1)[-1].split('"', 1)[0]
             raise RunError(f"XLA resharded a value inside a stage's branch with a collective-permute ({where}); on "
-                           "the CPU runtime that waits for devices of other stages and hangs. Use executor B (mpmd) "
+                           "the CPU runtime that waits for devices of other stages and hangs. Use the mpmd executor "
                            "for this plan, or parameter specs that split one dim each")
 
 

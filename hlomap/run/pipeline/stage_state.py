@@ -22,7 +22,7 @@ __all__ = ["Staged"]
 class Staged:
     """The arrays an executor keeps for one of the step's state arguments.
 
-    parts: executor A, a dict dtype -> `[S, L]` rows sharded on the `stage` axis; executor B, a
+    parts: the spmd executor, a dict dtype -> `[S, L]` rows sharded on the `stage` axis; the mpmd executor, a
     tuple with one tuple of leaves per stage, each on its stage's mesh. `layout` (static) says
     which leaf is where.
     """

@@ -79,7 +79,7 @@ class UpdatePlan:
 
 def plan_update(traced: TracedStep, split: LossSplit, *, widen: bool = False) -> UpdatePlan:
     """Homes and per-stage update programs (module docstring). `widen`: a value held by several
-    stages is held by all (executor A keeps such leaves in every stage's row)."""
+    stages is held by all (the spmd executor keeps such leaves in every stage's row)."""
     n_stages = split.n_stages
     every = frozenset(range(n_stages))
 
