@@ -49,10 +49,10 @@ def decorated(model: str, cache_dir: str, task: str, mesh: int) -> hlomap.autosh
 
 def hand_written(step: hlomap.autoshard.AutoShardedStep, args: tuple) -> object:
     """`jax.jit` with the plan's shardings, as a user would write it."""
-    from hlomap.run.pipeline.section import auto_mesh
+    from hlomap.verify.mesh import plan_mesh
 
     plan = step.plan
-    mesh = auto_mesh(jax.devices()[:8], tuple(plan.mesh_shape.items()))
+    mesh = plan_mesh(plan)
     shardings = plan.shardings(mesh, like=args)
     return jax.jit(step.__wrapped__, in_shardings=shardings, out_shardings=(shardings[0], shardings[1], None),
                    donate_argnums=(0, 1)), shardings

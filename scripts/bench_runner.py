@@ -41,8 +41,8 @@ from hlomap.plan import ParameterSpec, Plan, PlanSource, reference_plan  # noqa:
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.report.gantt import draw_gantt  # noqa: E402
 from hlomap.run.pipeline.dispatch import dispatch_order, predicted_schedule, same_order  # noqa: E402
-from hlomap.run.pipeline.section import auto_mesh  # noqa: E402
 from hlomap.tasks.pipeline.chain import step_chain  # noqa: E402
+from hlomap.verify.mesh import mesh_of  # noqa: E402
 
 
 def median_seconds(run: Callable[[], Any], repeats: int) -> float:
@@ -83,7 +83,7 @@ def section_spmd(model: Any, cap: Any, repeats: int) -> None:
     array, axes = reference_plan(graph, "dp+megatron", {"data": 2, "model": 4})
     plan = Plan.from_groups(cap, graph, array, axes)
     step = hlomap.parallelize(model.train_step(), plan)
-    mesh = auto_mesh(jax.devices()[:8], (("data", 2), ("model", 4)))
+    mesh = mesh_of(jax.devices()[:8], (("data", 2), ("model", 4)))
     shardings = plan.shardings(mesh, like=args)
     hand = jax.jit(model.train_step(), in_shardings=shardings, out_shardings=(shardings[0], shardings[1], None),
                    donate_argnums=(0, 1))
@@ -110,7 +110,7 @@ def section_one_stage(model: Any, cap: Any, repeats: int) -> None:
     # numpy arguments: a training loop hands the step host batches (a batch on one device would
     # time a device-to-device reshard instead)
     args = jax.tree.map(np.asarray, tuple(model.example_args()))
-    mesh = auto_mesh(jax.devices()[:8], (("data", 8),))
+    mesh = mesh_of(jax.devices()[:8], (("data", 8),))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     shardings = (jax.tree.map(lambda _: replicated, args[0]), jax.tree.map(lambda _: replicated, args[1]),

@@ -17,6 +17,7 @@ tests/verify/test_shardings.py asserts on the same rows.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from hlomap.plan import Plan  # noqa: E402
 from hlomap.propagation.conflicts import MeshAxes  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan, random_plans  # noqa: E402
-from hlomap.verify.compile import jax_mesh  # noqa: E402
+from hlomap.verify.mesh import mesh_of  # noqa: E402
 from hlomap.verify.numerics import OutputComparison, reference_outputs  # noqa: E402
 from hlomap.verify.shardings import Category, check_plan  # noqa: E402
 
@@ -62,6 +63,8 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
     """Every plan of the acceptance matrix for one zoo model: data-parallel and Megatron on each
     mesh, their combination on 2x4, and `random_per_mesh` random conflict-free plans per mesh.
     Numerics run in float64 by default (see `hlomap.verify.shardings.check_plan`)."""
+    import jax
+
     from hlomap import zoo
     from hlomap.hlo.capture import capture
 
@@ -77,7 +80,7 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
         shape = MESHES[mesh_name]
         axes = MeshAxes.from_mesh(shape)
         names = list(shape)
-        mesh = jax_mesh(shape)
+        mesh = mesh_of(jax.devices()[:math.prod(shape.values())], shape)
         dp = data_parallel_plan(graph, names[0], axes)
         mg = megatron_plan(graph, names[-1], axes)
         plans = [("data-parallel", dp), ("megatron", mg)]

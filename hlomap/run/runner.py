@@ -19,10 +19,11 @@ until the first call (or give `example_args` to `parallelize`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 
@@ -30,14 +31,25 @@ from hlomap.cost.pipeline.stages import Schedule
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import CutMapping
 from hlomap.run.pipeline.prepare import PipelineProgram, prepare
-from hlomap.run.pipeline.section import STAGE_AXIS, device_order, pipeline_section
+from hlomap.run.pipeline.section import STAGE_AXIS, pipeline_section
 from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.program import describe_eqn
 from hlomap.run.spmd import SpmdStep
+from hlomap.verify.mesh import DeviceError, device_order
 
 __all__ = ["Executor", "ParallelStep", "RunnerDescription", "StageDescription", "parallelize"]
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _devices_as_run_errors() -> Iterator[None]:
+    """Too few devices for the plan, or a placement on devices JAX does not see, is the user's
+    error like every other the runner reports: a RunError."""
+    try:
+        yield
+    except DeviceError as err:
+        raise RunError(str(err)) from None
 
 
 class Executor(enum.Enum):
@@ -133,7 +145,8 @@ class ParallelStep:
         self.check_source = check_source  # off only to re-run a float32 plan in float64 (same instructions)
         self.compiler_options = dict(compiler_options or {})
         self.plan = plan
-        self.order = device_order(plan, devices)
+        with _devices_as_run_errors():
+            self.order = device_order(plan, devices)
         self.section = pipeline_section(plan) if plan.pipeline is not None else None
         self.executor: Executor | None = None
         if self.section is not None:
@@ -145,7 +158,8 @@ class ParallelStep:
         elif executor is not None:
             raise RunError(f"executor {Executor.parse(executor).value!r} applies to pipeline plans; this plan has no "
                            "pipeline section")
-        self._spmd = SpmdStep(step, plan, self.order, self.compiler_options) if self.section is None else None
+        with _devices_as_run_errors():
+            self._spmd = SpmdStep(step, plan, self.order, self.compiler_options) if self.section is None else None
         self._runner: Any = None
         if example_args is not None and self.section is not None:
             self._build(example_args)
@@ -166,14 +180,15 @@ class ParallelStep:
                            "its argument shapes or the JAX version changed; explore again")
         assert self.section is not None
         program = prepare(self.step, abstract, cap, self.section, widen=self.executor is Executor.SPMD)
-        if self.executor is Executor.SPMD:
-            from hlomap.run.pipeline.spmd_executor import SpmdPipeline
+        with _devices_as_run_errors():
+            if self.executor is Executor.SPMD:
+                from hlomap.run.pipeline.spmd_executor import SpmdPipeline
 
-            self._runner = SpmdPipeline(program, self.order, self.compiler_options)
-        else:
-            from hlomap.run.pipeline.mpmd_executor import MpmdPipeline
+                self._runner = SpmdPipeline(program, self.order, self.compiler_options)
+            else:
+                from hlomap.run.pipeline.mpmd_executor import MpmdPipeline
 
-            self._runner = MpmdPipeline(program, self.order, self.compiler_options)
+                self._runner = MpmdPipeline(program, self.order, self.compiler_options)
 
     # -- the step ---------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:

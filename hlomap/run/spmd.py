@@ -8,7 +8,6 @@ resharding) and the state arguments are donated.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -16,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.run.errors import RunError
-from hlomap.run.pipeline.section import auto_mesh
 from hlomap.run.transfer import put, to_host
+from hlomap.verify.mesh import plan_mesh
 
 __all__ = ["SpmdStep"]
 
@@ -29,11 +28,7 @@ class SpmdStep:
 
     def __init__(self, step: Callable[..., Any], plan: Any, order: Sequence[Any],
                  compiler_options: Mapping[str, Any] | None = None):
-        shape = plan.mesh_shape
-        need = math.prod(shape.values()) if shape else 1
-        if len(order) < need:
-            raise RunError(f"the plan's mesh {shape} needs {need} devices; {len(order)} are available")
-        self.mesh = auto_mesh(list(order[:need]), tuple(shape.items()))
+        self.mesh = plan_mesh(plan, order)
         self.plan = plan
         self.step = step
         self._specs = {p.index: p.partition_spec() for p in plan.parameters}

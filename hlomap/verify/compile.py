@@ -1,4 +1,5 @@
-"""Compile a step under a plan with XLA: the one place verify/ builds a mesh and shardings.
+"""Compile a step under a plan with XLA: the one place verify/ builds shardings (its meshes come
+from `verify.mesh`, as the runner's do).
 
 Every oracle in verify/ starts here. `compile_plan` lowers `jax.jit(step)` with the plan's
 `in_shardings` on a mesh of the host's devices and compiles it; what differs between the oracles
@@ -19,13 +20,11 @@ shardy pass; `before_spmd-partitioning` holds the shardings its propagation chos
 from __future__ import annotations
 
 import logging
-import math
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from hlomap.hlo.capture import Capture, Role
+from hlomap.verify.mesh import plan_mesh
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, PartitionSpec
@@ -35,36 +34,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompiledPlan", "compile_plan", "donated_arguments", "jax_mesh", "output_specs"]
+__all__ = ["CompiledPlan", "compile_plan", "donated_arguments", "output_specs"]
 
 #: XLA dumps the module before and after every pass whose name matches; shardy's passes include
 #: the one before SPMD partitioning, whose `sharding=` attributes are propagation's result.
 SHARDY_DUMP_PASSES = "shardy-xla"
-
-
-def jax_mesh(mesh: Mapping[str, int] | Sequence[tuple[str, int]], device_ids: Sequence[int] | None = None) -> Mesh:
-    """A `jax.sharding.Mesh` of the first prod(sizes) devices with these named axes, or of the
-    devices with these JAX ids in this order (a placed plan's `Plan.device_order()`).
-
-    The axes are `Auto`: XLA propagates shardings through the step itself, which is what the
-    oracles observe (an `Explicit` axis would make JAX decide them while tracing)."""
-    import jax
-
-    shape = dict(mesh)
-    need = math.prod(shape.values())
-    devices = jax.devices()
-    if device_ids is not None:
-        by_id = {d.id: d for d in devices}
-        missing = [i for i in device_ids if i not in by_id]
-        if missing or len(device_ids) != need:
-            raise ValueError(f"mesh {shape} on devices {list(device_ids)}: JAX sees {len(devices)} devices, "
-                             f"ids {sorted(by_id)}")
-        devices = [by_id[i] for i in device_ids]
-    if len(devices) < need:
-        raise ValueError(f"mesh {shape} needs {need} devices; JAX sees {len(devices)} "
-                         f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} before importing jax)")
-    return jax.sharding.Mesh(np.asarray(devices[:need]).reshape(tuple(shape.values())), tuple(shape),
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
 def output_specs(graph: FactorGraph, plan: Plan) -> list[PartitionSpec]:
@@ -126,15 +100,16 @@ def compile_plan(step: Callable[..., Any], args: Sequence[Any], plan: Plan, *, m
     """`jax.jit(step, in_shardings=plan, out_shardings=outputs, donate_argnums=donate)` lowered
     for `args` (arrays or ShapeDtypeStructs) and compiled.
 
-    `mesh`: a jax Mesh whose axes match the plan's; default `jax_mesh(plan.mesh)`. `outputs`: one
-    PartitionSpec per output leaf (see `output_specs`); None leaves them to XLA's propagation.
+    `mesh`: a jax Mesh whose axes match the plan's; default the plan's own on its device order
+    (`verify.mesh.plan_mesh`). `outputs`: one PartitionSpec per output leaf (see `output_specs`);
+    None leaves them to XLA's propagation.
     `dump_dir`: also dump the modules of XLA's shardy passes there (see the module docstring).
     The element types are the arguments': call inside `jax.enable_x64(True)` for float64 ones.
     """
     import jax
     from jax.sharding import NamedSharding
 
-    mesh = mesh if mesh is not None else jax_mesh(plan.mesh)
+    mesh = mesh if mesh is not None else plan_mesh(plan)
     in_shardings = plan.shardings(mesh, like=tuple(args))
     pinned: dict[str, Any] = {}  # out_shardings only when given: jit's default is "XLA chooses"
     if outputs is not None:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence,
 
 import numpy as np
 
-from hlomap.verify.compile import compile_plan, jax_mesh
+from hlomap.verify.compile import compile_plan
+from hlomap.verify.mesh import plan_mesh
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
@@ -287,8 +288,7 @@ def run_plan(plan: Plan, target: Capture | RunnableModel, seed: int = 0, *, rtol
         if check is not None:
             check(cap)
     tolerance = Tolerance(rtol, atol)
-    placement = getattr(plan, "placement", None)
-    mesh = jax_mesh(plan.mesh, device_ids=plan.device_order() if placement is not None else None)
+    mesh = plan_mesh(plan)
     plain = unsharded_outputs(step, args)
     out, seconds = _run_sharded(step, args, plan, mesh)
     diff = compare_outputs(out, plain, tolerance)

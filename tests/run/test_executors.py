@@ -146,7 +146,7 @@ def test_a_placement_on_devices_jax_does_not_see_is_refused(zoo_case) -> None:
 
 def test_the_runner_order_follows_a_placement_of_stages_listed_out_of_order() -> None:
     from hlomap.plan import Placement, PlanSource
-    from hlomap.run.pipeline.section import device_order
+    from hlomap.verify.mesh import device_order
 
     plan = Plan(mesh=(), parameters=(), source=PlanSource("test", ""), placement=Placement((4, 5, 6, 7, 0)),
                 pipeline={"stages": [{"devices": [2, 3]}, {"devices": [0, 1, 5]}], "microbatches": 2})

@@ -39,11 +39,11 @@ from jax.sharding import PartitionSpec as P
 from hlomap.cost.pipeline.stages import Pass
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
-from hlomap.run.pipeline.section import auto_mesh, pick
 from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
 from hlomap.run.transfer import put, to_host
+from hlomap.verify.mesh import devices_at, mesh_of
 
 __all__ = ["MpmdPipeline", "StageLeaves", "StepStats"]
 
@@ -94,7 +94,7 @@ class MpmdPipeline:
         traced = program.traced
         self.n_stages = section.n_stages
         self.microbatches = section.microbatches
-        self.meshes = [auto_mesh(pick(order, ids, f"stage {s}"), inner)
+        self.meshes = [mesh_of(devices_at(order, ids, f"stage {s}"), inner)
                        for s, (ids, inner) in enumerate(zip(section.devices, section.inner))]
         self.batch_axes = [batch_axes(parameters, traced, dict(inner), program.microbatch)
                            for parameters, inner in zip(section.parameters, section.inner)]

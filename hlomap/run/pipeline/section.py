@@ -8,9 +8,8 @@ mesh (its parameters' PartitionSpecs then apply inside every stage: tensor paral
 one `data` axis over the stage's devices (the explorer's replicated stages). The PartitionSpecs
 inside a stage are the stage's own `specs` entry when it has one (a joint plan's: one per plan
 parameter, in the order of `plan.parameters`, over the stage's mesh), else the plan's top-level
-parameters. Plan device i is the i-th device of the order given to `parallelize`; without one,
-the JAX device whose id the plan's `placement` section gives it (`Plan.physical_devices`), else
-the i-th of `jax.devices()` (every process's devices when several run).
+parameters. Plan device i is the i-th device of the plan's device order (`verify.mesh`, the one
+rule for every mesh a plan runs or is compiled on).
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
-
-import numpy as np
 
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.plan import ParameterSpec, Plan
@@ -30,8 +27,6 @@ __all__ = [
     "DATA_AXIS",
     "STAGE_AXIS",
     "PipelineSection",
-    "auto_mesh",
-    "device_order",
     "pipeline_section",
     "stage_parameters",
 ]
@@ -140,54 +135,3 @@ def stage_parameters(plan: Any, specs: Sequence[Any] | None, mesh: tuple[tuple[s
     except ValueError as err:
         raise RunError(str(err)) from None
     return tuple(out)
-
-
-def device_order(plan: Any, devices: Sequence[Any] | None = None) -> list[Any]:
-    """The devices plan device ids index (module docstring): with a placement, plan device i runs
-    on the JAX device whose id the placement gives it; ids the plan does not use take the devices
-    no position took, so the order never lists a device twice."""
-    import jax
-
-    if devices is not None:
-        return list(devices)
-    everything = jax.devices()
-    if getattr(plan, "placement", None) is None:
-        return list(everything)
-    physical = plan.physical_devices()
-    by_id = {d.id: d for d in everything}
-    missing = sorted(set(physical.values()) - by_id.keys())
-    if missing:
-        raise RunError(f"the plan's placement (chosen for cluster {plan.placement.cluster or '?'}) names devices "
-                       f"{missing} that JAX does not see ({len(everything)} devices); place the plan on a cluster "
-                       "of this machine's size")
-    taken = set(physical.values())
-    spare = [d for d in everything if d.id not in taken]
-    order = []
-    for i in range(max(physical) + 1):
-        if i in physical:
-            order.append(by_id[physical[i]])
-        elif spare:
-            order.append(spare.pop(0))
-        else:  # too few devices for the ids the plan skips: `pick` names the shortfall
-            break
-    return order
-
-
-def auto_mesh(devices: Sequence[Any], axes: Sequence[tuple[str, int]]) -> Any:
-    """A `jax.sharding.Mesh` of `devices` (in order) with these axes, all `AxisType.Auto`."""
-    from jax.sharding import AxisType, Mesh
-
-    shape = tuple(size for _, size in axes)
-    if math.prod(shape) != len(devices):
-        raise RunError(f"mesh {dict(axes)} needs {math.prod(shape)} devices, given {len(devices)}")
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(name for name, _ in axes),
-                axis_types=(AxisType.Auto,) * len(axes))
-
-
-def pick(order: Sequence[Any], ids: Sequence[int], what: str) -> list[Any]:
-    """Plan device ids -> devices of `order`, or RunError naming how many there are."""
-    if max(ids) >= len(order):
-        raise RunError(f"{what} uses plan devices up to {max(ids)}, but {len(order)} devices are available; run "
-                       "on a machine with as many devices (or set XLA_FLAGS=--xla_force_host_platform_device_count "
-                       "on a CPU), or explore a plan for this cluster")
-    return [order[i] for i in ids]

@@ -55,11 +55,12 @@ from hlomap.run.errors import RunError
 from hlomap.run.pipeline.layout import (BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, matched_buffers,
                                         sharded_buffer)
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
-from hlomap.run.pipeline.section import STAGE_AXIS, auto_mesh, pick
+from hlomap.run.pipeline.section import STAGE_AXIS
 from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
 from hlomap.run.transfer import put, to_host
+from hlomap.verify.mesh import devices_at, mesh_of
 
 __all__ = ["RowLayout", "SpmdPipeline"]
 
@@ -230,9 +231,9 @@ class SpmdPipeline:
         self.logical = section.logical_stages
         self.rows = circular_rows(self.n_stages, self.repeats)
         self.microbatches = section.microbatches
-        devices = pick(order, [d for ids in section.devices for d in ids], "the pipeline plan")
+        devices = devices_at(order, [d for ids in section.devices for d in ids], "the pipeline plan")
         inner = section.inner[0]
-        self.mesh = auto_mesh(devices, ((STAGE_AXIS, self.n_stages),) + inner)
+        self.mesh = mesh_of(devices, ((STAGE_AXIS, self.n_stages),) + inner)
         self.inner_axes = dict(inner)
         self.batch_axes = batch_axes(section.parameters[0], traced, self.inner_axes, program.microbatch)
         self.specs = leaf_specs(section.parameters[0], traced.state_leaves)
