@@ -35,7 +35,7 @@ from hlomap.run.pipeline.section import STAGE_AXIS, pipeline_section
 from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.program import describe_eqn
 from hlomap.run.spmd import SpmdStep
-from hlomap.verify.mesh import DeviceError, device_order
+from hlomap.verify.mesh import DeviceError, device_order, device_positions
 
 __all__ = ["Executor", "ParallelStep", "RunnerDescription", "StageDescription", "parallelize"]
 
@@ -97,7 +97,7 @@ def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str
 @dataclass(frozen=True)
 class StageDescription:
     index: int
-    devices: tuple[int, ...]  # the JAX ids of the devices it runs on (the plan's placement applied)
+    devices: tuple[int, ...]  # positions in jax.devices() of the devices it runs on (as a placement names them)
     mesh: dict[str, int]
     first: str  # the first and last of the stage's own loss equations
     last: str
@@ -265,7 +265,7 @@ def _describe(runner: Any, section: Any, executor: Executor, order: Sequence[Any
         ids, inner = section.devices[stage.index % section.n_stages], section.inner[stage.index % section.n_stages]
         trainable = {program.traced.loss_inputs[p].leaf for p in stage.params}
         stages.append(StageDescription(
-            stage.index, tuple(int(order[i].id) for i in ids), dict(inner),
+            stage.index, device_positions([order[i] for i in ids]), dict(inner),
             describe_eqn(eqns[stage.first]) if stage.first is not None else "-",
             describe_eqn(eqns[stage.last]) if stage.last is not None else "-",
             len(trainable), tuple(v.aval.str_short() for v in stage.receives),

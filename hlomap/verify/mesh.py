@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from hlomap.plan import Plan
 
-__all__ = ["DeviceError", "device_order", "devices_at", "mesh_of", "plan_mesh"]
+__all__ = ["DeviceError", "device_order", "device_positions", "devices_at", "mesh_of", "plan_mesh"]
 
 #: What a user on a CPU does to get more devices (the count must be set before JAX starts).
 MORE_CPU_DEVICES = "set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax"
@@ -69,6 +69,14 @@ def device_order(plan: Plan | None = None, devices: Sequence[Any] | None = None)
         else:  # too few devices for the ids the plan skips: `devices_at` names the shortfall
             break
     return order
+
+
+def device_positions(devices: Sequence[Any]) -> tuple[int, ...]:
+    """Each device's position in `jax.devices()`: the numbers a placement names (module docstring)."""
+    import jax
+
+    position = {d: i for i, d in enumerate(jax.devices())}
+    return tuple(position[d] for d in devices)
 
 
 def devices_at(order: Sequence[Any], ids: Sequence[int], what: str) -> list[Any]:

@@ -13,10 +13,17 @@ import pytest
 from hlomap.hlo.capture import capture
 from hlomap.plan import Placement, Plan, PlanSource
 from hlomap.verify.compile import compile_plan
-from hlomap.verify.mesh import DeviceError, device_order, devices_at, mesh_of, plan_mesh
+from hlomap.verify.mesh import DeviceError, device_order, device_positions, devices_at, mesh_of, plan_mesh
 
 #: A non-identity placement of a data 2 x model 4 plan on the 8 simulated devices.
 ORDER = (5, 7, 3, 1, 0, 2, 6, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """A device whose id is not its position (only `device_order` and `device_positions` see it)."""
+
+    id: int
 
 
 def _spmd_plan(placement: Placement | None = None) -> Plan:
@@ -49,10 +56,6 @@ def test_a_placed_plan_lays_its_mesh_on_the_placement_order() -> None:
 def test_placement_entries_are_positions_not_device_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     """Devices whose ids do not run 0..n-1 (several processes, a TPU slice): the placement still
     indexes the list, so a plan placed on a 4-device cluster runs there."""
-
-    @dataclasses.dataclass(frozen=True)
-    class FakeDevice:
-        id: int
 
     fakes = [FakeDevice(100 + 7 * i) for i in range(4)]
     monkeypatch.setattr(jax, "devices", lambda *_: fakes)
@@ -88,3 +91,12 @@ def test_the_xla_oracles_compile_a_placed_plan_on_its_placed_devices() -> None:
     compiled = compile_plan(step, args, placed)
     assert _positions(compiled.mesh) == list(ORDER)
     np.testing.assert_allclose(float(compiled.compiled(*compiled.place(args))), float(step(*args)))
+
+
+def test_device_positions_are_what_a_placement_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the runner reports for a stage reads back as the placement that put it there."""
+
+    fakes = [FakeDevice(100 + 7 * i) for i in range(4)]
+    monkeypatch.setattr(jax, "devices", lambda *_: fakes)
+    placed = Plan(mesh=(("data", 4),), parameters=(), placement=Placement((2, 0, 3, 1)))
+    assert device_positions(device_order(placed)) == (2, 0, 3, 1)
