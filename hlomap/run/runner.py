@@ -35,7 +35,7 @@ from hlomap.run.pipeline.section import STAGE_AXIS, pipeline_section
 from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.program import describe_eqn
 from hlomap.run.spmd import SpmdStep
-from hlomap.verify.mesh import DeviceError, device_order, device_positions
+from hlomap.verify.mesh import DeviceError, device_positions, ordered_devices
 
 __all__ = ["Executor", "ParallelStep", "RunnerDescription", "StageDescription", "parallelize"]
 
@@ -146,7 +146,7 @@ class ParallelStep:
         self.compiler_options = dict(compiler_options or {})
         self.plan = plan
         with _devices_as_run_errors():
-            self.order = device_order(plan, devices)
+            self.order = ordered_devices(plan, devices)
         self.section = pipeline_section(plan) if plan.pipeline is not None else None
         self.executor: Executor | None = None
         if self.section is not None:

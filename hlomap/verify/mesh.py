@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from hlomap.plan import Plan
 
-__all__ = ["DeviceError", "device_order", "device_positions", "devices_at", "mesh_of", "plan_mesh"]
+__all__ = ["DeviceError", "device_positions", "devices_at", "mesh_of", "ordered_devices", "plan_mesh"]
 
 #: What a user on a CPU does to get more devices (the count must be set before JAX starts).
 MORE_CPU_DEVICES = "set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax"
@@ -42,7 +42,7 @@ class DeviceError(ValueError):
     are and what was asked)."""
 
 
-def device_order(plan: Plan | None = None, devices: Sequence[Any] | None = None) -> list[Any]:
+def ordered_devices(plan: Plan | None = None, devices: Sequence[Any] | None = None) -> list[Any]:
     """The devices plan device ids index (module docstring)."""
     import jax
 
@@ -104,7 +104,7 @@ def plan_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
     """The mesh of an SPMD plan: its axes over plan devices 0..n-1 of its device order."""
     shape = dict(plan.mesh_shape)
     need = math.prod(shape.values())
-    order = device_order(plan, devices)
+    order = ordered_devices(plan, devices)
     if len(order) < need:
         raise DeviceError(f"the plan's mesh {shape} needs {need} devices; {len(order)} are available"
                           f" (on a CPU, {MORE_CPU_DEVICES.replace('=N', f'={need}')})")

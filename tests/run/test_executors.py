@@ -146,10 +146,10 @@ def test_a_placement_on_devices_jax_does_not_see_is_refused(zoo_case) -> None:
 
 def test_the_runner_order_follows_a_placement_of_stages_listed_out_of_order() -> None:
     from hlomap.plan import Placement, PlanSource
-    from hlomap.verify.mesh import device_order
+    from hlomap.verify.mesh import ordered_devices
 
     plan = Plan(mesh=(), parameters=(), source=PlanSource("test", ""), placement=Placement((4, 5, 6, 7, 0)),
                 pipeline={"stages": [{"devices": [2, 3]}, {"devices": [0, 1, 5]}], "microbatches": 2})
-    order = [int(d.id) for d in device_order(plan)]
+    order = [int(d.id) for d in ordered_devices(plan)]
     assert [order[i] for i in (2, 3)] == [4, 5] and [order[i] for i in (0, 1, 5)] == [6, 7, 0]
     assert len(set(order)) == len(order)  # id 4, which no stage uses, takes a device no position took

@@ -13,7 +13,7 @@ import pytest
 from hlomap.hlo.capture import capture
 from hlomap.plan import Placement, Plan, PlanSource
 from hlomap.verify.compile import compile_plan
-from hlomap.verify.mesh import DeviceError, device_order, device_positions, devices_at, mesh_of, plan_mesh
+from hlomap.verify.mesh import DeviceError, device_positions, devices_at, mesh_of, ordered_devices, plan_mesh
 
 #: A non-identity placement of a data 2 x model 4 plan on the 8 simulated devices.
 ORDER = (5, 7, 3, 1, 0, 2, 6, 4)
@@ -21,7 +21,7 @@ ORDER = (5, 7, 3, 1, 0, 2, 6, 4)
 
 @dataclasses.dataclass(frozen=True)
 class FakeDevice:
-    """A device whose id is not its position (only `device_order` and `device_positions` see it)."""
+    """A device whose id is not its position (only `ordered_devices` and `device_positions` see it)."""
 
     id: int
 
@@ -36,18 +36,18 @@ def _positions(mesh: jax.sharding.Mesh) -> list[int]:
 
 
 def test_without_a_placement_plan_devices_are_jax_devices_in_order() -> None:
-    assert device_order(_spmd_plan()) == list(jax.devices())
-    assert device_order(None) == list(jax.devices())
+    assert ordered_devices(_spmd_plan()) == list(jax.devices())
+    assert ordered_devices(None) == list(jax.devices())
 
 
 def test_devices_the_caller_gives_win_over_the_placement() -> None:
     given = list(reversed(jax.devices()))
-    assert device_order(_spmd_plan(Placement(ORDER)), given) == given
+    assert ordered_devices(_spmd_plan(Placement(ORDER)), given) == given
 
 
 def test_a_placed_plan_lays_its_mesh_on_the_placement_order() -> None:
     placed = _spmd_plan(Placement(ORDER))
-    assert device_order(placed) == [jax.devices()[i] for i in ORDER]
+    assert ordered_devices(placed) == [jax.devices()[i] for i in ORDER]
     mesh = plan_mesh(placed)
     assert dict(mesh.shape) == {"data": 2, "model": 4}
     assert _positions(mesh) == list(ORDER)
@@ -60,13 +60,13 @@ def test_placement_entries_are_positions_not_device_ids(monkeypatch: pytest.Monk
     fakes = [FakeDevice(100 + 7 * i) for i in range(4)]
     monkeypatch.setattr(jax, "devices", lambda *_: fakes)
     plan = Plan(mesh=(("data", 4),), parameters=(), placement=Placement((2, 0, 3, 1)))
-    assert device_order(plan) == [fakes[2], fakes[0], fakes[3], fakes[1]]
+    assert ordered_devices(plan) == [fakes[2], fakes[0], fakes[3], fakes[1]]
 
 
 def test_a_placement_beyond_the_devices_present_is_refused() -> None:
     plan = Plan(mesh=(("data", 4),), parameters=(), placement=Placement((0, 1, 2, 63), "torus:4x4x4"))
     with pytest.raises(DeviceError, match=r"names devices \[63\] that JAX does not see \(8 devices\)"):
-        device_order(plan)
+        ordered_devices(plan)
 
 
 def test_too_few_devices_name_both_counts() -> None:
@@ -99,4 +99,4 @@ def test_device_positions_are_what_a_placement_names(monkeypatch: pytest.MonkeyP
     fakes = [FakeDevice(100 + 7 * i) for i in range(4)]
     monkeypatch.setattr(jax, "devices", lambda *_: fakes)
     placed = Plan(mesh=(("data", 4),), parameters=(), placement=Placement((2, 0, 3, 1)))
-    assert device_positions(device_order(placed)) == (2, 0, 3, 1)
+    assert device_positions(ordered_devices(placed)) == (2, 0, 3, 1)
