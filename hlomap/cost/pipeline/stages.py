@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "stage_order"]
+__all__ = ["DEFAULT_SCHEDULE", "Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "stage_order"]
 
 
 class Schedule(enum.Enum):
@@ -20,6 +20,13 @@ class Schedule(enum.Enum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+
+
+#: The schedule of a pipeline that names none, for every reader (explorers, cost model, placement,
+#: re-planning, runner). 1F1B: the same bubble as GPipe with at most S in-flight microbatches per
+#: stage instead of M (Narayanan et al., Megatron-LM SC21, section 2.2.1), so it is what the explorers
+#: write and what the cost model prices; the MPMD runner executes it.
+DEFAULT_SCHEDULE = Schedule.ONE_F_ONE_B
 
 
 class Pass(enum.Enum):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.plan import Pipeline
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.search.budget import Budget
@@ -318,7 +319,7 @@ def explore_pipeline(
 # ---------------------------------------------------------------------------------------------
 
 
-def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
+def _pipeline_section(result: PipelineResult) -> Pipeline:
     from hlomap.tasks.pipeline.block_profile import plan_profile
 
     data = result.to_json()
@@ -326,7 +327,7 @@ def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
                                           "on_node_boundaries")}
     # What re-pricing the plan on other devices or clusters needs (hlomap place, hlomap replan).
     section["block_profile"] = plan_profile(result.profile, result.plan).to_json()
-    return section
+    return Pipeline.from_json(section)
 
 
 def _estimate_section(result: PipelineResult) -> dict[str, Any]:
