@@ -42,7 +42,7 @@ from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.report.gantt import draw_gantt  # noqa: E402
 from hlomap.run.meshes import auto_mesh  # noqa: E402
 from hlomap.run.schedule import dispatch_order, predicted_schedule, same_order  # noqa: E402
-from hlomap.tasks.pipeline.chain import step_chain  # noqa: E402
+from hlomap.cost.pipeline.chain import step_chain  # noqa: E402
 
 
 def median_seconds(run: Callable[[], Any], repeats: int) -> float:

@@ -42,7 +42,7 @@ from hlomap.plan import Pipeline, PipelineCut
 from hlomap.run.errors import RunError
 from hlomap.run.program import describe_eqn, eqn_label, eqn_layer, eqn_source, is_literal, needed_eqns
 from hlomap.run.trace import InputKind, TracedStep
-from hlomap.tasks.pipeline.chain import forward_chain, layer_name
+from hlomap.cost.pipeline.chain import forward_chain, layer_name
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture

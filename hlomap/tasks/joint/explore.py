@@ -28,7 +28,7 @@ from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
 from hlomap.tasks.joint.task import JointSearchTask
-from hlomap.tasks.pipeline.chain import PivotOptions, step_chain
+from hlomap.cost.pipeline.chain import PivotOptions, step_chain
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Exhaustive search over every plan of a small `SearchSpace`: the oracle for the DPs' tests.
+"""Exhaustive search over every plan of a small `PipelineSpace`: the oracle for the DPs' tests.
 
 `brute_force` enumerates every composition of the layer chain into stages and every tuple of
 replication factors; `brute_force_downsets` does the same for every chain of nested downsets of
@@ -22,20 +22,20 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan
 from hlomap.tasks.pipeline.downsets import LayerDag
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
-from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace, inadmissible
+from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace, inadmissible
 
 __all__ = ["all_downsets", "brute_force", "brute_force_downsets", "enumerate_plans"]
 
 _Candidate = TypeVar("_Candidate")
 
 
-def _most_stages(n_layers: int, cluster: Cluster, space: SearchSpace) -> int:
+def _most_stages(n_layers: int, cluster: Cluster, space: PipelineSpace) -> int:
     most = min(n_layers, cluster.n_devices)
     return most if space.max_stages is None else min(most, space.max_stages)
 
 
 def _plans(
-    bounds: Sequence[int], cluster: Cluster, space: SearchSpace
+    bounds: Sequence[int], cluster: Cluster, space: PipelineSpace
 ) -> Iterator[PipelinePlan]:
     """The plans with these stage bounds, for every tuple of replications that fits."""
     for replication in itertools.product(space.replication, repeat=len(bounds) - 1):
@@ -46,7 +46,7 @@ def _plans(
 
 
 def enumerate_plans(
-    profile: PipelineProfile, cluster: Cluster, space: SearchSpace
+    profile: PipelineProfile, cluster: Cluster, space: PipelineSpace
 ) -> Iterator[PipelinePlan]:
     """Every linear-order plan with stage count and replications that fit the devices."""
     n = profile.n_layers
@@ -56,19 +56,19 @@ def enumerate_plans(
 
 
 def _least(
-    admissible: list[tuple[_Candidate, PlanCost]], space: SearchSpace, source: str, devices: int
+    admissible: list[tuple[_Candidate, PlanCost]], space: PipelineSpace, source: str, devices: int
 ) -> tuple[_Candidate, PlanCost]:
     """The candidate with the least objective (BOTTLENECK ties broken by latency)."""
     if not admissible:
         raise NoFeasiblePlan(f"{source}: no plan in {space} fits on {devices} devices")
-    if space.objective is Objective.BOTTLENECK:
+    if space.objective is PipelineObjective.BOTTLENECK:
         least = min(cost.bottleneck for _, cost in admissible)
         admissible = [(c, cost) for c, cost in admissible
                       if cost.bottleneck <= least * (1 + TIE_RTOL)]
     return min(admissible, key=lambda candidate: candidate[1].latency)
 
 
-def brute_force(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
+def brute_force(profile: PipelineProfile, cluster: Cluster, space: PipelineSpace) -> Solution:
     """The admissible plan with the least objective (BOTTLENECK ties broken by latency)."""
     admissible = []
     prices = GroupPrices(cluster)
@@ -115,7 +115,7 @@ def _growing_chains(
 def brute_force_downsets(
     dag: LayerDag,
     cluster: Cluster,
-    space: SearchSpace,
+    space: PipelineSpace,
     downsets: Iterable[frozenset[int]] | None = None,
 ) -> tuple[Solution, PipelineProfile]:
     """The admissible plan with the least objective whose stages are differences of nested

@@ -33,12 +33,12 @@ from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.task import CutSearchTask
-from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
+from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
 from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
 
 __all__ = [
@@ -103,7 +103,7 @@ class PipelineResult:
     search_seconds: float
     episodes: int
     optimum: float | None  # the DP's L (or bottleneck) when compared, else None
-    objective: Objective
+    objective: PipelineObjective
     interrupted: bool = False  # Ctrl-C ended the search; the plan is the best found so far
 
     @property
@@ -117,7 +117,7 @@ class PipelineResult:
     @property
     def value(self) -> float:
         """What the search minimized: closed-form L, or the bottleneck."""
-        return self.cost.latency if self.objective is Objective.LATENCY else self.cost.bottleneck
+        return self.cost.latency if self.objective is PipelineObjective.LATENCY else self.cost.bottleneck
 
     @property
     def gap(self) -> float | None:
@@ -170,7 +170,7 @@ def pipeline_task(
     stages: int,
     microbatches: int,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
-    objective: Objective = Objective.LATENCY,
+    objective: PipelineObjective = PipelineObjective.LATENCY,
     device_radius: int = 0,
     require_trainable: bool = True,
     check_memory: bool = True,
@@ -182,7 +182,7 @@ def pipeline_task(
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
     if device_radius > 0:
         sizes = tuple(range(1, cluster.n_devices + 1))
-    space = SearchSpace(
+    space = PipelineSpace(
         microbatches=microbatches,
         schedule=schedule,
         objective=objective,
@@ -224,7 +224,7 @@ def explore_pipeline(
     episodes: int = 2000,
     finetune_episodes: int = 0,
     device_radius: int = 0,
-    objective: Objective | str = Objective.LATENCY,
+    objective: PipelineObjective | str = PipelineObjective.LATENCY,
     require_trainable: bool = True,
     pivot_options: PivotOptions = PivotOptions(),
     policy_path: str | Path | None = None,
@@ -250,7 +250,7 @@ def explore_pipeline(
     """
     agent = PipelineAgent(agent)
     schedule = Schedule(schedule)
-    objective = Objective(objective)
+    objective = PipelineObjective(objective)
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
@@ -271,7 +271,7 @@ def explore_pipeline(
         objective=objective, device_radius=device_radius, require_trainable=require_trainable,
     ) if stages > 1 else None
     start = time.perf_counter()
-    space = task.space if task is not None else SearchSpace(
+    space = task.space if task is not None else PipelineSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
         replication=(cluster.n_devices,), max_stages=1)
     label = name or (hlo.source if hlo is not None else profile.source)
