@@ -167,7 +167,7 @@ class Plan:
             for g in np.flatnonzero(plan >= 0)
         )
         return cls(mesh=tuple(axes.mesh_shape.items()), parameters=tuple(params), groups=groups,
-                   source=PlanSource(cap.source, cap.text_sha256), in_tree=cap.in_tree)
+                   source=PlanSource.of(cap), in_tree=cap.in_tree)
 
     # -- views ----------------------------------------------------------------------------------
     @property
@@ -265,7 +265,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "source": {"kind": self.source.kind, "sha256": self.source.sha256},
+            "source": self.source.to_json(),
             "mesh": {"axes": dict(self.mesh)},
             "parameters": [p.to_json() for p in self.parameters],
             "groups": [g.to_json() for g in self.groups],
@@ -285,7 +285,7 @@ class Plan:
                 mesh=tuple((str(k), int(v)) for k, v in data["mesh"]["axes"].items()),
                 parameters=tuple(ParameterSpec.from_json(p) for p in data["parameters"]),
                 groups=tuple(GroupAssignment.from_json(g) for g in data.get("groups", ())),
-                source=PlanSource(data["source"]["kind"], data["source"]["sha256"]),
+                source=PlanSource.from_json(data["source"], where=f"{where}: source"),
                 pipeline=(None if data.get("pipeline") is None
                           else Pipeline.from_json(data["pipeline"], where=f"{where}: pipeline")),
                 estimate=data.get("estimate"),
@@ -333,13 +333,15 @@ class Plan:
                                      f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
 
     def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:
-        """Raise ValueError, saying what differs, when the plan was made for another module (the
-        sha256 of the HLO text) or another mesh (`mesh`: a {name: size} mapping or a jax Mesh)."""
-        if cap is not None and self.source.sha256 and cap.text_sha256 != self.source.sha256:
+        """Raise ValueError, saying what differs, when the plan was made for another module
+        (`PlanSource.mismatch`: the same step as a dumped HLO text or lowered from JAX matches) or
+        another mesh (`mesh`: a {name: size} mapping or a jax Mesh)."""
+        difference = None if cap is None else self.source.mismatch(cap)
+        if difference is not None:
             raise ValueError(
-                f"{where} was made for another module: it records {self.source.kind or 'a module'} with HLO "
-                f"sha256 {self.source.sha256[:12]}..., but {cap.source} has sha256 {cap.text_sha256[:12]}... "
-                f"(the step, its argument shapes or the JAX version changed); explore again for this module")
+                f"{where} was made for another module: {self.source.kind or 'its module'} and {cap.source} differ "
+                f"({difference}); the step, its argument shapes or the JAX version changed: explore again for "
+                "this module")
         if mesh is not None:
             shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "axis_names") else dict(mesh)).items()}
             if shape != self.mesh_shape:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
+from hlomap.hlo.fingerprint import ModuleSignature, describe_signature_difference
 from hlomap.plan.errors import PlanError
+
+if TYPE_CHECKING:
+    from hlomap.hlo.capture import Capture
 
 __all__ = ["GroupAssignment", "ParameterSpec", "Pipeline", "PipelineCut", "PipelineKind", "PipelineStage",
            "Placement", "PlanSource", "Spec", "spec_from_json", "spec_to_json"]
@@ -52,8 +56,52 @@ def spec_from_json(entries: Any, where: str) -> Spec:
 
 @dataclass(frozen=True)
 class PlanSource:
+    """The module a plan was made for. `fingerprint` and `signature` (plans written before they
+    existed have neither) identify it by structure, so a dumped HLO text and the lowered step
+    match; `sha256` is the text fingerprint older plans are recognised by."""
+
     kind: str  # "jax:<fn>" or an HLO file path, from the Capture
-    sha256: str  # of the HLO text the plan was made for
+    sha256: str  # of the HLO text without debug sections and metadata (`hlo.capture.module_fingerprint`)
+    fingerprint: str = ""  # `hlo.fingerprint.structure_fingerprint`
+    signature: ModuleSignature | None = None
+
+    @classmethod
+    def of(cls, cap: Capture) -> PlanSource:
+        return cls(cap.source, cap.text_sha256, cap.structure_sha256, cap.signature)
+
+    def mismatch(self, cap: Capture) -> str | None:
+        """None when `cap` is the module this plan was made for (by structure when the plan
+        records it, else by text), otherwise what differs, as far as the plan records it."""
+        if self.fingerprint:
+            if cap.structure_sha256 == self.fingerprint:
+                return None
+        elif not self.sha256 or cap.text_sha256 == self.sha256:
+            return None
+        if self.signature is not None:
+            return describe_signature_difference(self.signature, cap.signature)
+        return f"HLO text sha256 {self.sha256[:12]}... vs {cap.text_sha256[:12]}..."
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "sha256": self.sha256}
+        if self.fingerprint:
+            out["fingerprint"] = self.fingerprint
+        if self.signature is not None:
+            out["entry_parameters"] = list(self.signature.entry_parameters)
+            out["instructions"] = self.signature.instructions
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "source") -> PlanSource:
+        if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str) \
+                or not isinstance(data.get("sha256"), str):
+            raise PlanError(f"{where}: expected an object with 'kind' and 'sha256' strings, got {data!r}")
+        signature = None
+        if data.get("entry_parameters") is not None:
+            entry = data["entry_parameters"]
+            if not isinstance(entry, list) or not all(isinstance(s, str) for s in entry):
+                raise PlanError(f"{where}: entry_parameters is a list of HLO shapes, got {entry!r}")
+            signature = ModuleSignature(tuple(entry), _int(data.get("instructions", 0), f"{where}: instructions"))
+        return cls(data["kind"], data["sha256"], str(data.get("fingerprint", "")), signature)
 
 
 @dataclass(frozen=True)

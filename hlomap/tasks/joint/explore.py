@@ -166,7 +166,7 @@ def joint_plan(result: JointResult) -> Any:
     parameters = Plan.from_groups(model.cap, model.graph, model.plan_for(plan.stages[0].option)[0],
                                   model.plan_for(plan.stages[0].option)[1], check=False).parameters
     replicated = tuple(dataclasses.replace(p, spec=(None,) * len(p.shape)) for p in parameters)
-    base = Plan(mesh=(), parameters=replicated, source=PlanSource(model.cap.source, model.cap.text_sha256))
+    base = Plan(mesh=(), parameters=replicated, source=PlanSource.of(model.cap))
     return dataclasses.replace(base, pipeline=Pipeline.from_json(pipeline), estimate=estimate, search=search)
 
 

@@ -375,7 +375,7 @@ def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Pla
               "seconds": round(result.search_seconds, 3), "seed": seed, "interrupted": result.interrupted}
     if result.optimum is not None:
         search["optimum"] = result.optimum
-    plan = Plan(mesh=(), parameters=parameters, source=PlanSource(cap.source, cap.text_sha256))
+    plan = Plan(mesh=(), parameters=parameters, source=PlanSource.of(cap))
     return dataclasses.replace(plan, pipeline=_pipeline_section(result), estimate=_estimate_section(result),
                                search=search)
 
