@@ -124,3 +124,19 @@ def test_the_dqn_over_the_outer_level_finds_the_exact_optimum(gpt_tiny, servers,
     found = dqn_search(JointSearchTask(model, space), Budget(episodes=episodes, seconds=None), seed=0)
     assert found.score.step_time == pytest.approx(exact.latency, rel=1e-9)
     assert evaluate(model, found.plan).latency == pytest.approx(exact.latency, rel=1e-9)
+
+
+def test_joint_plans_are_priced_by_the_one_pipeline_formula(gpt_tiny, monkeypatch) -> None:
+    """The joint task's cost combines its stage and transfer times with the pipeline task's
+    closed form (`cost.pipeline.costs.pipeline_latency`), not a copy of it."""
+    import hlomap.tasks.joint.plans as plans
+    from hlomap.cost.pipeline.costs import pipeline_latency
+
+    model = _model(gpt_tiny, CLUSTERS["2 servers x 4"](), layers=4)
+    plan, cost = solve(model, JointSpace(stage_options(model.cluster), (2,), Schedule.ONE_F_ONE_B))
+    assert (cost.latency, cost.bottleneck) == pipeline_latency(cost.stage_seconds, cost.transfer_seconds, 2)
+    seen = []
+    monkeypatch.setattr(plans, "pipeline_latency", lambda t, u, m: seen.append((tuple(t), tuple(u), m)) or (1.0, 0.5))
+    again = evaluate(model, plan)
+    assert (again.latency, again.bottleneck) == (1.0, 0.5)
+    assert seen == [(cost.stage_seconds, cost.transfer_seconds, plan.microbatches)]
