@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.stages import Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
 from hlomap.plan import Pipeline
@@ -72,7 +72,7 @@ class JointResult:
         return min(feasible, key=lambda g: g.cost.latency) if feasible else None  # type: ignore[union-attr]
 
 
-def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = DEFAULT_SCHEDULE,
                   microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                   kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
                   budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
@@ -185,7 +185,7 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
             raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
                              f"expected {' or '.join(k.value for k in PlanKind)}") from None
         option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind)
-        stages.append(JointStage(st.layers[0], st.layers[1], st.devices[0], option))
+        stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
 
 

@@ -21,37 +21,43 @@ from typing import Any, Sequence
 import numpy as np
 
 from hlomap.cost.pipeline.costs import pipeline_latency
-from hlomap.cost.pipeline.stages import Schedule, in_flight
-from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, StageArrays, StageOption, transfer_seconds
+from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
+from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
+                                      transfer_seconds)
 
 __all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
 
 
 @dataclass(frozen=True)
-class JointStage:
-    """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
+class JointStage(Stage):
+    """A pipeline stage (layers, devices, a data x model mesh) with the sharding plan it runs
+    on its mesh; built from the search's (layers, first device, option) by `of`."""
 
-    start: int
-    stop: int
-    first_device: int
-    option: StageOption
+    kind: PlanKind = PlanKind.EXPERT
+
+    @classmethod
+    def of(cls, start: int, stop: int, first_device: int, option: StageOption) -> JointStage:
+        """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
+        return cls(int(start), int(stop), tuple(range(first_device, first_device + option.devices)), option.model,
+                   option.kind)
 
     @property
-    def devices(self) -> tuple[int, ...]:
-        return tuple(range(self.first_device, self.first_device + self.option.devices))
+    def first_device(self) -> int:
+        return self.devices[0]
+
+    @property
+    def option(self) -> StageOption:
+        return StageOption(len(self.devices), self.replication, self.model, self.kind)
 
 
 @dataclass(frozen=True)
-class JointPlan:
+class JointPlan(PipelinePlan):
+    """A pipeline plan of joint stages (`PipelinePlan`'s checks: contiguous layers from 0,
+    disjoint devices)."""
+
     stages: tuple[JointStage, ...]
-    microbatches: int
-    schedule: Schedule = Schedule.ONE_F_ONE_B
 
-    @property
-    def n_stages(self) -> int:
-        return len(self.stages)
-
-    def describe(self, names: Sequence[str] = ()) -> str:
+    def describe(self, names: Sequence[str] | None = None) -> str:
         lines = []
         for s, st in enumerate(self.stages):
             label = f" {names[st.start]}..{names[st.stop - 1]}" if names else ""

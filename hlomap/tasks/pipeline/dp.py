@@ -1,8 +1,8 @@
 """Exact dynamic programming over cut states, replication factors and linear device order.
 
 The DP returns a plan of `PipelineSpace` with the least `costmodel` objective, the same optimum
-`bruteforce.brute_force` finds by enumeration, in O(D * |R| * Q * K^2) per pass (K cut states, D
-devices, R replication factors, Q <= D stages).
+the tests' oracle (`tests/tasks/oracle.py`) finds by enumeration, in O(D * |R| * Q * K^2) per
+pass (K cut states, D devices, R replication factors, Q <= D stages).
 
 Cut states. A straight pipeline's stages run one after the other, so the layers before any cut
 form a set closed under predecessors; `CutStates` lists the sets the search may cut at (state 0

@@ -39,7 +39,7 @@ from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
-from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule
 
 __all__ = [
     "CutDescription",
@@ -169,7 +169,7 @@ def pipeline_task(
     *,
     stages: int,
     microbatches: int,
-    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    schedule: Schedule = DEFAULT_SCHEDULE,
     objective: PipelineObjective = PipelineObjective.LATENCY,
     device_radius: int = 0,
     require_trainable: bool = True,
@@ -216,7 +216,7 @@ def explore_pipeline(
     *,
     stages: int,
     microbatches: int = 8,
-    schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+    schedule: Schedule | str = DEFAULT_SCHEDULE,
     cluster: str | Path | Cluster = "A",
     agent: PipelineAgent | str = PipelineAgent.DQN,
     seed: int = 0,

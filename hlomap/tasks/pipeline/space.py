@@ -15,7 +15,7 @@ from hlomap.cost.pipeline.costs import CostOptions, PlanCost
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule
 
 __all__ = ["PipelineObjective", "PipelineSpace", "TIE_RTOL", "inadmissible"]
 
@@ -50,7 +50,7 @@ class PipelineSpace:
     """
 
     microbatches: int = 1
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: Schedule = DEFAULT_SCHEDULE
     objective: PipelineObjective = PipelineObjective.LATENCY
     replication: tuple[int, ...] = (1,)
     use_all_devices: bool = True

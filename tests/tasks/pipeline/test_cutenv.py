@@ -14,7 +14,7 @@ from hlomap.cost.pipeline.profile import uniform_profile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
-from hlomap.tasks.pipeline.bruteforce import enumerate_plans
+from tests.tasks.oracle import pipeline_plans
 from hlomap.tasks.pipeline.cutenv import FEATURES, CutEnv, CutTask, center_device_bounds
 from hlomap.tasks.pipeline.space import inadmissible
 from tests.tasks.pipeline.strategies import profiles, uniform_cluster
@@ -74,7 +74,7 @@ def _admissible_plans(task: CutTask):
     """Brute force: S-stage plans on the center device groups that `space` admits."""
     center = task.center
     found = {}
-    for plan in enumerate_plans(task.profile, task.cluster, task.space):
+    for plan in pipeline_plans(task.profile, task.cluster, task.space):
         if plan.n_stages != task.n_stages:
             continue
         if tuple(s.devices[0] for s in plan.stages) + (task.cluster.n_devices,) != center:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions, evaluate_plan
-from hlomap.tasks.pipeline.bruteforce import all_downsets, brute_force_downsets
+from tests.tasks.oracle import all_downsets, downset_brute_force
 from hlomap.tasks.pipeline.dp import solve, solve_states
 from hlomap.tasks.pipeline.downsets import (
     LayerDag,
@@ -45,7 +45,7 @@ def _layer_bytes_crossing(dag, before):
 def _expected(dag, cluster, space, downsets=None):
     """The brute-force optimum over chains of downsets, or None when no plan is admissible."""
     try:
-        solution, _ = brute_force_downsets(dag, cluster, space, downsets)
+        solution, _ = downset_brute_force(dag, cluster, space, downsets)
     except NoFeasiblePlan:
         return None
     return solution

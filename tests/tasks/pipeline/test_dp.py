@@ -9,7 +9,7 @@ from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, uniform_profile
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.tasks.pipeline.bruteforce import brute_force
+from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
@@ -30,7 +30,7 @@ def _outcome(search, profile, cluster, space):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(profile=profiles(), cluster=random_clusters(), space=spaces())
 def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
-    expected = _outcome(brute_force, profile, cluster, space)
+    expected = _outcome(pipeline_brute_force, profile, cluster, space)
     found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
     if expected is None:
@@ -62,7 +62,7 @@ def test_latency_needs_a_bottleneck_between_the_extremes():
     space = PipelineSpace(microbatches=4, use_all_devices=False, check_memory=False)
     solution = solve(profile, cluster, space)
     assert solution.value == pytest.approx(111.0)
-    assert solution.value == pytest.approx(brute_force(profile, cluster, space).value)
+    assert solution.value == pytest.approx(pipeline_brute_force(profile, cluster, space).value)
     assert solution.plan.cuts == (1,)
     bottleneck = solve(profile, cluster, PipelineSpace(
         microbatches=4, use_all_devices=False, check_memory=False,
@@ -92,7 +92,7 @@ def test_latency_dp_on_communication_heavy_chains(compute, cut_gb, microbatches,
     cluster = uniform_cluster(n_devices, bandwidth=1e9)
     space = PipelineSpace(microbatches=microbatches, use_all_devices=False, check_memory=False)
     assert solve(profile, cluster, space).value == pytest.approx(
-        brute_force(profile, cluster, space).value, rel=1e-12
+        pipeline_brute_force(profile, cluster, space).value, rel=1e-12
     )
 
 
@@ -143,7 +143,7 @@ def test_auto_map_rules_server_boundaries_and_trainable_stages():
         cut_on_node_boundary=True, require_trainable=True,
     )
     solution = solve(profile, cluster, ruled)
-    assert solution.value == pytest.approx(brute_force(profile, cluster, ruled).value)
+    assert solution.value == pytest.approx(pipeline_brute_force(profile, cluster, ruled).value)
     for s, stage in enumerate(solution.plan.stages):
         assert profile.trainable[stage.start : stage.stop].any()
         if s > 0:
@@ -184,7 +184,7 @@ def test_no_feasible_plan_is_an_error_naming_the_source():
     space=spaces(),
 )
 def test_dp_finds_the_brute_force_optimum_larger(profile, cluster, space):
-    expected = _outcome(brute_force, profile, cluster, space)
+    expected = _outcome(pipeline_brute_force, profile, cluster, space)
     found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
     if expected is not None:
