@@ -283,7 +283,8 @@ class PipelineStage:
     @property
     def replication(self) -> int:
         """How many copies of the stage's work run side by side: its mesh's `data` axis, or every
-        device of a stage without a mesh of its own (a replicated stage)."""
+        device of a stage without a mesh of its own (a replicated stage; in a plan with a
+        top-level mesh such a stage runs that mesh instead, which the runner resolves)."""
         return dict(self.mesh).get("data", 1) if self.mesh else len(self.devices)
 
     def to_json(self) -> dict[str, Any]:
