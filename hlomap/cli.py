@@ -375,13 +375,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
     from hlomap.api import estimate
-    from hlomap.plan import Plan
+    from hlomap.plan import PipelineKind, Plan
     from hlomap.report.estimate import format_estimate
     from hlomap.report.placement import placement_line
 
     plan = _plan_argument(args.plan)
     if isinstance(plan, Plan) and plan.pipeline is not None:
-        if plan.pipeline.get("kind") == "joint":
+        if plan.pipeline.kind is PipelineKind.JOINT:
             return _simulate_joint(args, plan)
         return _simulate_pipeline(args, plan)
     placed = isinstance(plan, Plan) and plan.placement is not None
@@ -708,7 +708,7 @@ def _plan_devices(plan: Any) -> int:
     if plan.placement is not None:
         return max(plan.device_order(), default=0) + 1
     if plan.pipeline is not None:
-        ids = [int(d) for stage in plan.pipeline.get("stages", ()) for d in stage.get("devices", ())]
+        ids = [d for stage in plan.pipeline.stages for d in stage.devices]
         return max(ids, default=0) + 1
     devices = 1
     for _, size in plan.mesh:

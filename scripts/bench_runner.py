@@ -41,7 +41,7 @@ from hlomap.plan import ParameterSpec, Plan, PlanSource, reference_plan  # noqa:
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.report.gantt import draw_gantt  # noqa: E402
 from hlomap.run.pipeline.dispatch import dispatch_order, predicted_schedule, same_order  # noqa: E402
-from hlomap.tasks.pipeline.chain import step_chain  # noqa: E402
+from hlomap.cost.pipeline.chain import step_chain  # noqa: E402
 from hlomap.verify.mesh import mesh_of  # noqa: E402
 
 

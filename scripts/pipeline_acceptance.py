@@ -28,7 +28,7 @@ from hlomap.search.dqn import dqn_search
 from hlomap.search.random import random_search
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.explore import pipeline_task
-from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
+from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import scale_batch

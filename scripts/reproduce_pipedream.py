@@ -49,7 +49,7 @@ from hlomap.report.gantt import draw_gantt
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.downsets import DEFAULT_MAX_STATES, solve_downsets
 from hlomap.tasks.pipeline.pipedream import load_pipedream_dag, pipedream_cluster
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.tasks.pipeline.cutenv import CutTask
 from hlomap.search.budget import Budget
 from hlomap.search.dqn import dqn_search
@@ -142,18 +142,18 @@ def main() -> None:
         total = float(profile.compute_time.sum())
         for n_stages in args.stages:
             network = pipedream_cluster(n_stages, args.bandwidth_gbps)
-            compute_space = SearchSpace(
-                objective=Objective.BOTTLENECK,
+            compute_space = PipelineSpace(
+                objective=PipelineObjective.BOTTLENECK,
                 cost=CostOptions(comm=CommModel.IGNORED),
                 check_memory=False,
             )
-            space = SearchSpace(
-                objective=Objective.BOTTLENECK,
+            space = PipelineSpace(
+                objective=PipelineObjective.BOTTLENECK,
                 microbatches=args.microbatches,
                 schedule=Schedule.ONE_F_ONE_B,
                 check_memory=False,
             )
-            latency_space = replace(space, objective=Objective.LATENCY)
+            latency_space = replace(space, objective=PipelineObjective.LATENCY)
             spaces = [compute_space, space] + ([] if args.no_latency else [latency_space])
             start = time.perf_counter()
             straight = [solve(profile, network, s) for s in spaces]

@@ -26,8 +26,10 @@ import inspect
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
+from hlomap.hlo.fingerprint import ModuleSignature, module_signature, structure_fingerprint
 from hlomap.hlo.ir import ArrayShape, Instruction, Module
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,17 @@ class Capture:
     #: how the roles were decided: "given" (by the caller), "argument names" (inferred from a
     #: dump's metadata paths), "" (captured from JAX, or no roles)
     role_source: str = ""
+
+    @cached_property
+    def structure_sha256(self) -> str:
+        """The module's structure fingerprint (`hlo.fingerprint`): equal for the lowered step and
+        an HLO text dump of it, which `text_sha256` is not."""
+        return structure_fingerprint(self.module)
+
+    @cached_property
+    def signature(self) -> ModuleSignature:
+        """The entry parameters' shapes and the instruction count, to say how modules differ."""
+        return module_signature(self.module)
 
     @property
     def has_roles(self) -> bool:

@@ -60,8 +60,8 @@ def _axes(entry: Any) -> tuple[str, ...] | None:
 
 
 def _specs_by_stage(plan: Plan) -> list[list[Any]] | None:
-    stages = (plan.pipeline or {}).get("stages") or []
-    specs = [stage.get("specs") for stage in stages]
+    stages = plan.pipeline.stages if plan.pipeline is not None else ()
+    specs = [stage.specs for stage in stages]
     return specs if specs and all(s is not None for s in specs) else None
 
 
@@ -104,8 +104,8 @@ def explain_plan(plan: Plan, cap: Capture, graph: FactorGraph | None = None) -> 
 
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     staged = _specs_by_stage(plan)
-    sizes = [v for _, v in plan.mesh] or [v for stage in (plan.pipeline or {}).get("stages", ())
-                                         for v in (stage.get("mesh") or {}).values() if v > 1]
+    sizes = [v for _, v in plan.mesh] or [v for stage in (plan.pipeline.stages if plan.pipeline else ())
+                                         for _, v in stage.mesh if v > 1]
     smallest = min((v for v in sizes if v > 1), default=None)
     by_index = {p.index: p for p in plan.parameters}
     members = _members(graph, cap)
@@ -146,7 +146,7 @@ def format_explanation(rows: Sequence[VariableExplanation], plan: Plan, *, origi
     from rich.text import Text
 
     mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh)
-    stages = len((plan.pipeline or {}).get("stages", ()))
+    stages = plan.pipeline.n_stages if plan.pipeline is not None else 0
     title = f"plan: mesh {{{mesh}}}" if mesh else f"plan: {stages} pipeline stages"
     table = Table(title=title, header_style="bold", show_lines=False)
     for name, justify in (("variable", "left"), ("role", "left"), ("shape", "right"), ("spec", "left"),

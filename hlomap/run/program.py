@@ -4,7 +4,7 @@ of a jaxpr's equations as a function.
 
 JAX lowers equation `e` to HLO ops whose metadata op_name is `<name stack of e>/<primitive>` and
 whose source line is the first user frame of `e`'s traceback; `eqn_layer` and `eqn_source`
-rebuild both from the equation, in the form `hlomap.tasks.pipeline.chain.layer_name` and
+rebuild both from the equation, in the form `hlomap.cost.pipeline.chain.layer_name` and
 `hlomap.hlo.source_info.source_location` read them from HLO.
 """
 

@@ -174,10 +174,10 @@ class ParallelStep:
 
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(args))
         cap = capture(self.step, *abstract)
-        if self.check_source and self.plan.source.sha256 and cap.text_sha256 != self.plan.source.sha256:
-            raise RunError(f"the plan was made for another module ({self.plan.source.kind or 'a step'} with HLO sha256 "
-                           f"{self.plan.source.sha256[:12]}...), not this step ({cap.text_sha256[:12]}...): the step, "
-                           "its argument shapes or the JAX version changed; explore again")
+        difference = self.plan.source.mismatch(cap) if self.check_source else None
+        if difference is not None:
+            raise RunError(f"the plan was made for another module than this step ({difference}): the step, its "
+                           "argument shapes or the JAX version changed; explore again")
         assert self.section is not None
         program = prepare(self.step, abstract, cap, self.section, widen=self.executor is Executor.SPMD)
         with _devices_as_run_errors():

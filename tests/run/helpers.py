@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from hlomap.plan import ParameterSpec, Plan, PlanSource
-from hlomap.tasks.pipeline.chain import StepChain, step_chain
+from hlomap.cost.pipeline.chain import StepChain, step_chain
 
 
 def chain_of(cap: Any) -> StepChain:

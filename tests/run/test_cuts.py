@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
-from hlomap.run.pipeline.cuts import CutRecord, assign_stages
+from hlomap.plan import PipelineCut
+from hlomap.run.pipeline.cuts import assign_stages
 from hlomap.run.pipeline.loss_split import split_loss
 from hlomap.run.trace import trace_step
 from tests.run.helpers import FAST_COMPILE, boundary_pivots
@@ -17,7 +18,7 @@ SLOW = {"resnet50-tiny", "moe-tiny", "vgg19-tiny", "bert-tiny"}  # the default r
 
 
 def _records(chain, pivots):
-    return [CutRecord(chain.pivots[k].instruction, chain.pivots[k].layer, chain.pivots[k].scope,
+    return [PipelineCut(chain.pivots[k].instruction, chain.pivots[k].layer, chain.pivots[k].scope,
                       chain.pivots[k].source, k) for k in pivots]
 
 

@@ -6,6 +6,7 @@ pipelined step's loss and gradients equal the unsharded step's with the plan's m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import hlomap
 from hlomap.cost.cluster import hierarchical
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.plan import ParameterSpec, Plan, PlanSource
+from hlomap.plan import ParameterSpec, PipelineKind, Plan, PlanError, PlanSource
 from hlomap.run.compare import check_pipeline
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.section import pipeline_section
@@ -33,15 +34,14 @@ CLUSTER = hierarchical(2, 4)
 
 def _stage_specs(plan: Plan, s: int) -> dict[int, Any]:
     """Flat state leaf -> the PartitionSpec stage s of the plan's JSON gives it (the oracle)."""
-    specs = plan.pipeline["stages"][s]["specs"]
-    return {p.index: ParameterSpec.from_json({**p.to_json(), "spec": spec}).partition_spec()
-            for p, spec in zip(plan.parameters, specs)}
+    specs = plan.pipeline.stages[s].specs
+    return {p.index: dataclasses.replace(p, spec=spec).partition_spec() for p, spec in zip(plan.parameters, specs)}
 
 
 def _check_layout(step: Any, plan: Plan, placed: tuple[Any, Any]) -> int:
     """The placed state sits on each stage's devices with the stage's specs; returns how many
     (stage, leaf) pairs are split over the `model` axis."""
-    stages = plan.pipeline["stages"]
+    stages = plan.pipeline.stages
     split = 0
     for staged in placed:
         layout = staged.layout
@@ -50,11 +50,11 @@ def _check_layout(step: Any, plan: Plan, placed: tuple[Any, Any]) -> int:
                 expected = _stage_specs(plan, s)
                 for leaf, value in zip(held, staged.parts[s]):
                     assert value.sharding.spec == expected[leaf], (s, leaf)
-                    assert sorted(d.id for d in value.sharding.device_set) == stages[s]["devices"]
+                    assert sorted(d.id for d in value.sharding.device_set) == list(stages[s].devices)
                     split += "model" in jax.tree.leaves(tuple(expected[leaf]))
         else:  # the spmd executor stores a split leaf as its local shards, one per slot of the buffer's lead dim
             expected = _stage_specs(plan, 0)
-            mesh = stages[0]["mesh"]
+            mesh = dict(stages[0].mesh)
             for leaf in layout.leaves:
                 entries = [(d, (e,) if isinstance(e, str) else tuple(e)) for d, e in enumerate(expected[leaf])
                            if e is not None]
@@ -69,9 +69,9 @@ def _run_and_check(case: Any, plan: Plan, executor: str | None = None) -> tuple[
     step = hlomap.parallelize(case.model.train_step(), plan, executor=executor, example_args=case.args,
                               compiler_options=FAST_COMPILE)
     description = step.describe()
-    stages = plan.pipeline["stages"]
-    assert [list(s.devices) for s in description.stages] == [s["devices"] for s in stages]
-    assert [s.mesh for s in description.stages] == [s["mesh"] for s in stages]
+    stages = plan.pipeline.stages
+    assert [tuple(s.devices) for s in description.stages] == [s.devices for s in stages]
+    assert [s.mesh for s in description.stages] == [dict(s.mesh) for s in stages]
     check = check_pipeline(step, case.args)
     # equal in float32 at check_pipeline's tolerances, no float64 rescue
     assert check.exact, "\n".join(c.words() for c in check.comparisons)
@@ -87,14 +87,14 @@ def _run_and_check(case: Any, plan: Plan, executor: str | None = None) -> tuple[
 def test_the_joint_optimum_runs_with_unsharded_numerics(zoo_case, name: str) -> None:
     case = zoo_case(name)
     plan = hlomap.explore(case.cap, task="auto", cluster=CLUSTER)
-    stages = plan.pipeline["stages"]
-    assert plan.pipeline["kind"] == "joint" and len(stages) >= 2 and plan.mesh == ()
-    assert sorted(d for s in stages for d in s["devices"]) == list(range(8))
-    assert any(s["mesh"]["data"] > 1 for s in stages)  # data parallelism inside some stage
+    stages = plan.pipeline.stages
+    assert plan.pipeline.kind is PipelineKind.JOINT and len(stages) >= 2 and plan.mesh == ()
+    assert sorted(d for s in stages for d in s.devices) == list(range(8))
+    assert any(s.replication > 1 for s in stages)  # data parallelism inside some stage
     step, _ = _run_and_check(case, plan)
-    assert step.executor is (Executor.MPMD if plan.pipeline["schedule"] == "1f1b" else Executor.SPMD)
+    assert step.executor is (Executor.MPMD if plan.pipeline.schedule is Schedule.ONE_F_ONE_B else Executor.SPMD)
     for s, stage in enumerate(stages):  # the batch splits over each stage's own data axis
-        assert stage["mesh"]["data"] == 1 or step._runner.batch_axes[s] == ("data",)
+        assert stage.replication == 1 or step._runner.batch_axes[s] == ("data",)
     _check_layout(step, plan, step.place(case.args[0], case.args[1]))
 
 
@@ -118,9 +118,9 @@ def _two_tensor_parallel_stages(cap: Any) -> Plan:
 def test_two_stages_with_tensor_parallelism_inside(zoo_case, name: str, executor: str) -> None:
     case = zoo_case(name)
     plan = _two_tensor_parallel_stages(case.cap)
-    stages = plan.pipeline["stages"]
-    assert [s["devices"] for s in stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert all(s["mesh"] == {"data": 2, "model": 2} for s in stages)
+    stages = plan.pipeline.stages
+    assert [s.devices for s in stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(dict(s.mesh) == {"data": 2, "model": 2} for s in stages)
     assert hlomap.parallelize(case.model.train_step(), plan).executor is Executor.SPMD  # uniform stages: A
     step, _ = _run_and_check(case, plan, executor)
     placed = step.place(case.args[0], case.args[1])
@@ -150,10 +150,12 @@ def test_stage_specs_are_read_and_checked() -> None:
     assert pipeline_section(top).parameters == (top.parameters,)  # no stage specs: the top-level ones
     with pytest.raises(RunError, match="stage 1: parameter 'params/w' dim 0 is split on mesh axis 'model'"):
         pipeline_section(_tiny_plan([[["model", None]], [["model", None]]], [{"model": 2}, {"data": 2}]))
-    with pytest.raises(RunError, match="stage 0: 'specs' has 2 entries; the plan has 1 parameters"):
-        pipeline_section(_tiny_plan([[[None, None], [None, None]], [[None, None]]], two))
-    with pytest.raises(RunError, match="does not give one entry per dim"):
-        pipeline_section(_tiny_plan([[[None]], [[None, None]]], two))
+    with pytest.raises(PlanError, match="stage 0: 'specs' has 2 entries; the plan has 1 parameters"):
+        _tiny_plan([[[None, None], [None, None]], [[None, None]]], two)
+    with pytest.raises(PlanError, match=r"parameter 'params/w' has shape \[4, 3\] \(rank 2\) but its spec"):
+        _tiny_plan([[[None, None, None]], [[None, None]]], two)
+    short = pipeline_section(_tiny_plan([[["model"]], [[None, None]]], two))  # trailing dims replicated
+    assert short.parameters[0][0].spec == (("model",), None)
     with pytest.raises(RunError, match="dim 1 has size 3, which its split over model"):
         pipeline_section(_tiny_plan([[[None, "model"]], [[None, None]]], two))
 

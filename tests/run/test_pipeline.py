@@ -5,9 +5,12 @@ the acceptance criteria is marked slow."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
+from hlomap.plan import PipelineStage
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import megatron_plan
 from hlomap.propagation.conflicts import MeshAxes
@@ -129,7 +132,7 @@ def test_circular_plans_are_checked(zoo_case) -> None:
     with pytest.raises(RunError, match="the mpmd executor does not run circular pipelines"):
         parallelize(case.model.train_step(), plan, executor="mpmd")
     short = pipeline_plan(case.cap, case.chain, pivots[:2], microbatches=4, devices_per_stage=4)
-    short.pipeline["repeats"] = 2  # 3 logical stages do not make 2 device stages x 2 rounds
+    short = dataclasses.replace(short, pipeline=dataclasses.replace(short.pipeline, repeats=2))  # 3 stages x 2 rounds
     with pytest.raises(RunError, match=r"3 stages x 2 repeats = 6 logical stages need 5 cuts"):
         parallelize(case.model.train_step(), short)
 
@@ -241,7 +244,6 @@ def test_resnet_batch_norm(zoo_case, schedule: str) -> None:
     last stage) are so ill-conditioned in float32 that the unsharded step is 7e-4 (relative) from
     its float64 value and merely splitting the batch over 4 devices (plain jit, no pipeline)
     moves some gradients by 13%; in float64 both agree to 1e-12, and so must the pipeline."""
-    import dataclasses
 
     import jax
 
@@ -259,6 +261,6 @@ def test_resnet_batch_norm(zoo_case, schedule: str) -> None:
         one = pipeline_plan(cap, chain, boundary_pivots(chain, 1), microbatches=1, schedule=schedule,
                             devices_per_stage=4)
         _run(wide_case, one, executor)
-        four = dataclasses.replace(one, pipeline={**one.pipeline, "microbatches": 4,
-                                                  "stages": [{"devices": [0, 1]}, {"devices": [2, 3]}]})
+        four = dataclasses.replace(one, pipeline=dataclasses.replace(
+            one.pipeline, microbatches=4, stages=(PipelineStage((0, 1)), PipelineStage((2, 3)))))
         _run(wide_case, four, executor, microbatches_reference=4, update=False)

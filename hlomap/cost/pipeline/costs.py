@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
@@ -50,6 +51,7 @@ __all__ = [
     "PlanCost",
     "evaluate_plan",
     "gpipe_latency",
+    "pipeline_latency",
 ]
 
 
@@ -108,6 +110,15 @@ class PlanCost:
     @property
     def feasible(self) -> bool:
         return not self.violations
+
+
+def pipeline_latency(stage_seconds: Sequence[float], transfer_seconds: Sequence[float],
+                     microbatches: int) -> tuple[float, float]:
+    """(L, tau) of a pipeline from its stages' times t_s and its cuts' transfer times u_k per
+    microbatch: tau = max(t, u), L = sum t + 2 sum u + (M - 1) tau (module docstring). The one
+    closed form: every plan kind prices its stages its own way and combines them here."""
+    bottleneck = max([*stage_seconds, *transfer_seconds])
+    return sum(stage_seconds) + 2 * sum(transfer_seconds) + (microbatches - 1) * bottleneck, bottleneck
 
 
 def check_plan(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> None:
@@ -182,8 +193,7 @@ def evaluate_plan(
         nbytes = float(profile.activation_bytes[a.stop - 1])
         transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
     stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
-    bottleneck = max(stage_times + transfers)
-    latency = sum(stage_times) + 2 * sum(transfers) + (m - 1) * bottleneck
+    latency, bottleneck = pipeline_latency(stage_times, transfers, m)
     counts = tuple(
         in_flight(plan.schedule, s, plan.n_stages, m) for s in range(plan.n_stages)
     )

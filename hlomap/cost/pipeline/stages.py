@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "stage_order"]
+__all__ = ["DEFAULT_SCHEDULE", "Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "stage_order"]
 
 
 class Schedule(enum.Enum):
@@ -20,6 +20,13 @@ class Schedule(enum.Enum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+
+
+#: The schedule of a pipeline that names none, for every reader (explorers, cost model, placement,
+#: re-planning, runner). 1F1B: the same bubble as GPipe with at most S in-flight microbatches per
+#: stage instead of M (Narayanan et al., Megatron-LM SC21, section 2.2.1), so it is what the explorers
+#: write and what the cost model prices; the MPMD runner executes it.
+DEFAULT_SCHEDULE = Schedule.ONE_F_ONE_B
 
 
 class Pass(enum.Enum):
@@ -54,21 +61,29 @@ def stage_order(
 
 @dataclass(frozen=True)
 class Stage:
-    """Layers [start, stop) replicated (data parallel) over `devices`."""
+    """Layers [start, stop) on `devices`, a data x model mesh: `model` devices split each
+    layer's tensors (tensor parallelism) and the data = len(devices) / model replicas split the
+    batch (data parallelism). The pipeline task's stages are replicated (model 1); the joint
+    task's carry a mesh and the sharding plan inside it (`tasks.joint.plans.JointStage`)."""
 
     start: int
     stop: int
     devices: tuple[int, ...]
+    model: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.stop:
             raise ValueError(f"Stage layers [{self.start}, {self.stop}) are empty or negative")
         if not self.devices or len(set(self.devices)) != len(self.devices):
             raise ValueError(f"Stage [{self.start}, {self.stop}) has devices {self.devices!r}")
+        if self.model < 1 or len(self.devices) % self.model:
+            raise ValueError(f"Stage [{self.start}, {self.stop}) has {len(self.devices)} devices, which a model axis "
+                             f"of {self.model} does not divide")
 
     @property
     def replication(self) -> int:
-        return len(self.devices)
+        """The data axis: how many replicas of the stage split each microbatch."""
+        return len(self.devices) // self.model
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,7 @@ class PipelinePlan:
 
     stages: tuple[Stage, ...]
     microbatches: int
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: Schedule = DEFAULT_SCHEDULE
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -122,7 +137,7 @@ class PipelinePlan:
         replication: Sequence[int],
         *,
         microbatches: int,
-        schedule: Schedule = Schedule.ONE_F_ONE_B,
+        schedule: Schedule = DEFAULT_SCHEDULE,
         first_device: int = 0,
     ) -> PipelinePlan:
         """Stages [bounds[s], bounds[s+1]) on consecutive device blocks in linear device order."""

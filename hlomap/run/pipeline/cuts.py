@@ -38,46 +38,28 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from hlomap.hlo.source_info import source_location, source_tables
+from hlomap.plan import Pipeline, PipelineCut
 from hlomap.run.errors import RunError
 from hlomap.run.program import describe_eqn, eqn_label, eqn_layer, eqn_source, is_literal, needed_eqns
 from hlomap.run.trace import InputKind, TracedStep
-from hlomap.tasks.pipeline.chain import forward_chain, layer_name
+from hlomap.cost.pipeline.chain import forward_chain, layer_name
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
 
-__all__ = ["CutMapping", "CutRecord", "StageAssignment", "assign_stages", "cut_records"]
+__all__ = ["CutMapping", "StageAssignment", "assign_stages", "cut_records"]
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = re.compile(r"\.(\d+)$")
 
 
-@dataclass(frozen=True)
-class CutRecord:
-    """One cut as a pipeline plan records it (`hlomap.tasks.pipeline.explore.CutDescription`)."""
-
-    instruction: str
-    layer: str = ""
-    scope: str = ""
-    source: str | None = None
-    pivot: int | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> CutRecord:
-        return cls(str(data["instruction"]), str(data.get("layer", "")), str(data.get("scope", "")),
-                   data.get("source"), data.get("pivot"))
-
-
-def cut_records(pipeline: Mapping[str, Any], where: str = "plan", repeats: int = 1) -> tuple[CutRecord, ...]:
+def cut_records(pipeline: Pipeline, where: str = "plan") -> tuple[PipelineCut, ...]:
     """The cuts of a plan's pipeline section, checked against its (logical) stage count."""
-    try:
-        cuts = tuple(CutRecord.from_json(c) for c in pipeline.get("cuts", ()))
-    except (KeyError, TypeError) as err:
-        raise RunError(f"{where}: malformed pipeline cut ({err!r}); each cut needs an 'instruction'") from None
-    stages = len(pipeline.get("stages", ()))
+    cuts = pipeline.cuts
+    stages, repeats = pipeline.n_stages, pipeline.repeats
     logical = stages * repeats
-    if stages and len(cuts) != logical - 1:
+    if len(cuts) != logical - 1:
         what = f"{stages} stages" if repeats == 1 else f"{stages} stages x {repeats} repeats = {logical} logical stages"
         raise RunError(f"{where}: {what} need {logical - 1} cuts; the pipeline section has {len(cuts)}")
     return cuts
@@ -88,7 +70,7 @@ class CutMapping:
     """Where one HLO cut lands in the loss jaxpr: `equation` (index `eqn`) is the equation of the
     cut instruction, or the last equation before the boundary when the cut has none of its own."""
 
-    cut: CutRecord
+    cut: PipelineCut
     eqn: int
     equation: str  # `layers_0/add (gpt.py:81)`
     exact: bool
@@ -209,7 +191,7 @@ def _match_by_operands(chain: Sequence[Any], eqns: Sequence[Any],
                     progress = True
 
 
-def assign_stages(cap: Capture, traced: TracedStep, cuts: Sequence[CutRecord]) -> StageAssignment:
+def assign_stages(cap: Capture, traced: TracedStep, cuts: Sequence[PipelineCut]) -> StageAssignment:
     """The stage of every loss equation under a plan's HLO cuts (module docstring). Raises
     RunError when a cut names no forward instruction of `cap` or the cuts are out of order."""
     chain = forward_chain(cap.module.entry)

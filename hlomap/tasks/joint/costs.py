@@ -3,7 +3,7 @@ with a `data x model` mesh and a sharding plan: the inner level of the joint pla
 
 The prices are the cost model's (`hlomap.cost.estimate.step_work`: the roofline of every
 instruction split by the plan, the collectives the plan implies on the group's devices); this
-module only sums them per forward-chain position (`tasks.pipeline.chain.attribute`), so that a
+module only sums them per forward-chain position (`cost.pipeline.chain.attribute`), so that a
 stage's cost is a difference of prefix sums. A plan array applies to the whole graph and every
 instruction's price depends on its own sharding only, so restricting a plan to a stage is
 restricting the sum to the stage's instructions: one estimate per (mesh shape, plan) prices
@@ -36,7 +36,7 @@ from hlomap.hlo.capture import Capture, Role
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
-from hlomap.tasks.pipeline.chain import ChainAttribution, attribute, crossing_bytes
+from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_bytes
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.stages import Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
+from hlomap.plan import Pipeline
 from hlomap.propagation.graph import FactorGraph
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_split_ends
@@ -27,7 +28,7 @@ from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
 from hlomap.tasks.joint.task import JointSearchTask
-from hlomap.tasks.pipeline.chain import PivotOptions, step_chain
+from hlomap.cost.pipeline.chain import PivotOptions, step_chain
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class JointResult:
         return min(feasible, key=lambda g: g.cost.latency) if feasible else None  # type: ignore[union-attr]
 
 
-def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = DEFAULT_SCHEDULE,
                   microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                   kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
                   budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
@@ -165,31 +166,37 @@ def joint_plan(result: JointResult) -> Any:
     parameters = Plan.from_groups(model.cap, model.graph, model.plan_for(plan.stages[0].option)[0],
                                   model.plan_for(plan.stages[0].option)[1], check=False).parameters
     replicated = tuple(dataclasses.replace(p, spec=(None,) * len(p.shape)) for p in parameters)
-    base = Plan(mesh=(), parameters=replicated, source=PlanSource(model.cap.source, model.cap.text_sha256))
-    return dataclasses.replace(base, pipeline=pipeline, estimate=estimate, search=search)
+    base = Plan(mesh=(), parameters=replicated, source=PlanSource.of(model.cap))
+    return dataclasses.replace(base, pipeline=Pipeline.from_json(pipeline), estimate=estimate, search=search)
 
 
-def saved_joint_plan(section: Mapping[str, Any]) -> JointPlan:
-    """The JointPlan a saved plan's `pipeline` section (kind "joint") describes. Raises
-    ValueError naming the field that is missing or malformed."""
-    try:
-        stages = tuple(JointStage(int(st["layers"][0]), int(st["layers"][1]), int(st["devices"][0]),
-                                  StageOption(len(st["devices"]), int(st["mesh"]["data"]), int(st["mesh"]["model"]),
-                                              PlanKind(st.get("plan", PlanKind.EXPERT.value))))
-                       for st in section["stages"])
-        return JointPlan(stages, int(section["microbatches"]), Schedule(section.get("schedule", "1f1b")))
-    except (KeyError, IndexError, TypeError, ValueError) as err:
-        raise ValueError(f"the pipeline section of a joint plan is malformed ({type(err).__name__}: {err})") from None
+def saved_joint_plan(section: Pipeline) -> JointPlan:
+    """The JointPlan a saved plan's pipeline section (kind JOINT) describes. Raises ValueError
+    naming the stage and what it lacks."""
+    stages = []
+    for s, st in enumerate(section.stages):
+        mesh = dict(st.mesh)
+        if st.layers is None or "data" not in mesh or "model" not in mesh:
+            raise ValueError(f"stage {s} of the joint plan's pipeline section needs its layers and a data x model "
+                             f"mesh (it has layers {st.layers}, mesh {mesh})")
+        try:
+            kind = PlanKind(st.inner_plan or PlanKind.EXPERT.value)
+        except ValueError:
+            raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
+                             f"expected {' or '.join(k.value for k in PlanKind)}") from None
+        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind)
+        stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
+    return JointPlan(tuple(stages), section.microbatches, section.schedule)
 
 
-def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Mapping[str, Any], *,
+def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Pipeline, *,
                        graph: FactorGraph | None = None) -> JointResult:
     """A saved joint plan priced again by the cost model on `cluster` (no search): what `hlomap
     simulate` shows. The plan's layers must be this cluster's layers (the planner cuts the step
     where the cluster's uniform splits cut), which holds for the cluster it was made for."""
     start = time.perf_counter()
     model = joint_model(cap, cluster, graph=graph)
-    saved = tuple(section.get("layer_names") or ())
+    saved = section.layer_names
     if saved and saved != model.layer_names:
         raise ValueError(f"the plan's layers ({len(saved)}) were cut for another cluster than {cluster.name} "
                          f"({model.n_layers} layers); simulate it on the cluster it was made for")

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from hlomap.cost.pipeline.stages import Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.source_info import layer_name
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
@@ -84,7 +84,7 @@ def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
     return tuple(bounds) if all(a < b for a, b in zip(bounds[:-1], bounds[1:])) else None
 
 
-def expert_grid(model: JointModel, *, schedule: Schedule = Schedule.ONE_F_ONE_B,
+def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
                 microbatches: Sequence[int] | None = None) -> list[GridPoint]:
     """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring)."""
     cluster = model.cluster
@@ -106,7 +106,7 @@ def expert_grid(model: JointModel, *, schedule: Schedule = Schedule.ONE_F_ONE_B,
             for m in choices:
                 if model.batch % (m * dp):
                     continue
-                plan = JointPlan(tuple(JointStage(bounds[s], bounds[s + 1], s * group, option) for s in range(pp)),
+                plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option) for s in range(pp)),
                                  m, schedule)
                 cost = evaluate(model, plan)
                 if cost.fits and (best is None or cost.latency < best[1].latency):

@@ -6,10 +6,11 @@ M microbatches (`costs.StageArrays` are per step, on one device of the stage):
   t_s = (compute + collective bandwidth + gradient all-reduce + update) / M + collective latency
   u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
   L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
-the pipeline closed form of `hlomap.cost.pipeline.costs` (Alpa's; fill and drain, then M - 1
-periods of the slowest stage or link) with the stages priced by the sharded step. Memory per
-device: 4 x the stage's parameters (weights, gradients, Adam's moments) + the microbatches in
-flight (1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch.
+by the one pipeline closed form, `hlomap.cost.pipeline.costs.pipeline_latency` (Alpa's; fill
+and drain, then M - 1 periods of the slowest stage or link), with the stages priced by the
+sharded step. Memory per device: 4 x the stage's parameters (weights, gradients, Adam's
+moments) + the microbatches in flight (1F1B: min(S - s, M); GPipe: M) x the stage's stash per
+microbatch.
 """
 
 from __future__ import annotations
@@ -19,37 +20,44 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hlomap.cost.pipeline.stages import Schedule, in_flight
-from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, StageArrays, StageOption, transfer_seconds
+from hlomap.cost.pipeline.costs import pipeline_latency
+from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
+from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
+                                      transfer_seconds)
 
 __all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
 
 
 @dataclass(frozen=True)
-class JointStage:
-    """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
+class JointStage(Stage):
+    """A pipeline stage (layers, devices, a data x model mesh) with the sharding plan it runs
+    on its mesh; built from the search's (layers, first device, option) by `of`."""
 
-    start: int
-    stop: int
-    first_device: int
-    option: StageOption
+    kind: PlanKind = PlanKind.EXPERT
+
+    @classmethod
+    def of(cls, start: int, stop: int, first_device: int, option: StageOption) -> JointStage:
+        """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
+        return cls(int(start), int(stop), tuple(range(first_device, first_device + option.devices)), option.model,
+                   option.kind)
 
     @property
-    def devices(self) -> tuple[int, ...]:
-        return tuple(range(self.first_device, self.first_device + self.option.devices))
+    def first_device(self) -> int:
+        return self.devices[0]
+
+    @property
+    def option(self) -> StageOption:
+        return StageOption(len(self.devices), self.replication, self.model, self.kind)
 
 
 @dataclass(frozen=True)
-class JointPlan:
+class JointPlan(PipelinePlan):
+    """A pipeline plan of joint stages (`PipelinePlan`'s checks: contiguous layers from 0,
+    disjoint devices)."""
+
     stages: tuple[JointStage, ...]
-    microbatches: int
-    schedule: Schedule = Schedule.ONE_F_ONE_B
 
-    @property
-    def n_stages(self) -> int:
-        return len(self.stages)
-
-    def describe(self, names: Sequence[str] = ()) -> str:
+    def describe(self, names: Sequence[str] | None = None) -> str:
         lines = []
         for s, st in enumerate(self.stages):
             label = f" {names[st.start]}..{names[st.stop - 1]}" if names else ""
@@ -99,6 +107,5 @@ def evaluate(model: JointModel, plan: JointPlan) -> JointCost:
             nbytes = float(a.crossing[stage.stop - 1]) * stage.option.data / m
             transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
                                               plan.stages[s + 1].first_device, nbytes))
-    bottleneck = max(times + transfers)
-    latency = sum(times) + 2 * sum(transfers) + (m - 1) * bottleneck
+    latency, bottleneck = pipeline_latency(times, transfers, m)
     return JointCost(latency, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity))

@@ -21,18 +21,18 @@ import enum
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from hlomap.cost.pipeline.stages import Schedule, in_flight
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight
 from hlomap.tasks.joint.costs import JointModel, StageOption, transfer_seconds
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate, stage_memory, stage_seconds
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "brute_force", "enumerate_plans",
+__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned",
            "microbatch_choices", "problem_for", "solve"]
 
 #: Relative tolerance under which two bottlenecks count as equal.
@@ -46,7 +46,7 @@ class JointSpace:
 
     options: tuple[StageOption, ...]
     microbatches: tuple[int, ...]
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: Schedule = DEFAULT_SCHEDULE
     max_stages: int | None = None
     check_memory: bool = True
 
@@ -222,7 +222,7 @@ def _best(problem: JointProblem, result: _Pass) -> tuple[float, JointPlan | None
         k = int(result.option[remaining, layer, device])
         stop = int(result.next_layer[remaining, layer, device])
         option = problem.options[k]
-        stages.append(JointStage(layer, stop, device, option))
+        stages.append(JointStage.of(layer, stop, device, option))
         layer, device = stop, device + option.devices
     return float(start[q]), JointPlan(tuple(stages), problem.microbatches, problem.space.schedule)
 
@@ -307,49 +307,3 @@ def solve(model: JointModel, space: JointSpace) -> tuple[JointPlan, JointCost]:
                              f"(memory per device {min(d.memory_bytes for d in model.cluster.devices) / 2**30:.1f} GiB)")
     return best
 
-
-# ---------------------------------------------------------------------------------------------
-# Enumeration: the DP's oracle on small problems
-# ---------------------------------------------------------------------------------------------
-
-
-def enumerate_plans(model: JointModel, space: JointSpace) -> Iterator[JointPlan]:
-    """Every joint plan of the space (small problems only: it grows exponentially)."""
-    per_node, devices, n = _per_node(model), model.cluster.n_devices, model.n_layers
-    most = min(n, devices) if space.max_stages is None else min(n, devices, space.max_stages)
-
-    def suffixes(layer: int, device: int, left: int, m: int) -> Iterator[list[JointStage]]:
-        for option in space.options:
-            e = device + option.devices
-            if e > devices or not aligned(per_node, device, option.devices) or not _valid(model, option, m):
-                continue
-            if e == devices:
-                yield [JointStage(layer, n, device, option)]
-                continue
-            if left <= 1:
-                continue
-            for stop in range(layer + 1, n):
-                for rest in suffixes(stop, e, left - 1, m):
-                    yield [JointStage(layer, stop, device, option), *rest]
-
-    for m in space.microbatches:
-        for stages in suffixes(0, 0, most, m):
-            yield JointPlan(tuple(stages), m, space.schedule)
-
-
-def brute_force(model: JointModel, space: JointSpace) -> tuple[JointPlan, JointCost]:
-    """The least-L plan by enumeration, priced by `plans.evaluate`."""
-    best: tuple[JointPlan, JointCost] | None = None
-    for plan in enumerate_plans(model, space):
-        cost = evaluate(model, plan)
-        if space.check_memory and not cost.fits:
-            continue
-        if best is None or cost.latency < best[1].latency - 1e-15:
-            best = (plan, cost)
-    if best is None:
-        raise NoFeasiblePlan("no plan of the space fits")
-    return best
-
-
-def sizes_used(plan: JointPlan) -> Sequence[int]:
-    return tuple(stage.option.devices for stage in plan.stages)

@@ -252,7 +252,7 @@ def decode(model: JointModel, space: JointSpace, decisions: np.ndarray) -> Joint
     for k in range(1, len(decisions), 2):
         option = space.options[int(decisions[k])]
         stop = int(decisions[k + 1])
-        stages.append(JointStage(start, stop, device, option))
+        stages.append(JointStage.of(start, stop, device, option))
         start, device = stop, device + option.devices
     return JointPlan(tuple(stages), m, space.schedule)
 

@@ -61,7 +61,7 @@ from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import AffineMax, GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
 
 __all__ = [
@@ -127,7 +127,7 @@ class CutTask:
 
     profile: PipelineProfile
     cluster: Cluster
-    space: SearchSpace
+    space: PipelineSpace
     n_stages: int
     device_radius: int = 0
     oom_penalty: float = 1.0
@@ -216,7 +216,7 @@ class CutEnv:
         total = float(self._compute[-1])
         self.unit = max(total / d, 1e-30)  # T
         s, m = self.n_stages, self.m
-        if space.objective is Objective.LATENCY:
+        if space.objective is PipelineObjective.LATENCY:
             self.reference = (m + s - 1) * self.unit
         else:
             self.reference = self.unit
@@ -281,7 +281,7 @@ class CutEnv:
         return np.concatenate([
             [s / self.max_stages, math.log2(self.m) / 8.0,
              float(space.schedule.value == "gpipe"),
-             float(space.objective is Objective.BOTTLENECK)],
+             float(space.objective is PipelineObjective.BOTTLENECK)],
             topology.reshape(-1),
         ])
 
@@ -393,7 +393,7 @@ class CutEnv:
             ])
             latency = (decided.sum_time + time + remaining_stages * rest_stage
                        + 2 * (decided.sum_transfer + move) + (m - 1) * biggest)
-            if space.objective is Objective.LATENCY:
+            if space.objective is PipelineObjective.LATENCY:
                 value, other = latency, biggest
             else:
                 value, other = biggest, latency
@@ -541,7 +541,7 @@ class CutEnv:
         task = self.task
         cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost,
                              prices=self._prices)
-        value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
+        value = cost.latency if task.space.objective is PipelineObjective.LATENCY else cost.bottleneck
         feasible = cost.feasible or not task.space.check_memory
         self.outcome = CutPlan(plan, cost, value, feasible)
         self.plans_scored += 1
@@ -567,7 +567,8 @@ class CutEnv:
         value = float(self.score(cut.value))
         if not cut.feasible:
             value = -1.0 + 0.5 * min(value, 1.0)
-        tiebreak = float(self.score(cut.cost.latency)) if self.task.space.objective is Objective.BOTTLENECK else 0.0
+        by_bottleneck = self.task.space.objective is PipelineObjective.BOTTLENECK
+        tiebreak = float(self.score(cut.cost.latency)) if by_bottleneck else 0.0
         return Score(value, tiebreak, True, cut.feasible, cut.cost.latency, max(cut.cost.stage_memory))
 
     def replay_action(self, decisions: np.ndarray) -> int:

@@ -9,7 +9,7 @@ nested ones. PipeDream's optimizer (Narayanan et al., SOSP 2019, section 3.1) se
 any state it can add any layer whose predecessors are all in, so it reaches every downset that
 holds the first source. `dp.solve_states` runs the one DP recursion of `dp` over these states
 with the same cost model (per-stage compute, replication all-reduce, cut transfers, memory,
-priced on the `Cluster`), for every objective of `SearchSpace`.
+priced on the `Cluster`), for every objective of `PipelineSpace`.
 
 The bytes crossing a cut are the outputs of the layers before it that some layer after it reads,
 each tensor once however many readers it has beyond the cut (as `pipedream.to_profile` counts
@@ -43,7 +43,7 @@ from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
 from hlomap.tasks.pipeline.dp import CutStates, solve, solve_states
 from hlomap.tasks.pipeline.solution import Solution
-from hlomap.tasks.pipeline.space import SearchSpace
+from hlomap.tasks.pipeline.space import PipelineSpace
 
 __all__ = [
     "DEFAULT_MAX_STATES",
@@ -321,7 +321,7 @@ def _stage_order(members: np.ndarray, chain: Sequence[int]) -> tuple[int, ...]:
 def solve_downsets(
     dag: LayerDag,
     cluster: Cluster,
-    space: SearchSpace,
+    space: PipelineSpace,
     *,
     max_states: int = DEFAULT_MAX_STATES,
 ) -> DownsetSolution:

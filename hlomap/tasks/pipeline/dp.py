@@ -1,8 +1,8 @@
 """Exact dynamic programming over cut states, replication factors and linear device order.
 
-The DP returns a plan of `SearchSpace` with the least `costmodel` objective, the same optimum
-`bruteforce.brute_force` finds by enumeration, in O(D * |R| * Q * K^2) per pass (K cut states, D
-devices, R replication factors, Q <= D stages).
+The DP returns a plan of `PipelineSpace` with the least `costmodel` objective, the same optimum
+the tests' oracle (`tests/tasks/oracle.py`) finds by enumeration, in O(D * |R| * Q * K^2) per
+pass (K cut states, D devices, R replication factors, Q <= D stages).
 
 Cut states. A straight pipeline's stages run one after the other, so the layers before any cut
 form a set closed under predecessors; `CutStates` lists the sets the search may cut at (state 0
@@ -53,7 +53,7 @@ from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_bounda
 from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
-from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace
+from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 
 __all__ = ["CutStates", "Realize", "StateSolution", "chain_states", "solve", "solve_states"]
 
@@ -130,7 +130,7 @@ class _Problem:
     states: CutStates
     realize: Realize
     cluster: Cluster
-    space: SearchSpace
+    space: PipelineSpace
     tables: _Tables
     prices: GroupPrices  # every pass prices the same device groups
 
@@ -162,7 +162,7 @@ class _Pass(NamedTuple):
     next_factor: np.ndarray  # index into factors of the next stage's replication
 
 
-def _tables(states: CutStates, space: SearchSpace) -> _Tables:
+def _tables(states: CutStates, space: PipelineSpace) -> _Tables:
     def pair(values: np.ndarray) -> np.ndarray:
         return values[None, :] - values[:, None]
 
@@ -339,7 +339,7 @@ def _solution(problem: _Problem, chain: _Chain) -> StateSolution:
 
 
 def solve_states(
-    states: CutStates, realize: Realize, cluster: Cluster, space: SearchSpace
+    states: CutStates, realize: Realize, cluster: Cluster, space: PipelineSpace
 ) -> StateSolution:
     """The plan of `space` over the cut `states` with the least objective on `cluster`;
     raises `NoFeasiblePlan`. `realize` lays a chain of states out as a profile's stages."""
@@ -360,7 +360,7 @@ def solve_states(
     _, chain = _best_chain(problem, _run(problem, _Mode.SUM, tau_star * (1 + TIE_RTOL)))
     assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
     best = _solution(problem, chain)
-    if space.objective is Objective.BOTTLENECK:
+    if space.objective is PipelineObjective.BOTTLENECK:
         return best
 
     m = space.microbatches
@@ -409,7 +409,7 @@ def solve_states(
     return best
 
 
-def solve(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
+def solve(profile: PipelineProfile, cluster: Cluster, space: PipelineSpace) -> Solution:
     """The plan of `space` that cuts the profile's layer chain with the least objective on
     `cluster`; raises `NoFeasiblePlan`."""
 

@@ -26,19 +26,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.plan import Pipeline
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.task import CutSearchTask
-from hlomap.tasks.pipeline.chain import StepChain, PivotOptions, step_chain
+from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
 from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
-from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule
 
 __all__ = [
     "CutDescription",
@@ -102,7 +103,7 @@ class PipelineResult:
     search_seconds: float
     episodes: int
     optimum: float | None  # the DP's L (or bottleneck) when compared, else None
-    objective: Objective
+    objective: PipelineObjective
     interrupted: bool = False  # Ctrl-C ended the search; the plan is the best found so far
 
     @property
@@ -116,7 +117,7 @@ class PipelineResult:
     @property
     def value(self) -> float:
         """What the search minimized: closed-form L, or the bottleneck."""
-        return self.cost.latency if self.objective is Objective.LATENCY else self.cost.bottleneck
+        return self.cost.latency if self.objective is PipelineObjective.LATENCY else self.cost.bottleneck
 
     @property
     def gap(self) -> float | None:
@@ -168,8 +169,8 @@ def pipeline_task(
     *,
     stages: int,
     microbatches: int,
-    schedule: Schedule = Schedule.ONE_F_ONE_B,
-    objective: Objective = Objective.LATENCY,
+    schedule: Schedule = DEFAULT_SCHEDULE,
+    objective: PipelineObjective = PipelineObjective.LATENCY,
     device_radius: int = 0,
     require_trainable: bool = True,
     check_memory: bool = True,
@@ -181,7 +182,7 @@ def pipeline_task(
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
     if device_radius > 0:
         sizes = tuple(range(1, cluster.n_devices + 1))
-    space = SearchSpace(
+    space = PipelineSpace(
         microbatches=microbatches,
         schedule=schedule,
         objective=objective,
@@ -215,7 +216,7 @@ def explore_pipeline(
     *,
     stages: int,
     microbatches: int = 8,
-    schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+    schedule: Schedule | str = DEFAULT_SCHEDULE,
     cluster: str | Path | Cluster = "A",
     agent: PipelineAgent | str = PipelineAgent.DQN,
     seed: int = 0,
@@ -223,7 +224,7 @@ def explore_pipeline(
     episodes: int = 2000,
     finetune_episodes: int = 0,
     device_radius: int = 0,
-    objective: Objective | str = Objective.LATENCY,
+    objective: PipelineObjective | str = PipelineObjective.LATENCY,
     require_trainable: bool = True,
     pivot_options: PivotOptions = PivotOptions(),
     policy_path: str | Path | None = None,
@@ -249,7 +250,7 @@ def explore_pipeline(
     """
     agent = PipelineAgent(agent)
     schedule = Schedule(schedule)
-    objective = Objective(objective)
+    objective = PipelineObjective(objective)
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
@@ -270,7 +271,7 @@ def explore_pipeline(
         objective=objective, device_radius=device_radius, require_trainable=require_trainable,
     ) if stages > 1 else None
     start = time.perf_counter()
-    space = task.space if task is not None else SearchSpace(
+    space = task.space if task is not None else PipelineSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
         replication=(cluster.n_devices,), max_stages=1)
     label = name or (hlo.source if hlo is not None else profile.source)
@@ -318,7 +319,7 @@ def explore_pipeline(
 # ---------------------------------------------------------------------------------------------
 
 
-def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
+def _pipeline_section(result: PipelineResult) -> Pipeline:
     from hlomap.tasks.pipeline.block_profile import plan_profile
 
     data = result.to_json()
@@ -326,7 +327,7 @@ def _pipeline_section(result: PipelineResult) -> dict[str, Any]:
                                           "on_node_boundaries")}
     # What re-pricing the plan on other devices or clusters needs (hlomap place, hlomap replan).
     section["block_profile"] = plan_profile(result.profile, result.plan).to_json()
-    return section
+    return Pipeline.from_json(section)
 
 
 def _estimate_section(result: PipelineResult) -> dict[str, Any]:
@@ -374,7 +375,7 @@ def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Pla
               "seconds": round(result.search_seconds, 3), "seed": seed, "interrupted": result.interrupted}
     if result.optimum is not None:
         search["optimum"] = result.optimum
-    plan = Plan(mesh=(), parameters=parameters, source=PlanSource(cap.source, cap.text_sha256))
+    plan = Plan(mesh=(), parameters=parameters, source=PlanSource.of(cap))
     return dataclasses.replace(plan, pipeline=_pipeline_section(result), estimate=_estimate_section(result),
                                search=search)
 

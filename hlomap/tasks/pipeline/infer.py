@@ -32,13 +32,13 @@ from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.tasks.pipeline.normalize import (CANDIDATES, SLOTS, GeneratorSpec, RandomCutEnv, coarsen,
                                        random_task)
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.space import Objective
+from hlomap.tasks.pipeline.space import PipelineObjective
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage
 
 __all__ = [
     "DEFAULT_POLICY",
     "InferenceResult",
-    "Policy",
+    "CutPolicy",
     "TrainingConfig",
     "inference_dqn_config",
     "infer_cuts",
@@ -83,7 +83,7 @@ def inference_dqn_config(total_steps: int, exploration: float = 0.3) -> DqnConfi
 
 
 @dataclass(frozen=True, eq=False)
-class Policy:
+class CutPolicy:
     """A trained inference network: its DQN config, parameters and where it came from."""
 
     config: DqnConfig
@@ -116,7 +116,7 @@ def save_policy(path: str | Path, agent: DqnAgent, extra: dict[str, Any] | None 
     checkpoint.save(path, arrays, meta)
 
 
-def load_policy(path: str | Path | None = None) -> Policy:
+def load_policy(path: str | Path | None = None) -> CutPolicy:
     """Read a policy file (default: the shipped one); refuses one of another layout."""
     path = Path(path) if path is not None else DEFAULT_POLICY
     if not path.is_file():
@@ -137,7 +137,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
     functions = make_dqn(config, *sizes)
     template = DqnAgent(config, *sizes, functions=functions).get_params()
     params = checkpoint.unflatten("params", template, arrays)
-    return Policy(config, params, *sizes, meta, functions)
+    return CutPolicy(config, params, *sizes, meta, functions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def _lift(task: CutTask, coarse_plan: PipelinePlan, kept: tuple[int, ...]) -> Pi
 
 def infer_cuts(
     task: CutTask,
-    policy: Policy | None = None,
+    policy: CutPolicy | None = None,
     *,
     finetune: Budget | None = None,
     seed: int = 0,
@@ -328,7 +328,7 @@ def infer_cuts(
         raise NoFeasiblePlan(f"{task.profile.source}: the inference network reached a dead end")
     plan = _lift(task, best_plan, kept)
     cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
-    value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
+    value = cost.latency if task.space.objective is PipelineObjective.LATENCY else cost.bottleneck
     return InferenceResult(
         plan=plan,
         cost=cost,

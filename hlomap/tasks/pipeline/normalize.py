@@ -30,9 +30,9 @@ from hlomap.cost.devices import device_preset
 from hlomap.cost.pipeline.links import AffineMax, allreduce_cost, transfer_cost, with_device_memory
 from hlomap.cost.topology import block_tables
 from hlomap.tasks.pipeline.cutenv import MAX_STAGES, CutEnv, CutTask
-from hlomap.tasks.pipeline.chain import thin_pivots
+from hlomap.cost.pipeline.chain import thin_pivots
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.cost.pipeline.stages import Schedule
 
 __all__ = [
@@ -202,10 +202,10 @@ def random_task(rng: np.random.Generator, spec: GeneratorSpec = GeneratorSpec())
                     + m * float(stash.sum()) / stages / per_node)
         memory = balanced * rng.uniform(1.0, 3.0)
         cluster = with_device_memory(cluster, memory)
-    space = SearchSpace(
+    space = PipelineSpace(
         microbatches=m,
         schedule=schedule,
-        objective=Objective.BOTTLENECK if rng.random() < spec.bottleneck else Objective.LATENCY,
+        objective=PipelineObjective.BOTTLENECK if rng.random() < spec.bottleneck else PipelineObjective.LATENCY,
         replication=(per_node,),
         cut_on_node_boundary=True,
         require_trainable=bool(rng.random() < spec.require_trainable),

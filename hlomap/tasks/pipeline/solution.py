@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hlomap.cost.pipeline.costs import PlanCost
-from hlomap.tasks.pipeline.space import Objective
+from hlomap.tasks.pipeline.space import PipelineObjective
 from hlomap.cost.pipeline.stages import PipelinePlan
 
 __all__ = ["NoFeasiblePlan", "Solution"]
@@ -21,9 +21,9 @@ class Solution:
 
     plan: PipelinePlan
     cost: PlanCost
-    objective: Objective
+    objective: PipelineObjective
 
     @property
     def value(self) -> float:
         """The minimized quantity: L (LATENCY) or the slowest stage/link per microbatch."""
-        return self.cost.latency if self.objective is Objective.LATENCY else self.cost.bottleneck
+        return self.cost.latency if self.objective is PipelineObjective.LATENCY else self.cost.bottleneck

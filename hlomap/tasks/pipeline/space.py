@@ -1,4 +1,4 @@
-"""What a pipeline search may choose and what it minimizes: `SearchSpace`, `Objective`.
+"""What a pipeline search may choose and what it minimizes: `PipelineSpace`, `PipelineObjective`.
 
 Plans are contiguous cuts of the layer chain, with a replication factor per stage, on devices
 taken in linear order from device 0 (PipeDream / Alpa style): stage s gets the next r_s devices.
@@ -15,16 +15,16 @@ from hlomap.cost.pipeline.costs import CostOptions, PlanCost
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule
 
-__all__ = ["Objective", "SearchSpace", "TIE_RTOL", "inadmissible"]
+__all__ = ["PipelineObjective", "PipelineSpace", "TIE_RTOL", "inadmissible"]
 
 #: Relative tolerance under which two bottlenecks count as equal when breaking ties by latency;
 #: the DP and the brute force add the same numbers in different orders.
 TIE_RTOL = 1e-9
 
 
-class Objective(enum.Enum):
+class PipelineObjective(enum.Enum):
     """LATENCY: L of one global batch (GPipe / Alpa). BOTTLENECK: time per microbatch of the
     slowest stage or link (PipeDream), ties broken by L."""
 
@@ -33,7 +33,7 @@ class Objective(enum.Enum):
 
 
 @dataclass(frozen=True)
-class SearchSpace:
+class PipelineSpace:
     """The plans a search may return, and what it minimizes.
 
     microbatches, schedule: of every plan (the schedule decides the memory, not L).
@@ -50,8 +50,8 @@ class SearchSpace:
     """
 
     microbatches: int = 1
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    objective: Objective = Objective.LATENCY
+    schedule: Schedule = DEFAULT_SCHEDULE
+    objective: PipelineObjective = PipelineObjective.LATENCY
     replication: tuple[int, ...] = (1,)
     use_all_devices: bool = True
     max_stages: int | None = None
@@ -63,20 +63,20 @@ class SearchSpace:
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:
-            raise ValueError(f"SearchSpace.microbatches = {self.microbatches} must be >= 1")
+            raise ValueError(f"PipelineSpace.microbatches = {self.microbatches} must be >= 1")
         factors = tuple(sorted(set(int(r) for r in self.replication)))
         if not factors or factors[0] < 1:
-            raise ValueError(f"SearchSpace.replication = {self.replication!r} needs factors >= 1")
+            raise ValueError(f"PipelineSpace.replication = {self.replication!r} needs factors >= 1")
         object.__setattr__(self, "replication", factors)
         if self.max_stages is not None and self.max_stages < 1:
-            raise ValueError(f"SearchSpace.max_stages = {self.max_stages} must be >= 1")
+            raise ValueError(f"PipelineSpace.max_stages = {self.max_stages} must be >= 1")
 
 
 def inadmissible(
     profile: PipelineProfile,
     cluster: Cluster,
     plan: PipelinePlan,
-    space: SearchSpace,
+    space: PipelineSpace,
     cost: PlanCost,
 ) -> str | None:
     """Why `plan` is outside `space` (a sentence), or None when it is inside."""

@@ -22,7 +22,7 @@ from hlomap.search.score import Score
 from hlomap.search.tracker import Tracker
 from hlomap.tasks.pipeline.cutenv import MAX_STAGES, CutEnv, CutPlan, CutTask, decisions_of
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.space import Objective
+from hlomap.tasks.pipeline.space import PipelineObjective
 
 __all__ = ["ONLINE_CANDIDATES", "CutSearchTask", "cut_dqn_config"]
 
@@ -113,7 +113,7 @@ class CutSearchTask:
         task = self.task
         plan = self.plan_of(decisions)
         cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
-        value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
+        value = cost.latency if task.space.objective is PipelineObjective.LATENCY else cost.bottleneck
         return CutPlan(plan, cost, value, cost.feasible or not task.space.check_memory)
 
     def score(self, decisions: np.ndarray) -> Score:

@@ -18,7 +18,7 @@ from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.solution import Solution
-from hlomap.tasks.pipeline.space import SearchSpace
+from hlomap.tasks.pipeline.space import PipelineSpace
 
 __all__ = ["PipelineModel"]
 
@@ -47,6 +47,6 @@ class PipelineModel:
         """One global batch of `plan` through the event simulator."""
         return simulate(profile, self.cluster, plan, options)
 
-    def solve(self, profile: PipelineProfile, space: SearchSpace) -> Solution:
+    def solve(self, profile: PipelineProfile, space: PipelineSpace) -> Solution:
         """The DP's optimal plan of `space` on the cluster (linear device order)."""
         return solve(profile, self.cluster, space)

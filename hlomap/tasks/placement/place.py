@@ -19,8 +19,7 @@ from typing import Any, Mapping, NamedTuple
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
 from hlomap.cost.pipeline.simulator import SimulationResult
-from hlomap.cost.pipeline.stages import Schedule
-from hlomap.plan import Placement, Plan
+from hlomap.plan import PipelineKind, Placement, Plan
 from hlomap.search.tracker import Budget
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
@@ -49,29 +48,31 @@ def _mesh_layout(plan: Plan, estimate: StepEstimate | Mapping[str, Any] | None, 
 
 def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
     """The block profile a pipeline plan's section carries (`tasks.pipeline.block_profile`)."""
-    pipeline = plan.pipeline or {}
-    if pipeline.get("kind") == "joint":
+    pipeline = plan.pipeline
+    if pipeline is None:
+        raise PlacementError(f"{where}: the plan has no pipeline section")
+    if pipeline.kind is PipelineKind.JOINT:
         raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has tensor-parallel stages, which "
                              "placement and re-planning do not price yet; they take the pipeline plans of hlomap "
                              "explore --task pipeline")
-    if "block_profile" not in pipeline:
+    if pipeline.block_profile is None:
         raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")
     try:
-        profile = PlanProfile.from_json(pipeline["block_profile"], where=f"{where}: pipeline.block_profile")
+        profile = PlanProfile.from_json(pipeline.block_profile, where=f"{where}: pipeline.block_profile")
     except ProfileError as err:
         raise PlacementError(str(err)) from None
-    if len(profile.stage_bounds) - 1 != len(plan.logical_stage_devices()):
+    if len(profile.stage_bounds) - 1 != pipeline.n_stages:
         raise PlacementError(f"{where}: pipeline.block_profile has {len(profile.stage_bounds) - 1} stages, the "
-                             f"pipeline section {len(plan.logical_stage_devices())}")
+                             f"pipeline section {pipeline.n_stages}")
     return profile
 
 
 def _stage_layout(plan: Plan, where: str) -> StageLayout:
-    pipeline = plan.pipeline or {}
+    assert plan.pipeline is not None
     replication = tuple(len(devices) for devices in plan.logical_stage_devices())
-    return StageLayout(plan_profile_of(plan, where).stage_profile(), replication, int(pipeline.get("microbatches", 1)),
-                       Schedule(pipeline.get("schedule", Schedule.ONE_F_ONE_B.value)))
+    return StageLayout(plan_profile_of(plan, where).stage_profile(), replication, plan.pipeline.microbatches,
+                       plan.pipeline.schedule)
 
 
 def problem_from_plan(plan: Plan, cluster: Cluster, *, estimate: StepEstimate | None = None,

@@ -29,7 +29,7 @@ import numpy as np
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.trace import ResourceState
 
@@ -64,10 +64,10 @@ class Workload:
     replication: tuple[int, ...] = (1, 2, 4, 8)
     max_stages: int = 4
 
-    def space(self) -> SearchSpace:
-        return SearchSpace(microbatches=self.microbatches, schedule=self.schedule, objective=Objective.LATENCY,
-                           replication=self.replication, use_all_devices=True, max_stages=self.max_stages,
-                           max_thresholds=200)
+    def space(self) -> PipelineSpace:
+        return PipelineSpace(microbatches=self.microbatches, schedule=self.schedule,
+                             objective=PipelineObjective.LATENCY, replication=self.replication, use_all_devices=True,
+                             max_stages=self.max_stages, max_thresholds=200)
 
 
 def transformer_workload(layers: int = 24, hidden: int = 2048, seq: int = 2048, microbatch: int = 2,

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from hlomap.cost.pipeline.stages import Schedule
 from hlomap.plan import Plan
 from hlomap.tasks.placement.place import plan_profile_of
 from hlomap.tasks.placement.problem import PlacementError
@@ -34,8 +33,7 @@ def workload_of(plan: Plan, where: str = "plan") -> tuple[Workload, RunningPlan]
     profile = plan_profile_of(plan, where)
     stages = plan.stage_devices()
     replication = tuple(sorted(set(REPLICATION) | {len(s) for s in stages}))
-    workload = Workload(profile.blocks, int(plan.pipeline.get("microbatches", 1)),
-                        Schedule(plan.pipeline.get("schedule", Schedule.ONE_F_ONE_B.value)), replication, len(stages))
+    workload = Workload(profile.blocks, plan.pipeline.microbatches, plan.pipeline.schedule, replication, len(stages))
     return workload, RunningPlan(profile.stage_bounds, stages)
 
 

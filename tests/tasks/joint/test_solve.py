@@ -12,7 +12,8 @@ from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import expert_grid
 from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
-from hlomap.tasks.joint.solve import JointSpace, brute_force, microbatch_choices, solve
+from hlomap.tasks.joint.solve import JointSpace, microbatch_choices, solve
+from tests.tasks.oracle import joint_brute_force, joint_plans
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_the_dp_finds_the_enumerated_optimum(gpt_tiny, cluster, schedule) -> Non
     model = _model(gpt_tiny, CLUSTERS[cluster](), layers=4)
     space = JointSpace(stage_options(model.cluster), (1, 2, 4), schedule)
     plan, cost = solve(model, space)
-    best_plan, best = brute_force(model, space)
+    best_plan, best = joint_brute_force(model, space)
     assert cost.latency == pytest.approx(best.latency, rel=1e-9)
     assert evaluate(model, plan).latency == pytest.approx(cost.latency, rel=1e-12)
     assert sum(stage.option.devices for stage in plan.stages) == model.cluster.n_devices
@@ -50,12 +51,11 @@ def test_memory_limits_are_honoured(gpt_tiny) -> None:
     """Devices too small for the unconstrained optimum: the DP finds the best plan that fits,
     the one enumeration finds."""
     from hlomap.cost.devices import DeviceSpec
-    from hlomap.tasks.joint.solve import enumerate_plans
 
     roomy = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=4)
     space = JointSpace(stage_options(roomy.cluster), (1, 2))
     free_plan, free = solve(roomy, space)
-    leanest = min(max(evaluate(roomy, plan).stage_memory) for plan in enumerate_plans(roomy, space))
+    leanest = min(max(evaluate(roomy, plan).stage_memory) for plan in joint_plans(roomy, space))
     assert leanest < max(free.stage_memory)
     capacity = int((leanest + max(free.stage_memory)) / 2)
     small = DeviceSpec("small", {"f32": 1e13}, 9e11, capacity)
@@ -63,7 +63,7 @@ def test_memory_limits_are_honoured(gpt_tiny) -> None:
     plan, cost = solve(model, space)
     assert cost.fits and max(cost.stage_memory) <= capacity and plan != free_plan
     assert cost.latency >= free.latency
-    assert brute_force(model, space)[1].latency == pytest.approx(cost.latency, rel=1e-9)
+    assert joint_brute_force(model, space)[1].latency == pytest.approx(cost.latency, rel=1e-9)
 
 
 def test_a_stage_costs_what_the_cost_model_says_for_the_whole_step(gpt_tiny) -> None:
@@ -81,7 +81,7 @@ def test_a_stage_costs_what_the_cost_model_says_for_the_whole_step(gpt_tiny) -> 
     assert priced == pytest.approx(attributed, rel=0.05)  # the rest: phase-less ops (constants)
     partial = sum(c.total_seconds for c in est.collectives if c.reason.value != "gradient sync")
     assert arrays.alpha[-1] + arrays.beta[-1] == pytest.approx(partial, rel=1e-9)
-    one = JointPlan((JointStage(0, model.n_layers, 0, option),), 1)
+    one = JointPlan((JointStage.of(0, model.n_layers, 0, option),), 1)
     assert math.isfinite(evaluate(model, one).latency)
 
 
@@ -120,7 +120,23 @@ def test_the_dqn_over_the_outer_level_finds_the_exact_optimum(gpt_tiny, servers,
     space = JointSpace(stage_options(model.cluster), (1, 2, 4))
     _, exact = solve(model, space)
     if servers == 2:  # the brute force enumerates every plan: affordable on the smaller spaces
-        assert brute_force(model, space)[1].latency == pytest.approx(exact.latency, rel=1e-9)
+        assert joint_brute_force(model, space)[1].latency == pytest.approx(exact.latency, rel=1e-9)
     found = dqn_search(JointSearchTask(model, space), Budget(episodes=episodes, seconds=None), seed=0)
     assert found.score.step_time == pytest.approx(exact.latency, rel=1e-9)
     assert evaluate(model, found.plan).latency == pytest.approx(exact.latency, rel=1e-9)
+
+
+def test_joint_plans_are_priced_by_the_one_pipeline_formula(gpt_tiny, monkeypatch) -> None:
+    """The joint task's cost combines its stage and transfer times with the pipeline task's
+    closed form (`cost.pipeline.costs.pipeline_latency`), not a copy of it."""
+    import hlomap.tasks.joint.plans as plans
+    from hlomap.cost.pipeline.costs import pipeline_latency
+
+    model = _model(gpt_tiny, CLUSTERS["2 servers x 4"](), layers=4)
+    plan, cost = solve(model, JointSpace(stage_options(model.cluster), (2,), Schedule.ONE_F_ONE_B))
+    assert (cost.latency, cost.bottleneck) == pipeline_latency(cost.stage_seconds, cost.transfer_seconds, 2)
+    seen = []
+    monkeypatch.setattr(plans, "pipeline_latency", lambda t, u, m: seen.append((tuple(t), tuple(u), m)) or (1.0, 0.5))
+    again = evaluate(model, plan)
+    assert (again.latency, again.bottleneck) == (1.0, 0.5)
+    assert seen == [(cost.stage_seconds, cost.transfer_seconds, plan.microbatches)]

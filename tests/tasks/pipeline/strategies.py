@@ -16,7 +16,7 @@ from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.downsets import LayerDag
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 
 if TYPE_CHECKING:
     from hlomap.tasks.pipeline.cutenv import CutTask
@@ -110,12 +110,12 @@ def uniform_cluster(
 
 
 @st.composite
-def spaces(draw: st.DrawFn) -> SearchSpace:
+def spaces(draw: st.DrawFn) -> PipelineSpace:
     """Random search spaces exercising every option."""
-    return SearchSpace(
+    return PipelineSpace(
         microbatches=draw(st.integers(1, 6)),
         schedule=draw(st.sampled_from(Schedule)),
-        objective=draw(st.sampled_from(Objective)),
+        objective=draw(st.sampled_from(PipelineObjective)),
         replication=tuple(draw(st.sets(st.integers(1, 4), min_size=1, max_size=3))),
         use_all_devices=draw(st.booleans()),
         max_stages=draw(st.one_of(st.none(), st.integers(1, 4))),
@@ -143,5 +143,5 @@ def random_cut_task(stages: int = 3, seed: int = 0, memory: float = float("inf")
     )
     cluster = uniform_cluster(2 * stages, bandwidth=1e9, latency=1e-5, devices_per_node=2,
                               memory_bytes=memory)
-    space = SearchSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
+    space = PipelineSpace(microbatches=4, replication=(2,), cut_on_node_boundary=True)
     return CutTask(profile, cluster, space, stages)

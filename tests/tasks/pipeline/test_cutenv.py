@@ -13,8 +13,8 @@ from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import uniform_profile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
-from hlomap.tasks.pipeline.bruteforce import enumerate_plans
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
+from tests.tasks.oracle import pipeline_plans
 from hlomap.tasks.pipeline.cutenv import FEATURES, CutEnv, CutTask, center_device_bounds
 from hlomap.tasks.pipeline.space import inadmissible
 from tests.tasks.pipeline.strategies import profiles, uniform_cluster
@@ -43,10 +43,10 @@ def tasks(draw, *, objective=None):
     cluster = with_device_memory(Cluster(
         "hypothesis", cluster_preset("A").devices[:1] * d, tuple(i // per_node for i in range(d)),
         bandwidth.reshape(d, d), np.full((d, d), 1e-5)), memory)
-    space = SearchSpace(
+    space = PipelineSpace(
         microbatches=draw(st.integers(1, 6)),
         schedule=draw(st.sampled_from(Schedule)),
-        objective=objective or draw(st.sampled_from(Objective)),
+        objective=objective or draw(st.sampled_from(PipelineObjective)),
         replication=(per_node,),
         cut_on_node_boundary=True,
         require_trainable=draw(st.booleans()),
@@ -74,14 +74,14 @@ def _admissible_plans(task: CutTask):
     """Brute force: S-stage plans on the center device groups that `space` admits."""
     center = task.center
     found = {}
-    for plan in enumerate_plans(task.profile, task.cluster, task.space):
+    for plan in pipeline_plans(task.profile, task.cluster, task.space):
         if plan.n_stages != task.n_stages:
             continue
         if tuple(s.devices[0] for s in plan.stages) + (task.cluster.n_devices,) != center:
             continue
         cost = evaluate_plan(task.profile, task.cluster, plan, task.space.cost)
         space = task.space
-        ignore_memory = SearchSpace(**{**space.__dict__, "check_memory": False})
+        ignore_memory = PipelineSpace(**{**space.__dict__, "check_memory": False})
         if inadmissible(task.profile, task.cluster, plan, ignore_memory, cost) is None:
             found[plan.cuts] = cost
     return found
@@ -101,7 +101,7 @@ def test_episodes_reach_exactly_the_admissible_plans_with_returns_of_one_over_l(
     for actions, total, outcome in leaves:
         assert outcome is not None, f"dead end after {actions}"
         cost = expected[outcome.plan.cuts]
-        value = cost.latency if task.space.objective is Objective.LATENCY else cost.bottleneck
+        value = cost.latency if task.space.objective is PipelineObjective.LATENCY else cost.bottleneck
         assert outcome.value == pytest.approx(value, rel=1e-12)
         feasible = cost.feasible or not task.space.check_memory
         want = (env.reference / value if value > 0 else 1.0) if feasible else -task.oom_penalty
@@ -111,7 +111,7 @@ def test_episodes_reach_exactly_the_admissible_plans_with_returns_of_one_over_l(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(task=tasks(objective=Objective.LATENCY))
+@given(task=tasks(objective=PipelineObjective.LATENCY))
 def test_last_cut_estimate_is_exact_and_ranking_puts_the_best_first(task):
     env = CutEnv(task)
     ranked = CutEnv(task, ranked=1)
@@ -147,7 +147,7 @@ def test_last_cut_estimate_is_exact_and_ranking_puts_the_best_first(task):
 
 def test_illegal_actions_are_refused_by_name():
     task = CutTask(uniform_profile(6, forward_time=1.0, backward_time=2.0),
-                   uniform_cluster(3, bandwidth=1e9), SearchSpace(microbatches=4), 3)
+                   uniform_cluster(3, bandwidth=1e9), PipelineSpace(microbatches=4), 3)
     env = CutEnv(task)
     env.reset(0)
     with pytest.raises(ValueError, match=r"action 4 \(pivot 4, device offset 0\) is illegal"):
@@ -161,7 +161,7 @@ def test_illegal_actions_are_refused_by_name():
 
 def test_fewer_pivots_than_slots_are_spread_and_repeats_masked():
     task = CutTask(uniform_profile(5, forward_time=1.0, backward_time=1.0),
-                   uniform_cluster(2, bandwidth=1e9), SearchSpace(microbatches=2), 2)
+                   uniform_cluster(2, bandwidth=1e9), PipelineSpace(microbatches=2), 2)
     env = CutEnv(task, slots=16)
     timestep = env.reset(0)
     assert env.num_actions == 16 and timestep.legal.all()
@@ -177,7 +177,7 @@ def test_fewer_pivots_than_slots_are_spread_and_repeats_masked():
 
 def test_a_device_radius_lets_device_cuts_move():
     cluster = uniform_cluster(4, bandwidth=1e9, devices_per_node=1)
-    space = SearchSpace(microbatches=4, replication=(1, 2, 3))
+    space = PipelineSpace(microbatches=4, replication=(1, 2, 3))
     profile = uniform_profile(4, forward_time=1.0, backward_time=1.0, parameter_bytes=1e6)
     env = CutEnv(CutTask(profile, cluster, space, 2, device_radius=1))
     timestep = env.reset(0)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from hlomap.cost.pipeline.costs import CommModel, CostOptions, evaluate_plan
-from hlomap.tasks.pipeline.bruteforce import all_downsets, brute_force_downsets
+from tests.tasks.oracle import all_downsets, downset_brute_force
 from hlomap.tasks.pipeline.dp import solve, solve_states
 from hlomap.tasks.pipeline.downsets import (
     LayerDag,
@@ -19,11 +19,11 @@ from hlomap.tasks.pipeline.downsets import (
 )
 from hlomap.tasks.pipeline.pipedream import parse_graph, to_dag
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.space import Objective, SearchSpace, inadmissible
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace, inadmissible
 from tests.tasks.pipeline.strategies import clusters, layer_dags, spaces, uniform_cluster
 
-COMPUTE_ONLY = SearchSpace(
-    objective=Objective.BOTTLENECK, cost=CostOptions(comm=CommModel.IGNORED), check_memory=False
+COMPUTE_ONLY = PipelineSpace(
+    objective=PipelineObjective.BOTTLENECK, cost=CostOptions(comm=CommModel.IGNORED), check_memory=False
 )
 
 
@@ -45,7 +45,7 @@ def _layer_bytes_crossing(dag, before):
 def _expected(dag, cluster, space, downsets=None):
     """The brute-force optimum over chains of downsets, or None when no plan is admissible."""
     try:
-        solution, _ = brute_force_downsets(dag, cluster, space, downsets)
+        solution, _ = downset_brute_force(dag, cluster, space, downsets)
     except NoFeasiblePlan:
         return None
     return solution
@@ -161,8 +161,8 @@ def test_the_downset_optimum_is_the_best_straight_order():
                             for i in range(n)),
             source=f"random{trial}",
         )
-        objective = (Objective.LATENCY, Objective.BOTTLENECK)[trial % 2]
-        space = SearchSpace(microbatches=4, objective=objective, replication=(1, 2),
+        objective = (PipelineObjective.LATENCY, PipelineObjective.BOTTLENECK)[trial % 2]
+        space = PipelineSpace(microbatches=4, objective=objective, replication=(1, 2),
                             use_all_devices=False, check_memory=False)
         edges = _edges(dag)
         orders = [order for order in itertools.permutations(range(n))
@@ -252,7 +252,7 @@ def test_every_corpus_graph_gains_or_keeps_its_optimum(corpus_dir):
         dag = load_pipedream_dag(path)
         for n_stages in (4, 8):
             cluster = pipedream_cluster(n_stages)
-            space = SearchSpace(objective=Objective.BOTTLENECK, microbatches=16,
+            space = PipelineSpace(objective=PipelineObjective.BOTTLENECK, microbatches=16,
                                 check_memory=False)
             straight = solve(dag.straight, cluster, space)
             found = solve_downsets(dag, cluster, space, max_states=1024)

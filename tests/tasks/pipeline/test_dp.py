@@ -9,10 +9,10 @@ from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, uniform_profile
 from hlomap.cost.pipeline.simulator import simulate
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.tasks.pipeline.bruteforce import brute_force
+from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.tasks.pipeline.space import inadmissible
 from tests.tasks.pipeline.strategies import clusters as random_clusters
 from tests.tasks.pipeline.strategies import profiles, spaces, uniform_cluster
@@ -30,13 +30,13 @@ def _outcome(search, profile, cluster, space):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(profile=profiles(), cluster=random_clusters(), space=spaces())
 def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
-    expected = _outcome(brute_force, profile, cluster, space)
+    expected = _outcome(pipeline_brute_force, profile, cluster, space)
     found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
     if expected is None:
         return
     assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
-    if space.objective is Objective.BOTTLENECK:  # ties are broken by latency in both
+    if space.objective is PipelineObjective.BOTTLENECK:  # ties are broken by latency in both
         assert found.cost.latency == pytest.approx(expected.cost.latency, rel=1e-9, abs=1e-12)
     # The DP's plan is itself admissible, and its reported cost is the plan's cost.
     assert inadmissible(profile, cluster, found.plan, space, found.cost) is None
@@ -59,14 +59,14 @@ def test_latency_needs_a_bottleneck_between_the_extremes():
         parameter_bytes=[0.0] * 5,
     )
     cluster = uniform_cluster(2, bandwidth=1e9)
-    space = SearchSpace(microbatches=4, use_all_devices=False, check_memory=False)
+    space = PipelineSpace(microbatches=4, use_all_devices=False, check_memory=False)
     solution = solve(profile, cluster, space)
     assert solution.value == pytest.approx(111.0)
-    assert solution.value == pytest.approx(brute_force(profile, cluster, space).value)
+    assert solution.value == pytest.approx(pipeline_brute_force(profile, cluster, space).value)
     assert solution.plan.cuts == (1,)
-    bottleneck = solve(profile, cluster, SearchSpace(
+    bottleneck = solve(profile, cluster, PipelineSpace(
         microbatches=4, use_all_devices=False, check_memory=False,
-        objective=Objective.BOTTLENECK,
+        objective=PipelineObjective.BOTTLENECK,
     ))
     assert bottleneck.plan.cuts == (2,) and bottleneck.cost.latency == pytest.approx(112.0)
 
@@ -90,9 +90,9 @@ def test_latency_dp_on_communication_heavy_chains(compute, cut_gb, microbatches,
         parameter_bytes=[0.0] * n,
     )
     cluster = uniform_cluster(n_devices, bandwidth=1e9)
-    space = SearchSpace(microbatches=microbatches, use_all_devices=False, check_memory=False)
+    space = PipelineSpace(microbatches=microbatches, use_all_devices=False, check_memory=False)
     assert solve(profile, cluster, space).value == pytest.approx(
-        brute_force(profile, cluster, space).value, rel=1e-12
+        pipeline_brute_force(profile, cluster, space).value, rel=1e-12
     )
 
 
@@ -101,7 +101,7 @@ def test_uniform_layers_split_evenly(n_stages, layers_per_stage):
     """Closed form: n = S k equal layers on S devices -> bottleneck k (t_f + t_b)."""
     profile = uniform_profile(n_stages * layers_per_stage, forward_time=1.0, backward_time=2.0)
     cluster = uniform_cluster(n_stages, bandwidth=1e9)
-    space = SearchSpace(objective=Objective.BOTTLENECK, cost=NO_COMM, microbatches=8)
+    space = PipelineSpace(objective=PipelineObjective.BOTTLENECK, cost=NO_COMM, microbatches=8)
     solution = solve(profile, cluster, space)
     assert solution.value == pytest.approx(layers_per_stage * 3.0)
     assert [s.stop - s.start for s in solution.plan.stages] == [layers_per_stage] * n_stages
@@ -114,15 +114,15 @@ def test_memory_limit_forces_more_stages_and_1f1b_fits_where_gpipe_does_not():
     # 4 layers of 1 GB stash each; M = 4 microbatches; devices of 9 GB.
     profile = uniform_profile(4, forward_time=1, backward_time=1, stash_bytes=1e9)
     cluster = uniform_cluster(4, bandwidth=1e9, memory_bytes=9e9)
-    base = dict(microbatches=4, use_all_devices=False, objective=Objective.BOTTLENECK, cost=NO_COMM)
+    base = dict(microbatches=4, use_all_devices=False, objective=PipelineObjective.BOTTLENECK, cost=NO_COMM)
     # GPipe stashes 4 microbatches on every stage: at most 2 layers (8 GB) per stage.
-    gpipe = solve(profile, cluster, SearchSpace(**base, schedule=Schedule.GPIPE, max_stages=2))
+    gpipe = solve(profile, cluster, PipelineSpace(**base, schedule=Schedule.GPIPE, max_stages=2))
     assert [s.stop - s.start for s in gpipe.plan.stages] == [2, 2]
     assert gpipe.cost.feasible and max(gpipe.cost.stage_memory) <= 9e9
     with pytest.raises(NoFeasiblePlan, match="no plan of 4 layers on 4 devices"):
-        solve(profile, cluster, SearchSpace(**base, schedule=Schedule.GPIPE, max_stages=1))
+        solve(profile, cluster, PipelineSpace(**base, schedule=Schedule.GPIPE, max_stages=1))
     # 1F1B: one stage keeps only min(1, 4) = 1 microbatch: 4 GB fits on one device.
-    one_f = solve(profile, cluster, SearchSpace(**base, schedule=Schedule.ONE_F_ONE_B, max_stages=1))
+    one_f = solve(profile, cluster, PipelineSpace(**base, schedule=Schedule.ONE_F_ONE_B, max_stages=1))
     assert one_f.plan.n_stages == 1 and one_f.cost.stage_memory == (4e9,)
 
 
@@ -136,14 +136,14 @@ def test_auto_map_rules_server_boundaries_and_trainable_stages():
         parameter_bytes=[1e6, 0.0, 0.0, 1e6],
     )
     cluster = uniform_cluster(4, bandwidth=1e9, devices_per_node=2)
-    free = SearchSpace(objective=Objective.BOTTLENECK, cost=NO_COMM, microbatches=4)
+    free = PipelineSpace(objective=PipelineObjective.BOTTLENECK, cost=NO_COMM, microbatches=4)
     assert solve(profile, cluster, free).plan.n_stages == 4
-    ruled = SearchSpace(
-        objective=Objective.BOTTLENECK, cost=NO_COMM, microbatches=4, replication=(1, 2),
+    ruled = PipelineSpace(
+        objective=PipelineObjective.BOTTLENECK, cost=NO_COMM, microbatches=4, replication=(1, 2),
         cut_on_node_boundary=True, require_trainable=True,
     )
     solution = solve(profile, cluster, ruled)
-    assert solution.value == pytest.approx(brute_force(profile, cluster, ruled).value)
+    assert solution.value == pytest.approx(pipeline_brute_force(profile, cluster, ruled).value)
     for s, stage in enumerate(solution.plan.stages):
         assert profile.trainable[stage.start : stage.stop].any()
         if s > 0:
@@ -154,9 +154,9 @@ def test_auto_map_rules_server_boundaries_and_trainable_stages():
 def test_replication_trades_compute_against_all_reduce():
     """One layer on 4 devices: replicate when gradients are small, not when they are huge."""
     cluster = uniform_cluster(4, bandwidth=1e9)
-    space = SearchSpace(
+    space = PipelineSpace(
         replication=(1, 2, 4), use_all_devices=False, microbatches=1,
-        objective=Objective.LATENCY, check_memory=False,
+        objective=PipelineObjective.LATENCY, check_memory=False,
     )
     small = PipelineProfile(("x",), [1.0], [1.0], [], [1e6])
     large = PipelineProfile(("x",), [1.0], [1.0], [], [1e10])
@@ -171,9 +171,9 @@ def test_no_feasible_plan_is_an_error_naming_the_source():
     profile = uniform_profile(2, forward_time=1, backward_time=1, parameter_bytes=1e9)
     cluster = uniform_cluster(2, bandwidth=1e9, memory_bytes=1e9)
     with pytest.raises(NoFeasiblePlan, match=r"uniform_profile\(2\)"):
-        solve(profile, cluster, SearchSpace())
+        solve(profile, cluster, PipelineSpace())
     with pytest.raises(NoFeasiblePlan, match="all exceed the 2 devices"):
-        solve(profile, cluster, SearchSpace(replication=(4,)))
+        solve(profile, cluster, PipelineSpace(replication=(4,)))
 
 
 @pytest.mark.slow
@@ -184,7 +184,7 @@ def test_no_feasible_plan_is_an_error_naming_the_source():
     space=spaces(),
 )
 def test_dp_finds_the_brute_force_optimum_larger(profile, cluster, space):
-    expected = _outcome(brute_force, profile, cluster, space)
+    expected = _outcome(pipeline_brute_force, profile, cluster, space)
     found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
     if expected is not None:

@@ -10,7 +10,7 @@ from hlomap.agents import checkpoint
 from hlomap.agents.dqn import DqnAgent
 from hlomap.cost.pipeline.costs import evaluate_plan
 from hlomap.tasks.pipeline.dp import solve
-from hlomap.tasks.pipeline.space import SearchSpace
+from hlomap.tasks.pipeline.space import PipelineSpace
 from hlomap.tasks.pipeline.cutenv import CutEnv, CutTask
 from hlomap.search.budget import Budget
 from hlomap.tasks.pipeline.infer import (
@@ -48,7 +48,7 @@ def _task(n_layers: int = 300, stages: int = 3) -> CutTask:
     profile = replace(profile, activation_bytes=profile.activation_bytes * 1e6,
                       parameter_bytes=profile.parameter_bytes * 1e6)
     cluster = uniform_cluster(2 * stages, bandwidth=1e10, latency=1e-5, devices_per_node=2)
-    space = SearchSpace(microbatches=8, replication=(2,), cut_on_node_boundary=True)
+    space = PipelineSpace(microbatches=8, replication=(2,), cut_on_node_boundary=True)
     return CutTask(profile, cluster, space, stages)
 
 

@@ -14,10 +14,10 @@ from hlomap.tasks.pipeline.pipedream import (
     pipedream_cluster,
     to_profile,
 )
-from hlomap.tasks.pipeline.space import Objective, SearchSpace
+from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 
-STRAIGHT_PIPEDREAM = SearchSpace(
-    objective=Objective.BOTTLENECK,
+STRAIGHT_PIPEDREAM = PipelineSpace(
+    objective=PipelineObjective.BOTTLENECK,
     cost=CostOptions(comm=CommModel.IGNORED),
     check_memory=False,
 )

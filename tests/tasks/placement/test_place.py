@@ -82,7 +82,7 @@ def test_plans_that_cannot_be_placed_say_why(mlp):
     with pytest.raises(PlacementError, match="no estimate section"):
         problem_from_plan(plan, load_cluster("uniform:8"))
     bare = pipeline_plan()
-    del bare.pipeline["block_profile"]
+    bare = dataclasses.replace(bare, pipeline=dataclasses.replace(bare.pipeline, block_profile=None))
     with pytest.raises(PlacementError, match="no block_profile"):
         problem_from_plan(bare, load_cluster("torus:2x4"))
     with pytest.raises(PlacementError, match="8 logical positions but cluster 'mesh:2x2' has only 4"):

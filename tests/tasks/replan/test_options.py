@@ -9,7 +9,7 @@ import pytest
 
 from hlomap.cost.cluster import load_cluster
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.tasks.pipeline.bruteforce import brute_force
+from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Option, RunningPlan, Workload, best_move,
                                          candidates, migration, resolve, step_seconds)
@@ -58,7 +58,7 @@ def test_resolve_is_the_brute_force_optimum_on_the_available_devices(gpus):
     state = trace.states()[1][1]
     model = PipelineModel(state.cluster)
     plan, step = resolve(workload, state, model)
-    optimum = brute_force(workload.profile, state.cluster, workload.space())
+    optimum = pipeline_brute_force(workload.profile, state.cluster, workload.space())
     assert step == pytest.approx(optimum.value, rel=1e-9)
     assert step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
     assert {d for stage in plan.devices for d in stage} <= set(state.devices)

@@ -13,7 +13,7 @@ from hlomap.cost.compute import instruction_cost
 from hlomap.cost.devices import device_preset
 from hlomap.hlo.capture import Phase, Role, capture, instruction_phase
 from hlomap.cost.pipeline.profile import merge_layers
-from hlomap.tasks.pipeline.chain import (
+from hlomap.cost.pipeline.chain import (
     PivotOptions,
     chain_arrays,
     step_chain,

@@ -11,7 +11,10 @@ JSON schema (version 1):
      "mesh": {"axes": {name: size}},
      "parameters": [{"index": int, "path": str, "shape": [int], "spec": [null | str | [str]]}],
      "groups": [{"id": int, "axes": [str], "size": int, "trainable": ["path:dim"]}],
-     "pipeline": null | {...}, "estimate": null | {...},
+     "pipeline": null | {"stages": [{"devices": [int], "layers": [int, int], "mesh": {name: size},
+                                     "specs": [spec per parameter], ...}],
+                         "microbatches": int, "schedule": "1f1b" | "gpipe", "cuts": [...], ...},
+     "estimate": null | {...},
      "placement": null | {"devices": [int], "cluster": str, "solver": str,
                           "step_seconds": float | null, "identity_step_seconds": float | null}}
 
@@ -22,12 +25,12 @@ or into `jax.devices()`) of logical position i. Logical positions run row-major 
 axes for an SPMD plan, and stage by stage, in the order each stage of the pipeline section lists
 its devices, for a pipeline plan. `cluster` names the cluster it was chosen for, `solver` how, and
 the two times are the estimated step on that cluster with this order and with the identity order.
-`Plan.device_order()` is the one function a runner needs: the mesh's device order.
+`Plan.device_order()` is the one function a runner needs: the mesh's device order. The
+sections are typed (`hlomap.plan.sections`); the pipeline section's fields are documented there.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import math
@@ -40,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from hlomap.plan.errors import PlanError
+from hlomap.plan.sections import GroupAssignment, ParameterSpec, Pipeline, Placement, PlanSource, spec_to_json
 from hlomap.propagation.conflicts import REPLICATED, Conflict, ConflictChecker, MeshAxes, PlanConflict
 
 if TYPE_CHECKING:
@@ -50,100 +55,7 @@ log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 
-__all__ = ["PLAN_VERSION", "GroupAssignment", "ParameterSpec", "Placement", "Plan", "PlanConflict", "PlanError",
-           "PlanSource", "ReferencePlan", "parse_mesh_text", "reference_plan", "resolve_plan"]
-
-
-@dataclass(frozen=True)
-class PlanSource:
-    kind: str  # "jax:<fn>" or an HLO file path, from the Capture
-    sha256: str  # of the HLO text the plan was made for
-
-
-@dataclass(frozen=True)
-class ParameterSpec:
-    """The sharding of one entry parameter: for each dim, None or the mesh axes splitting it."""
-
-    index: int
-    path: str
-    shape: tuple[int, ...]
-    spec: tuple[tuple[str, ...] | None, ...]
-
-    def partition_spec(self) -> Any:
-        from jax.sharding import PartitionSpec
-
-        entries = [None if s is None else (s[0] if len(s) == 1 else tuple(s)) for s in self.spec]
-        while entries and entries[-1] is None:
-            entries.pop()
-        return PartitionSpec(*entries)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "path": self.path, "shape": list(self.shape),
-                "spec": [None if s is None else (s[0] if len(s) == 1 else list(s)) for s in self.spec]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ParameterSpec:
-        spec = tuple(None if s is None else ((s,) if isinstance(s, str) else tuple(s)) for s in data["spec"])
-        return cls(int(data["index"]), str(data["path"]), tuple(int(d) for d in data["shape"]), spec)
-
-
-@dataclass(frozen=True)
-class GroupAssignment:
-    """A sharded linkage group: its id in the factor graph, axes, size and trainable members."""
-
-    id: int
-    axes: tuple[str, ...]
-    size: int
-    trainable: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "axes": list(self.axes), "size": self.size, "trainable": list(self.trainable)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> GroupAssignment:
-        return cls(int(data["id"]), tuple(data["axes"]), int(data["size"]), tuple(data.get("trainable", ())))
-
-
-@dataclass(frozen=True)
-class Placement:
-    """The physical device of each logical position of a plan (see the module docstring)."""
-
-    devices: tuple[int, ...]
-    cluster: str = ""
-    solver: str = ""
-    step_seconds: float | None = None
-    identity_step_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        devices = tuple(self.devices)
-        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in devices):
-            raise PlanError(f"placement devices must be non-negative integers, got {list(devices)}")
-        if len(set(devices)) != len(devices):
-            twice = sorted({d for d in devices if devices.count(d) > 1})
-            raise PlanError(f"placement puts two logical positions on device(s) {twice}")
-        object.__setattr__(self, "devices", tuple(int(d) for d in devices))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"devices": list(self.devices), "cluster": self.cluster, "solver": self.solver,
-                "step_seconds": self.step_seconds, "identity_step_seconds": self.identity_step_seconds}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], where: str = "placement") -> Placement:
-        if not isinstance(data, Mapping) or not isinstance(data.get("devices"), list):
-            raise PlanError(f"{where}: expected an object with a 'devices' list, got {data!r}")
-
-        def seconds(key: str) -> float | None:
-            value = data.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise PlanError(f"{where}: field {key!r}: expected a number or null, got {value!r}")
-            return None if value is None else float(value)
-
-        try:
-            return cls(tuple(data["devices"]), str(data.get("cluster", "")), str(data.get("solver", "")),
-                       seconds("step_seconds"), seconds("identity_step_seconds"))
-        except PlanError as err:
-            raise PlanError(f"{where}: {err}") from None
-
+__all__ = ["PLAN_VERSION", "Plan", "write_atomic"]
 
 @dataclass(frozen=True)
 class Plan:
@@ -154,7 +66,8 @@ class Plan:
     parameters: tuple[ParameterSpec, ...]
     groups: tuple[GroupAssignment, ...] = ()
     source: PlanSource = PlanSource("", "")
-    pipeline: Mapping[str, Any] | None = None
+    #: The pipeline section (None: an SPMD plan). Its JSON form is accepted and read here.
+    pipeline: Pipeline | None = None
     estimate: Mapping[str, Any] | None = None
     version: int = PLAN_VERSION
     in_tree: Any = field(default=None, compare=False, repr=False)
@@ -164,6 +77,10 @@ class Plan:
     placement: Placement | None = None
 
     def __post_init__(self) -> None:
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            object.__setattr__(self, "pipeline", Pipeline.from_json(self.pipeline))
+        if self.pipeline is not None:
+            _check_stage_specs(self.pipeline, self.parameters)
         if self.placement is not None and len(self.placement.devices) != self.n_positions:
             raise PlanError(f"placement lists {len(self.placement.devices)} devices but the plan has "
                             f"{self.n_positions} logical positions ({self._positions_text()})")
@@ -250,7 +167,7 @@ class Plan:
             for g in np.flatnonzero(plan >= 0)
         )
         return cls(mesh=tuple(axes.mesh_shape.items()), parameters=tuple(params), groups=groups,
-                   source=PlanSource(cap.source, cap.text_sha256), in_tree=cap.in_tree)
+                   source=PlanSource.of(cap), in_tree=cap.in_tree)
 
     # -- views ----------------------------------------------------------------------------------
     @property
@@ -261,7 +178,7 @@ class Plan:
         """Each pipeline stage's devices as its section lists them (empty for an SPMD plan)."""
         if self.pipeline is None:
             return ()
-        return tuple(tuple(int(d) for d in stage["devices"]) for stage in self.pipeline["stages"])
+        return self.pipeline.stage_devices()
 
     def logical_devices(self) -> tuple[int, ...]:
         """The logical positions: 0..n-1 over the mesh (row-major), or the pipeline's stage
@@ -348,11 +265,11 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "source": {"kind": self.source.kind, "sha256": self.source.sha256},
+            "source": self.source.to_json(),
             "mesh": {"axes": dict(self.mesh)},
             "parameters": [p.to_json() for p in self.parameters],
             "groups": [g.to_json() for g in self.groups],
-            "pipeline": dict(self.pipeline) if self.pipeline is not None else None,
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
             "estimate": dict(self.estimate) if self.estimate is not None else None,
             **({"search": dict(self.search)} if self.search is not None else {}),
             "placement": self.placement.to_json() if self.placement is not None else None,
@@ -368,8 +285,9 @@ class Plan:
                 mesh=tuple((str(k), int(v)) for k, v in data["mesh"]["axes"].items()),
                 parameters=tuple(ParameterSpec.from_json(p) for p in data["parameters"]),
                 groups=tuple(GroupAssignment.from_json(g) for g in data.get("groups", ())),
-                source=PlanSource(data["source"]["kind"], data["source"]["sha256"]),
-                pipeline=data.get("pipeline"),
+                source=PlanSource.from_json(data["source"], where=f"{where}: source"),
+                pipeline=(None if data.get("pipeline") is None
+                          else Pipeline.from_json(data["pipeline"], where=f"{where}: pipeline")),
                 estimate=data.get("estimate"),
                 search=data.get("search"),
                 placement=(None if data.get("placement") is None
@@ -415,13 +333,15 @@ class Plan:
                                      f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
 
     def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:
-        """Raise ValueError, saying what differs, when the plan was made for another module (the
-        sha256 of the HLO text) or another mesh (`mesh`: a {name: size} mapping or a jax Mesh)."""
-        if cap is not None and self.source.sha256 and cap.text_sha256 != self.source.sha256:
+        """Raise ValueError, saying what differs, when the plan was made for another module
+        (`PlanSource.mismatch`: the same step as a dumped HLO text or lowered from JAX matches) or
+        another mesh (`mesh`: a {name: size} mapping or a jax Mesh)."""
+        difference = None if cap is None else self.source.mismatch(cap)
+        if difference is not None:
             raise ValueError(
-                f"{where} was made for another module: it records {self.source.kind or 'a module'} with HLO "
-                f"sha256 {self.source.sha256[:12]}..., but {cap.source} has sha256 {cap.text_sha256[:12]}... "
-                f"(the step, its argument shapes or the JAX version changed); explore again for this module")
+                f"{where} was made for another module: {self.source.kind or 'its module'} and {cap.source} differ "
+                f"({difference}); the step, its argument shapes or the JAX version changed: explore again for "
+                "this module")
         if mesh is not None:
             shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "axis_names") else dict(mesh)).items()}
             if shape != self.mesh_shape:
@@ -431,143 +351,25 @@ class Plan:
 
 
 
-# ---------------------------------------------------------------------------------------------
-# Built-in plans and plan resolution
-# ---------------------------------------------------------------------------------------------
-
-
-class PlanError(ValueError):
-    """A plan, built-in plan name or mesh that cannot be resolved (the message says why)."""
-
-
-class ReferencePlan(enum.Enum):
-    """Built-in plans, derived from roles and the factor graph (`hlomap.propagation.plans`)."""
-
-    DP = "dp"  # batch of every data input split over the whole mesh
-    MEGATRON = "megatron"  # Megatron tensor parallelism over the whole mesh
-    HYBRID = "dp+megatron"  # batch on the data axis, Megatron on the model axis
-
-
-#: Devices a reference plan spans when no mesh is given (one 8-GPU server).
-DEFAULT_DEVICES = 8
-#: Mesh axis names the reference plans look for first; otherwise the first / last axis.
-DATA_AXIS = "data"
-MODEL_AXIS = "model"
-
-
-def parse_mesh_text(text: str) -> int | dict[str, int]:
-    """The CLI's --mesh: `"8"` -> 8 (the axis is named by the task or plan: data for dp, model for
-    megatron); `"data=2,model=4"` -> {"data": 2, "model": 4}."""
-    text = text.strip()
-    if text.isdigit():
-        if int(text) < 1:
-            raise PlanError(f"mesh {text!r}: the device count must be positive")
-        return int(text)
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.partition("=")
-        if sep and name.strip() and size.strip().isdigit() and int(size) < 1:
-            raise PlanError(f"mesh {text!r}: axis {name.strip()!r} has size {int(size)}; sizes must be positive")
-        if not sep or not name.strip() or not size.strip().isdigit():
-            raise PlanError(f"mesh {text!r}: expected N or NAME=SIZE[,NAME=SIZE...], got {part!r}")
-        if name.strip() in out:
-            raise PlanError(f"mesh {text!r}: axis {name.strip()!r} given twice")
-        out[name.strip()] = int(size)
-    return out
-
-
-def _reference_mesh(kind: ReferencePlan, mesh: Mapping[str, int] | MeshAxes | int | None) -> dict[str, int]:
-    """Name a bare device count after the plan kind (8 -> {"data": 8} for dp); no mesh means
-    `DEFAULT_DEVICES`."""
-    if mesh is None:
-        mesh = DEFAULT_DEVICES
-    if isinstance(mesh, int):
-        n = mesh
-        if kind is ReferencePlan.HYBRID:
-            raise PlanError(f"plan {kind.value!r} needs two named mesh axes, e.g. {DATA_AXIS}=2,{MODEL_AXIS}=4; "
-                             f"got {n}")
-        return {DATA_AXIS if kind is ReferencePlan.DP else MODEL_AXIS: n}
-    if isinstance(mesh, MeshAxes):
-        return mesh.mesh_shape
-    return {str(k): int(v) for k, v in mesh.items()}
-
-
-def reference_plan(graph: FactorGraph, kind: ReferencePlan | str,
-                   mesh: Mapping[str, int] | MeshAxes | int | None) -> tuple[np.ndarray, MeshAxes]:
-    """The plan array of a built-in plan. dp and megatron use every mesh axis together (an axis
-    option such as ("data", "model") when the mesh has two); dp+megatron splits the batch on the
-    `data` axis (else the first) and runs Megatron on the `model` axis (else the last).
-    Raises PlanError when the graph lacks what the plan needs (data inputs for dp, trainable
-    parameters for megatron: a bare HLO dump needs roles)."""
-    try:
-        return _reference_plan(graph, ReferencePlan(kind), mesh)
-    except PlanError:
-        raise
-    except ValueError as err:
-        raise PlanError(f"plan {ReferencePlan(kind).value!r}: {err}") from None
-
-
-def _reference_plan(graph: FactorGraph, kind: ReferencePlan,
-                    mesh: Mapping[str, int] | MeshAxes | int | None) -> tuple[np.ndarray, MeshAxes]:
-    from hlomap.propagation import plans
-
-    shape = _reference_mesh(kind, mesh)
-    names = tuple(shape)
-    if kind is ReferencePlan.HYBRID:
-        if len(names) < 2:
-            raise PlanError(f"plan {kind.value!r} needs two mesh axes; mesh {shape} has {len(names)}")
-        data = DATA_AXIS if DATA_AXIS in names else names[0]
-        model = MODEL_AXIS if MODEL_AXIS in names else names[-1]
-        if data == model:
-            raise PlanError(f"plan {kind.value!r}: cannot tell the data axis from the model axis in {shape}")
-        axes = MeshAxes.from_mesh(shape)
-        plan = plans.combine(plans.data_parallel_plan(graph, data, axes), plans.megatron_plan(graph, model, axes))
-        return plan, axes
-    axes = MeshAxes.from_mesh(shape, extra=[names] if len(names) > 1 else ())
-    if kind is ReferencePlan.DP:
-        return plans.data_parallel_plan(graph, names, axes), axes
-    return plans.megatron_plan(graph, names, axes), axes
-
-
-def resolve_plan(graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | MeshAxes | int | None
-                 ) -> tuple[np.ndarray, MeshAxes, str]:
-    """(plan array, mesh axes, a name for reports) from a Plan, a reference-plan name, or a plan
-    array with its mesh. Raises PlanConflict when the array has conflicts."""
-    name: str
-    if isinstance(plan, (str, ReferencePlan)):
-        key = plan.value if isinstance(plan, ReferencePlan) else plan.strip().lower()
-        key = {"hybrid": ReferencePlan.HYBRID.value, "dp-megatron": ReferencePlan.HYBRID.value}.get(key, key)
-        try:
-            kind = ReferencePlan(key)
-        except ValueError:
-            raise PlanError(f"unknown plan {plan!r}; built-in plans are "
-                             f"{', '.join(k.value for k in ReferencePlan)} (or pass a Plan or a plan array)") from None
-        array, axes = reference_plan(graph, kind, mesh)
-        name = kind.value
-    elif hasattr(plan, "group_array") and hasattr(plan, "mesh_shape"):
-        shape = plan.mesh_shape
-        given = mesh.mesh_shape if isinstance(mesh, MeshAxes) else dict(mesh) if isinstance(mesh, Mapping) else None
-        if (given and given != shape) or (isinstance(mesh, int) and mesh != math.prod(shape.values())):
-            raise PlanError(f"the plan was made for mesh {shape}, not {given or mesh}")
-        axes = MeshAxes.from_mesh(shape, extra=[g.axes for g in plan.groups]
-                                  + [s for p in plan.parameters for s in p.spec if s is not None and len(s) > 1])
-        array = plan.group_array(graph, axes)
-        name = "plan"
-    else:
-        if mesh is None or isinstance(mesh, int):
-            raise PlanError("a plan array needs its mesh as a {name: size} mapping (or a MeshAxes)")
-        axes = mesh if isinstance(mesh, MeshAxes) else MeshAxes.from_mesh(mesh)
-        array = np.asarray(plan)
-        name = "plan"
-    conflicts = ConflictChecker(graph, axes).explain(array, limit=5)
-    if conflicts:
-        raise PlanConflict(f"plan {name!r} has conflicts:\n" + "\n".join(f"  - {c}" for c in conflicts), conflicts)
-    return array, axes, name
-
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_stage_specs(pipeline: Pipeline, parameters: Sequence[ParameterSpec]) -> None:
+    """A stage's own specs give one spec per plan parameter, in order, none longer than the
+    parameter's rank; PlanError naming the stage, parameter, shape and spec otherwise."""
+    for s, stage in enumerate(pipeline.stages):
+        if stage.specs is None:
+            continue
+        if len(stage.specs) != len(parameters):
+            raise PlanError(f"pipeline stage {s}: 'specs' has {len(stage.specs)} entries; the plan has "
+                            f"{len(parameters)} parameters and a stage gives one spec for each, in order")
+        for p, spec in zip(parameters, stage.specs):
+            if len(spec) > len(p.shape):
+                raise PlanError(f"pipeline stage {s}: parameter {p.path!r} has shape {list(p.shape)} (rank "
+                                f"{len(p.shape)}) but its spec {spec_to_json(spec)} has {len(spec)} entries")
 
 
 #: What hlomap does where XLA would reshard, said once in every message about conflicting specs.
@@ -720,3 +522,4 @@ def _tree_from_paths(items: Sequence[tuple[str, Any]]) -> Any:
         return {k: fix(v) for k, v in node.items()}
 
     return tuple(fix(root[k]) for k in order)
+

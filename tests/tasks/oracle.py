@@ -1,13 +1,13 @@
-"""Exhaustive search over every plan of a small `SearchSpace`: the oracle for the DPs' tests.
+"""Exhaustive search over every plan of a small space: the one oracle for the stage DPs' tests
+(the pipeline task's `dp.solve` and `downsets.solve_downsets`, the joint task's `solve.solve`).
 
-`brute_force` enumerates every composition of the layer chain into stages and every tuple of
-replication factors; `brute_force_downsets` does the same for every chain of nested downsets of
-a `LayerDag` (the cuts `downsets.solve_downsets` searches), each laid out stage after stage as
-one topological order. Both price each plan with `costs.evaluate_plan` and filter it with
-`space.inadmissible`; nothing is shared with the DP's tables, and the downsets are found by
-testing every subset of the layers. Cost grows like C(n - 1, S - 1) * |R|^S on a chain and with
-the number of chains of downsets on a DAG, so keep n and the device count small (n <= 8 on a
-chain, n <= 5 on a DAG, <= 4 devices).
+Every plan is a composition of the layer chain into contiguous stages (`compositions`), each
+stage given an option (a replication factor for the pipeline task, a data x model mesh for the
+joint task) on the next devices of the linear device order. Each plan is priced by the task's
+own closed form (`cost.pipeline.costs.evaluate_plan`, `joint.plans.evaluate`, both over
+`pipeline_latency`) and filtered by the task's rules; nothing is shared with the DPs' tables,
+and the downsets of a DAG are found by testing every subset of its layers. Cost grows like
+C(n - 1, S - 1) * |options|^S, so keep n and the device count small.
 """
 
 from __future__ import annotations
@@ -20,22 +20,32 @@ from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.cost.pipeline.links import GroupPrices
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan
+from hlomap.tasks.joint.costs import JointModel
+from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
+from hlomap.tasks.joint.solve import JointSpace, aligned
 from hlomap.tasks.pipeline.downsets import LayerDag
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
-from hlomap.tasks.pipeline.space import TIE_RTOL, Objective, SearchSpace, inadmissible
+from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace, inadmissible
 
-__all__ = ["all_downsets", "brute_force", "brute_force_downsets", "enumerate_plans"]
+
+def compositions(n_layers: int, most_stages: int) -> Iterator[tuple[int, ...]]:
+    """Stage bounds (0, ..., n_layers) of every split of the chain into 1..most_stages
+    contiguous non-empty stages."""
+    for n_stages in range(1, min(most_stages, n_layers) + 1):
+        for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
+            yield (0, *cuts, n_layers)
+
 
 _Candidate = TypeVar("_Candidate")
 
 
-def _most_stages(n_layers: int, cluster: Cluster, space: SearchSpace) -> int:
+def _most_stages(n_layers: int, cluster: Cluster, space: PipelineSpace) -> int:
     most = min(n_layers, cluster.n_devices)
     return most if space.max_stages is None else min(most, space.max_stages)
 
 
 def _plans(
-    bounds: Sequence[int], cluster: Cluster, space: SearchSpace
+    bounds: Sequence[int], cluster: Cluster, space: PipelineSpace
 ) -> Iterator[PipelinePlan]:
     """The plans with these stage bounds, for every tuple of replications that fits."""
     for replication in itertools.product(space.replication, repeat=len(bounds) - 1):
@@ -45,34 +55,32 @@ def _plans(
             )
 
 
-def enumerate_plans(
-    profile: PipelineProfile, cluster: Cluster, space: SearchSpace
+def pipeline_plans(
+    profile: PipelineProfile, cluster: Cluster, space: PipelineSpace
 ) -> Iterator[PipelinePlan]:
     """Every linear-order plan with stage count and replications that fit the devices."""
-    n = profile.n_layers
-    for n_stages in range(1, _most_stages(n, cluster, space) + 1):
-        for cuts in itertools.combinations(range(1, n), n_stages - 1):
-            yield from _plans((0, *cuts, n), cluster, space)
+    for bounds in compositions(profile.n_layers, _most_stages(profile.n_layers, cluster, space)):
+        yield from _plans(bounds, cluster, space)
 
 
 def _least(
-    admissible: list[tuple[_Candidate, PlanCost]], space: SearchSpace, source: str, devices: int
+    admissible: list[tuple[_Candidate, PlanCost]], space: PipelineSpace, source: str, devices: int
 ) -> tuple[_Candidate, PlanCost]:
     """The candidate with the least objective (BOTTLENECK ties broken by latency)."""
     if not admissible:
         raise NoFeasiblePlan(f"{source}: no plan in {space} fits on {devices} devices")
-    if space.objective is Objective.BOTTLENECK:
+    if space.objective is PipelineObjective.BOTTLENECK:
         least = min(cost.bottleneck for _, cost in admissible)
         admissible = [(c, cost) for c, cost in admissible
                       if cost.bottleneck <= least * (1 + TIE_RTOL)]
     return min(admissible, key=lambda candidate: candidate[1].latency)
 
 
-def brute_force(profile: PipelineProfile, cluster: Cluster, space: SearchSpace) -> Solution:
+def pipeline_brute_force(profile: PipelineProfile, cluster: Cluster, space: PipelineSpace) -> Solution:
     """The admissible plan with the least objective (BOTTLENECK ties broken by latency)."""
     admissible = []
     prices = GroupPrices(cluster)
-    for plan in enumerate_plans(profile, cluster, space):
+    for plan in pipeline_plans(profile, cluster, space):
         cost = evaluate_plan(profile, cluster, plan, space.cost, prices=prices)
         if inadmissible(profile, cluster, plan, space, cost) is None:
             admissible.append((plan, cost))
@@ -112,10 +120,10 @@ def _growing_chains(
     yield from extend([frozenset()])
 
 
-def brute_force_downsets(
+def downset_brute_force(
     dag: LayerDag,
     cluster: Cluster,
-    space: SearchSpace,
+    space: PipelineSpace,
     downsets: Iterable[frozenset[int]] | None = None,
 ) -> tuple[Solution, PipelineProfile]:
     """The admissible plan with the least objective whose stages are differences of nested
@@ -135,3 +143,37 @@ def brute_force_downsets(
                 admissible.append(((plan, profile), cost))
     (plan, profile), cost = _least(admissible, space, dag.source, cluster.n_devices)
     return Solution(plan=plan, cost=cost, objective=space.objective), profile
+
+
+def joint_plans(model: JointModel, space: JointSpace) -> Iterator[JointPlan]:
+    """Every joint plan of the space: each composition of the layers, each tuple of stage
+    options that uses every device, every group a slice of one server or whole servers, and
+    every data replica a whole number of samples of each microbatch."""
+    cluster = model.cluster
+    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    n, devices = model.n_layers, cluster.n_devices
+    most = min(n, devices) if space.max_stages is None else min(n, devices, space.max_stages)
+    for m in space.microbatches:
+        valid = [option for option in space.options if model.batch % (m * option.data) == 0]
+        for bounds in compositions(n, most):
+            for options in itertools.product(valid, repeat=len(bounds) - 1):
+                firsts = list(itertools.accumulate((o.devices for o in options), initial=0))
+                if firsts[-1] != devices or not all(aligned(per_node, d, o.devices)
+                                                    for d, o in zip(firsts, options)):
+                    continue
+                stages = tuple(JointStage.of(a, b, d, o) for a, b, d, o in zip(bounds, bounds[1:], firsts, options))
+                yield JointPlan(stages, m, space.schedule)
+
+
+def joint_brute_force(model: JointModel, space: JointSpace) -> tuple[JointPlan, JointCost]:
+    """The least-L joint plan by enumeration, priced by `joint.plans.evaluate`."""
+    best: tuple[JointPlan, JointCost] | None = None
+    for plan in joint_plans(model, space):
+        cost = evaluate(model, plan)
+        if space.check_memory and not cost.fits:
+            continue
+        if best is None or cost.latency < best[1].latency - 1e-15:
+            best = (plan, cost)
+    if best is None:
+        raise NoFeasiblePlan("no plan of the space fits")
+    return best

@@ -1,0 +1,443 @@
+"""The sections of a plan file, each a frozen dataclass with one `from_json` / `to_json`: the
+source, per-parameter specs, sharded groups, the placement and the pipeline.
+
+The pipeline section is the one stage-plan model of a plan file: stages, each with its devices,
+the layers it runs, optionally its own data x model mesh and the PartitionSpec of every plan
+parameter inside it (a joint plan's); microbatches; the schedule (`DEFAULT_SCHEDULE` when the file
+names none); `repeats` V for a circular schedule (logical stage k runs on the devices of stage
+k mod S); the cuts as HLO instructions; and what the explorer that wrote it records for
+re-pricing (the block profile of a cut plan, the layer names of a joint plan).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
+from hlomap.hlo.fingerprint import ModuleSignature, describe_signature_difference
+from hlomap.plan.errors import PlanError
+
+if TYPE_CHECKING:
+    from hlomap.hlo.capture import Capture
+
+__all__ = ["GroupAssignment", "ParameterSpec", "Pipeline", "PipelineCut", "PipelineKind", "PipelineStage",
+           "Placement", "PlanSource", "Spec", "spec_from_json", "spec_to_json"]
+
+#: A PartitionSpec as data: per dim, None (replicated) or the mesh axes splitting it.
+Spec = tuple[tuple[str, ...] | None, ...]
+
+
+def spec_to_json(spec: Spec) -> list[Any]:
+    """JSON form of a spec: an axis name for one axis, a list for several, null for none."""
+    return [None if s is None else (s[0] if len(s) == 1 else list(s)) for s in spec]
+
+
+def spec_from_json(entries: Any, where: str) -> Spec:
+    """A spec from its JSON form (the inverse of `spec_to_json`); PlanError naming `where`."""
+    if not isinstance(entries, Sequence) or isinstance(entries, str):
+        raise PlanError(f"{where}: a spec is a list with one entry per dim, got {entries!r}")
+    out: list[tuple[str, ...] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+        elif isinstance(entry, str):
+            out.append((entry,))
+        elif isinstance(entry, Sequence) and all(isinstance(a, str) for a in entry):
+            out.append(tuple(entry) or None)
+        else:
+            raise PlanError(f"{where}: spec entry {entry!r} is not null, a mesh axis name or a list of them")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PlanSource:
+    """The module a plan was made for. `fingerprint` and `signature` (plans written before they
+    existed have neither) identify it by structure, so a dumped HLO text and the lowered step
+    match; `sha256` is the text fingerprint older plans are recognised by."""
+
+    kind: str  # "jax:<fn>" or an HLO file path, from the Capture
+    sha256: str  # of the HLO text without debug sections and metadata (`hlo.capture.module_fingerprint`)
+    fingerprint: str = ""  # `hlo.fingerprint.structure_fingerprint`
+    signature: ModuleSignature | None = None
+
+    @classmethod
+    def of(cls, cap: Capture) -> PlanSource:
+        return cls(cap.source, cap.text_sha256, cap.structure_sha256, cap.signature)
+
+    def mismatch(self, cap: Capture) -> str | None:
+        """None when `cap` is the module this plan was made for (by structure when the plan
+        records it, else by text), otherwise what differs, as far as the plan records it."""
+        if self.fingerprint:
+            if cap.structure_sha256 == self.fingerprint:
+                return None
+        elif not self.sha256 or cap.text_sha256 == self.sha256:
+            return None
+        if self.signature is not None:
+            return describe_signature_difference(self.signature, cap.signature)
+        return f"HLO text sha256 {self.sha256[:12]}... vs {cap.text_sha256[:12]}..."
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "sha256": self.sha256}
+        if self.fingerprint:
+            out["fingerprint"] = self.fingerprint
+        if self.signature is not None:
+            out["entry_parameters"] = list(self.signature.entry_parameters)
+            out["instructions"] = self.signature.instructions
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "source") -> PlanSource:
+        if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str) \
+                or not isinstance(data.get("sha256"), str):
+            raise PlanError(f"{where}: expected an object with 'kind' and 'sha256' strings, got {data!r}")
+        signature = None
+        if data.get("entry_parameters") is not None:
+            entry = data["entry_parameters"]
+            if not isinstance(entry, list) or not all(isinstance(s, str) for s in entry):
+                raise PlanError(f"{where}: entry_parameters is a list of HLO shapes, got {entry!r}")
+            signature = ModuleSignature(tuple(entry), _int(data.get("instructions", 0), f"{where}: instructions"))
+        return cls(data["kind"], data["sha256"], str(data.get("fingerprint", "")), signature)
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """The sharding of one entry parameter: for each dim, None or the mesh axes splitting it."""
+
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    spec: tuple[tuple[str, ...] | None, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.spec) > len(self.shape):
+            raise PlanError(f"parameter {self.path!r} has shape {list(self.shape)} (rank {len(self.shape)}) but its "
+                            f"spec {spec_to_json(self.spec)} has {len(self.spec)} entries: a spec gives at most one "
+                            "entry per dim")
+
+    def partition_spec(self) -> Any:
+        from jax.sharding import PartitionSpec
+
+        entries = [None if s is None else (s[0] if len(s) == 1 else tuple(s)) for s in self.spec]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "path": self.path, "shape": list(self.shape), "spec": spec_to_json(self.spec)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParameterSpec:
+        return cls(int(data["index"]), str(data["path"]), tuple(int(d) for d in data["shape"]),
+                   spec_from_json(data["spec"], f"parameter {data.get('path')!r}"))
+
+
+@dataclass(frozen=True)
+class GroupAssignment:
+    """A sharded linkage group: its id in the factor graph, axes, size and trainable members."""
+
+    id: int
+    axes: tuple[str, ...]
+    size: int
+    trainable: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "axes": list(self.axes), "size": self.size, "trainable": list(self.trainable)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GroupAssignment:
+        return cls(int(data["id"]), tuple(data["axes"]), int(data["size"]), tuple(data.get("trainable", ())))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The physical device of each logical position of a plan (see the module docstring)."""
+
+    devices: tuple[int, ...]
+    cluster: str = ""
+    solver: str = ""
+    step_seconds: float | None = None
+    identity_step_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        devices = tuple(self.devices)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in devices):
+            raise PlanError(f"placement devices must be non-negative integers, got {list(devices)}")
+        if len(set(devices)) != len(devices):
+            twice = sorted({d for d in devices if devices.count(d) > 1})
+            raise PlanError(f"placement puts two logical positions on device(s) {twice}")
+        object.__setattr__(self, "devices", tuple(int(d) for d in devices))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"devices": list(self.devices), "cluster": self.cluster, "solver": self.solver,
+                "step_seconds": self.step_seconds, "identity_step_seconds": self.identity_step_seconds}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "placement") -> Placement:
+        if not isinstance(data, Mapping) or not isinstance(data.get("devices"), list):
+            raise PlanError(f"{where}: expected an object with a 'devices' list, got {data!r}")
+
+        def seconds(key: str) -> float | None:
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise PlanError(f"{where}: field {key!r}: expected a number or null, got {value!r}")
+            return None if value is None else float(value)
+
+        try:
+            return cls(tuple(data["devices"]), str(data.get("cluster", "")), str(data.get("solver", "")),
+                       seconds("step_seconds"), seconds("identity_step_seconds"))
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
+
+
+
+
+class PipelineKind(enum.Enum):
+    """Which explorer's stages a pipeline section holds. CUTS: replicated stages over device
+    groups (`hlomap explore --task pipeline`, or written by hand); JOINT: stages each with its own
+    data x model mesh and specs (`--task auto`)."""
+
+    CUTS = "cuts"
+    JOINT = "joint"
+
+
+def _int(value: Any, where: str, *, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise PlanError(f"{where}: expected a whole number >= {least}, got {value!r}")
+    return int(value)
+
+
+def _number(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{where}: expected a number or null, got {value!r}")
+    return float(value)
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise PlanError(f"{where}: expected a list of whole numbers, got {value!r}")
+    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """One cut between stages: the HLO instruction it follows, with its layer scope and source
+    line (what the runner maps to the loss function's jaxpr), and the chain position."""
+
+    instruction: str
+    layer: str = ""
+    scope: str = ""
+    source: str | None = None
+    pivot: int | None = None
+    crossing_bytes: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"pivot": self.pivot, "instruction": self.instruction, "layer": self.layer,
+                               "scope": self.scope, "source": self.source}
+        if self.crossing_bytes is not None:
+            out["crossing_bytes"] = self.crossing_bytes
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> PipelineCut:
+        if not isinstance(data, Mapping) or not isinstance(data.get("instruction"), str):
+            raise PlanError(f"{where}: a cut is an object with an 'instruction' name, got {data!r}")
+        pivot = data.get("pivot")
+        return cls(data["instruction"], str(data.get("layer", "")), str(data.get("scope", "")),
+                   None if data.get("source") is None else str(data["source"]),
+                   None if pivot is None else _int(pivot, f"{where}: pivot"),
+                   _number(data.get("crossing_bytes"), f"{where}: crossing_bytes"))
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage: its plan device ids; the layers [start, stop) it runs, in the explorer's layer
+    units (None when the cuts alone say it); its own mesh over those devices and the spec of
+    every plan parameter on it (empty / None: the plan's top-level mesh and parameters, else one
+    data axis over the devices); and the explorer's figures for it."""
+
+    devices: tuple[int, ...]
+    layers: tuple[int, int] | None = None
+    mesh: tuple[tuple[str, int], ...] = ()
+    specs: tuple[Spec, ...] | None = None
+    inner_plan: str | None = None  # which sharding plan a joint stage runs ("expert", "searched")
+    seconds_per_microbatch: float | None = None
+    memory_bytes: float | None = None
+    device_memory_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise PlanError("a stage lists no devices")
+        if self.mesh and math.prod(size for _, size in self.mesh) != len(self.devices):
+            raise PlanError(f"the stage has {len(self.devices)} devices but its mesh {dict(self.mesh)} has "
+                            f"{math.prod(size for _, size in self.mesh)}")
+        if self.layers is not None and not 0 <= self.layers[0] < self.layers[1]:
+            raise PlanError(f"the stage's layers {list(self.layers)} are not a range [start, stop) with start < stop")
+
+    @property
+    def replication(self) -> int:
+        """How many copies of the stage's work run side by side: its mesh's `data` axis, or every
+        device of a stage without a mesh of its own (a replicated stage; in a plan with a
+        top-level mesh such a stage runs that mesh instead, which the runner resolves)."""
+        return dict(self.mesh).get("data", 1) if self.mesh else len(self.devices)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.layers is not None:
+            out["layers"] = list(self.layers)
+        out["devices"] = list(self.devices)
+        out["replication"] = self.replication
+        if self.mesh:
+            out["mesh"] = dict(self.mesh)
+        if self.inner_plan is not None:
+            out["plan"] = self.inner_plan
+        if self.specs is not None:
+            out["specs"] = [spec_to_json(s) for s in self.specs]
+        for key in ("seconds_per_microbatch", "memory_bytes", "device_memory_bytes"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> PipelineStage:
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where}: a stage is an object with a 'devices' list, got {data!r}")
+        devices = _ints(data.get("devices"), f"{where}: devices")
+        if len(set(devices)) != len(devices):
+            raise PlanError(f"{where}: devices {list(devices)} list a device twice")
+        layers = data.get("layers")
+        if layers is not None:
+            bounds = _ints(layers, f"{where}: layers")
+            if len(bounds) != 2:
+                raise PlanError(f"{where}: layers is [start, stop], got {layers!r}")
+            layers = (bounds[0], bounds[1])
+        mesh_json = data.get("mesh") or {}
+        if not isinstance(mesh_json, Mapping):
+            raise PlanError(f"{where}: mesh is an object {{axis: size}}, got {mesh_json!r}")
+        mesh = tuple((str(k), _int(v, f"{where}: mesh axis {k!r}", least=1)) for k, v in mesh_json.items())
+        specs = data.get("specs")
+        if specs is not None:
+            if not isinstance(specs, Sequence) or isinstance(specs, str):
+                raise PlanError(f"{where}: specs is a list with one spec per plan parameter, got {specs!r}")
+            specs = tuple(spec_from_json(s, f"{where}: specs[{i}]") for i, s in enumerate(specs))
+        try:
+            stage = cls(devices, layers, mesh, specs, None if data.get("plan") is None else str(data["plan"]),
+                        _number(data.get("seconds_per_microbatch"), f"{where}: seconds_per_microbatch"),
+                        _number(data.get("memory_bytes"), f"{where}: memory_bytes"),
+                        _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"))
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
+        given = data.get("replication")
+        if given is not None and given != stage.replication:
+            raise PlanError(f"{where}: replication {given!r} disagrees with the stage's "
+                            f"{'mesh ' + str(dict(mesh)) if mesh else str(len(devices)) + ' devices'} "
+                            f"(replication {stage.replication})")
+        return stage
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A plan's pipeline section (module docstring). `block_profile` stays JSON here: its reader
+    (`tasks.pipeline.block_profile.PlanProfile`) sits above the plan."""
+
+    stages: tuple[PipelineStage, ...]
+    microbatches: int = 1
+    schedule: Schedule = DEFAULT_SCHEDULE
+    repeats: int = 1
+    cuts: tuple[PipelineCut, ...] = ()
+    kind: PipelineKind = PipelineKind.CUTS
+    device_cuts: tuple[int, ...] | None = None
+    on_node_boundaries: bool | None = None
+    layer_names: tuple[str, ...] = ()
+    block_profile: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PlanError("the pipeline section has no stages")
+        if self.microbatches < 1:
+            raise PlanError(f"the pipeline has {self.microbatches} microbatches; it needs at least 1")
+        if self.repeats < 1:
+            raise PlanError(f"the pipeline's repeats is {self.repeats}; it needs at least 1")
+        used = [d for stage in self.stages for d in stage.devices]
+        if len(set(used)) != len(used):
+            twice = sorted({d for d in used if used.count(d) > 1})
+            raise PlanError(f"device(s) {twice} are in two stages (stage devices "
+                            f"{[list(s.devices) for s in self.stages]})")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_devices(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(stage.devices for stage in self.stages)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.kind is not PipelineKind.CUTS:
+            out["kind"] = self.kind.value
+        out |= {"stages": [s.to_json() for s in self.stages], "microbatches": self.microbatches,
+                "schedule": self.schedule.value}
+        if self.repeats != 1:
+            out["repeats"] = self.repeats
+        out["cuts"] = [c.to_json() for c in self.cuts]
+        if self.device_cuts is not None:
+            out["device_cuts"] = list(self.device_cuts)
+        if self.on_node_boundaries is not None:
+            out["on_node_boundaries"] = self.on_node_boundaries
+        if self.layer_names:
+            out["layer_names"] = list(self.layer_names)
+        if self.block_profile is not None:
+            out["block_profile"] = dict(self.block_profile)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "pipeline") -> Pipeline:
+        """Read a pipeline section; PlanError naming the field and `where` when it is malformed.
+        A section without a schedule gets `DEFAULT_SCHEDULE`; without a kind, CUTS."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where}: expected an object with 'stages', got {data!r}")
+        stages = data.get("stages")
+        if not isinstance(stages, Sequence) or isinstance(stages, str) or not stages:
+            raise PlanError(f"{where}: the pipeline section has no stages (expected a non-empty 'stages' list)")
+        try:
+            kind = PipelineKind(data.get("kind", PipelineKind.CUTS.value))
+        except ValueError:
+            raise PlanError(f"{where}: unknown pipeline kind {data.get('kind')!r}; expected "
+                            f"{' or '.join(k.value for k in PipelineKind)}") from None
+        try:
+            schedule = Schedule(data.get("schedule", DEFAULT_SCHEDULE.value))
+        except ValueError:
+            raise PlanError(f"{where}: unknown pipeline schedule {data.get('schedule')!r}; expected "
+                            f"{' or '.join(s.value for s in Schedule)}") from None
+        cuts = data.get("cuts", ())
+        if not isinstance(cuts, Sequence) or isinstance(cuts, str):
+            raise PlanError(f"{where}: cuts is a list, got {cuts!r}")
+        device_cuts = data.get("device_cuts")
+        on_boundaries = data.get("on_node_boundaries")
+        if on_boundaries is not None and not isinstance(on_boundaries, bool):
+            raise PlanError(f"{where}: on_node_boundaries is true, false or null, got {on_boundaries!r}")
+        block_profile = data.get("block_profile")
+        if block_profile is not None and not isinstance(block_profile, Mapping):
+            raise PlanError(f"{where}: block_profile is an object, got {type(block_profile).__name__}")
+        try:
+            return cls(
+                stages=tuple(PipelineStage.from_json(s, f"{where}: stage {i}") for i, s in enumerate(stages)),
+                microbatches=_int(data.get("microbatches", 1), f"{where}: microbatches", least=1),
+                schedule=schedule,
+                repeats=_int(data.get("repeats", 1), f"{where}: repeats", least=1),
+                cuts=tuple(PipelineCut.from_json(c, f"{where}: cut {i}") for i, c in enumerate(cuts)),
+                kind=kind,
+                device_cuts=None if device_cuts is None else _ints(device_cuts, f"{where}: device_cuts"),
+                on_node_boundaries=on_boundaries,
+                layer_names=tuple(str(n) for n in data.get("layer_names") or ()),
+                block_profile=block_profile,
+            )
+        except PlanError as err:
+            text = str(err)
+            raise PlanError(text if text.startswith(where) else f"{where}: {text}") from None

@@ -1,0 +1,139 @@
+"""The typed sections of a plan file: plan files written before the sections were typed load
+into them (fixtures of each plan kind in tests/data/plans), round-trip through save and load,
+take the one default schedule when they name none, and malformed sections are refused naming
+the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
+from hlomap.plan import ParameterSpec, Pipeline, PipelineKind, Plan, PlanError, PlanSource
+
+PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"
+
+
+def _json(name: str) -> dict[str, Any]:
+    return json.loads((PLANS / name).read_text())
+
+
+def _spec(entries: list[Any]) -> tuple[tuple[str, ...] | None, ...]:
+    return tuple(None if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in entries)
+
+
+@pytest.mark.parametrize("name", ["spmd_v1.json", "pipeline_v1.json", "joint_v1.json"])
+def test_old_plan_files_load_into_typed_sections_and_round_trip(name: str, tmp_path: Path) -> None:
+    data = _json(name)
+    plan = Plan.load(PLANS / name)
+    assert [p.path for p in plan.parameters] == [p["path"] for p in data["parameters"]]
+    assert [p.spec for p in plan.parameters] == [_spec(p["spec"]) for p in data["parameters"]]
+    section = data["pipeline"]
+    if section is None:
+        assert plan.pipeline is None
+    else:
+        pipeline = plan.pipeline
+        assert isinstance(pipeline, Pipeline)
+        assert pipeline.kind is PipelineKind(section.get("kind", "cuts"))
+        assert pipeline.microbatches == section["microbatches"]
+        assert pipeline.schedule is Schedule(section["schedule"])
+        assert [s.devices for s in pipeline.stages] == [tuple(s["devices"]) for s in section["stages"]]
+        assert [s.layers for s in pipeline.stages] == [tuple(s["layers"]) for s in section["stages"]]
+        assert [s.replication for s in pipeline.stages] == [s["replication"] for s in section["stages"]]
+        assert [dict(s.mesh) for s in pipeline.stages] == [s.get("mesh", {}) for s in section["stages"]]
+        assert [s.specs for s in pipeline.stages] == [
+            None if "specs" not in s else tuple(_spec(x) for x in s["specs"]) for s in section["stages"]]
+        assert [c.instruction for c in pipeline.cuts] == [c["instruction"] for c in section["cuts"]]
+        assert (pipeline.block_profile is not None) == ("block_profile" in section)
+        assert pipeline.layer_names == tuple(section.get("layer_names", ()))
+        assert plan.logical_stage_devices() == tuple(tuple(s["devices"]) for s in section["stages"])
+    saved = tmp_path / name
+    plan.save(saved)
+    again = Plan.load(saved)
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+
+
+def _hand_written(schedule: str | None) -> Plan:
+    """A pipeline plan as a user writes it: two stages of two devices, no estimate, maybe no
+    schedule, with the block profile of the pipeline fixture so placement can price it."""
+    data = _json("pipeline_v1.json")
+    section = {"stages": [{"devices": [0, 1]}, {"devices": [2, 3]}], "microbatches": 2,
+               "cuts": data["pipeline"]["cuts"], "block_profile": data["pipeline"]["block_profile"]}
+    if schedule is not None:
+        section["schedule"] = schedule
+    return Plan.from_json({**data, "pipeline": section, "estimate": None})
+
+
+def test_a_plan_without_a_schedule_is_run_and_priced_with_the_one_default() -> None:
+    from hlomap.run.pipeline.section import pipeline_section
+    from hlomap.tasks.placement.place import problem_from_plan
+    from hlomap.tasks.replan.replay_plan import workload_of
+    from hlomap.cost.cluster import load_cluster
+
+    plan = _hand_written(None)
+    assert plan.pipeline is not None and plan.pipeline.schedule is DEFAULT_SCHEDULE is Schedule.ONE_F_ONE_B
+    run_schedule = pipeline_section(plan).schedule
+    priced_schedule = problem_from_plan(plan, load_cluster("hier:2x2")).layout.schedule
+    replanned_schedule = workload_of(plan)[0].schedule
+    assert run_schedule is priced_schedule is replanned_schedule is DEFAULT_SCHEDULE
+    assert pipeline_section(_hand_written("gpipe")).schedule is Schedule.GPIPE
+
+
+def test_the_plan_accepts_the_json_form_of_its_pipeline_section() -> None:
+    plan = _hand_written(None)
+    built = Plan(mesh=(), parameters=plan.parameters, source=plan.source, pipeline=plan.pipeline.to_json())
+    assert built.pipeline == plan.pipeline
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(schedule="zigzag"), r"pipeline: unknown pipeline schedule 'zigzag'"),
+    (lambda s: s.update(stages=[]), r"pipeline: the pipeline section has no stages"),
+    (lambda s: s["stages"][1].update(devices=[]), r"pipeline: stage 1: a stage lists no devices"),
+    (lambda s: s["stages"][1].update(devices=[1, 2]), r"device\(s\) \[1\] are in two stages"),
+    (lambda s: s["stages"][0].update(replication=3), r"stage 0: replication 3 disagrees"),
+    (lambda s: s["stages"][0].update(mesh={"data": 4}), r"stage 0: the stage has 2 devices but its mesh"),
+    (lambda s: s.update(microbatches=0), r"pipeline: microbatches: expected a whole number >= 1, got 0"),
+    (lambda s: s.update(kind="ring"), r"unknown pipeline kind 'ring'"),
+    (lambda s: s["cuts"][0].pop("instruction"), r"cut 0: a cut is an object with an 'instruction'"),
+])
+def test_malformed_pipeline_sections_are_refused_naming_the_field(change: Any, message: str) -> None:
+    data = _json("pipeline_v1.json")
+    section = copy.deepcopy(data["pipeline"])
+    change(section)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json({**data, "pipeline": section}, where="p.json")
+
+
+def test_a_spec_longer_than_the_parameter_rank_is_refused_on_load(tmp_path: Path) -> None:
+    data = _json("spmd_v1.json")
+    index = next(i for i, p in enumerate(data["parameters"]) if len(p["shape"]) == 2)
+    param = data["parameters"][index]
+    param["spec"] = ["model", None, None, None]
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as err:
+        Plan.load(path)
+    text = str(err.value)
+    assert str(path) in text and repr(param["path"]) in text and str(param["shape"]) in text
+    assert "['model', None, None, None]" in text and "4 entries" in text
+
+
+def test_a_stage_spec_longer_than_the_parameter_rank_is_refused_on_load() -> None:
+    data = _json("joint_v1.json")
+    index = next(i for i, p in enumerate(data["parameters"]) if len(p["shape"]) == 2)
+    data["pipeline"]["stages"][1]["specs"][index] = ["model", None, None]
+    with pytest.raises(PlanError, match=rf"stage 1: parameter {data['parameters'][index]['path']!r} has shape"):
+        Plan.from_json(data, where="j.json")
+
+
+def test_parameter_spec_refuses_more_entries_than_dims() -> None:
+    with pytest.raises(PlanError, match=r"parameter 'w' has shape \[4, 4\] \(rank 2\) but its spec"):
+        ParameterSpec(0, "w", (4, 4), (("model",), None, None))
+    assert ParameterSpec(0, "w", (4, 4), (("model",),)).partition_spec() is not None
+    assert Plan(mesh=(("model", 2),), parameters=(ParameterSpec(0, "w", (4, 4), (("model",),)),),
+                source=PlanSource("t", "")).parameters[0].spec == (("model",),)
