@@ -25,9 +25,10 @@ from hlomap.search import drivers
 from hlomap.search.budget import Budget
 from hlomap.search.dqn import DqnSearchConfig
 from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks import Task, sharding_task
 from hlomap.tasks.sharding.costmodel import estimate_model
-from hlomap.tasks.sharding.objective import CostObjective, Objective, PaperObjective, RewardMode
-from hlomap.tasks.sharding.space import SearchSpace, Task, make_space, mesh_shape
+from hlomap.tasks.sharding.objective import CostObjective, PaperObjective, RewardMode, ShardingObjective
+from hlomap.tasks.sharding.space import ShardingSpace, make_space, mesh_shape
 from hlomap.tasks.sharding.task import ShardingTask
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,8 @@ class Problem:
     cap: Capture
     graph: FactorGraph
     axes: MeshAxes
-    space: SearchSpace
-    objective: Objective
+    space: ShardingSpace
+    objective: ShardingObjective
     cluster: Any
 
     @property
@@ -59,14 +60,14 @@ def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[st
     `replicate_residual` (default: True for the paper reward, False for the cost reward) keeps the
     residual stream replicated, see `hlomap.tasks.sharding.space.opp_space`.
     """
-    task, reward = Task(task), RewardMode(reward)
+    task, reward = sharding_task(task), RewardMode(reward)
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     axes = MeshAxes.from_mesh(mesh_shape(mesh, task))
     if replicate_residual is None:
         replicate_residual = reward is RewardMode.PAPER and task is not Task.ADP
     space = make_space(graph, axes, task, replicate_residual=replicate_residual)
     if reward is RewardMode.PAPER:
-        objective: Objective = PaperObjective(space)
+        objective: ShardingObjective = PaperObjective(space)
     else:
         objective = CostObjective(space, estimate_model(cap, graph, axes, cluster, axis_order=axis_order))
     return Problem(cap, graph, axes, space, objective, cluster)
@@ -108,7 +109,7 @@ class Exploration:
     problem: Problem
 
     @property
-    def space(self) -> SearchSpace:
+    def space(self) -> ShardingSpace:
         return self.problem.space
 
 
