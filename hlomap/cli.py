@@ -638,7 +638,7 @@ REPLAN_POLICIES = ("static", "re-solve", "arbiter", "meta", "oracle")
 
 def cmd_replan(args: argparse.Namespace) -> int:
     from hlomap.report.replan import format_decisions, format_totals, plot_throughput
-    from hlomap.tasks.replan.policies import Policy
+    from hlomap.tasks.replan.policies import ReplanPolicy
     from hlomap.tasks.replan.replay_plan import replan_plan, workload_of
     from hlomap.tasks.replan.trace import load_trace
 
@@ -665,7 +665,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
         print(f"playing {len(REPLAN_POLICIES) - (network is None)} policies over {len(trace.events)} changes of {trace.name} ...",
               file=sys.stderr)
     report = replan_plan(plan, trace, network=network, where=args.plan)
-    shown = report.runs.get(Policy(args.show))
+    shown = report.runs.get(ReplanPolicy(args.show))
     if shown is None:
         raise CliError(f"--show {args.show}: that policy did not run (no gain network)")
     plot_throughput(trace, report.runs, plot)

@@ -134,7 +134,7 @@ def spec_coordinates(spec: Sequence[tuple[str, ...] | None], mesh_names: Sequenc
 
 
 # ---------------------------------------------------------------------------------------------
-# Comparison
+# ShardingComparison
 # ---------------------------------------------------------------------------------------------
 
 
@@ -155,7 +155,7 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Comparison:
+class ShardingComparison:
     category: Category
     instruction: str
     computation: str
@@ -173,10 +173,10 @@ class Comparison:
 class OracleReport:
     """All per-tensor comparisons of one compiled plan."""
 
-    comparisons: list[Comparison] = field(default_factory=list)
+    comparisons: list[ShardingComparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def of(self, category: Category, *, include_free: bool = True) -> list[Comparison]:
+    def of(self, category: Category, *, include_free: bool = True) -> list[ShardingComparison]:
         return [c for c in self.comparisons if c.category is category and (include_free or not c.free)]
 
     def agreement(self, category: Category, *, include_free: bool = True) -> float:
@@ -184,7 +184,7 @@ class OracleReport:
         return sum(c.verdict is Verdict.MATCH for c in items) / len(items) if items else 1.0
 
     @property
-    def disagreements(self) -> list[Comparison]:
+    def disagreements(self) -> list[ShardingComparison]:
         return [c for c in self.comparisons if c.verdict is not Verdict.MATCH]
 
     def kinds(self) -> Counter[tuple[str, str, str]]:
@@ -283,7 +283,7 @@ def compare_module(xla_module: Module, parameter_specs: Sequence[Sequence[tuple[
             else:
                 category = Category.INTERMEDIATE
             md = inst.metadata
-            report.comparisons.append(Comparison(
+            report.comparisons.append(ShardingComparison(
                 category, inst.name, node.computation, k, inst.opcode, tuple(int(x) for x in graph.dim_size[dims]),
                 spec, xla_text, _verdict(ours, xla), bool(free[t]), md.op_name if md else None))
     return report
@@ -310,7 +310,7 @@ def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: Fa
         text = "{replicated}" if texts is None else texts[min(k, len(texts) - 1)]
         ours = spec_coordinates(spec, mesh_names, mesh_devices)
         xla = tile_coordinates(text, rank, mesh_devices.size)
-        report.comparisons.append(Comparison(
+        report.comparisons.append(ShardingComparison(
             Category.CAPTURED_OUTPUT, graph.tensor_name(t), graph.module.entry_name, k, "output",
             tuple(int(x) for x in graph.dim_size[dims]), spec, text, _verdict(ours, xla), bool(graph.tensor_free[t])))
 

@@ -54,9 +54,6 @@ class SearchState(Protocol):
     def swap(self, a: int, b: int) -> None: ...
 
 
-def placement_of(state: SearchState) -> tuple[int, ...]:
-    return tuple(int(d) for d in state.order[: state.problem.n_positions])
-
 
 # ---------------------------------------------------------------------------------------------
 # Mesh layouts

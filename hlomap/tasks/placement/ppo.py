@@ -50,7 +50,7 @@ from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
 from hlomap.tasks.placement.solvers import (PlacementResult, Solver, SolverClock, construct, greedy_search,
                                             placement_order)
 
-__all__ = ["CANDIDATES", "DEFAULT_POLICY", "PlacementEnv", "Policy", "TrainingConfig", "load_policy",
+__all__ = ["CANDIDATES", "DEFAULT_POLICY", "PlacementEnv", "PlacementPolicy", "TrainingConfig", "load_policy",
            "placement_ppo_config", "ppo_search", "rollout", "save_policy", "train_policy"]
 
 log = logging.getLogger(__name__)
@@ -251,12 +251,12 @@ def training_problems(seed: int) -> PlacementProblem:
 
 
 # ---------------------------------------------------------------------------------------------
-# Policy files
+# PlacementPolicy files
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
-class Policy:
+class PlacementPolicy:
     """A trained placement network: its PPO config, parameters and where it came from."""
 
     config: PpoConfig
@@ -278,7 +278,7 @@ def save_policy(path: str | Path, agent: PpoAgent, extra: dict[str, Any] | None 
     checkpoint.save(path, checkpoint.flatten("params", agent.get_params()), meta)
 
 
-def load_policy(path: str | Path | None = None) -> Policy:
+def load_policy(path: str | Path | None = None) -> PlacementPolicy:
     """Read a policy file (default: the shipped one); refuses one of another layout."""
     path = Path(path) if path is not None else DEFAULT_POLICY
     if not path.is_file():
@@ -294,7 +294,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
     sizes = (CANDIDATES * len(FEATURES) + len(GLOBALS), CANDIDATES)
     functions = make_ppo(config, *sizes)
     template = PpoAgent(config, *sizes, functions=functions).get_params()
-    return Policy(config, checkpoint.unflatten("params", template, arrays), meta, functions)
+    return PlacementPolicy(config, checkpoint.unflatten("params", template, arrays), meta, functions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,11 +400,11 @@ def _finetune(agent: PpoAgent, env: PlacementEnv, seconds: float, seed: int) -> 
 
 
 def ppo_search(problem: PlacementProblem, budget: Budget = Budget(60.0, None), seed: int = 0, *,
-               policy: Policy | str | Path | None = None, finetune_seconds: float = 0.0) -> PlacementResult:
+               policy: PlacementPolicy | str | Path | None = None, finetune_seconds: float = 0.0) -> PlacementResult:
     """Fine-tune (optionally), infer, polish (module docstring), within `budget`: fine-tuning and
     `INFERENCE_SHARE` of the rest go to rollouts, the remainder to the local search."""
     clock = SolverClock(budget)
-    loaded = policy if isinstance(policy, Policy) else load_policy(policy)
+    loaded = policy if isinstance(policy, PlacementPolicy) else load_policy(policy)
     agent = loaded.agent(seed)
     env = PlacementEnv(problem)
     notes = []

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,7 +32,7 @@ import optax
 from hlomap.agents import checkpoint
 from hlomap.agents.networks import Params, PureModel, purify
 from hlomap.tasks.replan.options import Candidate, Option, RunningPlan, Workload
-from hlomap.tasks.replan.policies import Policy, Replay, arbiter_choice, run
+from hlomap.tasks.replan.policies import ReplanPolicy, Replay, arbiter_choice, run
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
 __all__ = ["DEFAULT_NETWORK", "GainNetwork", "MetaPolicy", "Sample", "hold_gains", "load_network", "samples",
@@ -155,7 +154,7 @@ def samples(trace: Trace, workload: Workload, initial: RunningPlan) -> list[Samp
         out.append(Sample(_window(rows), gains, present, choice.option))
         return choice
 
-    run(replay, initial, Policy.META, chooser=decide)
+    run(replay, initial, ReplanPolicy.META, chooser=decide)
     return out
 
 
@@ -227,7 +226,7 @@ def load_network(path: str | Path | None = None) -> tuple[PureModel, Params, dic
 
 
 class MetaPolicy:
-    """A chooser for `policies.run(..., Policy.META)`: the option with the largest predicted gain.
+    """A chooser for `policies.run(..., ReplanPolicy.META)`: the option with the largest predicted gain.
     It also records the exact arbiter's choice at every change (`agreement`)."""
 
     def __init__(self, horizon: float, network: tuple[PureModel, Params, dict[str, Any]] | None = None):
@@ -260,11 +259,3 @@ class MetaPolicy:
         """Share of changes where the meta policy chose the plan the exact arbiter would have."""
         return float(np.mean([same for _, _, same in self.choices])) if self.choices else float("nan")
 
-
-def timed_samples(traces: Sequence[tuple[Trace, Workload, RunningPlan]]) -> tuple[list[Sample], float]:
-    """Samples of several traces, and the seconds it took."""
-    start = time.perf_counter()
-    out: list[Sample] = []
-    for trace, workload, initial in traces:
-        out += samples(trace, workload, initial)
-    return out, time.perf_counter() - start

@@ -29,15 +29,15 @@ from hlomap.tasks.replan.options import (Candidate, Option, RunningPlan, Workloa
                                         migration, resolve, step_seconds)
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
-__all__ = ["Decision", "Policy", "PolicyRun", "Replay", "Segment", "arbiter_choice", "oracle_pool", "play", "run",
-           "run_all"]
+__all__ = ["Decision", "PolicyRun", "Replay", "ReplanPolicy", "Segment", "arbiter_choice", "oracle_pool", "play",
+           "run"]
 
 
 #: The workload: the iterations the initial plan trains in this share of the horizon, unchanged.
 WORKLOAD_SHARE = 0.5
 
 
-class Policy(str, enum.Enum):
+class ReplanPolicy(str, enum.Enum):
     STATIC = "static"
     RESOLVE = "re-solve"
     ARBITER = "arbiter"
@@ -74,7 +74,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class PolicyRun:
-    policy: Policy
+    policy: ReplanPolicy
     decisions: tuple[Decision, ...]
     segments: tuple[Segment, ...]
     iterations: float           # the workload
@@ -146,7 +146,7 @@ class Replay:
         return step_seconds(self.workload, plan, self.states[i][1], self.models[i])
 
 
-def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: Policy) -> PolicyRun:
+def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: ReplanPolicy) -> PolicyRun:
     """Play `decide` over the replay's states from the running plan `initial`."""
     states = replay.states
     plan = initial
@@ -166,7 +166,7 @@ def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: Pol
     return _account(policy, replay, initial, decisions, segments)
 
 
-def _account(policy: Policy, replay: Replay, initial: RunningPlan, decisions: list[Decision],
+def _account(policy: ReplanPolicy, replay: Replay, initial: RunningPlan, decisions: list[Decision],
              segments: list[Segment]) -> PolicyRun:
     horizon = replay.trace.horizon
     reference = replay.step_seconds(0, initial)
@@ -186,21 +186,21 @@ def _account(policy: Policy, replay: Replay, initial: RunningPlan, decisions: li
     return PolicyRun(policy, tuple(decisions), tuple(segments), target, finish, by_horizon)
 
 
-def run(replay: Replay, initial: RunningPlan, policy: Policy | str, *, chooser: Chooser | None = None) -> PolicyRun:
+def run(replay: Replay, initial: RunningPlan, policy: ReplanPolicy | str, *, chooser: Chooser | None = None) -> PolicyRun:
     """Play `policy` over the replay's trace from the running plan `initial`; `chooser` decides
     for META."""
-    policy = Policy(policy)
-    if policy is Policy.ORACLE:
+    policy = ReplanPolicy(policy)
+    if policy is ReplanPolicy.ORACLE:
         return _oracle(replay, initial)
-    if policy is Policy.META:
+    if policy is ReplanPolicy.META:
         if chooser is None:
             raise ValueError("the meta policy needs a chooser (hlomap.tasks.replan.meta.MetaPolicy)")
         return _simulate(replay, initial, chooser, policy)
     horizon = replay.trace.horizon
     decide: Chooser = {
-        Policy.STATIC: _static,
-        Policy.RESOLVE: _resolve,
-        Policy.ARBITER: lambda i, now, state, options: arbiter_choice(now, horizon, options),
+        ReplanPolicy.STATIC: _static,
+        ReplanPolicy.RESOLVE: _resolve,
+        ReplanPolicy.ARBITER: lambda i, now, state, options: arbiter_choice(now, horizon, options),
     }[policy]
     return _simulate(replay, initial, decide, policy)
 
@@ -220,7 +220,7 @@ def oracle_pool(replay: Replay, initial: RunningPlan) -> list[RunningPlan]:
     return pool
 
 
-def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan], policy: Policy = Policy.ORACLE
+def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan], policy: ReplanPolicy = ReplanPolicy.ORACLE
          ) -> PolicyRun:
     """Hold `sequence[i]` from change i on (migrating to it when it differs from the running plan)."""
     def decide(i: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
@@ -266,7 +266,3 @@ def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
         sequence.append(pool[p])
     return play(replay, initial, sequence)
 
-
-def run_all(replay: Replay, initial: RunningPlan, policies: Sequence[Policy | str], *,
-            chooser: Chooser | None = None) -> dict[Policy, PolicyRun]:
-    return {Policy(p): run(replay, initial, p, chooser=chooser) for p in policies}

@@ -16,7 +16,6 @@ import logging
 from os import PathLike
 from typing import Any, Callable, Mapping
 
-import numpy as np
 
 from hlomap.hlo.capture import Capture
 from hlomap.propagation.conflicts import MeshAxes
@@ -139,7 +138,3 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
              result.seconds, " (interrupted)" if result.interrupted else "")
     return Exploration(plan, result, problem)
 
-
-def choices_from_plan(problem: Problem, plan: Any) -> np.ndarray:
-    """The choice vector of a saved plan in this problem's space."""
-    return problem.space.choices_of(plan.group_array(problem.graph, problem.axes))
