@@ -87,3 +87,13 @@ def test_plans_that_cannot_be_placed_say_why(mlp):
         problem_from_plan(bare, load_cluster("torus:2x4"))
     with pytest.raises(PlacementError, match="8 logical positions but cluster 'mesh:2x2' has only 4"):
         problem_from_plan(pipeline_plan(), load_cluster("mesh:2x2"))
+
+
+def test_place_on_a_torus_too_large_for_dense_tables_is_a_clear_error(tmp_path, capsys) -> None:
+    from hlomap.cli import run
+
+    plan = Plan(mesh=(("data", 2),), parameters=(), source=PlanSource("test", ""))
+    plan.save(tmp_path / "plan.json")
+    assert run(["place", str(tmp_path / "plan.json"), "--cluster", "torus:64x64x64"]) == 2
+    err = capsys.readouterr().err
+    assert "262144 devices" in err and "at most 8192" in err and "Traceback" not in err
