@@ -424,8 +424,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     from hlomap.cost.cluster import load_cluster
     from hlomap.report.placement import format_placement
     from hlomap.search.tracker import Budget
-    from hlomap.tasks.placement.place import problem_from_plan, with_placement
-    from hlomap.tasks.placement.solvers import solve
+    from hlomap.tasks.placement.place import problem_from_plan, search_placement, with_placement
 
     if args.agent not in PLACEMENT_AGENTS:
         raise CliError(f"--agent {args.agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
@@ -458,7 +457,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"placing {problem.n_positions} logical positions on {cluster.n_devices} devices of {cluster.name} "
               f"with {args.agent} ...", file=sys.stderr)
-    result = solve(problem, args.agent, budget, args.seed, **options)
+    result = search_placement(problem, args.agent, budget, args.seed, **options)
     placed = with_placement(plan, problem, result)
     placed.save(output)
     if args.json:

@@ -42,7 +42,7 @@ ALL_PAIRS_LIMIT = 16
 
 
 class SearchState(Protocol):
-    """What the solvers need from an incremental pricing state (module docstring)."""
+    """What the placement task needs from an incremental pricing state (module docstring)."""
 
     problem: PlacementProblem
     order: np.ndarray
