@@ -3,7 +3,10 @@
 At each change of the trace a policy chooses among the options of `options.candidates`:
 - static: PipeDream's plan, made once; it changes only when it cannot run (a device left), and
   then re-solves;
-- re-solve: the DP's optimum at every change, whatever the migration costs;
+- re-solve: the fastest plan at every change, whatever the migration costs: the DP's optimum,
+  unless the running plan is faster (the DP plans over every available device, and a plan on
+  fewer of them can be faster: one that left a server behind a slow link out when the server
+  returns);
 - arbiter: AutoPipe's switch arbiter with the cost model's exact prices: the option that trains the
   most iterations over the rest of the trace's horizon if the current resources last, i.e. the
   largest (remaining - migration) / step time;
@@ -118,8 +121,9 @@ def _static(index: int, now: float, state: ResourceState, options: Sequence[Cand
 
 
 def _resolve(index: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
+    keep = options[0]
     solved = [c for c in options if c.option is Option.RESOLVE]  # absent: the running plan is the optimum
-    return solved[0] if solved else options[0]
+    return solved[0] if solved and solved[0].step_seconds < keep.step_seconds else keep
 
 
 class Replay:

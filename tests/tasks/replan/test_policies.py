@@ -87,6 +87,26 @@ def test_the_static_plan_replans_only_when_a_server_leaves():
     assert all(4 not in stage and 5 not in stage for stage in static.decisions[2].plan.devices)  # stays put
 
 
+def test_re_solve_keeps_a_running_plan_faster_than_the_dp_on_every_device():
+    # Slow links inside two server pairs; server 1 leaves, so the re-solved plan avoids the slow
+    # pair 0-1. When it returns, the DP's plan over all eight devices must replicate across a slow
+    # link and is slower than the running plan: re-solving to it would lose iterations for
+    # nothing (its total time to the workload hid this; its iterations by the horizon showed it).
+    cluster = load_cluster("hier:4x2")
+    slow = 0.05 * cluster.bandwidth[0, 2]
+    trace = Trace("return", cluster, 20_000.0, (Event(1000.0, ((0, 1, slow), (2, 3, slow))),
+                                                Event(2000.0, gpus=(2, 0, 2, 2)), Event(3000.0, gpus=(2, 2, 2, 2))))
+    workload = small_workload()
+    replay = Replay(trace, workload)
+    initial = initial_plan(workload, replay.states[0][1])
+    assert replay.solved(3)[1] > replay.solved(2)[1]  # the DP on every device is the slower plan
+    resolve = run(replay, initial, ReplanPolicy.RESOLVE)
+    assert [d.option for d in resolve.decisions] == [Option.KEEP, Option.RESOLVE, Option.RESOLVE, Option.KEEP]
+    assert all(d.step_seconds <= d.keep_seconds for d in resolve.decisions)
+    arbiter = run(replay, initial, ReplanPolicy.ARBITER)
+    assert resolve.horizon_iterations >= arbiter.horizon_iterations * (1 - 1e-3)
+
+
 def test_the_meta_network_trains_saves_and_chooses(tmp_path):
     workload = small_workload()
     trace = Trace("t", load_cluster("hier:4x2"), 8000.0, (_drop(0.05, 1000.0), _drop(1.0, 3000.0),
