@@ -32,7 +32,7 @@ from hlomap.tasks.sharding.task import ShardingTask
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Exploration", "build_problem", "explore_sharding", "mesh_shape", "run_driver", "to_plan"]
+__all__ = ["Exploration", "build_problem", "explore_sharding", "mesh_shape", "search_sharding", "to_plan"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,7 +72,7 @@ def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[st
     return Problem(cap, graph, axes, space, objective, cluster)
 
 
-def run_driver(problem: Problem, driver: Driver | str, budget: Budget, seed: int = 0, *,
+def search_sharding(problem: Problem, driver: Driver | str, budget: Budget, seed: int = 0, *,
                dqn_config: DqnSearchConfig | None = None,
                on_best: Callable[[SearchResult], None] | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
@@ -128,7 +128,7 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
         if output is not None:
             to_plan(problem, partial, with_estimate=False).save(output)
 
-    result = run_driver(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
+    result = search_sharding(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
                         on_progress=on_progress)
     plan = to_plan(problem, result, with_estimate=with_estimate)
     if output is not None:
