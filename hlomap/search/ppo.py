@@ -1,5 +1,5 @@
-"""The learned placement-style driver: a trained PPO policy (`hlomap.agents.ppo`) builds plans
-step by step in the task's environment, then the greedy driver's local search polishes the best
+"""The learned driver with a trained policy: a PPO policy (`hlomap.agents.ppo`) builds plans step
+by step in the task's environment, then the greedy driver's local search polishes the best
 (DRL-PP's inference followed by refinement).
 
 Use: optionally fine-tune the policy on the task itself (PPO on its environment, for at most
