@@ -2,7 +2,7 @@
 (`verify.compile.compile_plan` with an XLA dump), read the shardings XLA's own propagation
 (shardy) chose, and compare them with the ones the factor graph derives.
 
-    report, numerics = check_plan(cap, plan, mesh, workdir, example_args=args, reference=outputs)
+    report, numerics = check_plan_shardings(cap, plan, mesh, workdir, example_args=args, reference=outputs)
     report.agreement(Category.INTERMEDIATE), report.disagreements, numerics.ok
 
 How the comparison is aligned: XLA's `before_spmd-partitioning` module is the same program after a
@@ -333,9 +333,9 @@ def propagated_module(dump_dir: str) -> Module:
         return parse(f.read(), filename=found[-1])
 
 
-def check_plan(cap: Capture, plan: Plan, mesh: Mesh | None, workdir: str, *,
-               example_args: Sequence[Any] | None = None, reference: Any = None, float64: bool = False,
-               graph: FactorGraph | None = None) -> tuple[OracleReport, OutputComparison | None]:
+def check_plan_shardings(cap: Capture, plan: Plan, mesh: Mesh | None, workdir: str, *,
+                         example_args: Sequence[Any] | None = None, reference: Any = None, float64: bool = False,
+                         graph: FactorGraph | None = None) -> tuple[OracleReport, OutputComparison | None]:
     """Compile the captured step with the plan's in_shardings on `mesh` (None: the plan's mesh of
     the host devices) once: compare XLA's propagated shardings with ours (see the module
     docstring) and, when `example_args` and the unsharded step's outputs (`reference`) are given,

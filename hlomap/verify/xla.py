@@ -273,8 +273,8 @@ class PlanCheck(NamedTuple):
         return next((r for r in self.rows if r.quantity == quantity), None)
 
 
-def check_plan(cap: Capture, graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | None = None, *,
-               model: str = "", name: str | None = None, cluster: str = "A") -> PlanCheck:
+def check_plan_against_xla(cap: Capture, graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | None = None,
+                           *, model: str = "", name: str | None = None, cluster: str = "A") -> PlanCheck:
     """Estimate `plan` (a Plan, a built-in plan name or a plan array with its `mesh`) and compile
     it with XLA on the host devices; return both and their comparison."""
     from hlomap.cost.estimate import estimate

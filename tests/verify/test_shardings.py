@@ -17,7 +17,7 @@ from hlomap.propagation import MeshAxes, megatron_plan
 from hlomap.verify.shardings import (
     Category,
     Verdict,
-    check_plan,
+    check_plan_shardings,
     compare_module,
     spec_coordinates,
     tile_coordinates,
@@ -48,7 +48,8 @@ def gpt_megatron(zoo_capture, zoo_graph, tmp_path_factory):
     example = zoo.get("gpt-tiny").example_args(seed=0)
     reference = jax.jit(cap.step)(*example)
     workdir = str(tmp_path_factory.mktemp("xla_gpt_megatron"))
-    report, numerics = check_plan(cap, plan, mesh, workdir, example_args=example, reference=reference, graph=graph)
+    report, numerics = check_plan_shardings(cap, plan, mesh, workdir, example_args=example, reference=reference,
+                                            graph=graph)
     return cap, graph, plan, mesh, workdir, report, numerics
 
 
