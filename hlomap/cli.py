@@ -446,10 +446,10 @@ def cmd_place(args: argparse.Namespace) -> int:
               f"step on {cluster.name}", file=sys.stderr)
     options: dict[str, Any] = {}
     if args.agent == "ppo":
-        from hlomap.tasks.placement.ppo import load_policy
+        from hlomap.tasks.placement.ppo import load_placement_policy
 
         try:
-            policy = load_policy(args.policy)
+            policy = load_placement_policy(args.policy)
         except ValueError as err:  # not a policy file, or one of another version (FileNotFoundError: a user error)
             raise CliError(f"--policy {err}" if args.policy else str(err)) from None
         options = {"policy": policy, "finetune_seconds": args.finetune_seconds}

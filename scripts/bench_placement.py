@@ -40,14 +40,20 @@ from rich.console import Console  # noqa: E402
 
 from hlomap.report.placement import solver_table  # noqa: E402
 from hlomap.search.tracker import Budget, Driver, SearchResult  # noqa: E402
-from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, Family, Workload, benchmark_problem,  # noqa: E402
-                                             random_problem)
-from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_policy  # noqa: E402
+from hlomap.tasks.placement.generate import (  # noqa: E402
+    BENCHMARK_SIZES,
+    BenchmarkWorkload,
+    TopologyFamily,
+    benchmark_problem,
+    random_problem,
+)
 from hlomap.tasks.placement.place import search_placement  # noqa: E402
+from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_placement_policy  # noqa: E402
 
 #: Seconds per solver and problem, by device count (x --budget-scale).
 BUDGET = {8: 2.0, 16: 3.0, 32: 5.0, 64: 8.0, 128: 15.0, 512: 30.0}
-DEFAULT_FAMILIES = (Family.TORUS, Family.MESH, Family.HIER, Family.RANDOM, Family.UNIFORM_RANDOM, Family.UNIFORM)
+DEFAULT_FAMILIES = (TopologyFamily.TORUS, TopologyFamily.MESH, TopologyFamily.HIER, TopologyFamily.RANDOM,
+                    TopologyFamily.UNIFORM_RANDOM, TopologyFamily.UNIFORM)
 
 
 def _load() -> str:
@@ -76,14 +82,15 @@ def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[s
                 identity = results[Driver.IDENTITY].plan.step_seconds
                 record = {"family": str(family), "devices": n, "workload": str(workload), "problem": problem.name,
                           "budget_seconds": seconds, "identity_seconds": identity, "best_seconds": best,
-                          "solvers": {s.value: {"step_seconds": r.plan.step_seconds, "gap": r.plan.step_seconds / best - 1,
-                                                "gain": r.plan.gain, "evaluations": r.evaluations, "seconds": r.seconds,
+                          "solvers": {s.value: {"step_seconds": r.plan.step_seconds,
+                                                "gap": r.plan.step_seconds / best - 1, "gain": r.plan.gain, "evaluations": r.evaluations, "seconds": r.seconds,
                                                 "optimal": r.optimal} for s, r in results.items()}}
                 records.append(record)
                 cells = [f"{100 * (results[s].plan.step_seconds / best - 1):.3f}%" if s in results else "-"
                          for s in (Driver.RANDOM, Driver.GREEDY, Driver.PPO, Driver.EXACT)]
                 rows.append([problem.name, str(n), f"{identity * 1e3:.4g}", f"{best * 1e3:.4g}",
-                             f"{100 * (1 - best / identity):+.3f}%", f"{100 * (results[Driver.IDENTITY].plan.step_seconds / best - 1):.3f}%",
+                             f"{100 * (1 - best / identity):+.3f}%",
+                             f"{100 * (results[Driver.IDENTITY].plan.step_seconds / best - 1):.3f}%",
                              *cells])
                 console.print(f"  {problem.name}: identity {identity * 1e3:.4g} ms, best {best * 1e3:.4g} ms "
                               f"({100 * (1 - best / identity):+.3f}%), load {_load()}")
@@ -107,7 +114,7 @@ def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[s
 def large(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
     records, rows = [], []
     for workload in args.workloads:
-        problem = benchmark_problem(Family.TORUS, 512, workload)
+        problem = benchmark_problem(TopologyFamily.TORUS, 512, workload)
         for seconds in (10.0, 30.0, 60.0):
             start, cpu = time.perf_counter(), time.process_time()
             result = search_placement(problem, Driver.GREEDY, Budget(seconds, None), args.seed)
@@ -153,8 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("gaps", "large", "ppo"), action="append")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(BENCHMARK_SIZES))
-    parser.add_argument("--families", type=Family, nargs="+", default=list(DEFAULT_FAMILIES))
-    parser.add_argument("--workloads", type=Workload, nargs="+", default=list(Workload))
+    parser.add_argument("--families", type=TopologyFamily, nargs="+", default=list(DEFAULT_FAMILIES))
+    parser.add_argument("--workloads", type=BenchmarkWorkload, nargs="+", default=list(BenchmarkWorkload))
     parser.add_argument("--budget-scale", type=float, default=1.0)
     parser.add_argument("--ppo-problems", type=int, default=16)
     parser.add_argument("--ppo-budgets", type=float, nargs="+", default=[2.0, 10.0])
@@ -163,7 +170,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console(width=160)
-    policy = load_policy(args.policy) if args.policy.is_file() else None
+    policy = load_placement_policy(args.policy) if args.policy.is_file() else None
     if policy is None:
         console.print(f"no placement policy at {args.policy}: the ppo columns are left out")
     parts = args.only or ["gaps", "large", "ppo"]

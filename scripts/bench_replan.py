@@ -29,7 +29,7 @@ from rich.console import Console  # noqa: E402
 from hlomap.report.placement import solver_table  # noqa: E402
 from hlomap.tasks.replan.meta import DEFAULT_NETWORK, MetaPolicy, load_network  # noqa: E402
 from hlomap.tasks.replan.options import initial_plan, transformer_workload  # noqa: E402
-from hlomap.tasks.replan.policies import ReplanPolicy, Replay, run  # noqa: E402
+from hlomap.tasks.replan.policies import ReplanPolicy, Replay, run_policy  # noqa: E402
 from hlomap.tasks.replan.trace import TraceKind, generate  # noqa: E402
 
 
@@ -43,7 +43,8 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=170)
     network = load_network(args.network) if args.network.is_file() else None
-    policies = [ReplanPolicy.STATIC, ReplanPolicy.RESOLVE, ReplanPolicy.ARBITER] + ([ReplanPolicy.META] if network else []) + [ReplanPolicy.ORACLE]
+    policies = ([ReplanPolicy.STATIC, ReplanPolicy.RESOLVE, ReplanPolicy.ARBITER]
+                + ([ReplanPolicy.META] if network else []) + [ReplanPolicy.ORACLE])
     rows, records = [], []
     gains: dict[tuple[str, ReplanPolicy], list[float]] = {}
     for cluster in args.clusters:
@@ -57,7 +58,7 @@ def main() -> None:
                 runs, agreement = {}, None
                 for policy in policies:
                     chooser = MetaPolicy(trace.horizon, network) if policy is ReplanPolicy.META else None
-                    runs[policy] = run(replay, initial, policy, chooser=chooser)
+                    runs[policy] = run_policy(replay, initial, policy, chooser=chooser)
                     agreement = chooser.agreement if chooser is not None else agreement
                 static = runs[ReplanPolicy.STATIC].total_seconds
                 cells = []

@@ -34,7 +34,7 @@ from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan, random_plans  # noqa: E402
 from hlomap.verify.compile import jax_mesh  # noqa: E402
 from hlomap.verify.numerics import OutputComparison, reference_outputs  # noqa: E402
-from hlomap.verify.shardings import Category, check_plan_shardings  # noqa: E402
+from hlomap.verify.shardings import ShardingCategory, check_plan_shardings  # noqa: E402
 
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
 MESHES: dict[str, dict[str, int]] = {"1x8": {"model": 8}, "2x4": {"data": 2, "model": 4}}
@@ -91,9 +91,9 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
                                                     float64=float64, graph=graph)
             rows.append(AcceptanceRow(
                 model, mesh_name, label, int((array >= 0).sum()),
-                report.agreement(Category.PARAMETER), report.agreement(Category.OUTPUT),
-                report.agreement(Category.CAPTURED_OUTPUT), report.agreement(Category.INTERMEDIATE),
-                len(report.of(Category.INTERMEDIATE)),
+                report.agreement(ShardingCategory.PARAMETER), report.agreement(ShardingCategory.OUTPUT),
+                report.agreement(ShardingCategory.CAPTURED_OUTPUT), report.agreement(ShardingCategory.INTERMEDIATE),
+                len(report.of(ShardingCategory.INTERMEDIATE)),
                 numerics, tuple(report.kinds().most_common()), tuple(report.notes)))
     return rows
 

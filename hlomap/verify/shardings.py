@@ -3,7 +3,7 @@
 (shardy) chose, and compare them with the ones the factor graph derives.
 
     report, numerics = check_plan_shardings(cap, plan, mesh, workdir, example_args=args, reference=outputs)
-    report.agreement(Category.INTERMEDIATE), report.disagreements, numerics.ok
+    report.agreement(ShardingCategory.INTERMEDIATE), report.disagreements, numerics.ok
 
 How the comparison is aligned: XLA's `before_spmd-partitioning` module is the same program after a
 few cleanup passes (call inlining, simplification), so instruction names and counts differ from
@@ -138,7 +138,7 @@ def spec_coordinates(spec: Sequence[tuple[str, ...] | None], mesh_names: Sequenc
 # ---------------------------------------------------------------------------------------------
 
 
-class Category(enum.Enum):
+class ShardingCategory(enum.Enum):
     PARAMETER = "parameter"
     OUTPUT = "output"
     INTERMEDIATE = "intermediate"
@@ -156,7 +156,7 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class ShardingComparison:
-    category: Category
+    category: ShardingCategory
     instruction: str
     computation: str
     leaf: int
@@ -176,10 +176,10 @@ class OracleReport:
     comparisons: list[ShardingComparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def of(self, category: Category, *, include_free: bool = True) -> list[ShardingComparison]:
+    def of(self, category: ShardingCategory, *, include_free: bool = True) -> list[ShardingComparison]:
         return [c for c in self.comparisons if c.category is category and (include_free or not c.free)]
 
-    def agreement(self, category: Category, *, include_free: bool = True) -> float:
+    def agreement(self, category: ShardingCategory, *, include_free: bool = True) -> float:
         items = self.of(category, include_free=include_free)
         return sum(c.verdict is Verdict.MATCH for c in items) / len(items) if items else 1.0
 
@@ -193,14 +193,14 @@ class OracleReport:
 
     def summary(self) -> str:
         parts = []
-        for cat in Category:
+        for cat in ShardingCategory:
             items = self.of(cat)
             if items:
                 parts.append(f"{cat.value}: {self.agreement(cat):.1%} of {len(items)}")
-        strict = self.of(Category.INTERMEDIATE, include_free=False)
+        strict = self.of(ShardingCategory.INTERMEDIATE, include_free=False)
         if strict:
             parts.append(f"intermediate (not constant-derived): "
-                         f"{self.agreement(Category.INTERMEDIATE, include_free=False):.1%} of {len(strict)}")
+                         f"{self.agreement(ShardingCategory.INTERMEDIATE, include_free=False):.1%} of {len(strict)}")
         return "; ".join(parts)
 
 
@@ -277,11 +277,11 @@ def compare_module(xla_module: Module, parameter_specs: Sequence[Sequence[tuple[
                 report.notes.append(f"{inst.name}: {exc}")
                 continue
             if node.computation == entry and inst.opcode == "parameter":
-                category = Category.PARAMETER
+                category = ShardingCategory.PARAMETER
             elif node.computation == entry and inst.name == root:
-                category = Category.OUTPUT
+                category = ShardingCategory.OUTPUT
             else:
-                category = Category.INTERMEDIATE
+                category = ShardingCategory.INTERMEDIATE
             md = inst.metadata
             report.comparisons.append(ShardingComparison(
                 category, inst.name, node.computation, k, inst.opcode, tuple(int(x) for x in graph.dim_size[dims]),
@@ -311,7 +311,7 @@ def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: Fa
         ours = spec_coordinates(spec, mesh_names, mesh_devices)
         xla = tile_coordinates(text, rank, mesh_devices.size)
         report.comparisons.append(ShardingComparison(
-            Category.CAPTURED_OUTPUT, graph.tensor_name(t), graph.module.entry_name, k, "output",
+            ShardingCategory.CAPTURED_OUTPUT, graph.tensor_name(t), graph.module.entry_name, k, "output",
             tuple(int(x) for x in graph.dim_size[dims]), spec, text, _verdict(ours, xla), bool(graph.tensor_free[t])))
 
 

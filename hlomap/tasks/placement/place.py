@@ -29,7 +29,7 @@ from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Budget, Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
-from hlomap.tasks.placement.ppo import PlacementPolicy, load_policy
+from hlomap.tasks.placement.ppo import PlacementPolicy, load_placement_policy
 from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem, StageLayout
 from hlomap.tasks.placement.task import PlacedOrder, PlacementTask
 
@@ -117,7 +117,7 @@ def search_placement(problem: PlacementProblem, driver: Driver | str = Driver.GR
     driver = Driver(driver)
     agent = None
     if driver is Driver.PPO:
-        loaded = policy if isinstance(policy, PlacementPolicy) else load_policy(policy)
+        loaded = policy if isinstance(policy, PlacementPolicy) else load_placement_policy(policy)
         agent = loaded.agent(seed)
     return run_driver(PlacementTask(problem), driver, budget, seed, ppo_agent=agent,
                       finetune_seconds=finetune_seconds, on_progress=on_progress)

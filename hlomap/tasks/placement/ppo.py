@@ -50,8 +50,8 @@ from hlomap.tasks.placement.generate import random_problem
 from hlomap.tasks.placement.objective import Affinity, affinity, new_state
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
 
-__all__ = ["CANDIDATES", "DEFAULT_POLICY", "PlacementEnv", "PlacementPolicy", "TrainingConfig", "load_policy",
-           "placement_ppo_config", "save_policy", "train_policy"]
+__all__ = ["CANDIDATES", "DEFAULT_POLICY", "PlacementEnv", "PlacementPolicy", "PlacementTrainingConfig",
+           "load_placement_policy", "placement_ppo_config", "save_placement_policy", "train_placement_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -288,14 +288,14 @@ class PlacementPolicy:
         return agent
 
 
-def save_policy(path: str | Path, agent: PpoAgent, extra: dict[str, Any] | None = None) -> None:
+def save_placement_policy(path: str | Path, agent: PpoAgent, extra: dict[str, Any] | None = None) -> None:
     """Write an agent's network as a policy file (parameters and a JSON header, no optimizer)."""
     meta = {"kind": _KIND, "config": checkpoint.config_to_json(agent.config), "layout": _layout(),
             "extra": extra or {}}
     checkpoint.save(path, checkpoint.flatten("params", agent.get_params()), meta)
 
 
-def load_policy(path: str | Path | None = None) -> PlacementPolicy:
+def load_placement_policy(path: str | Path | None = None) -> PlacementPolicy:
     """Read a policy file (default: the shipped one); refuses one of another layout."""
     path = Path(path) if path is not None else DEFAULT_POLICY
     if not path.is_file():
@@ -320,7 +320,7 @@ def load_policy(path: str | Path | None = None) -> PlacementPolicy:
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
+class PlacementTrainingConfig:
     """One training run: `episodes` random problems, validated every `validate_every` episodes
     on `validation` fixed ones (greedy rollouts against the greedy construction)."""
 
@@ -334,13 +334,13 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
-class Validation:
+class PlacementValidation:
     mean_gain: float      # mean over the validation problems of 1 - policy / construction
     better: float         # share of problems where the policy's placement is faster
     worse: float          # share where it is slower
 
 
-def validate(agent: PpoAgent, problems: list[PlacementProblem]) -> Validation:
+def validate_placement_policy(agent: PpoAgent, problems: list[PlacementProblem]) -> PlacementValidation:
     gains = []
     for problem in problems:
         env = PlacementEnv(problem)
@@ -348,11 +348,13 @@ def validate(agent: PpoAgent, problems: list[PlacementProblem]) -> Validation:
         assert env.episode is not None
         gains.append(1.0 - env.last_value / env.episode.reference)
     array = np.asarray(gains)
-    return Validation(float(array.mean()), float(np.mean(array > 1e-9)), float(np.mean(array < -1e-9)))
+    return PlacementValidation(float(array.mean()), float(np.mean(array > 1e-9)), float(np.mean(array < -1e-9)))
 
 
-def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path | None = None,
-                 report: Callable[[int, Validation], None] | None = None) -> tuple[PpoAgent, Validation]:
+def train_placement_policy(config: PlacementTrainingConfig = PlacementTrainingConfig(), *,
+                           out: str | Path | None = None,
+                           report: Callable[[int, PlacementValidation], None] | None = None,
+                           ) -> tuple[PpoAgent, PlacementValidation]:
     """Train the placement network on random problems, keep the best validated network, write it
     to `out` when given."""
     env = PlacementEnv(training_problems)
@@ -365,13 +367,13 @@ def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path |
     agent.set_params(params)
     rng = np.random.default_rng([config.seed, 0x7A11D])
     problems = [random_problem(rng) for _ in range(config.validation)]
-    best: list[Any] = [agent.get_params(), validate(agent, problems)]
+    best: list[Any] = [agent.get_params(), validate_placement_policy(agent, problems)]
     start = time.perf_counter()
     if report is not None:
         report(0, best[1])
 
     def consider(episode: int) -> None:
-        score = validate(agent, problems)
+        score = validate_placement_policy(agent, problems)
         log.info("episode %d (%.0f s): mean gain over construction %.4f, better %.2f, worse %.2f", episode,
                  time.perf_counter() - start, score.mean_gain, score.better, score.worse)
         if report is not None:
@@ -390,7 +392,7 @@ def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path |
     consider(result.num_episodes)
     agent.set_params(best[0])
     if out is not None:
-        save_policy(out, agent, extra={"episodes": result.num_episodes, "steps": result.num_steps,
+        save_placement_policy(out, agent, extra={"episodes": result.num_episodes, "steps": result.num_steps,
                                        "seconds": round(time.perf_counter() - start, 1), "seed": config.seed,
                                        "validation": dataclasses.asdict(best[1])})
     return agent, best[1]

@@ -14,7 +14,7 @@ At each change of the trace a policy chooses among the options of `options.candi
 - oracle: knows the whole trace: dynamic programming over the changes and the plans any option
   produced at any change, maximizing the iterations trained by the horizon.
 
-`run` plays a policy over a trace: between changes the plan trains at its step time; a migration
+`run_policy` plays a policy over a trace: between changes the plan trains at its step time; a migration
 stops training while it lasts (a long one runs on into the next interval). The workload is the
 number of iterations the initial plan trains, on the trace's first resources, in `WORKLOAD_SHARE`
 of the horizon; a policy's total training time is when it completes them (if that is after the
@@ -28,12 +28,21 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from hlomap.tasks.replan.options import (Candidate, Option, RunningPlan, Workload, best_move, candidates,
-                                        migration, resolve, step_seconds)
+from hlomap.tasks.replan.options import (
+    Candidate,
+    Option,
+    RunningPlan,
+    Workload,
+    best_move,
+    candidates,
+    migration,
+    resolve,
+    step_seconds,
+)
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
 __all__ = ["Decision", "PolicyRun", "Replay", "ReplanPolicy", "Segment", "arbiter_choice", "oracle_pool", "play",
-           "run"]
+           "run_policy"]
 
 
 #: The workload: the iterations the initial plan trains in this share of the horizon, unchanged.
@@ -190,7 +199,8 @@ def _account(policy: ReplanPolicy, replay: Replay, initial: RunningPlan, decisio
     return PolicyRun(policy, tuple(decisions), tuple(segments), target, finish, by_horizon)
 
 
-def run(replay: Replay, initial: RunningPlan, policy: ReplanPolicy | str, *, chooser: Chooser | None = None) -> PolicyRun:
+def run_policy(replay: Replay, initial: RunningPlan, policy: ReplanPolicy | str, *,
+               chooser: Chooser | None = None) -> PolicyRun:
     """Play `policy` over the replay's trace from the running plan `initial`; `chooser` decides
     for META."""
     policy = ReplanPolicy(policy)
@@ -224,8 +234,8 @@ def oracle_pool(replay: Replay, initial: RunningPlan) -> list[RunningPlan]:
     return pool
 
 
-def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan], policy: ReplanPolicy = ReplanPolicy.ORACLE
-         ) -> PolicyRun:
+def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan],
+         policy: ReplanPolicy = ReplanPolicy.ORACLE) -> PolicyRun:
     """Hold `sequence[i]` from change i on (migrating to it when it differs from the running plan)."""
     def decide(i: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
         plan, current = sequence[i], options[0]

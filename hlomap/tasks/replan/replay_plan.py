@@ -18,7 +18,7 @@ from hlomap.plan import Plan
 from hlomap.tasks.placement.place import plan_profile_of
 from hlomap.tasks.placement.problem import PlacementError
 from hlomap.tasks.replan.options import RunningPlan, Workload
-from hlomap.tasks.replan.policies import ReplanPolicy, PolicyRun, Replay, run
+from hlomap.tasks.replan.policies import PolicyRun, ReplanPolicy, Replay, run_policy
 from hlomap.tasks.replan.trace import Trace
 
 __all__ = ["ReplanReport", "replan_plan", "workload_of"]
@@ -64,8 +64,8 @@ def replan_plan(plan: Plan, trace: Trace, policies: Sequence[ReplanPolicy] = tup
             from hlomap.tasks.replan.meta import MetaPolicy
 
             chooser = MetaPolicy(trace.horizon, network)  # type: ignore[arg-type]
-            runs[policy] = run(replay, running, policy, chooser=chooser)
+            runs[policy] = run_policy(replay, running, policy, chooser=chooser)
             agreement = chooser.agreement
         else:
-            runs[policy] = run(replay, running, policy)
+            runs[policy] = run_policy(replay, running, policy)
     return ReplanReport(runs, agreement)

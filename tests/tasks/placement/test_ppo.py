@@ -12,11 +12,17 @@ from hlomap.search.tracker import Budget
 from hlomap.tasks.placement.construct import construct
 from hlomap.tasks.placement.objective import new_state
 from hlomap.tasks.placement.place import search_placement
-from hlomap.tasks.placement.ppo import (CANDIDATES, DEFAULT_POLICY, PlacementEnv, load_policy, placement_ppo_config,
-                                        save_policy, training_problems)
+from hlomap.tasks.placement.ppo import (
+    CANDIDATES,
+    DEFAULT_POLICY,
+    PlacementEnv,
+    load_placement_policy,
+    placement_ppo_config,
+    save_placement_policy,
+    training_problems,
+)
 from hlomap.tasks.placement.problem import step_seconds
 from hlomap.tasks.placement.task import PlacementTask
-
 from tests.tasks.placement.helpers import mesh_layout, problem, stage_layout
 
 
@@ -59,22 +65,22 @@ def test_training_problems_vary_and_are_seeded():
 
 def test_policy_files_round_trip_and_refuse_other_layouts(tmp_path):
     agent = PpoAgent(placement_ppo_config(), PlacementEnv(training_problems).observation_size, CANDIDATES, seed=3)
-    save_policy(tmp_path / "p.npz", agent, extra={"note": "test"})
-    policy = load_policy(tmp_path / "p.npz")
+    save_placement_policy(tmp_path / "p.npz", agent, extra={"note": "test"})
+    policy = load_placement_policy(tmp_path / "p.npz")
     assert policy.meta["extra"] == {"note": "test"}
     arrays, meta = checkpoint.load(tmp_path / "p.npz")
     meta["layout"]["candidates"] = 8
     checkpoint.save(tmp_path / "old.npz", arrays, meta)
     with pytest.raises(ValueError, match="layout"):
-        load_policy(tmp_path / "old.npz")
+        load_placement_policy(tmp_path / "old.npz")
     with pytest.raises(FileNotFoundError, match="train_placement_policy"):
-        load_policy(tmp_path / "missing.npz")
+        load_placement_policy(tmp_path / "missing.npz")
 
 
 @pytest.mark.skipif(not DEFAULT_POLICY.is_file(), reason="the shipped placement policy is missing")
 def test_ppo_driver_with_the_shipped_policy():
     pb = problem("uniform:12:5", stage_layout((3, 3, 3, 3)))
-    policy = load_policy()
+    policy = load_placement_policy()
     task = PlacementTask(pb)
     env = task.make_env()
     rollout(env, policy.agent(0), greedy=True)
