@@ -40,13 +40,8 @@ from rich.console import Console  # noqa: E402
 
 from hlomap.report.placement import solver_table  # noqa: E402
 from hlomap.search.tracker import Budget, Driver, SearchResult  # noqa: E402
-from hlomap.tasks.placement.generate import (  # noqa: E402
-    BENCHMARK_SIZES,
-    BenchmarkWorkload,
-    TopologyFamily,
-    benchmark_problem,
-    random_problem,
-)
+from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, BenchmarkWorkload, TopologyFamily,  # noqa: E402
+                                             benchmark_problem, random_problem)
 from hlomap.tasks.placement.place import search_placement  # noqa: E402
 from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_placement_policy  # noqa: E402
 

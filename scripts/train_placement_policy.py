@@ -22,12 +22,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hlomap.tasks.placement.ppo import (
-    DEFAULT_POLICY,
-    PlacementTrainingConfig,
-    PlacementValidation,
-    train_placement_policy,
-)
+from hlomap.tasks.placement.ppo import (DEFAULT_POLICY, PlacementTrainingConfig, PlacementValidation,
+                                        train_placement_policy)
 
 
 def main() -> None:

@@ -28,17 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from hlomap.tasks.replan.options import (
-    Candidate,
-    Option,
-    RunningPlan,
-    Workload,
-    best_move,
-    candidates,
-    migration,
-    resolve,
-    step_seconds,
-)
+from hlomap.tasks.replan.options import (Candidate, Option, RunningPlan, Workload, best_move, candidates,
+                                        migration, plan_step_seconds, resolve)
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
 __all__ = ["Decision", "PolicyRun", "Replay", "ReplanPolicy", "Segment", "arbiter_choice", "oracle_pool", "play",
@@ -156,7 +147,7 @@ class Replay:
         return candidates(self.workload, plan, self.states[i][1], self.models[i], self.solved(i))
 
     def step_seconds(self, i: int, plan: RunningPlan) -> float:
-        return step_seconds(self.workload, plan, self.states[i][1], self.models[i])
+        return plan_step_seconds(self.workload, plan, self.states[i][1], self.models[i])
 
 
 def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: ReplanPolicy) -> PolicyRun:

@@ -40,7 +40,7 @@ from hlomap.tasks import Task, sharding_task
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Candidate",
+    "CandidateDim",
     "tie_layers",
     "ShardingSpace",
     "adp_space",
@@ -72,7 +72,7 @@ def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP)
     return shape
 
 
-class Candidate(NamedTuple):
+class CandidateDim(NamedTuple):
     """One entry-parameter dim the search decides, and the position (group) deciding it."""
 
     parameter: int
@@ -100,7 +100,7 @@ class ShardingSpace:
     members: tuple[np.ndarray, ...]  # int64 group ids per position
     legal: np.ndarray  # bool [P, K + 1]
     weights: np.ndarray  # float64 [P]
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[CandidateDim, ...]
     base: np.ndarray  # int8 [G]
     pruned: tuple[int, ...] = ()  # groups kept replicated by a pruning rule
 
@@ -351,7 +351,8 @@ def _build(graph: FactorGraph, axes: MeshAxes, task: Task, entries: Sequence[tup
         if int(m[0]) in pruned:
             legal[p, 1:] = False
     pos = {int(g): p for p, m in enumerate(members) for g in m}
-    candidates = tuple(Candidate(p.index, p.path, d, int(p.shape.dims[d]), pos[g]) for p, d, g in entries if g in pos)
+    candidates = tuple(CandidateDim(p.index, p.path, d, int(p.shape.dims[d]), pos[g])
+                       for p, d, g in entries if g in pos)
     weights = np.bincount([c.position for c in candidates], minlength=len(members)).astype(np.float64)
     base_arr = np.full(graph.num_groups, REPLICATED, dtype=PLAN_DTYPE) if base is None else np.asarray(base, PLAN_DTYPE)
     if base is not None:

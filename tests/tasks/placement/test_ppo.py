@@ -12,17 +12,11 @@ from hlomap.search.tracker import Budget
 from hlomap.tasks.placement.construct import construct
 from hlomap.tasks.placement.objective import new_state
 from hlomap.tasks.placement.place import search_placement
-from hlomap.tasks.placement.ppo import (
-    CANDIDATES,
-    DEFAULT_POLICY,
-    PlacementEnv,
-    load_placement_policy,
-    placement_ppo_config,
-    save_placement_policy,
-    training_problems,
-)
+from hlomap.tasks.placement.ppo import (CANDIDATES, DEFAULT_POLICY, PlacementEnv, load_placement_policy,
+                                        placement_ppo_config, save_placement_policy, training_problems)
 from hlomap.tasks.placement.problem import step_seconds
 from hlomap.tasks.placement.task import PlacementTask
+
 from tests.tasks.placement.helpers import mesh_layout, problem, stage_layout
 
 

@@ -14,6 +14,7 @@ from hlomap.tasks.replan.meta import MetaPolicy, _model, load_network, samples, 
 from hlomap.tasks.replan.options import Option, initial_plan, migration
 from hlomap.tasks.replan.policies import ReplanPolicy, Replay, oracle_pool, run_policy
 from hlomap.tasks.replan.trace import Event, Trace
+
 from tests.tasks.replan.helpers import small_workload
 
 SERVERS = [(a, b) for a in range(4) for b in range(a + 1, 4)]
