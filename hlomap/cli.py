@@ -424,8 +424,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     from hlomap.cost.cluster import load_cluster
     from hlomap.report.placement import format_placement
     from hlomap.search.tracker import Budget
-    from hlomap.tasks.placement.place import problem_from_plan, with_placement
-    from hlomap.tasks.placement.solvers import solve
+    from hlomap.tasks.placement.place import problem_from_plan, search_placement, with_placement
 
     if args.agent not in PLACEMENT_AGENTS:
         raise CliError(f"--agent {args.agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
@@ -447,10 +446,10 @@ def cmd_place(args: argparse.Namespace) -> int:
               f"step on {cluster.name}", file=sys.stderr)
     options: dict[str, Any] = {}
     if args.agent == "ppo":
-        from hlomap.tasks.placement.ppo import load_policy
+        from hlomap.tasks.placement.ppo import load_placement_policy
 
         try:
-            policy = load_policy(args.policy)
+            policy = load_placement_policy(args.policy)
         except ValueError as err:  # not a policy file, or one of another version (FileNotFoundError: a user error)
             raise CliError(f"--policy {err}" if args.policy else str(err)) from None
         options = {"policy": policy, "finetune_seconds": args.finetune_seconds}
@@ -458,7 +457,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"placing {problem.n_positions} logical positions on {cluster.n_devices} devices of {cluster.name} "
               f"with {args.agent} ...", file=sys.stderr)
-    result = solve(problem, args.agent, budget, args.seed, **options)
+    result = search_placement(problem, args.agent, budget, args.seed, **options)
     placed = with_placement(plan, problem, result)
     placed.save(output)
     if args.json:
@@ -638,7 +637,7 @@ REPLAN_POLICIES = ("static", "re-solve", "arbiter", "meta", "oracle")
 
 def cmd_replan(args: argparse.Namespace) -> int:
     from hlomap.report.replan import format_decisions, format_totals, plot_throughput
-    from hlomap.tasks.replan.policies import Policy
+    from hlomap.tasks.replan.policies import ReplanPolicy
     from hlomap.tasks.replan.replay_plan import replan_plan, workload_of
     from hlomap.tasks.replan.trace import load_trace
 
@@ -665,7 +664,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
         print(f"playing {len(REPLAN_POLICIES) - (network is None)} policies over {len(trace.events)} changes of {trace.name} ...",
               file=sys.stderr)
     report = replan_plan(plan, trace, network=network, where=args.plan)
-    shown = report.runs.get(Policy(args.show))
+    shown = report.runs.get(ReplanPolicy(args.show))
     if shown is None:
         raise CliError(f"--show {args.show}: that policy did not run (no gain network)")
     plot_throughput(trace, report.runs, plot)

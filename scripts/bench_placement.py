@@ -39,25 +39,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 
 from hlomap.report.placement import solver_table  # noqa: E402
-from hlomap.search.tracker import Budget  # noqa: E402
-from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, Family, Workload, benchmark_problem,  # noqa: E402
-                                             random_problem)
-from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_policy  # noqa: E402
-from hlomap.tasks.placement.solvers import PlacementResult, Solver, solve  # noqa: E402
+from hlomap.search.tracker import Budget, Driver, SearchResult  # noqa: E402
+from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, BenchmarkWorkload, TopologyFamily,  # noqa: E402
+                                             benchmark_problem, random_problem)
+from hlomap.tasks.placement.place import search_placement  # noqa: E402
+from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_placement_policy  # noqa: E402
 
 #: Seconds per solver and problem, by device count (x --budget-scale).
 BUDGET = {8: 2.0, 16: 3.0, 32: 5.0, 64: 8.0, 128: 15.0, 512: 30.0}
-DEFAULT_FAMILIES = (Family.TORUS, Family.MESH, Family.HIER, Family.RANDOM, Family.UNIFORM_RANDOM, Family.UNIFORM)
+DEFAULT_FAMILIES = (TopologyFamily.TORUS, TopologyFamily.MESH, TopologyFamily.HIER, TopologyFamily.RANDOM,
+                    TopologyFamily.UNIFORM_RANDOM, TopologyFamily.UNIFORM)
 
 
 def _load() -> str:
     return "{:.1f}".format(os.getloadavg()[0])
 
 
-def _run(problem: Any, solver: Solver, seconds: float, seed: int, policy: Any) -> PlacementResult:
-    options = {"policy": policy} if solver is Solver.PPO else {}
-    budget = Budget(None, None) if solver in (Solver.IDENTITY, Solver.EXACT) else Budget(seconds, None)
-    return solve(problem, solver, budget, seed, **options)
+def _run(problem: Any, solver: Driver, seconds: float, seed: int, policy: Any) -> SearchResult:
+    options = {"policy": policy} if solver is Driver.PPO else {}
+    budget = Budget(None, None) if solver in (Driver.IDENTITY, Driver.EXACT) else Budget(seconds, None)
+    return search_placement(problem, solver, budget, seed, **options)
 
 
 def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[str, Any]]:
@@ -68,22 +69,23 @@ def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[s
             for workload in args.workloads:
                 problem = benchmark_problem(family, n, workload, seed=args.seed)
                 seconds = BUDGET[n] * args.budget_scale
-                solvers = [Solver.IDENTITY, Solver.RANDOM, Solver.GREEDY]
-                solvers += [Solver.PPO] if policy is not None else []
-                solvers += [Solver.EXACT] if n <= 8 else []
+                solvers = [Driver.IDENTITY, Driver.RANDOM, Driver.GREEDY]
+                solvers += [Driver.PPO] if policy is not None else []
+                solvers += [Driver.EXACT] if n <= 8 else []
                 results = {s: _run(problem, s, seconds, args.seed, policy) for s in solvers}
-                best = min(r.step_seconds for r in results.values())
-                identity = results[Solver.IDENTITY].step_seconds
+                best = min(r.plan.step_seconds for r in results.values())
+                identity = results[Driver.IDENTITY].plan.step_seconds
                 record = {"family": str(family), "devices": n, "workload": str(workload), "problem": problem.name,
                           "budget_seconds": seconds, "identity_seconds": identity, "best_seconds": best,
-                          "solvers": {s.value: {"step_seconds": r.step_seconds, "gap": r.step_seconds / best - 1,
-                                                "gain": r.gain, "evaluations": r.evaluations, "seconds": r.seconds,
+                          "solvers": {s.value: {"step_seconds": r.plan.step_seconds,
+                                                "gap": r.plan.step_seconds / best - 1, "gain": r.plan.gain, "evaluations": r.evaluations, "seconds": r.seconds,
                                                 "optimal": r.optimal} for s, r in results.items()}}
                 records.append(record)
-                cells = [f"{100 * (results[s].step_seconds / best - 1):.3f}%" if s in results else "-"
-                         for s in (Solver.RANDOM, Solver.GREEDY, Solver.PPO, Solver.EXACT)]
+                cells = [f"{100 * (results[s].plan.step_seconds / best - 1):.3f}%" if s in results else "-"
+                         for s in (Driver.RANDOM, Driver.GREEDY, Driver.PPO, Driver.EXACT)]
                 rows.append([problem.name, str(n), f"{identity * 1e3:.4g}", f"{best * 1e3:.4g}",
-                             f"{100 * (1 - best / identity):+.3f}%", f"{100 * (results[Solver.IDENTITY].step_seconds / best - 1):.3f}%",
+                             f"{100 * (1 - best / identity):+.3f}%",
+                             f"{100 * (results[Driver.IDENTITY].plan.step_seconds / best - 1):.3f}%",
                              *cells])
                 console.print(f"  {problem.name}: identity {identity * 1e3:.4g} ms, best {best * 1e3:.4g} ms "
                               f"({100 * (1 - best / identity):+.3f}%), load {_load()}")
@@ -107,17 +109,17 @@ def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[s
 def large(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
     records, rows = [], []
     for workload in args.workloads:
-        problem = benchmark_problem(Family.TORUS, 512, workload)
+        problem = benchmark_problem(TopologyFamily.TORUS, 512, workload)
         for seconds in (10.0, 30.0, 60.0):
             start, cpu = time.perf_counter(), time.process_time()
-            result = solve(problem, Solver.GREEDY, Budget(seconds, None), args.seed)
+            result = search_placement(problem, Driver.GREEDY, Budget(seconds, None), args.seed)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             records.append({"problem": problem.name, "budget_seconds": seconds, "wall_seconds": wall,
-                            "cpu_seconds": cpu, "evaluations": result.evaluations, "gain": result.gain,
-                            "step_seconds": result.step_seconds, "identity_seconds": result.identity_seconds})
+                            "cpu_seconds": cpu, "evaluations": result.evaluations, "gain": result.plan.gain,
+                            "step_seconds": result.plan.step_seconds, "identity_seconds": result.plan.identity_seconds})
             rows.append([problem.name, f"{seconds:g}", f"{wall:.1f}", f"{cpu:.1f}", str(result.evaluations),
-                         f"{result.identity_seconds * 1e3:.5g}", f"{result.step_seconds * 1e3:.5g}",
-                         f"{100 * result.gain:+.4f}%", _load()])
+                         f"{result.plan.identity_seconds * 1e3:.5g}", f"{result.plan.step_seconds * 1e3:.5g}",
+                         f"{100 * result.plan.gain:+.4f}%", _load()])
     console.print(solver_table("512 devices (3-D torus 8x8x8): greedy + local search within a budget",
                                ["problem", "budget s", "wall s", "cpu s", "evaluations", "identity ms", "placed ms",
                                 "gain", "load"], rows))
@@ -129,17 +131,17 @@ def ppo_comparison(args: argparse.Namespace, console: Console, policy: Any) -> l
     problems = [random_problem(rng, sizes=(16, 32, 64)) for _ in range(args.ppo_problems)]
     records, rows = [], []
     for seconds in args.ppo_budgets:
-        gains: dict[Solver, list[float]] = {s: [] for s in (Solver.RANDOM, Solver.GREEDY, Solver.PPO)}
+        gains: dict[Driver, list[float]] = {s: [] for s in (Driver.RANDOM, Driver.GREEDY, Driver.PPO)}
         wins = {s: 0 for s in gains}
         for problem in problems:
             results = {s: _run(problem, s, seconds, args.seed, policy) for s in gains}
-            best = min(r.step_seconds for r in results.values())
+            best = min(r.plan.step_seconds for r in results.values())
             for s, r in results.items():
-                gains[s].append(r.gain)
-                wins[s] += r.step_seconds <= best * (1 + 1e-12)
+                gains[s].append(r.plan.gain)
+                wins[s] += r.plan.step_seconds <= best * (1 + 1e-12)
             records.append({"problem": problem.name, "budget_seconds": seconds,
-                            **{s.value: r.step_seconds for s, r in results.items()},
-                            "identity": results[Solver.GREEDY].identity_seconds})
+                            **{s.value: r.plan.step_seconds for s, r in results.items()},
+                            "identity": results[Driver.GREEDY].plan.identity_seconds})
         for s in gains:
             rows.append([f"{seconds:g} s", s.value, f"{100 * statistics.mean(gains[s]):+.3f}%",
                          f"{100 * statistics.median(gains[s]):+.3f}%", f"{wins[s]}/{len(problems)}"])
@@ -153,8 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("gaps", "large", "ppo"), action="append")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(BENCHMARK_SIZES))
-    parser.add_argument("--families", type=Family, nargs="+", default=list(DEFAULT_FAMILIES))
-    parser.add_argument("--workloads", type=Workload, nargs="+", default=list(Workload))
+    parser.add_argument("--families", type=TopologyFamily, nargs="+", default=list(DEFAULT_FAMILIES))
+    parser.add_argument("--workloads", type=BenchmarkWorkload, nargs="+", default=list(BenchmarkWorkload))
     parser.add_argument("--budget-scale", type=float, default=1.0)
     parser.add_argument("--ppo-problems", type=int, default=16)
     parser.add_argument("--ppo-budgets", type=float, nargs="+", default=[2.0, 10.0])
@@ -163,7 +165,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console(width=160)
-    policy = load_policy(args.policy) if args.policy.is_file() else None
+    policy = load_placement_policy(args.policy) if args.policy.is_file() else None
     if policy is None:
         console.print(f"no placement policy at {args.policy}: the ppo columns are left out")
     parts = args.only or ["gaps", "large", "ppo"]

@@ -29,7 +29,7 @@ from rich.console import Console  # noqa: E402
 from hlomap.report.placement import solver_table  # noqa: E402
 from hlomap.tasks.replan.meta import DEFAULT_NETWORK, MetaPolicy, load_network  # noqa: E402
 from hlomap.tasks.replan.options import initial_plan, transformer_workload  # noqa: E402
-from hlomap.tasks.replan.policies import Policy, Replay, run  # noqa: E402
+from hlomap.tasks.replan.policies import ReplanPolicy, Replay, run_policy  # noqa: E402
 from hlomap.tasks.replan.trace import TraceKind, generate  # noqa: E402
 
 
@@ -43,9 +43,10 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=170)
     network = load_network(args.network) if args.network.is_file() else None
-    policies = [Policy.STATIC, Policy.RESOLVE, Policy.ARBITER] + ([Policy.META] if network else []) + [Policy.ORACLE]
+    policies = ([ReplanPolicy.STATIC, ReplanPolicy.RESOLVE, ReplanPolicy.ARBITER]
+                + ([ReplanPolicy.META] if network else []) + [ReplanPolicy.ORACLE])
     rows, records = [], []
-    gains: dict[tuple[str, Policy], list[float]] = {}
+    gains: dict[tuple[str, ReplanPolicy], list[float]] = {}
     for cluster in args.clusters:
         for kind in args.kinds:
             for seed in args.seeds:
@@ -56,17 +57,17 @@ def main() -> None:
                 initial = initial_plan(workload, replay.states[0][1])
                 runs, agreement = {}, None
                 for policy in policies:
-                    chooser = MetaPolicy(trace.horizon, network) if policy is Policy.META else None
-                    runs[policy] = run(replay, initial, policy, chooser=chooser)
+                    chooser = MetaPolicy(trace.horizon, network) if policy is ReplanPolicy.META else None
+                    runs[policy] = run_policy(replay, initial, policy, chooser=chooser)
                     agreement = chooser.agreement if chooser is not None else agreement
-                static = runs[Policy.STATIC].total_seconds
+                static = runs[ReplanPolicy.STATIC].total_seconds
                 cells = []
                 for policy in policies:
                     r = runs[policy]
                     gain = static / r.total_seconds - 1
                     gains.setdefault((str(kind), policy), []).append(gain)
                     cells.append(f"{r.total_seconds / 3600:.2f} h ({100 * gain:+.1f}%)")
-                switches = sum(1 for d in runs[Policy.ARBITER].decisions if d.migration_seconds > 0)
+                switches = sum(1 for d in runs[ReplanPolicy.ARBITER].decisions if d.migration_seconds > 0)
                 rows.append([f"{trace.name} on {cluster}", str(len(trace.events)), *cells, str(switches),
                              "-" if agreement is None else f"{100 * agreement:.0f}%"])
                 records.append({"trace": trace.name, "cluster": cluster, "changes": len(trace.events),

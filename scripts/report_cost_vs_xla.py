@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write every row as JSON")
     args = parser.parse_args(argv)
 
-    from hlomap.verify.xla import check_plan
+    from hlomap.verify.xla import check_plan_against_xla
     from hlomap.propagation.graph import FactorGraph
     from hlomap.propagation.plans import random_plans
     from hlomap.propagation.conflicts import MeshAxes
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             plans.append((f"random{k}", row, axes))
         for label, plan, mesh in plans:
             start = time.perf_counter()
-            check = check_plan(cap, graph, plan, mesh, model=model, name=label)
+            check = check_plan_against_xla(cap, graph, plan, mesh, model=model, name=label)
             elapsed = time.perf_counter() - start
             for r in check.rows:
                 ok = r.error is not None and np.isfinite(r.error) and abs(r.error) <= _goal(r.quantity)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hlomap import zoo  # noqa: E402
 from hlomap.api import explore_detailed  # noqa: E402
-from hlomap.tasks.sharding.problem import Exploration, build_problem, run_driver, to_plan  # noqa: E402
+from hlomap.tasks.sharding.problem import Exploration, build_problem, search_sharding, to_plan  # noqa: E402
 from hlomap.tasks.sharding.objective import PaperObjective  # noqa: E402
 from hlomap.report.sharding import baseline_rows, format_baselines, plot_convergence  # noqa: E402
 from hlomap.tasks.sharding.compare import compare_with_megatron, partitioned_dims, variable_specs  # noqa: E402
@@ -131,8 +131,8 @@ def opp_cost(ctx: Context) -> list[str]:
         problem = build_problem(ctx.cap(name), task="opp", mesh=8, cluster="A", reward="cost", graph=ctx.graph(name))
         mega = problem.objective.score(problem.space.choices_of(megatron_plan(problem.graph, "model", problem.axes)))
         budget = Budget(seconds=ctx.budget)
-        dqn = run_driver(problem, "dqn", budget, ctx.seed)
-        greedy = run_driver(problem, "greedy", budget, ctx.seed)
+        dqn = search_sharding(problem, "dqn", budget, ctx.seed)
+        greedy = search_sharding(problem, "greedy", budget, ctx.seed)
         best = max((dqn, greedy), key=lambda r: r.score.key)
         ok = best.score.fits and best.score.step_time <= mega.step_time * (1 + 1e-9)
         lines.append(f"| {name} | {_ms(dqn.score.step_time)} | {_ms(greedy.score.step_time)} | {_ms(mega.step_time)} | "
@@ -166,7 +166,7 @@ def vgg(ctx: Context) -> list[str]:
     lines = [f"## VGG-19 (Table 4): {name}", ""]
     paper = ctx.explore(name, "opp", 8, "exact", "paper")
     problem = build_problem(ctx.cap(name), task="opp", mesh=8, cluster="A", reward="cost", graph=ctx.graph(name))
-    cost = max((run_driver(problem, d, Budget(seconds=ctx.budget), ctx.seed) for d in ("greedy", "dqn")),
+    cost = max((search_sharding(problem, d, Budget(seconds=ctx.budget), ctx.seed) for d in ("greedy", "dqn")),
                key=lambda r: r.score.key)
     space = problem.space
     mega = space.choices_of(megatron_plan(problem.graph, "model", problem.axes))
@@ -226,7 +226,7 @@ def hybrid(ctx: Context) -> list[str]:
             "Megatron (model) only": megatron_plan(g, "model", axes),
             "dp (data) only": data_parallel_plan(g, "data", axes)}
     budget = Budget(seconds=ctx.budget * (1 if ctx.quick else 2.5))
-    results = [run_driver(problem, d, budget, ctx.seed) for d in ("dqn", "greedy")]
+    results = [search_sharding(problem, d, budget, ctx.seed) for d in ("dqn", "greedy")]
     lines += ["| plan | step ms | memory GiB | fits | speedup over replicated |", "|---|---:|---:|---|---:|"]
     for label, plan in refs.items():
         s = obj.score(space.choices_of(plan))
@@ -264,16 +264,16 @@ def baselines(ctx: Context) -> list[str]:
     problem = type(problem)(problem.cap, problem.graph, problem.axes, untied,
                             type(problem.objective)(untied), problem.cluster)
     budget = Budget(seconds=None, evaluations=evals)
-    results = [run_driver(problem, d, budget, ctx.seed) for d in ("dqn", "random", "greedy")]
-    exact = run_driver(problem, "exact", Budget(seconds=None, evaluations=None), ctx.seed)
+    results = [search_sharding(problem, d, budget, ctx.seed) for d in ("dqn", "random", "greedy")]
+    exact = search_sharding(problem, "exact", Budget(seconds=None, evaluations=None), ctx.seed)
     lines += [f"### {name}, OPP, paper reward, one position per linkage group ({untied.num_positions} positions), "
               f"{evals} evaluations", "", format_baselines(baseline_rows(results + [exact], exact.score.value)), ""]
     plot_convergence(results, ctx.out / "baselines_paper.png", title=f"{name}: equal budget", optimum=exact.score.value)
     name = "gpt-tiny"
     problem = build_problem(ctx.cap(name), task="opp", mesh=8, reward="cost", graph=ctx.graph(name))
     budget = Budget(seconds=None, evaluations=30)
-    results = [run_driver(problem, d, budget, ctx.seed) for d in ("dqn", "random", "greedy")]
-    exact = run_driver(problem, "exact", Budget(seconds=None, evaluations=None), ctx.seed)
+    results = [search_sharding(problem, d, budget, ctx.seed) for d in ("dqn", "random", "greedy")]
+    exact = search_sharding(problem, "exact", Budget(seconds=None, evaluations=None), ctx.seed)
     lines += [f"### {name}, OPP, cost reward ({problem.space.num_positions} positions), 30 evaluations "
               "(exact: enumeration of every conflict-free plan)", "",
               format_baselines(baseline_rows(results + [exact], exact.score.value)), ""]

@@ -7,7 +7,7 @@ models, and run each plan against the unsharded step: the acceptance table of th
 
 Per model and mesh (1x8, 2x4): data parallel, Megatron, their combination on 2x4 and
 --random-per-mesh random conflict-free plans. Each plan is compiled once on 8 host CPU devices
-(`hlomap.verify.shardings.check_plan`); the columns are the fractions of parameters, outputs,
+(`hlomap.verify.shardings.check_plan_shardings`); the columns are the fractions of parameters, outputs,
 outputs derived on the captured module, and intermediates whose sharding equals XLA's, and
 whether the sharded step's outputs equal the unsharded step's (float64; "isolated": only single
 elements of Adam's first update differ, see `OutputComparison.isolated_only`).
@@ -35,7 +35,7 @@ from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan, random_plans  # noqa: E402
 from hlomap.verify.mesh import mesh_of  # noqa: E402
 from hlomap.verify.numerics import OutputComparison, reference_outputs  # noqa: E402
-from hlomap.verify.shardings import Category, check_plan  # noqa: E402
+from hlomap.verify.shardings import ShardingCategory, check_plan_shardings  # noqa: E402
 
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
 MESHES: dict[str, dict[str, int]] = {"1x8": {"model": 8}, "2x4": {"data": 2, "model": 4}}
@@ -62,7 +62,7 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
                     meshes: Sequence[str] = ("1x8", "2x4")) -> list[AcceptanceRow]:
     """Every plan of the acceptance matrix for one zoo model: data-parallel and Megatron on each
     mesh, their combination on 2x4, and `random_per_mesh` random conflict-free plans per mesh.
-    Numerics run in float64 by default (see `hlomap.verify.shardings.check_plan`)."""
+    Numerics run in float64 by default (see `hlomap.verify.shardings.check_plan_shardings`)."""
     import jax
 
     from hlomap import zoo
@@ -90,13 +90,13 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
         for label, array in plans:
             plan = Plan.from_groups(cap, graph, array, axes)
             where = os.path.join(workdir, f"{model}_{mesh_name}_{label.replace(' ', '_')}")
-            report, numerics = check_plan(cap, plan, mesh, where, example_args=example, reference=reference,
-                                          float64=float64, graph=graph)
+            report, numerics = check_plan_shardings(cap, plan, mesh, where, example_args=example, reference=reference,
+                                                    float64=float64, graph=graph)
             rows.append(AcceptanceRow(
                 model, mesh_name, label, int((array >= 0).sum()),
-                report.agreement(Category.PARAMETER), report.agreement(Category.OUTPUT),
-                report.agreement(Category.CAPTURED_OUTPUT), report.agreement(Category.INTERMEDIATE),
-                len(report.of(Category.INTERMEDIATE)),
+                report.agreement(ShardingCategory.PARAMETER), report.agreement(ShardingCategory.OUTPUT),
+                report.agreement(ShardingCategory.CAPTURED_OUTPUT), report.agreement(ShardingCategory.INTERMEDIATE),
+                len(report.of(ShardingCategory.INTERMEDIATE)),
                 numerics, tuple(report.kinds().most_common()), tuple(report.notes)))
     return rows
 

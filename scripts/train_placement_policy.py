@@ -22,16 +22,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hlomap.tasks.placement.ppo import DEFAULT_POLICY, TrainingConfig, Validation, train_policy
+from hlomap.tasks.placement.ppo import (DEFAULT_POLICY, PlacementTrainingConfig, PlacementValidation,
+                                        train_placement_policy)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=TrainingConfig.episodes)
+    parser.add_argument("--episodes", type=int, default=PlacementTrainingConfig.episodes)
     parser.add_argument("--seconds", type=float, default=None, help="also stop after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--validation", type=int, default=TrainingConfig.validation)
-    parser.add_argument("--validate-every", type=int, default=TrainingConfig.validate_every)
+    parser.add_argument("--validation", type=int, default=PlacementTrainingConfig.validation)
+    parser.add_argument("--validate-every", type=int, default=PlacementTrainingConfig.validate_every)
     parser.add_argument("--out", type=Path, default=DEFAULT_POLICY)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
@@ -39,15 +40,15 @@ def main() -> None:
     console = Console(width=120)
     start = time.perf_counter()
 
-    def report(episode: int, score: Validation) -> None:
+    def report(episode: int, score: PlacementValidation) -> None:
         console.print(f"episode {episode:>7}  {time.perf_counter() - start:7.0f} s  validation: mean gain over the "
                       f"greedy construction {100 * score.mean_gain:+7.3f}%  better on {100 * score.better:5.1f}%  "
                       f"worse on {100 * score.worse:5.1f}%")
 
-    config = TrainingConfig(episodes=args.episodes, seed=args.seed, validation=args.validation,
+    config = PlacementTrainingConfig(episodes=args.episodes, seed=args.seed, validation=args.validation,
                             validate_every=args.validate_every, seconds=args.seconds,
                             progress=not args.no_progress)
-    _, best = train_policy(config, out=args.out, report=report)
+    _, best = train_placement_policy(config, out=args.out, report=report)
     console.print(f"kept the network with mean gain {100 * best.mean_gain:+.3f}% over the construction (better on "
                   f"{100 * best.better:.1f}%, worse on {100 * best.worse:.1f}% of {args.validation} problems); wrote "
                   f"{args.out} ({args.out.stat().st_size / 2**20:.2f} MiB) in {time.perf_counter() - start:.0f} s")

@@ -396,6 +396,13 @@ def _shape(text: str, part: str, rank: int | None = None) -> tuple[int, ...]:
 
 def parse_topology(text: str) -> Cluster:
     """The cluster a topology string names (module docstring); errors name the bad part."""
+    try:
+        return _build_topology(text)
+    except topology.TopologyTooLarge as err:
+        raise _topology_error(text, str(err)) from None
+
+
+def _build_topology(text: str) -> Cluster:
     body, at, device_name = text.strip().partition("@")
     device: DeviceSpec | None = None
     if at:

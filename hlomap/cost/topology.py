@@ -21,6 +21,26 @@ import numpy as np
 #: A scalar, or a (low, high) range from which random topologies draw uniformly.
 Range = float | tuple[float, float]
 
+#: Most devices a topology's dense tables hold: two float64 [n, n] tables of 8192 devices take
+#: 1 GiB; the next power of two would take 4 GiB, and a 64x64x64 torus 1 TiB.
+MAX_TABLE_DEVICES = 8192
+
+
+class TopologyTooLarge(ValueError):
+    """A topology has more devices than dense all-pairs tables are built for."""
+
+
+def require_table_size(n_devices: int, what: str) -> None:
+    """Refuse, before anything is allocated, a topology whose dense tables would not fit: the
+    cost model prices every pair of devices from [n, n] tables."""
+    if n_devices > MAX_TABLE_DEVICES:
+        gib = 2 * 8 * n_devices**2 / 2**30
+        raise TopologyTooLarge(
+            f"{what} has {n_devices} devices; clusters hold dense all-pairs bandwidth and latency tables "
+            f"({gib:,.0f} GiB for this one), built for at most {MAX_TABLE_DEVICES} devices. Name a topology "
+            f"of at most {MAX_TABLE_DEVICES} devices (e.g. torus:16x16x32): a plan is placed on the devices "
+            "of one slice of the machine")
+
 
 class LinkTables(NamedTuple):
     """`node_of[i]`: node (server, or block) of device i; `bandwidth[i, j]`: bytes/s from i to j;
@@ -68,6 +88,7 @@ def hierarchical_tables(nodes: int, gpus_per_node: int, intra_bw: float, inter_b
     """`nodes` servers of `gpus_per_node` devices; devices 0..g-1 on node 0, g..2g-1 on node 1..."""
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes} x {gpus_per_node}")
+    require_table_size(nodes * gpus_per_node, f"a hierarchical topology of {nodes}x{gpus_per_node}")
     node_of = np.repeat(np.arange(nodes), gpus_per_node)
     return block_tables(node_of, _positive(intra_bw, "intra_bw"), _positive(inter_bw, "inter_bw"),
                         _non_negative(intra_lat, "intra_lat"), _non_negative(inter_lat, "inter_lat"))
@@ -95,14 +116,19 @@ def mesh_tables(shape: Sequence[int], link_bw: float | Sequence[float],
     lat_axis = _per_axis(link_lat, len(dims), "link_lat")
     if np.any(bw_axis <= 0) or np.any(lat_axis < 0):
         raise ValueError(f"link_bw must be positive and link_lat >= 0, got {link_bw!r}, {link_lat!r}")
-    coords = np.stack(np.unravel_index(np.arange(int(np.prod(dims))), dims), axis=1)  # [n, rank]
-    diff = np.abs(coords[:, None, :] - coords[None, :, :])                               # [n, n, rank]
-    if torus:
-        diff = np.minimum(diff, np.asarray(dims) - diff)
-    crossed = diff > 0
-    bandwidth = np.where(crossed, bw_axis, np.inf).min(axis=2)
-    latency = (diff * lat_axis).sum(axis=2)
-    return _with_diagonal(np.arange(coords.shape[0]), bandwidth, latency)
+    kind = "torus" if torus else "mesh"
+    require_table_size(int(np.prod(dims)), f"the {kind} {'x'.join(map(str, dims))}")
+    coords = np.unravel_index(np.arange(int(np.prod(dims))), dims)
+    n = len(coords[0])
+    bandwidth = np.full((n, n), np.inf)
+    latency = np.zeros((n, n))
+    for axis, size in enumerate(dims):  # one axis at a time: no [n, n, rank] intermediate
+        diff = np.abs(coords[axis][:, None] - coords[axis][None, :])
+        if torus:
+            diff = np.minimum(diff, size - diff)
+        np.minimum(bandwidth, np.where(diff > 0, bw_axis[axis], np.inf), out=bandwidth)
+        latency += diff * lat_axis[axis]
+    return _with_diagonal(np.arange(n), bandwidth, latency)
 
 
 def _draw(rng: np.random.Generator, value: Range, size: tuple[int, ...], what: str) -> np.ndarray:
@@ -128,6 +154,7 @@ def random_block_tables(n_devices: int, n_blocks: int, intra_bw: float, inter_bw
     topology-aware mapping: heterogeneous islands of devices with uneven links between them."""
     if not 1 <= n_blocks <= n_devices:
         raise ValueError(f"need 1 <= n_blocks <= n_devices, got {n_blocks} blocks for {n_devices} devices")
+    require_table_size(n_devices, f"a random-block topology of {n_devices} devices")
     cuts = np.sort(rng.choice(np.arange(1, n_devices), size=n_blocks - 1, replace=False))
     sizes = np.diff(np.concatenate([[0], cuts, [n_devices]]))
     node_of = np.repeat(np.arange(n_blocks), sizes)
@@ -148,6 +175,7 @@ def uniform_tables(n_devices: int, bandwidth: Range, latency: Range,
     random topologies)."""
     if n_devices < 1:
         raise ValueError(f"n_devices must be >= 1, got {n_devices}")
+    require_table_size(n_devices, f"a uniform topology of {n_devices} devices")
     bw = _symmetric(rng, bandwidth, n_devices, "bandwidth")
     lat = _symmetric(rng, latency, n_devices, "latency")
     off = ~np.eye(n_devices, dtype=bool)

@@ -9,7 +9,7 @@ from hlomap.plan import Placement
 from hlomap.report.units import human_seconds
 from hlomap.tasks.placement.place import PipelineEstimate
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
-from hlomap.tasks.placement.solvers import PlacementResult
+from hlomap.search.tracker import SearchResult
 
 __all__ = ["format_pipeline_estimate", "format_placement", "placement_line", "solver_table"]
 
@@ -26,20 +26,21 @@ def _gain(step: float, identity: float) -> str:
     return f"{100 * (1 - step / identity):+.3f}%" if identity > 0 else "-"
 
 
-def format_placement(problem: PlacementProblem, result: PlacementResult) -> Any:
-    """A rich renderable: the solver's step time against the identity's, and the device order
-    (per stage, or per row of the mesh's first axis)."""
+def format_placement(problem: PlacementProblem, result: SearchResult) -> Any:
+    """A rich renderable: a placement search's step time against the identity's, and the device
+    order (per stage, or per row of the mesh's first axis)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    head = Text.assemble((problem.name, "bold"), f"  placed by {result.solver.value}: step "
-                         f"{human_seconds(result.step_seconds)} (identity order {human_seconds(result.identity_seconds)}"
-                         f", {_gain(result.step_seconds, result.identity_seconds)}); {result.evaluations} evaluations "
+    placed = result.plan
+    head = Text.assemble((problem.name, "bold"), f"  placed by {result.driver.value}: step "
+                         f"{human_seconds(placed.step_seconds)} (identity order {human_seconds(placed.identity_seconds)}"
+                         f", {_gain(placed.step_seconds, placed.identity_seconds)}); {result.evaluations} evaluations "
                          f"in {result.seconds:.1f} s" + (", optimal" if result.optimal else ""))
     table = Table(show_edge=False)
     layout = problem.layout
-    devices = list(result.devices)
+    devices = list(placed.devices)
     if isinstance(layout, MeshLayout):
         first, size = layout.axes[0]
         width = len(devices) // size

@@ -8,7 +8,7 @@ from os import PathLike
 from typing import Any, Mapping, Sequence
 
 from hlomap.report.units import human_bytes, human_seconds
-from hlomap.tasks.replan.policies import Policy, PolicyRun
+from hlomap.tasks.replan.policies import PolicyRun, ReplanPolicy
 from hlomap.tasks.replan.trace import Event, Trace
 
 __all__ = ["format_decisions", "format_totals", "plot_throughput"]
@@ -52,12 +52,12 @@ def format_decisions(trace: Trace, run: PolicyRun) -> Any:
     return table
 
 
-def format_totals(trace: Trace, runs: Mapping[Policy, PolicyRun], agreement: float | None = None) -> Any:
+def format_totals(trace: Trace, runs: Mapping[ReplanPolicy, PolicyRun], agreement: float | None = None) -> Any:
     """A rich table: per policy, the total training time, throughput against the static plan's,
     iterations by the horizon, and the migrations."""
     from rich.table import Table
 
-    static = runs.get(Policy.STATIC)
+    static = runs.get(ReplanPolicy.STATIC)
     table = Table(title=f"trace {trace.name}: {len(runs[next(iter(runs))].decisions)} changes over "
                         f"{_clock(trace.horizon)}; workload {next(iter(runs.values())).iterations:.0f} iterations",
                   show_edge=False)
@@ -69,13 +69,13 @@ def format_totals(trace: Trace, runs: Mapping[Policy, PolicyRun], agreement: flo
                 if static is not None and math.isfinite(run.total_seconds) else "-")
         switches = sum(1 for d in run.decisions if d.migration_seconds > 0)
         name = policy.value + (f" (agrees with arbiter {100 * agreement:.0f}%)"
-                               if policy is Policy.META and agreement is not None else "")
+                               if policy is ReplanPolicy.META and agreement is not None else "")
         table.add_row(name, _clock(run.total_seconds), gain, f"{run.horizon_iterations:.0f}", str(switches),
                       human_seconds(run.migration_seconds))
     return table
 
 
-def plot_throughput(trace: Trace, runs: Mapping[Policy, PolicyRun], path: str | PathLike[str]) -> None:
+def plot_throughput(trace: Trace, runs: Mapping[ReplanPolicy, PolicyRun], path: str | PathLike[str]) -> None:
     """PNG: estimated iterations per second of each policy over the trace (zero while migrating
     or stalled), and the mean bandwidth share and GPU share of the cluster underneath."""
     import matplotlib

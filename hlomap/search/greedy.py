@@ -1,28 +1,50 @@
-"""Greedy hill climbing: the other equal-budget baseline.
+"""Greedy hill climbing: the other equal-budget baseline, and the local search of the tasks
+whose moves are priced incrementally.
 
-From the task's starting plan (`SearchTask.initial`), repeatedly apply the best single move
-(`SearchTask.neighbours`: any one decision changed) until no move improves the score or the
-budget runs out. Deterministic; the seed is only recorded.
+A task of the plain protocol: from its starting plan (`SearchTask.initial`), repeatedly apply the
+best single move (`SearchTask.neighbours`: any one decision changed, each rescored) until no move
+improves the score or the budget runs out. Deterministic; the seed is only recorded.
+
+A `LocalSearchTask` (device placement): iterated local search (Lourenco et al. 2003). Start from
+the best of the task's starts; sweep its incremental neighbourhood, applying the best improving
+move of each group, until a sweep improves nothing (a local optimum); then kick the best plan
+(`perturb`) and descend again, until the budget ends or `PATIENCE` kicks in a row found nothing
+better. Without a budget, one descent to its local optimum. The seed drives the kicks and the
+random moves a sweep adds.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
-from hlomap.search.task import SearchTask
+import numpy as np
+
+from hlomap.search.score import Score
+from hlomap.search.task import LocalSearchTask, Neighbourhood, SearchTask
 from hlomap.search.tracker import Budget, Driver, Progress, SearchResult, Tracker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["greedy_search"]
+__all__ = ["PATIENCE", "greedy_search", "iterated_local_search"]
+
+#: Kicks in a row without a better plan after which iterated local search stops early.
+PATIENCE = 50
+#: Relative difference under which two scores (or tie-breaks) count as equal: incremental
+#: pricing and pricing from scratch may differ in the last bits.
+RTOL = 1e-12
 
 
 def greedy_search(task: SearchTask, budget: Budget, seed: int = 0, *,
                   on_best: Callable[[SearchResult], None] | None = None,
                   on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
-    """Best-improvement hill climbing over the task's neighbours from its starting plan."""
+    """Best-improvement hill climbing over the task's neighbours from its starting plan;
+    iterated local search for a `LocalSearchTask` (module docstring)."""
     tracker = Tracker(task, budget, Driver.GREEDY, seed, on_best=on_best, on_progress=on_progress)
+    if isinstance(task, LocalSearchTask):
+        with tracker.guard():
+            iterated_local_search(task, tracker, np.random.default_rng(seed))
+        return tracker.result()
     with tracker.guard():
         current = task.initial()
         if current is None:
@@ -51,3 +73,68 @@ def greedy_search(task: SearchTask, budget: Budget, seed: int = 0, *,
                 break
             current, best = step_row.copy(), step_best
     return tracker.result()
+
+
+def _ordered(a: float, b: float) -> int:
+    """-1, 0 or 1 as `a` is below, within `RTOL` of, or above `b`."""
+    tolerance = RTOL * max(abs(a), abs(b))
+    return 0 if abs(a - b) <= tolerance else (1 if a > b else -1)
+
+
+def _beats(score: Score, proxy: float, than: Score, than_proxy: float) -> bool:
+    """Lexicographic: score value, then tie-break (both within `RTOL`), then a proxy lower by
+    more than rounding."""
+    for ours, theirs in ((score.value, than.value), (score.tiebreak, than.tiebreak)):
+        order = _ordered(ours, theirs)
+        if order:
+            return order > 0
+    return proxy < than_proxy - 1e-15
+
+
+def _descend(hood: Neighbourhood, tracker: Tracker, rng: np.random.Generator) -> bool:
+    """Sweeps until one applies no move (True: a local optimum) or the budget ends (False)."""
+    while True:
+        improved = False
+        for group in hood.sweep(rng):
+            best_move, best, best_proxy = None, hood.score, 0.0
+            for move in group:
+                score, proxy = hood.try_move(move)
+                if _beats(score, proxy, best, best_proxy):
+                    best_move, best, best_proxy = move, score, proxy
+                if tracker.exhausted():
+                    break
+            if best_move is not None:
+                hood.apply(best_move)
+                tracker.record(hood.decisions, hood.score)
+                improved = True
+            if tracker.exhausted():
+                return False
+        tracker.progress()
+        if not improved:
+            return True
+
+
+def iterated_local_search(task: LocalSearchTask, tracker: Tracker, rng: np.random.Generator, *,
+                          starts: Sequence[np.ndarray] | None = None) -> None:
+    """Descend from the best of `starts` (default: the task's), then kick and descend again
+    (module docstring); every plan it reaches is recorded in `tracker`."""
+    candidates = list(task.starts() if starts is None else starts)
+    scores = [task.score(start) for start in candidates]  # type: ignore[attr-defined]
+    for start, score in zip(candidates, scores):
+        tracker.record(start, score)
+    first = max(range(len(candidates)), key=lambda i: scores[i].key)
+    hood = task.neighbourhood(candidates[first])
+    converged = _descend(hood, tracker, rng)
+    best, best_score = hood.decisions.copy(), hood.score
+    restarts = stale = 0
+    while converged and not tracker.budget.unlimited and not tracker.exhausted() and stale < PATIENCE:
+        kicked = task.perturb(best, rng)
+        if kicked is None:
+            break
+        restarts += 1
+        stale += 1
+        hood = task.neighbourhood(kicked)
+        converged = _descend(hood, tracker, rng)
+        if _beats(hood.score, 0.0, best_score, 0.0):
+            best, best_score, stale = hood.decisions.copy(), hood.score, 0
+    tracker.notes.append(f"{restarts} restarts")

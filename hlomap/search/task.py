@@ -9,14 +9,14 @@ the task, which is what lets one DQN driver serve the sharding and the pipeline 
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple, Protocol
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from hlomap.agents.environment import TimeStep
 from hlomap.search.score import Score
 
-__all__ = ["EpisodeOutcome", "SearchTask", "TaskEnv"]
+__all__ = ["EpisodeOutcome", "LocalSearchTask", "Neighbourhood", "SearchTask", "TaskEnv"]
 
 
 class EpisodeOutcome(NamedTuple):
@@ -138,4 +138,57 @@ class SearchTask(Protocol):
     def solve_exactly(self, tracker: Any) -> None:
         """Find the optimum, recording every plan it scores in `tracker` and setting
         `tracker.optimal` when proven (raises when the task is too large to solve exactly)."""
+        ...
+
+
+class Neighbourhood(Protocol):
+    """One plan being improved by moves priced incrementally (a move re-prices only what it
+    touches), for tasks whose plans are too large to rescore from scratch for every neighbour.
+
+    A sweep proposes groups of alternative moves (for placement: the devices one position may
+    swap with); the local-search driver tries every move of a group and applies the best one
+    that improves. `try_move` gives the score after the move and a proxy (lower is better) that
+    tells apart moves of equal score: on a plateau of a max (a ring as slow as its slowest hop)
+    it says which move brings the next improvement closer.
+    """
+
+    @property
+    def decisions(self) -> np.ndarray:
+        """The current plan."""
+        ...
+
+    @property
+    def score(self) -> Score:
+        """The current plan's score."""
+        ...
+
+    def sweep(self, rng: np.random.Generator) -> Iterator[Sequence[Any]]:
+        """Groups of alternative moves from the current plan, in the order to try them; each
+        group is computed when the sweep reaches it, after the moves before it were applied."""
+        ...
+
+    def try_move(self, move: Any) -> tuple[Score, float]:
+        """The score after `move` and its proxy, without applying it (counts one evaluation)."""
+        ...
+
+    def apply(self, move: Any) -> None:
+        ...
+
+
+@runtime_checkable
+class LocalSearchTask(Protocol):
+    """What a task offers the greedy driver to run iterated local search (Lourenco et al.,
+    "Iterated Local Search", 2003) instead of rescoring every neighbour from scratch."""
+
+    def starts(self) -> list[np.ndarray]:
+        """Plans to start from (the plan as given, structured and constructed ones); the best
+        scoring is where the local search begins."""
+        ...
+
+    def neighbourhood(self, decisions: np.ndarray) -> Neighbourhood:
+        """An incremental state at `decisions` (counts one evaluation: it prices the plan)."""
+        ...
+
+    def perturb(self, decisions: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+        """A random kick away from a local optimum, or None when the task has none to give."""
         ...

@@ -30,9 +30,11 @@ __all__ = ["Budget", "Driver", "Improvement", "Progress", "SearchResult", "Track
 
 class Driver(str, enum.Enum):
     DQN = "dqn"
+    PPO = "ppo"  # a trained policy's rollouts, then the greedy driver's local search (`search.ppo`)
     RANDOM = "random"
     GREEDY = "greedy"
     EXACT = "exact"
+    IDENTITY = "identity"  # no search: the task's trivial plan (the plan as given), the reference
 
     def __str__(self) -> str:
         return self.value

@@ -3,7 +3,8 @@
 `run_plan` (behind `hlomap run PLAN.json --source zoo:NAME`) runs the step plain (one device,
 `jax.jit(step)`) and compiled under the plan (`verify.compile.compile_plan`) on the same real
 arguments, and compares every output leaf with `compare_outputs`. The sharding oracle
-(`verify.shardings.check_plan`) compares its compiled step's outputs with the same function.
+(`verify.shardings.check_plan_shardings`) compares its compiled step's outputs with the same
+function.
 
 The comparison is `assert_allclose`'s rule `|got - want| <= atol + rtol * |want|` per element, with
 one NaN rule: NaN where both sides are NaN is equal, a NaN or infinity on one side only is a

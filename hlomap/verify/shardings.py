@@ -2,8 +2,8 @@
 (`verify.compile.compile_plan` with an XLA dump), read the shardings XLA's own propagation
 (shardy) chose, and compare them with the ones the factor graph derives.
 
-    report, numerics = check_plan(cap, plan, mesh, workdir, example_args=args, reference=outputs)
-    report.agreement(Category.INTERMEDIATE), report.disagreements, numerics.ok
+    report, numerics = check_plan_shardings(cap, plan, mesh, workdir, example_args=args, reference=outputs)
+    report.agreement(ShardingCategory.INTERMEDIATE), report.disagreements, numerics.ok
 
 How the comparison is aligned: XLA's `before_spmd-partitioning` module is the same program after a
 few cleanup passes (call inlining, simplification), so instruction names and counts differ from
@@ -134,11 +134,11 @@ def spec_coordinates(spec: Sequence[tuple[str, ...] | None], mesh_names: Sequenc
 
 
 # ---------------------------------------------------------------------------------------------
-# Comparison
+# ShardingComparison
 # ---------------------------------------------------------------------------------------------
 
 
-class Category(enum.Enum):
+class ShardingCategory(enum.Enum):
     PARAMETER = "parameter"
     OUTPUT = "output"
     INTERMEDIATE = "intermediate"
@@ -155,8 +155,8 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Comparison:
-    category: Category
+class ShardingComparison:
+    category: ShardingCategory
     instruction: str
     computation: str
     leaf: int
@@ -173,18 +173,18 @@ class Comparison:
 class OracleReport:
     """All per-tensor comparisons of one compiled plan."""
 
-    comparisons: list[Comparison] = field(default_factory=list)
+    comparisons: list[ShardingComparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def of(self, category: Category, *, include_free: bool = True) -> list[Comparison]:
+    def of(self, category: ShardingCategory, *, include_free: bool = True) -> list[ShardingComparison]:
         return [c for c in self.comparisons if c.category is category and (include_free or not c.free)]
 
-    def agreement(self, category: Category, *, include_free: bool = True) -> float:
+    def agreement(self, category: ShardingCategory, *, include_free: bool = True) -> float:
         items = self.of(category, include_free=include_free)
         return sum(c.verdict is Verdict.MATCH for c in items) / len(items) if items else 1.0
 
     @property
-    def disagreements(self) -> list[Comparison]:
+    def disagreements(self) -> list[ShardingComparison]:
         return [c for c in self.comparisons if c.verdict is not Verdict.MATCH]
 
     def kinds(self) -> Counter[tuple[str, str, str]]:
@@ -193,14 +193,14 @@ class OracleReport:
 
     def summary(self) -> str:
         parts = []
-        for cat in Category:
+        for cat in ShardingCategory:
             items = self.of(cat)
             if items:
                 parts.append(f"{cat.value}: {self.agreement(cat):.1%} of {len(items)}")
-        strict = self.of(Category.INTERMEDIATE, include_free=False)
+        strict = self.of(ShardingCategory.INTERMEDIATE, include_free=False)
         if strict:
             parts.append(f"intermediate (not constant-derived): "
-                         f"{self.agreement(Category.INTERMEDIATE, include_free=False):.1%} of {len(strict)}")
+                         f"{self.agreement(ShardingCategory.INTERMEDIATE, include_free=False):.1%} of {len(strict)}")
         return "; ".join(parts)
 
 
@@ -277,13 +277,13 @@ def compare_module(xla_module: Module, parameter_specs: Sequence[Sequence[tuple[
                 report.notes.append(f"{inst.name}: {exc}")
                 continue
             if node.computation == entry and inst.opcode == "parameter":
-                category = Category.PARAMETER
+                category = ShardingCategory.PARAMETER
             elif node.computation == entry and inst.name == root:
-                category = Category.OUTPUT
+                category = ShardingCategory.OUTPUT
             else:
-                category = Category.INTERMEDIATE
+                category = ShardingCategory.INTERMEDIATE
             md = inst.metadata
-            report.comparisons.append(Comparison(
+            report.comparisons.append(ShardingComparison(
                 category, inst.name, node.computation, k, inst.opcode, tuple(int(x) for x in graph.dim_size[dims]),
                 spec, xla_text, _verdict(ours, xla), bool(free[t]), md.op_name if md else None))
     return report
@@ -310,8 +310,8 @@ def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: Fa
         text = "{replicated}" if texts is None else texts[min(k, len(texts) - 1)]
         ours = spec_coordinates(spec, mesh_names, mesh_devices)
         xla = tile_coordinates(text, rank, mesh_devices.size)
-        report.comparisons.append(Comparison(
-            Category.CAPTURED_OUTPUT, graph.tensor_name(t), graph.module.entry_name, k, "output",
+        report.comparisons.append(ShardingComparison(
+            ShardingCategory.CAPTURED_OUTPUT, graph.tensor_name(t), graph.module.entry_name, k, "output",
             tuple(int(x) for x in graph.dim_size[dims]), spec, text, _verdict(ours, xla), bool(graph.tensor_free[t])))
 
 
@@ -333,9 +333,9 @@ def propagated_module(dump_dir: str) -> Module:
         return parse(f.read(), filename=found[-1])
 
 
-def check_plan(cap: Capture, plan: Plan, mesh: Mesh | None, workdir: str, *,
-               example_args: Sequence[Any] | None = None, reference: Any = None, float64: bool = False,
-               graph: FactorGraph | None = None) -> tuple[OracleReport, OutputComparison | None]:
+def check_plan_shardings(cap: Capture, plan: Plan, mesh: Mesh | None, workdir: str, *,
+                         example_args: Sequence[Any] | None = None, reference: Any = None, float64: bool = False,
+                         graph: FactorGraph | None = None) -> tuple[OracleReport, OutputComparison | None]:
     """Compile the captured step with the plan's in_shardings on `mesh` (None: the plan's mesh of
     the host devices) once: compare XLA's propagated shardings with ours (see the module
     docstring) and, when `example_args` and the unsharded step's outputs (`reference`) are given,

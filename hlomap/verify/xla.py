@@ -233,7 +233,7 @@ def xla_reference(cap: Capture, plan: Plan, graph: FactorGraph | None = None, *,
 # ---------------------------------------------------------------------------------------------
 
 
-class Comparison(NamedTuple):
+class XlaComparison(NamedTuple):
     """One quantity, predicted and measured, with the relative error (None when both are 0)."""
 
     quantity: str
@@ -247,16 +247,16 @@ class Comparison(NamedTuple):
         return (self.predicted - self.measured) / self.measured
 
 
-def compare(est: StepEstimate, ref: XlaReference) -> tuple[Comparison, ...]:
+def compare(est: StepEstimate, ref: XlaReference) -> tuple[XlaComparison, ...]:
     """Collective bytes per kind (every kind seen on either side), FLOPs and peak memory per
     device. Collective bytes are per-device result bytes on both sides."""
     ours = collective_totals(est.collectives)
     theirs = ref.totals
-    rows = [Comparison(f"{k.value} bytes", ours.get(k, KindTotal(0, 0, 0, 0.0)).nbytes,
+    rows = [XlaComparison(f"{k.value} bytes", ours.get(k, KindTotal(0, 0, 0, 0.0)).nbytes,
                        theirs.get(k, KindTotal(0, 0, 0, 0.0)).nbytes)
             for k in Collective if k in ours or k in theirs]
-    rows.append(Comparison("flops", est.flops, ref.flops))
-    rows.append(Comparison("memory", float(est.memory.total), float(ref.memory.peak)))
+    rows.append(XlaComparison("flops", est.flops, ref.flops))
+    rows.append(XlaComparison("memory", float(est.memory.total), float(ref.memory.peak)))
     return tuple(rows)
 
 
@@ -267,14 +267,14 @@ class PlanCheck(NamedTuple):
     plan: str
     estimate: StepEstimate
     reference: XlaReference
-    rows: tuple[Comparison, ...]
+    rows: tuple[XlaComparison, ...]
 
-    def row(self, quantity: str) -> Comparison | None:
+    def row(self, quantity: str) -> XlaComparison | None:
         return next((r for r in self.rows if r.quantity == quantity), None)
 
 
-def check_plan(cap: Capture, graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | None = None, *,
-               model: str = "", name: str | None = None, cluster: str = "A") -> PlanCheck:
+def check_plan_against_xla(cap: Capture, graph: FactorGraph, plan: Any, mesh: Mapping[str, int] | None = None,
+                           *, model: str = "", name: str | None = None, cluster: str = "A") -> PlanCheck:
     """Estimate `plan` (a Plan, a built-in plan name or a plan array with its `mesh`) and compile
     it with XLA on the host devices; return both and their comparison."""
     from hlomap.cost.estimate import estimate

@@ -280,6 +280,26 @@ def test_bad_topology_strings_name_the_bad_part(text, part):
     assert text in str(info.value)
 
 
+@pytest.mark.parametrize("text, devices", [("torus:64x64x64", 262144), ("mesh:128x128", 16384),
+                                           ("hier:2048x8", 16384), ("uniform:10000", 10000),
+                                           ("random:9000:1", 9000)])
+def test_topologies_beyond_the_table_limit_are_refused_before_allocating(text, devices, monkeypatch):
+    # Dense [n, n] tables of a 64x64x64 torus would take a TiB: the string is refused by name,
+    # and no table of that size is ever asked for.
+    from hlomap.cost import topology
+
+    real_full = np.full
+
+    def guarded_full(shape, *args, **kwargs):
+        assert np.prod(shape) <= topology.MAX_TABLE_DEVICES ** 2, f"allocated a {shape} table"
+        return real_full(shape, *args, **kwargs)
+
+    monkeypatch.setattr(topology.np, "full", guarded_full)
+    with pytest.raises(ClusterSpecError, match=rf"has {devices} devices.*at most {topology.MAX_TABLE_DEVICES}") as info:
+        load_cluster(text)
+    assert text in str(info.value)
+
+
 def test_first_devices_keeps_their_links_and_is_one_server_of_a_preset():
     a = cluster_preset("A")
     eight = first_devices(a, 8)

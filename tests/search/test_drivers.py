@@ -170,3 +170,26 @@ def test_a_search_stops_after_scoring_every_plan_of_a_small_space(graph_of, axes
     result = random_search(task, Budget(seconds=60, evaluations=10_000), 0)
     assert result.optimal and f"every one of the {count}" in result.notes[-1]
     assert result.score.value == pytest.approx(exact_search(task).score.value)
+
+
+def test_identity_reports_the_trivial_plan_unsearched(graph_of, axes8) -> None:
+    from hlomap.search.drivers import run_driver
+
+    space = opp_space(graph_of("gpt-tiny"), axes8)
+    task = ShardingTask(space, PaperObjective(space))
+    result = run_driver(task, "identity", Budget(seconds=None), 0)
+    assert result.driver is Driver.IDENTITY and result.evaluations == 1
+    np.testing.assert_array_equal(result.decisions, task.trivial_plan())
+
+
+def test_the_ppo_driver_needs_a_policy_and_a_task_it_can_polish(graph_of, axes8) -> None:
+    from hlomap.agents.ppo import PpoAgent, PpoConfig
+    from hlomap.search.drivers import run_driver
+    from hlomap.search.ppo import ppo_search
+
+    space = opp_space(graph_of("gpt-tiny"), axes8)
+    task = ShardingTask(space, PaperObjective(space))
+    with pytest.raises(ValueError, match="needs a trained policy"):
+        run_driver(task, "ppo", EVALS, 0)
+    with pytest.raises(TypeError, match="local search, which ShardingTask does not offer"):
+        ppo_search(task, EVALS, 0, agent=PpoAgent(PpoConfig(), 4, 2))

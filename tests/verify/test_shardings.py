@@ -15,9 +15,9 @@ import pytest
 from hlomap.plan import Plan
 from hlomap.propagation import MeshAxes, megatron_plan
 from hlomap.verify.shardings import (
-    Category,
+    ShardingCategory,
     Verdict,
-    check_plan,
+    check_plan_shardings,
     compare_module,
     spec_coordinates,
     tile_coordinates,
@@ -48,20 +48,21 @@ def gpt_megatron(zoo_capture, zoo_graph, tmp_path_factory):
     example = zoo.get("gpt-tiny").example_args(seed=0)
     reference = jax.jit(cap.step)(*example)
     workdir = str(tmp_path_factory.mktemp("xla_gpt_megatron"))
-    report, numerics = check_plan(cap, plan, mesh, workdir, example_args=example, reference=reference, graph=graph)
+    report, numerics = check_plan_shardings(cap, plan, mesh, workdir, example_args=example, reference=reference,
+                                            graph=graph)
     return cap, graph, plan, mesh, workdir, report, numerics
 
 
 def test_gpt_megatron_matches_xla_propagation(gpt_megatron):
     _, _, _, _, _, report, _ = gpt_megatron
-    assert report.agreement(Category.PARAMETER) == 1.0
-    assert report.agreement(Category.OUTPUT) == 1.0
+    assert report.agreement(ShardingCategory.PARAMETER) == 1.0
+    assert report.agreement(ShardingCategory.OUTPUT) == 1.0
     # our derivation on the captured module (not XLA's) gives XLA's output shardings too
-    assert len(report.of(Category.CAPTURED_OUTPUT)) > 100
-    assert report.agreement(Category.CAPTURED_OUTPUT) == 1.0
-    intermediates = report.of(Category.INTERMEDIATE)
+    assert len(report.of(ShardingCategory.CAPTURED_OUTPUT)) > 100
+    assert report.agreement(ShardingCategory.CAPTURED_OUTPUT) == 1.0
+    intermediates = report.of(ShardingCategory.INTERMEDIATE)
     assert len(intermediates) > 500
-    assert report.agreement(Category.INTERMEDIATE) >= 0.95, report.kinds().most_common(10)
+    assert report.agreement(ShardingCategory.INTERMEDIATE) >= 0.95, report.kinds().most_common(10)
     # the comparison is not vacuous: many intermediates are sharded, by us and by XLA
     sharded = [c for c in intermediates if any(s is not None for s in c.ours) and c.verdict is Verdict.MATCH]
     assert len(sharded) > 200
@@ -82,8 +83,8 @@ def test_comparison_detects_a_different_plan(gpt_megatron, zoo_graph):
     with open(path) as f:
         module = parse(f.read())
     report = compare_module(module, [p.spec for p in other.parameters], ("model",), np.asarray(mesh.device_ids))
-    assert report.agreement(Category.PARAMETER) < 0.6
-    assert report.agreement(Category.INTERMEDIATE) < 0.6
+    assert report.agreement(ShardingCategory.PARAMETER) < 0.6
+    assert report.agreement(ShardingCategory.INTERMEDIATE) < 0.6
 
 
 def test_gpt_megatron_sharded_step_equals_unsharded(gpt_megatron):

@@ -28,7 +28,7 @@ from hlomap.api import estimate
 from hlomap.cost.estimate import Reason
 from hlomap.verify.xla import (
     PlanCheck,
-    check_plan,
+    check_plan_against_xla,
     collective_totals,
     collectives_in,
     normalize_replica_groups,
@@ -85,9 +85,9 @@ def _check(checks: dict, sources: dict, model: str, plan: str) -> PlanCheck:
         if plan.startswith("random"):
             axes = MeshAxes.from_mesh(HYBRID)
             array = random_plans(graph, axes, 3, np.random.default_rng(0))[int(plan[len("random"):])]
-            checks[(model, plan)] = check_plan(cap, graph, array, axes, model=model, name=plan)
+            checks[(model, plan)] = check_plan_against_xla(cap, graph, array, axes, model=model, name=plan)
         else:
-            checks[(model, plan)] = check_plan(cap, graph, plan, 8 if plan != "dp+megatron" else HYBRID,
+            checks[(model, plan)] = check_plan_against_xla(cap, graph, plan, 8 if plan != "dp+megatron" else HYBRID,
                                                model=model, name=plan)
     return checks[(model, plan)]
 
@@ -192,7 +192,7 @@ def test_megatron_mlp_matches_xla(layers: int) -> None:
 
     cap = mlp_capture(layers, 16, 64)
     graph = FactorGraph.from_capture(cap)
-    check = check_plan(cap, graph, "megatron", 8)
+    check = check_plan_against_xla(cap, graph, "megatron", 8)
     ours = collective_totals(check.estimate.collectives)[Collective.ALL_REDUCE]
     assert ours.nbytes == check.reference.totals[Collective.ALL_REDUCE].nbytes
     assert check.estimate.flops == pytest.approx(check.reference.flops, rel=GOAL_FLOPS)
@@ -202,7 +202,7 @@ def test_megatron_transformer_layer_matches_xla() -> None:
     from tests.cost.test_estimate import transformer_capture
 
     cap = transformer_capture(2, 16, 64, heads=8, f=256)
-    check = check_plan(cap, FactorGraph.from_capture(cap), "megatron", {"model": 4})
+    check = check_plan_against_xla(cap, FactorGraph.from_capture(cap), "megatron", {"model": 4})
     ours = collective_totals(check.estimate.collectives)[Collective.ALL_REDUCE]
     assert ours.nbytes == check.reference.totals[Collective.ALL_REDUCE].nbytes
     assert set(check.reference.totals) == {Collective.ALL_REDUCE}
@@ -292,7 +292,7 @@ def test_gpt_small_hybrid_against_xla() -> None:
     from hlomap.api import load_source
 
     cap = load_source("zoo:gpt-small")
-    check = check_plan(cap, FactorGraph.from_capture(cap), "dp+megatron", HYBRID, model="gpt-small")
+    check = check_plan_against_xla(cap, FactorGraph.from_capture(cap), "dp+megatron", HYBRID, model="gpt-small")
     by = {r.quantity: r for r in check.rows}
     assert abs(by["all-reduce bytes"].error) <= GOAL_BYTES
     assert abs(by["flops"].error) <= GOAL_FLOPS

@@ -32,7 +32,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
 
-__all__ = ["BENCHMARK_SIZES", "Family", "ModelSize", "Workload", "benchmark_problem", "model_for",
+__all__ = ["BENCHMARK_SIZES", "BenchmarkWorkload", "ModelSize", "TopologyFamily", "benchmark_problem", "model_for",
            "pipeline_layout", "random_problem", "spmd_layout", "topology"]
 
 BENCHMARK_SIZES = (8, 16, 64, 128, 512)
@@ -40,7 +40,7 @@ BENCHMARK_SIZES = (8, 16, 64, 128, 512)
 VALUE_BYTES = 2
 
 
-class Family(str, enum.Enum):
+class TopologyFamily(str, enum.Enum):
     TORUS = "torus"        # 3-D torus
     TORUS_2D = "torus2d"
     MESH = "mesh"          # 2-D mesh
@@ -54,7 +54,7 @@ class Family(str, enum.Enum):
         return self.value
 
 
-class Workload(str, enum.Enum):
+class BenchmarkWorkload(str, enum.Enum):
     SPMD = "spmd"
     PIPELINE = "pipeline"
 
@@ -71,23 +71,23 @@ def _factor(n: int, parts: int) -> tuple[int, ...]:
     return tuple(2 ** (base + (1 if i >= parts - extra else 0)) for i in range(parts))
 
 
-def topology(family: Family | str, n: int, seed: int = 0) -> str:
+def topology(family: TopologyFamily | str, n: int, seed: int = 0) -> str:
     """The topology string of `family` at `n` devices."""
-    family = Family(family)
-    if family is Family.TORUS:
+    family = TopologyFamily(family)
+    if family is TopologyFamily.TORUS:
         return "torus:" + "x".join(map(str, _factor(n, 3)))
-    if family is Family.TORUS_2D:
+    if family is TopologyFamily.TORUS_2D:
         return "torus:" + "x".join(map(str, _factor(n, 2)))
-    if family is Family.MESH:
+    if family is TopologyFamily.MESH:
         return "mesh:" + "x".join(map(str, _factor(n, 2)))
-    if family is Family.MESH_3D:
+    if family is TopologyFamily.MESH_3D:
         return "mesh:" + "x".join(map(str, _factor(n, 3)))
-    if family is Family.HIER:
+    if family is TopologyFamily.HIER:
         per = min(8, n)
         return f"hier:{n // per}x{per}"
-    if family is Family.RANDOM:
+    if family is TopologyFamily.RANDOM:
         return f"random:{n}:{seed}"
-    if family is Family.UNIFORM_RANDOM:
+    if family is TopologyFamily.UNIFORM_RANDOM:
         return f"uniform:{n}:{seed}"
     return f"uniform:{n}"
 
@@ -157,17 +157,20 @@ def pipeline_layout(cluster: Cluster, n: int, model: ModelSize, stages: int | No
     return StageLayout(profile, (r,) * s, 2 * s, Schedule.ONE_F_ONE_B)
 
 
-def benchmark_problem(family: Family | str, n: int, workload: Workload | str, seed: int = 0) -> PlacementProblem:
+def benchmark_problem(family: TopologyFamily | str, n: int, workload: BenchmarkWorkload | str,
+                      seed: int = 0) -> PlacementProblem:
     """One row of the benchmark: `workload` on `family` at n devices."""
     name = topology(family, n, seed)
     cluster = load_cluster(name)
     model = model_for(n)
-    layout = spmd_layout(cluster, n, model) if Workload(workload) is Workload.SPMD else pipeline_layout(cluster, n, model)
-    return PlacementProblem(cluster, layout, name=f"{Workload(workload).value} on {name}")
+    spmd = BenchmarkWorkload(workload) is BenchmarkWorkload.SPMD
+    layout = spmd_layout(cluster, n, model) if spmd else pipeline_layout(cluster, n, model)
+    return PlacementProblem(cluster, layout, name=f"{BenchmarkWorkload(workload).value} on {name}")
 
 
 #: Families the policy is trained on (the uniform switch teaches nothing).
-TRAINING_FAMILIES = (Family.TORUS, Family.TORUS_2D, Family.MESH, Family.HIER, Family.RANDOM, Family.UNIFORM_RANDOM)
+TRAINING_FAMILIES = (TopologyFamily.TORUS, TopologyFamily.TORUS_2D, TopologyFamily.MESH, TopologyFamily.HIER,
+                     TopologyFamily.RANDOM, TopologyFamily.UNIFORM_RANDOM)
 
 
 def random_problem(rng: np.random.Generator, sizes: tuple[int, ...] = (8, 16, 32, 64)) -> PlacementProblem:
@@ -182,9 +185,9 @@ def random_problem(rng: np.random.Generator, sizes: tuple[int, ...] = (8, 16, 32
     if rng.random() < 0.5:
         tp = int(rng.choice([t for t in (2, 4, 8) if t < n]))
         layout: MeshLayout | StageLayout = spmd_layout(cluster, n, model, model_axis=tp)
-        kind = Workload.SPMD
+        kind = BenchmarkWorkload.SPMD
     else:
         stages = int(rng.choice([s for s in (2, 4, 8, 16) if s <= n]))
         layout = pipeline_layout(cluster, n, model, stages=stages)
-        kind = Workload.PIPELINE
+        kind = BenchmarkWorkload.PIPELINE
     return PlacementProblem(cluster, layout, name=f"{kind.value} on {cluster.name}")

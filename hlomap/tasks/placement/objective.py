@@ -42,7 +42,7 @@ ALL_PAIRS_LIMIT = 16
 
 
 class SearchState(Protocol):
-    """What the solvers need from an incremental pricing state (module docstring)."""
+    """What the placement task needs from an incremental pricing state (module docstring)."""
 
     problem: PlacementProblem
     order: np.ndarray
@@ -53,9 +53,6 @@ class SearchState(Protocol):
 
     def swap(self, a: int, b: int) -> None: ...
 
-
-def placement_of(state: SearchState) -> tuple[int, ...]:
-    return tuple(int(d) for d in state.order[: state.problem.n_positions])
 
 
 # ---------------------------------------------------------------------------------------------

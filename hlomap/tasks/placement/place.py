@@ -3,6 +3,9 @@ placed pipeline plan.
 
     problem = problem_from_plan(plan, cluster)        # SPMD: from the plan's saved estimate
     placed, result = place_plan(plan, cluster, "greedy", Budget(60.0))
+    result.plan.devices, result.plan.step_seconds     # a `task.PlacedOrder`
+
+The search is any `PLACEMENT_DRIVERS` driver of `hlomap.search` on a `PlacementTask`.
 
 An SPMD plan is placed from its estimate: the collectives it records (kind, mesh axes, bytes,
 count) are re-priced on the target cluster for each candidate device order (`MeshLayout`), its
@@ -14,20 +17,27 @@ each stage's replicas as its logical positions (`StageLayout`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
 from hlomap.cost.pipeline.simulator import SimulationResult
 from hlomap.plan import PipelineKind, Placement, Plan
-from hlomap.search.tracker import Budget
+from hlomap.search.drivers import run_driver
+from hlomap.search.tracker import Budget, Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
+from hlomap.tasks.placement.ppo import PlacementPolicy, load_placement_policy
 from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem, StageLayout
-from hlomap.tasks.placement.solvers import PlacementResult, Solver, solve
+from hlomap.tasks.placement.task import PlacedOrder, PlacementTask
 
-__all__ = ["PipelineEstimate", "estimate_pipeline_plan", "place_plan", "plan_profile_of", "problem_from_plan",
-           "with_placement"]
+__all__ = ["PLACEMENT_DRIVERS", "PipelineEstimate", "estimate_pipeline_plan", "place_plan", "plan_profile_of",
+           "problem_from_plan", "search_placement", "with_placement"]
+
+#: The drivers that search placements (DQN needs an episode per decision vector that placement's
+#: permutations of thousands of devices do not have).
+PLACEMENT_DRIVERS = (Driver.GREEDY, Driver.PPO, Driver.EXACT, Driver.RANDOM, Driver.IDENTITY)
 
 
 def _mesh_layout(plan: Plan, estimate: StepEstimate | Mapping[str, Any] | None, where: str) -> MeshLayout:
@@ -95,19 +105,40 @@ def problem_from_plan(plan: Plan, cluster: Cluster, *, estimate: StepEstimate | 
     return PlacementProblem(cluster, layout, identity=identity, name=f"{where} on {cluster.name}")
 
 
-def with_placement(plan: Plan, problem: PlacementProblem, result: PlacementResult) -> Plan:
-    """`plan` with `result` as its placement section."""
-    placement = Placement(result.devices, problem.cluster.name, result.solver.value, result.step_seconds,
-                          result.identity_seconds)
+def search_placement(problem: PlacementProblem, driver: Driver | str = Driver.GREEDY,
+                     budget: Budget = Budget(60.0, None), seed: int = 0, *,
+                     policy: PlacementPolicy | str | Path | None = None, finetune_seconds: float = 0.0,
+                     on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
+    """Search a placement of `problem` with one of `PLACEMENT_DRIVERS`; its `plan` is a
+    `PlacedOrder`. ppo: `policy` (a loaded one, a file, default the shipped one) and the seconds
+    to fine-tune it on this problem."""
+    names = [d.value for d in PLACEMENT_DRIVERS]
+    if str(driver) not in names:
+        raise PlacementError(f"placement driver {str(driver)!r} is not one of {', '.join(names)}")
+    driver = Driver(driver)
+    agent = None
+    if driver is Driver.PPO:
+        loaded = policy if isinstance(policy, PlacementPolicy) else load_placement_policy(policy)
+        agent = loaded.agent(seed)
+    return run_driver(PlacementTask(problem), driver, budget, seed, ppo_agent=agent,
+                      finetune_seconds=finetune_seconds, on_progress=on_progress)
+
+
+def with_placement(plan: Plan, problem: PlacementProblem, result: SearchResult) -> Plan:
+    """`plan` with `result` (a placement search's) as its placement section."""
+    placed: PlacedOrder = result.plan
+    placement = Placement(placed.devices, problem.cluster.name, result.driver.value, placed.step_seconds,
+                          placed.identity_seconds)
     return dataclasses.replace(plan, placement=placement)
 
 
-def place_plan(plan: Plan, cluster: Cluster, solver: Solver | str = Solver.GREEDY,
+def place_plan(plan: Plan, cluster: Cluster, driver: Driver | str = Driver.GREEDY,
                budget: Budget = Budget(60.0, None), seed: int = 0, *, estimate: StepEstimate | None = None,
-               where: str = "plan", **options: Any) -> tuple[Plan, PlacementResult]:
-    """Place `plan` on `cluster`; returns the placed plan and the search's result."""
+               where: str = "plan", **options: Any) -> tuple[Plan, SearchResult]:
+    """Place `plan` on `cluster`; returns the placed plan and the search's result (`options`:
+    those of `search_placement`)."""
     problem = problem_from_plan(plan, cluster, estimate=estimate, where=where)
-    result = solve(problem, solver, budget, seed, **options)
+    result = search_placement(problem, driver, budget, seed, **options)
     return with_placement(plan, problem, result), result
 
 

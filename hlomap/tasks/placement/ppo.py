@@ -1,6 +1,6 @@
 """The PPO placement agent (DRL-PP): a policy that places logical positions one at a time.
 
-Episode. Positions are visited in the constructive order (`solvers.placement_order`: most attached
+Episode. Positions are visited in the constructive order (`construct.placement_order`: most attached
 to those already placed first). At each step the `CANDIDATES` free devices that add the least
 affinity cost to the position's placed partners are the actions, cheapest first; the policy picks
 one. Ranking the actions makes one network read clusters of any size and topology (the same device
@@ -10,7 +10,7 @@ bandwidth and largest latency to the placed partners, how many of them share its
 its node is, and its distance to the device placed just before.
 
 Reward. At the end, the relative gain of the placement's estimated step time (the cost model's,
-`objective.new_state`) over the greedy construction's (`solvers.construct`), times
+`objective.new_state`) over the greedy construction's (`construct.construct`), times
 `REWARD_SCALE`: 0 for matching the heuristic, so returns are comparable across problems of any
 scale. Each step also pays what its choice adds to the affinity proxy beyond the cheapest
 candidate, as a share of the construction's whole proxy cost (`PROXY_WEIGHT` times it): zero for
@@ -22,10 +22,10 @@ Training: DRL-PP's PPO (clip 0.2, entropy 0.001, Adam 3e-4, gradient-norm clip 1
 from a policy whose logits fall with the candidates' rank (`RANK_PRIOR`: it starts close to the
 heuristic), keeping the network with the best validation gain. It ships as `data/placement_policy.npz`
 (rebuilt by `scripts/train_placement_policy.py`), saved and loaded like the pipeline-cut
-inference network. At use (`ppo_search`): optionally fine-tune on the problem itself, infer (the
-greedy rollout, then sampled rollouts for a share of the budget), then polish the best placement
-(or the plan's own order, when that is faster) with the greedy solver's local search for the rest
-of the budget.
+inference network. At use, the PPO driver (`hlomap.search.ppo`) runs it on a `PlacementTask`:
+optionally fine-tune on the problem itself, infer (the greedy rollout, then sampled rollouts for a
+share of the budget), then polish the best placement (or the plan's own order, when that is
+faster) with the greedy driver's local search for the rest of the budget.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ from hlomap.agents import checkpoint
 from hlomap.agents.environment import TimeStep, restart, termination, transition
 from hlomap.agents.loop import EpisodeRecord, LoopConfig, run_loop
 from hlomap.agents.ppo import PpoAgent, PpoConfig, PpoFunctions, make_ppo
-from hlomap.search.tracker import Budget
+from hlomap.search.ppo import rollout
+from hlomap.search.task import EpisodeOutcome, SearchTask
+from hlomap.tasks.placement.construct import construct, placement_order, scalar_weights
 from hlomap.tasks.placement.generate import random_problem
 from hlomap.tasks.placement.objective import Affinity, affinity, new_state
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
-from hlomap.tasks.placement.solvers import (PlacementResult, Solver, SolverClock, construct, greedy_search,
-                                            placement_order)
 
-__all__ = ["CANDIDATES", "DEFAULT_POLICY", "PlacementEnv", "Policy", "TrainingConfig", "load_policy",
-           "placement_ppo_config", "ppo_search", "rollout", "save_policy", "train_policy"]
+__all__ = ["CANDIDATES", "DEFAULT_POLICY", "PlacementEnv", "PlacementPolicy", "PlacementTrainingConfig",
+           "load_placement_policy", "placement_ppo_config", "save_placement_policy", "train_placement_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ RANK_PRIOR = 1.5
 #: Bump when the observation layout changes: old policy files are then refused.
 LAYOUT_VERSION = 1
 _KIND = "placement-policy"
-#: Share of `ppo_search`'s budget spent on sampled rollouts before the local search polishes.
-INFERENCE_SHARE = 0.3
 
 
 def _layout() -> dict[str, Any]:
@@ -109,9 +107,7 @@ class _Episode:
         self.max_bandwidth = float(cluster.bandwidth[off].max()) if off.any() else 1.0
         self.node_of = np.asarray(cluster.node_of)
         self.node_size = np.bincount(self.node_of)
-        mean_latency = float(cluster.latency[off].mean()) if off.any() else 0.0
-        mean_inverse = float(self.aff.inverse_bandwidth[off].mean()) if off.any() else 0.0
-        self.weights = [wl * mean_latency + wb * mean_inverse for wl, wb in zip(self.aff.w_latency, self.aff.w_bytes)]
+        self.weights = scalar_weights(problem, self.aff)
         d = problem.n_devices
         self.devices = np.zeros(d, dtype=np.int64)
         self.placed = np.zeros(d, dtype=bool)
@@ -186,14 +182,25 @@ class _Episode:
 
 
 class PlacementEnv:
-    """Places one problem per episode: a fixed one, or `problems(seed)` (a generator)."""
+    """Places one problem per episode: a fixed one, or `problems(seed)` (a generator). With the
+    fixed problem's `task`, a finished episode is scored by it (one evaluation) and is its
+    `last_outcome`, as the search drivers read episodes."""
 
-    def __init__(self, problems: PlacementProblem | Callable[[int], PlacementProblem]):
+    def __init__(self, problems: PlacementProblem | Callable[[int], PlacementProblem], *,
+                 task: SearchTask | None = None):
         self._fixed = problems if isinstance(problems, PlacementProblem) else None
         self._make = problems if not isinstance(problems, PlacementProblem) else None
+        self._task = task
         self._cached: _Episode | None = None
+        self._return = 0.0
         self.episode: _Episode | None = None
         self.last_value = float("nan")
+        self.last_outcome: EpisodeOutcome | None = None
+
+    @property
+    def position(self) -> int:
+        """The step (position placed) the next action takes."""
+        return self.episode.step if self.episode is not None else 0
 
     @property
     def observation_size(self) -> int:
@@ -211,8 +218,9 @@ class PlacementEnv:
             self._cached = _Episode(self._fixed)
         return _fresh(self._cached)
 
-    def reset(self, seed: int) -> TimeStep:
+    def reset(self, seed: int = 0) -> TimeStep:
         self.episode = self._episode_for(seed)
+        self._return = 0.0
         observation, legal = self.episode.observe()
         return restart(observation, legal)
 
@@ -221,13 +229,22 @@ class PlacementEnv:
         assert episode is not None and not episode.done
         penalty = episode.place(int(action))
         if episode.done:
-            value = new_state(episode.problem, episode.full_order()).value
+            order = episode.full_order()
+            if self._task is not None:
+                score = self._task.score(order)
+                value = float(score.step_time)
+            else:
+                value = float(new_state(episode.problem, order).value)
             self.last_value = value
             gain = (episode.reference - value) / episode.reference if episode.reference > 0 else 0.0
+            reward = float(np.clip(REWARD_SCALE * gain, -5.0, 5.0)) - penalty
+            self._return += reward
+            if self._task is not None:
+                self.last_outcome = EpisodeOutcome(order, episode.step, self._return, score)
             empty = np.zeros(self.observation_size, dtype=np.float32)
-            return termination(empty, float(np.clip(REWARD_SCALE * gain, -5.0, 5.0)) - penalty,
-                               np.ones(CANDIDATES, dtype=bool))
+            return termination(empty, reward, np.ones(CANDIDATES, dtype=bool))
         observation, legal = episode.observe()
+        self._return -= penalty
         return transition(observation, -penalty, legal)
 
 
@@ -251,12 +268,12 @@ def training_problems(seed: int) -> PlacementProblem:
 
 
 # ---------------------------------------------------------------------------------------------
-# Policy files
+# PlacementPolicy files
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
-class Policy:
+class PlacementPolicy:
     """A trained placement network: its PPO config, parameters and where it came from."""
 
     config: PpoConfig
@@ -271,14 +288,14 @@ class Policy:
         return agent
 
 
-def save_policy(path: str | Path, agent: PpoAgent, extra: dict[str, Any] | None = None) -> None:
+def save_placement_policy(path: str | Path, agent: PpoAgent, extra: dict[str, Any] | None = None) -> None:
     """Write an agent's network as a policy file (parameters and a JSON header, no optimizer)."""
     meta = {"kind": _KIND, "config": checkpoint.config_to_json(agent.config), "layout": _layout(),
             "extra": extra or {}}
     checkpoint.save(path, checkpoint.flatten("params", agent.get_params()), meta)
 
 
-def load_policy(path: str | Path | None = None) -> Policy:
+def load_placement_policy(path: str | Path | None = None) -> PlacementPolicy:
     """Read a policy file (default: the shipped one); refuses one of another layout."""
     path = Path(path) if path is not None else DEFAULT_POLICY
     if not path.is_file():
@@ -294,28 +311,16 @@ def load_policy(path: str | Path | None = None) -> Policy:
     sizes = (CANDIDATES * len(FEATURES) + len(GLOBALS), CANDIDATES)
     functions = make_ppo(config, *sizes)
     template = PpoAgent(config, *sizes, functions=functions).get_params()
-    return Policy(config, checkpoint.unflatten("params", template, arrays), meta, functions)
+    return PlacementPolicy(config, checkpoint.unflatten("params", template, arrays), meta, functions)
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollouts, training, use
+# Training
 # ---------------------------------------------------------------------------------------------
-
-
-def rollout(env: PlacementEnv, agent: PpoAgent, *, greedy: bool, seed: int = 0) -> tuple[np.ndarray, float]:
-    """One episode without learning: the most probable action at each step (`greedy`) or a
-    sample; returns the full device order and its step time."""
-    timestep = env.reset(seed)
-    while not timestep.last:
-        observation, legal = timestep.observation[None], timestep.legal[None]
-        action = agent.greedy_batch(observation, legal)[0] if greedy else agent.sample_batch(observation, legal)[0]
-        timestep = env.step(int(action))
-    assert env.episode is not None
-    return env.episode.full_order(), env.last_value
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
+class PlacementTrainingConfig:
     """One training run: `episodes` random problems, validated every `validate_every` episodes
     on `validation` fixed ones (greedy rollouts against the greedy construction)."""
 
@@ -329,25 +334,27 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
-class Validation:
+class PlacementValidation:
     mean_gain: float      # mean over the validation problems of 1 - policy / construction
     better: float         # share of problems where the policy's placement is faster
     worse: float          # share where it is slower
 
 
-def validate(agent: PpoAgent, problems: list[PlacementProblem]) -> Validation:
+def validate_placement_policy(agent: PpoAgent, problems: list[PlacementProblem]) -> PlacementValidation:
     gains = []
     for problem in problems:
         env = PlacementEnv(problem)
-        _, value = rollout(env, agent, greedy=True)
+        rollout(env, agent, greedy=True)
         assert env.episode is not None
-        gains.append(1.0 - value / env.episode.reference)
+        gains.append(1.0 - env.last_value / env.episode.reference)
     array = np.asarray(gains)
-    return Validation(float(array.mean()), float(np.mean(array > 1e-9)), float(np.mean(array < -1e-9)))
+    return PlacementValidation(float(array.mean()), float(np.mean(array > 1e-9)), float(np.mean(array < -1e-9)))
 
 
-def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path | None = None,
-                 report: Callable[[int, Validation], None] | None = None) -> tuple[PpoAgent, Validation]:
+def train_placement_policy(config: PlacementTrainingConfig = PlacementTrainingConfig(), *,
+                           out: str | Path | None = None,
+                           report: Callable[[int, PlacementValidation], None] | None = None,
+                           ) -> tuple[PpoAgent, PlacementValidation]:
     """Train the placement network on random problems, keep the best validated network, write it
     to `out` when given."""
     env = PlacementEnv(training_problems)
@@ -360,13 +367,13 @@ def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path |
     agent.set_params(params)
     rng = np.random.default_rng([config.seed, 0x7A11D])
     problems = [random_problem(rng) for _ in range(config.validation)]
-    best: list[Any] = [agent.get_params(), validate(agent, problems)]
+    best: list[Any] = [agent.get_params(), validate_placement_policy(agent, problems)]
     start = time.perf_counter()
     if report is not None:
         report(0, best[1])
 
     def consider(episode: int) -> None:
-        score = validate(agent, problems)
+        score = validate_placement_policy(agent, problems)
         log.info("episode %d (%.0f s): mean gain over construction %.4f, better %.2f, worse %.2f", episode,
                  time.perf_counter() - start, score.mean_gain, score.better, score.worse)
         if report is not None:
@@ -385,61 +392,7 @@ def train_policy(config: TrainingConfig = TrainingConfig(), *, out: str | Path |
     consider(result.num_episodes)
     agent.set_params(best[0])
     if out is not None:
-        save_policy(out, agent, extra={"episodes": result.num_episodes, "steps": result.num_steps,
+        save_placement_policy(out, agent, extra={"episodes": result.num_episodes, "steps": result.num_steps,
                                        "seconds": round(time.perf_counter() - start, 1), "seed": config.seed,
                                        "validation": dataclasses.asdict(best[1])})
     return agent, best[1]
-
-
-def _finetune(agent: PpoAgent, env: PlacementEnv, seconds: float, seed: int) -> int:
-    """PPO on the problem itself for `seconds`; returns the episodes run."""
-    start = time.perf_counter()
-    result = run_loop(env, agent, LoopConfig(num_steps=10**9, seed=seed, progress=False),
-                      on_episode=lambda record: time.perf_counter() - start >= seconds)
-    return result.num_episodes
-
-
-def ppo_search(problem: PlacementProblem, budget: Budget = Budget(60.0, None), seed: int = 0, *,
-               policy: Policy | str | Path | None = None, finetune_seconds: float = 0.0) -> PlacementResult:
-    """Fine-tune (optionally), infer, polish (module docstring), within `budget`: fine-tuning and
-    `INFERENCE_SHARE` of the rest go to rollouts, the remainder to the local search."""
-    clock = SolverClock(budget)
-    loaded = policy if isinstance(policy, Policy) else load_policy(policy)
-    agent = loaded.agent(seed)
-    env = PlacementEnv(problem)
-    notes = []
-    if finetune_seconds > 0:
-        limit = finetune_seconds if budget.seconds is None else min(finetune_seconds, budget.seconds / 2)
-        notes.append(f"{_finetune(agent, env, limit, seed)} fine-tuning episodes")
-    order, value = rollout(env, agent, greedy=True)
-    clock.spend()
-    rollouts = 1
-    remaining = None if budget.seconds is None else budget.seconds - clock.seconds
-    sample_until = None if remaining is None else clock.seconds + INFERENCE_SHARE * remaining
-    sample_evaluations = None if budget.evaluations is None else int(INFERENCE_SHARE * budget.evaluations)
-    while not clock.exhausted():
-        if sample_until is not None and clock.seconds >= sample_until:
-            break
-        if sample_evaluations is not None and rollouts >= sample_evaluations:
-            break
-        if sample_until is None and sample_evaluations is None:
-            break
-        candidate, candidate_value = rollout(env, agent, greedy=False, seed=seed + rollouts)
-        clock.spend()
-        rollouts += 1
-        if candidate_value < value:
-            order, value = candidate, candidate_value
-    notes.append(f"{rollouts} rollouts, best {value:.6g} s")
-    identity = new_state(problem)
-    if clock.exhausted():  # no budget left to polish with: the better of the rollouts and the plan as given
-        if identity.value < value:
-            order, value = identity.order, identity.value
-            notes.append("kept the identity order")
-        return PlacementResult(Solver.PPO, tuple(int(d) for d in order[: problem.n_positions]), value,
-                               identity.value, clock.evaluations, clock.seconds, notes=tuple(notes))
-    rest = Budget(None if budget.seconds is None else budget.seconds - clock.seconds,
-                  None if budget.evaluations is None else budget.evaluations - clock.evaluations)
-    # The local search starts from the better of the policy's placement and the plan as given.
-    polished = greedy_search(problem, rest, seed, starts=[order, identity.order], solver=Solver.PPO)
-    return dataclasses.replace(polished, evaluations=polished.evaluations + clock.evaluations,
-                               seconds=polished.seconds + clock.seconds, notes=tuple(notes) + polished.notes)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,10 +32,10 @@ import optax
 from hlomap.agents import checkpoint
 from hlomap.agents.networks import Params, PureModel, purify
 from hlomap.tasks.replan.options import Candidate, Option, RunningPlan, Workload
-from hlomap.tasks.replan.policies import Policy, Replay, arbiter_choice, run
+from hlomap.tasks.replan.policies import ReplanPolicy, Replay, arbiter_choice, run_policy
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
-__all__ = ["DEFAULT_NETWORK", "GainNetwork", "MetaPolicy", "Sample", "hold_gains", "load_network", "samples",
+__all__ = ["DEFAULT_NETWORK", "GainNetwork", "MetaPolicy", "GainSample", "hold_gains", "load_network", "samples",
            "save_network", "train_meta"]
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ def hold_gains(replay: Replay, i: int, options: Sequence[Candidate]) -> tuple[np
 
 
 @dataclass(frozen=True)
-class Sample:
+class GainSample:
     history: np.ndarray   # [HISTORY, FEATURES], zero-padded at the start
     gains: np.ndarray     # [len(PREDICTED)]
     present: np.ndarray   # [len(PREDICTED)] bool
@@ -139,10 +138,10 @@ def _window(rows: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def samples(trace: Trace, workload: Workload, initial: RunningPlan) -> list[Sample]:
+def samples(trace: Trace, workload: Workload, initial: RunningPlan) -> list[GainSample]:
     """Training samples of one trace, along the plans the exact arbiter runs."""
     replay = Replay(trace, workload)
-    out: list[Sample] = []
+    out: list[GainSample] = []
     rows: list[np.ndarray] = []
     previous = 0.0
 
@@ -152,10 +151,10 @@ def samples(trace: Trace, workload: Workload, initial: RunningPlan) -> list[Samp
         previous = now
         choice = arbiter_choice(now, trace.horizon, options)
         gains, present = hold_gains(replay, i, options)
-        out.append(Sample(_window(rows), gains, present, choice.option))
+        out.append(GainSample(_window(rows), gains, present, choice.option))
         return choice
 
-    run(replay, initial, Policy.META, chooser=decide)
+    run_policy(replay, initial, ReplanPolicy.META, chooser=decide)
     return out
 
 
@@ -164,12 +163,12 @@ def samples(trace: Trace, workload: Workload, initial: RunningPlan) -> list[Samp
 # ---------------------------------------------------------------------------------------------
 
 
-def _arrays(data: Sequence[Sample]) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _arrays(data: Sequence[GainSample]) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (jnp.asarray(np.stack([s.history for s in data])), jnp.asarray(np.stack([s.gains for s in data])),
             jnp.asarray(np.stack([s.present for s in data]).astype(np.float32)))
 
 
-def train_meta(data: Sequence[Sample], *, validation: Sequence[Sample] = (), steps: int = 2000,
+def train_meta(data: Sequence[GainSample], *, validation: Sequence[GainSample] = (), steps: int = 2000,
                learning_rate: float = 3e-3, weight_decay: float = 1e-3, check_every: int = 25, seed: int = 0
                ) -> tuple[Params, float]:
     """Fit the network to the samples' gains (masked mean squared error, full batch, AdamW).
@@ -227,7 +226,7 @@ def load_network(path: str | Path | None = None) -> tuple[PureModel, Params, dic
 
 
 class MetaPolicy:
-    """A chooser for `policies.run(..., Policy.META)`: the option with the largest predicted gain.
+    """A chooser for `policies.run_policy(..., ReplanPolicy.META)`: the option with the largest predicted gain.
     It also records the exact arbiter's choice at every change (`agreement`)."""
 
     def __init__(self, horizon: float, network: tuple[PureModel, Params, dict[str, Any]] | None = None):
@@ -260,11 +259,3 @@ class MetaPolicy:
         """Share of changes where the meta policy chose the plan the exact arbiter would have."""
         return float(np.mean([same for _, _, same in self.choices])) if self.choices else float("nan")
 
-
-def timed_samples(traces: Sequence[tuple[Trace, Workload, RunningPlan]]) -> tuple[list[Sample], float]:
-    """Samples of several traces, and the seconds it took."""
-    start = time.perf_counter()
-    out: list[Sample] = []
-    for trace, workload, initial in traces:
-        out += samples(trace, workload, initial)
-    return out, time.perf_counter() - start

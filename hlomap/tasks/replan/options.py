@@ -34,7 +34,8 @@ from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.trace import ResourceState
 
 __all__ = ["CHECKPOINT_BANDWIDTH", "STATE_FACTOR", "Candidate", "Option", "RunningPlan", "Workload",
-           "best_move", "candidates", "initial_plan", "migration", "resolve", "step_seconds", "transformer_workload"]
+           "best_move", "candidates", "initial_plan", "migration", "plan_step_seconds", "resolve",
+           "transformer_workload"]
 
 #: Bytes of state per parameter byte that move with a layer: the weights and Adam's two moments.
 STATE_FACTOR = 3.0
@@ -129,7 +130,8 @@ class RunningPlan:
         return " ".join(parts)
 
 
-def step_seconds(workload: Workload, plan: RunningPlan, state: ResourceState, model: PipelineModel | None) -> float:
+def plan_step_seconds(workload: Workload, plan: RunningPlan, state: ResourceState,
+                      model: PipelineModel | None) -> float:
     """Closed-form step time of `plan` on the state (inf when it cannot run: a device left, or a
     stage does not fit its devices' memory)."""
     local = plan.on(state)
@@ -153,13 +155,13 @@ def best_move(workload: Workload, plan: RunningPlan, state: ResourceState,
     """The two-worker move (a boundary shifted by 1..`MAX_SHIFT` blocks) with the least step time,
     or None when none runs or none is faster than the plan."""
     best: tuple[RunningPlan, float] | None = None
-    current = step_seconds(workload, plan, state, model)
+    current = plan_step_seconds(workload, plan, state, model)
     for cut in range(plan.n_stages - 1):
         for shift in [s for k in range(1, MAX_SHIFT + 1) for s in (-k, k)]:
             moved = _shifted(plan, cut, shift)
             if moved is None:
                 continue
-            t = step_seconds(workload, moved, state, model)
+            t = plan_step_seconds(workload, moved, state, model)
             if t < current and (best is None or t < best[1]):
                 best = (moved, t)
     return best
@@ -229,7 +231,7 @@ def candidates(workload: Workload, plan: RunningPlan, state: ResourceState, mode
                solved: tuple[RunningPlan, float] | None) -> tuple[Candidate, ...]:
     """Keep (always listed, inf when it cannot run), the best move and the re-solve `solved`
     (`resolve`'s answer for the state, which does not depend on the running plan), priced."""
-    out = [Candidate(Option.KEEP, plan, step_seconds(workload, plan, state, model), 0.0, 0.0)]
+    out = [Candidate(Option.KEEP, plan, plan_step_seconds(workload, plan, state, model), 0.0, 0.0)]
     move = best_move(workload, plan, state, model)
     if move is not None:
         out.append(Candidate(Option.MOVE, move[0], move[1], *migration(workload, plan, move[0], state)))

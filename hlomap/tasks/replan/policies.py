@@ -3,7 +3,10 @@
 At each change of the trace a policy chooses among the options of `options.candidates`:
 - static: PipeDream's plan, made once; it changes only when it cannot run (a device left), and
   then re-solves;
-- re-solve: the DP's optimum at every change, whatever the migration costs;
+- re-solve: the fastest plan at every change, whatever the migration costs: the DP's optimum,
+  unless the running plan is faster (the DP plans over every available device, and a plan on
+  fewer of them can be faster: one that left a server behind a slow link out when the server
+  returns);
 - arbiter: AutoPipe's switch arbiter with the cost model's exact prices: the option that trains the
   most iterations over the rest of the trace's horizon if the current resources last, i.e. the
   largest (remaining - migration) / step time;
@@ -11,7 +14,7 @@ At each change of the trace a policy chooses among the options of `options.candi
 - oracle: knows the whole trace: dynamic programming over the changes and the plans any option
   produced at any change, maximizing the iterations trained by the horizon.
 
-`run` plays a policy over a trace: between changes the plan trains at its step time; a migration
+`run_policy` plays a policy over a trace: between changes the plan trains at its step time; a migration
 stops training while it lasts (a long one runs on into the next interval). The workload is the
 number of iterations the initial plan trains, on the trace's first resources, in `WORKLOAD_SHARE`
 of the horizon; a policy's total training time is when it completes them (if that is after the
@@ -26,18 +29,18 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hlomap.tasks.replan.options import (Candidate, Option, RunningPlan, Workload, best_move, candidates,
-                                        migration, resolve, step_seconds)
+                                        migration, plan_step_seconds, resolve)
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
-__all__ = ["Decision", "Policy", "PolicyRun", "Replay", "Segment", "arbiter_choice", "oracle_pool", "play", "run",
-           "run_all"]
+__all__ = ["Decision", "PolicyRun", "Replay", "ReplanPolicy", "Segment", "arbiter_choice", "oracle_pool", "play",
+           "run_policy"]
 
 
 #: The workload: the iterations the initial plan trains in this share of the horizon, unchanged.
 WORKLOAD_SHARE = 0.5
 
 
-class Policy(str, enum.Enum):
+class ReplanPolicy(str, enum.Enum):
     STATIC = "static"
     RESOLVE = "re-solve"
     ARBITER = "arbiter"
@@ -74,7 +77,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class PolicyRun:
-    policy: Policy
+    policy: ReplanPolicy
     decisions: tuple[Decision, ...]
     segments: tuple[Segment, ...]
     iterations: float           # the workload
@@ -118,8 +121,9 @@ def _static(index: int, now: float, state: ResourceState, options: Sequence[Cand
 
 
 def _resolve(index: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
+    keep = options[0]
     solved = [c for c in options if c.option is Option.RESOLVE]  # absent: the running plan is the optimum
-    return solved[0] if solved else options[0]
+    return solved[0] if solved and solved[0].step_seconds < keep.step_seconds else keep
 
 
 class Replay:
@@ -143,10 +147,10 @@ class Replay:
         return candidates(self.workload, plan, self.states[i][1], self.models[i], self.solved(i))
 
     def step_seconds(self, i: int, plan: RunningPlan) -> float:
-        return step_seconds(self.workload, plan, self.states[i][1], self.models[i])
+        return plan_step_seconds(self.workload, plan, self.states[i][1], self.models[i])
 
 
-def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: Policy) -> PolicyRun:
+def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: ReplanPolicy) -> PolicyRun:
     """Play `decide` over the replay's states from the running plan `initial`."""
     states = replay.states
     plan = initial
@@ -166,7 +170,7 @@ def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: Pol
     return _account(policy, replay, initial, decisions, segments)
 
 
-def _account(policy: Policy, replay: Replay, initial: RunningPlan, decisions: list[Decision],
+def _account(policy: ReplanPolicy, replay: Replay, initial: RunningPlan, decisions: list[Decision],
              segments: list[Segment]) -> PolicyRun:
     horizon = replay.trace.horizon
     reference = replay.step_seconds(0, initial)
@@ -186,21 +190,22 @@ def _account(policy: Policy, replay: Replay, initial: RunningPlan, decisions: li
     return PolicyRun(policy, tuple(decisions), tuple(segments), target, finish, by_horizon)
 
 
-def run(replay: Replay, initial: RunningPlan, policy: Policy | str, *, chooser: Chooser | None = None) -> PolicyRun:
+def run_policy(replay: Replay, initial: RunningPlan, policy: ReplanPolicy | str, *,
+               chooser: Chooser | None = None) -> PolicyRun:
     """Play `policy` over the replay's trace from the running plan `initial`; `chooser` decides
     for META."""
-    policy = Policy(policy)
-    if policy is Policy.ORACLE:
+    policy = ReplanPolicy(policy)
+    if policy is ReplanPolicy.ORACLE:
         return _oracle(replay, initial)
-    if policy is Policy.META:
+    if policy is ReplanPolicy.META:
         if chooser is None:
             raise ValueError("the meta policy needs a chooser (hlomap.tasks.replan.meta.MetaPolicy)")
         return _simulate(replay, initial, chooser, policy)
     horizon = replay.trace.horizon
     decide: Chooser = {
-        Policy.STATIC: _static,
-        Policy.RESOLVE: _resolve,
-        Policy.ARBITER: lambda i, now, state, options: arbiter_choice(now, horizon, options),
+        ReplanPolicy.STATIC: _static,
+        ReplanPolicy.RESOLVE: _resolve,
+        ReplanPolicy.ARBITER: lambda i, now, state, options: arbiter_choice(now, horizon, options),
     }[policy]
     return _simulate(replay, initial, decide, policy)
 
@@ -220,8 +225,8 @@ def oracle_pool(replay: Replay, initial: RunningPlan) -> list[RunningPlan]:
     return pool
 
 
-def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan], policy: Policy = Policy.ORACLE
-         ) -> PolicyRun:
+def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan],
+         policy: ReplanPolicy = ReplanPolicy.ORACLE) -> PolicyRun:
     """Hold `sequence[i]` from change i on (migrating to it when it differs from the running plan)."""
     def decide(i: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
         plan, current = sequence[i], options[0]
@@ -266,7 +271,3 @@ def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
         sequence.append(pool[p])
     return play(replay, initial, sequence)
 
-
-def run_all(replay: Replay, initial: RunningPlan, policies: Sequence[Policy | str], *,
-            chooser: Chooser | None = None) -> dict[Policy, PolicyRun]:
-    return {Policy(p): run(replay, initial, p, chooser=chooser) for p in policies}

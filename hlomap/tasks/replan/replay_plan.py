@@ -1,7 +1,7 @@
 """A saved pipeline plan against a trace: the library side of `hlomap replan`.
 
     report = replan_plan(plan, load_trace("trace.json"))
-    report.runs[Policy.ARBITER].decisions                 # what the arbiter did at each change
+    report.runs[ReplanPolicy.ARBITER].decisions                 # what the arbiter did at each change
 
 The plan's pipeline section gives the workload (its block profile, microbatches, schedule) and the
 running plan (its stages' blocks on their devices, the placement's if it has one). A re-solve may
@@ -17,7 +17,7 @@ from hlomap.plan import Plan
 from hlomap.tasks.placement.place import plan_profile_of
 from hlomap.tasks.placement.problem import PlacementError
 from hlomap.tasks.replan.options import RunningPlan, Workload
-from hlomap.tasks.replan.policies import Policy, PolicyRun, Replay, run
+from hlomap.tasks.replan.policies import PolicyRun, ReplanPolicy, Replay, run_policy
 from hlomap.tasks.replan.trace import Trace
 
 __all__ = ["ReplanReport", "replan_plan", "workload_of"]
@@ -39,11 +39,11 @@ def workload_of(plan: Plan, where: str = "plan") -> tuple[Workload, RunningPlan]
 
 @dataclass(frozen=True)
 class ReplanReport:
-    runs: dict[Policy, PolicyRun]
+    runs: dict[ReplanPolicy, PolicyRun]
     agreement: float | None  # the meta policy's agreement with the exact arbiter
 
 
-def replan_plan(plan: Plan, trace: Trace, policies: Sequence[Policy] = tuple(Policy), *,
+def replan_plan(plan: Plan, trace: Trace, policies: Sequence[ReplanPolicy] = tuple(ReplanPolicy), *,
                 network: object | None = None, where: str = "plan") -> ReplanReport:
     """Play every policy of `policies` over `trace` from `plan`; META needs `network` (a loaded
     gain network, `meta.load_network()`) and is skipped without one."""
@@ -53,17 +53,17 @@ def replan_plan(plan: Plan, trace: Trace, policies: Sequence[Policy] = tuple(Pol
         raise PlacementError(f"{where}: the plan uses device {used} but trace {trace.name!r} has a cluster of "
                              f"{trace.cluster.n_devices} devices ({trace.cluster.name})")
     replay = Replay(trace, workload)
-    runs: dict[Policy, PolicyRun] = {}
+    runs: dict[ReplanPolicy, PolicyRun] = {}
     agreement = None
     for policy in policies:
-        if policy is Policy.META:
+        if policy is ReplanPolicy.META:
             if network is None:
                 continue
             from hlomap.tasks.replan.meta import MetaPolicy
 
             chooser = MetaPolicy(trace.horizon, network)  # type: ignore[arg-type]
-            runs[policy] = run(replay, running, policy, chooser=chooser)
+            runs[policy] = run_policy(replay, running, policy, chooser=chooser)
             agreement = chooser.agreement
         else:
-            runs[policy] = run(replay, running, policy)
+            runs[policy] = run_policy(replay, running, policy)
     return ReplanReport(runs, agreement)

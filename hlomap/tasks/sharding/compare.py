@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hlomap.tasks.sharding.space import SearchSpace
+from hlomap.tasks.sharding.space import ShardingSpace
 
 __all__ = [
     "MegatronComparison",
@@ -46,7 +46,7 @@ def layer_of(path: str) -> str:
     return parts[0] if len(parts) > 1 else "(top level)"
 
 
-def partitioned_dims(space: SearchSpace, choices: np.ndarray) -> tuple[int, int]:
+def partitioned_dims(space: ShardingSpace, choices: np.ndarray) -> tuple[int, int]:
     """(candidate dims partitioned, candidate dims in all): the paper's Table 5 figures."""
     choices = np.asarray(choices)
     return int(space.weights[choices >= 0].sum()), int(space.weights.sum())
@@ -80,7 +80,7 @@ class MegatronComparison(NamedTuple):
         return self.contains_megatron and self.layer_norms_replicated
 
 
-def variable_specs(space: SearchSpace, choices: np.ndarray) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+def variable_specs(space: ShardingSpace, choices: np.ndarray) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """path -> (shape, per-dim axis names or None) for every candidate variable."""
     plan = space.plan_of(choices)
     out: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {}
@@ -93,7 +93,7 @@ def variable_specs(space: SearchSpace, choices: np.ndarray) -> dict[str, tuple[t
     return out
 
 
-def compare_with_megatron(space: SearchSpace, choices: np.ndarray, megatron: np.ndarray) -> MegatronComparison:
+def compare_with_megatron(space: ShardingSpace, choices: np.ndarray, megatron: np.ndarray) -> MegatronComparison:
     """Compare a found choice vector with Megatron's plan array (`megatron_plan(graph, axis, axes)`)."""
     mega_choices = space.choices_of(megatron)
     ours = variable_specs(space, choices)

@@ -1,6 +1,6 @@
 """The OPP / ADP / hybrid environment (Auto-MAP §4.2, §4.3) in `hlomap.agents`' protocol.
 
-An episode is one pass over the positions of a `SearchSpace` in decision order. At each step the
+An episode is one pass over the positions of a `ShardingSpace` in decision order. At each step the
 agent picks action 0 (replicate) or k (shard the position's group on mesh-axis option k-1; on a
 1-D mesh action 1 is "partition"). The decision applies to the whole linkage group. A decision
 that conflicts with the ones before it earns -1 and ends the episode; otherwise the objective's
@@ -32,8 +32,8 @@ from hlomap.agents.environment import TimeStep, restart, termination, transition
 from hlomap.propagation.conflicts import REPLICATED
 from hlomap.search.score import Score
 from hlomap.search.task import EpisodeOutcome
-from hlomap.tasks.sharding.objective import CONFLICT_REWARD, Objective, RewardMode
-from hlomap.tasks.sharding.space import SearchSpace
+from hlomap.tasks.sharding.objective import CONFLICT_REWARD, ShardingObjective, RewardMode
+from hlomap.tasks.sharding.space import ShardingSpace
 
 __all__ = ["Encoding", "EnvConfig", "MaskPolicy", "PlanEnv", "observation_size"]
 
@@ -64,17 +64,17 @@ class EnvConfig:
 TIEBREAK_SHARE = 0.1
 
 
-def observation_size(space: SearchSpace, encoding: Encoding) -> int:
+def observation_size(space: ShardingSpace, encoding: Encoding) -> int:
     entries = space.num_positions if encoding is Encoding.GROUPS else len(space.candidates)
     width = 1 if len(space.axes.options) == 1 else len(space.axes.options) + 1
     return entries * width + space.num_positions
 
 
 class PlanEnv:
-    """Environment over a `SearchSpace`, scored by an `Objective`. Deterministic: `reset(seed)`
+    """Environment over a `ShardingSpace`, scored by a `ShardingObjective`. Deterministic: `reset(seed)`
     ignores the seed (the episode depends only on the actions)."""
 
-    def __init__(self, space: SearchSpace, objective: Objective, config: EnvConfig = EnvConfig()) -> None:
+    def __init__(self, space: ShardingSpace, objective: ShardingObjective, config: EnvConfig = EnvConfig()) -> None:
         self.space = space
         self.objective = objective
         self.config = config

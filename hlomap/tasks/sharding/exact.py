@@ -21,8 +21,8 @@ from typing import Iterator
 import numpy as np
 
 from hlomap.search.tracker import Tracker
-from hlomap.tasks.sharding.objective import PAPER_PARTITIONED, PAPER_REPLICATED, Objective, PaperObjective, RewardMode
-from hlomap.tasks.sharding.space import SearchSpace
+from hlomap.tasks.sharding.objective import PAPER_PARTITIONED, PAPER_REPLICATED, PaperObjective, RewardMode, ShardingObjective
+from hlomap.tasks.sharding.space import ShardingSpace
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class ExactTooLarge(ValueError):
     """The space is too large for exact search with this objective."""
 
 
-def paper_milp(space: SearchSpace, *, time_limit: float | None = None) -> tuple[np.ndarray, bool]:
+def paper_milp(space: ShardingSpace, *, time_limit: float | None = None) -> tuple[np.ndarray, bool]:
     """The paper-reward optimum (ties: largest tie-break) as a choice vector; and whether HiGHS
     proved it optimal (False when it stopped at `time_limit`)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -94,7 +94,7 @@ def paper_milp(space: SearchSpace, *, time_limit: float | None = None) -> tuple[
     return choices, proven
 
 
-def enumerate_conflict_free(space: SearchSpace) -> Iterator[np.ndarray]:
+def enumerate_conflict_free(space: ShardingSpace) -> Iterator[np.ndarray]:
     """Every conflict-free choice vector, depth first in decision order (replicate first)."""
     p = space.num_positions
     choices = space.empty_choices()
@@ -117,7 +117,7 @@ def enumerate_conflict_free(space: SearchSpace) -> Iterator[np.ndarray]:
     yield from visit(0)
 
 
-def count_conflict_free(space: SearchSpace, limit: int) -> int:
+def count_conflict_free(space: ShardingSpace, limit: int) -> int:
     """Number of conflict-free choice vectors, counting at most to `limit + 1`."""
     n = 0
     for _ in enumerate_conflict_free(space):
@@ -127,7 +127,7 @@ def count_conflict_free(space: SearchSpace, limit: int) -> int:
     return n
 
 
-def solve_exactly(space: SearchSpace, objective: Objective, tracker: Tracker, *,
+def solve_exactly(space: ShardingSpace, objective: ShardingObjective, tracker: Tracker, *,
                   limit: int = DEFAULT_ENUMERATION_LIMIT) -> None:
     """The optimum into `tracker`: the MILP for the paper reward, enumeration otherwise
     (ExactTooLarge beyond `limit` conflict-free plans); `tracker.optimal` when proven (not

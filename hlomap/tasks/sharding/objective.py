@@ -1,6 +1,6 @@
 """What a search maximizes: the paper's dim-counting reward, or the cost model's step-time gain.
 
-Both objectives score a *choice vector* (one choice per position of a `SearchSpace`, -1 =
+Both objectives score a *choice vector* (one choice per position of a `ShardingSpace`, -1 =
 replicated) as if an episode took those decisions in decision order, so every driver (DQN,
 random, greedy, exact) is measured on the same scale and the DQN's episode return is the score
 of the plan it built.
@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Protocol
 import numpy as np
 
 from hlomap.search.score import WORST, Score
-from hlomap.tasks.sharding.space import SearchSpace
+from hlomap.tasks.sharding.space import ShardingSpace
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,11 @@ __all__ = [
     "CostEval",
     "CostModel",
     "CostObjective",
-    "Objective",
+    "ShardingObjective",
     "PaperObjective",
     "RewardMode",
     "Score",
     "WORST",
-    "make_objective",
 ]
 
 PAPER_PARTITIONED = 0.4
@@ -59,11 +58,11 @@ class RewardMode(str, enum.Enum):
         return self.value
 
 
-class Objective(Protocol):
+class ShardingObjective(Protocol):
     """Scores complete choice vectors and gives the environments their per-step rewards."""
 
     mode: RewardMode
-    space: SearchSpace
+    space: ShardingSpace
     evaluations: int
 
     def score(self, choices: np.ndarray) -> Score:
@@ -93,7 +92,7 @@ class PaperObjective:
 
     mode = RewardMode.PAPER
 
-    def __init__(self, space: SearchSpace) -> None:
+    def __init__(self, space: ShardingSpace) -> None:
         self.space = space
         self.evaluations = 0
         self._partitioned = PAPER_PARTITIONED * space.weights
@@ -160,7 +159,7 @@ class CostObjective:
 
     mode = RewardMode.COST
 
-    def __init__(self, space: SearchSpace, model: CostModel) -> None:
+    def __init__(self, space: ShardingSpace, model: CostModel) -> None:
         self.space = space
         self.model = model
         self.evaluations = 0  # complete plans scored
@@ -206,11 +205,3 @@ class CostObjective:
     def score(self, choices: np.ndarray) -> Score:
         return self.score_many(np.asarray(choices)[None, :])[0]
 
-
-def make_objective(space: SearchSpace, mode: RewardMode | str, model: CostModel | None = None) -> Objective:
-    mode = RewardMode(mode)
-    if mode is RewardMode.PAPER:
-        return PaperObjective(space)
-    if model is None:
-        raise ValueError("the cost reward needs a cost model (see hlomap.tasks.sharding.costmodel)")
-    return CostObjective(space, model)

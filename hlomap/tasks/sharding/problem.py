@@ -16,7 +16,6 @@ import logging
 from os import PathLike
 from typing import Any, Callable, Mapping
 
-import numpy as np
 
 from hlomap.hlo.capture import Capture
 from hlomap.propagation.conflicts import MeshAxes
@@ -25,14 +24,15 @@ from hlomap.search import drivers
 from hlomap.search.budget import Budget
 from hlomap.search.dqn import DqnSearchConfig
 from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks import Task, sharding_task
 from hlomap.tasks.sharding.costmodel import estimate_model
-from hlomap.tasks.sharding.objective import CostObjective, Objective, PaperObjective, RewardMode
-from hlomap.tasks.sharding.space import SearchSpace, Task, make_space, mesh_shape
+from hlomap.tasks.sharding.objective import CostObjective, PaperObjective, RewardMode, ShardingObjective
+from hlomap.tasks.sharding.space import ShardingSpace, make_space, mesh_shape
 from hlomap.tasks.sharding.task import ShardingTask
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Exploration", "build_problem", "explore_sharding", "mesh_shape", "run_driver", "to_plan"]
+__all__ = ["Exploration", "build_problem", "explore_sharding", "mesh_shape", "search_sharding", "to_plan"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,8 +42,8 @@ class Problem:
     cap: Capture
     graph: FactorGraph
     axes: MeshAxes
-    space: SearchSpace
-    objective: Objective
+    space: ShardingSpace
+    objective: ShardingObjective
     cluster: Any
 
     @property
@@ -59,20 +59,20 @@ def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[st
     `replicate_residual` (default: True for the paper reward, False for the cost reward) keeps the
     residual stream replicated, see `hlomap.tasks.sharding.space.opp_space`.
     """
-    task, reward = Task(task), RewardMode(reward)
+    task, reward = sharding_task(task), RewardMode(reward)
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     axes = MeshAxes.from_mesh(mesh_shape(mesh, task))
     if replicate_residual is None:
         replicate_residual = reward is RewardMode.PAPER and task is not Task.ADP
     space = make_space(graph, axes, task, replicate_residual=replicate_residual)
     if reward is RewardMode.PAPER:
-        objective: Objective = PaperObjective(space)
+        objective: ShardingObjective = PaperObjective(space)
     else:
         objective = CostObjective(space, estimate_model(cap, graph, axes, cluster, axis_order=axis_order))
     return Problem(cap, graph, axes, space, objective, cluster)
 
 
-def run_driver(problem: Problem, driver: Driver | str, budget: Budget, seed: int = 0, *,
+def search_sharding(problem: Problem, driver: Driver | str, budget: Budget, seed: int = 0, *,
                dqn_config: DqnSearchConfig | None = None,
                on_best: Callable[[SearchResult], None] | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> SearchResult:
@@ -108,7 +108,7 @@ class Exploration:
     problem: Problem
 
     @property
-    def space(self) -> SearchSpace:
+    def space(self) -> ShardingSpace:
         return self.problem.space
 
 
@@ -128,7 +128,7 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
         if output is not None:
             to_plan(problem, partial, with_estimate=False).save(output)
 
-    result = run_driver(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
+    result = search_sharding(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
                         on_progress=on_progress)
     plan = to_plan(problem, result, with_estimate=with_estimate)
     if output is not None:
@@ -138,7 +138,3 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
              result.seconds, " (interrupted)" if result.interrupted else "")
     return Exploration(plan, result, problem)
 
-
-def choices_from_plan(problem: Problem, plan: Any) -> np.ndarray:
-    """The choice vector of a saved plan in this problem's space."""
-    return problem.space.choices_of(plan.group_array(problem.graph, problem.axes))

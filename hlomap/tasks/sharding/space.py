@@ -13,7 +13,7 @@ data-input dims for ADP) give the paper's per-dim state and reward.
 
 A *choice* for a position is -1 (replicated) or an index into `MeshAxes.options`. An action of the
 environments is `choice + 1`, so action 0 is "replicate" and, on a 1-D mesh, action 1 "partition".
-A choice vector (`int8[P]`) turns into a plan array over all groups with `SearchSpace.plan_of`.
+A choice vector (`int8[P]`) turns into a plan array over all groups with `ShardingSpace.plan_of`.
 
 Conflicts are exactly what `ConflictChecker` counts: per-group facts (a need-replication factor, a
 self-conflict, a compound factor, divisibility by the axis size) and pairs of groups that may not
@@ -23,7 +23,6 @@ per-position partner lists, so checking one decision costs a handful of array re
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 from dataclasses import dataclass
@@ -36,14 +35,14 @@ from hlomap.hlo.capture import EntryParameter, Role
 from hlomap.propagation.conflicts import REPLICATED, ConflictChecker, MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import PLAN_DTYPE, backbone_group
+from hlomap.tasks import Task, sharding_task
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Candidate",
+    "CandidateDim",
     "tie_layers",
-    "SearchSpace",
-    "Task",
+    "ShardingSpace",
     "adp_space",
     "data_candidates",
     "hybrid_space",
@@ -53,23 +52,12 @@ __all__ = [
 ]
 
 
-class Task(str, enum.Enum):
-    """What an explorer decides."""
-
-    OPP = "opp"  # operator partitioning: trainable dims
-    ADP = "adp"  # auto data parallelism: data-input dims
-    HYBRID = "hybrid"  # both on a data x model mesh
-
-    def __str__(self) -> str:
-        return self.value
-
-
 def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP) -> dict[str, int]:
     """`{"model": 8}`, `8` or `"8"` (one axis, named `model`, or `data` for ADP) or
     `"data=2,model=4"` as a checked mesh shape; the hybrid task needs two axes."""
     from hlomap.plan import parse_mesh_text
 
-    task = Task(task)
+    task = sharding_task(task)
     if isinstance(mesh, str):
         mesh = parse_mesh_text(mesh)
     if isinstance(mesh, int):
@@ -84,7 +72,7 @@ def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP)
     return shape
 
 
-class Candidate(NamedTuple):
+class CandidateDim(NamedTuple):
     """One entry-parameter dim the search decides, and the position (group) deciding it."""
 
     parameter: int
@@ -95,7 +83,7 @@ class Candidate(NamedTuple):
 
 
 @dataclass(frozen=True, eq=False)
-class SearchSpace:
+class ShardingSpace:
     """Positions (groups in decision order), their statically legal choices, and conflict tables.
 
     Arrays: `members[p]` the groups position p decides (one group, or several tied groups, see
@@ -112,7 +100,7 @@ class SearchSpace:
     members: tuple[np.ndarray, ...]  # int64 group ids per position
     legal: np.ndarray  # bool [P, K + 1]
     weights: np.ndarray  # float64 [P]
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[CandidateDim, ...]
     base: np.ndarray  # int8 [G]
     pruned: tuple[int, ...] = ()  # groups kept replicated by a pruning rule
 
@@ -347,7 +335,7 @@ def tie_layers(graph: FactorGraph, checker: ConflictChecker, entries: Sequence[t
 
 
 def _build(graph: FactorGraph, axes: MeshAxes, task: Task, entries: Sequence[tuple[EntryParameter, int, int]],
-           order: Sequence[int], *, base: np.ndarray | None, prune: Iterable[int], tie: bool) -> SearchSpace:
+           order: Sequence[int], *, base: np.ndarray | None, prune: Iterable[int], tie: bool) -> ShardingSpace:
     checker = ConflictChecker(graph, axes)
     pruned = tuple(int(g) for g in prune if int(g) in set(order))
     untied = [g for g in order if g in pruned]
@@ -363,17 +351,18 @@ def _build(graph: FactorGraph, axes: MeshAxes, task: Task, entries: Sequence[tup
         if int(m[0]) in pruned:
             legal[p, 1:] = False
     pos = {int(g): p for p, m in enumerate(members) for g in m}
-    candidates = tuple(Candidate(p.index, p.path, d, int(p.shape.dims[d]), pos[g]) for p, d, g in entries if g in pos)
+    candidates = tuple(CandidateDim(p.index, p.path, d, int(p.shape.dims[d]), pos[g])
+                       for p, d, g in entries if g in pos)
     weights = np.bincount([c.position for c in candidates], minlength=len(members)).astype(np.float64)
     base_arr = np.full(graph.num_groups, REPLICATED, dtype=PLAN_DTYPE) if base is None else np.asarray(base, PLAN_DTYPE)
     if base is not None:
         base_arr = base_arr.copy()
         base_arr[np.concatenate(members)] = REPLICATED  # decided positions are the search's, not the base's
-    return SearchSpace(graph, axes, task, members, legal, weights, candidates, base_arr, pruned)
+    return ShardingSpace(graph, axes, task, members, legal, weights, candidates, base_arr, pruned)
 
 
 def opp_space(graph: FactorGraph, axes: MeshAxes, *, replicate_residual: bool = False,
-              base: np.ndarray | None = None, tie: bool = True) -> SearchSpace:
+              base: np.ndarray | None = None, tie: bool = True) -> ShardingSpace:
     """Operator partitioning: the groups of trainable dims in `graph.decision_order()`.
 
     `replicate_residual=True` keeps the residual stream (the backbone group: the group with the
@@ -396,7 +385,7 @@ def opp_space(graph: FactorGraph, axes: MeshAxes, *, replicate_residual: bool = 
     return _build(graph, axes, Task.OPP, entries, order, base=base, prune=prune, tie=tie)
 
 
-def adp_space(graph: FactorGraph, axes: MeshAxes, *, base: np.ndarray | None = None, tie: bool = True) -> SearchSpace:
+def adp_space(graph: FactorGraph, axes: MeshAxes, *, base: np.ndarray | None = None, tie: bool = True) -> ShardingSpace:
     """Auto data parallelism: the groups of data-input dims, largest group first."""
     params = data_candidates(graph)
     if not params:
@@ -407,7 +396,7 @@ def adp_space(graph: FactorGraph, axes: MeshAxes, *, base: np.ndarray | None = N
 
 
 def hybrid_space(graph: FactorGraph, axes: MeshAxes, *, replicate_residual: bool = False,
-                 tie: bool = True) -> SearchSpace:
+                 tie: bool = True) -> ShardingSpace:
     """Data-input groups and trainable groups decided together, on every axis of the mesh.
 
     Candidate dims are the trainable dims and the data-input dims; positions are their groups,
@@ -422,8 +411,8 @@ def hybrid_space(graph: FactorGraph, axes: MeshAxes, *, replicate_residual: bool
 
 
 def make_space(graph: FactorGraph, axes: MeshAxes, task: Task | str, *, replicate_residual: bool = False,
-               tie: bool = True) -> SearchSpace:
-    task = Task(task)
+               tie: bool = True) -> ShardingSpace:
+    task = sharding_task(task)
     if task is Task.OPP:
         return opp_space(graph, axes, replicate_residual=replicate_residual, tie=tie)
     if task is Task.ADP:

@@ -1,5 +1,5 @@
-"""The OPP / ADP / hybrid explorers as a `hlomap.search` task: a `SearchSpace` scored by an
-`Objective`, searched by any driver (DQN, random, greedy, exact).
+"""The OPP / ADP / hybrid explorers as a `hlomap.search` task: a `ShardingSpace` scored by an
+`ShardingObjective`, searched by any driver (DQN, random, greedy, exact).
 
 Decisions are choice vectors (`int8[P]`, -1 = replicated, k = mesh-axis option k); an episode of
 `PlanEnv` builds one position at a time (Auto-MAP sections 4.2, 4.3). What the drivers need
@@ -21,8 +21,8 @@ from hlomap.search.score import Score
 from hlomap.search.tracker import Tracker
 from hlomap.tasks.sharding.env import EnvConfig, MaskPolicy, PlanEnv
 from hlomap.tasks.sharding.exact import DEFAULT_ENUMERATION_LIMIT, count_conflict_free, paper_milp, solve_exactly
-from hlomap.tasks.sharding.objective import CONFLICT_REWARD, Objective, PaperObjective, RewardMode
-from hlomap.tasks.sharding.space import SearchSpace
+from hlomap.tasks.sharding.objective import CONFLICT_REWARD, PaperObjective, RewardMode, ShardingObjective
+from hlomap.tasks.sharding.space import ShardingSpace
 
 __all__ = ["ShardingTask", "random_choices", "reward_scale"]
 
@@ -33,7 +33,7 @@ MILP_SECONDS = 5.0
 COUNT_LIMIT = 512
 
 
-def reward_scale(space: SearchSpace, objective: Objective) -> float:
+def reward_scale(space: ShardingSpace, objective: ShardingObjective) -> float:
     """A uniform scale bringing per-step rewards to at most 1 in magnitude (a uniform scaling of
     every reward leaves the optimal policy unchanged, and keeps the network's targets small)."""
     if objective.mode is RewardMode.PAPER and space.num_positions:
@@ -42,7 +42,7 @@ def reward_scale(space: SearchSpace, objective: Objective) -> float:
     return 1.0
 
 
-def random_choices(space: SearchSpace, num: int, rng: np.random.Generator,
+def random_choices(space: ShardingSpace, num: int, rng: np.random.Generator,
                    mask: MaskPolicy = MaskPolicy.STATIC) -> np.ndarray:
     """`[num, P]` choice vectors of a uniformly random policy under `mask`.
 
@@ -73,7 +73,7 @@ def random_choices(space: SearchSpace, num: int, rng: np.random.Generator,
     return choices
 
 
-def _fill(space: SearchSpace, best: np.ndarray) -> np.ndarray | None:
+def _fill(space: ShardingSpace, best: np.ndarray) -> np.ndarray | None:
     """`best` with every replicated position partitioned whose partition clashes with none of
     `best`'s partitioned groups (in decision order; clashes among the newly partitioned ones
     fall back to replicate when replayed). None when there is no such position."""
@@ -98,8 +98,8 @@ class ShardingTask:
     plans than this under a reward it must enumerate.
     """
 
-    space: SearchSpace
-    objective: Objective
+    space: ShardingSpace
+    objective: ShardingObjective
     env: EnvConfig = field(default_factory=EnvConfig)
     enumeration_limit: int = DEFAULT_ENUMERATION_LIMIT
 

@@ -49,10 +49,10 @@ def test_the_mesh_objective_is_the_estimates_step_time(mlp):
     problem = problem_from_plan(saved, cluster)
     assert step_seconds(problem, problem.identity) == pytest.approx(est.step_seconds, rel=1e-9)
     placed, result = place_plan(saved, cluster, "greedy", Budget(None, 1500))
-    assert result.gain > 0 and placed.placement.devices == result.devices
+    assert result.plan.gain > 0 and placed.placement.devices == result.plan.devices
     # api.estimate prices a placed plan on its placement
     again = estimate(cap, Plan.from_json(placed.to_json()), cluster=cluster, graph=graph)
-    assert again.step_seconds == pytest.approx(result.step_seconds, rel=1e-9)
+    assert again.step_seconds == pytest.approx(result.plan.step_seconds, rel=1e-9)
     assert estimate(cap, saved, cluster=cluster, graph=graph).step_seconds == pytest.approx(est.step_seconds)
 
 
@@ -71,8 +71,8 @@ def test_a_placed_pipeline_plan_simulates_faster_on_a_torus():
     cluster = load_cluster("torus:2x4")
     placed, result = place_plan(plan, cluster, "greedy", Budget(None, 2000))
     est = estimate_pipeline_plan(placed, cluster)
-    assert est.placed_model_seconds == pytest.approx(result.step_seconds, rel=1e-12)
-    assert est.identity_model_seconds == pytest.approx(result.identity_seconds, rel=1e-12)
+    assert est.placed_model_seconds == pytest.approx(result.plan.step_seconds, rel=1e-12)
+    assert est.identity_model_seconds == pytest.approx(result.plan.identity_seconds, rel=1e-12)
     assert est.placed_model_seconds <= est.identity_model_seconds
     assert [stage.devices for stage in est.placed.plan.stages] == [tuple(d) for d in placed.stage_devices()]
 
@@ -87,3 +87,13 @@ def test_plans_that_cannot_be_placed_say_why(mlp):
         problem_from_plan(bare, load_cluster("torus:2x4"))
     with pytest.raises(PlacementError, match="8 logical positions but cluster 'mesh:2x2' has only 4"):
         problem_from_plan(pipeline_plan(), load_cluster("mesh:2x2"))
+
+
+def test_place_on_a_torus_too_large_for_dense_tables_is_a_clear_error(tmp_path, capsys) -> None:
+    from hlomap.cli import run
+
+    plan = Plan(mesh=(("data", 2),), parameters=(), source=PlanSource("test", ""))
+    plan.save(tmp_path / "plan.json")
+    assert run(["place", str(tmp_path / "plan.json"), "--cluster", "torus:64x64x64"]) == 2
+    err = capsys.readouterr().err
+    assert "262144 devices" in err and "at most 8192" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""The PPO placement environment, policy files and ppo_search."""
+"""The PPO placement environment, policy files, and the PPO driver on a placement task."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import pytest
 
 from hlomap.agents import checkpoint
 from hlomap.agents.ppo import PpoAgent
+from hlomap.search.ppo import rollout
 from hlomap.search.tracker import Budget
+from hlomap.tasks.placement.construct import construct
 from hlomap.tasks.placement.objective import new_state
-from hlomap.tasks.placement.ppo import (CANDIDATES, DEFAULT_POLICY, PlacementEnv, load_policy, placement_ppo_config,
-                                        ppo_search, rollout, save_policy, training_problems)
+from hlomap.tasks.placement.place import search_placement
+from hlomap.tasks.placement.ppo import (CANDIDATES, DEFAULT_POLICY, PlacementEnv, load_placement_policy,
+                                        placement_ppo_config, save_placement_policy, training_problems)
 from hlomap.tasks.placement.problem import step_seconds
-from hlomap.tasks.placement.solvers import construct
+from hlomap.tasks.placement.task import PlacementTask
 
 from tests.tasks.placement.helpers import mesh_layout, problem, stage_layout
 
@@ -56,26 +59,29 @@ def test_training_problems_vary_and_are_seeded():
 
 def test_policy_files_round_trip_and_refuse_other_layouts(tmp_path):
     agent = PpoAgent(placement_ppo_config(), PlacementEnv(training_problems).observation_size, CANDIDATES, seed=3)
-    save_policy(tmp_path / "p.npz", agent, extra={"note": "test"})
-    policy = load_policy(tmp_path / "p.npz")
+    save_placement_policy(tmp_path / "p.npz", agent, extra={"note": "test"})
+    policy = load_placement_policy(tmp_path / "p.npz")
     assert policy.meta["extra"] == {"note": "test"}
     arrays, meta = checkpoint.load(tmp_path / "p.npz")
     meta["layout"]["candidates"] = 8
     checkpoint.save(tmp_path / "old.npz", arrays, meta)
     with pytest.raises(ValueError, match="layout"):
-        load_policy(tmp_path / "old.npz")
+        load_placement_policy(tmp_path / "old.npz")
     with pytest.raises(FileNotFoundError, match="train_placement_policy"):
-        load_policy(tmp_path / "missing.npz")
+        load_placement_policy(tmp_path / "missing.npz")
 
 
 @pytest.mark.skipif(not DEFAULT_POLICY.is_file(), reason="the shipped placement policy is missing")
-def test_ppo_search_with_the_shipped_policy():
+def test_ppo_driver_with_the_shipped_policy():
     pb = problem("uniform:12:5", stage_layout((3, 3, 3, 3)))
-    policy = load_policy()
-    env = PlacementEnv(pb)
-    order, value = rollout(env, policy.agent(0), greedy=True)
-    assert value == pytest.approx(new_state(pb, order).value, rel=1e-12)
-    result = ppo_search(pb, Budget(None, 400), policy=policy)
-    assert result.solver.value == "ppo" and result.evaluations <= 400 + 2
-    assert result.step_seconds <= min(value, result.identity_seconds) * (1 + 1e-12)
-    assert step_seconds(pb, result.devices) == pytest.approx(result.step_seconds, rel=1e-12)
+    policy = load_placement_policy()
+    task = PlacementTask(pb)
+    env = task.make_env()
+    rollout(env, policy.agent(0), greedy=True)
+    order, score = env.last_outcome.decisions, env.last_outcome.score
+    assert task.evaluations == 1 and score.step_time == pytest.approx(new_state(pb, order).value, rel=1e-12)
+    result = search_placement(pb, "ppo", Budget(None, 400), policy=policy)
+    placed = result.plan
+    assert result.driver.value == "ppo" and result.evaluations <= 400 + 2
+    assert placed.step_seconds <= min(score.step_time, placed.identity_seconds) * (1 + 1e-12)
+    assert step_seconds(pb, placed.devices) == pytest.approx(placed.step_seconds, rel=1e-12)

@@ -12,7 +12,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Option, RunningPlan, Workload, best_move,
-                                         candidates, migration, resolve, step_seconds)
+                                         candidates, migration, plan_step_seconds, resolve)
 from hlomap.tasks.replan.trace import Event, Trace
 
 from tests.tasks.replan.helpers import small_workload
@@ -48,7 +48,7 @@ def test_blocks_whose_holders_left_come_from_the_checkpoint():
     moved = migration(workload, old, new, state)
     assert moved.nbytes == STATE_FACTOR * (3e8 + 4e8)
     assert moved.seconds == pytest.approx(STATE_FACTOR * 7e8 / CHECKPOINT_BANDWIDTH, rel=1e-12)
-    assert math.isinf(step_seconds(workload, old, state, PipelineModel(state.cluster)))  # devices 2, 3 left
+    assert math.isinf(plan_step_seconds(workload, old, state, PipelineModel(state.cluster)))  # devices 2, 3 left
 
 
 @pytest.mark.parametrize("gpus", [(2, 2, 2, 2), (2, 0, 2, 1), (1, 2, 2, 0)])
@@ -60,7 +60,7 @@ def test_resolve_is_the_brute_force_optimum_on_the_available_devices(gpus):
     plan, step = resolve(workload, state, model)
     optimum = pipeline_brute_force(workload.profile, state.cluster, workload.space())
     assert step == pytest.approx(optimum.value, rel=1e-9)
-    assert step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
+    assert plan_step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
     assert {d for stage in plan.devices for d in stage} <= set(state.devices)
 
 
@@ -71,14 +71,14 @@ def test_the_best_move_shifts_one_boundary_and_is_the_fastest_such():
     model = PipelineModel(state.cluster)
     running = RunningPlan((0, 6, 7, 8), ((0, 1, 2, 3), (4, 5), (6, 7)))  # stage 0 all-reduces over the slow link
     moved = best_move(workload, running, state, model)
-    keep = step_seconds(workload, running, state, model)
+    keep = plan_step_seconds(workload, running, state, model)
     every = []
     for cut in range(2):
         for b in range(running.bounds[cut] + 1, running.bounds[cut + 2]):
             bounds = list(running.bounds)
             bounds[cut + 1] = b
             if 0 < abs(b - running.bounds[cut + 1]) <= 4:
-                every.append(step_seconds(workload, RunningPlan(tuple(bounds), running.devices), state, model))
+                every.append(plan_step_seconds(workload, RunningPlan(tuple(bounds), running.devices), state, model))
     assert moved is not None and moved[1] == pytest.approx(min(every)) and moved[1] < keep
     assert sum(a != b for a, b in zip(moved[0].bounds, running.bounds)) == 1
     offered = candidates(workload, running, state, model, resolve(workload, state, model))

@@ -17,7 +17,7 @@ import pytest
 
 from hlomap import zoo
 from hlomap.api import explore_detailed
-from hlomap.tasks.sharding.problem import build_problem, run_driver
+from hlomap.tasks.sharding.problem import build_problem, search_sharding
 from hlomap.tasks.sharding.compare import compare_with_megatron, is_layer_norm, partitioned_dims, variable_specs
 from hlomap.verify.numerics import run_plan
 from hlomap.search.tracker import Budget
@@ -112,7 +112,7 @@ def test_opp_cost_reward_is_no_worse_than_megatron(cap_of, graph_of, agent) -> N
     name = "gpt-tiny"
     problem = build_problem(cap_of(name), task="opp", mesh=8, cluster="A", reward="cost", graph=graph_of(name))
     mega = problem.objective.score(problem.space.choices_of(megatron_plan(problem.graph, "model", problem.axes)))
-    result = run_driver(problem, agent, Budget(seconds=None, evaluations=40), 0)
+    result = search_sharding(problem, agent, Budget(seconds=None, evaluations=40), 0)
     assert result.score.fits and result.score.step_time <= mega.step_time
     assert result.evaluations <= 40
 
@@ -120,7 +120,7 @@ def test_opp_cost_reward_is_no_worse_than_megatron(cap_of, graph_of, agent) -> N
 def test_hybrid_cost_reward_on_a_2x4_mesh(cap_of, graph_of) -> None:
     problem = build_problem(cap_of("gpt-tiny"), task="hybrid", mesh="data=2,model=4", cluster="A", reward="cost",
                             graph=graph_of("gpt-tiny"))
-    result = run_driver(problem, "greedy", Budget(seconds=None, evaluations=60), 0)
+    result = search_sharding(problem, "greedy", Budget(seconds=None, evaluations=60), 0)
     assert result.score.conflict_free and result.score.value >= 1.0  # never worse than replicated
 
 

@@ -11,7 +11,7 @@ import pytest
 from hlomap.api import explore_detailed, parse_mesh
 from hlomap.report.sharding import format_plan_summary, plot_convergence
 from hlomap.tasks.sharding.compare import layer_of
-from hlomap.tasks.sharding.space import Task
+from hlomap.tasks import Task
 from hlomap.plan import Plan
 
 
@@ -24,6 +24,18 @@ def test_parse_mesh() -> None:
         parse_mesh({"model": 8}, "hybrid")
     with pytest.raises(ValueError, match="NAME=SIZE"):
         parse_mesh("data=two")
+
+
+@pytest.mark.parametrize("task", [Task.PIPELINE, Task.AUTO])
+def test_sharding_explorers_refuse_the_pipeline_tasks(task: Task) -> None:
+    # One Task enum names every task; the sharding explorers take only opp, adp and hybrid.
+    with pytest.raises(ValueError, match=f"task '{task.value}' is not a sharding task"):
+        parse_mesh(8, task)
+
+
+def test_unknown_task_names_the_tasks() -> None:
+    with pytest.raises(ValueError, match="unknown task 'tp'; the tasks are opp, adp, hybrid, pipeline, auto"):
+        parse_mesh(8, "tp")
 
 
 def test_explore_is_callable_as_hlomap_explore(cap_of, graph_of) -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from hlomap.tasks.sharding.task import random_choices
 from hlomap.tasks.sharding.env import MaskPolicy
-from hlomap.tasks.sharding.space import Task, adp_space, hybrid_space, opp_space
+from hlomap.tasks import Task
+from hlomap.tasks.sharding.space import adp_space, hybrid_space, opp_space
 from hlomap.hlo.capture import Role, from_module
 from hlomap.propagation.conflicts import ConflictChecker
 from hlomap.propagation.graph import FactorGraph
