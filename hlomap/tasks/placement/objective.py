@@ -31,6 +31,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, GroupCost
+from hlomap.cost.pipeline.costs import pipeline_latency
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
 
@@ -227,10 +228,9 @@ class StageState:
         return self.model.transfer(self._devices(k, order), self._devices(k + 1, order), float(self.cut_bytes[k]))
 
     def _price(self, t: np.ndarray, u: np.ndarray) -> tuple[float, float]:
-        # L = sum_s t_s + 2 sum_k u_k + (M - 1) max(t, u), as cost.pipeline.costs.evaluate_plan.
-        bottleneck = max(float(t.max()), float(u.max()) if u.size else 0.0)
-        total = float(t.sum()) + 2 * float(u.sum())
-        return total + (self.m - 1) * bottleneck, total
+        """(L, the fill-and-drain part of L as the tie-break), from the one closed form."""
+        latency, _ = pipeline_latency(t.tolist(), u.tolist(), self.m)
+        return latency, float(t.sum()) + 2 * float(u.sum())
 
     def try_swap(self, a: int, b: int) -> tuple[float, float]:
         stages = sorted({int(s) for s in (self.stage_of[a], self.stage_of[b]) if s >= 0})
