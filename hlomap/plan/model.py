@@ -31,6 +31,7 @@ sections are typed (`hlomap.plan.sections`); the pipeline section's fields are d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -305,10 +306,14 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | PathLike[str], *, cap: Capture | None = None, mesh: Any = None) -> Plan:
-        """Read a plan; with `cap` / `mesh`, also check it was made for them (`check_compatible`)."""
+        """Read a plan; with `cap` / `mesh`, also check it was made for them (`check_compatible`)
+        and take the step's argument structure from `cap`, so `partition_specs()` is shaped like
+        the step's arguments (optax's empty states included) rather than rebuilt from paths."""
         with open(path) as f:
             plan = cls.from_json(json.load(f), where=str(path))
         plan.check_compatible(cap, mesh, where=str(path))
+        if cap is not None and cap.in_tree is not None:
+            plan = dataclasses.replace(plan, in_tree=cap.in_tree)
         return plan
 
     def check_specs(self, *, where: str = "plan") -> None:

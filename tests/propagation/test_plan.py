@@ -194,3 +194,17 @@ def test_two_specs_meeting_in_one_tensor_are_named_with_the_instructions_linking
     assert "your spec splits 'params/layers_0/attn/query/kernel' dim 2" in message
     assert "bqhd,bkhd->bhqk" in message  # the attention scores: where the two specs meet
     assert "XLA would accept such specs and insert a reshard" in message
+
+
+def test_a_plan_loaded_with_its_capture_gives_specs_shaped_like_the_arguments(tmp_path, zoo_capture, zoo_graph):
+    """Without the capture's argument structure, specs rebuilt from paths lose optax's empty
+    states and no longer fit `from_specs`; loading with `cap=` keeps the structure."""
+    cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
+    plan = Plan.from_specs(cap, _specs(cap, megatron_by_hand), mesh={"model": 8}, graph=g)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json", cap=cap)
+    specs = loaded.partition_specs()
+    assert jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P)) == \
+        jax.tree_util.tree_structure(plan.partition_specs(), is_leaf=lambda x: isinstance(x, P))
+    again = Plan.from_specs(cap, specs, mesh={"model": 8}, graph=g)
+    assert again.parameters == plan.parameters
