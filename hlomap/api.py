@@ -10,7 +10,7 @@ nothing.
 
 Everything here resolves user-facing names (presets, files, built-in plans, mesh strings) into the
 plain data the layers below take, and nothing below imports it. Which estimator prices a plan is
-decided once, by `plan_kind`.
+decided once, by `plan_category`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ __all__ = [
     "place",
     "plan_devices",
     "plan_fits",
-    "plan_kind",
+    "plan_category",
     "plan_or_built_in",
     "prepare_placement",
     "prepare_replan",
@@ -495,7 +495,7 @@ class PlanCategory(enum.Enum):
     JOINT = "joint"  # stages each with its own data x model mesh: priced again from the module
 
 
-def plan_kind(plan: Any) -> PlanCategory:
+def plan_category(plan: Any) -> PlanCategory:
     if isinstance(plan, str):
         return PlanCategory.BUILT_IN
     pipeline = getattr(plan, "pipeline", None)
@@ -649,12 +649,23 @@ Simulation = SpmdSimulation | PipelineSimulation | JointSimulation
 
 def needs_module(plan: Any) -> bool:
     """Whether simulating `plan` reads the step's module (a pipeline plan carries its profile)."""
-    return plan_kind(plan) is not PlanCategory.PIPELINE
+    return plan_category(plan) is not PlanCategory.PIPELINE
+
+
+def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequence[str] | None = None,
+                             where: str = "plan") -> None:
+    """Refuse a mesh or axis order the plan fixes itself (a pipeline plan's stages, a placed
+    plan's device order): checked before any module is read."""
+    kind = plan_category(plan)
+    if kind is PlanCategory.PIPELINE and (mesh is not None or axis_order):
+        raise InputError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
+    if kind is PlanCategory.SPMD and plan.placement is not None and axis_order:
+        raise InputError(f"{where} is placed: its placement fixes the device order, so --axis-order does not apply")
 
 
 def simulate_plan(cap: Capture | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
              axis_order: Sequence[str] | None = None, where: str = "plan") -> Simulation:
-    """Price one step of `plan` on `cluster`, whatever its kind (`plan_kind`): an SPMD plan or
+    """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
     a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
     pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
     None for a pipeline plan (`needs_module`)."""
@@ -663,10 +674,9 @@ def simulate_plan(cap: Capture | None, plan: Any, *, cluster: Any = "A", mesh: M
     from hlomap.cost.cluster import Cluster, load_cluster
 
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
-    kind = plan_kind(plan)
+    check_simulation_options(plan, mesh=mesh, axis_order=axis_order, where=where)
+    kind = plan_category(plan)
     if kind is PlanCategory.PIPELINE:
-        if mesh is not None or axis_order:
-            raise InputError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
         from hlomap.tasks.placement.place import estimate_pipeline_plan
 
         return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement)
@@ -681,8 +691,6 @@ def simulate_plan(cap: Capture | None, plan: Any, *, cluster: Any = "A", mesh: M
         except ValueError as err:
             raise InputError(f"--plan {where}: {err}") from None
     placed = kind is PlanCategory.SPMD and plan.placement is not None
-    if placed and axis_order:
-        raise InputError(f"{where} is placed: its placement fixes the device order, so --axis-order does not apply")
     if kind is PlanCategory.SPMD:
         check_plan_for(plan, cap, where)
     else:

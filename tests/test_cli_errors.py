@@ -135,7 +135,7 @@ def _never(what: str) -> Any:
 
 def test_an_output_that_is_a_directory_fails_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hlomap.cli._load_capture", _never("the capture"))  # nothing is lowered or searched
+    monkeypatch.setattr("hlomap.cli.common.load_capture", _never("the capture"))  # nothing is lowered or searched
     assert run(["explore", "zoo:gpt-tiny", "-o", str(tmp_path), "-q"]) == 2
     _one_line_error(capsys, str(tmp_path), "is a directory")
 
