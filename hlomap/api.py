@@ -471,8 +471,7 @@ class DumpedModule:
 def dump_zoo(name: str, output: str | Path) -> DumpedModule:
     """Lower the zoo step `name` abstractly and write its HLO text to `output`."""
     output = Path(output)
-    if output.parent and not output.parent.exists():
-        raise InputError(f"{output.parent}: directory does not exist")
+    check_writable(output)
     cap = load_source(f"{ZOO_PREFIX}{name}")
     text = str(cap.module)
     output.write_text(text)

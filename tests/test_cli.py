@@ -240,6 +240,24 @@ def test_run_a_pipeline_plan_of_a_user_step(tmp_path: Path, capsys: pytest.Captu
     assert {c["what"] for c in report["comparisons"]} == {"loss", "gradients"}
 
 
+def test_explore_takes_the_same_file_py_function_source_as_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hlomap explore mymodel.py:make`: a user's step explored, then run from the same source;
+    on a terminal the run says which phase it is in (a big step sits minutes in each)."""
+    plan_path = tmp_path / "plan.json"
+    assert run(["explore", f"{USER_STEP}:make", "--agent", "greedy", "--budget-evaluations", "10", "-q",
+                "-o", str(plan_path)]) == 0
+    assert json.loads(plan_path.read_text())["parameters"]
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make"]) == 0
+    captured = capsys.readouterr()
+    assert "equal" in captured.out
+    phases = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("[")]
+    assert phases == ["loading the step and its example arguments ...", "building the unsharded step ...",
+                      "compiling the plan ...", "running the plan and the unsharded step, comparing them ..."]
+
+
 def test_run_exits_3_when_the_pipeline_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from hlomap.run import compare
