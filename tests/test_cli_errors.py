@@ -429,3 +429,33 @@ def test_fail_if_oom_exits_3_for_the_sharding_tasks(task: str, mesh: str, tiny_m
     assert run(argv) == 0  # without the option a plan that does not fit is still a plan
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert run([*argv, "--fail-if-oom"]) == 3
+
+
+def test_the_interrupt_handler_only_sets_a_flag() -> None:
+    """Raising from a signal handler throws KeyboardInterrupt wherever the main thread is, inside
+    an import or a callback from XLA (where it can abort the process): the handler only sets the
+    flag, and the command raises at its next check, in ordinary Python code."""
+    from hlomap.cli.interrupts import InterruptWatch
+
+    watch = InterruptWatch()
+    seen: list[int] = []
+    on_progress = watch.wrap(seen.append)
+    on_progress(1)
+    watch.handler(signal.SIGINT, None)  # does not raise
+    assert watch.interrupted
+    with pytest.raises(KeyboardInterrupt):
+        on_progress(2)
+    with pytest.raises(KeyboardInterrupt):
+        watch.check()
+    assert seen == [1]
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    proc = _start(["explore", "zoo:gpt-small", "--budget-seconds", "120", "-q", "-o", "plan.json"], tmp_path)
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err

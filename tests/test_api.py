@@ -1,0 +1,50 @@
+"""`hlomap.api`, the one front: which estimator prices each plan kind (decided in one place),
+the output check, and the sources explore and run share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hlomap import api
+
+USER_STEP = Path(__file__).resolve().parent / "run" / "user_step.py"
+
+
+@pytest.mark.parametrize("plan, category", [
+    ("dp", api.PlanCategory.BUILT_IN),
+    (SimpleNamespace(pipeline=None, placement=None), api.PlanCategory.SPMD),
+    (SimpleNamespace(pipeline={"stages": []}, placement=None), api.PlanCategory.PIPELINE),
+    (SimpleNamespace(pipeline={"kind": "joint", "stages": []}, placement=None), api.PlanCategory.JOINT),
+])
+def test_plan_category_picks_the_estimator(plan: object, category: api.PlanCategory) -> None:
+    assert api.plan_category(plan) is category
+    assert api.needs_module(plan) is (category is not api.PlanCategory.PIPELINE)
+
+
+def test_a_pipeline_plan_refuses_a_mesh_before_anything_is_read() -> None:
+    plan = SimpleNamespace(pipeline={"stages": []}, placement=None)
+    with pytest.raises(api.InputError, match="do not apply to a pipeline plan"):
+        api.check_simulation_options(plan, mesh="8")
+
+
+def test_check_writable_names_what_is_wrong(tmp_path: Path) -> None:
+    api.check_writable(tmp_path / "plan.json")  # a writable folder: no error, and no file left
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(api.InputError, match="is a directory"):
+        api.check_writable(tmp_path)
+    with pytest.raises(api.InputError, match="directory does not exist"):
+        api.check_writable(tmp_path / "missing" / "plan.json")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(api.InputError, match="not a directory"):
+        api.check_writable(blocker / "plan.json")
+
+
+def test_load_source_reads_a_users_step_file() -> None:
+    cap = api.load_source(f"{USER_STEP}:make")
+    assert cap.parameters and cap.has_roles
+    with pytest.raises(api.SourceError, match="has no function 'nowhere'"):
+        api.load_source(f"{USER_STEP}:nowhere")
