@@ -258,6 +258,21 @@ def test_explore_takes_the_same_file_py_function_source_as_run(tmp_path: Path, c
                       "compiling the plan ...", "running the plan and the unsharded step, comparing them ..."]
 
 
+def test_run_compares_the_outputs_of_a_step_without_a_marked_loss(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Through `hlomap.parallelize` like every other plan: the SPMD step's outputs against the
+    unsharded step's."""
+    plan_path = tmp_path / "plan.json"
+    source = f"{USER_STEP}:make_unmarked"
+    assert run(["explore", source, "--agent", "greedy", "--budget-evaluations", "10", "-q", "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert run(["run", str(plan_path), "--source", source]) == 0
+    out = capsys.readouterr().out
+    assert "comparing the step's outputs" in out and "outputs equal to the unsharded step" in out
+    assert run(["run", str(plan_path), "--source", source, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
 def test_run_exits_3_when_the_pipeline_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from hlomap.run import compare

@@ -47,10 +47,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    plan = api.load_plan_file(args.plan)
+    # before anything imports JAX (the reports below do): a CPU-only machine then shows as many
+    # devices as the plan needs
+    api.ensure_host_devices(max(api.plan_devices(plan), 1))
+
     from hlomap.report.progress import phase_reporter
     from hlomap.report.run import format_run_check, run_check_json
 
-    plan = api.load_plan_file(args.plan)
     interrupts = interrupts_of(args)
     # phases on a terminal, as progress bars are: a log or a test reads the verdict alone
     with phase_reporter(not args.quiet and sys.stderr.isatty()) as on_phase:
