@@ -540,6 +540,16 @@ def plan_or_built_in(text: str) -> Any:
     return load_plan_file(text)
 
 
+def _plan_of(plan: Any) -> Any:
+    """A verb's `plan` argument: a Plan as it is, a path read as a plan file."""
+    return load_plan_file(plan) if isinstance(plan, (str, Path)) else plan
+
+
+def _capture_of(source: Capture | str | None) -> Capture | None:
+    """A verb's `source` argument: a Capture as it is, a SOURCE string loaded."""
+    return load_source(source) if isinstance(source, str) else source
+
+
 def check_plan_for(plan: Any, cap: Capture, where: str) -> None:
     """A saved plan must have been made for this module, and its specs must fit the shapes and
     mesh it names: checked before anything is compiled or estimated."""
@@ -655,33 +665,36 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
                              where: str = "plan") -> None:
     """Refuse a mesh or axis order the plan fixes itself (a pipeline plan's stages, a placed
     plan's device order): checked before any module is read."""
-    kind = plan_category(plan)
-    if kind is PlanCategory.PIPELINE and (mesh is not None or axis_order):
+    category = plan_category(plan)
+    if category is PlanCategory.PIPELINE and (mesh is not None or axis_order):
         raise InputError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
-    if kind is PlanCategory.SPMD and plan.placement is not None and axis_order:
+    if category is PlanCategory.SPMD and plan.placement is not None and axis_order:
         raise InputError(f"{where} is placed: its placement fixes the device order, so --axis-order does not apply")
 
 
-def simulate_plan(cap: Capture | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
-             axis_order: Sequence[str] | None = None, where: str = "plan") -> Simulation:
+def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
+                  axis_order: Sequence[str] | None = None, where: str = "plan") -> Simulation:
     """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
     a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
     pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
-    None for a pipeline plan (`needs_module`)."""
+    None for a pipeline plan (`needs_module`). `cap` and `plan` may also be given as a SOURCE
+    string and a built-in plan name or plan file."""
     import dataclasses
 
     from hlomap.cost.cluster import Cluster, load_cluster
 
+    plan = plan_or_built_in(plan) if isinstance(plan, (str, Path)) else plan
+    cap = _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     check_simulation_options(plan, mesh=mesh, axis_order=axis_order, where=where)
-    kind = plan_category(plan)
-    if kind is PlanCategory.PIPELINE:
+    category = plan_category(plan)
+    if category is PlanCategory.PIPELINE:
         from hlomap.tasks.placement.place import estimate_pipeline_plan
 
         return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement)
     if cap is None:
-        raise InputError(f"{where}: a {kind.value} plan is priced from the step's module: name its SOURCE")
-    if kind is PlanCategory.JOINT:
+        raise InputError(f"{where}: a {category.value} plan is priced from the step's module: name its SOURCE")
+    if category is PlanCategory.JOINT:
         from hlomap.tasks.joint.explore import reprice_joint_plan
 
         check_plan_for(plan, cap, where)
@@ -689,8 +702,8 @@ def simulate_plan(cap: Capture | None, plan: Any, *, cluster: Any = "A", mesh: M
             return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline))
         except ValueError as err:
             raise InputError(f"--plan {where}: {err}") from None
-    placed = kind is PlanCategory.SPMD and plan.placement is not None
-    if kind is PlanCategory.SPMD:
+    placed = category is PlanCategory.SPMD and plan.placement is not None
+    if category is PlanCategory.SPMD:
         check_plan_for(plan, cap, where)
     else:
         require_roles(cap, f"the built-in plan {plan!r}")
@@ -820,11 +833,12 @@ class PlacementOutcome:
     result: Any
 
 
-def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Capture | None = None,
+def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Capture | str | None = None,
                       policy: str | Path | None = None, finetune_seconds: float = 0.0,
                       where: str = "plan") -> PlacementJob:
     """Check `agent`, price the plan's positions on `cluster` (an SPMD plan with `cap` is
-    estimated again on it, otherwise its saved estimate is used) and read ppo's policy file."""
+    estimated again on it, otherwise its saved estimate is used) and read ppo's policy file.
+    `plan` may be a plan file's path, `cap` a SOURCE string."""
     import dataclasses
 
     from hlomap.cost.cluster import Cluster, load_cluster
@@ -832,6 +846,7 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
 
     if agent not in PLACEMENT_AGENTS:
         raise InputError(f"--agent {agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
+    plan, cap = _plan_of(plan), _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     step_estimate = None
     if cap is not None and plan.pipeline is None:
@@ -901,10 +916,11 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
                    where: str = "plan") -> ReplanJob:
     """Check that `plan` can be re-planned before the trace is read; read the trace and the
     meta policy's gain network (the shipped one when `network` is None; when that is missing the
-    meta policy is left out, with a note)."""
+    meta policy is left out, with a note). `plan` may be a plan file's path."""
     from hlomap.tasks.replan.replay_plan import workload_of
     from hlomap.tasks.replan.trace import load_trace
 
+    plan = _plan_of(plan)
     workload_of(plan, where)  # a plan that cannot be re-planned fails before the trace is read
     loaded_trace = load_trace(trace)
     loaded_network, notes = None, ()
@@ -1056,8 +1072,9 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     loss and gradients before the optimizer when it marks its loss with
     `hlomap.value_and_grad`, else its outputs (`rtol`, `atol`). On a CPU-only machine the CPU
     backend is given as many devices as the plan needs (before JAX starts). `on_phase` hears
-    each phase (`RunPhase`) as it starts."""
+    each phase (`RunPhase`) as it starts. `plan` may be a plan file's path."""
     report = on_phase or (lambda phase: None)
+    plan = _plan_of(plan)
     check_plan_specs(plan, where)
     if plan.pipeline is None and executor is not None:
         raise InputError(f"--executor {executor}: {where} has no pipeline section (executors run pipelines)")

@@ -48,3 +48,9 @@ def test_load_source_reads_a_users_step_file() -> None:
     assert cap.parameters and cap.has_roles
     with pytest.raises(api.SourceError, match="has no function 'nowhere'"):
         api.load_source(f"{USER_STEP}:nowhere")
+
+
+def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:
+    simulation = api.simulate_plan("zoo:gpt-tiny", "dp", cluster="A", mesh={"data": 8})
+    assert isinstance(simulation, api.SpmdSimulation) and simulation.identity is None
+    assert simulation.estimate.step_seconds > 0 and simulation.fits
