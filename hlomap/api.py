@@ -294,7 +294,12 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     ("A", "B", "C"), a topology string, a JSON path or a Cluster. A placed Plan is priced on its
     placement's device order unless `axis_devices` or `axis_order` say otherwise. Raises
     PlanConflict for a plan with conflicts.
+
+    A pipeline or joint plan is priced by its stages instead (`simulate_plan`), and its
+    `PipelineSimulation` or `JointSimulation` is returned.
     """
+    if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
+        return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order)
     from hlomap.cost import estimate as cost_estimate
     from hlomap.plan import resolve_plan
     from hlomap.propagation.graph import FactorGraph

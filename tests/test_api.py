@@ -54,3 +54,12 @@ def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:
     simulation = api.simulate_plan("zoo:gpt-tiny", "dp", cluster="A", mesh={"data": 8})
     assert isinstance(simulation, api.SpmdSimulation) and simulation.identity is None
     assert simulation.estimate.step_seconds > 0 and simulation.fits
+
+
+def test_estimate_prices_a_pipeline_plan_by_its_stages(tmp_path: Path) -> None:
+    """Not as an SPMD plan whose parameters happen to be replicated: by the stage profile it carries."""
+    cap = api.load_source("zoo:gpt-tiny")
+    plan = api.explore(cap, task="pipeline", cluster="A", agent="dp", output=tmp_path / "pipe.json")
+    priced = api.estimate(cap, plan, cluster="A")
+    assert isinstance(priced, api.PipelineSimulation)
+    assert priced.estimate.placed.length == pytest.approx(plan.estimate["step_seconds"])

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from typing import Any, Callable, TypeVar
 
 EXIT_INTERRUPTED = 130
+STDERR = 2  # written with os.write: a signal handler must not go through buffered sys.stderr
 
 T = TypeVar("T")
 
@@ -30,9 +30,9 @@ class InterruptWatch:
 
     def handler(self, signum: int, frame: Any) -> None:
         if self.event.is_set():  # a second Ctrl-C: the user does not want to wait
-            os.write(sys.stderr.fileno(), b"hlomap: interrupted\n")
+            os.write(STDERR, b"hlomap: interrupted\n")
             os._exit(EXIT_INTERRUPTED)
-        os.write(sys.stderr.fileno(), b"hlomap: stopping at the next safe point (Ctrl-C again to stop at once)\n")
+        os.write(STDERR, b"hlomap: stopping at the next safe point (Ctrl-C again to stop at once)\n")
         self.event.set()
 
     def install(self) -> None:
