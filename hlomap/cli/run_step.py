@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the train step the plan was made for: a zoo step, or a function of yours returning "
                         "(train_step, example_args)")
     p.add_argument("--executor", choices=("spmd", "mpmd"), default=None,
-                   help="pipeline plans: spmd (A: one SPMD program, GPipe, multi-host) or mpmd (B: one program per "
+                   help="pipeline plans: spmd (one SPMD program, GPipe, multi-host) or mpmd (one program per "
                         "stage, any schedule); default: spmd for gpipe, mpmd for 1f1b")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
     p.add_argument("--rtol", type=float, default=1e-4,
