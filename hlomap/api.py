@@ -972,8 +972,8 @@ class RunPhase(enum.Enum):
 
     LOADING = "loading the step and its example arguments"
     CAPTURING = "building the unsharded step"
-    COMPILING = "compiling the plan"
-    RUNNING = "running the plan and the unsharded step, comparing them"
+    PREPARING = "preparing the plan's step (shardings; a pipeline's cuts and stages)"
+    RUNNING = "compiling and running the plan's step and the unsharded one, comparing them"
 
 
 @dataclass(frozen=True)
@@ -1102,7 +1102,7 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     check_plan_for(plan, cap, where)
     platform = jax.devices()[0].platform
     try:
-        report(RunPhase.COMPILING)
+        report(RunPhase.PREPARING)
         parallel = parallelize(step, plan, executor=executor, example_args=example if plan.pipeline else None)
         description = parallel.describe(example) if plan.pipeline is not None else None
         report(RunPhase.RUNNING)

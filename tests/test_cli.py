@@ -255,7 +255,8 @@ def test_explore_takes_the_same_file_py_function_source_as_run(tmp_path: Path, c
     assert "equal" in captured.out
     phases = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("[")]
     assert phases == ["loading the step and its example arguments ...", "building the unsharded step ...",
-                      "compiling the plan ...", "running the plan and the unsharded step, comparing them ..."]
+                      "preparing the plan's step (shardings; a pipeline's cuts and stages) ...",
+                      "compiling and running the plan's step and the unsharded one, comparing them ..."]
 
 
 def test_run_compares_the_outputs_of_a_step_without_a_marked_loss(tmp_path: Path,
