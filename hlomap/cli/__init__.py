@@ -3,7 +3,9 @@
 
 Every command has --help. Errors a user can cause (bad file, bad HLO, unknown zoo name, bad
 option) print one clear message on stderr and exit with status 2; nothing prints a traceback
-unless HLOMAP_DEBUG=1 is set. Ctrl-C is cooperative (`hlomap.cli.interrupts`).
+unless HLOMAP_DEBUG=1 is set. Ctrl-C is cooperative (`hlomap.cli.interrupts`), from the first
+moment: the handler is installed before the command modules (and through them the api, numpy
+and JAX) are imported.
 """
 
 from __future__ import annotations
@@ -14,37 +16,41 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from hlomap import api
-from hlomap.cli import common, explore, inspect, place, replan, run_step, simulate, zoo
-from hlomap.cli.interrupts import watch
+from hlomap.cli.interrupts import InterruptWatch
 
 __all__ = ["build_parser", "main", "run"]
 
-#: the command modules, in the order `hlomap --help` lists them
-COMMANDS = (inspect, simulate, explore, run_step, place, replan, zoo)
-
 
 def build_parser() -> argparse.ArgumentParser:
+    from hlomap.cli import common, explore, inspect, place, replan, run_step, simulate, zoo
+
+    commands = (inspect, simulate, explore, run_step, place, replan, zoo)  # in the order --help lists them
     parser = common.Parser(prog="hlomap",
                            description="Find distributed execution plans for JAX train steps on XLA's HLO.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=common.Parser)
     sub.required = True
-    for command in COMMANDS:
+    for command in commands:
         command.add_parser(sub)
     return parser
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    interrupts = InterruptWatch()
+    interrupts.install()
+    from hlomap import api
+    from hlomap.cli import common
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.interrupts = interrupts
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
-    watch(args)
     func: Callable[[argparse.Namespace], int] = args.func
     if os.environ.get("HLOMAP_DEBUG") == "1":
         return func(args)
     try:
+        interrupts.check()  # Ctrl-C while starting
         return func(args)
     except KeyboardInterrupt:
         print("hlomap: interrupted before a plan was found; nothing was written", file=sys.stderr)

@@ -62,15 +62,8 @@ class InterruptWatch:
         return on_progress
 
 
-def watch(args: Any) -> InterruptWatch:
-    """Install a watch and hang it on the parsed arguments, where every command finds it."""
-    interrupts = InterruptWatch()
-    interrupts.install()
-    args.interrupts = interrupts
-    return interrupts
-
-
 def interrupts_of(args: Any) -> InterruptWatch:
-    """The watch `watch` hung on `args` (a fresh, uninstalled one for arguments built by hand)."""
+    """The watch `hlomap.cli.run` hung on `args` (a fresh, uninstalled one for arguments built by
+    hand)."""
     found = getattr(args, "interrupts", None)
     return found if found is not None else InterruptWatch()
