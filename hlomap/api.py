@@ -235,7 +235,7 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
                             **options)
 
 
-def explore(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
+def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
             agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
             **options: Any) -> Any:
     """Search a plan for `cap` and return it as a `hlomap.plan.Plan`.
@@ -256,7 +256,10 @@ def explore(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str
     microbatches, schedule, episodes, finetune_episodes, compare_dp, output, on_progress. The
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.
+
+    `cap` may also be a SOURCE string (`load_source`: zoo:NAME, FILE.py:FUNCTION, an HLO file).
     """
+    cap = _capture_of(cap)
     if str(getattr(task, "value", task)) == "auto":
         return explore_auto(cap, cluster=cluster, **options)
     if str(getattr(task, "value", task)) == "pipeline":
@@ -272,15 +275,8 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
     """The joint plan (`hlomap.tasks.joint`): stage cuts, each stage's device group, mesh shape
     and sharding, microbatches and schedule, by the exact two-level search, with Megatron-LM's
     expert grid priced beside it (in the plan's `search` record)."""
-    from hlomap.cost.cluster import load_cluster
-    from hlomap.tasks.joint.explore import explore_joint, joint_plan
-
-    result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
-                           max_stages=max_stages, **options)
-    plan = joint_plan(result)
-    if output is not None:
-        plan.save(output)
-    return plan
+    return explore_auto_detailed(cap, cluster=cluster, schedule=schedule, microbatches=microbatches,
+                                 max_stages=max_stages, output=output, **options).plan
 
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",

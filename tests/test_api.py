@@ -63,3 +63,8 @@ def test_estimate_prices_a_pipeline_plan_by_its_stages(tmp_path: Path) -> None:
     priced = api.estimate(cap, plan, cluster="A")
     assert isinstance(priced, api.PipelineSimulation)
     assert priced.estimate.placed.length == pytest.approx(plan.estimate["step_seconds"])
+
+
+def test_explore_takes_a_source_string() -> None:
+    plan = api.explore("zoo:gpt-tiny", task="opp", mesh=8, agent="greedy", budget_evaluations=5)
+    assert plan.parameters and dict(plan.mesh) == {"model": 8}
