@@ -964,12 +964,13 @@ FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 class RunPhase(enum.Enum):
-    """The phases of `check_run`, reported as each starts: a big step takes minutes in each."""
+    """The phases of `check_run` before the check itself (whose phases `run.compare.check_step`
+    names), reported as each starts: a big step takes minutes in each."""
 
     LOADING = "loading the step and its example arguments"
     CAPTURING = "building the unsharded step"
     PREPARING = "preparing the plan's step (shardings; a pipeline's cuts and stages)"
-    RUNNING = "compiling and running the plan's step and the unsharded one, comparing them"
+    OUTPUTS = "compiling and running the plan's step and the unsharded one, comparing their outputs"
 
 
 @dataclass(frozen=True)
@@ -1067,13 +1068,14 @@ def _compare_outputs(step: Callable[..., Any], example: tuple[Any, ...], plan: A
 
 def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int = 0, rtol: float = 1e-4,
               atol: float = 1e-5, where: str = "plan",
-              on_phase: Callable[[RunPhase], None] | None = None) -> RunCheck:
+              on_phase: Callable[[str], None] | None = None) -> RunCheck:
     """Run the step `source` names (`zoo:NAME` or `FILE.py:FUNCTION`) under `plan` on this
     machine's devices with `hlomap.parallelize`, and compare it with the unsharded step: its
     loss and gradients before the optimizer when it marks its loss with
     `hlomap.value_and_grad`, else its outputs (`rtol`, `atol`). On a CPU-only machine the CPU
     backend is given as many devices as the plan needs (before JAX starts). `on_phase` hears
-    each phase (`RunPhase`) as it starts. `plan` may be a plan file's path."""
+    each phase as it starts, in words (`RunPhase`, then `check_step`'s). `plan` may be a plan
+    file's path."""
     report = on_phase or (lambda phase: None)
     plan = _plan_of(plan)
     check_plan_specs(plan, where)
@@ -1091,18 +1093,17 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     if jax.device_count() < devices:
         raise InputError(f"{where} needs {devices} devices; JAX sees {jax.device_count()} "
                          f"({jax.devices()[0].platform})")
-    report(RunPhase.LOADING)
+    report(RunPhase.LOADING.value)
     step, example, model = _run_source(source, seed)
-    report(RunPhase.CAPTURING)
+    report(RunPhase.CAPTURING.value)
     cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
     check_plan_for(plan, cap, where)
     platform = jax.devices()[0].platform
     try:
-        report(RunPhase.PREPARING)
+        report(RunPhase.PREPARING.value)
         parallel = parallelize(step, plan, executor=executor, example_args=example if plan.pipeline else None)
         description = parallel.describe(example) if plan.pipeline is not None else None
-        report(RunPhase.RUNNING)
-        checked = check_step(parallel, example)
+        checked = check_step(parallel, example, report)
         return RunCheck(str(where), source, devices, platform, description=description, check=checked)
     except SplitError as err:
         if plan.pipeline is not None:
@@ -1110,6 +1111,6 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
         note = f"{err}; comparing the step's outputs instead of its gradients"
     except RunError as err:
         raise InputError(str(err)) from None
-    report(RunPhase.RUNNING)
+    report(RunPhase.OUTPUTS.value)
     outputs = _compare_outputs(step, example, plan, rtol=rtol, atol=atol)
     return RunCheck(str(where), source, devices, platform, outputs=outputs, note=note)

@@ -256,7 +256,9 @@ def test_explore_takes_the_same_file_py_function_source_as_run(tmp_path: Path, c
     phases = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("[")]
     assert phases == ["loading the step and its example arguments ...", "building the unsharded step ...",
                       "preparing the plan's step (shardings; a pipeline's cuts and stages) ...",
-                      "compiling and running the plan's step and the unsharded one, comparing them ..."]
+                      "running the unsharded step ...", "compiling and running the plan's step ...",
+                      "running the whole step sharded and unsharded (the optimizer's update) ...",
+                      "timing one step ..."]
 
 
 def test_run_compares_the_outputs_of_a_step_without_a_marked_loss(tmp_path: Path,

@@ -59,10 +59,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # phases on a terminal, as progress bars are: a log or a test reads the verdict alone
     with phase_reporter(not args.quiet and sys.stderr.isatty()) as on_phase:
 
-        def phase(step: api.RunPhase) -> None:
+        def phase(name: str) -> None:
             interrupts.check()  # between phases: where stopping is safe
             if on_phase is not None:
-                on_phase(step.value)
+                on_phase(name)
 
         checked = api.check_run(plan, args.source, executor=args.executor, seed=args.seed, rtol=args.rtol,
                                 atol=args.atol, where=args.plan, on_phase=phase)
