@@ -1,20 +1,26 @@
-"""The one public front that the CLI, the decorator and users call: read a SOURCE, parse a mesh,
-explore a plan, estimate a plan.
+"""The one public front that the CLI, the decorator and users call: every verb of the `hlomap`
+command, on plain user-facing arguments (names, paths, mesh strings), returning data and printing
+nothing.
 
-    cap = load_source("zoo:gpt-small")                      # or an HLO text file
+    cap = load_source("zoo:gpt-small")          # or an HLO text file, or FILE.py:FUNCTION
     plan = explore(cap, task="opp", mesh={"model": 8}, cluster="A", agent="dqn", budget_seconds=60)
-    est = estimate(cap, plan, cluster="A")                   # or "dp" | "megatron" | "dp+megatron"
+    est = estimate(cap, plan, cluster="A")       # or "dp" | "megatron" | "dp+megatron"
+    sim = simulate_plan(cap, plan, cluster="A")     # any plan kind: SPMD, built-in, pipeline, joint
+    checked = check_run(plan, "zoo:gpt-small")   # run on the local devices, compare with unsharded
 
 Everything here resolves user-facing names (presets, files, built-in plans, mesh strings) into the
-plain data the layers below take, and nothing below imports it.
+plain data the layers below take, and nothing below imports it. Which estimator prices a plan is
+decided once, by `plan_category`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from hlomap.hlo.capture import Capture, Role, capture, from_module
 from hlomap.plan import parse_mesh_text
@@ -22,16 +28,61 @@ from hlomap.plan import parse_mesh_text
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CalibrationProfileError",
+    "ClusterChoice",
+    "DumpedModule",
+    "InputError",
+    "JointExploration",
+    "JointSimulation",
+    "PipelineExploration",
+    "PipelineSimulation",
+    "PlacementJob",
+    "PlacementOutcome",
+    "PlanCategory",
+    "ReplanJob",
+    "RunCheck",
+    "RunPhase",
+    "Simulation",
     "SourceError",
+    "SpmdSimulation",
+    "ZooEntry",
+    "check_plan_for",
+    "check_plan_specs",
+    "check_run",
+    "check_writable",
+    "dump_zoo",
+    "ensure_host_devices",
     "estimate",
     "explore",
     "explore_auto",
+    "explore_auto_detailed",
     "explore_detailed",
+    "explore_pipeline_detailed",
+    "inspect_capture",
     "is_pipedream_graph",
+    "is_step_file",
     "load_pipeline_source",
+    "load_plan_file",
     "load_source",
+    "needs_module",
+    "other_cluster_warning",
     "parse_mesh",
     "parse_mesh_text",
+    "place",
+    "plan_devices",
+    "plan_fits",
+    "plan_category",
+    "plan_or_built_in",
+    "prepare_placement",
+    "prepare_replan",
+    "replan",
+    "replan_policies",
+    "replan_run",
+    "require_roles",
+    "resolve_cluster",
+    "simulate_plan",
+    "user_errors",
+    "zoo_entries",
 ]
 
 ZOO_PREFIX = "zoo:"
@@ -49,7 +100,9 @@ class SourceError(ValueError):
 
 def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, trainable_prefix: Iterable[str] = (),
                 module_index: int = 0) -> Capture:
-    """`zoo:NAME` lowers a zoo train step abstractly; anything else is read as HLO text.
+    """`zoo:NAME` lowers a zoo train step abstractly; `FILE.py:FUNCTION` lowers a user's step
+    (the function returns `(train_step, example_args)`, as `hlomap run --source` takes it);
+    anything else is read as HLO text.
 
     For an HLO file holding several modules (split by `// -----`), `module_index` picks one.
     `trainable` (indices or HLO names) and `trainable_prefix` (starts of paths or names) name
@@ -58,6 +111,8 @@ def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, trai
     """
     if spec.startswith(ZOO_PREFIX):
         return _load_zoo(spec[len(ZOO_PREFIX):])
+    if is_step_file(spec):
+        return _load_step_capture(spec)
     return _load_file(Path(spec), trainable=trainable, trainable_prefix=tuple(trainable_prefix),
                       module_index=module_index)
 
@@ -76,12 +131,30 @@ def _load_zoo(name: str) -> Capture:
     return capture(model.train_step(), *model.abstract_args(), arg_names=model.arg_names, roles=roles or None)
 
 
+def is_step_file(spec: str) -> bool:
+    """Whether SOURCE names a user's step, `FILE.py:FUNCTION`, rather than an HLO file."""
+    path_text, sep, name = spec.rpartition(":")
+    return bool(sep) and path_text.endswith(".py") and name.isidentifier()
+
+
+def _load_step_capture(spec: str) -> Capture:
+    """The Capture of a user's `FILE.py:FUNCTION` step, lowered from its example arguments."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.source import load_step_file
+
+    try:
+        step, example = load_step_file(spec)
+    except RunError as err:
+        raise SourceError(str(err).removeprefix("--source ")) from None
+    return capture(step, *example)
+
+
 def _load_file(path: Path, *, trainable: Iterable[int | str] | None, trainable_prefix: tuple[str, ...],
                module_index: int) -> Capture:
     from hlomap.hlo.parser import parse_all
 
     if not path.exists():
-        raise SourceError(f"{path}: no such file (SOURCE is an HLO text file or zoo:NAME)")
+        raise SourceError(f"{path}: no such file (SOURCE is an HLO text file, zoo:NAME or FILE.py:FUNCTION)")
     if path.is_dir():
         raise SourceError(f"{path}: is a directory, expected an HLO text file")
     try:
@@ -162,7 +235,7 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
                             **options)
 
 
-def explore(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
+def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
             agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
             **options: Any) -> Any:
     """Search a plan for `cap` and return it as a `hlomap.plan.Plan`.
@@ -183,7 +256,10 @@ def explore(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str
     microbatches, schedule, episodes, finetune_episodes, compare_dp, output, on_progress. The
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.
+
+    `cap` may also be a SOURCE string (`load_source`: zoo:NAME, FILE.py:FUNCTION, an HLO file).
     """
+    cap = _capture_of(cap)
     if str(getattr(task, "value", task)) == "auto":
         return explore_auto(cap, cluster=cluster, **options)
     if str(getattr(task, "value", task)) == "pipeline":
@@ -199,15 +275,8 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
     """The joint plan (`hlomap.tasks.joint`): stage cuts, each stage's device group, mesh shape
     and sharding, microbatches and schedule, by the exact two-level search, with Megatron-LM's
     expert grid priced beside it (in the plan's `search` record)."""
-    from hlomap.cost.cluster import load_cluster
-    from hlomap.tasks.joint.explore import explore_joint, joint_plan
-
-    result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
-                           max_stages=max_stages, **options)
-    plan = joint_plan(result)
-    if output is not None:
-        plan.save(output)
-    return plan
+    return explore_auto_detailed(cap, cluster=cluster, schedule=schedule, microbatches=microbatches,
+                                 max_stages=max_stages, output=output, **options).plan
 
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",
@@ -221,7 +290,12 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     ("A", "B", "C"), a topology string, a JSON path or a Cluster. A placed Plan is priced on its
     placement's device order unless `axis_devices` or `axis_order` say otherwise. Raises
     PlanConflict for a plan with conflicts.
+
+    A pipeline or joint plan is priced by its stages instead (`simulate_plan`), and its
+    `PipelineSimulation` or `JointSimulation` is returned.
     """
+    if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
+        return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order)
     from hlomap.cost import estimate as cost_estimate
     from hlomap.plan import resolve_plan
     from hlomap.propagation.graph import FactorGraph
@@ -244,3 +318,800 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     return cost_estimate.estimate(cap, array, axes, cluster=cluster, axis_devices=axis_devices,
                                   axis_order=axis_order, graph=graph, plan_name=name, **extra)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors a user can cause
+# ---------------------------------------------------------------------------------------------
+
+
+class InputError(ValueError):
+    """An argument hlomap cannot use (a plan file, a profile, an option's value): the message
+    names the value and where it came from."""
+
+
+class CalibrationProfileError(InputError):
+    """A calibration profile that cannot be read (`profile` None) or applied (`profile` its path)."""
+
+    def __init__(self, message: str, profile: str | None = None):
+        super().__init__(message)
+        self.profile = profile
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Every exception that reports a user's mistake (bad file, bad HLO, unknown name, a plan
+    that does not fit its module...): a front shows its message, never a traceback."""
+    from hlomap.cost.cluster import ClusterSpecError
+    from hlomap.cost.estimate import EstimateError
+    from hlomap.cost.mapping import MappingError
+    from hlomap.hlo.parser import HloParseError
+    from hlomap.plan import PlanError
+    from hlomap.propagation.conflicts import PlanConflict
+    from hlomap.tasks.pipeline.pipedream import PipeDreamParseError
+    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+    from hlomap.tasks.placement.problem import PlacementError
+    from hlomap.tasks.replan.trace import TraceError
+    from hlomap.tasks.sharding.exact import ExactTooLarge
+
+    return (InputError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError,
+            PlanConflict, ExactTooLarge, PipeDreamParseError, NoFeasiblePlan, PlacementError, TraceError,
+            FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def check_writable(path: str | Path) -> None:
+    """Raise InputError unless `path` can be written: checked before any work, so a long search
+    never ends unable to save. The directory is probed by creating (and removing) a file in it,
+    because permission bits do not tell: root passes every `access` check, yet cannot create a
+    file in /sys or /proc."""
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; name the file to write, e.g. {path / 'plan.json'}")
+    if not path.parent.exists():
+        raise InputError(f"{path.parent}: directory does not exist (for {path.name})")
+    if not path.parent.is_dir():
+        raise InputError(f"{path.parent}: not a directory (for {path.name})")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as err:
+        raise InputError(f"{path}: not writable ({err.strerror or err})") from None
+    if path.exists() and not _opens_for_append(path):
+        raise InputError(f"{path}: not writable")
+
+
+def _opens_for_append(path: Path) -> bool:
+    try:
+        with path.open("a"):
+            return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles, inspection and the zoo
+# ---------------------------------------------------------------------------------------------
+
+ROLE_HELP = ("name the trainable entry parameters with --trainable 0-11,15 (indices, ranges or HLO names) or "
+             "--trainable-prefix params (the start of their path or name); `hlomap inspect FILE` lists them")
+
+
+def require_roles(cap: Capture, what: str, *, trainable: bool = True) -> None:
+    """Refuse a search that would be nonsense without roles (ADP on a role-less dump would
+    split the weights as if they were data)."""
+    if not cap.has_roles:
+        raise InputError(f"{cap.source} has no roles (a bare HLO dump whose parameters carry no names hlomap "
+                         f"knows): {what} needs to know which parameters are weights; " + ROLE_HELP)
+    if trainable and not cap.with_role(Role.TRAINABLE):
+        raise InputError(f"{cap.source} names no trainable parameter: {what} splits weights; " + ROLE_HELP)
+
+
+def inspect_capture(cap: Capture) -> dict[str, Any]:
+    """What `hlomap inspect` reports, as JSON-ready data: opcode counts, computations, entry
+    parameters with roles and bytes, and the FLOPs of one run as the cost model counts them
+    (XLA's conventions, while loops times their trip counts; `simulate` reports the same)."""
+    from hlomap.cost.compute import flops_by_opcode, module_flops
+    from hlomap.hlo.stats import summarize
+
+    summary = summarize(cap.module)
+    flops = flops_by_opcode(cap.module)
+    bytes_by_role: dict[str, int] = {}
+    for p in cap.parameters:
+        bytes_by_role[p.role.value] = bytes_by_role.get(p.role.value, 0) + p.byte_size
+    return {
+        "source": cap.source,
+        "module": summary.name,
+        "instructions": summary.instruction_count,
+        "opcodes": dict(summary.opcode_counts),
+        "computations": [{"name": c.name, "instructions": c.instruction_count, "entry": c.is_entry}
+                         for c in summary.computations],
+        "parameters": [{"index": p.index, "name": p.name, "path": p.path, "shape": list(p.shape.dims),
+                        "dtype": p.dtype, "role": p.role.value, "bytes": p.byte_size} for p in cap.parameters],
+        "parameter_bytes": sum(p.byte_size for p in cap.parameters),
+        "parameter_bytes_by_role": bytes_by_role,
+        "trainable_parameter_count": sum(p.shape.num_elements for p in cap.parameters if p.role is Role.TRAINABLE),
+        "has_roles": cap.has_roles,
+        "flops": module_flops(cap.module),
+        "dot_flops": flops.get("dot", 0.0),
+        "convolution_flops": flops.get("convolution", 0.0),
+    }
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One model of the zoo, as `hlomap zoo list` shows it."""
+
+    name: str
+    family: str
+    parameters: int
+    description: str
+
+
+def zoo_entries() -> list[ZooEntry]:
+    from hlomap import zoo
+
+    return [ZooEntry(name, model.family, model.parameters, model.description)
+            for name, model in ((name, zoo.get(name)) for name in zoo.names())]
+
+
+@dataclass(frozen=True)
+class DumpedModule:
+    """An HLO text file written from a zoo step."""
+
+    path: Path
+    instructions: int
+    characters: int
+
+
+def dump_zoo(name: str, output: str | Path) -> DumpedModule:
+    """Lower the zoo step `name` abstractly and write its HLO text to `output`."""
+    output = Path(output)
+    check_writable(output)
+    cap = load_source(f"{ZOO_PREFIX}{name}")
+    text = str(cap.module)
+    output.write_text(text)
+    return DumpedModule(output, cap.module.instruction_count, len(text))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans and clusters
+# ---------------------------------------------------------------------------------------------
+
+BUILT_IN_PLANS = ("dp", "megatron", "dp+megatron")
+
+
+class PlanCategory(enum.Enum):
+    """Which estimator prices a plan: the one place that reads a plan's pipeline section's kind."""
+
+    BUILT_IN = "built-in"  # a reference plan by name ("dp", "megatron", "dp+megatron")
+    SPMD = "spmd"  # one mesh, specs per parameter: `estimate`
+    PIPELINE = "pipeline"  # stage cuts over device groups: priced from the stage profile it carries
+    JOINT = "joint"  # stages each with its own data x model mesh: priced again from the module
+
+
+def plan_category(plan: Any) -> PlanCategory:
+    if isinstance(plan, str):
+        return PlanCategory.BUILT_IN
+    pipeline = getattr(plan, "pipeline", None)
+    if pipeline is None:
+        return PlanCategory.SPMD
+    from hlomap.plan import PipelineKind
+
+    return PlanCategory.JOINT if pipeline.kind is PipelineKind.JOINT else PlanCategory.PIPELINE
+
+
+def load_plan_file(path: str | Path) -> Any:
+    """A saved plan, or InputError saying what is wrong with the file (missing, a folder, not
+    text, not JSON, not a plan, another version)."""
+    import json
+
+    from hlomap.plan import Plan
+
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: No such file (a plan saved by hlomap explore or Plan.save)")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a plan file")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not a plan file (binary data at byte {err.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a plan JSON file (the top level is a {type(data).__name__}, not an object)")
+    try:
+        return Plan.from_json(data, where=str(path))
+    except ValueError as err:
+        raise InputError(str(err)) from None
+
+
+def plan_or_built_in(text: str) -> Any:
+    """`dp`, `megatron`, `dp+megatron` name built-in reference plans; anything else is a file."""
+    if text in BUILT_IN_PLANS:
+        return text
+    if not Path(text).exists():
+        raise InputError(f"{text}: not dp, megatron, dp+megatron, nor an existing plan file")
+    return load_plan_file(text)
+
+
+def _plan_of(plan: Any) -> Any:
+    """A verb's `plan` argument: a Plan as it is, a path read as a plan file."""
+    return load_plan_file(plan) if isinstance(plan, (str, Path)) else plan
+
+
+def _capture_of(source: Capture | str | None) -> Capture | None:
+    """A verb's `source` argument: a Capture as it is, a SOURCE string loaded."""
+    return load_source(source) if isinstance(source, str) else source
+
+
+def check_plan_for(plan: Any, cap: Capture, where: str) -> None:
+    """A saved plan must have been made for this module, and its specs must fit the shapes and
+    mesh it names: checked before anything is compiled or estimated."""
+    try:
+        plan.check_compatible(cap, where=str(where))
+        plan.check_specs(where=str(where))
+    except ValueError as err:
+        raise InputError(str(err)) from None
+
+
+def check_plan_specs(plan: Any, where: str) -> None:
+    """The plan's specs fit the shapes and mesh it names (no module needed)."""
+    try:
+        plan.check_specs(where=str(where))
+    except ValueError as err:
+        raise InputError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class ClusterChoice:
+    """The cluster a front names, and what the user should hear about it."""
+
+    cluster: Any
+    warnings: tuple[str, ...] = ()
+
+
+def resolve_cluster(cluster: Any, profile: str | None = None) -> ClusterChoice:
+    """The Cluster `cluster` names (a preset, a topology string, a JSON path or a Cluster),
+    with a calibration `profile`'s efficiencies applied to the devices it was measured on."""
+    from hlomap.cost.calibration import CalibrationError, apply_calibration, load_calibration
+    from hlomap.cost.cluster import load_cluster
+
+    loaded = load_cluster(cluster)
+    if profile is None:
+        return ClusterChoice(loaded)
+    try:
+        calibration = load_calibration(profile)
+    except CalibrationError as err:  # names the file and the field already
+        raise CalibrationProfileError(str(err)) from None
+    try:
+        calibrated = apply_calibration(loaded, calibration)
+    except CalibrationError as err:
+        raise CalibrationProfileError(str(err), profile) from None
+    warnings: tuple[str, ...] = ()
+    if calibration.backend and calibration.backend not in ("gpu", "cuda", "rocm"):
+        warnings = (f"--profile {profile} was measured on the {calibration.backend} backend, not a GPU: its factors "
+                    f"do not describe the {calibration.device}",)
+    return ClusterChoice(calibrated, warnings)
+
+
+def other_cluster_warning(plan: Any, cluster: Any) -> str | None:
+    """A warning when `plan` was placed on another cluster than the one it is priced on."""
+    placement = getattr(plan, "placement", None)
+    name = getattr(cluster, "name", str(cluster))
+    if placement is not None and placement.cluster and placement.cluster != name:
+        return (f"the plan was placed on cluster {placement.cluster}, not {name}: its device order may not suit "
+                f"this cluster (place it again with hlomap place --cluster {name})")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulate: every plan kind
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpmdSimulation:
+    """An SPMD or built-in plan's estimate; a placed plan's also on the identity device order."""
+
+    estimate: Any
+    identity: Any = None
+    placement: Any = None
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.estimate.fits)
+
+
+@dataclass(frozen=True)
+class PipelineSimulation:
+    """A pipeline plan priced from the stage profile it carries, on its placement."""
+
+    estimate: Any
+    cluster_name: str
+    placement: Any = None
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.estimate.placed.feasible)
+
+
+@dataclass(frozen=True)
+class JointSimulation:
+    """A joint plan priced again by the cost model: per stage layers, devices, mesh, time per
+    microbatch and memory, then the step time and the transfers."""
+
+    result: Any
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.result.cost.fits)
+
+
+Simulation = SpmdSimulation | PipelineSimulation | JointSimulation
+
+
+def needs_module(plan: Any) -> bool:
+    """Whether simulating `plan` reads the step's module (a pipeline plan carries its profile)."""
+    return plan_category(plan) is not PlanCategory.PIPELINE
+
+
+def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequence[str] | None = None,
+                             where: str = "plan") -> None:
+    """Refuse a mesh or axis order the plan fixes itself (a pipeline plan's stages, a placed
+    plan's device order): checked before any module is read."""
+    category = plan_category(plan)
+    if category is PlanCategory.PIPELINE and (mesh is not None or axis_order):
+        raise InputError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
+    if category is PlanCategory.SPMD and plan.placement is not None and axis_order:
+        raise InputError(f"{where} is placed: its placement fixes the device order, so --axis-order does not apply")
+
+
+def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
+                  axis_order: Sequence[str] | None = None, where: str = "plan") -> Simulation:
+    """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
+    a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
+    pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
+    None for a pipeline plan (`needs_module`). `cap` and `plan` may also be given as a SOURCE
+    string and a built-in plan name or plan file."""
+    import dataclasses
+
+    from hlomap.cost.cluster import Cluster, load_cluster
+
+    plan = plan_or_built_in(plan) if isinstance(plan, (str, Path)) else plan
+    cap = _capture_of(cap)
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    check_simulation_options(plan, mesh=mesh, axis_order=axis_order, where=where)
+    category = plan_category(plan)
+    if category is PlanCategory.PIPELINE:
+        from hlomap.tasks.placement.place import estimate_pipeline_plan
+
+        return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement)
+    if cap is None:
+        raise InputError(f"{where}: a {category.value} plan is priced from the step's module: name its SOURCE")
+    if category is PlanCategory.JOINT:
+        from hlomap.tasks.joint.explore import reprice_joint_plan
+
+        check_plan_for(plan, cap, where)
+        try:
+            return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline))
+        except ValueError as err:
+            raise InputError(f"--plan {where}: {err}") from None
+    placed = category is PlanCategory.SPMD and plan.placement is not None
+    if category is PlanCategory.SPMD:
+        check_plan_for(plan, cap, where)
+    else:
+        require_roles(cap, f"the built-in plan {plan!r}")
+    est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=axis_order)
+    identity = estimate(cap, dataclasses.replace(plan, placement=None), mesh=mesh, cluster=cluster) if placed else None
+    return SpmdSimulation(est, identity, plan.placement if placed else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Explore: the pipeline and joint tasks in detail
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineExploration:
+    """What the pipeline task found: its result, the Capture it was made for (None for a
+    PipeDream profile) and notes on stages the runner cannot split."""
+
+    result: Any
+    cap: Capture | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return not self.result.simulation.violations
+
+
+def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, schedule: str, cluster: Any,
+                              agent: str, seed: int = 0, budget_seconds: float | None = None, episodes: int = 2000,
+                              finetune_episodes: int = 0, compare_dp: bool = False, name: str = "",
+                              output: str | Path | None = None,
+                              on_progress: Callable[[Any], None] | None = None) -> PipelineExploration:
+    """The pipeline task on `source` (a Capture, or a PipeDream profile from
+    `load_pipeline_source`); the best plan so far is saved to `output` as the search improves
+    it, so an interrupted search keeps it."""
+    import json
+
+    from hlomap.plan import write_atomic
+    from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan, unsplittable_stages
+
+    cap = source if isinstance(source, Capture) else None
+    if stages > cluster.n_devices:
+        raise InputError(f"--stages {stages}: cluster {cluster.name} has {cluster.n_devices} devices, so at most "
+                         f"{cluster.n_devices} stages")
+
+    def save(result: Any) -> None:
+        if output is None:
+            return
+        if cap is not None:
+            pipeline_plan(cap, result, seed=seed).save(output)
+        else:  # a PipeDream profile has no HLO module to tie a Plan to: save the result itself
+            write_atomic(Path(output), json.dumps(result.to_json(), indent=1) + "\n")
+
+    result = explore_pipeline(source, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
+                              agent=agent, seed=seed, budget_seconds=budget_seconds, episodes=episodes,
+                              finetune_episodes=finetune_episodes, compare_dp=compare_dp, name=name, on_best=save,
+                              on_progress=on_progress)
+    save(result)
+    notes = tuple(unsplittable_stages(cap, result)) if cap is not None else ()
+    return PipelineExploration(result, cap, notes)
+
+
+@dataclass(frozen=True)
+class JointExploration:
+    """The joint (auto) task's result and the plan made from it."""
+
+    result: Any
+    plan: Any
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.result.cost.fits)
+
+
+def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b",
+                          microbatches: Sequence[int] | None = None, max_stages: int | None = None,
+                          output: str | Path | None = None, **options: Any) -> JointExploration:
+    """`explore_auto`, returning the search's result beside the plan."""
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+    result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
+                           max_stages=max_stages, **options)
+    plan = joint_plan(result)
+    if output is not None:
+        plan.save(output)
+    return JointExploration(result, plan)
+
+
+def plan_fits(plan: Any) -> bool:
+    """Whether a searched SPMD plan's saved estimate says it fits device memory (True when the
+    plan carries no estimate: nothing says it does not)."""
+    saved = getattr(plan, "estimate", None) or {}
+    return bool((saved.get("memory") or {}).get("fits", True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Place
+# ---------------------------------------------------------------------------------------------
+
+PLACEMENT_AGENTS = ("greedy", "ppo", "exact", "random", "identity")
+
+
+@dataclass(frozen=True)
+class PlacementJob:
+    """A plan's placement problem on a cluster, ready to solve: checked and priced, the policy
+    file read."""
+
+    plan: Any
+    cluster: Any
+    problem: Any
+    agent: str
+    options: Mapping[str, Any]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def positions(self) -> int:
+        return int(self.problem.n_positions)
+
+
+@dataclass(frozen=True)
+class PlacementOutcome:
+    """The placed plan and the search that chose its device order."""
+
+    plan: Any
+    problem: Any
+    result: Any
+
+
+def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Capture | str | None = None,
+                      policy: str | Path | None = None, finetune_seconds: float = 0.0,
+                      where: str = "plan") -> PlacementJob:
+    """Check `agent`, price the plan's positions on `cluster` (an SPMD plan with `cap` is
+    estimated again on it, otherwise its saved estimate is used) and read ppo's policy file.
+    `plan` may be a plan file's path, `cap` a SOURCE string."""
+    import dataclasses
+
+    from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.tasks.placement.place import problem_from_plan
+
+    if agent not in PLACEMENT_AGENTS:
+        raise InputError(f"--agent {agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
+    plan, cap = _plan_of(plan), _capture_of(cap)
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    step_estimate = None
+    if cap is not None and plan.pipeline is None:
+        check_plan_for(plan, cap, where)
+        step_estimate = estimate(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
+    problem = problem_from_plan(plan, cluster, estimate=step_estimate, where=where)
+    notes: tuple[str, ...] = ()
+    estimated_on = (plan.estimate or {}).get("cluster")
+    if plan.pipeline is None and step_estimate is None and estimated_on not in (None, cluster.name):
+        notes = (f"compute time from the plan's estimate on cluster {estimated_on}; --source re-estimates the step "
+                 f"on {cluster.name}",)
+    options: dict[str, Any] = {}
+    if agent == "ppo":
+        from hlomap.tasks.placement.ppo import load_placement_policy
+
+        try:
+            loaded = load_placement_policy(policy)
+        except ValueError as err:  # not a policy file, or one of another version (FileNotFoundError: a user error)
+            raise InputError(f"--policy {err}" if policy else str(err)) from None
+        options = {"policy": loaded, "finetune_seconds": finetune_seconds}
+    return PlacementJob(plan, cluster, problem, agent, options, notes)
+
+
+def place(job: PlacementJob, *, budget_seconds: float = 60.0, budget_evaluations: int | None = None,
+          seed: int = 0, output: str | Path | None = None) -> PlacementOutcome:
+    """Choose which device takes each logical position of the job's plan; saves the placed plan
+    to `output` when given."""
+    from hlomap.search.tracker import Budget
+    from hlomap.tasks.placement.place import search_placement, with_placement
+
+    result = search_placement(job.problem, job.agent, Budget(budget_seconds, budget_evaluations), seed, **job.options)
+    placed = with_placement(job.plan, job.problem, result)
+    if output is not None:
+        placed.save(output)
+    return PlacementOutcome(placed, job.problem, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replan
+# ---------------------------------------------------------------------------------------------
+
+
+def replan_policies() -> tuple[str, ...]:
+    """The re-planning policies by name, in the order they are played."""
+    from hlomap.tasks.replan.policies import ReplanPolicy
+
+    return tuple(p.value for p in ReplanPolicy)
+
+
+@dataclass(frozen=True)
+class ReplanJob:
+    """A pipeline plan, a resource trace and the meta policy's network (None: left out)."""
+
+    plan: Any
+    trace: Any
+    network: Any
+    where: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def policies(self) -> int:
+        return len(replan_policies()) - (self.network is None)
+
+
+def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None = None, use_meta: bool = True,
+                   where: str = "plan") -> ReplanJob:
+    """Check that `plan` can be re-planned before the trace is read; read the trace and the
+    meta policy's gain network (the shipped one when `network` is None; when that is missing the
+    meta policy is left out, with a note). `plan` may be a plan file's path."""
+    from hlomap.tasks.replan.replay_plan import workload_of
+    from hlomap.tasks.replan.trace import load_trace
+
+    plan = _plan_of(plan)
+    workload_of(plan, where)  # a plan that cannot be re-planned fails before the trace is read
+    loaded_trace = load_trace(trace)
+    loaded_network, notes = None, ()
+    if use_meta:
+        from hlomap.tasks.replan.meta import load_network
+
+        try:
+            loaded_network = load_network(network)
+        except FileNotFoundError as err:
+            if network:
+                raise InputError(str(err)) from None
+            notes = (f"{err}; the meta policy is left out",)
+        except ValueError as err:
+            raise InputError(str(err)) from None
+    return ReplanJob(plan, loaded_trace, loaded_network, where, notes)
+
+
+def replan(job: ReplanJob) -> Any:
+    """Play every re-planning policy over the job's trace -> `ReplanReport`."""
+    from hlomap.tasks.replan.replay_plan import replan_plan
+
+    return replan_plan(job.plan, job.trace, network=job.network, where=job.where)
+
+
+def replan_run(report: Any, policy: str) -> Any:
+    """The run of `policy` (by name) in `report`, or InputError when it did not run."""
+    from hlomap.tasks.replan.policies import ReplanPolicy
+
+    shown = report.runs.get(ReplanPolicy(policy))
+    if shown is None:
+        raise InputError(f"--show {policy}: that policy did not run (no gain network)")
+    return shown
+
+
+# ---------------------------------------------------------------------------------------------
+# Run and check
+# ---------------------------------------------------------------------------------------------
+
+FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+class RunPhase(enum.Enum):
+    """The phases of `check_run` before the check itself (whose phases `run.compare.check_step`
+    names), reported as each starts: a big step takes minutes in each."""
+
+    LOADING = "loading the step and its example arguments"
+    CAPTURING = "building the unsharded step"
+    PREPARING = "preparing the plan's step (shardings; a pipeline's cuts and stages)"
+    OUTPUTS = "compiling and running the plan's step and the unsharded one, comparing their outputs"
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """A plan run on the local devices and compared with the unsharded step: `check` (loss and
+    gradients before the optimizer, a `StepCheck`) for a step that marks its loss, else
+    `outputs` (a `RunReport` of its outputs), with `note` saying why."""
+
+    plan_where: str
+    source: str
+    devices: int
+    platform: str
+    description: Any = None
+    check: Any = None
+    outputs: Any = None
+    note: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.check.ok if self.check is not None else self.outputs.ok)
+
+
+def plan_devices(plan: Any) -> int:
+    """Devices a plan needs: its mesh, or every device its pipeline stages name, or, when it is
+    placed, up to the highest device id of its placement."""
+    if plan.placement is not None:
+        return max(plan.device_order(), default=0) + 1
+    if plan.pipeline is not None:
+        ids = [d for stage in plan.pipeline.stages for d in stage.devices]
+        return max(ids, default=0) + 1
+    devices = 1
+    for _, size in plan.mesh:
+        devices *= size
+    return devices
+
+
+def ensure_host_devices(count: int) -> None:
+    """Let the CPU backend show `count` devices, so that a plan for 8 devices runs on a laptop.
+    Only possible before JAX initializes its backends, and harmless on GPU machines."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if FORCE_DEVICES_FLAG not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={count}".strip()
+
+
+def _run_source(spec: str, seed: int) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
+    """(train step, real example arguments, zoo model or None) of a run's SOURCE."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.source import load_step_file
+
+    if spec.startswith(ZOO_PREFIX):
+        from hlomap import zoo
+
+        try:
+            model = zoo.get(spec.removeprefix(ZOO_PREFIX))
+        except KeyError as err:
+            raise InputError(f"--source {spec}: {err}") from None
+        return model.train_step(), tuple(model.example_args(seed)), model
+    try:
+        step, example = load_step_file(spec)
+    except RunError as err:
+        raise InputError(str(err)) from None
+    return step, example, None
+
+
+def _compare_outputs(step: Callable[..., Any], example: tuple[Any, ...], plan: Any, *, rtol: float,
+                     atol: float) -> Any:
+    """A step that marks no loss: its outputs (updated state included) under `parallelize`
+    against the unsharded step's, each run on fresh copies of the example (the step donates)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from hlomap.run import parallelize
+    from hlomap.verify.numerics import RunReport, Tolerance, compare_outputs, unsharded_outputs
+
+    host = tuple(jax.tree.map(np.asarray, example))
+    plain = unsharded_outputs(step, host)
+    parallel = parallelize(step, plan)
+
+    def once() -> tuple[Any, float]:
+        placed = parallel.place(host[0], host[1])
+        start = time.perf_counter()
+        out = jax.block_until_ready(parallel(*placed, *host[2:]))
+        return out, time.perf_counter() - start
+
+    out, _ = once()  # compiles
+    _, seconds = once()
+    diff = compare_outputs(jax.tree.map(np.asarray, out), plain, Tolerance(rtol, atol))
+    return RunReport(diff.max_abs_error, diff.max_rel_error, diff.ok, seconds, diff.worst_leaf, diff.failing_leaves)
+
+
+def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int = 0, rtol: float = 1e-4,
+              atol: float = 1e-5, where: str = "plan",
+              on_phase: Callable[[str], None] | None = None) -> RunCheck:
+    """Run the step `source` names (`zoo:NAME` or `FILE.py:FUNCTION`) under `plan` on this
+    machine's devices with `hlomap.parallelize`, and compare it with the unsharded step: its
+    loss and gradients before the optimizer when it marks its loss with
+    `hlomap.value_and_grad`, else its outputs (`rtol`, `atol`). On a CPU-only machine the CPU
+    backend is given as many devices as the plan needs (before JAX starts). `on_phase` hears
+    each phase as it starts, in words (`RunPhase`, then `check_step`'s). `plan` may be a plan
+    file's path."""
+    report = on_phase or (lambda phase: None)
+    plan = _plan_of(plan)
+    check_plan_specs(plan, where)
+    if plan.pipeline is None and executor is not None:
+        raise InputError(f"--executor {executor}: {where} has no pipeline section (executors run pipelines)")
+    devices = plan_devices(plan)
+    ensure_host_devices(max(devices, 1))
+
+    import jax
+
+    from hlomap.run import parallelize
+    from hlomap.run.compare import check_step
+    from hlomap.run.errors import RunError, SplitError
+
+    if jax.device_count() < devices:
+        raise InputError(f"{where} needs {devices} devices; JAX sees {jax.device_count()} "
+                         f"({jax.devices()[0].platform})")
+    report(RunPhase.LOADING.value)
+    step, example, model = _run_source(source, seed)
+    report(RunPhase.CAPTURING.value)
+    cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
+    check_plan_for(plan, cap, where)
+    platform = jax.devices()[0].platform
+    try:
+        report(RunPhase.PREPARING.value)
+        parallel = parallelize(step, plan, executor=executor, example_args=example if plan.pipeline else None)
+        description = parallel.describe(example) if plan.pipeline is not None else None
+        checked = check_step(parallel, example, report)
+        return RunCheck(str(where), source, devices, platform, description=description, check=checked)
+    except SplitError as err:
+        if plan.pipeline is not None:
+            raise InputError(str(err)) from None
+        note = f"{err}; comparing the step's outputs instead of its gradients"
+    except RunError as err:
+        raise InputError(str(err)) from None
+    report(RunPhase.OUTPUTS.value)
+    outputs = _compare_outputs(step, example, plan, rtol=rtol, atol=atol)
+    return RunCheck(str(where), source, devices, platform, outputs=outputs, note=note)

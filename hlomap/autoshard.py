@@ -15,7 +15,10 @@ step; a new shape or dtype captures again, as `jax.jit` retraces.
 The cache is a folder of plan files (`Plan` JSON, usable as `plan=PATH` and by `hlomap run`), one
 per key: the HLO fingerprint of the captured step, the mesh, the cluster the search priced, the
 task and the hlomap version. Writes are atomic; an entry that cannot be read is explored again
-with a warning.
+with a warning. The cache folder is created and probed when the decorator is applied: a
+`cache_dir` the user named that cannot be written is an error naming it (the user asked for
+it); an unwritable default folder only warns and runs without a cache, and so does a write that
+fails later (the plan in hand is still good).
 
 The cluster the search prices: the first N devices of `cluster` (a preset, a JSON file or a
 Cluster), N the devices the mesh spans. A step on 8 devices of preset "A" (two servers of 8
@@ -44,7 +47,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 log = logging.getLogger(__name__)
 
 __all__ = ["AutoShardConfig", "AutoShardedStep", "CacheKey", "Origin", "Task", "Timings", "auto_shard",
-           "cache_key", "cache_path", "default_cache_dir", "load_cached", "save_cached"]
+           "cache_dir_problem", "cache_key", "cache_path", "default_cache_dir", "load_cached", "save_cached",
+           "usable_cache_dir"]
 
 #: Where plans are cached unless `cache_dir` says otherwise; $HLOMAP_CACHE_DIR overrides it.
 DEFAULT_CACHE_DIR = "~/.cache/hlomap"
@@ -172,6 +176,38 @@ def load_cached(path: Path, cap: Any) -> Any:
         warnings.warn(f"hlomap.auto_shard: ignoring the corrupt cache entry {path} ({err}); exploring again",
                       RuntimeWarning, stacklevel=3)
         return None
+
+
+def cache_dir_problem(directory: Path) -> str | None:
+    """Why plans cannot be cached in `directory` (created if missing), or None when they can."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def usable_cache_dir(cache_dir: str | os.PathLike[str] | None, cache: bool) -> Path | None:
+    """The cache folder the decorator uses (module docstring): None without a cache; raises
+    ValueError for a `cache_dir` given that cannot be written; warns and returns None for an
+    unwritable default."""
+    if not cache:
+        return None
+    directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    problem = cache_dir_problem(directory)
+    if problem is None:
+        return directory
+    if cache_dir is not None:
+        raise ValueError(f"auto_shard: cache_dir={str(cache_dir)!r}: cannot write plans in {directory} ({problem}); "
+                         "pass a writable folder, or cache=False")
+    warnings.warn(f"hlomap.auto_shard: cannot write plans in the default cache folder {directory} ({problem}); "
+                  f"running without a plan cache (set ${CACHE_ENV} or cache_dir= to a writable folder)",
+                  RuntimeWarning, stacklevel=4)
+    return None
 
 
 def save_cached(path: Path, plan: Any) -> None:
@@ -414,7 +450,12 @@ class AutoShardedStep:
             origin = Origin.EXPLORED
             plan = self._explore(cap, mesh, cluster)
             if path is not None:
-                save_cached(path, plan)
+                try:
+                    save_cached(path, plan)
+                except OSError as err:  # the plan in hand still runs: only the cache misses it
+                    warnings.warn(f"hlomap.auto_shard: could not cache the plan in {path} ({err}); running it "
+                                  "uncached", RuntimeWarning, stacklevel=4)
+                    path = None
             explored = time.perf_counter()
         log.info("auto_shard %s: %s plan (%s) %s", self.__name__, self.config.task.value,
                  ", ".join(f"{k}={v}" for k, v in mesh.items()),
@@ -498,6 +539,8 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
     task: "opp", "adp", "hybrid", "pipeline" or "auto" (`hlomap.api.explore`).
     agent, budget_seconds, seed, **options: passed to `hlomap.api.explore`.
     cache_dir: the plan cache (default $HLOMAP_CACHE_DIR or ~/.cache/hlomap); cache=False: none.
+      Created and probed now: a folder given that cannot be written raises ValueError naming it;
+      an unwritable default warns and runs without a cache.
     plan: a plan file to run instead of searching (checked against the captured step).
     progress: a progress bar during the search; None: when stderr is a terminal.
     """
@@ -537,6 +580,6 @@ def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, tas
     plan_path = None if plan is None else Path(plan).expanduser()
     if plan_path is not None and not plan_path.is_file():
         raise ValueError(f"auto_shard: plan={str(plan)!r}: no such file")
-    directory = None if not cache else (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir())
+    directory = usable_cache_dir(cache_dir, cache)
     return AutoShardConfig(frozen_mesh, cluster, task, agent, budget_seconds, seed, directory, plan_path, progress,
                            tuple(sorted(options.items())))

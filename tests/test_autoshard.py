@@ -218,3 +218,37 @@ def test_task_auto_runs_the_joint_plan_with_the_unsharded_numerics(tmp_path: Pat
     assert step.plan.pipeline["kind"] == "joint" and len(step.plan.pipeline["stages"]) >= 2
     check = check_pipeline(step.step, args)
     assert check.exact, [c.words() for c in check.comparisons]
+
+
+def test_an_unwritable_cache_dir_is_named_when_decorating(tmp_path: Path) -> None:
+    """A folder that cannot be created (a file stands in its path) fails at once with its name,
+    not with a PermissionError traceback after the search."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"cache_dir='.*a-file/plans': cannot write plans in .*a-file/plans"):
+        hlomap.auto_shard(cache_dir=blocker / "plans")
+
+
+def test_an_unwritable_default_cache_warns_and_runs_without_one(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(autoshard.CACHE_ENV, str(blocker / "plans"))
+    with pytest.warns(RuntimeWarning, match=r"default cache folder .*a-file/plans.*without a plan cache"):
+        step = hlomap.auto_shard(mesh=8, task="opp")(lambda params, opt_state, batch: (params, opt_state))
+    assert step.config.cache_dir is None
+
+
+def test_a_cache_write_that_fails_warns_and_keeps_the_plan(example: dict[str, Any], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import jax
+
+    def broken(path: Path, plan: Any) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(autoshard, "save_cached", broken)
+    step = hlomap.auto_shard(cache_dir=tmp_path, mesh=8, task="opp", agent="greedy", budget_seconds=5)(
+        example["train_step"].__wrapped__)
+    with pytest.warns(RuntimeWarning, match="could not cache the plan"):
+        step(*example["init"](jax.random.key(0)), example["batch"])
+    assert step.plan is not None and step.plan_file is None

@@ -240,6 +240,42 @@ def test_run_a_pipeline_plan_of_a_user_step(tmp_path: Path, capsys: pytest.Captu
     assert {c["what"] for c in report["comparisons"]} == {"loss", "gradients"}
 
 
+def test_explore_takes_the_same_file_py_function_source_as_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hlomap explore mymodel.py:make`: a user's step explored, then run from the same source;
+    on a terminal the run says which phase it is in (a big step sits minutes in each)."""
+    plan_path = tmp_path / "plan.json"
+    assert run(["explore", f"{USER_STEP}:make", "--agent", "greedy", "--budget-evaluations", "10", "-q",
+                "-o", str(plan_path)]) == 0
+    assert json.loads(plan_path.read_text())["parameters"]
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make"]) == 0
+    captured = capsys.readouterr()
+    assert "equal" in captured.out
+    phases = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("[")]
+    assert phases == ["loading the step and its example arguments ...", "building the unsharded step ...",
+                      "preparing the plan's step (shardings; a pipeline's cuts and stages) ...",
+                      "running the unsharded step ...", "compiling and running the plan's step ...",
+                      "running the whole step sharded and unsharded (the optimizer's update) ...",
+                      "timing one step ..."]
+
+
+def test_run_compares_the_outputs_of_a_step_without_a_marked_loss(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Through `hlomap.parallelize` like every other plan: the SPMD step's outputs against the
+    unsharded step's."""
+    plan_path = tmp_path / "plan.json"
+    source = f"{USER_STEP}:make_unmarked"
+    assert run(["explore", source, "--agent", "greedy", "--budget-evaluations", "10", "-q", "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert run(["run", str(plan_path), "--source", source]) == 0
+    out = capsys.readouterr().out
+    assert "comparing the step's outputs" in out and "outputs equal to the unsharded step" in out
+    assert run(["run", str(plan_path), "--source", source, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
 def test_run_exits_3_when_the_pipeline_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from hlomap.run import compare

@@ -135,7 +135,7 @@ def _never(what: str) -> Any:
 
 def test_an_output_that_is_a_directory_fails_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hlomap.cli._load_capture", _never("the capture"))  # nothing is lowered or searched
+    monkeypatch.setattr("hlomap.cli.common.load_capture", _never("the capture"))  # nothing is lowered or searched
     assert run(["explore", "zoo:gpt-tiny", "-o", str(tmp_path), "-q"]) == 2
     _one_line_error(capsys, str(tmp_path), "is a directory")
 
@@ -370,3 +370,94 @@ def test_ctrl_c_during_a_pipeline_dqn_search_keeps_its_best_plan(tmp_path: Path)
     saved = json.loads(plan.read_text())
     assert saved["pipeline"]["stages"] and saved["search"]["interrupted"] is True
     assert "best plan found so far is saved" in err
+
+
+# -- outputs are checked before any work ---------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux's /sys, where no one can create a file")
+@pytest.mark.parametrize("task", ["opp", "pipeline", "auto"])
+def test_an_unwritable_output_fails_before_the_search(task: str, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root passes every permission check on /sys, yet cannot create a file there: the
+    directory is probed by writing, before anything is lowered or searched."""
+    monkeypatch.setattr("hlomap.cli.common.load_capture", _never("the capture"))
+    monkeypatch.setattr("hlomap.api.load_pipeline_source", _never("the capture"))
+    assert run(["explore", "zoo:gpt-tiny", "--task", task, "-q", "-o", "/sys/plan.json"]) == 2
+    _one_line_error(capsys, "/sys/plan.json", "not writable")
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux's /sys, where no one can create a file")
+def test_an_unwritable_side_output_fails_before_the_search(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hlomap.cli.common.load_capture", _never("the capture"))
+    assert run(["explore", "zoo:gpt-tiny", "-q", "-o", str(tmp_path / "plan.json"),
+                "--curve", "/sys/curve.png"]) == 2
+    _one_line_error(capsys, "/sys/curve.png", "not writable")
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux's /sys, where no one can create a file")
+def test_zoo_dump_to_an_unwritable_file_fails_before_lowering(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hlomap.api.load_source", _never("the lowering"))
+    assert run(["zoo", "dump", "gpt-tiny", "-o", "/sys/tiny.hlo"]) == 2
+    _one_line_error(capsys, "/sys/tiny.hlo", "not writable")
+
+
+# -- --fail-if-oom -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_memory_cluster(tmp_path: Path) -> Path:
+    """Preset A with devices of 1 MiB: no plan of gpt-tiny fits."""
+    from hlomap.cost.cluster import cluster_preset
+    from hlomap.cost.devices import device_preset
+
+    data = cluster_preset("A").to_json()
+    device = device_preset(data["devices"][0]).to_json() | {"name": "V100-1MiB", "memory_bytes": 2**20}
+    data["devices"] = [device] * len(data["devices"])
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("task, mesh", [("opp", "8"), ("adp", "8"), ("hybrid", "data=2,model=4")])
+def test_fail_if_oom_exits_3_for_the_sharding_tasks(task: str, mesh: str, tiny_memory_cluster: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["explore", "zoo:gpt-tiny", "--task", task, "--mesh", mesh, "--agent", "greedy", "--budget-evaluations",
+            "10", "--cluster", str(tiny_memory_cluster), "-q", "-o", str(tmp_path / "plan.json")]
+    assert run(argv) == 0  # without the option a plan that does not fit is still a plan
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert run([*argv, "--fail-if-oom"]) == 3
+
+
+def test_the_interrupt_handler_only_sets_a_flag() -> None:
+    """Raising from a signal handler throws KeyboardInterrupt wherever the main thread is, inside
+    an import or a callback from XLA (where it can abort the process): the handler only sets the
+    flag, and the command raises at its next check, in ordinary Python code."""
+    from hlomap.cli.interrupts import InterruptWatch
+
+    watch = InterruptWatch()
+    seen: list[int] = []
+    on_progress = watch.wrap(seen.append)
+    on_progress(1)
+    watch.handler(signal.SIGINT, None)  # does not raise
+    assert watch.interrupted
+    with pytest.raises(KeyboardInterrupt):
+        on_progress(2)
+    with pytest.raises(KeyboardInterrupt):
+        watch.check()
+    assert seen == [1]
+
+
+def test_a_second_ctrl_c_stops_at_once() -> None:
+    """The first Ctrl-C waits for a safe point; the second exits at once, with status 130."""
+    code = ("import os, signal, time; from hlomap.cli.interrupts import InterruptWatch; "
+            "signal.signal(signal.SIGINT, signal.SIG_DFL); InterruptWatch().install(); "
+            "os.kill(os.getpid(), signal.SIGINT); print('first: flag set', flush=True); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30); print('second: not reached')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 130, done.stderr
+    assert done.stdout.splitlines() == ["first: flag set"]
+    assert "Traceback" not in done.stderr and "stop at once" in done.stderr

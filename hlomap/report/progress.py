@@ -1,5 +1,6 @@
-"""Progress bars for the library's progress callbacks: a search's (`search.tracker.Progress`) and
-an agent's training loop's (`agents.loop.LoopProgress`).
+"""Progress for the library's progress callbacks: bars for a search's (`search.tracker.Progress`)
+and an agent's training loop's (`agents.loop.LoopProgress`), and a line per phase of a long job
+that has no fraction to show (`hlomap run`: building, compiling, running, comparing).
 
 Each is a context manager yielding the callback to pass on (None when disabled), so the library
 itself only reports and the caller decides whether anything is drawn:
@@ -14,12 +15,14 @@ import) without it.
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from typing import Any, Callable, Iterator
 
 from hlomap.agents.loop import LoopProgress
 from hlomap.search.tracker import Progress
 
-__all__ = ["progress_bar", "training_bar"]
+__all__ = ["phase_reporter", "progress_bar", "training_bar"]
 
 
 @contextlib.contextmanager
@@ -83,3 +86,25 @@ def training_bar(enabled: bool = True, *, description: str = "train",
 
     with bar:
         yield update
+
+
+def phase_line(phase: str, started: float, now: float) -> str:
+    """`[  12.3 s] compiling the plan ...`: the time since the job started, then the phase."""
+    return f"[{now - started:7.1f} s] {phase} ..."
+
+
+@contextlib.contextmanager
+def phase_reporter(enabled: bool = True, *, stream: Any = None) -> Iterator[Callable[[str], None] | None]:
+    """A callback that writes one line per phase as it starts, on stderr (stdout may carry
+    `--json`); yields None when disabled. For jobs that sit minutes in one call (compiling a
+    big step), so that the user sees what is going on."""
+    if not enabled:
+        yield None
+        return
+    out = stream if stream is not None else sys.stderr
+    started = time.monotonic()
+
+    def report(phase: str) -> None:
+        print(phase_line(phase, started, time.monotonic()), file=out, flush=True)
+
+    yield report

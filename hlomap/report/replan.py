@@ -11,7 +11,7 @@ from hlomap.report.units import human_bytes, human_seconds
 from hlomap.tasks.replan.policies import PolicyRun, ReplanPolicy
 from hlomap.tasks.replan.trace import Event, Trace
 
-__all__ = ["format_decisions", "format_totals", "plot_throughput"]
+__all__ = ["format_decisions", "format_totals", "plot_throughput", "replan_json"]
 
 
 def _clock(seconds: float) -> str:
@@ -115,3 +115,14 @@ def plot_throughput(trace: Trace, runs: Mapping[ReplanPolicy, PolicyRun], path: 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def replan_json(trace: Trace, report: Any) -> dict[str, Any]:
+    """Every policy's run of a `ReplanReport` as JSON-ready data (`hlomap replan --json`)."""
+    return {"trace": trace.name, "agreement": report.agreement, "policies": {
+        p.value: {"total_seconds": r.total_seconds, "iterations": r.iterations,
+                  "horizon_iterations": r.horizon_iterations, "migration_seconds": r.migration_seconds,
+                  "decisions": [{"time": d.time, "option": d.option.value, "step_seconds": d.step_seconds,
+                                 "migration_seconds": d.migration_seconds, "moved_bytes": d.moved_bytes,
+                                 "plan": d.plan.describe()} for d in r.decisions]}
+        for p, r in report.runs.items()}}

@@ -288,11 +288,13 @@ def _timed_step(step: Any, args: Sequence[Any]) -> float:
     return time.perf_counter() - start
 
 
-def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
+def check_pipeline(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None) -> StepCheck:
     """Loss, gradients and aux of `step` (a pipelined `hlomap.parallelize` step) against the
     unsharded reference with the plan's microbatches, in float64 too when float32 differs;
-    then one timed step."""
+    then one timed step. `on_phase` hears each phase as it starts."""
     import jax
+
+    phase = on_phase or _silent
 
     step.describe(args)  # cuts the step now if its first call has not
     microbatches = step.program.microbatches
@@ -302,7 +304,9 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
     def against(result: tuple[Any, list[Any], list[Any]], ref: GradientResult, label: str) -> tuple[LeafGroupCheck, ...]:
         return _marked_comparisons(GradientResult(*result), ref, paths, label)
 
+    phase("compiling and running the plan's step")
     result = step.value_and_grad(*args)
+    phase("running the unsharded step")
     reference = reference_gradients(step.step, args, microbatches)
     decisive = against(result, reference, "")
     informative: tuple[LeafGroupCheck, ...] = ()
@@ -314,6 +318,7 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
         from hlomap.run.runner import ParallelStep
         from hlomap.verify.numerics import to_float64
 
+        phase(FLOAT64_PHASE)
         with jax.enable_x64(True):
             wide = tuple(to_float64(tuple(args)))
             wide_step = ParallelStep(step.step, step.plan, executor=step.executor, devices=step.order,
@@ -322,18 +327,21 @@ def check_pipeline(step: Any, args: Sequence[Any]) -> StepCheck:
             wide_checks = against(wide_step.value_and_grad(*wide), wide_reference, " in float64")
             reference_error = compare_scaled("unsharded float32 gradients against float64", reference.grads,
                                              wide_reference.grads, paths)
+    phase(TIMING_PHASE)
     return StepCheck(decisive, informative, _timed_step(step, args), wide_checks, reference_error)
 
 
-def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
+def check_spmd(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None) -> StepCheck:
     """An SPMD plan (`hlomap.parallelize` of a plan without pipeline) against the unsharded step:
     the marked loss and gradients computed from arguments placed with the plan's shardings (XLA
     partitions the computation from them), and the optimizer's output of the whole sharded step
     where the gradient is above rounding noise (`compare_updates`); in float64 too when float32
-    differs; then one timed step."""
+    differs; then one timed step. `on_phase` hears each phase as it starts."""
     import jax
 
     from hlomap.run.trace import InputKind, trace_step
+
+    phase = on_phase or _silent
     from hlomap.verify.numerics import to_float64
 
     args = tuple(args)
@@ -356,8 +364,11 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
         # host copies: the device buffers (the whole state, twice) are freed before the next phase
         return [[np.asarray(x) for x in jax.tree_util.tree_leaves(o[0])] for o in (out, reference)]
 
+    phase("running the unsharded step")
     reference = reference_gradients(step.step, args)
+    phase("compiling and running the plan's step")
     decisive = against(_marked_gradients(step.step, args, 1, flat_shardings), reference, "")
+    phase("running the whole step sharded and unsharded (the optimizer's update)")
     (after, after_reference), before = updated(args), jax.tree_util.tree_leaves(args[0])
     decisive.append(compare_updates("updated parameters", [after[leaf] for leaf in leaf_of.values()],
                                     [after_reference[leaf] for leaf in leaf_of.values()],
@@ -366,6 +377,7 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
     wide_checks: tuple[LeafGroupCheck, ...] = ()
     reference_error = None
     if not all(c.ok for c in decisive):
+        phase(FLOAT64_PHASE)
         with jax.enable_x64(True):
             wide = tuple(to_float64(args))
             wide_reference = reference_gradients(step.step, wide)
@@ -373,9 +385,19 @@ def check_spmd(step: Any, args: Sequence[Any]) -> StepCheck:
                                         " in float64"))
             reference_error = compare_scaled("unsharded float32 gradients against float64", reference.grads,
                                              wide_reference.grads, paths)
+    phase(TIMING_PHASE)
     return StepCheck(tuple(decisive), (), _timed_step(step, args), wide_checks, reference_error)
 
 
-def check_step(step: Any, args: Sequence[Any]) -> StepCheck:
+def check_step(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None) -> StepCheck:
     """`check_pipeline` or `check_spmd`, by the plan `step` runs."""
-    return check_pipeline(step, args) if step.plan.pipeline is not None else check_spmd(step, args)
+    check = check_pipeline if step.plan.pipeline is not None else check_spmd
+    return check(step, args, on_phase)
+
+
+FLOAT64_PHASE = "running both steps again in float64 (float32 differs)"
+TIMING_PHASE = "timing one step"
+
+
+def _silent(phase: str) -> None:
+    """The phase callback of a check nobody watches."""

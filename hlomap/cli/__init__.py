@@ -1,0 +1,72 @@
+"""The `hlomap` command: one module per command, each parsing its arguments, calling
+`hlomap.api` and printing through `hlomap.report`.
+
+Every command has --help. Errors a user can cause (bad file, bad HLO, unknown zoo name, bad
+option) print one clear message on stderr and exit with status 2; nothing prints a traceback
+unless HLOMAP_DEBUG=1 is set. Ctrl-C is cooperative (`hlomap.cli.interrupts`), from the first
+moment: the handler is installed before the command modules (and through them the api, numpy
+and JAX) are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Sequence
+
+from hlomap.cli.interrupts import InterruptWatch
+
+__all__ = ["build_parser", "main", "run"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hlomap.cli import common, explore, inspect, place, replan, run_step, simulate, zoo
+
+    commands = (inspect, simulate, explore, run_step, place, replan, zoo)  # in the order --help lists them
+    parser = common.Parser(prog="hlomap",
+                           description="Find distributed execution plans for JAX train steps on XLA's HLO.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=common.Parser)
+    sub.required = True
+    for command in commands:
+        command.add_parser(sub)
+    return parser
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    interrupts = InterruptWatch()
+    interrupts.install()
+    from hlomap import api
+    from hlomap.cli import common
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.interrupts = interrupts
+    logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    if os.environ.get("HLOMAP_DEBUG") == "1":
+        return func(args)
+    try:
+        interrupts.check()  # Ctrl-C while starting
+        return func(args)
+    except KeyboardInterrupt:
+        print("hlomap: interrupted before a plan was found; nothing was written", file=sys.stderr)
+        return common.EXIT_INTERRUPTED
+    except (common.CliError, *api.user_errors()) as err:
+        print(f"hlomap {args.command}: error: {err}", file=sys.stderr)
+        return common.EXIT_USAGE
+    except Exception as err:  # noqa: BLE001 - last resort: one line, not a traceback
+        print(f"hlomap {args.command}: internal error: {type(err).__name__}: {err}\n"
+              "(set HLOMAP_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

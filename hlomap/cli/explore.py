@@ -1,0 +1,195 @@
+"""`hlomap explore SOURCE --task ...`: search a plan (opp, adp, hybrid, pipeline, auto) and save
+it as the search runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hlomap import api
+from hlomap.cli import common
+from hlomap.cli.interrupts import interrupts_of
+
+SHARDING_TASKS = ("opp", "adp", "hybrid")
+SHARDING_AGENTS = ("dqn", "random", "greedy", "exact")
+PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
+
+DESCRIPTION = ("Search a distributed plan for a train step. opp: operator partitioning of the trainable variables "
+               "(tensor parallelism); adp: which dims of the data inputs to split (data parallelism); hybrid: both "
+               "on a data x model mesh; pipeline: stage cuts, device groups and replication; auto: the whole "
+               "cluster at once, pipeline stages each with its own data x model mesh and sharding (exact two-level "
+               "search), beside Megatron-LM's pp x tp x dp grid. The best plan so far is saved to -o as the search "
+               "runs (Ctrl-C keeps it).")
+EPILOG = ("examples:\n  hlomap explore zoo:gpt-small --budget-seconds 30\n"
+          "  hlomap explore zoo:gpt-1.3b --task hybrid --mesh data=2,model=8 --reward cost\n"
+          "  hlomap explore zoo:bert-base --task pipeline --stages 2 --cluster A --agent dp\n"
+          "  hlomap explore zoo:gpt-1.3b --task auto --cluster A\n"
+          "  hlomap explore mymodel.py:make --task opp   (a function returning (train_step, example_args))\n"
+          "  hlomap explore pipedream:vgg16.txt --task pipeline --stages 4   (a PipeDream profiler graph file)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explore", help="search a plan: tensor, data, hybrid, pipeline or all at once (auto)",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE",
+                   help=f"{common.SOURCE_HELP}; or (pipeline task only) a PipeDream graph, pipedream:GRAPH.txt or "
+                        "its bare path")
+    p.add_argument("--task", choices=(*SHARDING_TASKS, "pipeline", "auto"), default="opp",
+                   help="what to search (default opp); auto: pipeline stages x data x model for the whole cluster")
+    p.add_argument("--mesh", default="8", metavar="8|data=2,model=4",
+                   help="device mesh of the opp/adp/hybrid tasks; a bare count is one axis, model (data for adp) "
+                        "(default 8)")
+    p.add_argument("--cluster", default="A", metavar=common.CLUSTER_METAVAR,
+                   help=f"{common.CLUSTER_HELP}, for the cost reward, the plan's estimate and the pipeline links "
+                        "(default A)")
+    p.add_argument("--profile", metavar="PROFILE.json", help=common.PROFILE_HELP)
+    p.add_argument("--agent", default="dqn", metavar="AGENT",
+                   help=f"opp/adp/hybrid: {'|'.join(SHARDING_AGENTS)}; pipeline: {'|'.join(PIPELINE_AGENTS)} "
+                        "(default dqn)")
+    _add_search_options(p)
+    common.add_role_options(p)
+    _add_pipeline_options(p)
+    p.add_argument("--fail-if-oom", action="store_true",
+                   help="exit with status 3 when the plan (or a stage) does not fit device memory")
+    p.add_argument("--json", action="store_true", help="print the plan (or pipeline result) as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_explore)
+
+
+def _add_search_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reward", choices=("paper", "cost"), default="paper",
+                   help="paper: Auto-MAP's +0.4 per partitioned dim, +0.1 per replicated one, -1 on conflict; "
+                        "cost: the cost model's step-time gain (default paper)")
+    p.add_argument("--budget-seconds", type=common.positive_float, default=60.0, metavar="N",
+                   help="wall-clock budget of the search (default 60)")
+    p.add_argument("--budget-evaluations", type=common.positive_int, default=None, metavar="N",
+                   help="also stop after N evaluated plans")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
+                   help="where the plan is saved, and kept up to date while searching (default plan.json)")
+    p.add_argument("--curve", metavar="FILE.png",
+                   help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline task")
+    g.add_argument("--stages", type=common.positive_int, default=2, metavar="S", help="pipeline stages (default 2)")
+    g.add_argument("--microbatches", type=common.positive_int, default=8, metavar="M",
+                   help="microbatches per step (default 8)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (default 1f1b)")
+    g.add_argument("--episodes", type=common.positive_int, default=2000, metavar="N",
+                   help="DQN training episodes (default 2000; --budget-seconds also limits it)")
+    g.add_argument("--finetune-episodes", type=common.count, default=0, metavar="N",
+                   help="dqn-infer: fine-tune the shipped network for N episodes on this model (default 0)")
+    g.add_argument("--compare-dp", action="store_true", help="also solve the exact DP and report the gap")
+    g.add_argument("--timeline", metavar="FILE.png",
+                   help="Gantt chart of the simulated step (default: next to the plan, *.timeline.png)")
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if args.task == "pipeline":
+        return _explore_pipeline(args, output)
+    if args.task == "auto":
+        common.check_outputs(output)
+        return _explore_auto(args, output)
+    if args.source.startswith(api.PIPEDREAM_PREFIX) or api.is_pipedream_graph(args.source):
+        raise common.CliError(f"{args.source} is a PipeDream profile: it can only be explored with --task pipeline")
+    return _explore_sharding(args, output)
+
+
+def _finish(interrupted: bool, fits: bool, fail_if_oom: bool) -> int:
+    """The exit status: 130 after Ctrl-C (the best plan so far is saved), 3 for a plan that
+    does not fit under --fail-if-oom, else 0."""
+    if interrupted:
+        common.say("interrupted: the best plan found so far is saved")
+        return common.EXIT_INTERRUPTED
+    return 0 if fits or not fail_if_oom else common.EXIT_OOM
+
+
+def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.report.sharding import format_plan_summary, plot_convergence, progress_bar
+
+    if args.agent not in SHARDING_AGENTS:
+        raise common.CliError(f"--agent {args.agent}: the {args.task} task takes {', '.join(SHARDING_AGENTS)}")
+    try:
+        mesh = api.parse_mesh(args.mesh, args.task)
+    except ValueError as err:
+        raise common.CliError(f"--mesh: {err}") from None
+    if args.budget_seconds is None and args.budget_evaluations is None and args.agent in ("dqn", "random"):
+        raise common.CliError(f"--agent {args.agent} needs --budget-seconds or --budget-evaluations")
+    curve = Path(args.curve) if args.curve else common.beside(output, "convergence.png")
+    common.check_outputs(output, curve)
+    cluster = common.cluster_argument(args.cluster, args.profile)
+    interrupts = interrupts_of(args)
+    cap = common.load_capture(args)
+    api.require_roles(cap, f"the {args.task} task", trainable=args.task != "adp")
+    interrupts.check()
+    with progress_bar(not args.quiet, description=f"{args.task} / {args.agent}") as on_progress:
+        found = api.explore_detailed(cap, args.task, mesh, cluster, args.agent, args.budget_seconds, args.seed,
+                                     args.reward, budget_evaluations=args.budget_evaluations, output=output,
+                                     on_progress=interrupts.wrap(on_progress))
+    plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
+    if args.json:
+        common.print_json(found.plan.to_json())
+    else:
+        roles = {p.path: p.role.value for p in cap.parameters}
+        common.console().print(format_plan_summary(found.plan, roles=roles if cap.has_roles else None))
+    common.say(f"plan: {output}; convergence curve: {curve}")
+    return _finish(found.result.interrupted, api.plan_fits(found.plan), args.fail_if_oom)
+
+
+def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.report.gantt import draw_gantt
+    from hlomap.report.pipeline import format_pipeline_result, gantt_title
+    from hlomap.report.sharding import progress_bar
+
+    if args.agent not in PIPELINE_AGENTS:
+        raise common.CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
+    timeline = Path(args.timeline) if args.timeline else common.beside(output, "timeline.png")
+    common.check_outputs(output, timeline)
+    cluster = common.cluster_argument(args.cluster, args.profile)
+    if args.stages > cluster.n_devices:
+        raise common.CliError(f"--stages {args.stages}: cluster {cluster.name} has {cluster.n_devices} devices, so "
+                              f"at most {cluster.n_devices} stages")
+    interrupts = interrupts_of(args)
+    source = api.load_pipeline_source(args.source, trainable=common.parse_trainable(args.trainable),
+                                      trainable_prefix=tuple(args.trainable_prefix or ()))
+    interrupts.check()
+    with progress_bar(not args.quiet, description=f"pipeline / {args.agent}") as on_progress:
+        found = api.explore_pipeline_detailed(
+            source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, cluster=cluster,
+            agent=args.agent, seed=args.seed, budget_seconds=args.budget_seconds, episodes=args.episodes,
+            finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp, name=args.source, output=output,
+            on_progress=interrupts.wrap(on_progress))
+    result = found.result
+    draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
+    if args.json:
+        common.print_json(result.to_json())
+    else:
+        common.console().print(format_pipeline_result(result))
+    for text in found.notes:
+        common.note(text)
+    common.say(f"plan: {output}; timeline: {timeline}")
+    return _finish(result.interrupted, found.fits, args.fail_if_oom)
+
+
+def _explore_auto(args: argparse.Namespace, output: Path) -> int:
+    from hlomap.report.joint import format_joint_result
+
+    cluster = common.cluster_argument(args.cluster, args.profile)
+    interrupts = interrupts_of(args)
+    cap = common.load_capture(args)
+    api.require_roles(cap, "the auto task")
+    interrupts.check()
+    if not args.quiet:
+        common.say(f"planning {cap.source} on {cluster.name} ({cluster.n_devices} devices): stages x data x model ...")
+    found = api.explore_auto_detailed(cap, cluster=cluster, schedule=args.schedule, output=output)
+    if args.json:
+        common.print_json(found.plan.to_json())
+    else:
+        common.console().print(format_joint_result(found.result, name=args.source))
+    common.say(f"plan: {output}")
+    return _finish(False, found.fits, args.fail_if_oom)
+
+

@@ -1,0 +1,73 @@
+"""`hlomap place PLAN.json --cluster ...`: choose which physical device takes each logical
+position of a plan."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hlomap import api
+from hlomap.cli import common
+
+DESCRIPTION = ("Topology-aware device placement: choose which device of the cluster takes each logical position of "
+               "a plan (the mesh's positions, or each pipeline stage's replicas) to minimize the estimated step "
+               "time: collectives along the mesh axes, stage all-reduces and the transfers between stages. Writes "
+               "the plan with a placement section; hlomap simulate then prices it on that order.")
+EPILOG = ("examples:\n  hlomap place plan.json --cluster torus:8x8x8\n"
+          "  hlomap place pipeline.json --cluster random:64:3 --agent ppo -o placed.json")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("place", help="choose which physical device takes each position of a plan",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", metavar="PLAN.json", help="a plan saved by hlomap explore or Plan.save")
+    p.add_argument("--cluster", required=True, metavar=common.CLUSTER_METAVAR, help=common.CLUSTER_HELP)
+    p.add_argument("--agent", default="greedy", metavar="|".join(api.PLACEMENT_AGENTS),
+                   help="greedy: construction + pairwise-swap local search; ppo: the shipped placement policy, then "
+                        "local search; exact: every permutation (clusters of up to 8 devices); random: best random "
+                        "placement; identity: the plan's own order (default greedy)")
+    p.add_argument("--budget-seconds", type=common.positive_float, default=60.0, metavar="N",
+                   help="wall-clock budget (default 60)")
+    p.add_argument("--budget-evaluations", type=common.positive_int, default=None, metavar="N",
+                   help="also stop after N evaluations (a swap tried, or a placement priced)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--source", metavar="SOURCE",
+                   help="an SPMD plan's step (zoo:NAME, FILE.py:FUNCTION or HLO file) to estimate its collectives on "
+                        "this cluster, instead of the estimate saved in the plan")
+    common.add_role_options(p)
+    p.add_argument("--policy", metavar="POLICY.npz", help="ppo: a placement policy file (default: the shipped one)")
+    p.add_argument("--finetune-seconds", type=common.seconds, default=0.0, metavar="N",
+                   help="ppo: fine-tune the policy on this plan for N seconds of the budget first (default 0)")
+    p.add_argument("-o", "--output", metavar="OUT.json", help="the placed plan (default: PLAN.placed.json beside it)")
+    p.add_argument("--json", action="store_true", help="print the placement section as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress message")
+    p.set_defaults(func=cmd_place)
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    from hlomap.report.placement import format_placement
+
+    if args.agent not in api.PLACEMENT_AGENTS:
+        raise common.CliError(f"--agent {args.agent}: choose one of {', '.join(api.PLACEMENT_AGENTS)}")
+    plan = api.load_plan_file(args.plan)
+    cluster = common.cluster_argument(args.cluster, None)
+    output = Path(args.output) if args.output else common.beside(Path(args.plan), "placed.json")
+    common.check_outputs(output)
+    cap = common.load_capture(args) if args.source and plan.pipeline is None else None
+    job = api.prepare_placement(plan, cluster, agent=args.agent, cap=cap, policy=args.policy,
+                                finetune_seconds=args.finetune_seconds, where=args.plan)
+    if not args.quiet:
+        for text in job.notes:
+            common.note(text)
+        common.say(f"placing {job.positions} logical positions on {cluster.n_devices} devices of {cluster.name} "
+                   f"with {args.agent} ...")
+    placed = api.place(job, budget_seconds=args.budget_seconds, budget_evaluations=args.budget_evaluations,
+                       seed=args.seed, output=output)
+    result = placed.result
+    if args.json:
+        common.print_json(placed.plan.placement.to_json() | {"evaluations": result.evaluations,
+                                                              "seconds": result.seconds, "optimal": result.optimal})
+    else:
+        common.console().print(format_placement(placed.problem, result))
+    common.say(f"placed plan: {output}")
+    return 0

@@ -1,0 +1,56 @@
+"""`hlomap simulate SOURCE --plan ...`: price one step under any plan (SPMD, built-in, pipeline,
+joint) on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hlomap import api
+from hlomap.cli import common
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="estimate a step's time, collectives and memory under a plan",
+                       description="Estimate one training step under a plan on a cluster: compute (roofline per "
+                                   "instruction), the collectives the plan implies, and memory per device.")
+    p.add_argument("source", metavar="SOURCE", help=common.SOURCE_HELP)
+    p.add_argument("--plan", default="dp", metavar="dp|megatron|dp+megatron|PLAN.json",
+                   help="a built-in reference plan (derived from roles and the factor graph) or a saved plan "
+                        "(default: dp)")
+    p.add_argument("--mesh", metavar="8|data=2,model=4",
+                   help="device mesh; a bare count names its axis after the plan (data for dp, model for megatron)."
+                        " Default: 8, or the saved plan's mesh")
+    p.add_argument("--cluster", default="A", metavar=common.CLUSTER_METAVAR,
+                   help=f"{common.CLUSTER_HELP} (default A)")
+    p.add_argument("--profile", metavar="PROFILE.json", help=common.PROFILE_HELP)
+    p.add_argument("--axis-order", metavar="AXES",
+                   help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
+                        "inside a node (default: the mesh's order)")
+    common.add_role_options(p)
+    p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hlomap.report.simulate import format_simulation, simulation_json
+
+    if args.plan not in api.BUILT_IN_PLANS and not Path(args.plan).exists():
+        raise common.CliError(f"--plan {args.plan}: not dp, megatron, dp+megatron, nor an existing plan file")
+    plan = api.plan_or_built_in(args.plan)
+    order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
+    api.check_simulation_options(plan, mesh=args.mesh, axis_order=order, where=args.plan)
+    mesh = None if args.mesh is None else common.mesh_argument(args.mesh)
+    cluster = common.cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
+    warning = api.other_cluster_warning(plan, cluster)
+    if warning:
+        common.warn(warning)
+    cap = common.load_capture(args) if api.needs_module(plan) else None
+    simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan)
+    if args.json:
+        common.print_json(simulation_json(simulation), indent=2)
+    else:
+        common.show(*format_simulation(simulation, top=args.top, name=args.source))
+    return 0 if simulation.fits or not args.fail_if_oom else common.EXIT_OOM

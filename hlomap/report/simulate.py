@@ -1,0 +1,44 @@
+"""What `hlomap simulate` shows for each kind of simulation (`hlomap.api.simulate_plan`): an SPMD
+plan's estimate, a pipeline plan's placed step, a joint plan's stages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hlomap.report.estimate import format_estimate
+from hlomap.report.joint import format_joint_result
+from hlomap.report.placement import format_pipeline_estimate, placement_line
+
+__all__ = ["format_simulation", "simulation_json"]
+
+
+def format_simulation(simulation: Any, *, top: int = 10, name: str | None = None) -> list[Any]:
+    """Report items, in order: plain-text strings and rich renderables."""
+    if hasattr(simulation, "result"):  # a joint plan
+        return [format_joint_result(simulation.result, name=name)]
+    if hasattr(simulation, "cluster_name"):  # a pipeline plan
+        return [format_pipeline_estimate(simulation.estimate, simulation.cluster_name, simulation.placement)]
+    out: list[Any] = [format_estimate(simulation.estimate, top=top)]
+    if simulation.identity is not None:
+        out.append(placement_line(simulation.placement, simulation.estimate.step_seconds,
+                                  simulation.identity.step_seconds))
+    return out
+
+
+def simulation_json(simulation: Any) -> dict[str, Any]:
+    """The simulation as JSON-ready data (`hlomap simulate --json`)."""
+    if hasattr(simulation, "result"):
+        cost = simulation.result.cost
+        return {"step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
+                "stage_seconds": list(cost.stage_seconds), "stage_memory_bytes": list(cost.stage_memory),
+                "transfer_seconds": list(cost.transfer_seconds), "fits": cost.fits}
+    if hasattr(simulation, "cluster_name"):
+        est = simulation.estimate
+        return {"cluster": simulation.cluster_name, "step_seconds": est.placed.length,
+                "model_step_seconds": est.placed_model_seconds, "identity_order_step_seconds": est.identity.length,
+                "stages": [list(stage.devices) for stage in est.placed.plan.stages],
+                "memory_violations": [str(v) for v in est.placed.violations]}
+    data = simulation.estimate.to_json()
+    if simulation.identity is not None:
+        data["identity_order_step_seconds"] = simulation.identity.step_seconds
+    return data

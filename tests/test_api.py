@@ -1,0 +1,70 @@
+"""`hlomap.api`, the one front: which estimator prices each plan kind (decided in one place),
+the output check, and the sources explore and run share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hlomap import api
+
+USER_STEP = Path(__file__).resolve().parent / "run" / "user_step.py"
+
+
+@pytest.mark.parametrize("plan, category", [
+    ("dp", api.PlanCategory.BUILT_IN),
+    (SimpleNamespace(pipeline=None, placement=None), api.PlanCategory.SPMD),
+    (SimpleNamespace(pipeline={"stages": []}, placement=None), api.PlanCategory.PIPELINE),
+    (SimpleNamespace(pipeline={"kind": "joint", "stages": []}, placement=None), api.PlanCategory.JOINT),
+])
+def test_plan_category_picks_the_estimator(plan: object, category: api.PlanCategory) -> None:
+    assert api.plan_category(plan) is category
+    assert api.needs_module(plan) is (category is not api.PlanCategory.PIPELINE)
+
+
+def test_a_pipeline_plan_refuses_a_mesh_before_anything_is_read() -> None:
+    plan = SimpleNamespace(pipeline={"stages": []}, placement=None)
+    with pytest.raises(api.InputError, match="do not apply to a pipeline plan"):
+        api.check_simulation_options(plan, mesh="8")
+
+
+def test_check_writable_names_what_is_wrong(tmp_path: Path) -> None:
+    api.check_writable(tmp_path / "plan.json")  # a writable folder: no error, and no file left
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(api.InputError, match="is a directory"):
+        api.check_writable(tmp_path)
+    with pytest.raises(api.InputError, match="directory does not exist"):
+        api.check_writable(tmp_path / "missing" / "plan.json")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(api.InputError, match="not a directory"):
+        api.check_writable(blocker / "plan.json")
+
+
+def test_load_source_reads_a_users_step_file() -> None:
+    cap = api.load_source(f"{USER_STEP}:make")
+    assert cap.parameters and cap.has_roles
+    with pytest.raises(api.SourceError, match="has no function 'nowhere'"):
+        api.load_source(f"{USER_STEP}:nowhere")
+
+
+def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:
+    simulation = api.simulate_plan("zoo:gpt-tiny", "dp", cluster="A", mesh={"data": 8})
+    assert isinstance(simulation, api.SpmdSimulation) and simulation.identity is None
+    assert simulation.estimate.step_seconds > 0 and simulation.fits
+
+
+def test_estimate_prices_a_pipeline_plan_by_its_stages(tmp_path: Path) -> None:
+    """Not as an SPMD plan whose parameters happen to be replicated: by the stage profile it carries."""
+    cap = api.load_source("zoo:gpt-tiny")
+    plan = api.explore(cap, task="pipeline", cluster="A", agent="dp", output=tmp_path / "pipe.json")
+    priced = api.estimate(cap, plan, cluster="A")
+    assert isinstance(priced, api.PipelineSimulation)
+    assert priced.estimate.placed.length == pytest.approx(plan.estimate["step_seconds"])
+
+
+def test_explore_takes_a_source_string() -> None:
+    plan = api.explore("zoo:gpt-tiny", task="opp", mesh=8, agent="greedy", budget_evaluations=5)
+    assert plan.parameters and dict(plan.mesh) == {"model": 8}
