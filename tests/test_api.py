@@ -4,7 +4,6 @@ the output check, and the sources explore and run share."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -13,19 +12,24 @@ from hlomap import api
 USER_STEP = Path(__file__).resolve().parent / "run" / "user_step.py"
 
 
+PLANS = Path(__file__).resolve().parent / "data" / "plans"
+
+
 @pytest.mark.parametrize("plan, category", [
     ("dp", api.PlanCategory.BUILT_IN),
-    (SimpleNamespace(pipeline=None, placement=None), api.PlanCategory.SPMD),
-    (SimpleNamespace(pipeline={"stages": []}, placement=None), api.PlanCategory.PIPELINE),
-    (SimpleNamespace(pipeline={"kind": "joint", "stages": []}, placement=None), api.PlanCategory.JOINT),
+    ("spmd_v1.json", api.PlanCategory.SPMD),
+    ("pipeline_v1.json", api.PlanCategory.PIPELINE),
+    ("joint_v1.json", api.PlanCategory.JOINT),
 ])
-def test_plan_category_picks_the_estimator(plan: object, category: api.PlanCategory) -> None:
+def test_plan_category_picks_the_estimator(plan: str, category: api.PlanCategory) -> None:
+    if plan.endswith(".json"):
+        plan = api.load_plan_file(PLANS / plan)
     assert api.plan_category(plan) is category
     assert api.needs_module(plan) is (category is not api.PlanCategory.PIPELINE)
 
 
 def test_a_pipeline_plan_refuses_a_mesh_before_anything_is_read() -> None:
-    plan = SimpleNamespace(pipeline={"stages": []}, placement=None)
+    plan = api.load_plan_file(PLANS / "pipeline_v1.json")
     with pytest.raises(api.InputError, match="do not apply to a pipeline plan"):
         api.check_simulation_options(plan, mesh="8")
 
