@@ -42,8 +42,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -219,13 +220,21 @@ def _candidates(problem: StageOptions, floor: float) -> np.ndarray:
     return np.unique(np.concatenate(values)) if values else np.zeros(0)
 
 
+def _least_max(problem: StageOptions) -> float:
+    return _best_chain(problem, _run(problem, _Mode.MAX))[0]
+
+
+def _least_sum(problem: StageOptions, tau: float = math.inf) -> tuple[float, StageChain | None]:
+    return _best_chain(problem, _run(problem, _Mode.SUM, tau))
+
+
 def least_bottleneck(problem: StageOptions) -> tuple[float, StageChain] | None:
     """The least bottleneck tau* and, among plans within it, the one of least sum (None when no
     plan exists)."""
-    tau_star, _ = _best_chain(problem, _run(problem, _Mode.MAX))
+    tau_star = _least_max(problem)
     if not math.isfinite(tau_star):
         return None
-    _, chain = _best_chain(problem, _run(problem, _Mode.SUM, tau_star * (1 + TIE_RTOL)))
+    _, chain = _least_sum(problem, tau_star * (1 + TIE_RTOL))
     assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
     return tau_star, chain
 
@@ -241,12 +250,11 @@ def least_latency(
 ) -> StageChain | None:
     """The chain of least L = sum + (M - 1) max (module docstring); `latency` prices a chain
     (inf for one the caller rejects). None when no plan exists or none beats `bound`."""
-    found = least_bottleneck(problem)
-    if found is None:
+    tau_star = _least_max(problem)
+    if not math.isfinite(tau_star):
         return None
-    tau_star, at_tau_star = found
     m = microbatches
-    least_sum, unconstrained = _best_chain(problem, _run(problem, _Mode.SUM))
+    least_sum, unconstrained = _least_sum(problem)
     if least_sum + (m - 1) * tau_star >= bound:
         return None
     best: StageChain | None = None
@@ -259,7 +267,7 @@ def least_latency(
             if value < best_value:
                 best, best_value = chain, value
 
-    consider(at_tau_star)
+    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL))[1])
     consider(unconstrained)
     if m == 1:
         return best  # L is the plain sum: the unconstrained pass is the optimum.
@@ -272,7 +280,7 @@ def least_latency(
         """SUM(taus[index]), memoized; every evaluation may improve the best plan."""
         if index not in sums:
             tau = float(taus[index])
-            total, chain = _best_chain(problem, _run(problem, _Mode.SUM, tau))
+            total, chain = _least_sum(problem, tau)
             sums[index] = total
             if total + (m - 1) * tau < best_value:
                 consider(chain)
