@@ -258,7 +258,7 @@ def least_latency(
     if least_sum + (m - 1) * tau_star >= bound:
         return None
     best: StageChain | None = None
-    best_value = math.inf
+    best_value = bound  # only plans that beat it count
 
     def consider(chain: StageChain | None) -> None:
         nonlocal best, best_value
@@ -269,11 +269,11 @@ def least_latency(
 
     consider(_least_sum(problem, tau_star * (1 + TIE_RTOL))[1])
     consider(unconstrained)
-    if m == 1:
-        return best  # L is the plain sum: the unconstrained pass is the optimum.
+    if m == 1:  # L is the plain sum: the unconstrained pass is the optimum.
+        return best
     taus = _candidates(problem, tau_star)
     # Only thresholds with (M - 1) tau + least_sum < best can win.
-    taus = taus[(m - 1) * taus + least_sum < min(best_value, bound)]
+    taus = taus[(m - 1) * taus + least_sum < best_value]
     sums: dict[int, float] = {}
 
     def least_sum_at(index: int) -> float:
