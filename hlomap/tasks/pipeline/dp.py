@@ -379,6 +379,7 @@ class _ReplicationOptions:
     parameter: np.ndarray = field(init=False)
     stash: np.ndarray = field(init=False)
     allowed: np.ndarray = field(init=False)  # a is nested in b, and trains something if required
+    sizes: tuple[int, ...] = field(init=False)  # the replication factors that fit the cluster
 
     def __post_init__(self) -> None:
         totals = self.states.totals
@@ -389,6 +390,8 @@ class _ReplicationOptions:
         object.__setattr__(self, "parameter", _pair(totals.parameter))
         object.__setattr__(self, "stash", _pair(totals.stash))
         object.__setattr__(self, "allowed", allowed)
+        object.__setattr__(self, "sizes", tuple(r for r in self.space.replication
+                                                if r <= self.cluster.n_devices))
 
     @property
     def n_states(self) -> int:
@@ -397,10 +400,6 @@ class _ReplicationOptions:
     @property
     def n_devices(self) -> int:
         return self.cluster.n_devices
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(r for r in self.space.replication if r <= self.cluster.n_devices)
 
     @property
     def max_stages(self) -> int:
