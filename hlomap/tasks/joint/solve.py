@@ -37,6 +37,7 @@ from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 __all__ = ["JointProblem", "JointSpace", "StageTables", "aligned",
            "microbatch_choices", "problem_for", "solve"]
 
+
 @dataclass(frozen=True)
 class JointSpace:
     """What a joint plan may choose: stage options, microbatch counts, the schedule, at most
@@ -146,7 +147,12 @@ class _JointOptions:
 
     problem: JointProblem
     tables: StageTables
-    _fits: dict[tuple[int, float], np.ndarray] = field(default_factory=dict)  # (option, capacity)
+    sizes: tuple[int, ...] = field(init=False)
+    _fits: dict[tuple[int, float], np.ndarray] = field(init=False)  # by (option, capacity)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(option.devices for option in self.problem.options))
+        object.__setattr__(self, "_fits", {})
 
     @property
     def n_states(self) -> int:
@@ -155,10 +161,6 @@ class _JointOptions:
     @property
     def n_devices(self) -> int:
         return self.problem.devices
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(option.devices for option in self.problem.options)
 
     @property
     def max_stages(self) -> int:
