@@ -110,6 +110,11 @@ class StageChain(NamedTuple):
     options: tuple[int, ...]
 
 
+#: Cells of the [q, a, b] arrays one step of a pass holds at once: with thousands of cut
+#: states, all stage counts at once would not fit in memory.
+_CHUNK_CELLS = 1 << 23
+
+
 class _Mode(enum.Enum):
     MAX = "max"
     SUM = "sum"
@@ -136,6 +141,7 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf) -> _Pass:
     next_state = np.full(shape, -1, dtype=np.int32)
     next_option = np.full(shape, -1, dtype=np.int32)
     first = np.zeros(1, dtype=np.int64)
+    per_chunk = max(1, _CHUNK_CELLS // (count * count))  # stage counts done at once
     for d in range(devices - 1, -1, -1):
         for k, size in enumerate(sizes):
             end = d + size
@@ -163,16 +169,17 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf) -> _Pass:
                 continue
             if mode is _Mode.SUM:
                 u = np.where(u <= tau, 2 * u, np.inf)
-            through = _combine(mode, u[None], tail[live])  # [L, b, o']
-            choice = np.argmin(through, axis=2)  # the best next option after a cut at b
-            best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
-            fits = problem.fits(d, k, live + 1)
-            cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
-            total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
-            j = np.argmin(total, axis=2)  # [L, a]
-            value[live + 1, :, d, k] = np.take_along_axis(total, j[..., None], axis=2)[..., 0]
-            next_state[live + 1, :, d, k] = j
-            next_option[live + 1, :, d, k] = np.take_along_axis(choice, j, axis=1)
+            for chunk in np.array_split(live, -(-len(live) // per_chunk)):
+                through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
+                choice = np.argmin(through, axis=2)  # the best next option after a cut at b
+                best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
+                fits = problem.fits(d, k, chunk + 1)
+                cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
+                total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+                j = np.argmin(total, axis=2)  # [L, a]
+                value[chunk + 1, :, d, k] = np.take_along_axis(total, j[..., None], axis=2)[..., 0]
+                next_state[chunk + 1, :, d, k] = j
+                next_option[chunk + 1, :, d, k] = np.take_along_axis(choice, j, axis=1)
     return _Pass(value, next_state, next_option)
 
 

@@ -5,12 +5,14 @@ pipeline task (`test_dp.py`) and the joint task (`tests/tasks/joint`) are two su
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from hlomap.tasks.pipeline import dp
 from hlomap.tasks.pipeline.dp import StageChain, least_bottleneck, least_latency
 
 
@@ -129,3 +131,23 @@ def test_least_bottleneck_is_the_enumerated_optimum(seed) -> None:
     within = [times for times in plans.values() if max(times[0] + times[1]) <= tau * (1 + 1e-9)]
     assert _latency(plans[found[1]], 1) == pytest.approx(min(_latency(t, 1) for t in within),
                                                          rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stage_counts_done_a_few_at_a_time_give_the_same_plan(seed, monkeypatch) -> None:
+    """With many cut states a pass takes stage counts in chunks; the answer does not change.
+    Stage times add up over layers and many microbatches favour short stages, so the optimum
+    is as deep as allowed and needs every stage count."""
+    toy = _toy(seed, use_all_devices=False)
+    work = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).uniform(1, 2, toy.n_states - 1))])
+    additive = np.where(np.isfinite(toy.stage), work[None, :] - work[:, None], np.inf)
+    toy = dataclasses.replace(toy, stage=additive, cut=toy.cut * 0.01, need=toy.need * 0.1)
+    plans = dict(_plans(toy))
+
+    def latency(chain: StageChain) -> float:
+        return _latency(plans[chain], 64)
+
+    whole = least_latency(toy, 64, latency), least_bottleneck(toy)
+    assert whole[0] is not None and len(whole[0].options) == toy.max_stages
+    monkeypatch.setattr(dp, "_CHUNK_CELLS", 1)  # one stage count at a time
+    assert (least_latency(toy, 64, latency), least_bottleneck(toy)) == whole
