@@ -1,8 +1,13 @@
-"""Exact dynamic programming over cut states, replication factors and linear device order.
+"""The one stage DP: exact dynamic programming over cut states, stage options and linear device
+order, for the pipeline task and the joint task alike.
 
-The DP returns a plan of `PipelineSpace` with the least `costmodel` objective, the same optimum
-the tests' oracle (`tests/tasks/oracle.py`) finds by enumeration, in O(D * |R| * Q * K^2) per
-pass (K cut states, D devices, R replication factors, Q <= D stages).
+A plan cuts a problem's cut states into stages that take devices in linear order from device 0;
+each stage has an option (a device-group size, and whatever else prices it: a replication
+factor for the pipeline task, a data x model mesh and sharding plan for the joint task). A
+problem describes itself to the DP as `StageOptions`: per (first device, option) the [a, b]
+stage times, which stages fit in memory with q stages behind them, and the [a, option'] times
+of the cut after state a to a next stage of option'. The pipeline task's problem has one option
+per replication factor (`solve_states`); the joint task builds its own (`tasks.joint.solve`).
 
 Cut states. A straight pipeline's stages run one after the other, so the layers before any cut
 form a set closed under predecessors; `CutStates` lists the sets the search may cut at (state 0
@@ -12,29 +17,24 @@ costs totals[b] - totals[a]. `solve` takes the K = n + 1 prefixes of one layer o
 chain of a profile; the DQN, the inference network and the greedy search cut the same order);
 `downsets.solve_downsets` takes the downsets of a layer DAG, the cuts a branching graph allows.
 
-State. F[q, a, d, k]: the best value of a suffix of the pipeline that starts after cut state a
-on device d with a first stage of replication R[k] and q more stages after it. Working right to
-left fixes each stage's distance from the end, which 1F1B's memory needs (stage s stashes
-min(S - s, M) microbatches, and S - s = q + 1), and knowing the replication of the next stage
-prices the cut between them (a transfer depends on both device groups).
+State. F[q, a, d, o]: the best value of a suffix of the pipeline that starts after cut state a
+on device d with a first stage of option o and q more stages after it. Working right to left
+fixes each stage's distance from the end, which 1F1B's memory needs (stage s stashes
+min(S - s, M) microbatches, and S - s = q + 1), and knowing the option of the next stage prices
+the cut between them (a transfer may depend on both device groups).
 
-Prices. Stage all-reduces and cut transfers are those of `hlomap.cost.pipeline.links` on the
-cluster's topology (the all-reduce of `hlomap.cost.collectives`, transfers as collective-permutes
-whose cross-server streams share NICs), evaluated over whole tables of byte counts through their
-`AffineMax` terms: the same numbers `costs.evaluate_plan` computes one plan at a time.
-
-Passes. Two kinds of pass share one recursion:
+Passes (Alpa, section 5.2). Two kinds of pass share one recursion:
 - MAX: value = max over stages and cuts of their per-microbatch time: the least achievable
   bottleneck tau* (PipeDream's objective).
 - SUM under a threshold tau: value = sum_s t_s + 2 sum_k u_k, with every stage and cut time
   <= tau (others masked out).
-BOTTLENECK runs MAX, then SUM at tau* to break ties by latency. LATENCY minimizes
-  L = sum + (M - 1) max
-exactly as Alpa does: for each candidate value tau of the max (every stage or cut time that can
-occur), L(tau) = SUM(tau) + (M - 1) tau; the optimal plan's own max is a candidate, so the least
-L(tau) is the optimum. Only candidates in [tau*, (best L - unconstrained least sum) / (M - 1))
-can win, and since SUM(tau) only falls as tau grows, a range [a, b] of candidates is pruned
-whole once SUM(b) + (M - 1) a reaches the best L found (branch and bound on sorted candidates).
+`least_bottleneck` runs MAX, then SUM at tau* to break ties by latency. `least_latency`
+minimizes L = sum + (M - 1) max: for each candidate value tau of the max (every stage or cut
+time that can occur), L(tau) = SUM(tau) + (M - 1) tau; the optimal plan's own max is a
+candidate, so the least L(tau) is the optimum. Only candidates in
+[tau*, (best L - unconstrained least sum) / (M - 1)) can win, and since SUM(tau) only falls as
+tau grows, a range [a, b] of candidates is pruned whole once SUM(b) + (M - 1) a reaches the
+best L found (branch and bound on sorted candidates).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -55,9 +56,264 @@ from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 
-__all__ = ["CutStates", "Realize", "StateSolution", "chain_states", "solve", "solve_states"]
+__all__ = ["CutStates", "Realize", "StageChain", "StageOptions", "StateSolution", "chain_states",
+           "least_bottleneck", "least_latency", "solve", "solve_states"]
 
 log = logging.getLogger(__name__)
+
+
+class StageOptions(Protocol):
+    """A problem as the stage DP sees it (module docstring). Times are per microbatch; every
+    array is indexed by cut states, K = `n_states`, and by option, O = len(`sizes`)."""
+
+    @property
+    def n_states(self) -> int: ...
+
+    @property
+    def n_devices(self) -> int: ...
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Devices of a stage of each option."""
+        ...
+
+    @property
+    def max_stages(self) -> int: ...
+
+    @property
+    def use_all_devices(self) -> bool:
+        """The last stage must end on the last device."""
+        ...
+
+    def stage_seconds(self, device: int, option: int) -> np.ndarray | None:
+        """[K, K]: the time of a stage from state a to state b of `option` on the group from
+        `device` (inf where there is no such stage); None when the group may not start there."""
+        ...
+
+    def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray | None:
+        """[len(behind), K, K] bool: the stage fits in its devices' memory with behind[i]
+        stages after it; None when memory is not checked."""
+        ...
+
+    def cut_seconds(self, device: int, option: int) -> np.ndarray | None:
+        """[K, O]: per-direction time of the cut after state a from the stage of `option` on
+        the group from `device` to a next stage of each option; None when no cut may follow
+        the group."""
+        ...
+
+
+class StageChain(NamedTuple):
+    """A plan as the DP sees it: the cut states its stages end at (0 first, K - 1 last) and
+    each stage's option index; stage s takes the devices after stage s - 1's."""
+
+    states: tuple[int, ...]
+    options: tuple[int, ...]
+
+
+#: Cells of the [q, a, b] arrays one step of a pass holds at once: with thousands of cut
+#: states, all stage counts at once would not fit in memory.
+_CHUNK_CELLS = 1 << 23
+
+
+class _Mode(enum.Enum):
+    MAX = "max"
+    SUM = "sum"
+
+
+class _Pass(NamedTuple):
+    value: np.ndarray  # F[q, a, d, o]
+    next_state: np.ndarray  # the cut state the next stage starts after
+    next_option: np.ndarray  # the next stage's option
+
+
+def _combine(mode: _Mode, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.maximum(a, b) if mode is _Mode.MAX else a + b
+
+
+def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf) -> _Pass:
+    """One DP pass (module docstring); `tau` masks stage and cut times in SUM mode. Stage
+    counts q are an array axis: F[q, ., d, .] needs F[q - 1, ., e, .] for e > d only, all
+    done when devices go right to left."""
+    count, devices, sizes = problem.n_states, problem.n_devices, problem.sizes
+    stages, last = problem.max_stages, problem.n_states - 1
+    shape = (stages, count, devices + 1, len(sizes))
+    value = np.full(shape, np.inf)
+    next_state = np.full(shape, -1, dtype=np.int32)
+    next_option = np.full(shape, -1, dtype=np.int32)
+    first = np.zeros(1, dtype=np.int64)
+    per_chunk = max(1, _CHUNK_CELLS // (count * count))  # stage counts done at once
+    for d in range(devices - 1, -1, -1):
+        for k, size in enumerate(sizes):
+            end = d + size
+            if end > devices:
+                continue
+            stage = problem.stage_seconds(d, k)
+            if stage is None:
+                continue
+            if mode is _Mode.SUM:
+                stage = np.where(stage <= tau, stage, np.inf)
+            if end == devices or not problem.use_all_devices:  # a last stage: q = 0
+                fits = problem.fits(d, k, first)
+                cost = stage if fits is None else np.where(fits[0], stage, np.inf)
+                value[0, :, d, k] = cost[:, last]
+            if stages < 2 or end >= devices:
+                continue
+            tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
+            # Only stage counts some suffix from the next device reaches (with one device per
+            # stage on all devices, only q = D - 1 - d).
+            live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
+            if not len(live):
+                continue
+            u = problem.cut_seconds(d, k)
+            if u is None:
+                continue
+            if mode is _Mode.SUM:
+                u = np.where(u <= tau, 2 * u, np.inf)
+            for chunk in np.array_split(live, -(-len(live) // per_chunk)):
+                through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
+                choice = np.argmin(through, axis=2)  # the best next option after a cut at b
+                best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
+                fits = problem.fits(d, k, chunk + 1)
+                cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
+                total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+                j = np.argmin(total, axis=2)  # [L, a]
+                value[chunk + 1, :, d, k] = np.take_along_axis(total, j[..., None], axis=2)[..., 0]
+                next_state[chunk + 1, :, d, k] = j
+                next_option[chunk + 1, :, d, k] = np.take_along_axis(choice, j, axis=1)
+    return _Pass(value, next_state, next_option)
+
+
+def _best_chain(problem: StageOptions, result: _Pass) -> tuple[float, StageChain | None]:
+    """The least F[q, 0, 0, o] over stage counts and first options, and its chain."""
+    start = result.value[:, 0, 0, :]
+    if not np.isfinite(start).any():
+        return math.inf, None
+    q, k = (int(x) for x in np.unravel_index(int(np.argmin(start)), start.shape))
+    best = float(start[q, k])
+    states, options = [0], []
+    state, device = 0, 0
+    for remaining in range(q, -1, -1):
+        options.append(k)
+        if remaining == 0:
+            states.append(problem.n_states - 1)
+            break
+        nxt = int(result.next_state[remaining, state, device, k])
+        after = int(result.next_option[remaining, state, device, k])
+        states.append(nxt)
+        state, device, k = nxt, device + problem.sizes[k], after
+    return best, StageChain(tuple(states), tuple(options))
+
+
+def _candidates(problem: StageOptions, floor: float) -> np.ndarray:
+    """Every stage or cut time >= floor that some admissible plan can contain, ascending."""
+    values = []
+    devices, inner = problem.n_devices, slice(1, problem.n_states - 1)
+    first = np.zeros(1, dtype=np.int64)
+    for d in range(devices):
+        for k, size in enumerate(problem.sizes):
+            if d + size > devices:
+                continue
+            stage = problem.stage_seconds(d, k)
+            if stage is None:
+                continue
+            # No stages behind stashes the fewest microbatches: the most permissive memory mask.
+            fits = problem.fits(d, k, first)
+            mask = np.isfinite(stage) if fits is None else np.isfinite(stage) & fits[0]
+            values.append(stage[mask & (stage >= floor)])
+            u = problem.cut_seconds(d, k) if d + size < devices else None
+            if u is not None:
+                u = u[inner]  # cuts happen after neither the empty nor the full state
+                values.append(u[np.isfinite(u) & (u >= floor)])
+    return np.unique(np.concatenate(values)) if values else np.zeros(0)
+
+
+def _least_max(problem: StageOptions) -> float:
+    return _best_chain(problem, _run(problem, _Mode.MAX))[0]
+
+
+def _least_sum(problem: StageOptions, tau: float = math.inf) -> tuple[float, StageChain | None]:
+    return _best_chain(problem, _run(problem, _Mode.SUM, tau))
+
+
+def least_bottleneck(problem: StageOptions) -> tuple[float, StageChain] | None:
+    """The least bottleneck tau* and, among plans within it, the one of least sum (None when no
+    plan exists)."""
+    tau_star = _least_max(problem)
+    if not math.isfinite(tau_star):
+        return None
+    _, chain = _least_sum(problem, tau_star * (1 + TIE_RTOL))
+    assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
+    return tau_star, chain
+
+
+def least_latency(
+    problem: StageOptions,
+    microbatches: int,
+    latency: Callable[[StageChain], float],
+    *,
+    bound: float = math.inf,
+    max_thresholds: int | None = None,
+    source: str = "",
+) -> StageChain | None:
+    """The chain of least L = sum + (M - 1) max (module docstring); `latency` prices a chain
+    (inf for one the caller rejects). None when no plan exists or none beats `bound`."""
+    tau_star = _least_max(problem)
+    if not math.isfinite(tau_star):
+        return None
+    m = microbatches
+    least_sum, unconstrained = _least_sum(problem)
+    if least_sum + (m - 1) * tau_star >= bound:
+        return None
+    best: StageChain | None = None
+    best_value = bound  # only plans that beat it count
+
+    def consider(chain: StageChain | None) -> None:
+        nonlocal best, best_value
+        if chain is not None:
+            value = latency(chain)
+            if value < best_value:
+                best, best_value = chain, value
+
+    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL))[1])
+    consider(unconstrained)
+    if m == 1:  # L is the plain sum: the unconstrained pass is the optimum.
+        return best
+    taus = _candidates(problem, tau_star)
+    # Only thresholds with (M - 1) tau + least_sum < best can win.
+    taus = taus[(m - 1) * taus + least_sum < best_value]
+    sums: dict[int, float] = {}
+
+    def least_sum_at(index: int) -> float:
+        """SUM(taus[index]), memoized; every evaluation may improve the best plan."""
+        if index not in sums:
+            tau = float(taus[index])
+            total, chain = _least_sum(problem, tau)
+            sums[index] = total
+            if total + (m - 1) * tau < best_value:
+                consider(chain)
+        return sums[index]
+
+    # Branch and bound over ranges of thresholds: SUM only falls as tau grows, so every tau in
+    # [taus[lo], taus[hi]] has L(tau) >= SUM(taus[hi]) + (M - 1) taus[lo].
+    pending = [(0, len(taus) - 1)] if len(taus) else []
+    while pending:
+        lo, hi = pending.pop()
+        if max_thresholds is not None and len(sums) >= max_thresholds:
+            log.warning(
+                "%s: stopped after %d bottleneck thresholds; the plan is the best found, not "
+                "proven optimal", source, len(sums),
+            )
+            break
+        if least_sum_at(hi) + (m - 1) * float(taus[lo]) >= best_value or lo == hi:
+            continue
+        mid = (lo + hi) // 2
+        pending.append((mid + 1, hi))
+        pending.append((lo, mid))  # popped first: small thresholds first
+    log.debug("%s: latency DP, M = %d: tried %d of %d thresholds", source, m, len(sums), len(taus))
+    return best
+
+
+# The pipeline task: one option per replication factor.
 
 
 class CutStates(NamedTuple):
@@ -110,228 +366,105 @@ def chain_states(profile: PipelineProfile) -> CutStates:
     )
 
 
-class _Mode(enum.Enum):
-    MAX = "max"
-    SUM = "sum"
-
-
-class _Tables(NamedTuple):
-    """Pair tables [a, b] for a stage from cut state a to cut state b, and cut bytes."""
-
-    compute: np.ndarray
-    parameter: np.ndarray
-    stash: np.ndarray
-    allowed: np.ndarray  # bool: a is nested in b, and the stage trains something when required
-    cut_bytes: np.ndarray  # [K]: bytes crossing a cut after state a
+def _pair(values: np.ndarray) -> np.ndarray:
+    """[a, b]: values[b] - values[a], the total of a stage from state a to state b."""
+    return values[None, :] - values[:, None]
 
 
 @dataclass(frozen=True)
-class _Problem:
+class _ReplicationOptions:
+    """The pipeline task's `StageOptions`: a stage's option is its replication factor r (its
+    data axis; model axis 1) on the next r devices, priced by `hlomap.cost.pipeline.links` on
+    the cluster's topology over whole tables of byte counts: the same numbers
+    `costs.evaluate_plan` computes one plan at a time."""
+
     states: CutStates
-    realize: Realize
     cluster: Cluster
     space: PipelineSpace
-    tables: _Tables
     prices: GroupPrices  # every pass prices the same device groups
+    compute: np.ndarray = field(init=False)  # [a, b] pair tables
+    parameter: np.ndarray = field(init=False)
+    stash: np.ndarray = field(init=False)
+    allowed: np.ndarray = field(init=False)  # a is nested in b, and trains something if required
+    sizes: tuple[int, ...] = field(init=False)  # the replication factors that fit the cluster
+
+    def __post_init__(self) -> None:
+        totals = self.states.totals
+        allowed = self.states.nested
+        if self.space.require_trainable:
+            allowed = allowed & (_pair(totals.trainable) > 0.5)
+        object.__setattr__(self, "compute", _pair(totals.compute))
+        object.__setattr__(self, "parameter", _pair(totals.parameter))
+        object.__setattr__(self, "stash", _pair(totals.stash))
+        object.__setattr__(self, "allowed", allowed)
+        object.__setattr__(self, "sizes", tuple(r for r in self.space.replication
+                                                if r <= self.cluster.n_devices))
 
     @property
-    def count(self) -> int:
+    def n_states(self) -> int:
         return self.states.count
 
     @property
-    def devices(self) -> int:
+    def n_devices(self) -> int:
         return self.cluster.n_devices
 
     @property
-    def factors(self) -> tuple[int, ...]:
-        return tuple(r for r in self.space.replication if r <= self.cluster.n_devices)
-
-    @property
     def max_stages(self) -> int:
-        most = min(self.states.n_layers, self.devices // self.factors[0])
+        most = min(self.states.n_layers, self.n_devices // self.sizes[0])
         return most if self.space.max_stages is None else min(most, self.space.max_stages)
 
     @property
-    def comm(self) -> bool:
+    def use_all_devices(self) -> bool:
+        return self.space.use_all_devices
+
+    @property
+    def _comm(self) -> bool:
         return self.space.cost.comm is CommModel.OVERLAPPED
 
+    def stage_seconds(self, device: int, option: int) -> np.ndarray:
+        """compute / r plus the stage's gradient all-reduce amortized over the microbatches
+        (`links.allreduce_time`)."""
+        r = self.sizes[option]
+        t = self.compute / r
+        if self._comm and r > 1:
+            allreduce = self.prices.allreduce(range(device, device + r))
+            t = t + allreduce(self.parameter) / self.space.microbatches
+        return np.where(self.allowed, t, np.inf)
 
-class _Pass(NamedTuple):
-    value: np.ndarray  # F[q, a, d, k]
-    next_state: np.ndarray  # the cut state the next stage starts after
-    next_factor: np.ndarray  # index into factors of the next stage's replication
+    def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray | None:
+        space = self.space
+        if not space.check_memory:
+            return None
+        r = self.sizes[option]
+        held = np.asarray([in_flight(space.schedule, 0, int(q) + 1, space.microbatches)
+                           for q in behind], dtype=float)
+        need = (space.cost.param_memory_factor * self.parameter[None]
+                + held[:, None, None] * (self.stash / r)[None])
+        return need <= group_memory(self.cluster, range(device, device + r))
 
-
-def _tables(states: CutStates, space: PipelineSpace) -> _Tables:
-    def pair(values: np.ndarray) -> np.ndarray:
-        return values[None, :] - values[:, None]
-
-    totals = states.totals
-    allowed = states.nested
-    if space.require_trainable:
-        allowed = allowed & (pair(totals.trainable) > 0.5)
-    return _Tables(
-        compute=pair(totals.compute),
-        parameter=pair(totals.parameter),
-        stash=pair(totals.stash),
-        allowed=allowed,
-        cut_bytes=states.cut_bytes,
-    )
-
-
-def _stage_time(problem: _Problem, device: int, r: int) -> np.ndarray:
-    """[a, b]: per-microbatch time of a stage from a to b on devices [device, device + r):
-    compute / r plus its gradient all-reduce amortized over the microbatches
-    (`links.allreduce_time`)."""
-    t = problem.tables.compute / r
-    if problem.comm and r > 1:
-        allreduce = problem.prices.allreduce(range(device, device + r))
-        t = t + allreduce(problem.tables.parameter) / problem.space.microbatches
-    return t
-
-
-def _cut_time(problem: _Problem, device: int, r: int, r_next: int) -> np.ndarray:
-    """[a]: per-microbatch, per-direction time of the cut after state a from a stage on devices
-    [device, device + r) to one on the next r_next devices (`links.transfer_time`)."""
-    nbytes = problem.tables.cut_bytes
-    if not problem.comm:
-        return np.zeros_like(nbytes)
-    end = device + r
-    return problem.prices.transfer(range(device, end), range(end, end + r_next))(nbytes)
+    def cut_seconds(self, device: int, option: int) -> np.ndarray | None:
+        """Transfers as collective-permutes whose cross-server streams share NICs
+        (`links.transfer_time`); a cut falls on a server boundary when the space says so."""
+        end = device + self.sizes[option]
+        if end >= self.n_devices or (
+            self.space.cut_on_node_boundary and not is_node_boundary(self.cluster, end)
+        ):
+            return None
+        nbytes = self.states.cut_bytes
+        out = np.full((len(nbytes), len(self.sizes)), np.inf)
+        for k, r in enumerate(self.sizes):
+            if end + r <= self.n_devices:
+                out[:, k] = (self.prices.transfer(range(device, end), range(end, end + r))(nbytes)
+                             if self._comm else 0.0)
+        return out
 
 
-def _memory_ok(problem: _Problem, device: int, r: int, after: int) -> np.ndarray | None:
-    """[a, b] bool: the stage fits on its devices with `after` stages behind it (None: all do)."""
-    space = problem.space
-    if not space.check_memory:
-        return None
-    count = in_flight(space.schedule, 0, after + 1, space.microbatches)
-    need = (
-        space.cost.param_memory_factor * problem.tables.parameter
-        + count * problem.tables.stash / r
-    )
-    return need <= group_memory(problem.cluster, range(device, device + r))
-
-
-def _run(problem: _Problem, mode: _Mode, tau: float = math.inf) -> _Pass:
-    """One DP pass (see the module docstring); `tau` masks stage and cut times in SUM mode."""
-    count, devices, factors = problem.count, problem.devices, problem.factors
-    stages, space, last = problem.max_stages, problem.space, problem.count - 1
-    shape = (stages, count, devices + 1, len(factors))
-    value = np.full(shape, np.inf)
-    next_state = np.full(shape, -1, dtype=np.int32)
-    next_factor = np.full(shape, -1, dtype=np.int16)
-    rows = np.arange(count)
-    # Devices right to left: F[., ., d, .] needs only F[., ., e, .] for e > d.
-    for d in range(devices - 1, -1, -1):
-        for k, r in enumerate(factors):
-            end = d + r
-            if end > devices:
-                continue
-            stage = np.where(problem.tables.allowed, _stage_time(problem, d, r), np.inf)
-            if mode is _Mode.SUM:
-                stage = np.where(stage <= tau, stage, np.inf)
-            # The best continuation after a cut at state b, over the next stage's
-            # replication, for every count of stages behind; cut time included.
-            cuts = []
-            if end < devices and (
-                not space.cut_on_node_boundary or is_node_boundary(problem.cluster, end)
-            ):
-                for k2, r2 in enumerate(factors):
-                    if end + r2 <= devices:
-                        u = _cut_time(problem, d, r, r2)
-                        if mode is _Mode.SUM:
-                            u = np.where(u <= tau, 2 * u, np.inf)
-                        cuts.append((k2, u))
-            for q in range(stages):
-                if q == 0:
-                    if space.use_all_devices and end != devices:
-                        continue
-                    fits = _memory_ok(problem, d, r, q)
-                    cost = stage if fits is None else np.where(fits, stage, np.inf)
-                    value[0, :, d, k] = cost[:, last]
-                    continue
-                # No continuation with q stages from the next device: nothing to extend (with
-                # one device per stage on all devices, only q = D - 1 - d survives).
-                if not cuts or not np.isfinite(value[q - 1, :, end, :]).any():
-                    continue
-                fits = _memory_ok(problem, d, r, q)
-                cost = stage if fits is None else np.where(fits, stage, np.inf)
-                best_next = np.full(count, np.inf)
-                best_factor = np.full(count, -1, dtype=np.int16)
-                for k2, u in cuts:
-                    tail = value[q - 1, :, end, k2]
-                    through = np.maximum(u, tail) if mode is _Mode.MAX else u + tail
-                    better = through < best_next
-                    best_next = np.where(better, through, best_next)
-                    best_factor = np.where(better, k2, best_factor)
-                total = (
-                    np.maximum(cost, best_next[None, :])
-                    if mode is _Mode.MAX
-                    else cost + best_next[None, :]
-                )
-                j = np.argmin(total, axis=1)
-                value[q, :, d, k] = total[rows, j]
-                next_state[q, :, d, k] = j
-                next_factor[q, :, d, k] = best_factor[j]
-    return _Pass(value, next_state, next_factor)
-
-
-class _Chain(NamedTuple):
-    """A plan as the DP sees it: the cut states its stages end at (0 first) and replications."""
-
-    states: tuple[int, ...]
-    replication: tuple[int, ...]
-
-
-def _best_chain(problem: _Problem, result: _Pass) -> tuple[float, _Chain | None]:
-    """The least F[q, 0, 0, k] over stage counts and first replications, and its chain."""
-    start = result.value[:, 0, 0, :]
-    if not np.isfinite(start).any():
-        return math.inf, None
-    q, k = np.unravel_index(int(np.argmin(start)), start.shape)
-    best = float(start[q, k])
-    states, replication = [0], []
-    state, device = 0, 0
-    for remaining in range(int(q), -1, -1):
-        r = problem.factors[k]
-        replication.append(r)
-        if remaining == 0:
-            states.append(problem.count - 1)
-            break
-        nxt = int(result.next_state[remaining, state, device, k])
-        k = int(result.next_factor[remaining, state, device, k])
-        states.append(nxt)
-        state, device = nxt, device + r
-    return best, _Chain(tuple(states), tuple(replication))
-
-
-def _candidates(problem: _Problem, floor: float) -> np.ndarray:
-    """Every stage or cut time >= floor that some admissible plan can contain, ascending."""
-    values = []
-    devices, factors = problem.devices, problem.factors
-    for d in range(devices):
-        for r in factors:
-            if d + r > devices:
-                continue
-            # q = 0 stashes the fewest microbatches, so its memory mask is the most permissive.
-            fits = _memory_ok(problem, d, r, 0)
-            mask = problem.tables.allowed if fits is None else problem.tables.allowed & fits
-            stage = _stage_time(problem, d, r)[mask]
-            values.append(stage[stage >= floor])
-            for r2 in factors:
-                if d + r + r2 <= devices:
-                    # Cuts happen after neither the empty nor the full state.
-                    u = _cut_time(problem, d, r, r2)[1 : problem.count - 1]
-                    values.append(u[u >= floor])
-    return np.unique(np.concatenate(values)) if values else np.zeros(0)
-
-
-def _solution(problem: _Problem, chain: _Chain) -> StateSolution:
+def _solution(problem: _ReplicationOptions, realize: Realize, chain: StageChain) -> StateSolution:
     """The chain's plan on the profile `realize` lays it out on, priced by `evaluate_plan`."""
-    profile, bounds = problem.realize(chain.states)
+    profile, bounds = realize(chain.states)
     space = problem.space
-    plan = PipelinePlan.linear(bounds, chain.replication, microbatches=space.microbatches,
+    replication = tuple(problem.sizes[k] for k in chain.options)
+    plan = PipelinePlan.linear(bounds, replication, microbatches=space.microbatches,
                                schedule=space.schedule)
     cost = evaluate_plan(profile, problem.cluster, plan, space.cost, prices=problem.prices)
     return StateSolution(Solution(plan=plan, cost=cost, objective=space.objective), profile,
@@ -348,65 +481,29 @@ def solve_states(
             f"{states.source}: replication factors {space.replication} all exceed the "
             f"{cluster.n_devices} devices"
         )
-    problem = _Problem(states, realize, cluster, space, _tables(states, space),
-                       GroupPrices(cluster))
-    tau_star, _ = _best_chain(problem, _run(problem, _Mode.MAX))
-    if not math.isfinite(tau_star):
+    problem = _ReplicationOptions(states, cluster, space, GroupPrices(cluster))
+    solutions: dict[StageChain, StateSolution] = {}
+
+    def solution_of(chain: StageChain) -> StateSolution:
+        if chain not in solutions:
+            solutions[chain] = _solution(problem, realize, chain)
+        return solutions[chain]
+
+    if space.objective is PipelineObjective.BOTTLENECK:
+        found = least_bottleneck(problem)
+        chain = None if found is None else found[1]
+    else:
+        chain = least_latency(
+            problem, space.microbatches, lambda c: solution_of(c).solution.cost.latency,
+            max_thresholds=space.max_thresholds, source=states.source,
+        )
+    if chain is None:
         raise NoFeasiblePlan(
             f"{states.source}: no plan of {states.n_layers} layers on {cluster.n_devices} "
             f"devices satisfies {space} (memory per device "
             f"{group_memory(cluster, range(cluster.n_devices)):.4g} bytes)"
         )
-    _, chain = _best_chain(problem, _run(problem, _Mode.SUM, tau_star * (1 + TIE_RTOL)))
-    assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
-    best = _solution(problem, chain)
-    if space.objective is PipelineObjective.BOTTLENECK:
-        return best
-
-    m = space.microbatches
-    least_sum, unconstrained = _best_chain(problem, _run(problem, _Mode.SUM))
-    if unconstrained is not None:
-        other = _solution(problem, unconstrained)
-        if other.solution.cost.latency < best.solution.cost.latency:
-            best = other
-    if m == 1:
-        return best  # L is the plain sum: the unconstrained pass is the optimum.
-    best_value = best.solution.cost.latency
-    taus = _candidates(problem, tau_star)
-    # Only thresholds with (M - 1) tau + least_sum < best can win.
-    taus = taus[(m - 1) * taus + least_sum < best_value]
-    sums: dict[int, float] = {}
-
-    def least_sum_at(index: int) -> float:
-        """SUM(taus[index]), memoized; every evaluation may improve the best plan."""
-        nonlocal best, best_value
-        if index not in sums:
-            tau = float(taus[index])
-            total, candidate = _best_chain(problem, _run(problem, _Mode.SUM, tau))
-            sums[index] = total
-            if candidate is not None and total + (m - 1) * tau < best_value:
-                best = _solution(problem, candidate)
-                best_value = min(total + (m - 1) * tau, best.solution.cost.latency)
-        return sums[index]
-
-    # Branch and bound over ranges of thresholds: SUM only falls as tau grows, so every tau in
-    # [taus[lo], taus[hi]] has L(tau) >= SUM(taus[hi]) + (M - 1) taus[lo].
-    pending = [(0, len(taus) - 1)] if len(taus) else []
-    while pending:
-        lo, hi = pending.pop()
-        if space.max_thresholds is not None and len(sums) >= space.max_thresholds:
-            log.warning(
-                "%s: stopped after %d bottleneck thresholds; the plan is the best found, not "
-                "proven optimal", states.source, len(sums),
-            )
-            break
-        if least_sum_at(hi) + (m - 1) * float(taus[lo]) >= best_value or lo == hi:
-            continue
-        mid = (lo + hi) // 2
-        pending.append((mid + 1, hi))
-        pending.append((lo, mid))  # popped first: small thresholds first
-    log.debug("%s: latency DP tried %d of %d thresholds", states.source, len(sums), len(taus))
-    return best
+    return solution_of(chain)
 
 
 def solve(profile: PipelineProfile, cluster: Cluster, space: PipelineSpace) -> Solution:

@@ -1,0 +1,153 @@
+"""The stage DP over arbitrary stage options against enumeration: options of different sizes,
+groups that may not start everywhere, cut times that depend on the next stage's option, stage
+times that depend on the first device, and memory that depends on the stages behind. The
+pipeline task (`test_dp.py`) and the joint task (`tests/tasks/joint`) are two such problems."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from hlomap.tasks.pipeline import dp
+from hlomap.tasks.pipeline.dp import StageChain, least_bottleneck, least_latency
+
+
+@dataclass(frozen=True)
+class _Toy:
+    """A `StageOptions` from random tables; `need` is memory per microbatch held."""
+
+    stage: np.ndarray  # [D, O, K, K], inf where b <= a
+    cut: np.ndarray  # [D, O, K, O]
+    need: np.ndarray  # [O, K, K]
+    placeable: np.ndarray  # [D, O] bool
+    sizes: tuple[int, ...]
+    use_all_devices: bool
+    max_stages: int
+    capacity: float
+
+    @property
+    def n_states(self) -> int:
+        return self.stage.shape[2]
+
+    @property
+    def n_devices(self) -> int:
+        return self.stage.shape[0]
+
+    def stage_seconds(self, device: int, option: int) -> np.ndarray | None:
+        return self.stage[device, option] if self.placeable[device, option] else None
+
+    def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray:
+        return (np.asarray(behind)[:, None, None] + 1) * self.need[option][None] <= self.capacity
+
+    def cut_seconds(self, device: int, option: int) -> np.ndarray | None:
+        return None if device % 3 == 2 else self.cut[device, option]  # no cut after such groups
+
+
+def _toy(seed: int, use_all_devices: bool) -> _Toy:
+    rng = np.random.default_rng(seed)
+    devices, states, sizes = 4, 5, (1, 2)
+    upper = np.triu(np.ones((states, states), dtype=bool), k=1)
+    stage = np.where(upper, rng.uniform(0.1, 1.0, (devices, len(sizes), states, states)), np.inf)
+    placeable = rng.uniform(size=(devices, len(sizes))) < 0.85
+    placeable[0, 0] = True
+    return _Toy(stage=stage, cut=rng.uniform(0.0, 0.4, (devices, len(sizes), states, len(sizes))),
+                need=rng.uniform(0.0, 1.0, (len(sizes), states, states)), placeable=placeable,
+                sizes=sizes, use_all_devices=use_all_devices, max_stages=3, capacity=1.5)
+
+
+def _times(toy: _Toy, chain: StageChain) -> tuple[list[float], list[float]] | None:
+    """The chain's stage and cut times, or None when it is not a plan of the toy problem."""
+    stages, cuts, device = [], [], 0
+    count = len(chain.options)
+    for s, (a, b, k) in enumerate(zip(chain.states, chain.states[1:], chain.options)):
+        end = device + toy.sizes[k]
+        if end > toy.n_devices or not toy.placeable[device, k]:
+            return None
+        if not toy.fits(device, k, np.asarray([count - 1 - s]))[0, a, b]:
+            return None
+        stages.append(float(toy.stage[device, k, a, b]))
+        if s < count - 1:
+            if toy.cut_seconds(device, k) is None:
+                return None
+            cuts.append(float(toy.cut[device, k, b, chain.options[s + 1]]))
+        device = end
+    if toy.use_all_devices and device != toy.n_devices:
+        return None
+    return stages, cuts
+
+
+def _plans(toy: _Toy):
+    """Every plan of the toy problem with its stage and cut times."""
+    last = toy.n_states - 1
+    for count in range(1, toy.max_stages + 1):
+        for inner in itertools.combinations(range(1, last), count - 1):
+            for options in itertools.product(range(len(toy.sizes)), repeat=count):
+                chain = StageChain((0, *inner, last), options)
+                times = _times(toy, chain)
+                if times is not None:
+                    yield chain, times
+
+
+def _latency(times: tuple[list[float], list[float]], microbatches: int) -> float:
+    stages, cuts = times
+    return sum(stages) + 2 * sum(cuts) + (microbatches - 1) * max(stages + cuts)
+
+
+@pytest.mark.parametrize("use_all_devices", [True, False])
+@pytest.mark.parametrize("microbatches", [1, 4])
+@pytest.mark.parametrize("seed", range(12))
+def test_least_latency_is_the_enumerated_optimum(seed, microbatches, use_all_devices) -> None:
+    toy = _toy(seed, use_all_devices)
+    plans = dict(_plans(toy))
+
+    def latency(chain: StageChain) -> float:
+        assert chain in plans, f"the DP returned {chain}, not a plan of the problem"
+        return _latency(plans[chain], microbatches)
+
+    chain = least_latency(toy, microbatches, latency)
+    if not plans:
+        assert chain is None
+        return
+    best = min(_latency(times, microbatches) for times in plans.values())
+    assert latency(chain) == pytest.approx(best, rel=1e-12)
+    assert least_latency(toy, microbatches, latency, bound=best * (1 - 1e-9)) is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_least_bottleneck_is_the_enumerated_optimum(seed) -> None:
+    toy = _toy(seed, use_all_devices=True)
+    plans = dict(_plans(toy))
+    found = least_bottleneck(toy)
+    if not plans:
+        assert found is None
+        return
+    tau = min(max(stages + cuts) for stages, cuts in plans.values())
+    assert found is not None
+    assert found[0] == pytest.approx(tau, rel=1e-12)
+    within = [times for times in plans.values() if max(times[0] + times[1]) <= tau * (1 + 1e-9)]
+    assert _latency(plans[found[1]], 1) == pytest.approx(min(_latency(t, 1) for t in within),
+                                                         rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stage_counts_done_a_few_at_a_time_give_the_same_plan(seed, monkeypatch) -> None:
+    """With many cut states a pass takes stage counts in chunks; the answer does not change.
+    Stage times add up over layers and many microbatches favour short stages, so the optimum
+    is as deep as allowed and needs every stage count."""
+    toy = _toy(seed, use_all_devices=False)
+    work = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).uniform(1, 2, toy.n_states - 1))])
+    additive = np.where(np.isfinite(toy.stage), work[None, :] - work[:, None], np.inf)
+    toy = dataclasses.replace(toy, stage=additive, cut=toy.cut * 0.01, need=toy.need * 0.1)
+    plans = dict(_plans(toy))
+
+    def latency(chain: StageChain) -> float:
+        return _latency(plans[chain], 64)
+
+    whole = least_latency(toy, 64, latency), least_bottleneck(toy)
+    assert whole[0] is not None and len(whole[0].options) == toy.max_stages
+    monkeypatch.setattr(dp, "_CHUNK_CELLS", 1)  # one stage count at a time
+    assert (least_latency(toy, 64, latency), least_bottleneck(toy)) == whole
