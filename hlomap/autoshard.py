@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from hlomap.tasks import Task
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AutoShardConfig", "AutoShardedStep", "CacheKey", "Origin", "Task", "Timings", "auto_shard",
@@ -55,22 +57,6 @@ DEFAULT_CACHE_DIR = "~/.cache/hlomap"
 CACHE_ENV = "HLOMAP_CACHE_DIR"
 #: The two state arguments (params, opt_state) that `place` lays out and the step donates.
 STATE_ARGS = 2
-
-
-class Task(str, enum.Enum):
-    """What the search decides (`hlomap.api.explore`'s task)."""
-
-    OPP = "opp"  # tensor parallelism of the trainable variables
-    ADP = "adp"  # data parallelism of the inputs
-    HYBRID = "hybrid"  # both, on a data x model mesh
-    PIPELINE = "pipeline"  # stage cuts
-    AUTO = "auto"  # stages x data x model, jointly
-
-    @property
-    def plans_its_mesh(self) -> bool:
-        """The pipeline and joint planners choose the meshes themselves: the mesh says only how
-        many devices they get."""
-        return self in (Task.PIPELINE, Task.AUTO)
 
 
 class Origin(enum.Enum):

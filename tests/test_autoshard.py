@@ -14,7 +14,8 @@ import pytest
 
 import hlomap
 from hlomap import autoshard
-from hlomap.autoshard import Origin, Task, cache_key, cache_path, load_cached, save_cached
+from hlomap.autoshard import Origin, cache_key, cache_path, load_cached, save_cached
+from hlomap.tasks import Task
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The example between these markers in README.md.

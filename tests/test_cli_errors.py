@@ -461,3 +461,19 @@ def test_a_second_ctrl_c_stops_at_once() -> None:
     assert done.returncode == 130, done.stderr
     assert done.stdout.splitlines() == ["first: flag set"]
     assert "Traceback" not in done.stderr and "stop at once" in done.stderr
+
+
+# -- a reader that goes away -------------------------------------------------------------------
+
+
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
+    """`hlomap inspect --json | head -1`: once the reader has gone, hlomap stops as a command
+    killed by SIGPIPE would (status 141), with no 'internal error' and no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "hlomap.cli", "inspect", "zoo:gpt-tiny", "--json"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before anything is written: the first write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err

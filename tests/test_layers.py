@@ -88,7 +88,7 @@ def test_the_cli_check_sees_a_reach_past_the_api(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layer", ["cost", "propagation", "search"])
 def test_the_lower_layers_never_reach_the_front(layer: str) -> None:
-    """Spelled out for the layers DESIGN.md names: no api, cli, report, zoo or top-level hlomap."""
+    """Spelled out for the layers docs/design.md names: no api, cli, report, zoo or top-level hlomap."""
     for path in sorted((PACKAGE / layer).rglob("*.py")):
         for line, module in _imports(path):
             assert _target(module) not in {"api", "cli", "report", "zoo", "__init__"}, f"{path}:{line}: {module}"

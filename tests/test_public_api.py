@@ -1,4 +1,4 @@
-"""The names DESIGN.md promises at the top level of `hlomap`, importable without JAX until used."""
+"""The names docs/design.md promises at the top level of `hlomap`, importable without JAX until used."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_import_does_not_load_jax() -> None:
 
 
 def test_explore_pipeline_task_returns_a_plan_with_stages(tmp_path) -> None:
-    """`hlomap.explore(cap, task="pipeline")` as DESIGN.md shows it: one stage per server of
+    """`hlomap.explore(cap, task="pipeline")` as docs/design.md shows it: one stage per server of
     cluster A (2 servers) by default, the DP's cuts, parameters left replicated."""
     from hlomap.tasks.pipeline.explore import explore_pipeline
 
@@ -43,19 +43,19 @@ def test_explore_pipeline_task_returns_a_plan_with_stages(tmp_path) -> None:
         hlomap.explore(cap, task="pipeline", agent="greedy")
 
 
-#: The stable names DESIGN.md's "Public API" lists.
+#: The stable names docs/design.md's "Public API" lists.
 DESIGN_NAMES = ("capture", "explore", "estimate", "Plan", "parallelize", "auto_shard", "value_and_grad")
 
 
 def test_every_name_design_promises_is_public() -> None:
     missing = [name for name in DESIGN_NAMES if name not in hlomap.__all__]
-    assert not missing, f"DESIGN.md promises hlomap.{missing}"
+    assert not missing, f"docs/design.md promises hlomap.{missing}"
     for method in ("load", "from_specs", "partition_specs", "shardings", "save"):
         assert callable(getattr(hlomap.Plan, method)), method
 
 
 def test_the_design_example_runs_end_to_end(tmp_path) -> None:
-    """DESIGN.md's Public API block, in order, on gpt-tiny and 8 CPU devices: capture, explore,
+    """docs/design.md's Public API block, in order, on gpt-tiny and 8 CPU devices: capture, explore,
     save/load, partition_specs shaped like the arguments, the user's own specs, estimate, and
     parallelize with place: the sharded step's loss equals the unsharded step's."""
     import jax

@@ -55,6 +55,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hlomap: interrupted before a plan was found; nothing was written", file=sys.stderr)
         return common.EXIT_INTERRUPTED
+    except BrokenPipeError:  # `hlomap inspect --json | head`: the reader has what it wanted
+        return _stdout_closed()
     except (common.CliError, *api.user_errors()) as err:
         print(f"hlomap {args.command}: error: {err}", file=sys.stderr)
         return common.EXIT_USAGE
@@ -64,8 +66,25 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _stdout_closed() -> int:
+    """Exit as a command killed by SIGPIPE would, without Python's complaint at shutdown about
+    flushing a closed pipe (stdout is pointed at /dev/null first)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
+#: 128 + SIGPIPE: what a shell reports for a command whose reader went away.
+EXIT_BROKEN_PIPE = 141
+
+
 def main() -> None:
-    sys.exit(run())
+    status = run()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        status = _stdout_closed()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ DESCRIPTION = ("Play re-planning policies over a resource trace (per-link bandwi
                "arbiter (keep / move layers between two neighbouring stages / re-solve, priced by migration against "
                "the time saved), the learned meta policy, and an oracle that knows the future. Prints the decisions "
                "over time and every policy's total training time; draws the estimated throughput of each.")
-EPILOG = ("the trace format is described in README.md (Re-planning when resources change) and in "
+EPILOG = ("the trace format is described in docs/placement-and-replanning.md (Re-planning when resources change) and in "
           "hlomap/tasks/replan/trace.py")
 
 

@@ -7,7 +7,7 @@
     step = module_cost(module, cluster.devices[0])               # FLOPs, bytes, roofline time
     cluster = apply_calibration(cluster, load_calibration("h100.json"))   # calibrated efficiencies
 
-See ../shared/DESIGN.md ("Cost model").
+See docs/design.md ("Cost model").
 """
 
 from hlomap.cost.calibration import (
