@@ -78,7 +78,8 @@ def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[s
                 record = {"family": str(family), "devices": n, "workload": str(workload), "problem": problem.name,
                           "budget_seconds": seconds, "identity_seconds": identity, "best_seconds": best,
                           "solvers": {s.value: {"step_seconds": r.plan.step_seconds,
-                                                "gap": r.plan.step_seconds / best - 1, "gain": r.plan.gain, "evaluations": r.evaluations, "seconds": r.seconds,
+                                                "gap": r.plan.step_seconds / best - 1, "gain": r.plan.gain,
+                                                "evaluations": r.evaluations, "seconds": r.seconds,
                                                 "optimal": r.optimal} for s, r in results.items()}}
                 records.append(record)
                 cells = [f"{100 * (results[s].plan.step_seconds / best - 1):.3f}%" if s in results else "-"

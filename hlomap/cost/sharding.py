@@ -182,7 +182,7 @@ def node_phases(graph: FactorGraph) -> tuple[Phase, ...]:
     relative to that jit, so a node in a called computation takes the phase of its entry-level
     call site unless that says nothing (then its own)."""
     site_phase: list[Phase] = []
-    for k, instance in enumerate(graph.instances):
+    for instance in graph.instances:
         if instance.parent < 0:
             site_phase.append(Phase.UNKNOWN)
         elif instance.parent == 0:
@@ -215,7 +215,7 @@ def node_run_counts(graph: FactorGraph) -> np.ndarray:
     up its call chain; 0 inside a fusion (the fusion instruction is the kernel that is costed)."""
     module = graph.module
     per_instance: list[int] = []
-    for inst_id, instance in enumerate(graph.instances):
+    for instance in graph.instances:
         if instance.parent < 0:
             per_instance.append(1)
             continue

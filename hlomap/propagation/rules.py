@@ -104,7 +104,8 @@ def _match_dims(b: RuleBuilder, pairs: Sequence[tuple[int, int]], kind: FactorKi
                 b.factor(b.result_shapes[r].dims[d], NR, results=[(r, d)])
 
 
-def _leafwise(inst: Instruction, operands: Sequence[Shape], *, first_operand_leaf: int = 0, nr_dims: Sequence[int] = ()) -> OpRule:
+def _leafwise(inst: Instruction, operands: Sequence[Shape], *, first_operand_leaf: int = 0,
+              nr_dims: Sequence[int] = ()) -> OpRule:
     """Result leaf i corresponds to operand leaf `first_operand_leaf + i` (collectives, async pairs).
 
     Dims of equal size pass through (or need replication for `nr_dims`); dims of different size
@@ -131,7 +132,8 @@ def _isolated(inst: Instruction, operands: Sequence[Shape], kind: FactorKind = P
 
 
 def _trivial_window(w: WindowDimension) -> bool:
-    return w.size == 1 and w.stride == 1 and w.pad_low == 0 and w.pad_high == 0 and w.window_dilation == 1 and w.base_dilation == 1
+    return (w.size == 1 and w.stride == 1 and w.pad_low == 0 and w.pad_high == 0
+            and w.window_dilation == 1 and w.base_dilation == 1)
 
 
 def _window(inst: Instruction, rank: int) -> tuple[WindowDimension, ...]:
@@ -162,7 +164,8 @@ def rule_bitcast(inst: Instruction, operands: tuple[Shape, ...], module: Module 
     """A bitcast reinterprets the buffer: a reshape when the element type width is unchanged."""
     leaves = leaf_shapes(operands)
     out = inst.shape
-    if len(leaves) == 1 and isinstance(out, ArrayShape) and leaves[0].num_elements == out.num_elements and leaves[0].dtype == out.dtype:
+    if (len(leaves) == 1 and isinstance(out, ArrayShape) and leaves[0].num_elements == out.num_elements
+            and leaves[0].dtype == out.dtype):
         return rule_reshape(inst, operands, module)
     return rule_bitcast_convert(inst, operands, module)
 
@@ -242,7 +245,8 @@ def rule_convolution(inst: Instruction, operands: tuple[Shape, ...], module: Mod
     if fgc > 1:
         b.factor(fgc, PT, operands=[(0, dn.input_feature), (1, dn.kernel_output_feature)], results=[(0, dn.output_feature)])
     b.factor(rhs.dims[dn.kernel_input_feature], RED, operands=[(0, dn.input_feature), (1, dn.kernel_input_feature)])
-    b.factor(out.dims[dn.output_feature] // max(fgc * bgc, 1), PT, operands=[(1, dn.kernel_output_feature)], results=[(0, dn.output_feature)])
+    b.factor(out.dims[dn.output_feature] // max(fgc * bgc, 1), PT, operands=[(1, dn.kernel_output_feature)],
+             results=[(0, dn.output_feature)])
 
     window = _window(inst, len(dn.input_spatial))
     for w, li, ki, oi in zip(window, dn.input_spatial, dn.kernel_spatial, dn.output_spatial):
@@ -375,7 +379,8 @@ def rule_gather(inst: Instruction, operands: tuple[Shape, ...], module: Module |
     slice_sizes = inst.slice_sizes or operand.dims
     ivd = dn.index_vector_dim
     index_batch_dims = [d for d in range(indices.rank) if d != ivd]
-    offset_operand_dims = [d for d in range(operand.rank) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    offset_operand_dims = [d for d in range(operand.rank)
+                           if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
     batch_out_dims = [d for d in range(out.rank) if d not in dn.offset_dims]
 
     for k, od in enumerate(batch_out_dims):

@@ -122,7 +122,7 @@ def test_ppo_update_runs_every_rollout_and_moves_the_policy() -> None:
     agent.observe_first(ts)
     before = agent.fns.logits(agent.state.params, obs[None])
     updates = 0
-    for step in range(16):
+    for _ in range(16):
         a = agent.act(ts)
         ts = transition(obs, 1.0 if a == 2 else 0.0, legal)
         agent.observe(a, ts)

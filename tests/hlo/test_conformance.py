@@ -48,7 +48,7 @@ def _split_xla_instruction(text: str) -> tuple[str, str]:
     rest = text.split(" = ", 1)[1]
     if rest.startswith("("):
         depth = 0
-        for i, char in enumerate(rest):
+        for i, char in enumerate(rest):  # noqa: B007 - i is the end of the shape, read below
             depth += {"(": 1, ")": -1}.get(char, 0)
             if depth == 0:
                 break
@@ -155,7 +155,7 @@ def assert_conforms(module: Module, xla: dict[str, dict[str, XlaInstruction]], w
             assert _skeleton(inst.shape) == other.skeleton, context
             leaves = list(inst.shape.leaves())
             assert len(leaves) == len(other.leaves), context
-            for leaf, (dtype, dims, layout) in zip(leaves, other.leaves):
+            for leaf, (dtype, _dims, layout) in zip(leaves, other.leaves):
                 assert leaf.dtype == dtype, context
                 if leaf.layout is not None and leaf.dims:
                     assert leaf.layout.replace(" ", "") == layout, context

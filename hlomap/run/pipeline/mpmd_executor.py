@@ -105,9 +105,9 @@ class MpmdPipeline:
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()
         residence = program.update.residence
-        self.params = StageLeaves(tuple(tuple(l for l in range(n0) if s in residence[l]) for s in range(self.n_stages)),
+        self.params = StageLeaves(tuple(tuple(leaf for leaf in range(n0) if s in residence[leaf]) for s in range(self.n_stages)),
                                   tuple(range(n0)), trees[0])
-        self.opt = StageLeaves(tuple(tuple(l for l in range(n0, n0 + n1) if s in residence[l])
+        self.opt = StageLeaves(tuple(tuple(leaf for leaf in range(n0, n0 + n1) if s in residence[leaf])
                                      for s in range(self.n_stages)), tuple(range(n0, n0 + n1)), trees[1])
         self.order = dispatch_order(section.schedule, self.n_stages, self.microbatches)
         self.trace_counts: dict[tuple[str, int], int] = {}

@@ -1,8 +1,9 @@
 """Meshes from a plan: the device order, the SPMD mesh, the pipeline's stages and their meshes.
 
-A pipeline plan's `pipeline` section (`hlomap.plan.Pipeline`, typed and checked by the plan) lists its stages with the (plan) device ids each uses (with
-`"repeats": V`, a circular schedule: the model is cut into S V logical stages and logical stage k
-runs on the devices of stage k mod S, each microbatch going round the stages V times); the
+A pipeline plan's `pipeline` section (`hlomap.plan.Pipeline`, typed and checked by the plan)
+lists its stages with the (plan) device ids each uses (with `"repeats": V`, a circular schedule:
+the model is cut into S V logical stages and logical stage k runs on the devices of stage k mod S,
+each microbatch going round the stages V times); the
 mesh inside a stage is the stage's own `mesh` entry when it has one, else the plan's top-level
 mesh (its parameters' PartitionSpecs then apply inside every stage: tensor parallelism), else
 one `data` axis over the stage's devices (the explorer's replicated stages). The PartitionSpecs
