@@ -140,10 +140,11 @@ def check_outputs(*paths: Path) -> None:
 
 
 def console() -> Any:
-    """A rich console; when output is not a terminal, wide enough that paths are not folded."""
+    """A rich console; when output is not a terminal, tables 140 columns wide and text lines never
+    folded (a script greps a whole sentence)."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    return Console() if sys.stdout.isatty() else Console(width=140, soft_wrap=True)
 
 
 def print_json(data: Any, *, indent: int = 1, default: Callable[[Any], Any] | None = None) -> None:
