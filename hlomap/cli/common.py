@@ -139,6 +139,13 @@ def check_outputs(*paths: Path) -> None:
 # -- printing ----------------------------------------------------------------------------------
 
 
+def add_budget_options(p: argparse.ArgumentParser, *, seconds_help: str, evaluations_help: str) -> None:
+    """--budget-seconds, --budget-evaluations and --seed: every searching command's budget."""
+    p.add_argument("--budget-seconds", type=positive_float, default=60.0, metavar="N", help=seconds_help)
+    p.add_argument("--budget-evaluations", type=positive_int, default=None, metavar="N", help=evaluations_help)
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+
+
 def console() -> Any:
     """A rich console; when output is not a terminal, tables 140 columns wide and text lines never
     folded (a script greps a whole sentence)."""

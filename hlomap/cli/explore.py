@@ -60,11 +60,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward", choices=("paper", "cost"), default="paper",
                    help="paper: Auto-MAP's +0.4 per partitioned dim, +0.1 per replicated one, -1 on conflict; "
                         "cost: the cost model's step-time gain (default paper)")
-    p.add_argument("--budget-seconds", type=common.positive_float, default=60.0, metavar="N",
-                   help="wall-clock budget of the search (default 60)")
-    p.add_argument("--budget-evaluations", type=common.positive_int, default=None, metavar="N",
-                   help="also stop after N evaluated plans")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    common.add_budget_options(p, seconds_help="wall-clock budget of the search (default 60)",
+                              evaluations_help="also stop after N evaluated plans")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
                    help="where the plan is saved, and kept up to date while searching (default plan.json)")
     p.add_argument("--curve", metavar="FILE.png",

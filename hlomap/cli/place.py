@@ -26,11 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="greedy: construction + pairwise-swap local search; ppo: the shipped placement policy, then "
                         "local search; exact: every permutation (clusters of up to 8 devices); random: best random "
                         "placement; identity: the plan's own order (default greedy)")
-    p.add_argument("--budget-seconds", type=common.positive_float, default=60.0, metavar="N",
-                   help="wall-clock budget (default 60)")
-    p.add_argument("--budget-evaluations", type=common.positive_int, default=None, metavar="N",
-                   help="also stop after N evaluations (a swap tried, or a placement priced)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    common.add_budget_options(p, seconds_help="wall-clock budget (default 60)",
+                              evaluations_help="also stop after N evaluations (a swap tried, or a placement priced)")
     p.add_argument("--source", metavar="SOURCE",
                    help="an SPMD plan's step (zoo:NAME, FILE.py:FUNCTION or HLO file) to estimate its collectives on "
                         "this cluster, instead of the estimate saved in the plan")
