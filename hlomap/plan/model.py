@@ -344,17 +344,13 @@ class Plan:
         difference = None if cap is None else self.source.mismatch(cap)
         if difference is not None:
             raise ValueError(
-                f"{where} was made for another module: {self.source.kind or 'its module'} and {cap.source} differ "
-                f"({difference}); the step, its argument shapes or the JAX version changed: explore again for "
-                "this module")
+                f"{where} was made for another module than {cap.source} ({difference}; the plan's module first): "
+                "the step, its argument shapes or the JAX version changed: explore again for this module")
         if mesh is not None:
             shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "axis_names") else dict(mesh)).items()}
             if shape != self.mesh_shape:
                 raise ValueError(f"{where} was made for mesh {self.mesh_shape}, not {shape}; explore again for this "
                                  f"mesh or pass the plan's mesh")
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------
