@@ -292,7 +292,8 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     PlanConflict for a plan with conflicts.
 
     A pipeline or joint plan is priced by its stages instead (`simulate_plan`), and its
-    `PipelineSimulation` or `JointSimulation` is returned.
+    `PipelineSimulation` or `JointSimulation` is returned; every kind answers `step_seconds` and
+    `fits`.
     """
     if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
         return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order)
@@ -630,6 +631,10 @@ class SpmdSimulation:
     def fits(self) -> bool:
         return bool(self.estimate.fits)
 
+    @property
+    def step_seconds(self) -> float:
+        return float(self.estimate.step_seconds)
+
 
 @dataclass(frozen=True)
 class PipelineSimulation:
@@ -643,6 +648,11 @@ class PipelineSimulation:
     def fits(self) -> bool:
         return bool(self.estimate.placed.feasible)
 
+    @property
+    def step_seconds(self) -> float:
+        """The event simulator's batch time on the plan's placement."""
+        return float(self.estimate.placed.length)
+
 
 @dataclass(frozen=True)
 class JointSimulation:
@@ -654,6 +664,11 @@ class JointSimulation:
     @property
     def fits(self) -> bool:
         return bool(self.result.cost.fits)
+
+    @property
+    def step_seconds(self) -> float:
+        """The closed form's step time L over the stages priced again."""
+        return float(self.result.cost.latency)
 
 
 Simulation = SpmdSimulation | PipelineSimulation | JointSimulation

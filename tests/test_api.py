@@ -72,3 +72,16 @@ def test_estimate_prices_a_pipeline_plan_by_its_stages(tmp_path: Path) -> None:
 def test_explore_takes_a_source_string() -> None:
     plan = api.explore("zoo:gpt-tiny", task="opp", mesh=8, agent="greedy", budget_evaluations=5)
     assert plan.parameters and dict(plan.mesh) == {"model": 8}
+
+
+@pytest.mark.parametrize("name, cluster", [("spmd_v1.json", "A"), ("pipeline_v1.json", "hier:2x2"),
+                                           ("joint_v1.json", "hier:2x4")])
+def test_every_plan_kind_is_estimated_with_a_step_time(name: str, cluster: str) -> None:
+    """`hlomap.estimate` prices an SPMD plan, a pipeline plan and a joint plan (each in its own
+    way) and each answer says the step time and whether it fits."""
+    from hlomap import zoo
+
+    model = zoo.get("gpt-tiny")
+    cap = api.capture(model.train_step(), *model.abstract_args())
+    result = api.estimate(cap, api.load_plan_file(PLANS / name), cluster=cluster)
+    assert 0 < result.step_seconds < 10 and isinstance(result.fits, bool)
