@@ -477,3 +477,10 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_command_run_in_process_gives_the_callers_ctrl_c_back() -> None:
+    """`hlomap.cli.run` installs its cooperative SIGINT handler only while the command runs."""
+    before = signal.getsignal(signal.SIGINT)
+    assert run(["zoo", "list"]) == 0
+    assert signal.getsignal(signal.SIGINT) is before

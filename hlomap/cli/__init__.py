@@ -36,8 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    """Run one `hlomap` command; returns its exit status. Ctrl-C is cooperative while it runs
+    (`cli.interrupts`), and the caller's SIGINT handler is back afterwards."""
     interrupts = InterruptWatch()
     interrupts.install()
+    try:
+        return _run(argv, interrupts)
+    finally:
+        interrupts.uninstall()
+
+
+def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
     from hlomap import api
     from hlomap.cli import common
 

@@ -27,6 +27,7 @@ class InterruptWatch:
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.previous: Any = None  # the handler `install` replaced, which `uninstall` puts back
 
     def handler(self, signum: int, frame: Any) -> None:
         if self.event.is_set():  # a second Ctrl-C: the user does not want to wait
@@ -39,7 +40,14 @@ class InterruptWatch:
         """Handle SIGINT in the main thread, unless it is ignored (a background job keeps it so)."""
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
-            signal.signal(signal.SIGINT, self.handler)
+            self.previous = signal.signal(signal.SIGINT, self.handler)
+
+    def uninstall(self) -> None:
+        """Put back the handler `install` replaced (a caller running several commands in one
+        process, a test suite say, gets its own Ctrl-C back)."""
+        if self.previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
 
     @property
     def interrupted(self) -> bool:
