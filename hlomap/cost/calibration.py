@@ -554,6 +554,8 @@ def fit_comm(samples: Iterable[CommSample]) -> tuple[CommFit, ...]:
 #: The key of a calibrated cluster file that holds the fits and the raw samples; `load_cluster`
 #: reads the rest of the file as an ordinary cluster and ignores it.
 CLUSTER_CALIBRATION_KEY = "calibration"
+#: The "format" of that object: not a profile (`FORMAT`), which `load_calibration` would read.
+CLUSTER_FORMAT = "hlomap-cluster-calibration"
 
 
 @dataclass(frozen=True)
@@ -613,7 +615,7 @@ class ClusterCalibration:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": VERSION, "backend": self.backend, "device_kind": self.device_kind,
+            "format": CLUSTER_FORMAT, "version": VERSION, "backend": self.backend, "device_kind": self.device_kind,
             "n_devices": self.n_devices, "memory_bytes": self.memory_bytes, "jax_version": self.jax_version,
             "hlomap_version": self.hlomap_version, "measured_at": self.measured_at,
             "wall_seconds": self.wall_seconds, "figures": self.figures(),

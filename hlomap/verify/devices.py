@@ -57,7 +57,7 @@ class BenchPlan:
 #: minute while spanning latency- and bandwidth-bound messages and the rise of the matmul curve.
 DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512, 1024), dtypes=("f32", "bf16"),
                          memory_sizes=tuple(2**k for k in range(12, 25, 2)),
-                         message_sizes=tuple(2**k for k in range(6, 21, 2)), repeats=20, dispatch_repeats=200)
+                         message_sizes=tuple(2**k for k in range(6, 23, 2)), repeats=10, dispatch_repeats=200)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
                        message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10)

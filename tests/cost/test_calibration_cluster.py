@@ -152,6 +152,7 @@ def test_calibration_json_round_trips_through_load_cluster(tmp_path: Path) -> No
     assert isinstance(loaded, Cluster)
     assert loaded == calibrated_cluster(cal)
     kept = json.loads(path.read_text())[CLUSTER_CALIBRATION_KEY]
-    assert kept["n_devices"] == 4 and kept["device_kind"] == "cpu" and kept["jax_version"] == "0.0"
+    assert kept["format"] == "hlomap-cluster-calibration" and kept["n_devices"] == 4
+    assert kept["device_kind"] == "cpu" and kept["jax_version"] == "0.0" and kept["hlomap_version"] == "0.1.0"
     assert len(kept["samples"]["kernels"]) == len(cal.kernels) and len(kept["samples"]["comm"]) == len(cal.comm)
     assert kept["figures"] == pytest.approx(cal.figures())
