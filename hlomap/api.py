@@ -1149,7 +1149,8 @@ def calibrate(devices: int | None = None, quick: bool = False,
     `devices` host devices when JAX has not started yet (`ensure_host_devices`)."""
     if devices is not None and devices < 1:
         raise InputError(f"--devices {devices}: must be at least 1")
-    ensure_host_devices(devices or 1)
+    if devices is not None:
+        ensure_host_devices(devices)
     import jax
 
     from hlomap.cost.calibration import CalibrationError, calibrated_cluster

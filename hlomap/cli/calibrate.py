@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # before anything imports JAX (the reports below do): a CPU-only machine then shows N devices
-    api.ensure_host_devices(args.devices or 1)
+    if args.devices is not None:
+        api.ensure_host_devices(args.devices)
     from hlomap.report.calibration import format_calibration
     from hlomap.report.progress import calibration_bar
 

@@ -614,13 +614,14 @@ class ClusterCalibration:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        figures = self.figures()
         return {
             "format": CLUSTER_FORMAT, "version": VERSION, "backend": self.backend, "device_kind": self.device_kind,
             "n_devices": self.n_devices, "memory_bytes": self.memory_bytes, "jax_version": self.jax_version,
             "hlomap_version": self.hlomap_version, "measured_at": self.measured_at,
-            "wall_seconds": self.wall_seconds, "figures": self.figures(),
+            "wall_seconds": self.wall_seconds, "figures": figures,
             "fits": {"matmul": [c.to_json() for c in self.matmul_curves],
-                     "memory": {"latency": self.memory_fit.alpha, "bandwidth": self.figures()["memory bandwidth B/s"]},
+                     "memory": {"latency": self.memory_fit.alpha, "bandwidth": figures["memory bandwidth B/s"]},
                      "comm": [f.to_json() for f in self.comm_fits]},
             "samples": {"kernels": [m.to_json() for m in self.kernels], "comm": [s.to_json() for s in self.comm]},
         }

@@ -37,7 +37,7 @@ from hlomap.cost.collectives import Collective
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "group_sizes", "measure_devices"]
+__all__ = ["BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "collective_group_sizes", "measure_devices"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class BenchProgress:
         return self.done / self.total if self.total else 1.0
 
 
-def group_sizes(n_devices: int) -> tuple[int, ...]:
+def collective_group_sizes(n_devices: int) -> tuple[int, ...]:
     """2, 4, 8 ... up to the device count, and the count itself when it is not a power of two."""
     sizes = [2**k for k in range(1, int(math.log2(n_devices)) + 1)] if n_devices >= 2 else []
     if n_devices >= 2 and sizes[-1] != n_devices:
@@ -176,7 +176,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     for elements in plan.memory_sizes:
         tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
     tasks.append(("dispatch", dispatch))
-    for group in group_sizes(len(devices)):
+    for group in collective_group_sizes(len(devices)):
         for kind in Collective:
             for elements in plan.message_sizes:
                 size = max(elements, group) // group * group  # all-to-all and reduce-scatter split it

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 
 from hlomap.cost.calibration import CalibrationError
-from hlomap.verify.devices import BenchPlan, BenchProgress, group_sizes, measure_devices
+from hlomap.verify.devices import BenchPlan, BenchProgress, collective_group_sizes, measure_devices
 
 TINY = BenchPlan(matmul_sizes=(8, 16), dtypes=("f32",), memory_sizes=(64, 256), message_sizes=(16, 64),
                  repeats=1, dispatch_repeats=2)
 
 
 def test_group_sizes_double_up_to_the_device_count() -> None:
-    assert group_sizes(1) == ()
-    assert group_sizes(2) == (2,)
-    assert group_sizes(8) == (2, 4, 8)
-    assert group_sizes(6) == (2, 4, 6)
+    assert collective_group_sizes(1) == ()
+    assert collective_group_sizes(2) == (2,)
+    assert collective_group_sizes(8) == (2, 4, 8)
+    assert collective_group_sizes(6) == (2, 4, 6)
 
 
 def test_measure_devices_records_every_sample_with_progress() -> None:
