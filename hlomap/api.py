@@ -7,6 +7,7 @@ nothing.
     est = estimate(cap, plan, cluster="A")       # or "dp" | "megatron" | "dp+megatron"
     sim = simulate_plan(cap, plan, cluster="A")     # any plan kind: SPMD, built-in, pipeline, joint
     checked = check_run(plan, "zoo:gpt-small")   # run on the local devices, compare with unsharded
+    cluster, measured = calibrate(devices=8)     # measure the present devices; save_calibration(...)
 
 Everything here resolves user-facing names (presets, files, built-in plans, mesh strings) into the
 plain data the layers below take, and nothing below imports it. Which estimator prices a plan is
@@ -49,6 +50,7 @@ __all__ = [
     "check_plan_for",
     "check_plan_specs",
     "check_run",
+    "calibrate",
     "check_writable",
     "dump_zoo",
     "ensure_host_devices",
@@ -80,6 +82,7 @@ __all__ = [
     "replan_run",
     "require_roles",
     "resolve_cluster",
+    "save_calibration",
     "simulate_plan",
     "user_errors",
     "zoo_entries",
@@ -1130,3 +1133,46 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     report(RunPhase.OUTPUTS.value)
     outputs = _compare_outputs(step, example, plan, rtol=rtol, atol=atol)
     return RunCheck(str(where), source, devices, platform, outputs=outputs, note=note)
+
+
+# ---------------------------------------------------------------------------------------------
+# calibrate: measure the present devices
+# ---------------------------------------------------------------------------------------------
+
+
+def calibrate(devices: int | None = None, quick: bool = False,
+              on_progress: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+    """Measure the first `devices` of the present devices (all when None) and return
+    (Cluster, ClusterCalibration): the cluster the fits describe, and every sample and fit behind
+    it (`hlomap.cost.calibration`). `quick` takes a few seconds instead of tens; `on_progress`
+    receives a `verify.devices.BenchProgress` after every sample. A CPU-only machine shows
+    `devices` host devices when JAX has not started yet (`ensure_host_devices`)."""
+    if devices is not None and devices < 1:
+        raise InputError(f"--devices {devices}: must be at least 1")
+    if devices is not None:
+        ensure_host_devices(devices)
+    import jax
+
+    from hlomap.cost.calibration import CalibrationError, calibrated_cluster
+    from hlomap.verify.devices import measure_devices
+
+    seen = jax.device_count()
+    if devices is not None and devices > seen:
+        raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)")
+    try:
+        measured = measure_devices(devices, quick=quick, on_progress=on_progress)
+        return calibrated_cluster(measured), measured
+    except CalibrationError as err:
+        raise InputError(f"calibration failed: {err}") from None
+
+
+def save_calibration(calibration: Any, path: str | Path) -> Path:
+    """Write the calibrated cluster file (an ordinary cluster JSON with the fits and samples under
+    its "calibration" key) that `--cluster FILE` and `load_cluster` read."""
+    import json
+
+    from hlomap.cost.calibration import calibrated_cluster_json
+
+    path = Path(path)
+    path.write_text(json.dumps(calibrated_cluster_json(calibration), indent=1) + "\n")
+    return path

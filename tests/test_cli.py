@@ -476,3 +476,43 @@ def test_run_exits_3_when_an_spmd_plans_gradients_differ(tmp_path: Path, capsys:
     assert run(["run", str(plan_path), "--source", "zoo:gpt-tiny"]) == 3
     out = " ".join(capsys.readouterr().out.split())
     assert "gradients DIFFERENT" in out and "gradients in float64 DIFFERENT" in out and "DIFFERENT to the unsharded" in out
+
+
+def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from hlomap.cost.cluster import load_cluster
+
+    out = tmp_path / "x.json"
+    assert run(["calibrate", "--quick", "--devices", "2", "-o", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "collective-permute" in captured.out and "matmul dtype" in captured.out
+    assert f"wrote {out}" in captured.err
+    cluster = load_cluster(out)
+    assert cluster.n_devices == 2 and cluster.bandwidth[0, 1] > 0
+    kept = json.loads(out.read_text())["calibration"]
+    assert kept["n_devices"] == 2 and kept["backend"] == "cpu" and kept["jax_version"]
+    kinds = {s["kind"] for s in kept["samples"]["comm"]}
+    assert kinds == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "transfer",
+                     "dispatch"}
+    assert {k["dtype"] for k in kept["samples"]["kernels"] if k["kind"] == "dot"} == {"f32", "bf16"}
+
+
+def test_calibrate_refuses_a_device_count_it_cannot_measure(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "x.json"
+    with pytest.raises(SystemExit) as exited:
+        run(["calibrate", "--quick", "--devices", "0", "-o", str(out), "--quiet"])
+    assert exited.value.code == 2
+    assert "--devices: 0 must be positive" in capsys.readouterr().err
+    assert run(["calibrate", "--quick", "--devices", "64", "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices 64: JAX sees only 8 cpu device(s)" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_calibrate_checks_the_output_before_measuring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "missing" / "x.json"
+    assert run(["calibrate", "--quick", "--devices", "2", "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "directory does not exist" in captured.err
+    assert "calibrate ━" not in captured.err and "matmul dtype" not in captured.out  # nothing was measured

@@ -22,9 +22,9 @@ __all__ = ["build_parser", "main", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hlomap.cli import common, explore, inspect, place, replan, run_step, simulate, zoo
+    from hlomap.cli import calibrate, common, explore, inspect, place, replan, run_step, simulate, zoo
 
-    commands = (inspect, simulate, explore, run_step, place, replan, zoo)  # in the order --help lists them
+    commands = (inspect, simulate, explore, run_step, place, replan, calibrate, zoo)  # in the order --help lists them
     parser = common.Parser(prog="hlomap",
                            description="Find distributed execution plans for JAX train steps on XLA's HLO.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")

@@ -13,8 +13,11 @@ See docs/design.md ("Cost model").
 from hlomap.cost.calibration import (
     CalibrationError,
     Calibration,
+    ClusterCalibration,
+    CommSample,
     Measurement,
     apply_calibration,
+    calibrated_cluster,
     fit_calibration,
     load_calibration,
 )
@@ -60,6 +63,8 @@ __all__ = [
     "AxisMapping",
     "CalibrationError",
     "Calibration",
+    "ClusterCalibration",
+    "CommSample",
     "Cluster",
     "ClusterSpecError",
     "Collective",
@@ -74,6 +79,7 @@ __all__ = [
     "all_reduce_time",
     "all_to_all_time",
     "apply_calibration",
+    "calibrated_cluster",
     "axis_devices",
     "cluster_preset",
     "collective_permute_time",

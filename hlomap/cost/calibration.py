@@ -16,6 +16,12 @@ that turn them into what a real device achieves, fitted from timed kernels:
 `scripts/calibrate_gpu.py` times the kernels and writes a profile; `hlomap simulate` and
 `hlomap explore` load one with `--profile FILE`.
 
+A whole-cluster calibration (`hlomap calibrate`, `ClusterCalibration`) measures the present
+devices instead of correcting a preset: matmul efficiency curves per dtype (`fit_matmul_curves`),
+the memory bandwidth (`fit_memory_bandwidth`) and each collective, transfer and dispatch as an
+alpha-beta fit per group size (`fit_comm`); `calibrated_cluster` maps the fits onto an ordinary
+Cluster, and the cluster file keeps the fits and raw samples under its "calibration" key.
+
 JSON (units: FLOPs, bytes, seconds):
     {"format": "hlomap-calibration", "version": 1, "device": "H100-80GB",
      "compute_efficiency": 0.71, "bandwidth_efficiency": 0.88,
@@ -35,7 +41,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from hlomap.cost.cluster import Cluster
+from hlomap.cost.collectives import AlphaBeta, Collective
 from hlomap.cost.compute import flop_rate
 from hlomap.cost.devices import DeviceSpec
 
@@ -392,3 +401,274 @@ def apply_calibration(cluster: Cluster, profile: Calibration) -> Cluster:
                                f"{cluster.name!r} (its devices: {kinds})")
     devices = tuple(calibrated_device(d, profile) if d.name.lower() == wanted else d for d in cluster.devices)
     return replace(cluster, devices=devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-cluster calibration (`hlomap calibrate`): fits of microbenchmarks on the present devices
+# ---------------------------------------------------------------------------------------------
+
+#: What a `CommSample` times besides the five collectives: a `jax.device_put` from one device to
+#: another (a stage-to-stage send) and a trivial jitted call (the fixed cost of one dispatch).
+TRANSFER = "transfer"
+DISPATCH = "dispatch"
+COMM_KINDS = frozenset({c.value for c in Collective} | {TRANSFER, DISPATCH})
+
+
+@dataclass(frozen=True)
+class CommSample:
+    """One timed communication (or dispatch): `kind` (a Collective's value, TRANSFER or
+    DISPATCH), over `group` devices, `nbytes` per device's buffer, median `seconds` of repeats."""
+
+    kind: str
+    group: int
+    nbytes: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMM_KINDS:
+            raise CalibrationError(f"sample kind {self.kind!r}: expected one of {sorted(COMM_KINDS)}")
+        if self.group < 1:
+            raise CalibrationError(f"{self.kind} sample: group = {self.group!r} must be >= 1")
+        if not (math.isfinite(self.nbytes) and self.nbytes >= 0):
+            raise CalibrationError(f"{self.kind} sample: nbytes = {self.nbytes!r} must be finite and >= 0")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise CalibrationError(f"{self.kind} sample: seconds = {self.seconds!r} must be positive")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "group": self.group, "bytes": self.nbytes, "seconds": self.seconds}
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """Least-squares `t = alpha + beta * n` over samples (n, t), weighted by 1/t so that every
+    size counts by its relative error (samples span orders of magnitude; unweighted, the largest
+    would decide alone). A negative intercept (noise on a pure bandwidth curve) is refitted
+    through the origin and a negative slope (a size-independent time) through a flat line: the
+    model's terms are non-negative."""
+    if len(sizes) != len(seconds) or not sizes:
+        raise CalibrationError(f"alpha-beta fit needs matching, non-empty samples (got {len(sizes)} sizes, "
+                               f"{len(seconds)} times)")
+    n = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    w = 1.0 / t
+    if len(set(n.tolist())) >= 2:
+        design = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+        (alpha, beta), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    else:
+        alpha, beta = -1.0, -1.0
+    if alpha >= 0 and beta >= 0:
+        return AlphaBeta(float(alpha), float(beta))
+    slope = float(np.sum(w * w * n * t) / np.sum(w * w * n * n)) if np.any(n > 0) else 0.0
+    if alpha < 0 and slope > 0 and beta >= 0:
+        return AlphaBeta(0.0, slope)
+    return AlphaBeta(float(np.sum(w * w * t) / np.sum(w * w)), 0.0)
+
+
+def rate_of(fit: AlphaBeta, sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """1 / beta (bytes or FLOPs per second), or, when the fit found no size-dependent term, the
+    best rate a sample achieved: a finite figure the cluster file can hold."""
+    if fit.beta > 0:
+        return 1.0 / fit.beta
+    return max(n / s for n, s in zip(sizes, seconds))
+
+
+@dataclass(frozen=True)
+class MatmulCurve:
+    """The fitted matmul efficiency curve of one dtype: `t = overhead + flops / peak`, so the
+    achieved rate `flops / t` rises with size towards `peak` (one number would misprice either
+    the small or the large dots). `points` are (flops, achieved FLOP/s) of the samples."""
+
+    dtype: str
+    peak_flops: float
+    overhead_seconds: float
+    points: tuple[tuple[float, float], ...]
+
+    def rate(self, flops: float) -> float:
+        """Fitted achieved FLOP/s of a matmul of `flops` FLOPs."""
+        return flops / (self.overhead_seconds + flops / self.peak_flops)
+
+    def efficiency(self, flops: float) -> float:
+        """Fitted achieved / peak at `flops`."""
+        return self.rate(flops) / self.peak_flops
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "peak_flops": self.peak_flops, "overhead_seconds": self.overhead_seconds,
+                "points": [list(p) for p in self.points]}
+
+
+def fit_matmul_curves(measurements: Iterable[Measurement]) -> tuple[MatmulCurve, ...]:
+    """One curve per dtype of the matrix-kind measurements, sorted by dtype."""
+    by_dtype: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        if m.matrix and m.fit:
+            by_dtype.setdefault(m.dtype, []).append(m)
+    curves = []
+    for dtype, ms in sorted(by_dtype.items()):
+        flops = [m.flops for m in ms]
+        times = [m.seconds for m in ms]
+        fit = fit_alpha_beta(flops, times)
+        points = tuple(sorted((m.flops, m.flops / m.seconds) for m in ms))
+        curves.append(MatmulCurve(dtype, rate_of(fit, flops, times), fit.alpha, points))
+    return tuple(curves)
+
+
+def fit_memory_bandwidth(measurements: Iterable[Measurement]) -> AlphaBeta:
+    """Alpha-beta fit of the memory-bound (non-matrix) measurements' bytes against time: beta is
+    seconds per byte of the device memory, alpha the fixed cost of a kernel."""
+    ms = [m for m in measurements if not m.matrix and m.fit]
+    if not ms:
+        raise CalibrationError("no memory-bound measurement to fit a bandwidth to")
+    return fit_alpha_beta([m.bytes_accessed for m in ms], [m.seconds for m in ms])
+
+
+@dataclass(frozen=True)
+class CommFit:
+    """Latency and bandwidth of one kind of communication over one group size."""
+
+    kind: str
+    group: int
+    latency: float
+    bandwidth: float
+    samples: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "group": self.group, "latency": self.latency, "bandwidth": self.bandwidth,
+                "samples": self.samples}
+
+
+def fit_comm(samples: Iterable[CommSample]) -> tuple[CommFit, ...]:
+    """An alpha-beta fit per (kind, group size), in the order of COMM_KINDS' sorted names and
+    group size. DISPATCH samples fit too (bandwidth then says nothing; latency is the overhead)."""
+    groups: dict[tuple[str, int], list[CommSample]] = {}
+    for s in samples:
+        groups.setdefault((s.kind, s.group), []).append(s)
+    fits = []
+    for (kind, group), ss in sorted(groups.items()):
+        sizes = [s.nbytes for s in ss]
+        times = [s.seconds for s in ss]
+        fit = fit_alpha_beta(sizes, times)
+        bandwidth = rate_of(fit, sizes, times) if any(sizes) else math.inf
+        fits.append(CommFit(kind, group, fit.alpha, bandwidth, len(ss)))
+    return tuple(fits)
+
+
+#: The key of a calibrated cluster file that holds the fits and the raw samples; `load_cluster`
+#: reads the rest of the file as an ordinary cluster and ignores it.
+CLUSTER_CALIBRATION_KEY = "calibration"
+#: The "format" of that object: not a profile (`FORMAT`), which `load_calibration` would read.
+CLUSTER_FORMAT = "hlomap-cluster-calibration"
+
+
+@dataclass(frozen=True)
+class ClusterCalibration:
+    """Everything one calibration of the present devices measured, and where and when.
+
+    `kernels` are the matmuls (kind "dot") and memory-bound ops timed on one device; `comm` the
+    collectives, transfers and dispatches. The fits are derived, not stored, so they always
+    agree with the samples. `memory_bytes` is what the backend says one device may allocate.
+    """
+
+    backend: str
+    device_kind: str
+    n_devices: int
+    memory_bytes: float
+    kernels: tuple[Measurement, ...]
+    comm: tuple[CommSample, ...]
+    jax_version: str = ""
+    hlomap_version: str = ""
+    measured_at: str = ""
+    wall_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernels", tuple(self.kernels))
+        object.__setattr__(self, "comm", tuple(self.comm))
+        if self.n_devices < 1:
+            raise CalibrationError(f"n_devices = {self.n_devices!r} must be >= 1")
+
+    @property
+    def matmul_curves(self) -> tuple[MatmulCurve, ...]:
+        return fit_matmul_curves(self.kernels)
+
+    @property
+    def memory_fit(self) -> AlphaBeta:
+        return fit_memory_bandwidth(self.kernels)
+
+    @property
+    def comm_fits(self) -> tuple[CommFit, ...]:
+        return fit_comm(self.comm)
+
+    def figures(self) -> dict[str, float]:
+        """The fitted figures by name (what a report table shows and two runs are compared on)."""
+        out: dict[str, float] = {}
+        for curve in self.matmul_curves:
+            out[f"matmul {curve.dtype} peak FLOP/s"] = curve.peak_flops
+            out[f"matmul {curve.dtype} overhead s"] = curve.overhead_seconds
+        memory = self.memory_fit
+        out["memory bandwidth B/s"] = rate_of(memory, [m.bytes_accessed for m in self.kernels if not m.matrix],
+                                              [m.seconds for m in self.kernels if not m.matrix])
+        for fit in self.comm_fits:
+            if fit.kind == DISPATCH:
+                out["dispatch s"] = fit.latency
+                continue
+            out[f"{fit.kind} x{fit.group} latency s"] = fit.latency
+            out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        figures = self.figures()
+        return {
+            "format": CLUSTER_FORMAT, "version": VERSION, "backend": self.backend, "device_kind": self.device_kind,
+            "n_devices": self.n_devices, "memory_bytes": self.memory_bytes, "jax_version": self.jax_version,
+            "hlomap_version": self.hlomap_version, "measured_at": self.measured_at,
+            "wall_seconds": self.wall_seconds, "figures": figures,
+            "fits": {"matmul": [c.to_json() for c in self.matmul_curves],
+                     "memory": {"latency": self.memory_fit.alpha, "bandwidth": figures["memory bandwidth B/s"]},
+                     "comm": [f.to_json() for f in self.comm_fits]},
+            "samples": {"kernels": [m.to_json() for m in self.kernels], "comm": [s.to_json() for s in self.comm]},
+        }
+
+
+def _link_fit(fits: Sequence[CommFit]) -> CommFit | None:
+    """The fit the cluster's link table takes: a collective-permute (every device sends to one
+    other, as a point-to-point link is priced) over the largest group; else a transfer."""
+    for kind in (Collective.COLLECTIVE_PERMUTE.value, TRANSFER):
+        ours = [f for f in fits if f.kind == kind and math.isfinite(f.bandwidth)]
+        if ours:
+            return max(ours, key=lambda f: f.group)
+    return None
+
+
+def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = None) -> Cluster:
+    """The Cluster a calibration describes: `n_devices` identical devices on one node, every pair
+    linked at the measured point-to-point latency and bandwidth.
+
+    The device's roofline reproduces the measured matmuls: its efficiency is the f32 curve's at
+    the largest f32 matmul measured (the dots that dominate a step are the large ones) and each
+    dtype's peak is that matmul's achieved rate over this efficiency, so peak x efficiency is
+    what the largest matmul of each dtype achieved. HBM bandwidth is the memory-bound fit's.
+    """
+    curves = {c.dtype: c for c in calibration.matmul_curves}
+    if "f32" not in curves:
+        raise CalibrationError("a cluster calibration needs f32 matmul samples (the rate of every other type)")
+    f32 = curves["f32"]
+    efficiency = min(1.0, max(MIN_EFFICIENCY, f32.efficiency(max(f for f, _ in f32.points))))
+    peak = {dtype: c.rate(max(f for f, _ in c.points)) / efficiency for dtype, c in curves.items()}
+    figures = calibration.figures()
+    device = DeviceSpec(name=calibration.device_kind or calibration.backend, peak_flops=peak,
+                        hbm_bandwidth=figures["memory bandwidth B/s"], memory_bytes=calibration.memory_bytes,
+                        efficiency=efficiency)
+    n = calibration.n_devices
+    link = _link_fit(calibration.comm_fits)
+    if n > 1 and link is None:
+        raise CalibrationError(f"{n} devices but no collective-permute or transfer sample to price their links")
+    bandwidth = np.full((n, n), link.bandwidth if link else math.inf)
+    latency = np.full((n, n), link.latency if link else 0.0)
+    label = name or f"calibrated-{calibration.backend}-{n}"
+    return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency)
+
+
+def calibrated_cluster_json(calibration: ClusterCalibration, *, name: str | None = None) -> dict[str, Any]:
+    """An ordinary cluster file's object plus the calibration (fits and raw samples) under
+    CLUSTER_CALIBRATION_KEY."""
+    data = calibrated_cluster(calibration, name=name).to_json()
+    data[CLUSTER_CALIBRATION_KEY] = calibration.to_json()
+    return data

@@ -12,7 +12,8 @@ JSON (units: bytes, bytes/s, seconds):
     {"name": "A", "devices": ["V100-16GB", ... | {full DeviceSpec}], "node_of": [0, 0, ...],
      "bandwidth": [[null, 1.3e11, ...], ...], "latency": [[0, 5e-06, ...], ...],
      "nics_per_node": 1}
-The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional.
+The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional; a
+"calibration" object (what `hlomap calibrate` measured, `hlomap.cost.calibration`) is ignored here.
 
 Auto-MAP's configurations A, B, C are 2, 3 and 4 servers of 8 V100 GPUs, NVLink inside a server
 and 25 Gbps Ethernet between servers (arXiv 2007.04069, section 5). The paper does not give the
@@ -231,7 +232,8 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
     missing = [k for k in ("name", "devices", "node_of", "bandwidth", "latency") if k not in d]
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}")
-    unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node"})
+    # "calibration": the fits and samples `hlomap calibrate` keeps beside the cluster it measured
+    unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node", "calibration"})
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}")
     if not isinstance(d["name"], str):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 from hlomap.agents.loop import LoopProgress
 from hlomap.search.tracker import Progress
 
-__all__ = ["phase_reporter", "progress_bar", "training_bar"]
+__all__ = ["calibration_bar", "phase_reporter", "progress_bar", "training_bar"]
 
 
 @contextlib.contextmanager
@@ -108,3 +108,24 @@ def phase_reporter(enabled: bool = True, *, stream: Any = None) -> Iterator[Call
         print(phase_line(phase, started, time.monotonic()), file=out, flush=True)
 
     yield report
+
+
+@contextlib.contextmanager
+def calibration_bar(enabled: bool = True) -> Iterator[Callable[[Any], None] | None]:
+    """A rich progress bar fed by `api.calibrate`'s `on_progress` (a `verify.devices.BenchProgress`:
+    samples done of all, the last one's name), on stderr; yields None when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+    bar = Bar(TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+              TextColumn("{task.fields[label]}"), console=Console(stderr=True))
+    task = bar.add_task("calibrate", total=None, label="")
+
+    def update(p: Any) -> None:
+        bar.update(task, total=p.total, completed=p.done, label=p.label)
+
+    with bar:
+        yield update

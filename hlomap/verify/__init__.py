@@ -4,5 +4,6 @@
   optionally XLA's shardy dump);
 - `xla`: collectives, FLOPs and memory read from the compiled module, against a `StepEstimate`;
 - `shardings`: the shardings XLA's propagation chose, against the factor graph's;
-- `numerics`: the step under a plan against the unsharded step (`compare_outputs`, `run_plan`).
+- `numerics`: the step under a plan against the unsharded step (`compare_outputs`, `run_plan`);
+- `devices`: microbenchmarks of the present devices, the samples `hlomap calibrate` fits.
 """

@@ -1,0 +1,46 @@
+"""`hlomap calibrate [--devices N] [-o cluster.json] [--quick]`: measure the present devices and
+write the cluster file they describe."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hlomap import api
+from hlomap.cli import common
+
+DESCRIPTION = ("Measure the present devices (CPU, GPU or TPU) with microbenchmarks: matmul throughput per dtype over "
+               "a sweep of sizes, memory bandwidth, each collective over message and group sizes, program dispatch "
+               "and device-to-device transfers; fit latency, bandwidth and efficiency, and write an ordinary cluster "
+               "file (the fits and raw samples kept under its \"calibration\" key) that --cluster FILE reads.")
+EPILOG = ("examples:\n  hlomap calibrate -o local.json\n  hlomap calibrate --quick --devices 2 -o quick.json\n"
+          "  hlomap simulate zoo:gpt-tiny --plan dp --cluster local.json")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure the present devices and write a cluster file",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=common.positive_int, default=None, metavar="N",
+                   help="measure the first N devices (default: every device JAX sees; on a CPU-only machine N host "
+                        "devices are simulated)")
+    p.add_argument("-o", "--output", type=Path, default=Path("cluster.json"), metavar="FILE.json",
+                   help="the cluster file to write (default cluster.json)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds instead of tens")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    # before anything imports JAX (the reports below do): a CPU-only machine then shows N devices
+    if args.devices is not None:
+        api.ensure_host_devices(args.devices)
+    from hlomap.report.calibration import format_calibration
+    from hlomap.report.progress import calibration_bar
+
+    api.check_writable(args.output)  # before measuring: never measure for a minute, then fail to save
+    with calibration_bar(not args.quiet) as on_progress:
+        cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
+    common.show(*format_calibration(cluster, calibration))
+    path = api.save_calibration(calibration, args.output)
+    common.say(f"wrote {path}: cluster {cluster.name!r} ({cluster.n_devices} device(s)); use it with --cluster {path}")
+    return 0

@@ -1,0 +1,53 @@
+"""What `hlomap calibrate` shows: the fitted figures of a calibration and the cluster they give."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hlomap.cost.calibration import DISPATCH, ClusterCalibration
+from hlomap.cost.cluster import Cluster
+from hlomap.report.units import human_bytes, human_flops, human_seconds
+
+__all__ = ["format_calibration"]
+
+
+def _rate(bytes_per_second: float) -> str:
+    return "-" if not math.isfinite(bytes_per_second) else f"{human_bytes(bytes_per_second)}/s"
+
+
+def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> list[Any]:
+    """Rich tables: the device's roofline figures, then latency and bandwidth per
+    communication kind and group size, then what went into the cluster's links."""
+    from rich.table import Table
+
+    device = cluster.devices[0]
+    title = (f"{calibration.n_devices} x {calibration.device_kind} ({calibration.backend}), "
+             f"measured in {calibration.wall_seconds:.1f} s, JAX {calibration.jax_version}")
+    compute = Table(title=title, show_edge=False)
+    compute.add_column("matmul dtype")
+    compute.add_column("fitted peak", justify="right")
+    compute.add_column("overhead", justify="right")
+    compute.add_column("achieved (smallest .. largest)", justify="right")
+    compute.add_column("cluster peak x efficiency", justify="right")
+    for curve in calibration.matmul_curves:
+        low, high = curve.points[0][1], curve.points[-1][1]
+        compute.add_row(curve.dtype, f"{human_flops(curve.peak_flops)}/s", human_seconds(curve.overhead_seconds),
+                        f"{human_flops(low)}/s .. {human_flops(high)}/s",
+                        f"{human_flops(device.flops_for(curve.dtype))}/s x {device.efficiency:.2f}")
+    figures = calibration.figures()
+    compute.add_row("memory", _rate(figures["memory bandwidth B/s"]), human_seconds(calibration.memory_fit.alpha),
+                    "", _rate(device.hbm_bandwidth))
+    comm = Table(show_edge=False)
+    comm.add_column("communication")
+    comm.add_column("devices", justify="right")
+    comm.add_column("latency", justify="right")
+    comm.add_column("bandwidth", justify="right")
+    comm.add_column("samples", justify="right")
+    for fit in calibration.comm_fits:
+        comm.add_row(fit.kind, str(fit.group), human_seconds(fit.latency),
+                     "-" if fit.kind == DISPATCH else _rate(fit.bandwidth), str(fit.samples))
+    links = (f"cluster {cluster.name!r}: {cluster.n_devices} device(s) of {human_bytes(device.memory_bytes)}"
+             + (f", links {human_seconds(float(cluster.latency[0, 1]))} + bytes / "
+                f"{_rate(float(cluster.bandwidth[0, 1]))}" if cluster.n_devices > 1 else ""))
+    return [compute, comm, links]

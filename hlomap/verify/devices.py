@@ -1,0 +1,243 @@
+"""Microbenchmarks of the present devices: the measurements behind `hlomap calibrate`.
+
+The devices themselves are the oracle here: matmuls per dtype over a sweep of sizes and a
+memory-bound elementwise op on one device; each collective (`jax.shard_map` with `lax.psum`,
+`all_gather`, `psum_scatter`, `all_to_all`, `ppermute`) over message sizes on groups of 2, 4, 8
+... of the devices; a `jax.device_put` from one device to another (a stage-to-stage send); a
+trivial jitted call (the fixed cost of one dispatch). Every sample is the median of repeated
+timed calls after a warm-up call (compilation, first-touch allocation); the fits live in
+`hlomap.cost.calibration`, which this module only feeds.
+
+It sits in `verify` because it runs programs on the devices (as compiling and running plans
+do) and needs nothing above the cost model.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hlomap.cost.calibration import (
+    DISPATCH,
+    TRANSFER,
+    CalibrationError,
+    ClusterCalibration,
+    CommSample,
+    Measurement,
+)
+from hlomap.cost.collectives import Collective
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "collective_group_sizes", "measure_devices"]
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What to time: matmul sides (n x n by n x n), elementwise and message sizes in f32
+    elements per device, and how many timed calls a sample is the median of."""
+
+    matmul_sizes: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    memory_sizes: tuple[int, ...]
+    message_sizes: tuple[int, ...]
+    repeats: int
+    dispatch_repeats: int
+
+
+#: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
+#: minute while spanning latency- and bandwidth-bound messages and the rise of the matmul curve.
+DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512, 1024), dtypes=("f32", "bf16"),
+                         memory_sizes=tuple(2**k for k in range(12, 25, 2)),
+                         message_sizes=tuple(2**k for k in range(6, 23, 2)), repeats=10, dispatch_repeats=200)
+#: `--quick`: enough samples for every fit (two sizes each), in seconds.
+QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
+                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10)
+
+_ITEMSIZE = {"f32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class BenchProgress:
+    """`done` of `total` samples measured; `label` names the last."""
+
+    done: int
+    total: int
+    label: str
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 1.0
+
+
+def collective_group_sizes(n_devices: int) -> tuple[int, ...]:
+    """2, 4, 8 ... up to the device count, and the count itself when it is not a power of two."""
+    sizes = [2**k for k in range(1, int(math.log2(n_devices)) + 1)] if n_devices >= 2 else []
+    if n_devices >= 2 and sizes[-1] != n_devices:
+        sizes.append(n_devices)
+    return tuple(sizes)
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of `repeats` calls of `fn` (which blocks until its result is ready), after
+    one untimed warm-up call; never below a nanosecond, so that the sample is a valid time."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times), 1e-9)
+
+
+def _ready(x: Any) -> Any:
+    import jax
+
+    return jax.block_until_ready(x)
+
+
+def _collective_program(kind: Collective, group: int) -> Callable[[Any], Any]:
+    """The per-device body of one collective over the mesh axis "x" of `group` devices."""
+    from jax import lax
+
+    if kind is Collective.ALL_REDUCE:
+        return lambda x: lax.psum(x, "x")
+    if kind is Collective.ALL_GATHER:
+        return lambda x: lax.all_gather(x, "x", tiled=True)
+    if kind is Collective.REDUCE_SCATTER:
+        return lambda x: lax.psum_scatter(x, "x", tiled=True)
+    if kind is Collective.ALL_TO_ALL:
+        return lambda x: lax.all_to_all(x, "x", 0, 0, tiled=True)
+    perm = [(i, (i + 1) % group) for i in range(group)]
+    return lambda x: lax.ppermute(x, "x", perm)
+
+
+def _message_bytes(kind: Collective, group: int, elements: int) -> float:
+    """The byte count the cost model prices a collective by (`hlomap.cost.collectives`): the
+    full buffer of an all-gather (its output) or reduce-scatter (its input), else the buffer
+    each device holds."""
+    local = 4.0 * elements
+    return local * group if kind is Collective.ALL_GATHER else local
+
+
+def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[[], Measurement | CommSample]]]:
+    """(label, measure) of every sample, in the order they run."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    first = devices[0]
+    tasks: list[tuple[str, Callable[[], Measurement | CommSample]]] = []
+
+    def matmul(dtype: str, n: int) -> Measurement:
+        jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
+        a = jax.device_put(jnp.ones((n, n), jdtype), first)
+        f = jax.jit(jnp.dot)
+        seconds = _median_seconds(lambda: _ready(f(a, a)), plan.repeats)
+        return Measurement(f"dot_{dtype}_{n}", "dot", dtype, 2.0 * n**3, 3.0 * n * n * _ITEMSIZE[dtype], seconds)
+
+    def memory(elements: int) -> Measurement:
+        x = jax.device_put(jnp.ones((elements,), jnp.float32), first)
+        f = jax.jit(lambda v: v * 2.0 + 1.0)
+        seconds = _median_seconds(lambda: _ready(f(x)), plan.repeats)
+        return Measurement(f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements,
+                           8.0 * elements, seconds)
+
+    def collective(kind: Collective, group: int, elements: int) -> CommSample:
+        mesh = Mesh(np.asarray(devices[:group]), ("x",))
+        spec = PartitionSpec("x")
+        body = _collective_program(kind, group)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+        x = jax.device_put(jnp.ones((group * elements,), jnp.float32), NamedSharding(mesh, spec))
+        seconds = _median_seconds(lambda: _ready(f(x)), plan.repeats)
+        return CommSample(kind.value, group, _message_bytes(kind, group, elements), seconds)
+
+    def transfer(elements: int) -> CommSample:
+        x = jax.device_put(jnp.ones((elements,), jnp.float32), first)
+        seconds = _median_seconds(lambda: _ready(jax.device_put(x, devices[1])), plan.repeats)
+        return CommSample(TRANSFER, 2, 4.0 * elements, seconds)
+
+    def dispatch() -> CommSample:
+        x = jax.device_put(jnp.zeros((), jnp.float32), first)
+        f = jax.jit(lambda v: v + 1.0)
+        return CommSample(DISPATCH, 1, 0.0, _median_seconds(lambda: _ready(f(x)), plan.dispatch_repeats))
+
+    for dtype in plan.dtypes:
+        for n in plan.matmul_sizes:
+            tasks.append((f"matmul {dtype} {n}x{n}", lambda d=dtype, n=n: matmul(d, n)))
+    for elements in plan.memory_sizes:
+        tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
+    tasks.append(("dispatch", dispatch))
+    for group in collective_group_sizes(len(devices)):
+        for kind in Collective:
+            for elements in plan.message_sizes:
+                size = max(elements, group) // group * group  # all-to-all and reduce-scatter split it
+                tasks.append((f"{kind.value} x{group} {size * 4} B",
+                              lambda k=kind, g=group, e=size: collective(k, g, e)))
+    if len(devices) >= 2:
+        for elements in plan.message_sizes:
+            tasks.append((f"transfer {elements * 4} B", lambda e=elements: transfer(e)))
+    return tasks
+
+
+def _memory_bytes(device: Any, n_devices: int) -> float:
+    """What one device may allocate: the backend's limit, or on a host (CPU) backend, which
+    reports none, the machine's memory shared by its devices."""
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats raise various errors
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n_devices
+
+
+def _hlomap_version() -> str:
+    """The installed distribution's version (the package's `__version__` is above this layer)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("hlomap")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def measure_devices(devices: int | None = None, *, quick: bool = False, plan: BenchPlan | None = None,
+                    on_progress: Callable[[BenchProgress], None] | None = None) -> ClusterCalibration:
+    """Time every microbenchmark on the first `devices` of JAX's devices (all when None) and
+    return the samples with where and when they were taken. `plan` overrides the default (or,
+    with `quick`, the quick) sizes."""
+    import jax
+
+    available = jax.devices()
+    count = len(available) if devices is None else devices
+    if not 1 <= count <= len(available):
+        raise CalibrationError(f"cannot calibrate {count} devices: JAX sees {len(available)} "
+                               f"({jax.default_backend()})")
+    chosen = available[:count]
+    bench = plan or (QUICK_PLAN if quick else DEFAULT_PLAN)
+    tasks = _tasks(bench, chosen)
+    kernels: list[Measurement] = []
+    comm: list[CommSample] = []
+    start = time.perf_counter()
+    for i, (label, measure) in enumerate(tasks):
+        sample = measure()
+        (kernels if isinstance(sample, Measurement) else comm).append(sample)
+        log.debug("%s: %.3g s", label, sample.seconds)
+        if on_progress is not None:
+            on_progress(BenchProgress(i + 1, len(tasks), label))
+    return ClusterCalibration(
+        backend=jax.default_backend(), device_kind=chosen[0].device_kind, n_devices=count,
+        memory_bytes=_memory_bytes(chosen[0], count), kernels=tuple(kernels), comm=tuple(comm),
+        jax_version=jax.__version__, hlomap_version=_hlomap_version(),
+        measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        wall_seconds=time.perf_counter() - start)

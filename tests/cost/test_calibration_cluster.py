@@ -1,0 +1,158 @@
+"""Whole-cluster calibration (`hlomap calibrate`): the fits recover known figures from synthetic
+samples, and the calibrated cluster file loads as an ordinary cluster."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hlomap.cost.calibration import (
+    CLUSTER_CALIBRATION_KEY,
+    DISPATCH,
+    TRANSFER,
+    CalibrationError,
+    ClusterCalibration,
+    CommSample,
+    Measurement,
+    calibrated_cluster,
+    calibrated_cluster_json,
+    fit_alpha_beta,
+    fit_comm,
+    fit_matmul_curves,
+    fit_memory_bandwidth,
+)
+from hlomap.cost.cluster import Cluster, load_cluster
+
+SIZES = [2.0**k for k in range(10, 24, 2)]
+
+
+def _noisy(values: list[float], seed: int, spread: float = 0.0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    return [v * (1 + spread * rng.uniform(-1, 1)) for v in values]
+
+
+def test_alpha_beta_recovers_latency_and_bandwidth_exactly() -> None:
+    fit = fit_alpha_beta(SIZES, [20e-6 + n / 5e9 for n in SIZES])
+    assert fit.alpha == pytest.approx(20e-6, rel=1e-9)
+    assert 1 / fit.beta == pytest.approx(5e9, rel=1e-9)
+
+
+def test_alpha_beta_recovers_figures_through_noise() -> None:
+    fit = fit_alpha_beta(SIZES * 3, _noisy([3e-6 + n / 1e10 for n in SIZES * 3], seed=0, spread=0.02))
+    assert fit.alpha == pytest.approx(3e-6, rel=0.1)
+    assert 1 / fit.beta == pytest.approx(1e10, rel=0.05)
+
+
+def test_alpha_beta_keeps_terms_non_negative() -> None:
+    """A pure bandwidth curve whose noise would give a negative intercept goes through 0; a flat
+    time gets no bandwidth term."""
+    through_origin = fit_alpha_beta([1e6, 2e6, 4e6], [0.9e-3, 2.0e-3, 4.0e-3])
+    assert through_origin.alpha == 0 and through_origin.beta > 0
+    flat = fit_alpha_beta([1e3, 1e6], [5e-6, 5e-6])
+    assert flat.beta == 0 and flat.alpha == pytest.approx(5e-6)
+
+
+def test_alpha_beta_refuses_no_samples() -> None:
+    with pytest.raises(CalibrationError, match="non-empty"):
+        fit_alpha_beta([], [])
+
+
+def _matmuls(dtype: str, peak: float, overhead: float) -> list[Measurement]:
+    out = []
+    for n in (64, 128, 256, 512, 1024):
+        flops = 2.0 * n**3
+        out.append(Measurement(f"dot_{dtype}_{n}", "dot", dtype, flops, 3 * n * n * 4, overhead + flops / peak))
+    return out
+
+
+def test_matmul_curve_recovers_peak_overhead_and_efficiency() -> None:
+    curves = fit_matmul_curves(_matmuls("f32", 1e11, 50e-6) + _matmuls("bf16", 4e11, 80e-6))
+    assert [c.dtype for c in curves] == ["bf16", "f32"]
+    bf16, f32 = curves
+    assert f32.peak_flops == pytest.approx(1e11, rel=1e-6)
+    assert f32.overhead_seconds == pytest.approx(50e-6, rel=1e-6)
+    assert bf16.peak_flops == pytest.approx(4e11, rel=1e-6)
+    flops = 2.0 * 128**3
+    assert f32.efficiency(flops) == pytest.approx(flops / (flops + 50e-6 * 1e11))
+    rates = [rate for _, rate in f32.points]
+    assert rates == sorted(rates) and rates[-1] < 1e11  # a curve rising towards the peak
+
+
+def test_memory_bandwidth_fit_uses_only_memory_bound_kernels() -> None:
+    kernels = _matmuls("f32", 1e11, 1e-5) + [Measurement(f"copy_{n}", "copy", "f32", 0.0, n, 2e-6 + n / 2e10)
+                                              for n in SIZES]
+    fit = fit_memory_bandwidth(kernels)
+    assert 1 / fit.beta == pytest.approx(2e10, rel=1e-6)
+    with pytest.raises(CalibrationError, match="memory-bound"):
+        fit_memory_bandwidth(_matmuls("f32", 1e11, 1e-5))
+
+
+def _comm(kind: str, group: int, latency: float, bandwidth: float) -> list[CommSample]:
+    return [CommSample(kind, group, n, latency + n / bandwidth) for n in SIZES]
+
+
+def test_comm_fit_per_kind_and_group_size() -> None:
+    samples = (_comm("all-reduce", 2, 10e-6, 4e9) + _comm("all-reduce", 8, 40e-6, 2e9)
+               + _comm("collective-permute", 8, 5e-6, 8e9) + [CommSample(DISPATCH, 1, 0, 30e-6)] * 3)
+    fits = {(f.kind, f.group): f for f in fit_comm(samples)}
+    assert set(fits) == {("all-reduce", 2), ("all-reduce", 8), ("collective-permute", 8), (DISPATCH, 1)}
+    assert fits["all-reduce", 2].latency == pytest.approx(10e-6, rel=1e-6)
+    assert fits["all-reduce", 8].bandwidth == pytest.approx(2e9, rel=1e-6)
+    assert fits["collective-permute", 8].bandwidth == pytest.approx(8e9, rel=1e-6)
+    assert fits[DISPATCH, 1].latency == pytest.approx(30e-6) and math.isinf(fits[DISPATCH, 1].bandwidth)
+
+
+def test_comm_sample_refuses_an_unknown_kind() -> None:
+    with pytest.raises(CalibrationError, match="sample kind 'broadcast'"):
+        CommSample("broadcast", 2, 1.0, 1.0)
+
+
+def _calibration(n: int = 4) -> ClusterCalibration:
+    kernels = (_matmuls("f32", 1e11, 50e-6) + _matmuls("bf16", 4e11, 50e-6)
+               + [Measurement(f"copy_{s}", "copy", "f32", 0.0, s, 1e-6 + s / 2e10) for s in SIZES])
+    comm = (_comm("collective-permute", n, 7e-6, 3e9) + _comm(TRANSFER, 2, 20e-6, 1e9)
+            + [CommSample(DISPATCH, 1, 0, 25e-6)])
+    return ClusterCalibration("cpu", "cpu", n, 2**30, kernels, comm, jax_version="0.0", hlomap_version="0.1.0",
+                              measured_at="2026-01-01T00:00:00+00:00", wall_seconds=1.0)
+
+
+def test_calibrated_cluster_maps_the_fits_onto_the_cluster() -> None:
+    cal = _calibration()
+    cluster = calibrated_cluster(cal)
+    device = cluster.devices[0]
+    assert cluster.n_devices == 4 and cluster.n_nodes == 1
+    assert cluster.latency[0, 1] == pytest.approx(7e-6, rel=1e-6)
+    assert cluster.bandwidth[2, 3] == pytest.approx(3e9, rel=1e-6)
+    assert device.hbm_bandwidth == pytest.approx(2e10, rel=1e-6)
+    largest = 2.0 * 1024**3
+    # peak x efficiency is what the largest matmul of each dtype achieved
+    assert device.peak_flops["f32"] * device.efficiency == pytest.approx(largest / (50e-6 + largest / 1e11))
+    assert device.peak_flops["bf16"] * device.efficiency == pytest.approx(largest / (50e-6 + largest / 4e11))
+    assert cal.figures()["dispatch s"] == pytest.approx(25e-6)
+
+
+def test_calibrated_cluster_needs_f32_matmuls_and_links() -> None:
+    cal = _calibration()
+    with pytest.raises(CalibrationError, match="f32"):
+        calibrated_cluster(ClusterCalibration("cpu", "cpu", 4, 1.0, [k for k in cal.kernels if k.dtype != "f32"
+                                                                     or not k.matrix], cal.comm))
+    with pytest.raises(CalibrationError, match="no collective-permute or transfer"):
+        calibrated_cluster(ClusterCalibration("cpu", "cpu", 4, 1.0, cal.kernels, []))
+
+
+def test_calibration_json_round_trips_through_load_cluster(tmp_path: Path) -> None:
+    cal = _calibration()
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(calibrated_cluster_json(cal)))
+    loaded = load_cluster(path)
+    assert isinstance(loaded, Cluster)
+    assert loaded == calibrated_cluster(cal)
+    kept = json.loads(path.read_text())[CLUSTER_CALIBRATION_KEY]
+    assert kept["format"] == "hlomap-cluster-calibration" and kept["n_devices"] == 4
+    assert kept["device_kind"] == "cpu" and kept["jax_version"] == "0.0" and kept["hlomap_version"] == "0.1.0"
+    assert len(kept["samples"]["kernels"]) == len(cal.kernels) and len(kept["samples"]["comm"]) == len(cal.comm)
+    assert kept["figures"] == pytest.approx(cal.figures())

@@ -1,0 +1,39 @@
+"""The microbenchmarks of `hlomap calibrate`: which groups they cover and what each sample records
+(sizes tiny: these check the bookkeeping, not the figures)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlomap.cost.calibration import CalibrationError
+from hlomap.verify.devices import BenchPlan, BenchProgress, collective_group_sizes, measure_devices
+
+TINY = BenchPlan(matmul_sizes=(8, 16), dtypes=("f32",), memory_sizes=(64, 256), message_sizes=(16, 64),
+                 repeats=1, dispatch_repeats=2)
+
+
+def test_group_sizes_double_up_to_the_device_count() -> None:
+    assert collective_group_sizes(1) == ()
+    assert collective_group_sizes(2) == (2,)
+    assert collective_group_sizes(8) == (2, 4, 8)
+    assert collective_group_sizes(6) == (2, 4, 6)
+
+
+def test_measure_devices_records_every_sample_with_progress() -> None:
+    seen: list[BenchProgress] = []
+    cal = measure_devices(4, plan=TINY, on_progress=seen.append)
+    assert cal.n_devices == 4 and cal.backend == "cpu" and cal.measured_at
+    assert [(k.kind, k.flops) for k in cal.kernels if k.kind == "dot"] == [("dot", 2.0 * 8**3), ("dot", 2.0 * 16**3)]
+    groups = {(s.kind, s.group) for s in cal.comm}
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+        assert {(kind, 2), (kind, 4)} <= groups
+    assert ("transfer", 2) in groups and ("dispatch", 1) in groups
+    # all-gather is priced by its full (gathered) buffer, the others by each device's buffer
+    assert {s.nbytes for s in cal.comm if s.kind == "all-gather" and s.group == 4} == {4 * 16 * 4, 4 * 64 * 4}
+    assert {s.nbytes for s in cal.comm if s.kind == "all-reduce" and s.group == 4} == {16 * 4, 64 * 4}
+    assert [p.done for p in seen] == list(range(1, len(seen) + 1)) and seen[-1].fraction == 1
+
+
+def test_measure_devices_refuses_more_devices_than_there_are() -> None:
+    with pytest.raises(CalibrationError, match="JAX sees 8"):
+        measure_devices(9, plan=TINY)
