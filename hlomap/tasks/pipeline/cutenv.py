@@ -607,7 +607,10 @@ class CutEnv:
                             schedule=space.schedule)
 
 
-def decisions_of(plan: PipelinePlan) -> np.ndarray:
+def decisions_of(plan: PipelinePlan, n_devices: int | None = None) -> np.ndarray:
     """A plan as a search's decision vector: the pivots of its S - 1 cuts, then the first
-    device of stages 1..S-1."""
-    return np.asarray([*plan.cuts, *(stage.devices[0] for stage in plan.stages[1:])], dtype=np.int64)
+    device of stages 1..S-1, then, for a plan that leaves the last of `n_devices` devices idle,
+    the device after its last stage."""
+    end = plan.stages[-1].devices[-1] + 1
+    idle = [end] if n_devices is not None and end != n_devices else []
+    return np.asarray([*plan.cuts, *(stage.devices[0] for stage in plan.stages[1:]), *idle], dtype=np.int64)
