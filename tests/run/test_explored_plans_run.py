@@ -55,7 +55,7 @@ def test_the_dqn_says_when_its_device_groups_cannot_split_a_microbatch(zoo_case)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", pytest.param("bert-tiny", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("microbatches", [2, 4])
+@pytest.mark.parametrize("microbatches", [1, 2])
 def test_every_explored_pipeline_plan_runs(zoo_case, name: str, microbatches: int) -> None:
     case = zoo_case(name)
     plan = hlomap.explore(case.cap, task="pipeline", stages=2, microbatches=microbatches, agent="dp",
@@ -71,6 +71,6 @@ def test_the_joint_plan_has_no_idle_stage_and_runs(zoo_case, name: str) -> None:
     case = zoo_case(name)
     plan = hlomap.explore(case.cap, task="auto", cluster=CLUSTER)
     _check_stages(case, plan)
-    for stage in plan.pipeline.stages:
-        assert stage.seconds_per_microbatch > 1e-9 * max(s.seconds_per_microbatch for s in plan.pipeline.stages)
+    slowest = max(s.seconds_per_microbatch for s in plan.pipeline.stages)
+    assert all(s.seconds_per_microbatch > 1e-3 * slowest for s in plan.pipeline.stages)
     _runs(case, plan)
