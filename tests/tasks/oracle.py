@@ -162,8 +162,9 @@ def joint_plans(model: JointModel, space: JointSpace) -> Iterator[JointPlan]:
                 continue
             for options in itertools.product(valid, repeat=len(bounds) - 1):
                 firsts = list(itertools.accumulate((o.devices for o in options), initial=0))
-                if firsts[-1] > devices or (space.use_all_devices and firsts[-1] != devices) or not all(aligned(per_node, d, o.devices)
-                                                    for d, o in zip(firsts, options)):
+                unused = devices - firsts[-1]
+                if unused < 0 or (space.use_all_devices and unused) or not all(
+                        aligned(per_node, d, o.devices) for d, o in zip(firsts, options)):
                     continue
                 stages = tuple(JointStage.of(a, b, d, o) for a, b, d, o in zip(bounds, bounds[1:], firsts, options))
                 yield JointPlan(stages, m, space.schedule)
