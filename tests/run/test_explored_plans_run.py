@@ -36,7 +36,7 @@ def _runs(case: Any, plan: Any) -> None:
 
 def test_a_pipeline_too_wide_for_its_microbatch_leaves_devices_idle_and_runs(zoo_case) -> None:
     """Two stages of 4 devices cannot split a microbatch of 8 / 4 = 2 examples: the DP takes
-    stages of at most 2 devices instead of a plan the runner refuses."""
+    stages of at most 2 devices, leaving the others idle, instead of a plan the runner refuses."""
     case = zoo_case("gpt-tiny")
     plan = hlomap.explore(case.cap, task="pipeline", stages=2, microbatches=4, agent="dp", cluster=CLUSTER)
     stages = plan.pipeline.stages
@@ -45,13 +45,13 @@ def test_a_pipeline_too_wide_for_its_microbatch_leaves_devices_idle_and_runs(zoo
     _runs(case, plan)
 
 
-def test_the_dqn_says_when_its_device_groups_cannot_split_a_microbatch(zoo_case) -> None:
-    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-
+def test_the_dqn_cuts_equal_groups_a_microbatch_splits_over(zoo_case) -> None:
+    """The DQN cuts center device groups: 2 of 2 devices here, instead of the even 4 + 4."""
     case = zoo_case("gpt-tiny")
-    with pytest.raises(NoFeasiblePlan, match="use --agent dp"):
-        hlomap.explore(case.cap, task="pipeline", stages=2, microbatches=4, agent="dqn", cluster=CLUSTER,
-                       episodes=2)
+    plan = hlomap.explore(case.cap, task="pipeline", stages=2, microbatches=4, agent="dqn", cluster=CLUSTER,
+                          episodes=20)
+    assert [s.devices for s in plan.pipeline.stages] == [(0, 1), (2, 3)]
+    _check_stages(case, plan)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", pytest.param("bert-tiny", marks=pytest.mark.slow)])

@@ -192,8 +192,8 @@ def pipeline_task(
     With the step's `batch` known, a stage only replicates over devices a microbatch splits
     over, as the runner requires. When a center group is too large for that, the space is
     every replication factor up to the largest group that splits a microbatch, on a prefix of
-    the devices (the rest stay idle); only the DP searches that space, the DQN cuts the center
-    groups and raises `NoFeasiblePlan` on it."""
+    the devices (the rest stay idle), and the center groups are equal groups of the widest
+    factor that fits (`CutTask.center`)."""
     bounds = center_device_bounds(cluster, stages)
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
     if device_radius > 0:
@@ -295,12 +295,6 @@ def explore_pipeline(
         profile, cluster, stages=stages, microbatches=microbatches, schedule=schedule,
         objective=objective, device_radius=device_radius, require_trainable=require_trainable, batch=batch,
     ) if stages > 1 else None
-    if task is not None and not task.space.use_all_devices and agent is not PipelineAgent.DP:
-        raise NoFeasiblePlan(
-            f"{profile.source}: a microbatch of {batch} / {microbatches} examples does not split over the "
-            f"{agent.value} agent's device groups of {cluster.n_devices} devices in {stages} stages, and only "
-            "the dp agent may leave devices idle: use --agent dp, or microbatches that leave "
-            f"each group a whole number of examples")
     start = time.perf_counter()
     single = runnable_replication(tuple(range(1, cluster.n_devices + 1)), batch, microbatches)
     space = task.space if task is not None else PipelineSpace(

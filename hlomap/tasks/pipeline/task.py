@@ -96,7 +96,7 @@ class CutSearchTask:
             timestep = env.step(0 if self.ranked is not None else int(np.flatnonzero(timestep.legal)[0]))
         if env.outcome is None:
             raise ValueError(f"{self.task.profile.source}: the best-estimated cuts reach a dead end")
-        return decisions_of(env.outcome.plan)
+        return decisions_of(env.outcome.plan, self.task.cluster.n_devices)
 
     def plan_of(self, decisions: np.ndarray) -> PipelinePlan:
         k = len(decisions) // 2
