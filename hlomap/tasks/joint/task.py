@@ -7,9 +7,9 @@ closes the next stage, picking one of the K best-looking (option, end layer) can
 the current layer and device: the option fixes the stage's device group (the next
 `option.devices` devices, a slice of a server or whole servers) and its mesh and plan. The
 episode ends with the stage that takes the remaining layers: on the last device, or on any
-when the space may leave devices idle. As
-with `tasks.pipeline.cutenv`, ranking the candidates by an estimate is what lets a small
-network read any model: output k means "the k-th best-looking stage".
+when the space may leave devices idle. As with `tasks.pipeline.cutenv`, ranking the
+candidates by an estimate is what lets a small network read any model: output k means "the
+k-th best-looking stage".
 
 Decisions: [microbatch index, (option index, end layer) per stage...]. Score: ref / L, with ref
 the whole step's compute on one device over the devices (a perfectly parallel, bubble-free step),
