@@ -160,3 +160,22 @@ def test_stages_whose_replicas_cannot_split_a_microbatch_are_named():
     assert "such that 8 / M is a multiple of 8" in problems[0]
     single = explore_pipeline(cap, stages=3, microbatches=1, cluster="B", agent="dp", schedule="gpipe")
     assert unsplittable_stages(cap, single) == []
+
+
+def test_the_space_offers_only_replication_a_microbatch_splits_over():
+    """8 examples in 4 microbatches of 2 on 2 servers of 4: even groups of 4 cannot split a
+    microbatch, so stages replicate over at most 2 devices on a prefix of the devices (the
+    DQN's center groups: 2 + 2); with 1 microbatch of 8 the even groups stay."""
+    from hlomap.cost.cluster import hierarchical
+    from hlomap.cost.pipeline.stages import splits_batch
+
+    assert splits_batch(8, 4, 2) and not splits_batch(8, 4, 4) and not splits_batch(8, 3, 1)
+    profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e6)
+    cluster = hierarchical(2, 4)
+    narrow = pipeline_task(profile, cluster, stages=2, microbatches=4, batch=8)
+    assert narrow.space.replication == (1, 2) and not narrow.space.use_all_devices
+    assert narrow.center == (0, 2, 4)
+    wide = pipeline_task(profile, cluster, stages=2, microbatches=1, batch=8)
+    assert wide.space.replication == (4,) and wide.space.use_all_devices and wide.center == (0, 4, 8)
+    with pytest.raises(NoFeasiblePlan, match="does not split into 3 equal microbatches"):
+        pipeline_task(profile, cluster, stages=2, microbatches=3, batch=8)
