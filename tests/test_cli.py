@@ -197,7 +197,7 @@ def test_explore_and_run_user_errors(argv: list[str], message: str, capsys: pyte
 def test_explore_pipeline_on_a_zoo_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_path = tmp_path / "pp.json"
     assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--agent", "dp", "-q",
-                "-o", str(plan_path)]) == 0
+                "--microbatches", "1", "-o", str(plan_path)]) == 0  # a batch of 8 splits over stages of 8
     out = capsys.readouterr().out
     assert "Cuts" in out and "device cuts: [8]" in out and "on server boundaries" in out
     saved = json.loads(plan_path.read_text())
@@ -336,7 +336,7 @@ def test_a_pipedream_graph_is_recognised_without_its_prefix(tmp_path: Path,
 def test_place_a_pipeline_plan_on_a_torus_and_simulate_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_path, placed_path = tmp_path / "pp.json", tmp_path / "placed.json"
     assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--agent", "dp", "-q",
-                "-o", str(plan_path)]) == 0
+                "--microbatches", "1", "-o", str(plan_path)]) == 0  # a batch of 8 splits over stages of 8
     capsys.readouterr()
     assert run(["place", str(plan_path), "--cluster", "torus:4x4", "--budget-evaluations", "3000", "-q",
                 "-o", str(placed_path)]) == 0

@@ -170,6 +170,13 @@ class Capture:
     def trainable(self) -> tuple[EntryParameter, ...]:
         return self.with_role(Role.TRAINABLE)
 
+    @property
+    def batch_size(self) -> int | None:
+        """The examples of one step: the leading dim every data input shares (what microbatches
+        and data parallelism split); None when there is no data input or they disagree."""
+        sizes = {p.shape.dims[0] for p in self.with_role(Role.DATA) if getattr(p.shape, "dims", None)}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def parameter(self, key: int | str) -> EntryParameter:
         """An entry parameter by index, path or HLO name."""
         for p in self.parameters:

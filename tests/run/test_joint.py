@@ -89,8 +89,8 @@ def test_the_joint_optimum_runs_with_unsharded_numerics(zoo_case, name: str) -> 
     plan = hlomap.explore(case.cap, task="auto", cluster=CLUSTER)
     stages = plan.pipeline.stages
     assert plan.pipeline.kind is PipelineKind.JOINT and len(stages) >= 2 and plan.mesh == ()
-    assert sorted(d for s in stages for d in s.devices) == list(range(8))
-    assert any(s.replication > 1 for s in stages)  # data parallelism inside some stage
+    used = sorted(d for s in stages for d in s.devices)
+    assert used == list(range(len(used)))  # a prefix of the devices: the rest may stay idle
     step, _ = _run_and_check(case, plan)
     assert step.executor is (Executor.MPMD if plan.pipeline.schedule is Schedule.ONE_F_ONE_B else Executor.SPMD)
     for s, stage in enumerate(stages):  # the batch splits over each stage's own data axis
@@ -194,7 +194,8 @@ def test_cli_explores_runs_and_simulates_a_joint_plan(tmp_path: Path, capsys: py
     assert "a saved plan priced again" in out and "L = " in out
     # on a cluster too small for its stages: one line saying so
     small = tmp_path / "small.json"
-    small.write_text(json.dumps(hierarchical(1, 4).to_json()))
+    last = max(d for s in saved["pipeline"]["stages"] for d in s["devices"])
+    small.write_text(json.dumps(hierarchical(1, last).to_json()))  # one device short
     assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(small)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and "devices" in err

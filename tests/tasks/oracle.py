@@ -146,20 +146,25 @@ def downset_brute_force(
 
 
 def joint_plans(model: JointModel, space: JointSpace) -> Iterator[JointPlan]:
-    """Every joint plan of the space: each composition of the layers, each tuple of stage
-    options that uses every device, every group a slice of one server or whole servers, and
-    every data replica a whole number of samples of each microbatch."""
+    """Every joint plan of the space: each composition of the layers into stages that each hold
+    a parameter, each tuple of stage options that fits the devices (uses every device when the
+    space says so), every group a slice of one server or whole servers, and every data replica
+    a whole number of samples of each microbatch."""
     cluster = model.cluster
     per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
     n, devices = model.n_layers, cluster.n_devices
     most = min(n, devices) if space.max_stages is None else min(n, devices, space.max_stages)
+    params = model.arrays(space.options[0]).params
     for m in space.microbatches:
         valid = [option for option in space.options if model.batch % (m * option.data) == 0]
         for bounds in compositions(n, most):
+            if any(params[b] == params[a] for a, b in zip(bounds, bounds[1:])):
+                continue
             for options in itertools.product(valid, repeat=len(bounds) - 1):
                 firsts = list(itertools.accumulate((o.devices for o in options), initial=0))
-                if firsts[-1] != devices or not all(aligned(per_node, d, o.devices)
-                                                    for d, o in zip(firsts, options)):
+                unused = devices - firsts[-1]
+                if unused < 0 or (space.use_all_devices and unused) or not all(
+                        aligned(per_node, d, o.devices) for d, o in zip(firsts, options)):
                     continue
                 stages = tuple(JointStage.of(a, b, d, o) for a, b, d, o in zip(bounds, bounds[1:], firsts, options))
                 yield JointPlan(stages, m, space.schedule)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["DEFAULT_SCHEDULE", "Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "stage_order"]
+__all__ = ["DEFAULT_SCHEDULE", "Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "splits_batch", "stage_order"]
 
 
 class Schedule(enum.Enum):
@@ -39,6 +39,13 @@ def in_flight(schedule: Schedule, stage: int, n_stages: int, microbatches: int) 
     if schedule is Schedule.GPIPE:
         return microbatches
     return min(n_stages - stage, microbatches)
+
+
+def splits_batch(batch: int, microbatches: int, replicas: int) -> bool:
+    """The batch splits into `microbatches` equal microbatches and each of them evenly over a
+    stage's `replicas` data-parallel devices: the one rule under which the runner can split a
+    batch, which the explorers therefore offer only stages that satisfy."""
+    return batch >= 1 and microbatches >= 1 and replicas >= 1 and batch % (microbatches * replicas) == 0
 
 
 def stage_order(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from hlomap.cost.pipeline.stages import splits_batch
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import StageAssignment, assign_stages
 from hlomap.run.pipeline.loss_split import LossSplit, split_loss
@@ -85,7 +86,7 @@ def prepare(step: Any, args: Sequence[Any], cap: Capture, section: PipelineSecti
     paths = [p.path for p in cap.parameters]
     traced = trace_step(step, args, paths)
     m = section.microbatches
-    if traced.batch_size % m:
+    if not splits_batch(traced.batch_size, m, 1):
         raise RunError(f"the batch of {traced.batch_size} examples cannot be split into {m} equal microbatches "
                        f"({traced.batch_size} is not a multiple of {m})")
     microbatch = traced.batch_size // m
@@ -147,7 +148,7 @@ def batch_axes(parameters: Sequence[ParameterSpec], traced: TracedStep, mesh_axe
     ways = 1
     for a in axes:
         ways *= mesh_axes[a]
-    if microbatch % ways:
+    if not splits_batch(microbatch, 1, ways):
         raise RunError(f"a microbatch of {microbatch} examples cannot be split over the {ways} devices of mesh axes "
                        f"{list(axes)} inside a stage; use fewer microbatches or a larger batch")
     return axes

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, splits_batch
 from hlomap.hlo.source_info import layer_name
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
@@ -104,7 +104,7 @@ def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
             option = StageOption(group, dp, tp, PlanKind.EXPERT)
             best: tuple[JointPlan, JointCost] | None = None
             for m in choices:
-                if model.batch % (m * dp):
+                if not splits_batch(model.batch, m, dp):
                     continue
                 plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option) for s in range(pp)),
                                  m, schedule)

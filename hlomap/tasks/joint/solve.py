@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight
-from hlomap.tasks.joint.costs import JointModel, StageOption, transfer_seconds
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight, splits_batch
+from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption, transfer_seconds
 from hlomap.tasks.joint.plans import (
     JointCost,
     JointPlan,
@@ -34,25 +34,28 @@ from hlomap.tasks.joint.plans import (
 from hlomap.tasks.pipeline.dp import StageChain, least_latency
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 
-__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned",
+__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "holds_parameters",
            "microbatch_choices", "problem_for", "solve"]
 
 
 @dataclass(frozen=True)
 class JointSpace:
     """What a joint plan may choose: stage options, microbatch counts, the schedule, at most
-    `max_stages` stages; every device is used; memory is checked unless told not to."""
+    `max_stages` stages; memory is checked unless told not to. With `use_all_devices` every
+    device is used; without, the stages take a prefix of the devices and leave the rest idle
+    when that is faster (rather than giving them to a stage that has nothing to do)."""
 
     options: tuple[StageOption, ...]
     microbatches: tuple[int, ...]
     schedule: Schedule = DEFAULT_SCHEDULE
     max_stages: int | None = None
     check_memory: bool = True
+    use_all_devices: bool = False
 
 
 def microbatch_choices(batch: int, most: int = 32) -> tuple[int, ...]:
     """Microbatch counts that split `batch` evenly, up to `most`."""
-    return tuple(m for m in range(1, min(batch, most) + 1) if batch % m == 0)
+    return tuple(m for m in range(1, min(batch, most) + 1) if splits_batch(batch, m, 1))
 
 
 def aligned(per_node: int, device: int, size: int) -> bool:
@@ -71,7 +74,14 @@ def _per_node(model: JointModel) -> int:
 
 def _valid(model: JointModel, option: StageOption, microbatches: int) -> bool:
     """Each data replica gets a whole number of samples of every microbatch."""
-    return model.batch % (microbatches * option.data) == 0
+    return splits_batch(model.batch, microbatches, option.data)
+
+
+def holds_parameters(a: StageArrays, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """[i, j]: layers [i, j) hold some parameter. A stage without one (only the loss after the
+    last layer, say) does next to nothing, so it gets no devices of its own: its layers join
+    the neighbouring stage (Auto-MAP's rule that every stage trains something)."""
+    return (a.params[j] - a.params[i]) > 0
 
 
 class StageTables(NamedTuple):
@@ -117,7 +127,7 @@ class JointProblem:
         stage, memory, transfer = [], [], []
         for option in self.options:
             a = self.model.arrays(option)
-            t = np.where(upper, stage_seconds(a, i, j, m), np.inf)
+            t = np.where(upper & holds_parameters(a, i, j), stage_seconds(a, i, j, m), np.inf)
             stage.append(t)
             memory.append({self.held(q): np.where(upper, stage_memory(a, i, j, self.held(q), m), np.inf)
                            for q in range(self.stages)})
@@ -168,7 +178,7 @@ class _JointOptions:
 
     @property
     def use_all_devices(self) -> bool:
-        return True
+        return self.problem.space.use_all_devices
 
     def stage_seconds(self, device: int, option: int) -> np.ndarray | None:
         if not aligned(self.problem.per_node, device, self.sizes[option]):

@@ -6,9 +6,10 @@ An episode builds one joint plan: the first action picks the microbatch count, t
 closes the next stage, picking one of the K best-looking (option, end layer) candidates from
 the current layer and device: the option fixes the stage's device group (the next
 `option.devices` devices, a slice of a server or whole servers) and its mesh and plan. The
-episode ends when every device has a stage (the last stage takes the remaining layers). As
-with `tasks.pipeline.cutenv`, ranking the candidates by an estimate is what lets a small
-network read any model: output k means "the k-th best-looking stage".
+episode ends with the stage that takes the remaining layers: on the last device, or on any
+when the space may leave devices idle. As with `tasks.pipeline.cutenv`, ranking the
+candidates by an estimate is what lets a small network read any model: output k means "the
+k-th best-looking stage".
 
 Decisions: [microbatch index, (option index, end layer) per stage...]. Score: ref / L, with ref
 the whole step's compute on one device over the devices (a perfectly parallel, bubble-free step),
@@ -112,7 +113,7 @@ class JointEnv:
         state["times"].append(self._times[(option_index, stop)])
         state["stages"].append((option_index, stop))
         state["layer"], state["device"] = stop, state["device"] + option.devices
-        if state["device"] == self.devices:
+        if stop == self.layers:  # the last stage
             return self._finish()
         return self._next()
 
@@ -181,26 +182,34 @@ class JointEnv:
             e = d + option.devices
             if e > devices or not aligned(self.per_node, d, option.devices):
                 continue
-            last = e == devices
-            # leave a layer for each stage the remaining devices need at least
-            ends = np.asarray([n]) if last else np.arange(i + 1, n - int(min(self._fewest[e], n)) + 1)
+            # leave a layer for each stage the remaining devices need at least; a stage that
+            # takes the remaining layers ends the plan, on the last device or, when the space
+            # may leave devices idle, on any
+            fewest = min(self._fewest[e], n)  # stages the devices from e need at least (n: none fits)
+            after = fewest if self.space.use_all_devices or fewest >= n else 1
+            ends = np.asarray([n]) if e == devices else np.arange(i + 1, n - int(after) + 1)
+            if e < devices and not self.space.use_all_devices:
+                ends = np.unique(np.append(ends, n))
             if not len(ends):
                 continue
+            last = ends == n
             t = tables.stage[k][i, ends]
-            stages_after = 0 if last else max(1, (devices - e) // option.devices)
+            stages_after = 0 if e == devices else max(1, (devices - e) // option.devices)
+            held_last = in_flight(self.space.schedule, 0, 1, m)
             held = in_flight(self.space.schedule, 0, stages_after + 1, m)
-            mem = tables.memory[k][held][i, ends] / problem.capacity(d, option.devices)
+            mem = np.where(last, tables.memory[k][held_last][i, ends], tables.memory[k][held][i, ends])
+            mem = mem / problem.capacity(d, option.devices)
             transfers = tables.transfer[k].get(d)
-            u = np.zeros(len(ends)) if last or transfers is None else transfers[ends]
-            rest = np.zeros(len(ends)) if last else rest_work[ends] / max(devices - e, 1)
+            u = np.zeros(len(ends)) if transfers is None else np.where(last, 0.0, transfers[ends])
+            rest = np.where(last, 0.0, rest_work[ends] / max(devices - e, 1))
             worst = np.maximum.reduce([t, u, rest, np.full(len(ends), max(decided, default=0.0))])
-            est = sum(decided) + t + stages_after * rest + 2 * u + (m - 1) * worst
+            est = sum(decided) + t + np.where(last, 0, stages_after) * rest + 2 * u + (m - 1) * worst
             ok = np.isfinite(t) & (~np.asarray(self.space.check_memory) | (mem <= 1.0))
             ref = self.unit
-            for j, tj, uj, mj, ej in zip(ends[ok], t[ok], u[ok], mem[ok], est[ok]):
+            for j, tj, uj, mj, ej, lj in zip(ends[ok], t[ok], u[ok], mem[ok], est[ok], last[ok]):
                 feats = np.asarray([min(tj / self.unit, _CLIP), min(uj / self.unit, _CLIP), min(mj, 2.0),
                                     min(ref / ej, _CLIP), 0.0, (j - i) / n, option.devices / devices,
-                                    option.data / option.devices, option.model / option.devices, float(last)])
+                                    option.data / option.devices, option.model / option.devices, float(lj)])
                 rows.append((self.space.options.index(option), int(j), feats, float(tj)))
         rows.sort(key=lambda row: -row[2][3])
         self._times = {(k, j): tj for k, j, _, tj in rows[: self.ranked]}

@@ -120,7 +120,8 @@ def center_device_bounds(cluster: Cluster, n_stages: int) -> tuple[int, ...]:
 class CutTask:
     """One pipeline-cut problem: S stages of `profile` on `cluster`, plans as in `space`.
 
-    The plan always uses every device of `cluster` (the center device groups cover them);
+    The plan uses the devices the center device groups cover: every device of `cluster`, or a
+    prefix when the space may leave devices idle;
     `space` supplies the microbatches, schedule, objective, replication factors a stage may have,
     the node-boundary and trainable-layer rules, and whether memory is checked.
     """
@@ -150,7 +151,16 @@ class CutTask:
 
     @property
     def center(self) -> tuple[int, ...]:
-        return center_device_bounds(self.cluster, self.n_stages)
+        """The center device bounds: the cluster's even groups, or, when the space may leave
+        devices idle, equal groups of its widest replication factor that fits on a prefix."""
+        if self.space.use_all_devices:
+            return center_device_bounds(self.cluster, self.n_stages)
+        fitting = [r for r in self.space.replication if r * self.n_stages <= self.cluster.n_devices]
+        if not fitting:
+            raise NoFeasiblePlan(f"{self.n_stages} stages of replication {self.space.replication} do not fit on "
+                                 f"{self.cluster.n_devices} devices")
+        r = max(fitting)
+        return tuple(range(0, r * self.n_stages + 1, r))
 
 
 class CutPlan(NamedTuple):
@@ -204,6 +214,7 @@ class CutEnv:
         self.radius = task.device_radius
         self.offsets = np.arange(-self.radius, self.radius + 1)
         self.center = task.center
+        self.end = self.center[-1]  # the device after the last stage's
         prefix = profile.prefix()
         self._compute = np.asarray(prefix.compute)
         self._parameter = np.asarray(prefix.parameter)
@@ -319,7 +330,7 @@ class CutEnv:
         """[J] the next device bound of each offset, or -1 where that offset is illegal."""
         k, s = self.step_index, self.n_stages
         cluster, space = self.task.cluster, self.task.space
-        d = cluster.n_devices
+        d = self.end
         previous = self.bounds[-1]
         out = np.full(len(self.offsets), -1, dtype=np.int64)
         for j, offset in enumerate(self.offsets):
@@ -342,7 +353,7 @@ class CutEnv:
         """The observation and legal mask of the current state; caches per-action arrays."""
         k, s, m = self.step_index, self.n_stages, self.m
         space, cluster = self.task.space, self.task.cluster
-        d = cluster.n_devices
+        d = self.end
         n = self.task.profile.n_layers
         start = self.cuts[-1] + 1 if self.cuts else 0
         previous = self.bounds[-1]
@@ -516,7 +527,7 @@ class CutEnv:
         self.step_index += 1
         old = self.potential
         if self.step_index == self.n_stages - 1:
-            self.bounds.append(self.task.cluster.n_devices)
+            self.bounds.append(self.end)
             outcome = self._finish()
             final = self.score(outcome.value) if outcome.feasible else -self.task.oom_penalty
             self.potential = 0.0
@@ -557,7 +568,7 @@ class CutEnv:
         """The finished episode as a search driver sees it (None at a dead end)."""
         if self.outcome is None:
             return None
-        decisions = decisions_of(self.outcome.plan)
+        decisions = decisions_of(self.outcome.plan, self.task.cluster.n_devices)
         return EpisodeOutcome(decisions, len(self.cuts), self.episode_return, self.plan_score(self.outcome))
 
     def plan_score(self, cut: CutPlan) -> Score:
@@ -607,7 +618,10 @@ class CutEnv:
                             schedule=space.schedule)
 
 
-def decisions_of(plan: PipelinePlan) -> np.ndarray:
+def decisions_of(plan: PipelinePlan, n_devices: int | None = None) -> np.ndarray:
     """A plan as a search's decision vector: the pivots of its S - 1 cuts, then the first
-    device of stages 1..S-1."""
-    return np.asarray([*plan.cuts, *(stage.devices[0] for stage in plan.stages[1:])], dtype=np.int64)
+    device of stages 1..S-1, then, for a plan that leaves the last of `n_devices` devices idle,
+    the device after its last stage."""
+    end = plan.stages[-1].devices[-1] + 1
+    idle = [end] if n_devices is not None and end != n_devices else []
+    return np.asarray([*plan.cuts, *(stage.devices[0] for stage in plan.stages[1:]), *idle], dtype=np.int64)

@@ -32,6 +32,7 @@ from hlomap.tasks.pipeline.dp import solve
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
+from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
@@ -39,7 +40,7 @@ from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
-from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, splits_batch
 
 __all__ = [
     "CutDescription",
@@ -163,6 +164,14 @@ class PipelineResult:
         }
 
 
+def runnable_replication(sizes: tuple[int, ...], batch: int | None, microbatches: int) -> tuple[int, ...]:
+    """The replication factors of `sizes` a microbatch of `batch` splits over (`splits_batch`);
+    all of them when the batch is not known (a bare profile)."""
+    if batch is None:
+        return sizes
+    return tuple(r for r in sizes if splits_batch(batch, microbatches, r))
+
+
 def pipeline_task(
     profile: PipelineProfile,
     cluster: Cluster,
@@ -174,22 +183,36 @@ def pipeline_task(
     device_radius: int = 0,
     require_trainable: bool = True,
     check_memory: bool = True,
+    batch: int | None = None,
 ) -> CutTask:
     """The cut problem of `stages` stages on the center device groups of `cluster`; the DP gets
     the same space (replication factors of the center groups, every device used, stage
-    boundaries on servers when there are at least as many servers as stages)."""
+    boundaries on servers when there are at least as many servers as stages).
+
+    With the step's `batch` known, a stage only replicates over devices a microbatch splits
+    over, as the runner requires. When a center group is too large for that, the space is
+    every replication factor up to the largest group that splits a microbatch, on a prefix of
+    the devices (the rest stay idle), and the center groups are equal groups of the widest
+    factor that fits (`CutTask.center`)."""
     bounds = center_device_bounds(cluster, stages)
     sizes = tuple(sorted({b - a for a, b in zip(bounds[:-1], bounds[1:])}))
     if device_radius > 0:
         sizes = tuple(range(1, cluster.n_devices + 1))
+    replication = runnable_replication(sizes, batch, microbatches)
+    every_device = replication == sizes
+    if not every_device:
+        replication = runnable_replication(tuple(range(1, max(sizes) + 1)), batch, microbatches)
+    if not replication:
+        raise NoFeasiblePlan(f"{profile.source}: the batch of {batch} examples does not split into {microbatches} "
+                             "equal microbatches; choose microbatches that divide it")
     space = PipelineSpace(
         microbatches=microbatches,
         schedule=schedule,
         objective=objective,
-        replication=sizes,
-        use_all_devices=True,
+        replication=replication,
+        use_all_devices=every_device,
         max_stages=stages,
-        cut_on_node_boundary=stages <= cluster.n_nodes,
+        cut_on_node_boundary=every_device and stages <= cluster.n_nodes,
         require_trainable=require_trainable,
         check_memory=check_memory,
     )
@@ -257,6 +280,7 @@ def explore_pipeline(
     cluster = load_cluster(cluster)
     device = cluster.devices[0]
     hlo: StepChain | None
+    batch = None
     if isinstance(source, StepChain):
         hlo, profile = source, scale_batch(source.profile, 1.0 / microbatches)
     elif isinstance(source, PipelineProfile):
@@ -264,16 +288,18 @@ def explore_pipeline(
     elif hasattr(source, "module") and hasattr(source, "parameters"):
         hlo = step_chain(source, device, options=pivot_options)
         profile = scale_batch(hlo.profile, 1.0 / microbatches)
+        batch = source.batch_size
     else:
         raise TypeError(f"explore_pipeline: cannot read a pipeline profile from {type(source)!r}")
     task = pipeline_task(
         profile, cluster, stages=stages, microbatches=microbatches, schedule=schedule,
-        objective=objective, device_radius=device_radius, require_trainable=require_trainable,
+        objective=objective, device_radius=device_radius, require_trainable=require_trainable, batch=batch,
     ) if stages > 1 else None
     start = time.perf_counter()
+    single = runnable_replication(tuple(range(1, cluster.n_devices + 1)), batch, microbatches)
     space = task.space if task is not None else PipelineSpace(
         microbatches=microbatches, schedule=schedule, objective=objective,
-        replication=(cluster.n_devices,), max_stages=1)
+        replication=(max(single, default=cluster.n_devices),), max_stages=1)
     label = name or (hlo.source if hlo is not None else profile.source)
 
     def result_of(plan: PipelinePlan, episodes_run: int = 0, interrupted: bool = False,
@@ -296,7 +322,7 @@ def explore_pipeline(
 
     episodes_run, interrupted = 0, False
     if task is None:  # one stage: data parallel over every device, nothing to search
-        plan = PipelinePlan.linear((0, profile.n_layers), (cluster.n_devices,),
+        plan = PipelinePlan.linear((0, profile.n_layers), space.replication,
                                    microbatches=microbatches, schedule=schedule)
     elif agent is PipelineAgent.INFER:
         from hlomap.tasks.pipeline.infer import infer_cuts, load_policy
@@ -344,20 +370,17 @@ def _estimate_section(result: PipelineResult) -> dict[str, Any]:
 
 def unsplittable_stages(cap: Capture, result: PipelineResult) -> list[str]:
     """Why the runner would refuse `result`'s plan for `cap`: each stage replicates over its
-    devices (data parallelism), so a microbatch must split evenly among them. The cost model
-    divides the work as if it always did; these are the stages where it cannot."""
-    from hlomap.hlo.capture import Role
-
-    sizes = {p.shape.dims[0] for p in cap.parameters
-             if p.role is Role.DATA and getattr(p.shape, "dims", None)}
-    if len(sizes) != 1:
+    devices (data parallelism), so a microbatch must split evenly among them (`splits_batch`).
+    The explorer offers only such plans for a captured step; a plan found for a bare profile
+    may break the rule."""
+    batch = cap.batch_size
+    if batch is None:
         return []  # no batch dimension to check (or several candidates)
-    batch = sizes.pop()
     m = result.plan.microbatches
     problems = []
     for s, stage in enumerate(result.plan.stages):
         devices = len(stage.devices)
-        if batch % m or (batch // m) % devices:
+        if not splits_batch(batch, m, devices):
             problems.append(f"stage {s} replicates over {devices} devices, but a microbatch of the batch of {batch} "
                             f"examples in {m} microbatches does not split among them: `hlomap run` refuses this "
                             f"plan; explore with --microbatches M such that {batch} / M is a multiple of {devices}")

@@ -96,13 +96,14 @@ class CutSearchTask:
             timestep = env.step(0 if self.ranked is not None else int(np.flatnonzero(timestep.legal)[0]))
         if env.outcome is None:
             raise ValueError(f"{self.task.profile.source}: the best-estimated cuts reach a dead end")
-        return decisions_of(env.outcome.plan)
+        return decisions_of(env.outcome.plan, self.task.cluster.n_devices)
 
     def plan_of(self, decisions: np.ndarray) -> PipelinePlan:
         k = len(decisions) // 2
-        cuts, starts = [int(c) for c in decisions[:k]], [int(b) for b in decisions[k:]]
+        cuts, starts = [int(c) for c in decisions[:k]], [int(b) for b in decisions[k:2 * k]]
+        end = int(decisions[2 * k]) if len(decisions) > 2 * k else self.task.cluster.n_devices
         layers = [0, *(c + 1 for c in cuts), self.task.profile.n_layers]
-        bounds = [0, *starts, self.task.cluster.n_devices]
+        bounds = [0, *starts, end]
         stages = tuple(Stage(layers[s], layers[s + 1], tuple(range(bounds[s], bounds[s + 1])))
                        for s in range(len(layers) - 1))
         space = self.task.space
@@ -166,7 +167,7 @@ class CutSearchTask:
         task = self.task
         space = replace(task.space, max_stages=task.n_stages)
         solution = solve(task.profile, task.cluster, space)
-        decisions = decisions_of(solution.plan)
+        decisions = decisions_of(solution.plan, task.cluster.n_devices)
         tracker.record(decisions, self.score(decisions))
         tracker.optimal = not tracker.interrupted
         tracker.notes.append(f"dynamic programming over {task.profile.n_pivots} pivots")

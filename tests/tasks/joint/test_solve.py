@@ -44,7 +44,7 @@ def test_the_dp_finds_the_enumerated_optimum(gpt_tiny, cluster, schedule) -> Non
     best_plan, best = joint_brute_force(model, space)
     assert cost.latency == pytest.approx(best.latency, rel=1e-9)
     assert evaluate(model, plan).latency == pytest.approx(cost.latency, rel=1e-12)
-    assert sum(stage.option.devices for stage in plan.stages) == model.cluster.n_devices
+    assert sum(stage.option.devices for stage in plan.stages) <= model.cluster.n_devices
 
 
 def test_memory_limits_are_honoured(gpt_tiny) -> None:

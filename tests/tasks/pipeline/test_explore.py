@@ -141,14 +141,41 @@ def test_pipedream_graphs_are_read_as_profiles(corpus_dir, tmp_path):
 
 def test_stages_whose_replicas_cannot_split_a_microbatch_are_named():
     """gpt-tiny's batch of 8 in 4 microbatches of 2 over stages of 8 replicas: the runner would
-    refuse the plan, and the explorer says so (and which M would do); 1 microbatch of 8 is fine."""
+    refuse the plan. From the captured step the explorer never offers it (its stages replicate
+    over at most 2 devices, leaving others idle); a plan found for the bare chain, which knows
+    no batch, is named with the M that would do."""
     from hlomap.api import load_source
+    from hlomap.cost.pipeline.chain import step_chain
+    from hlomap.cost.cluster import load_cluster
     from hlomap.tasks.pipeline.explore import unsplittable_stages
 
     cap = load_source("zoo:gpt-tiny")
     result = explore_pipeline(cap, stages=3, microbatches=4, cluster="B", agent="dp", schedule="gpipe")
-    problems = unsplittable_stages(cap, result)
+    assert unsplittable_stages(cap, result) == []
+    assert max(result.replication) == 2 and sum(result.replication) < load_cluster("B").n_devices
+    blind = explore_pipeline(step_chain(cap, load_cluster("B").devices[0]), stages=3, microbatches=4, cluster="B",
+                             agent="dp", schedule="gpipe")
+    problems = unsplittable_stages(cap, blind)
     assert len(problems) == 3 and "stage 0 replicates over 8 devices" in problems[0]
     assert "such that 8 / M is a multiple of 8" in problems[0]
     single = explore_pipeline(cap, stages=3, microbatches=1, cluster="B", agent="dp", schedule="gpipe")
     assert unsplittable_stages(cap, single) == []
+
+
+def test_the_space_offers_only_replication_a_microbatch_splits_over():
+    """8 examples in 4 microbatches of 2 on 2 servers of 4: even groups of 4 cannot split a
+    microbatch, so stages replicate over at most 2 devices on a prefix of the devices (the
+    DQN's center groups: 2 + 2); with 1 microbatch of 8 the even groups stay."""
+    from hlomap.cost.cluster import hierarchical
+    from hlomap.cost.pipeline.stages import splits_batch
+
+    assert splits_batch(8, 4, 2) and not splits_batch(8, 4, 4) and not splits_batch(8, 3, 1)
+    profile = uniform_profile(6, forward_time=1e-3, backward_time=2e-3, parameter_bytes=1e6)
+    cluster = hierarchical(2, 4)
+    narrow = pipeline_task(profile, cluster, stages=2, microbatches=4, batch=8)
+    assert narrow.space.replication == (1, 2) and not narrow.space.use_all_devices
+    assert narrow.center == (0, 2, 4)
+    wide = pipeline_task(profile, cluster, stages=2, microbatches=1, batch=8)
+    assert wide.space.replication == (4,) and wide.space.use_all_devices and wide.center == (0, 4, 8)
+    with pytest.raises(NoFeasiblePlan, match="does not split into 3 equal microbatches"):
+        pipeline_task(profile, cluster, stages=2, microbatches=3, batch=8)
