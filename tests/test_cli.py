@@ -497,6 +497,22 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     assert {k["dtype"] for k in kept["samples"]["kernels"] if k["kind"] == "dot"} == {"f32", "bf16"}
 
 
+def test_calibrate_on_a_cpu_only_machine_measures_eight_simulated_devices_by_default(tmp_path: Path) -> None:
+    """A CPU backend shows one device unless XLA_FLAGS asks for more: without --devices,
+    `hlomap calibrate` simulates the 8 host devices the examples and `hlomap run` plan for."""
+    import os
+
+    from hlomap.cost.cluster import load_cluster
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-m", "hlomap.cli", "calibrate", "--quick", "-o", "local.json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "8 simulated host devices" in done.stderr
+    assert load_cluster(tmp_path / "local.json").n_devices == 8
+
+
 def test_calibrate_refuses_a_device_count_it_cannot_measure(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "x.json"

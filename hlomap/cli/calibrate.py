@@ -9,6 +9,10 @@ from pathlib import Path
 from hlomap import api
 from hlomap.cli import common
 
+#: Host devices a CPU-only machine simulates when --devices is not given: the count the examples
+#: and `hlomap run` plan for (a CPU backend shows one device unless XLA_FLAGS asks for more).
+CPU_DEVICES = 8
+
 DESCRIPTION = ("Measure the present devices (CPU, GPU or TPU) with microbenchmarks: matmul throughput per dtype over "
                "a sweep of sizes, memory bandwidth, each collective over message and group sizes, program dispatch "
                "and device-to-device transfers; fit latency, bandwidth and efficiency, and write an ordinary cluster "
@@ -21,8 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure the present devices and write a cluster file",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=common.positive_int, default=None, metavar="N",
-                   help="measure the first N devices (default: every device JAX sees; on a CPU-only machine N host "
-                        "devices are simulated)")
+                   help="measure the first N devices (default: every device JAX sees; a CPU-only machine simulates "
+                        f"N host devices, {CPU_DEVICES} by default)")
     p.add_argument("-o", "--output", type=Path, default=Path("cluster.json"), metavar="FILE.json",
                    help="the cluster file to write (default cluster.json)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds instead of tens")
@@ -32,8 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # before anything imports JAX (the reports below do): a CPU-only machine then shows N devices
-    if args.devices is not None:
-        api.ensure_host_devices(args.devices)
+    # (harmless elsewhere: the flag only sizes the host platform)
+    api.ensure_host_devices(args.devices or CPU_DEVICES)
     from hlomap.report.calibration import format_calibration
     from hlomap.report.progress import calibration_bar
 
@@ -41,6 +45,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
     common.show(*format_calibration(cluster, calibration))
+    if args.devices is None and calibration.backend == "cpu" and not args.quiet:
+        common.note(f"a CPU-only machine: measured {calibration.n_devices} simulated host devices "
+                    "(--devices N for another count)")
     path = api.save_calibration(calibration, args.output)
     common.say(f"wrote {path}: cluster {cluster.name!r} ({cluster.n_devices} device(s)); use it with --cluster {path}")
     return 0
