@@ -1013,17 +1013,9 @@ class RunCheck:
 
 
 def plan_devices(plan: Any) -> int:
-    """Devices a plan needs: its mesh, or every device its pipeline stages name, or, when it is
-    placed, up to the highest device id of its placement."""
-    if plan.placement is not None:
-        return max(plan.device_order(), default=0) + 1
-    if plan.pipeline is not None:
-        ids = [d for stage in plan.pipeline.stages for d in stage.devices]
-        return max(ids, default=0) + 1
-    devices = 1
-    for _, size in plan.mesh:
-        devices *= size
-    return devices
+    """Devices a plan needs: up to the highest device id it runs on (`Plan.device_order`: its
+    placement's, else its pipeline stages' devices, else its mesh's positions)."""
+    return max(plan.device_order(), default=0) + 1
 
 
 def ensure_host_devices(count: int) -> None:
