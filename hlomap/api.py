@@ -371,8 +371,8 @@ def check_writable(path: str | Path) -> None:
     """Raise InputError unless `path` can be written: checked before any work, so a long search
     never ends unable to save. The directory is probed by creating (and removing) a file in it,
     because permission bits do not tell: root passes every `access` check, yet cannot create a
-    file in /sys or /proc."""
-    import tempfile
+    file in /sys or /proc (`plan.write_problem`)."""
+    from hlomap.plan import write_problem
 
     path = Path(path)
     if path.is_dir():
@@ -381,11 +381,9 @@ def check_writable(path: str | Path) -> None:
         raise InputError(f"{path.parent}: directory does not exist (for {path.name})")
     if not path.parent.is_dir():
         raise InputError(f"{path.parent}: not a directory (for {path.name})")
-    try:
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
-            pass
-    except OSError as err:
-        raise InputError(f"{path}: not writable ({err.strerror or err})") from None
+    problem = write_problem(path.parent)
+    if problem is not None:
+        raise InputError(f"{path}: not writable ({problem})")
     if path.exists() and not _opens_for_append(path):
         raise InputError(f"{path}: not writable")
 

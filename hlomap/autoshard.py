@@ -166,15 +166,13 @@ def load_cached(path: Path, cap: Any) -> Any:
 
 def cache_dir_problem(directory: Path) -> str | None:
     """Why plans cannot be cached in `directory` (created if missing), or None when they can."""
-    import tempfile
+    from hlomap.plan import write_problem
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
-            pass
     except OSError as err:
         return err.strerror or str(err)
-    return None
+    return write_problem(directory)
 
 
 def usable_cache_dir(cache_dir: str | os.PathLike[str] | None, cache: bool) -> Path | None:

@@ -2,7 +2,7 @@
 estimate) with its versioned JSON, the typed sections of a plan file, and the built-in plans."""
 
 from hlomap.plan.errors import PlanError
-from hlomap.plan.model import PLAN_VERSION, Plan, write_atomic
+from hlomap.plan.model import PLAN_VERSION, Plan, write_atomic, write_problem
 from hlomap.plan.reference import ReferencePlan, parse_mesh_text, reference_plan, resolve_plan
 from hlomap.plan.sections import (
     GroupAssignment,
@@ -18,4 +18,4 @@ from hlomap.propagation.conflicts import PlanConflict
 
 __all__ = ["PLAN_VERSION", "GroupAssignment", "ParameterSpec", "Pipeline", "PipelineCut", "PipelineKind",
            "PipelineStage", "Placement", "Plan", "PlanConflict", "PlanError", "PlanSource", "ReferencePlan",
-           "parse_mesh_text", "reference_plan", "resolve_plan", "write_atomic"]
+           "parse_mesh_text", "reference_plan", "resolve_plan", "write_atomic", "write_problem"]

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 
-__all__ = ["PLAN_VERSION", "Plan", "write_atomic"]
+__all__ = ["PLAN_VERSION", "Plan", "write_atomic", "write_problem"]
 
 @dataclass(frozen=True)
 class Plan:
@@ -436,6 +436,18 @@ def _in_user_terms(cap: Capture, graph: FactorGraph, writers: Sequence[tuple[int
     where = f"; {'; '.join(links)}" if links else ""
     return (f"{named}; so {conflict.tensor!r} would have dims {list(conflict.dims)} both on {conflict.axis} "
             f"(at {conflict.instruction}){where}")
+
+
+def write_problem(directory: Path) -> str | None:
+    """Why no file can be created in `directory`, or None when one can. Probed by creating (and
+    removing) a file, because permission bits do not tell: root passes every `access` check, yet
+    cannot create a file in /sys or /proc."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".hlomap-", suffix=".probe"):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 def write_atomic(path: Path, text: str) -> None:
