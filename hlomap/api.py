@@ -1162,7 +1162,8 @@ def save_calibration(calibration: Any, path: str | Path) -> Path:
     import json
 
     from hlomap.cost.calibration import calibrated_cluster_json
+    from hlomap.plan import write_atomic
 
     path = Path(path)
-    path.write_text(json.dumps(calibrated_cluster_json(calibration), indent=1) + "\n")
+    write_atomic(path, json.dumps(calibrated_cluster_json(calibration), indent=1) + "\n")
     return path
