@@ -110,21 +110,15 @@ def axes2x4() -> Any:
     return MeshAxes.from_mesh({"data": 2, "model": 4})
 
 
-#: A calibration of this project's CI machine (8 host CPU devices, `hlomap calibrate`): what the
-#: `local` cluster is in tests, so that no test measures the machine (half a minute, and noisy).
-LOCAL_CLUSTER_FILE = Path(__file__).resolve().parent / "data" / "clusters" / "cpu8.cluster.json"
-
-
 @pytest.fixture(scope="session", autouse=True)
 def local_cluster_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder for the whole session ($HLOMAP_CACHE_DIR: tests never write the user's
-    ~/.cache) holding the `local` cluster of the present devices, taken from LOCAL_CLUSTER_FILE.
-    Tests of the first-use measurement pass their own folder and measuring function."""
-    from hlomap.verify.local import CACHE_ENV, cached_path, present_key
+    ~/.cache) holding the `local` cluster of the present devices (`tests.local_cluster`), so that
+    no test measures the machine. Tests of the first-use measurement pass their own folder."""
+    from hlomap.verify.local import CACHE_ENV
+    from tests.local_cluster import seed_local_cluster
 
     folder = tmp_path_factory.mktemp("hlomap-cache")
     os.environ[CACHE_ENV] = str(folder)
-    path = cached_path(present_key(), folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(LOCAL_CLUSTER_FILE.read_text())
+    seed_local_cluster(folder)
     return folder
