@@ -284,7 +284,7 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",
              axis_devices: Any = None, axis_order: Sequence[str] | None = None, graph: Any = None,
-             overlap: Any = None, fusion: Any = None) -> Any:
+             overlap: Any = None, fusion: Any = None, executor: str | None = None) -> Any:
     """Estimate one training step of `cap` under `plan` on `cluster` -> `StepEstimate`.
 
     `plan`: a `hlomap.plan.Plan` (its own mesh), a built-in plan name ("dp", "megatron",
@@ -295,11 +295,13 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     PlanConflict for a plan with conflicts.
 
     A pipeline or joint plan is priced by its stages instead (`simulate_plan`), and its
-    `PipelineSimulation` or `JointSimulation` is returned; every kind answers `step_seconds` and
-    `fits`.
+    `PipelineSimulation` or `JointSimulation` is returned, priced on `executor` ("spmd" or
+    "mpmd"; default the runner's choice); every kind answers `step_seconds` and `fits`.
     """
     if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
-        return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order)
+        return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order, executor=executor)
+    if executor is not None:
+        raise InputError(f"executor {executor!r}: the plan has no pipeline section (executors run pipelines)")
     from hlomap.cost import estimate as cost_estimate
     from hlomap.plan import resolve_plan
     from hlomap.propagation.graph import FactorGraph
@@ -639,11 +641,14 @@ class SpmdSimulation:
 
 @dataclass(frozen=True)
 class PipelineSimulation:
-    """A pipeline plan priced from the stage profile it carries, on its placement."""
+    """A pipeline plan priced from the stage profile it carries, on its placement; plus the cost
+    of the executor that runs it (`executor`), as a measured cluster knows it."""
 
     estimate: Any
     cluster_name: str
     placement: Any = None
+    executor: str = ""
+    executor_seconds: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -651,16 +656,19 @@ class PipelineSimulation:
 
     @property
     def step_seconds(self) -> float:
-        """The event simulator's batch time on the plan's placement."""
-        return float(self.estimate.placed.length)
+        """The event simulator's batch time on the plan's placement, plus the executor's cost."""
+        return float(self.estimate.placed.length) + self.executor_seconds
 
 
 @dataclass(frozen=True)
 class JointSimulation:
     """A joint plan priced again by the cost model: per stage layers, devices, mesh, time per
-    microbatch and memory, then the step time and the transfers."""
+    microbatch and memory, then the step time and the transfers; the executor's cost is that of
+    `executor`."""
 
     result: Any
+    executor: str = ""
+    executor_seconds: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -668,8 +676,23 @@ class JointSimulation:
 
     @property
     def step_seconds(self) -> float:
-        """The closed form's step time L over the stages priced again."""
-        return float(self.result.cost.latency)
+        """The closed form's step time L over the stages priced again, plus the executor's cost."""
+        cost = self.result.cost
+        return float(cost.latency - cost.executor_seconds) + self.executor_seconds
+
+
+def plan_executor(plan: Any, requested: str | None = None, where: str = "plan") -> str:
+    """The executor a pipeline or joint plan runs on: `requested` when the plan allows it, else
+    the runner's default for its schedule and stages (`hlomap.run.runner.choose_executor`)."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.pipeline.section import pipeline_section
+    from hlomap.run.runner import choose_executor
+
+    try:
+        section = pipeline_section(plan, where)
+        return choose_executor(section.schedule, section.uniform, requested, section.repeats).value
+    except RunError as err:
+        raise InputError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from None
 
 
 Simulation = SpmdSimulation | PipelineSimulation | JointSimulation
@@ -692,25 +715,34 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
 
 
 def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
-                  axis_order: Sequence[str] | None = None, where: str = "plan") -> Simulation:
+                  axis_order: Sequence[str] | None = None, where: str = "plan", executor: str | None = None) -> Simulation:
     """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
     a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
     pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
     None for a pipeline plan (`needs_module`). `cap` and `plan` may also be given as a SOURCE
-    string and a built-in plan name or plan file."""
+    string and a built-in plan name or plan file. `executor` ("spmd" or "mpmd", default the
+    runner's choice) prices a pipeline or joint plan on that executor."""
     import dataclasses
 
     from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.cost.pipeline.costs import executor_overhead
 
     plan = plan_or_built_in(plan) if isinstance(plan, (str, Path)) else plan
     cap = _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     check_simulation_options(plan, mesh=mesh, axis_order=axis_order, where=where)
     category = plan_category(plan)
+    if category not in (PlanCategory.PIPELINE, PlanCategory.JOINT) and executor is not None:
+        raise InputError(f"executor {executor!r}: {where} has no pipeline section (executors run pipelines)")
+    if category in (PlanCategory.PIPELINE, PlanCategory.JOINT):
+        chosen = plan_executor(plan, executor, where)
+        section = plan.pipeline
+        overhead = executor_overhead(cluster, chosen, section.n_stages * section.repeats, section.microbatches)
     if category is PlanCategory.PIPELINE:
         from hlomap.tasks.placement.place import estimate_pipeline_plan
 
-        return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement)
+        return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement,
+                                  chosen, overhead)
     if cap is None:
         raise InputError(f"{where}: a {category.value} plan is priced from the step's module: name its SOURCE")
     if category is PlanCategory.JOINT:
@@ -718,7 +750,7 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
 
         check_plan_for(plan, cap, where)
         try:
-            return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline))
+            return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline), chosen, overhead)
         except ValueError as err:
             raise InputError(f"--plan {where}: {err}") from None
     placed = category is PlanCategory.SPMD and plan.placement is not None
@@ -1144,13 +1176,16 @@ def calibrate(devices: int | None = None, quick: bool = False,
     import jax
 
     from hlomap.cost.calibration import CalibrationError, calibrated_cluster
+    from hlomap.run.calibrate import executor_tasks
     from hlomap.verify.devices import measure_devices
 
     seen = jax.device_count()
     if devices is not None and devices > seen:
         raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)")
     try:
-        measured = measure_devices(devices, quick=quick, on_progress=on_progress)
+        measured = measure_devices(devices, quick=quick, on_progress=on_progress,
+                                   extra_tasks=lambda chosen, q, timer: executor_tasks(chosen, quick=q,
+                                                                                       median_seconds=timer))
         return calibrated_cluster(measured), measured
     except CalibrationError as err:
         raise InputError(f"calibration failed: {err}") from None
