@@ -308,7 +308,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
 # ---------------------------------------------------------------------------------------------
 
 MEASURE_NEEDS_STEP = ("measuring needs a runnable step: name the SOURCE as zoo:NAME or FILE.py:FUNCTION (a function "
-                      "returning (train_step, example_args)), or pass runnable=(train_step, example_args)")
+                      "returning (train_step, example_args)), or in Python pass runnable=(train_step, example_args)")
 
 
 def measure_settings(measure: int | Any = 0, rounds: int = 10, budget_seconds: float | None = 60.0) -> Any:
