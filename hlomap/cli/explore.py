@@ -129,7 +129,28 @@ def _show_measurement(args: argparse.Namespace, plan: Any) -> None:
         common.console().print(format_measurement(plan.measured))
 
 
+def _measure_devices(args: argparse.Namespace) -> int | None:
+    """Devices --measure runs the candidates on: the mesh's (opp, adp, hybrid) or the cluster's
+    (pipeline, auto); None when the arguments are wrong (the task's own checks say why)."""
+    import math
+
+    from hlomap.plan import parse_mesh_text
+
+    try:
+        if args.task in SHARDING_TASKS:
+            mesh = parse_mesh_text(args.mesh)
+            return mesh if isinstance(mesh, int) else math.prod(mesh.values())
+        return int(api.resolve_cluster(args.cluster, args.profile).cluster.n_devices)
+    except (ValueError, OSError):  # reported by the task's own checks, once
+        return None
+
+
 def cmd_explore(args: argparse.Namespace) -> int:
+    if args.measure:
+        # A CPU-only machine shows one device unless told before JAX starts (as `hlomap run` does).
+        devices = _measure_devices(args)
+        if devices is not None:
+            api.ensure_host_devices(devices)
     output = Path(args.output)
     if args.task == "pipeline":
         return _explore_pipeline(args, output)
