@@ -253,3 +253,12 @@ def test_auto_shard_times_candidates_on_a_cluster_of_the_present_devices(tmp_pat
     assert step.plan_file is not None and Plan.load(step.plan_file).measured == measured
     # the user's arguments were copied for the candidates, not donated
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, before)
+
+
+def test_explore_measure_of_auto_lists_joint_plans_of_fewer_stages_and_the_spmd_plans() -> None:
+    settings, _ = fake_settings(8, lambda plan: 1.0 if plan.pipeline is not None else 3.0)
+    plan = api.explore(TINY, task="auto", cluster="hier:1x8", measure=settings)
+    names = {c.name: c.family for c in plan.measured.candidates}
+    assert names[PICK] == "joint" and "joint 1 stage" in names
+    assert {"joint", "spmd"} <= set(names.values())
+    assert plan.pipeline is not None and plan.search is not None and plan.search["task"] == "auto"
