@@ -14,11 +14,11 @@ step; a new shape or dtype captures again, as `jax.jit` retraces.
 
 The cache is a folder of plan files (`Plan` JSON, usable as `plan=PATH` and by `hlomap run`), one
 per key: the HLO fingerprint of the captured step, the mesh, the cluster the search priced, the
-task, the hlomap version and how many candidates were measured. Writes are atomic; an entry that cannot be read is explored again
-with a warning. The cache folder is created and probed when the decorator is applied: a
-`cache_dir` the user named that cannot be written is an error naming it (the user asked for
-it); an unwritable default folder only warns and runs without a cache, and so does a write that
-fails later (the plan in hand is still good).
+task, the hlomap version and how many candidates were measured. Writes are atomic; an entry that
+cannot be read is explored again with a warning. The cache folder is created and probed when the
+decorator is applied: a `cache_dir` the user named that cannot be written is an error naming it
+(the user asked for it); an unwritable default folder only warns and runs without a cache, and so
+does a write that fails later (the plan in hand is still good).
 
 The cluster the search prices: the first N devices of `cluster` (a preset, a JSON file or a
 Cluster), N the devices the mesh spans. A step on 8 devices of preset "A" (two servers of 8
