@@ -59,6 +59,7 @@ __all__ = [
     "explore_auto",
     "explore_auto_detailed",
     "explore_detailed",
+    "explore_candidates",
     "explore_pipeline_detailed",
     "inspect_capture",
     "is_pipedream_graph",
@@ -66,6 +67,9 @@ __all__ = [
     "load_pipeline_source",
     "load_plan_file",
     "load_source",
+    "measure_found",
+    "measure_runnable",
+    "measure_settings",
     "needs_module",
     "other_cluster_warning",
     "parse_mesh",
@@ -240,7 +244,9 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
 
 def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
             agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
-            **options: Any) -> Any:
+            *, measure: int | Any = 0, measure_rounds: int = 10, measure_budget_seconds: float | None = 60.0,
+            runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
+            on_measure_round: Callable[[int, int], None] | None = None, **options: Any) -> Any:
     """Search a plan for `cap` and return it as a `hlomap.plan.Plan`.
 
     task: "opp" (tensor parallelism of the trainable variables), "adp" (data inputs), "hybrid"
@@ -260,17 +266,150 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.
 
+    measure=K (default 0: off): after the search, compile and time the best K distinct
+    candidates on the present devices (the pick and the best of each family the task weighed
+    always, so K may be raised; `measure_found`) in up to `measure_rounds` interleaved rounds,
+    `measure_budget_seconds` of timing at most, and return the measured fastest, its `measured`
+    section recording every candidate. It needs a runnable step: `cap` given as `zoo:NAME` or
+    `FILE.py:FUNCTION`, or `runnable=(train_step, example_args)`. `measure` may also be a
+    `hlomap.run.measure.MeasureSettings` (tests inject a clock and runnables through it).
+    `on_measure_round(done, rounds)` hears each timed round.
+
     `cap` may also be a SOURCE string (`load_source`: zoo:NAME, FILE.py:FUNCTION, an HLO file).
     """
+    settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
+    step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
-    if str(getattr(task, "value", task)) == "auto":
-        return explore_auto(cap, cluster=cluster, **options)
-    if str(getattr(task, "value", task)) == "pipeline":
+    name = str(getattr(task, "value", task))
+    if name == "auto":
+        if not settings.enabled:
+            return explore_auto(cap, cluster=cluster, **options)
+        found: Any = explore_auto_detailed(cap, cluster=cluster, **options)
+    elif name == "pipeline":
         from hlomap.tasks.pipeline.explore import explore_pipeline_plan
 
-        return explore_pipeline_plan(cap, cluster=cluster, agent=str(getattr(agent, "value", agent)),
-                                     budget_seconds=budget_seconds, seed=seed, **options)
-    return explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options).plan
+        found = explore_pipeline_plan(cap, cluster=cluster, agent=str(getattr(agent, "value", agent)),
+                                      budget_seconds=budget_seconds, seed=seed, **options)
+        if not settings.enabled:
+            return found
+    else:
+        found = explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options)
+        if not settings.enabled:
+            return found.plan
+    assert step_and_args is not None
+    chosen = measure_found(found, cap, cluster, settings, step_and_args, on_round=on_measure_round).plan
+    if options.get("output") is not None:
+        chosen.save(options["output"])
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured selection: time the best candidates of a search on the present devices
+# ---------------------------------------------------------------------------------------------
+
+MEASURE_NEEDS_STEP = ("measuring needs a runnable step: name the SOURCE as zoo:NAME or FILE.py:FUNCTION (a function "
+                      "returning (train_step, example_args)), or in Python pass runnable=(train_step, example_args)")
+
+
+def measure_settings(measure: int | Any = 0, rounds: int = 10, budget_seconds: float | None = 60.0) -> Any:
+    """`MeasureSettings` from `explore`'s measure arguments (a settings object passes as it is);
+    InputError naming the argument for a bad value."""
+    from hlomap.run.measure import MeasureSettings
+
+    if isinstance(measure, MeasureSettings):
+        return measure
+    try:
+        return MeasureSettings(count=measure, rounds=rounds, budget_seconds=budget_seconds)
+    except (TypeError, ValueError) as err:
+        raise InputError(str(err)) from None
+
+
+def measure_runnable(source: Capture | str | None, runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
+                     seed: int = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """(train step, real example arguments) that measuring runs: `runnable` when given, else
+    those of a `zoo:NAME` or `FILE.py:FUNCTION` SOURCE; InputError for anything else (an HLO
+    file, a Capture alone), checked before any search."""
+    if runnable is not None:
+        if not (isinstance(runnable, tuple) and len(runnable) == 2 and callable(runnable[0])):
+            raise InputError(f"runnable={runnable!r}: expected (train_step, example_args)")
+        return runnable[0], tuple(runnable[1])
+    if isinstance(source, str) and (source.startswith(ZOO_PREFIX) or is_step_file(source)):
+        step, example, _ = _run_source(source, seed)
+        return step, tuple(example)
+    what = source if isinstance(source, str) else "a Capture"
+    raise InputError(f"{what}: {MEASURE_NEEDS_STEP}")
+
+
+def explore_candidates(found: Any, cap: Capture, cluster: Any) -> list[Any]:
+    """Every distinct candidate plan of a finished search (`hlomap.tasks.candidates`): `found`
+    is a sharding `Exploration`, a pipeline Plan or `PipelineExploration`, or a
+    `JointExploration`."""
+    from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.tasks import candidates
+
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    if isinstance(found, JointExploration):
+        from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+        result = found.result
+        model = result.model
+
+        def fewer_stages(stages: int) -> Any:
+            try:
+                return explore_joint(cap, model.cluster, schedule=result.plan.schedule, max_stages=stages,
+                                     with_grid=False, model=model)
+            except ValueError:  # NoFeasiblePlan: no plan of so few stages fits
+                return None
+
+        return candidates.candidates_for_joint(result, to_plan=joint_plan, resolve=fewer_stages)
+    if isinstance(found, PipelineExploration):
+        from hlomap.tasks.pipeline.explore import pipeline_plan
+
+        found = pipeline_plan(cap, found.result)
+    if hasattr(found, "problem"):
+        return candidates.candidates_for_sharding(found, cluster)
+    return candidates.candidates_for_pipeline(cap, found, cluster)
+
+
+def measure_found(found: Any, cap: Capture, cluster: Any, settings: Any,
+                  runnable: tuple[Callable[..., Any], Sequence[Any]],
+                  on_round: Callable[[int, int], None] | None = None,
+                  on_candidates: Callable[[Sequence[Any]], None] | None = None) -> Any:
+    """Time the best `settings.count` candidates of a finished search (`explore_candidates`,
+    `select_candidates`) on the present devices and return the `MeasuredSelection`: the
+    measured fastest plan, its `measured` section listing every timed candidate. A chosen plan
+    other than the search's pick keeps the pick's search record. `on_candidates` hears the
+    selected candidates before compiling (a progress bar's length)."""
+    import dataclasses
+
+    import jax
+
+    from hlomap.run.measure import MeasureError, measure_candidates, step_preparer
+    from hlomap.tasks.candidates import PICK, select_candidates
+
+    listed = explore_candidates(found, cap, cluster)
+    selected = select_candidates(listed, settings.count)
+    if on_candidates is not None:
+        on_candidates(selected)
+    prepare = settings.prepare or step_preparer(runnable[0], runnable[1])
+    present, platform = jax.device_count(), jax.devices()[0].platform
+
+    def prepare_here(plan: Any) -> Callable[[], Any]:
+        needed = plan_devices(plan)
+        if needed > present:
+            raise InputError(f"needs {needed} devices; JAX sees {present} ({platform})")
+        return prepare(plan)
+
+    try:
+        selection = measure_candidates(selected, prepare_here, settings, devices=present, platform=platform,
+                                       on_round=on_round)
+    except MeasureError as err:
+        raise InputError(str(err)) from None
+    pick = next((c for c in listed if c.name == PICK), None)
+    if selection.chosen.name != PICK and pick is not None and pick.plan.search is not None:
+        plan = dataclasses.replace(selection.plan, search=pick.plan.search)
+        selection = dataclasses.replace(selection, plan=plan)
+    return selection
 
 
 def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", microbatches: Sequence[int] | None = None,
