@@ -412,7 +412,10 @@ def apply_calibration(cluster: Cluster, profile: Calibration) -> Cluster:
 #: another (a stage-to-stage send) and a trivial jitted call (the fixed cost of one dispatch).
 TRANSFER = "transfer"
 DISPATCH = "dispatch"
-COMM_KINDS = frozenset({c.value for c in Collective} | {TRANSFER, DISPATCH})
+#: A program of a chain of tiny matmuls on every device at once: its `nbytes` counts the kernels,
+#: so the fit's seconds per "byte" is the cost of launching one kernel inside a program.
+LAUNCH = "launch"
+COMM_KINDS = frozenset({c.value for c in Collective} | {TRANSFER, DISPATCH, LAUNCH})
 
 
 @dataclass(frozen=True)
@@ -674,6 +677,9 @@ class ClusterCalibration:
             if fit.kind == DISPATCH:
                 out["dispatch s"] = fit.latency
                 continue
+            if fit.kind == LAUNCH:
+                out["kernel launch s"] = 1.0 / fit.bandwidth if math.isfinite(fit.bandwidth) else 0.0
+                continue
             out[f"{fit.kind} x{fit.group} latency s"] = fit.latency
             out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
         out["solo speedup"] = solo_speedup(self.kernels)
@@ -736,8 +742,11 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     bandwidth = np.full((n, n), link.bandwidth if link else math.inf)
     latency = np.full((n, n), link.latency if link else 0.0)
     label = name or f"calibrated-{calibration.backend}-{n}"
-    measured = replace(measured_costs(calibration.comm_fits, DISPATCH, TRANSFER, calibration.executor_fits),
-                       solo_speedup=solo_speedup(calibration.kernels), n_devices=n)
+    fits = calibration.comm_fits
+    launch = next((f for f in fits if f.kind == LAUNCH and math.isfinite(f.bandwidth)), None)
+    measured = replace(measured_costs(fits, DISPATCH, TRANSFER, calibration.executor_fits),
+                       solo_speedup=solo_speedup(calibration.kernels), n_devices=n,
+                       kernel_seconds=0.0 if launch is None else 1.0 / launch.bandwidth)
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 

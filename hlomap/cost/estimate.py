@@ -265,7 +265,10 @@ def _gathered_axes(sg: ShardedGraph) -> dict[int, tuple[str, ...]]:
 
 
 def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
-                           fused: frozenset[int], cache: CostCache) -> list[InstructionEstimate]:
+                           fused: frozenset[int], cache: CostCache,
+                           kernel_seconds: float = 0.0) -> list[InstructionEstimate]:
+    """Each instruction's cost on `device`; every kernel launched (an instruction not fused into
+    its consumer) also costs `kernel_seconds`, a measured cluster's launch overhead."""
     g = sg.graph
     module = g.module
     mesh = sg.axes.mesh_shape
@@ -296,10 +299,11 @@ def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mappi
             nbytes = reads + (0.0 if n in fused else sg.node_result_bytes(n))
         compute = full.compute_seconds / degree
         memory = nbytes / device.hbm_bandwidth
+        launch = 0.0 if n in fused else kernel_seconds
         out.append(InstructionEstimate(
             inst.name, node.computation, inst.opcode, phases[n], degree, count,
             full.flops / degree * count, full.transcendentals / degree * count, nbytes * count,
-            compute * count, memory * count, max(compute, memory) * count))
+            compute * count, memory * count, (max(compute, memory) + launch) * count))
     return out
 
 
@@ -435,18 +439,22 @@ class StepWork(NamedTuple):
 
 
 def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusion: Fusion = Fusion.ELEMENTWISE,
-              cache: CostCache | None = None) -> StepWork:
+              cache: CostCache | None = None, busy: int | None = None) -> StepWork:
     """Per-instruction compute and the collectives of a plan already applied to a graph, on
-    `cluster` with the mesh axes mapped to devices by `mapping`."""
+    `cluster` with the mesh axes mapped to devices by `mapping`. `busy`: how many of the
+    cluster's devices compute at once (default the mesh's; a pipeline stage's mesh computes
+    while the other stages do), which sets the speed of devices that share hardware."""
     device = cluster.devices[int(mapping.devices.flat[0])] if mapping.devices.size else cluster.devices[0]
     # a mesh on some of a measured cluster's shared-hardware devices computes faster per device
-    device = sped_up(device, busy_speedup(cluster, int(mapping.devices.size)))
+    speedup = busy_speedup(cluster, int(mapping.devices.size) if busy is None else busy)
+    device = sped_up(device, speedup)
     kinds = {cluster.devices[int(d)].name for d in mapping.devices.flat}
     if len(kinds) > 1:
         log.warning("mesh spans devices of kinds %s; compute is costed on %s", sorted(kinds), device.name)
     gathered = _gathered_axes(sg)
+    launch = cluster.measured.kernel_seconds / speedup if cluster.measured is not None else 0.0
     instructions = _instruction_estimates(sg, device, gathered, fused_nodes(sg, fusion),
-                                          {} if cache is None else cache)
+                                          {} if cache is None else cache, launch)
     collectives, reduce_flops = _collectives(sg, cluster, mapping, gathered)
     return StepWork(device, instructions, collectives, reduce_flops)
 

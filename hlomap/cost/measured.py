@@ -25,13 +25,15 @@ model uses it instead of the links wherever a cluster carries one:
 - `solo_speedup` is how much faster one device computes alone than while all of the cluster's
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
-  k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster.
+  k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster;
+- `kernel_seconds` is what each kernel a program launches costs beyond its roofline (measured on
+  a chain of tiny matmuls): the small-kernel inefficiency that dominates small models on a host.
 
 JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
     {"dispatch_seconds": 2.6e-05, "transfer": {"latency": 2e-04, "bandwidth": 1.1e10},
      "collectives": [{"kind": "all-reduce", "group": 8, "latency": 4.9e-04, "bandwidth": 1.2e9}, ...],
      "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
-     "solo_speedup": 7.9, "n_devices": 8}
+     "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06}
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class MeasuredCosts:
     executors: Mapping[str, Fit] = field(default_factory=dict)
     solo_speedup: float = 1.0
     n_devices: int = 1  # how many devices were busy when the roofline was measured
+    kernel_seconds: float = 0.0  # launching one kernel inside a running program (all devices busy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", dict(sorted(self.collectives.items())))
@@ -96,7 +99,7 @@ class MeasuredCosts:
 
     def __hash__(self) -> int:
         return hash((self.dispatch_seconds, self.transfer, tuple(self.collectives.items()),
-                     tuple(self.executors.items()), self.solo_speedup, self.n_devices))
+                     tuple(self.executors.items()), self.solo_speedup, self.n_devices, self.kernel_seconds))
 
     def busy_speedup(self, busy: int) -> float:
         """How much faster each device computes when only `busy` devices work (module docstring)."""
@@ -127,14 +130,15 @@ class MeasuredCosts:
                 "transfer": None if self.transfer is None else self.transfer.to_json(),
                 "collectives": [{"kind": k, "group": g, **fit.to_json()} for (k, g), fit in self.collectives.items()],
                 "executors": {name: fit.to_json() for name, fit in self.executors.items()},
-                "solo_speedup": self.solo_speedup, "n_devices": self.n_devices}
+                "solo_speedup": self.solo_speedup, "n_devices": self.n_devices,
+                "kernel_seconds": self.kernel_seconds}
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "measured") -> MeasuredCosts:
         if not isinstance(data, Mapping):
             raise MeasuredCostsError(f"{where}: expected an object, got {data!r}")
         unknown = sorted(set(data) - {"dispatch_seconds", "transfer", "collectives", "executors", "solo_speedup",
-                                      "n_devices"})
+                                      "n_devices", "kernel_seconds"})
         if unknown:
             raise MeasuredCostsError(f"{where}: unknown field(s) {unknown}")
         transfer = data.get("transfer")
@@ -155,7 +159,8 @@ class MeasuredCosts:
                        None if transfer is None else _fit(transfer, f"{where}.transfer"), table,
                        {str(k): _fit(v, f"{where}.executors.{k}") for k, v in executors.items()},
                        _number(data.get("solo_speedup", 1.0), f"{where}.solo_speedup"),
-                       _int(data.get("n_devices", 1), f"{where}.n_devices"))
+                       _int(data.get("n_devices", 1), f"{where}.n_devices"),
+                       _number(data.get("kernel_seconds", 0.0), f"{where}.kernel_seconds"))
         except MeasuredCostsError as err:
             raise MeasuredCostsError(f"{where}: {err}") from None
 
@@ -178,6 +183,8 @@ def measured_costs(fits: Iterable[Any], dispatch_kind: str, transfer_kind: str,
 def _check(costs: MeasuredCosts) -> None:
     if not (math.isfinite(costs.solo_speedup) and costs.solo_speedup >= 1.0):
         raise MeasuredCostsError(f"solo_speedup = {costs.solo_speedup!r} must be finite and >= 1")
+    if not (math.isfinite(costs.kernel_seconds) and costs.kernel_seconds >= 0):
+        raise MeasuredCostsError(f"kernel_seconds = {costs.kernel_seconds!r} must be finite and >= 0")
     if costs.n_devices < 1:
         raise MeasuredCostsError(f"n_devices = {costs.n_devices!r} must be >= 1")
     if not (math.isfinite(costs.dispatch_seconds) and costs.dispatch_seconds >= 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hlomap.cost.calibration import DISPATCH, ClusterCalibration
+from hlomap.cost.calibration import DISPATCH, LAUNCH, ClusterCalibration
 from hlomap.cost.cluster import Cluster
 from hlomap.report.units import human_bytes, human_flops, human_seconds
 
@@ -18,7 +18,8 @@ def _rate(bytes_per_second: float) -> str:
 
 def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> list[Any]:
     """Rich tables: the device's roofline figures, then latency and bandwidth per
-    communication kind and group size, then what went into the cluster's links."""
+    communication kind and group size, then the measured overheads (kernel launch, the pipeline
+    executors, shared hardware), then what went into the cluster's links."""
     from rich.table import Table
 
     device = cluster.devices[0]
@@ -45,9 +46,24 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
     comm.add_column("bandwidth", justify="right")
     comm.add_column("samples", justify="right")
     for fit in calibration.comm_fits:
+        if fit.kind == LAUNCH:  # its "bytes" count kernels: shown below as a time per kernel
+            continue
         comm.add_row(fit.kind, str(fit.group), human_seconds(fit.latency),
                      "-" if fit.kind == DISPATCH else _rate(fit.bandwidth), str(fit.samples))
+    overheads = Table(show_edge=False)
+    overheads.add_column("overhead")
+    overheads.add_column("fixed", justify="right")
+    overheads.add_column("per unit", justify="right")
+    measured = cluster.measured
+    if measured is not None:
+        overheads.add_row("kernel launch (per kernel, all devices busy)", "", human_seconds(measured.kernel_seconds))
+        for name, fit in measured.executors.items():
+            unit = "stage x microbatch" if name == "mpmd" else "tick (M + S - 1)"
+            overheads.add_row(f"{name} pipeline executor (per {unit})", human_seconds(fit.latency),
+                              human_seconds(fit.seconds_per_byte))
+        overheads.add_row("one device alone vs all busy", f"{measured.solo_speedup:.2f}x faster", "")
     links = (f"cluster {cluster.name!r}: {cluster.n_devices} device(s) of {human_bytes(device.memory_bytes)}"
              + (f", links {human_seconds(float(cluster.latency[0, 1]))} + bytes / "
-                f"{_rate(float(cluster.bandwidth[0, 1]))}" if cluster.n_devices > 1 else ""))
-    return [compute, comm, links]
+                f"{_rate(float(cluster.bandwidth[0, 1]))}" if cluster.n_devices > 1 else "")
+             + ("; collectives priced by their own fits" if measured is not None and measured.collectives else ""))
+    return [compute, comm, overheads, links]

@@ -29,6 +29,7 @@ import numpy as np
 from hlomap.cost.calibration import (
     ALONE_SUFFIX,
     DISPATCH,
+    LAUNCH,
     TRANSFER,
     CalibrationError,
     ClusterCalibration,
@@ -54,6 +55,7 @@ class BenchPlan:
     message_sizes: tuple[int, ...]
     repeats: int
     dispatch_repeats: int
+    launch_chains: tuple[int, ...] = (4, 64, 256)  # kernel-launch samples: programs of this many tiny matmuls
 
 
 #: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
@@ -63,9 +65,11 @@ DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512), dtypes=("f32", "bf16"
                          message_sizes=tuple(2**k for k in range(6, 23, 2)), repeats=10, dispatch_repeats=200)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
-                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10)
+                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_chains=(4, 64))
 
 _ITEMSIZE = {"f32": 4, "bf16": 2}
+#: The side of the kernel-launch samples' matmuls: small enough that their compute is nothing.
+LAUNCH_SIDE = 8
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,18 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         seconds = _median_seconds(lambda: _ready(jax.device_put(x, devices[1])), plan.repeats)
         return CommSample(TRANSFER, 2, 4.0 * elements, seconds)
 
+    def launch(kernels: int) -> CommSample:
+        # a chain of dependent tiny matmuls (a matmul is always its own kernel), every device at once
+        x = jax.device_put(jnp.ones((count, LAUNCH_SIDE, LAUNCH_SIDE), jnp.float32), blocks)
+
+        def chain(v: Any) -> Any:
+            for _ in range(kernels):
+                v = jnp.einsum("bij,bjk->bik", v, v) * 0.5
+            return v
+
+        f = jax.jit(chain)
+        return CommSample(LAUNCH, count, float(kernels), _median_seconds(lambda: _ready(f(x)), plan.repeats))
+
     def dispatch() -> CommSample:
         x = jax.device_put(jnp.zeros((), jnp.float32), first)
         f = jax.jit(lambda v: v + 1.0)
@@ -196,6 +212,8 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     for elements in plan.memory_sizes:
         tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
     tasks.append(("dispatch", dispatch))
+    for kernels in plan.launch_chains:
+        tasks.append((f"{kernels} kernels", lambda k=kernels: launch(k)))
     for group in collective_group_sizes(len(devices)):
         for kind in Collective:
             for elements in plan.message_sizes:

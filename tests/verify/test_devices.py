@@ -23,7 +23,14 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
     seen: list[BenchProgress] = []
     cal = measure_devices(4, plan=TINY, on_progress=seen.append)
     assert cal.n_devices == 4 and cal.backend == "cpu" and cal.measured_at
-    assert [(k.kind, k.flops) for k in cal.kernels if k.kind == "dot"] == [("dot", 2.0 * 8**3), ("dot", 2.0 * 16**3)]
+    curve = [(k.kind, k.flops) for k in cal.kernels if k.kind == "dot" and k.fit]
+    assert curve == [("dot", 2.0 * 8**3), ("dot", 2.0 * 16**3)]
+    # the largest f32 matmul again on one device alone, kept out of the curve
+    assert [k.name for k in cal.kernels if not k.fit] == ["dot_f32_16_alone"]
+    assert cal.figures()["solo speedup"] >= 1.0
+    # kernel-launch chains on every device: their "bytes" count kernels
+    assert sorted(s.nbytes for s in cal.comm if s.kind == "launch") == [4.0, 64.0, 256.0]
+    assert {s.group for s in cal.comm if s.kind == "launch"} == {4}
     groups = {(s.kind, s.group) for s in cal.comm}
     for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
         assert {(kind, 2), (kind, 4)} <= groups
@@ -37,3 +44,20 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
 def test_measure_devices_refuses_more_devices_than_there_are() -> None:
     with pytest.raises(CalibrationError, match="JAX sees 8"):
         measure_devices(9, plan=TINY)
+
+
+def test_extra_tasks_run_after_the_microbenchmarks_and_none_is_left_out() -> None:
+    """The executor samples come in through `extra_tasks` (hlomap.run.calibrate); a task that
+    returns None (an executor that refuses a shape) is left out, and progress counts it."""
+    from hlomap.cost.calibration import ExecutorSample
+
+    seen: list[BenchProgress] = []
+
+    def extra(devices, quick, timer):
+        assert len(devices) == 2 and quick is False
+        return [("mpmd executor 2x1", lambda: ExecutorSample("mpmd", 2, 1, timer(lambda: None, 1))),
+                ("spmd executor 2x1", lambda: None)]
+
+    cal = measure_devices(2, plan=TINY, on_progress=seen.append, extra_tasks=extra)
+    assert [(e.executor, e.stages, e.microbatches) for e in cal.executors] == [("mpmd", 2, 1)]
+    assert seen[-1].label == "spmd executor 2x1" and seen[-1].fraction == 1

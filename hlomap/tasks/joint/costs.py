@@ -194,7 +194,8 @@ class JointModel:
         plan, axes = self.plan_for(option)
         mapping = axis_devices(self.cluster, option.mesh, order=("data", "model"))
         sg = ShardedGraph.build(self.graph, plan, axes)
-        work = step_work(sg, self.cluster, mapping, cache=self._cache)
+        # every stage computes while the others do: the cluster's devices are all busy
+        work = step_work(sg, self.cluster, mapping, cache=self._cache, busy=self.cluster.n_devices)
         n = self.attribution.length
         where = _positions(self.cap, self.attribution)
         compute, update_total = np.zeros(n), 0.0

@@ -1,0 +1,163 @@
+"""A calibrated cluster's measured costs: the table and its JSON, and the cost model's use of it
+(collectives by their own fits, dispatch, kernel launches, executors, shared-hardware speedup)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from hlomap.cost.calibration import (
+    ExecutorSample,
+    Measurement,
+    calibrated_cluster,
+    fit_executors,
+    solo_speedup,
+)
+from hlomap.cost.cluster import Cluster, ClusterSpecError, busy_speedup, with_busy_devices
+from hlomap.cost.collectives import Collective, all_reduce_time, collective_permute_time, collective_time
+from hlomap.cost.measured import Fit, MeasuredCosts, MeasuredCostsError, executor_units, measured_costs
+from hlomap.cost.pipeline.costs import executor_overhead
+from tests.cost.test_calibration_cluster import _calibration
+
+TABLE = MeasuredCosts(
+    dispatch_seconds=20e-6, transfer=Fit(100e-6, 5e9),
+    collectives={("all-reduce", 2): Fit(100e-6, 2e9), ("all-reduce", 8): Fit(400e-6, 1e9),
+                 ("collective-permute", 4): Fit(50e-6, 3e9)},
+    executors={"mpmd": Fit(2e-3, 1 / 1.5e-3), "spmd": Fit(5e-3, 1 / 0.5e-3)},
+    solo_speedup=6.0, n_devices=8, kernel_seconds=10e-6)
+
+
+def _cluster(measured: MeasuredCosts | None = TABLE) -> Cluster:
+    base = calibrated_cluster(_calibration(8))
+    return dataclasses.replace(base, measured=measured)
+
+
+def test_collective_lookup_rounds_up_to_a_measured_group_and_clamps_beyond() -> None:
+    assert TABLE.collective("all-reduce", 2) == Fit(100e-6, 2e9)
+    assert TABLE.collective("all-reduce", 3) == Fit(400e-6, 1e9)  # 3 -> the 8-device fit
+    assert TABLE.collective("all-reduce", 16) == Fit(400e-6, 1e9)  # beyond: the largest
+    assert TABLE.collective("all-reduce", 1) == Fit(0.0, math.inf)  # one device: free
+    assert TABLE.collective("all-to-all", 4) is None  # not measured: the links price it
+
+
+def test_json_round_trip_and_named_errors() -> None:
+    assert MeasuredCosts.from_json(TABLE.to_json()) == TABLE
+    bad = TABLE.to_json() | {"solo_speedup": 0.5}
+    with pytest.raises(MeasuredCostsError, match="solo_speedup"):
+        MeasuredCosts.from_json(bad)
+    with pytest.raises(MeasuredCostsError, match=r"measured.collectives\[0\]"):
+        MeasuredCosts.from_json(TABLE.to_json() | {"collectives": [{"kind": "all-reduce"}]})
+    cluster_json = _cluster().to_json()
+    assert Cluster.from_json(cluster_json) == _cluster()
+    cluster_json["measured"]["executors"] = {"gpu-magic": {"latency": 0, "bandwidth": 1}}
+    with pytest.raises(ClusterSpecError, match="gpu-magic"):
+        Cluster.from_json(cluster_json, source="c.json")
+
+
+def test_measured_costs_take_the_dispatch_off_each_collective() -> None:
+    from hlomap.cost.calibration import CommFit
+
+    fits = [CommFit("dispatch", 1, 30e-6, math.inf, 1), CommFit("all-reduce", 4, 230e-6, 1e9, 9),
+            CommFit("all-gather", 4, 10e-6, 1e9, 9), CommFit("transfer", 2, 50e-6, 4e9, 9)]
+    table = measured_costs(fits, "dispatch", "transfer")
+    assert table.dispatch_seconds == 30e-6
+    assert table.collective("all-reduce", 4).latency == pytest.approx(200e-6)
+    assert table.collective("all-gather", 4).latency == 0.0  # never below 0
+    assert table.transfer == Fit(50e-6, 4e9)
+
+
+def test_collectives_on_a_measured_cluster_are_their_fits() -> None:
+    cluster = _cluster()
+    nbytes = 1e6
+    assert all_reduce_time(cluster, range(8), nbytes) == pytest.approx(400e-6 + nbytes / 1e9)
+    assert collective_time(Collective.ALL_REDUCE, cluster, [[0, 1], [2, 3]], nbytes) == pytest.approx(
+        100e-6 + nbytes / 2e9)
+    assert collective_permute_time(cluster, [(0, 1), (2, 3)], nbytes) == pytest.approx(50e-6 + nbytes / 3e9)
+    # without the table the ring over the links prices it: a different figure
+    assert all_reduce_time(_cluster(None), range(8), nbytes) != pytest.approx(all_reduce_time(cluster, range(8), nbytes))
+
+
+def test_executor_overhead_grows_with_its_units() -> None:
+    assert executor_units("mpmd", 4, 8) == 32 and executor_units("spmd", 4, 8) == 11
+    cluster = _cluster()
+    assert executor_overhead(cluster, "mpmd", 2, 4) == pytest.approx(2e-3 + 8 * 1.5e-3)
+    assert executor_overhead(cluster, "spmd", 2, 4) == pytest.approx(5e-3 + 5 * 0.5e-3)
+    assert executor_overhead(_cluster(None), "mpmd", 2, 4) == 0.0
+
+
+def test_fit_executors_recovers_fixed_and_per_unit_cost() -> None:
+    samples = [ExecutorSample("mpmd", s, m, 2e-3 + 1.5e-3 * s * m) for s, m in ((2, 1), (2, 4), (4, 4))]
+    samples += [ExecutorSample("spmd", s, m, 5e-3 + 0.5e-3 * (m + s - 1)) for s, m in ((2, 1), (2, 4), (4, 4))]
+    fits = fit_executors(samples)
+    assert fits["mpmd"].latency == pytest.approx(2e-3) and fits["mpmd"].seconds_per_byte == pytest.approx(1.5e-3)
+    assert fits["spmd"].latency == pytest.approx(5e-3) and fits["spmd"].seconds_per_byte == pytest.approx(0.5e-3)
+
+
+def test_solo_speedup_and_busy_devices() -> None:
+    pair = [Measurement("dot_f32_512", "dot", "f32", 1e9, 1e6, 0.08),
+            Measurement("dot_f32_512_alone", "dot", "f32", 1e9, 1e6, 0.01, fit=False)]
+    assert solo_speedup(pair) == pytest.approx(8.0)
+    assert solo_speedup(pair[:1]) == 1.0
+    cluster = _cluster()
+    assert busy_speedup(cluster, 8) == 1.0
+    assert busy_speedup(cluster, 2) == pytest.approx(4.0)  # n / busy
+    assert busy_speedup(cluster, 1) == pytest.approx(6.0)  # capped by the measured solo speedup
+    faster = with_busy_devices(cluster, 2)
+    assert faster.devices[0].flops_for("f32") == pytest.approx(4 * cluster.devices[0].flops_for("f32"))
+    assert with_busy_devices(cluster, 8) is cluster
+
+
+def test_the_estimate_adds_dispatch_and_kernel_launches(cap_of) -> None:
+    import hlomap
+
+    cap = cap_of("gpt-tiny")
+    table = dataclasses.replace(TABLE, solo_speedup=1.0)
+    with_costs = hlomap.estimate(cap, "dp", mesh={"data": 8}, cluster=_cluster(table))
+    plain = hlomap.estimate(cap, "dp", mesh={"data": 8}, cluster=_cluster(dataclasses.replace(
+        table, dispatch_seconds=0.0, kernel_seconds=0.0)))
+    assert with_costs.dispatch_seconds == pytest.approx(20e-6)
+    kernels = (with_costs.compute_seconds - plain.compute_seconds) / 10e-6
+    assert kernels > 10 and abs(kernels - round(kernels)) < 1e-6  # a whole number of launched kernels
+    assert with_costs.step_seconds == pytest.approx(plain.step_seconds + 20e-6 + kernels * 10e-6)
+
+
+def test_an_executor_for_an_spmd_plan_is_refused(cap_of) -> None:
+    import hlomap
+    from hlomap.api import InputError
+
+    with pytest.raises(InputError, match="executors run pipelines"):
+        hlomap.estimate(cap_of("gpt-tiny"), "dp", mesh=8, cluster=_cluster(), executor="mpmd")
+
+
+def test_pipeline_simulation_adds_its_executor(cap_of) -> None:
+    import hlomap
+    from hlomap.api import InputError, simulate_plan
+
+    cap = cap_of("gpt-tiny")
+    cluster = _cluster()
+    plan = hlomap.explore(cap, task="pipeline", cluster=cluster, agent="dp", stages=2, microbatches=2,
+                          schedule="gpipe")
+    spmd = simulate_plan(cap, plan, cluster=cluster, executor="spmd")
+    mpmd = simulate_plan(cap, plan, cluster=cluster, executor="mpmd")
+    assert spmd.executor == "spmd" and spmd.executor_seconds == pytest.approx(5e-3 + 3 * 0.5e-3)
+    assert mpmd.executor_seconds == pytest.approx(2e-3 + 4 * 1.5e-3)
+    assert mpmd.step_seconds - spmd.step_seconds == pytest.approx(mpmd.executor_seconds - spmd.executor_seconds)
+    assert simulate_plan(cap, plan, cluster=cluster).executor == "spmd"  # GPipe, stages alike: the runner's choice
+    one_f_one_b = hlomap.explore(cap, task="pipeline", cluster=cluster, agent="dp", stages=2, microbatches=2,
+                                 schedule="1f1b")
+    with pytest.raises(InputError, match="1f1b plan needs the mpmd executor"):
+        simulate_plan(cap, one_f_one_b, cluster=cluster, executor="spmd")
+
+
+def test_the_joint_cost_includes_its_executor(cap_of) -> None:
+    import hlomap
+
+    cap = cap_of("gpt-tiny")
+    plan = hlomap.explore(cap, task="auto", cluster=_cluster())
+    sim = hlomap.estimate(cap, plan, cluster=_cluster())
+    stages, m = plan.pipeline.n_stages, plan.pipeline.microbatches
+    assert sim.executor_seconds == pytest.approx(executor_overhead(_cluster(), sim.executor, stages, m))
+    assert np.isfinite(sim.step_seconds) and sim.step_seconds > sim.executor_seconds
