@@ -25,6 +25,7 @@ predicted against measured time per model to DIR/fidelity.png.
 
     python scripts/bench_fidelity.py [--models gpt-tiny,haiku-mlp,bert-tiny,t5-tiny,resnet50-tiny]
         [--rounds 20] [--repeats 3] [--cluster local] [--out bench_fidelity] [--budget-seconds 20]
+        [--compile-cache DIR]
 
 `--cluster` should describe the devices the plans run on: `local` (calibrated on the devices JAX
 sees), or a file written by `hlomap calibrate -o FILE`. On a machine without an accelerator the
@@ -34,6 +35,7 @@ plans run on 8 simulated host devices sharing the CPU cores, so measure on a qui
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -86,6 +88,7 @@ class Candidate:
     executor: str | None = None
     pick: bool = False
     note: str = ""
+    twin: str | None = None  # an earlier plan of the set that shards alike: its compiled step is reused
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class Prepared:
     candidate: Candidate
     executor: str
     predicted_seconds: float
+    step: Any  # the ParallelStep
     run: Callable[[], Any]
 
 
@@ -190,7 +194,7 @@ def pick_candidates(cap: Any, cluster: Any, agent: str, budget_seconds: float, s
     try:
         plan = api.explore(cap, task="auto", cluster=cluster)
         stages = plan.pipeline.stages
-        note = f"{len(stages)} stages, devices {'+'.join(str(len(s.devices)) for s in stages)}"
+        note = f"{len(stages)} stage{'s' if len(stages) > 1 else ''}, devices {'+'.join(str(len(s.devices)) for s in stages)}"
         out.append(Candidate("auto pick", "pick", plan, pick=True, note=note))
     except Exception as err:
         out.append(Skipped("auto pick", reason_of(err)))
@@ -228,14 +232,15 @@ def same_spmd_plan(a: Plan, b: Plan) -> bool:
     return specs_a == specs_b and (replicated or a.mesh == b.mesh)
 
 
-def with_duplicates_noted(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """A pick that is the same plan as another of the set says so (both are still timed: two
-    rows of one plan also show how far the timing of one plan spreads)."""
+def with_twins(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Each plan that shards as an earlier one of the set (a pick that is the replicated plan)
+    names it: both are still timed, two rows of one plan showing how far one plan's timing
+    spreads, but its step is compiled once."""
     out = []
     for i, c in enumerate(candidates):
-        twins = [o.name for o in candidates[:i] if same_spmd_plan(o.plan, c.plan)]
-        note = "; ".join(x for x in (c.note, f"same plan as {twins[0]}" if twins else "") if x)
-        out.append(Candidate(c.name, c.kind, c.plan, c.executor, c.pick, note))
+        twin = next((o.name for o in candidates[:i] if same_spmd_plan(o.plan, c.plan)), None)
+        note = "; ".join(x for x in (c.note, f"same plan as {twin}" if twin else "") if x)
+        out.append(dataclasses.replace(c, note=note, twin=twin))
     return out
 
 
@@ -251,19 +256,22 @@ def predict(cap: Any, plan: Plan, cluster: Any, executor: str) -> float:
     return float(api.estimate(cap, plan, cluster=cluster).step_seconds)
 
 
-def prepare(model: Any, cap: Any, cluster: Any, candidate: Candidate, host_args: tuple[Any, ...]) -> Prepared:
-    """Build the plan's step, give it its own copy of the state (the step donates it), and run
-    it once: compiles it, and a plan that fails to run is skipped before the timing starts."""
-    pipelined = candidate.plan.pipeline is not None
-    step = parallelize(model.train_step(), candidate.plan, executor=candidate.executor,
-                       example_args=host_args if pipelined else None)
+def prepare(model: Any, cap: Any, cluster: Any, candidate: Candidate, host_args: tuple[Any, ...],
+            step: Any = None) -> Prepared:
+    """Build the plan's step (or take `step`, its twin's), give it its own copy of the state (the
+    step donates it), and run it once: compiles it, and a plan that fails to run is skipped before
+    the timing starts."""
+    if step is None:
+        pipelined = candidate.plan.pipeline is not None
+        step = parallelize(model.train_step(), candidate.plan, executor=candidate.executor,
+                           example_args=host_args if pipelined else None)
     executor = step.executor.value if step.executor is not None else "spmd"
     params, opt_state = step.place(host_args[0], host_args[1])
     # Every plan is handed the host batch, as a training loop hands it (the pipeline executors
     # split it into microbatches on the host); the batch of a tiny model is a few hundred KiB.
     run = stateful_step(step, params, opt_state, *host_args[2:])
     jax.block_until_ready(run())
-    return Prepared(candidate, executor, predict(cap, candidate.plan, cluster, executor), run)
+    return Prepared(candidate, executor, predict(cap, candidate.plan, cluster, executor), step, run)
 
 
 @dataclass(frozen=True)
@@ -300,10 +308,11 @@ def bench_model(name: str, cluster: Any, args: argparse.Namespace, console: Cons
     skipped = [b for b in built if isinstance(b, Skipped)]
     prepared: list[Prepared] = []
     console.print(f"  plan set built in {time.perf_counter() - start:.0f} s", style="dim")
-    for candidate in with_duplicates_noted([b for b in built if isinstance(b, Candidate)]):
+    for candidate in with_twins([b for b in built if isinstance(b, Candidate)]):
         compile_start = time.perf_counter()
+        twin = next((p.step for p in prepared if p.candidate.name == candidate.twin), None)
         try:
-            prepared.append(prepare(model, cap, cluster, candidate, host_args))
+            prepared.append(prepare(model, cap, cluster, candidate, host_args, twin))
             console.print(f"  compiled {candidate.name} in {time.perf_counter() - compile_start:.1f} s", style="dim")
         except Exception as err:
             skipped.append(Skipped(candidate.name, reason_of(err)))
@@ -432,6 +441,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=positive_int, default=4,
                         help="most microbatches of the pipeline plans (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the example batch, searches and random plans")
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep compiled steps in JAX's persistent cache in DIR, so that a second run compiles "
+                             "only the plans that changed (default: off)")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in zoo.names()]
@@ -463,6 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         err_console.print(f"bench_fidelity: the plans need {DEVICES} devices; --cluster {args.cluster} has "
                           f"{cluster.n_devices} and JAX sees {jax.device_count()}")
         return 2
+    if args.compile_cache:
+        # Compiling dominates a run (tens of seconds per resnet50-tiny plan on a CPU); the cache
+        # holds the executables, so the timings are the same with it.
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     device = jax.devices()[0]
     console.print(f"{jax.device_count()} x {device.platform} ({device.device_kind}); cluster {cluster.name}; "
                   f"{args.rounds} rounds of {args.repeats} steps per plan")
