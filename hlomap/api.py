@@ -1156,14 +1156,31 @@ def calibrate(devices: int | None = None, quick: bool = False,
         raise InputError(f"calibration failed: {err}") from None
 
 
-def save_calibration(calibration: Any, path: str | Path) -> Path:
+def save_calibration(calibration: Any, path: str | Path, *, name: str | None = None) -> Path:
     """Write the calibrated cluster file (an ordinary cluster JSON with the fits and samples under
-    its "calibration" key) that `--cluster FILE` and `load_cluster` read."""
+    its "calibration" key) that `--cluster FILE` and `load_cluster` read; `name` is the cluster's
+    (default `calibrated-BACKEND-N`)."""
     import json
 
     from hlomap.cost.calibration import calibrated_cluster_json
     from hlomap.plan import write_atomic
 
     path = Path(path)
-    write_atomic(path, json.dumps(calibrated_cluster_json(calibration), indent=1) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(calibrated_cluster_json(calibration, name=name), indent=1) + "\n")
     return path
+
+
+def local_cluster(refresh: bool = False) -> Any:
+    """The `local` cluster (`cluster="local"`): the devices JAX sees, calibrated on first use and
+    cached on disk (`hlomap.verify.local`); `refresh` measures them again."""
+    from hlomap.verify.local import local_cluster as cached_local_cluster
+
+    return cached_local_cluster(refresh=refresh)
+
+
+def local_cluster_path() -> Path:
+    """Where the `local` cluster of the devices JAX sees is cached (it may not exist yet)."""
+    from hlomap.verify.local import cached_path, present_key
+
+    return cached_path(present_key())

@@ -20,10 +20,11 @@ with a warning. The cache folder is created and probed when the decorator is app
 it); an unwritable default folder only warns and runs without a cache, and so does a write that
 fails later (the plan in hand is still good).
 
-The cluster the search prices: the first N devices of `cluster` (a preset, a JSON file or a
-Cluster), N the devices the mesh spans. A step on 8 devices of preset "A" (two servers of 8
-V100s) is priced on its first server, where the plan will run; a cluster with fewer than N
-devices is an error.
+The cluster the search prices: the first N devices of `cluster`, N the devices the mesh spans.
+The default, "local", is the devices the step runs on, measured on first use and cached
+(`hlomap.verify.local`); a preset, a JSON file or a Cluster plans for other hardware. A step on
+8 devices of preset "A" (two servers of 8 V100s) is priced on its first server; a cluster with
+fewer than N devices is an error.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from hlomap.tasks import Task
+# Plans are cached where the `local` cluster is (unless `cache_dir` says otherwise):
+# $HLOMAP_CACHE_DIR, default ~/.cache/hlomap.
+from hlomap.verify.local import CACHE_ENV, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +56,6 @@ __all__ = ["AutoShardConfig", "AutoShardedStep", "CacheKey", "Origin", "Task", "
            "cache_dir_problem", "cache_key", "cache_path", "default_cache_dir", "load_cached", "save_cached",
            "usable_cache_dir"]
 
-#: Where plans are cached unless `cache_dir` says otherwise; $HLOMAP_CACHE_DIR overrides it.
-DEFAULT_CACHE_DIR = "~/.cache/hlomap"
-CACHE_ENV = "HLOMAP_CACHE_DIR"
 #: The two state arguments (params, opt_state) that `place` lays out and the step donates.
 STATE_ARGS = 2
 
@@ -124,10 +125,6 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------
 # The cache: small pure functions
 # ---------------------------------------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 def cluster_tag(cluster: Any) -> str:
@@ -507,7 +504,7 @@ def _progress(enabled: bool | None, description: str) -> Iterator[Callable[[Any]
 
 
 def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str, int] | str | None = None,
-               cluster: Any = "A", task: Task | str = Task.AUTO, agent: str = "dqn",
+               cluster: Any = "local", task: Task | str = Task.AUTO, agent: str = "dqn",
                budget_seconds: float | None = 60.0, seed: int = 0,
                cache_dir: str | os.PathLike[str] | None = None, cache: bool = True,
                plan: str | os.PathLike[str] | None = None, progress: bool | None = None,
@@ -518,7 +515,8 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
 
     mesh: 8, {"data": 2, "model": 4}, "data=2,model=4", or None for every local device; for
       task "auto" and "pipeline" only the number of devices counts (the planner picks the meshes).
-    cluster: what the search prices: a preset ("A", "B", "C"), a cluster JSON file or a Cluster;
+    cluster: what the search prices: "local" (default: the devices JAX sees, measured once and
+      cached; `hlomap.verify.local`), a preset ("A", "B", "C"), a cluster JSON file or a Cluster;
       its first N devices for a mesh of N devices.
     task: "opp", "adp", "hybrid", "pipeline" or "auto" (`hlomap.api.explore`).
     agent, budget_seconds, seed, **options: passed to `hlomap.api.explore`.

@@ -108,3 +108,17 @@ def axes2x4() -> Any:
     from hlomap.propagation.conflicts import MeshAxes
 
     return MeshAxes.from_mesh({"data": 2, "model": 4})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_cluster_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder for the whole session ($HLOMAP_CACHE_DIR: tests never write the user's
+    ~/.cache) holding the `local` cluster of the present devices (`tests.local_cluster`), so that
+    no test measures the machine. Tests of the first-use measurement pass their own folder."""
+    from hlomap.verify.local import CACHE_ENV
+    from tests.local_cluster import seed_local_cluster
+
+    folder = tmp_path_factory.mktemp("hlomap-cache")
+    os.environ[CACHE_ENV] = str(folder)
+    seed_local_cluster(folder)
+    return folder

@@ -16,6 +16,7 @@ import hlomap
 from hlomap import autoshard
 from hlomap.autoshard import Origin, cache_key, cache_path, load_cached, save_cached
 from hlomap.tasks import Task
+from tests.local_cluster import seed_local_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The example between these markers in README.md.
@@ -34,6 +35,7 @@ def readme_example() -> str:
 def example(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The README example, run as written (its cache in a temporary folder)."""
     cache = tmp_path_factory.mktemp("cache")
+    seed_local_cluster(cache)  # the example prices on "local", kept in the same cache folder
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(autoshard.CACHE_ENV, str(cache))
         namespace: dict[str, Any] = {"__name__": "readme_example"}
@@ -76,7 +78,7 @@ def test_a_new_process_reads_the_plan_from_the_cache(example: dict[str, Any], mo
         raise AssertionError("explored although the plan is cached")
 
     monkeypatch.setattr("hlomap.api.explore", no_search)
-    again = hlomap.auto_shard(mesh={"data": 2, "model": 4}, cluster="A", task="hybrid", agent="greedy",
+    again = hlomap.auto_shard(mesh={"data": 2, "model": 4}, task="hybrid", agent="greedy",
                               cache_dir=example["cache"])(example["train_step"].__wrapped__)
     params, opt_state = again.place(*example["init"](jax.random.key(0)))
     again(params, opt_state, example["batch"])

@@ -1,4 +1,4 @@
-"""`hlomap calibrate [--devices N] [-o cluster.json] [--quick]`: measure the present devices and
+"""`hlomap calibrate [--devices N] [-o cluster.json | --local] [--quick]`: measure the present devices and
 write the cluster file they describe."""
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ from pathlib import Path
 
 from hlomap import api
 from hlomap.cli import common
-
-#: Host devices a CPU-only machine simulates when --devices is not given: the count the examples
-#: and `hlomap run` plan for (a CPU backend shows one device unless XLA_FLAGS asks for more).
-CPU_DEVICES = 8
+from hlomap.cost.cluster import LOCAL
+from hlomap.verify.local import CPU_DEVICES  # host devices a CPU-only machine simulates (as for `local`)
 
 DESCRIPTION = ("Measure the present devices (CPU, GPU or TPU) with microbenchmarks: matmul throughput per dtype over "
                "a sweep of sizes, memory bandwidth, each collective over message and group sizes, program dispatch "
                "and device-to-device transfers; fit latency, bandwidth and efficiency, and write an ordinary cluster "
-               "file (the fits and raw samples kept under its \"calibration\" key) that --cluster FILE reads.")
+               "file (the fits and raw samples kept under its \"calibration\" key) that --cluster FILE reads. With --local, "
+               "measure every device JAX sees and keep the result as the cached `local` cluster (what --cluster local "
+               "and auto_shard's default read; they measure it themselves on first use).")
 EPILOG = ("examples:\n  hlomap calibrate -o local.json\n  hlomap calibrate --quick --devices 2 -o quick.json\n"
-          "  hlomap simulate zoo:gpt-tiny --plan dp --cluster local.json")
+          "  hlomap simulate zoo:gpt-tiny --plan dp --cluster local.json\n"
+          "  hlomap calibrate --local          # measure again what --cluster local reads")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"N host devices, {CPU_DEVICES} by default)")
     p.add_argument("-o", "--output", type=Path, default=Path("cluster.json"), metavar="FILE.json",
                    help="the cluster file to write (default cluster.json)")
+    p.add_argument("--local", action="store_true",
+                   help="store the result as the cached `local` cluster instead of FILE.json (all devices JAX sees)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds instead of tens")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_calibrate)
@@ -41,13 +44,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from hlomap.report.calibration import format_calibration
     from hlomap.report.progress import calibration_bar
 
-    api.check_writable(args.output)  # before measuring: never measure for a minute, then fail to save
+    if args.local and args.devices is not None:
+        raise common.CliError("--local measures every device JAX sees; --devices does not apply")
+    output = api.local_cluster_path() if args.local else args.output
+    api.check_writable(output)  # before measuring: never measure for a minute, then fail to save
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
     common.show(*format_calibration(cluster, calibration))
     if args.devices is None and calibration.backend == "cpu" and not args.quiet:
         common.note(f"a CPU-only machine: measured {calibration.n_devices} simulated host devices "
                     "(--devices N for another count)")
-    path = api.save_calibration(calibration, args.output)
+    if args.local:
+        path = api.save_calibration(calibration, output, name=LOCAL)
+        common.say(f"wrote {path}: the `local` cluster ({cluster.n_devices} device(s)); use it with --cluster local")
+        return 0
+    path = api.save_calibration(calibration, output)
     common.say(f"wrote {path}: cluster {cluster.name!r} ({cluster.n_devices} device(s)); use it with --cluster {path}")
     return 0

@@ -59,8 +59,9 @@ count = number_type(int, "an integer", zero_allowed=True)
 TRAINABLE_HELP = ("for a bare HLO dump: the trainable entry parameters, as indices, ranges and HLO names "
                   "(0-11,15,name); a dump of a JAX step without it takes roles from its parameters' names")
 PREFIX_HELP = "for a bare HLO dump: trainable are the entry parameters whose path or name starts with PREFIX"
-CLUSTER_METAVAR = "A|B|C|TOPOLOGY|FILE.json"
-CLUSTER_HELP = ("cluster: a preset (A, B, C: 2, 3, 4 servers of 8 V100s), a topology (torus:8x8x8, mesh:4x4, "
+CLUSTER_METAVAR = "local|A|B|C|TOPOLOGY|FILE.json"
+CLUSTER_HELP = ("cluster: local (the devices JAX sees, measured once and cached: plan for the machine you run on), "
+                "a preset (A, B, C: 2, 3, 4 servers of 8 V100s, as in Auto-MAP), a topology (torus:8x8x8, mesh:4x4, "
                 "hier:4x8 servers x GPUs, random:64:SEED random-block, uniform:16[:SEED]; @DEVICE picks the device) "
                 "or a cluster JSON file")
 PROFILE_HELP = ("calibration profile (written by scripts/calibrate_gpu.py): the cluster's devices of the "

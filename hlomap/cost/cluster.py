@@ -29,6 +29,9 @@ Topology strings (what `--cluster` accepts besides A/B/C and JSON files; `parse_
 Any of them takes `@DEVICE` (a device preset, e.g. `torus:4x4@H100-80GB`). A cluster built from a
 string is named by its canonical spelling, so `load_cluster(cluster.name)` rebuilds it, and its
 JSON round-trips like any other cluster's.
+
+`local` names the devices JAX sees, as `hlomap calibrate` measures them: calibrated on first use
+and cached on disk (`hlomap.verify.local`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ import numpy as np
 
 from hlomap.cost import topology
 from hlomap.cost.devices import DeviceSpec, DeviceSpecError, device_preset
+
+#: The topology string of the calibrated present devices (`hlomap.verify.local`).
+LOCAL = "local"
 
 #: Effective NVLink bandwidth between two V100s of a DGX-1-class server, bytes/s. The hybrid
 #: cube-mesh gives each V100 six NVLink2 links of 25 GB/s per direction (150 GB/s), but pairs
@@ -455,19 +461,26 @@ def _build_topology(text: str) -> Cluster:
 
 def load_cluster(spec: str | Path | Cluster) -> Cluster:
     """A preset name (`A`, `B`, `C`), a path to a cluster JSON file, a topology string
-    (`torus:8x8x8`, `mesh:4x4`, `hier:4x8`, `random:64:SEED`, `uniform:16`; module docstring) or a
-    Cluster (returned as is). This is what the CLI's `--cluster` option takes."""
+    (`torus:8x8x8`, `mesh:4x4`, `hier:4x8`, `random:64:SEED`, `uniform:16`; module docstring),
+    `local` (the devices JAX sees, calibrated once and cached: `hlomap.verify.local`) or a Cluster
+    (returned as is). This is what the CLI's `--cluster` option takes."""
     if isinstance(spec, Cluster):
         return spec
     text = str(spec)
     if text.upper() in AUTOMAP_SERVERS:
         return cluster_preset(text)
+    if text.strip().lower() == LOCAL:
+        # measuring runs programs on the devices: that lives above the cost model
+        from hlomap.verify.local import local_cluster
+
+        return local_cluster()
     path = Path(text)
     if not path.is_file():
         if ":" in text:
             return parse_topology(text)
         raise ClusterSpecError(f"--cluster {text!r} is neither a preset ({', '.join(AUTOMAP_SERVERS)}), "
-                               f"a topology (torus:8x8x8, mesh:4x4, hier:4x8, random:64:SEED, uniform:16) "
+                               f"'local' (the devices JAX sees), a topology (torus:8x8x8, mesh:4x4, hier:4x8, "
+                               f"random:64:SEED, uniform:16) "
                                f"nor an existing JSON file")
     try:
         data = json.loads(path.read_text())

@@ -201,7 +201,7 @@ def _memory_bytes(device: Any, n_devices: int) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n_devices
 
 
-def _hlomap_version() -> str:
+def hlomap_version() -> str:
     """The installed distribution's version (the package's `__version__` is above this layer)."""
     from importlib import metadata
 
@@ -238,6 +238,6 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
     return ClusterCalibration(
         backend=jax.default_backend(), device_kind=chosen[0].device_kind, n_devices=count,
         memory_bytes=_memory_bytes(chosen[0], count), kernels=tuple(kernels), comm=tuple(comm),
-        jax_version=jax.__version__, hlomap_version=_hlomap_version(),
+        jax_version=jax.__version__, hlomap_version=hlomap_version(),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         wall_seconds=time.perf_counter() - start)

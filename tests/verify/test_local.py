@@ -1,0 +1,102 @@
+"""The `local` cluster: measured on first use, cached per LocalKey, read back, measured again
+on demand; errors and unwritable folders never lose the measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hlomap.cost.cluster import LOCAL, Cluster, load_cluster
+from hlomap.verify import local
+from hlomap.verify.local import LocalKey, cached_path, local_cluster, present_key
+from tests.cost.test_calibration_cluster import _calibration
+
+KEY = LocalKey("cpu", "cpu", 4, "0.0", "0.1.0")
+
+
+class Counting:
+    """A measuring function that counts its calls and returns a synthetic 4-device calibration."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, count: int):
+        self.calls += 1
+        return _calibration(count)
+
+
+def test_first_use_measures_once_with_a_notice_then_reads_the_cache(tmp_path: Path) -> None:
+    measure, notices = Counting(), []
+    first = local_cluster(cache_dir=tmp_path, measure=measure, key=KEY, on_notice=notices.append)
+    assert measure.calls == 1 and len(notices) == 1 and "4 cpu device(s)" in notices[0]
+    path = cached_path(KEY, tmp_path)
+    assert path.is_file() and path.parent.name == "clusters"
+    again = local_cluster(cache_dir=tmp_path, measure=measure, key=KEY, on_notice=notices.append)
+    assert measure.calls == 1 and len(notices) == 1
+    assert again == first and first.name == LOCAL and first.n_devices == 4
+    # the cached file is an ordinary cluster file: any --cluster FILE reader loads it
+    assert load_cluster(path) == first
+    assert "calibration" in json.loads(path.read_text())
+
+
+def test_refresh_and_another_key_measure_again(tmp_path: Path) -> None:
+    measure = Counting()
+    local_cluster(cache_dir=tmp_path, measure=measure, key=KEY, on_notice=lambda m: None)
+    local_cluster(cache_dir=tmp_path, measure=measure, key=KEY, on_notice=lambda m: None, refresh=True)
+    assert measure.calls == 2
+    upgraded = LocalKey("cpu", "cpu", 4, "0.0", "0.2.0")
+    local_cluster(cache_dir=tmp_path, measure=measure, key=upgraded, on_notice=lambda m: None)
+    assert measure.calls == 3
+    assert cached_path(upgraded, tmp_path) != cached_path(KEY, tmp_path)
+
+
+def test_a_corrupt_cache_entry_is_named_and_measured_again(tmp_path: Path) -> None:
+    path = cached_path(KEY, tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    measure = Counting()
+    with pytest.warns(RuntimeWarning, match="unreadable local cluster .*clusters"):
+        cluster = local_cluster(cache_dir=tmp_path, measure=measure, key=KEY, on_notice=lambda m: None)
+    assert measure.calls == 1 and cluster.n_devices == 4
+    assert Cluster.from_json(json.loads(path.read_text())) == cluster  # overwritten with the new one
+
+
+def test_an_unwritable_cache_warns_and_measures_once_per_process(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(local, "_IN_MEMORY", {})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    measure = Counting()
+    with pytest.warns(RuntimeWarning, match="cannot cache the local cluster"):
+        local_cluster(cache_dir=blocker, measure=measure, key=KEY, on_notice=lambda m: None)
+    local_cluster(cache_dir=blocker, measure=measure, key=KEY, on_notice=lambda m: None)
+    assert measure.calls == 1
+
+
+def test_key_file_names_are_safe() -> None:
+    name = LocalKey("gpu", "NVIDIA H100 80GB HBM3", 8, "0.10.2", "0.1.0").file_name()
+    assert "/" not in name and " " not in name and name.endswith(".cluster.json")
+
+
+def test_load_cluster_local_is_the_present_devices() -> None:
+    """The session's cache (tests/conftest.py) holds the present devices' local cluster."""
+    cluster = load_cluster("local")
+    assert cluster.name == LOCAL and cluster.n_devices == present_key().n_devices == 8
+    assert load_cluster(" LOCAL ") == cluster
+
+
+def test_cli_local_cluster(capsys) -> None:
+    from hlomap.cli import run
+
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", "dp", "--cluster", "local"]) == 0
+    assert "local" in capsys.readouterr().out
+    assert run(["calibrate", "--local", "--devices", "2"]) == 2
+    assert "--devices does not apply" in capsys.readouterr().err
+
+
+def test_auto_shard_plans_for_the_local_devices_by_default() -> None:
+    import hlomap
+
+    step = hlomap.auto_shard(lambda p, o, b: (p, o, 0.0), cache=False)
+    assert step.config.cluster == "local"
