@@ -53,6 +53,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+from rich.text import Text  # noqa: E402
 
 from hlomap import api, zoo  # noqa: E402
 from hlomap.plan import Plan, reference_plan  # noqa: E402
@@ -340,8 +341,8 @@ def bench_model(name: str, cluster: Any, args: argparse.Namespace, console: Cons
 def print_model(result: ModelResult, console: Console) -> None:
     load = "load average (1, 5, 15 min) before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}".format(
         *result.load_before, *result.load_after)
-    console.print(f"[bold]{result.model}[/bold]: {len(result.rows)} plans timed, {len(result.skipped)} skipped; "
-                  f"setup {result.setup_seconds:.0f} s, timing {result.timing_seconds:.0f} s; {load}")
+    console.print(f"{result.model}: {len(result.rows)} plans timed, {len(result.skipped)} skipped; "
+                  f"setup {result.setup_seconds:.0f} s, timing {result.timing_seconds:.0f} s; {load}", style="bold")
     report = result.report
     if report is not None:
         table = Table(show_edge=False)
@@ -350,9 +351,10 @@ def print_model(result: ModelResult, console: Console) -> None:
             table.add_column(column, justify="right" if ("ms" in column or "rank" in column) else "left")
         for plan, rank_p, rank_m, (prepared, _) in zip(report.plans, report.predicted_ranks, report.measured_ranks,
                                                        result.rows):
-            table.add_row(plan.name, plan.kind, plan.executor, f"{plan.predicted_seconds * 1e3:.2f}",
-                          f"{plan.measured_seconds * 1e3:.2f}", f"{plan.iqr_seconds * 1e3:.2f}", str(rank_p),
-                          str(rank_m), prepared.candidate.note)
+            cells = (plan.name, plan.kind, plan.executor, f"{plan.predicted_seconds * 1e3:.2f}",
+                     f"{plan.measured_seconds * 1e3:.2f}", f"{plan.iqr_seconds * 1e3:.2f}", str(rank_p), str(rank_m),
+                     prepared.candidate.note)
+            table.add_row(*(Text(cell) for cell in cells))  # Text: a name's brackets are no markup
         console.print(table)
         rho = "undefined" if math.isnan(report.spearman) else f"{report.spearman:.3f}"
         met = not math.isnan(report.spearman) and report.spearman >= SPEARMAN_GOAL
@@ -462,24 +464,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    # A pipe gets 80 columns from rich, too few for the table: a log is read in an editor
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    err_console = Console(stderr=True)
+    # A pipe gets 80 columns from rich, too few for the table: a log is read in an editor. No
+    # markup: plan names, notes and compiler messages hold brackets (f32[8,32]).
+    console = Console(markup=False) if sys.stdout.isatty() else Console(markup=False, width=200)
     try:
         cluster = api.resolve_cluster(args.cluster).cluster
     except api.user_errors() as err:
-        err_console.print(f"bench_fidelity: --cluster {args.cluster}: {err}")
+        where = "" if "--cluster" in str(err) else f"--cluster {args.cluster}: "  # most messages name it
+        print(f"bench_fidelity: {where}{err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         api.check_writable(out / "fidelity.json")
     except (OSError, api.InputError) as err:
-        err_console.print(f"bench_fidelity: --out {args.out}: {err}")
+        print(f"bench_fidelity: --out {args.out}: {err}", file=sys.stderr)
         return 2
     if cluster.n_devices < DEVICES or jax.device_count() < DEVICES:
-        err_console.print(f"bench_fidelity: the plans need {DEVICES} devices; --cluster {args.cluster} has "
-                          f"{cluster.n_devices} and JAX sees {jax.device_count()}")
+        print(f"bench_fidelity: the plans need {DEVICES} devices; --cluster {args.cluster} has "
+              f"{cluster.n_devices} and JAX sees {jax.device_count()}", file=sys.stderr)
         return 2
     if args.compile_cache:
         # Compiling dominates a run (tens of seconds per resnet50-tiny plan on a CPU); the cache
@@ -492,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     results = []
     for name in args.models:
-        console.print(f"[bold]{name}[/bold]: building and compiling the plan set")
+        console.print(f"{name}: building and compiling the plan set", style="bold")
         results.append(bench_model(name, cluster, args, console))
         print_model(results[-1], console)
     total = time.perf_counter() - started
