@@ -367,6 +367,23 @@ def print_model(result: ModelResult, console: Console) -> None:
         console.print(f"  skipped {skip.name}: {skip.reason}")
 
 
+def print_goals(results: Sequence[ModelResult], console: Console) -> None:
+    """One line per model: its Spearman and its slowest pick, against the goals."""
+    console.print("goals: Spearman >= {:.2f} on every model, every pick within +{:.0f}% of the fastest plan".format(
+        SPEARMAN_GOAL, 100 * PICK_SLOWDOWN_GOAL), style="bold")
+    for result in results:
+        report = result.report
+        if report is None:
+            console.print(f"  {result.model}: no plan timed")
+            continue
+        rho = "undefined" if math.isnan(report.spearman) else f"{report.spearman:.3f}"
+        worst = max(report.slowdowns.items(), key=lambda item: item[1], default=None)
+        slowest = f"slowest pick {worst[0]} {100 * worst[1]:+.1f}%" if worst is not None else "no pick timed"
+        met = (not math.isnan(report.spearman) and report.spearman >= SPEARMAN_GOAL
+               and all(v <= PICK_SLOWDOWN_GOAL for v in report.slowdowns.values()))
+        console.print(f"  {result.model}: Spearman {rho}, {slowest}: {'met' if met else 'NOT met'}")
+
+
 def draw_scatter(results: Sequence[ModelResult], path: Path) -> None:
     """Predicted against measured time per model, log-log, one marker per plan kind, with the
     line where the two agree."""
@@ -505,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "jax_version": jax.__version__, "total_seconds": total, "models": [r.to_json() for r in results]}
     (out / "fidelity.json").write_text(json.dumps(record, indent=1) + "\n")
     draw_scatter(results, out / "fidelity.png")
+    print_goals(results, console)
     console.print(f"total {total:.0f} s; wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}")
     return 0
 
