@@ -59,6 +59,7 @@ __all__ = [
     "explore_auto",
     "explore_auto_detailed",
     "explore_detailed",
+    "explore_candidates",
     "explore_pipeline_detailed",
     "inspect_capture",
     "is_pipedream_graph",
@@ -66,6 +67,9 @@ __all__ = [
     "load_pipeline_source",
     "load_plan_file",
     "load_source",
+    "measure_found",
+    "measure_runnable",
+    "measure_settings",
     "needs_module",
     "other_cluster_warning",
     "parse_mesh",
@@ -240,7 +244,9 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
 
 def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
             agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
-            **options: Any) -> Any:
+            *, measure: int | Any = 0, measure_rounds: int = 10, measure_budget_seconds: float | None = 60.0,
+            runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
+            on_measure_round: Callable[[int, int], None] | None = None, **options: Any) -> Any:
     """Search a plan for `cap` and return it as a `hlomap.plan.Plan`.
 
     task: "opp" (tensor parallelism of the trainable variables), "adp" (data inputs), "hybrid"
@@ -260,17 +266,150 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.
 
+    measure=K (default 0: off): after the search, compile and time the best K distinct
+    candidates on the present devices (the pick and the best of each family the task weighed
+    always, so K may be raised; `measure_found`) in up to `measure_rounds` interleaved rounds,
+    `measure_budget_seconds` of timing at most, and return the measured fastest, its `measured`
+    section recording every candidate. It needs a runnable step: `cap` given as `zoo:NAME` or
+    `FILE.py:FUNCTION`, or `runnable=(train_step, example_args)`. `measure` may also be a
+    `hlomap.run.measure.MeasureSettings` (tests inject a clock and runnables through it).
+    `on_measure_round(done, rounds)` hears each timed round.
+
     `cap` may also be a SOURCE string (`load_source`: zoo:NAME, FILE.py:FUNCTION, an HLO file).
     """
+    settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
+    step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
-    if str(getattr(task, "value", task)) == "auto":
-        return explore_auto(cap, cluster=cluster, **options)
-    if str(getattr(task, "value", task)) == "pipeline":
+    name = str(getattr(task, "value", task))
+    if name == "auto":
+        if not settings.enabled:
+            return explore_auto(cap, cluster=cluster, **options)
+        found: Any = explore_auto_detailed(cap, cluster=cluster, **options)
+    elif name == "pipeline":
         from hlomap.tasks.pipeline.explore import explore_pipeline_plan
 
-        return explore_pipeline_plan(cap, cluster=cluster, agent=str(getattr(agent, "value", agent)),
-                                     budget_seconds=budget_seconds, seed=seed, **options)
-    return explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options).plan
+        found = explore_pipeline_plan(cap, cluster=cluster, agent=str(getattr(agent, "value", agent)),
+                                      budget_seconds=budget_seconds, seed=seed, **options)
+        if not settings.enabled:
+            return found
+    else:
+        found = explore_detailed(cap, task, mesh, cluster, agent, budget_seconds, seed, reward, **options)
+        if not settings.enabled:
+            return found.plan
+    assert step_and_args is not None
+    chosen = measure_found(found, cap, cluster, settings, step_and_args, on_round=on_measure_round).plan
+    if options.get("output") is not None:
+        chosen.save(options["output"])
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured selection: time the best candidates of a search on the present devices
+# ---------------------------------------------------------------------------------------------
+
+MEASURE_NEEDS_STEP = ("measuring needs a runnable step: name the SOURCE as zoo:NAME or FILE.py:FUNCTION (a function "
+                      "returning (train_step, example_args)), or in Python pass runnable=(train_step, example_args)")
+
+
+def measure_settings(measure: int | Any = 0, rounds: int = 10, budget_seconds: float | None = 60.0) -> Any:
+    """`MeasureSettings` from `explore`'s measure arguments (a settings object passes as it is);
+    InputError naming the argument for a bad value."""
+    from hlomap.run.measure import MeasureSettings
+
+    if isinstance(measure, MeasureSettings):
+        return measure
+    try:
+        return MeasureSettings(count=measure, rounds=rounds, budget_seconds=budget_seconds)
+    except (TypeError, ValueError) as err:
+        raise InputError(str(err)) from None
+
+
+def measure_runnable(source: Capture | str | None, runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
+                     seed: int = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """(train step, real example arguments) that measuring runs: `runnable` when given, else
+    those of a `zoo:NAME` or `FILE.py:FUNCTION` SOURCE; InputError for anything else (an HLO
+    file, a Capture alone), checked before any search."""
+    if runnable is not None:
+        if not (isinstance(runnable, tuple) and len(runnable) == 2 and callable(runnable[0])):
+            raise InputError(f"runnable={runnable!r}: expected (train_step, example_args)")
+        return runnable[0], tuple(runnable[1])
+    if isinstance(source, str) and (source.startswith(ZOO_PREFIX) or is_step_file(source)):
+        step, example, _ = _run_source(source, seed)
+        return step, tuple(example)
+    what = source if isinstance(source, str) else "a Capture"
+    raise InputError(f"{what}: {MEASURE_NEEDS_STEP}")
+
+
+def explore_candidates(found: Any, cap: Capture, cluster: Any) -> list[Any]:
+    """Every distinct candidate plan of a finished search (`hlomap.tasks.candidates`): `found`
+    is a sharding `Exploration`, a pipeline Plan or `PipelineExploration`, or a
+    `JointExploration`."""
+    from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.tasks import candidates
+
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    if isinstance(found, JointExploration):
+        from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+        result = found.result
+        model = result.model
+
+        def fewer_stages(stages: int) -> Any:
+            try:
+                return explore_joint(cap, model.cluster, schedule=result.plan.schedule, max_stages=stages,
+                                     with_grid=False, model=model)
+            except ValueError:  # NoFeasiblePlan: no plan of so few stages fits
+                return None
+
+        return candidates.candidates_for_joint(result, to_plan=joint_plan, resolve=fewer_stages)
+    if isinstance(found, PipelineExploration):
+        from hlomap.tasks.pipeline.explore import pipeline_plan
+
+        found = pipeline_plan(cap, found.result)
+    if hasattr(found, "problem"):
+        return candidates.candidates_for_sharding(found, cluster)
+    return candidates.candidates_for_pipeline(cap, found, cluster)
+
+
+def measure_found(found: Any, cap: Capture, cluster: Any, settings: Any,
+                  runnable: tuple[Callable[..., Any], Sequence[Any]],
+                  on_round: Callable[[int, int], None] | None = None,
+                  on_candidates: Callable[[Sequence[Any]], None] | None = None) -> Any:
+    """Time the best `settings.count` candidates of a finished search (`explore_candidates`,
+    `select_candidates`) on the present devices and return the `MeasuredSelection`: the
+    measured fastest plan, its `measured` section listing every timed candidate. A chosen plan
+    other than the search's pick keeps the pick's search record. `on_candidates` hears the
+    selected candidates before compiling (a progress bar's length)."""
+    import dataclasses
+
+    import jax
+
+    from hlomap.run.measure import MeasureError, measure_candidates, step_preparer
+    from hlomap.tasks.candidates import PICK, select_candidates
+
+    listed = explore_candidates(found, cap, cluster)
+    selected = select_candidates(listed, settings.count)
+    if on_candidates is not None:
+        on_candidates(selected)
+    prepare = settings.prepare or step_preparer(runnable[0], runnable[1])
+    present, platform = jax.device_count(), jax.devices()[0].platform
+
+    def prepare_here(plan: Any) -> Callable[[], Any]:
+        needed = plan_devices(plan)
+        if needed > present:
+            raise InputError(f"needs {needed} devices; JAX sees {present} ({platform})")
+        return prepare(plan)
+
+    try:
+        selection = measure_candidates(selected, prepare_here, settings, devices=present, platform=platform,
+                                       on_round=on_round)
+    except MeasureError as err:
+        raise InputError(str(err)) from None
+    pick = next((c for c in listed if c.name == PICK), None)
+    if selection.chosen.name != PICK and pick is not None and pick.plan.search is not None:
+        plan = dataclasses.replace(selection.plan, search=pick.plan.search)
+        selection = dataclasses.replace(selection, plan=plan)
+    return selection
 
 
 def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", microbatches: Sequence[int] | None = None,
@@ -284,7 +423,7 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",
              axis_devices: Any = None, axis_order: Sequence[str] | None = None, graph: Any = None,
-             overlap: Any = None, fusion: Any = None) -> Any:
+             overlap: Any = None, fusion: Any = None, executor: str | None = None) -> Any:
     """Estimate one training step of `cap` under `plan` on `cluster` -> `StepEstimate`.
 
     `plan`: a `hlomap.plan.Plan` (its own mesh), a built-in plan name ("dp", "megatron",
@@ -295,11 +434,13 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     PlanConflict for a plan with conflicts.
 
     A pipeline or joint plan is priced by its stages instead (`simulate_plan`), and its
-    `PipelineSimulation` or `JointSimulation` is returned; every kind answers `step_seconds` and
-    `fits`.
+    `PipelineSimulation` or `JointSimulation` is returned, priced on `executor` ("spmd" or
+    "mpmd"; default the runner's choice); every kind answers `step_seconds` and `fits`.
     """
     if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
-        return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order)
+        return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order, executor=executor)
+    if executor is not None:
+        raise InputError(f"executor {executor!r}: the plan has no pipeline section (executors run pipelines)")
     from hlomap.cost import estimate as cost_estimate
     from hlomap.plan import resolve_plan
     from hlomap.propagation.graph import FactorGraph
@@ -639,11 +780,14 @@ class SpmdSimulation:
 
 @dataclass(frozen=True)
 class PipelineSimulation:
-    """A pipeline plan priced from the stage profile it carries, on its placement."""
+    """A pipeline plan priced from the stage profile it carries, on its placement; plus the cost
+    of the executor that runs it (`executor`), as a measured cluster knows it."""
 
     estimate: Any
     cluster_name: str
     placement: Any = None
+    executor: str = ""
+    executor_seconds: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -651,16 +795,19 @@ class PipelineSimulation:
 
     @property
     def step_seconds(self) -> float:
-        """The event simulator's batch time on the plan's placement."""
-        return float(self.estimate.placed.length)
+        """The event simulator's batch time on the plan's placement, plus the executor's cost."""
+        return float(self.estimate.placed.length) + self.executor_seconds
 
 
 @dataclass(frozen=True)
 class JointSimulation:
     """A joint plan priced again by the cost model: per stage layers, devices, mesh, time per
-    microbatch and memory, then the step time and the transfers."""
+    microbatch and memory, then the step time and the transfers; the executor's cost is that of
+    `executor`."""
 
     result: Any
+    executor: str = ""
+    executor_seconds: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -668,8 +815,23 @@ class JointSimulation:
 
     @property
     def step_seconds(self) -> float:
-        """The closed form's step time L over the stages priced again."""
-        return float(self.result.cost.latency)
+        """The closed form's step time L over the stages priced again, plus the executor's cost."""
+        cost = self.result.cost
+        return float(cost.latency - cost.executor_seconds) + self.executor_seconds
+
+
+def plan_executor(plan: Any, requested: str | None = None, where: str = "plan") -> str:
+    """The executor a pipeline or joint plan runs on: `requested` when the plan allows it, else
+    the runner's default for its schedule and stages (`hlomap.run.runner.choose_executor`)."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.pipeline.section import pipeline_section
+    from hlomap.run.runner import choose_executor
+
+    try:
+        section = pipeline_section(plan, where)
+        return choose_executor(section.schedule, section.uniform, requested, section.repeats).value
+    except RunError as err:
+        raise InputError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from None
 
 
 Simulation = SpmdSimulation | PipelineSimulation | JointSimulation
@@ -692,25 +854,34 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
 
 
 def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
-                  axis_order: Sequence[str] | None = None, where: str = "plan") -> Simulation:
+                  axis_order: Sequence[str] | None = None, where: str = "plan", executor: str | None = None) -> Simulation:
     """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
     a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
     pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
     None for a pipeline plan (`needs_module`). `cap` and `plan` may also be given as a SOURCE
-    string and a built-in plan name or plan file."""
+    string and a built-in plan name or plan file. `executor` ("spmd" or "mpmd", default the
+    runner's choice) prices a pipeline or joint plan on that executor."""
     import dataclasses
 
     from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.cost.pipeline.costs import executor_overhead
 
     plan = plan_or_built_in(plan) if isinstance(plan, (str, Path)) else plan
     cap = _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     check_simulation_options(plan, mesh=mesh, axis_order=axis_order, where=where)
     category = plan_category(plan)
+    if category not in (PlanCategory.PIPELINE, PlanCategory.JOINT) and executor is not None:
+        raise InputError(f"executor {executor!r}: {where} has no pipeline section (executors run pipelines)")
+    if category in (PlanCategory.PIPELINE, PlanCategory.JOINT):
+        chosen = plan_executor(plan, executor, where)
+        section = plan.pipeline
+        overhead = executor_overhead(cluster, chosen, section.n_stages * section.repeats, section.microbatches)
     if category is PlanCategory.PIPELINE:
         from hlomap.tasks.placement.place import estimate_pipeline_plan
 
-        return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement)
+        return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement,
+                                  chosen, overhead)
     if cap is None:
         raise InputError(f"{where}: a {category.value} plan is priced from the step's module: name its SOURCE")
     if category is PlanCategory.JOINT:
@@ -718,7 +889,7 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
 
         check_plan_for(plan, cap, where)
         try:
-            return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline))
+            return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline), chosen, overhead)
         except ValueError as err:
             raise InputError(f"--plan {where}: {err}") from None
     placed = category is PlanCategory.SPMD and plan.placement is not None
@@ -1144,13 +1315,16 @@ def calibrate(devices: int | None = None, quick: bool = False,
     import jax
 
     from hlomap.cost.calibration import CalibrationError, calibrated_cluster
+    from hlomap.run.calibrate import executor_tasks
     from hlomap.verify.devices import measure_devices
 
     seen = jax.device_count()
     if devices is not None and devices > seen:
         raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)")
     try:
-        measured = measure_devices(devices, quick=quick, on_progress=on_progress)
+        measured = measure_devices(devices, quick=quick, on_progress=on_progress,
+                                   extra_tasks=lambda chosen, q, timer: executor_tasks(chosen, quick=q,
+                                                                                       median_seconds=timer))
         return calibrated_cluster(measured), measured
     except CalibrationError as err:
         raise InputError(f"calibration failed: {err}") from None

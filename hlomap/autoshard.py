@@ -14,17 +14,22 @@ step; a new shape or dtype captures again, as `jax.jit` retraces.
 
 The cache is a folder of plan files (`Plan` JSON, usable as `plan=PATH` and by `hlomap run`), one
 per key: the HLO fingerprint of the captured step, the mesh, the cluster the search priced, the
-task and the hlomap version. Writes are atomic; an entry that cannot be read is explored again
-with a warning. The cache folder is created and probed when the decorator is applied: a
-`cache_dir` the user named that cannot be written is an error naming it (the user asked for
-it); an unwritable default folder only warns and runs without a cache, and so does a write that
-fails later (the plan in hand is still good).
+task, the hlomap version and how many candidates were measured. Writes are atomic; an entry that
+cannot be read is explored again with a warning. The cache folder is created and probed when the
+decorator is applied: a `cache_dir` the user named that cannot be written is an error naming it
+(the user asked for it); an unwritable default folder only warns and runs without a cache, and so
+does a write that fails later (the plan in hand is still good).
 
 The cluster the search prices: the first N devices of `cluster`, N the devices the mesh spans.
 The default, "local", is the devices the step runs on, measured on first use and cached
 (`hlomap.verify.local`); a preset, a JSON file or a Cluster plans for other hardware. A step on
 8 devices of preset "A" (two servers of 8 V100s) is priced on its first server; a cluster with
 fewer than N devices is an error.
+
+Measured selection: when the plan runs where it was planned (the priced cluster's devices are the
+kind JAX shows, `runs_where_planned`), the first call times the search's best `measure` candidates
+(default 3) on the present devices from copies of its arguments and runs the measured fastest;
+`timings.measure` is its cost. `measure=0` turns it off.
 """
 
 from __future__ import annotations
@@ -53,11 +58,13 @@ from hlomap.verify.local import CACHE_ENV, default_cache_dir
 log = logging.getLogger(__name__)
 
 __all__ = ["AutoShardConfig", "AutoShardedStep", "CacheKey", "Origin", "Task", "Timings", "auto_shard",
-           "cache_dir_problem", "cache_key", "cache_path", "default_cache_dir", "load_cached", "save_cached",
-           "usable_cache_dir"]
+           "cache_dir_problem", "cache_key", "cache_path", "default_cache_dir", "load_cached", "measured_count",
+           "runs_where_planned", "save_cached", "usable_cache_dir"]
 
 #: The two state arguments (params, opt_state) that `place` lays out and the step donates.
 STATE_ARGS = 2
+#: Candidate plans timed after a search when the plan runs where it was planned (`auto_shard`).
+DEFAULT_MEASURE = 3
 
 
 class Origin(enum.Enum):
@@ -82,6 +89,7 @@ class AutoShardConfig:
     plan_path: Path | None
     progress: bool | None
     options: tuple[tuple[str, Any], ...] = ()
+    measure: Any = None  # hlomap.run.measure.MeasureSettings; None: do not measure
 
 
 @dataclass(frozen=True)
@@ -93,10 +101,15 @@ class CacheKey:
     cluster: str  # name and content hash of the priced cluster
     task: str
     version: str  # hlomap's
+    #: Candidates timed to choose the plan (0: the search's pick, unmeasured). Measured selection
+    #: may choose another plan, so it is part of the key; 0 leaves the digest of older entries.
+    measure: int = 0
 
     def digest(self) -> str:
-        text = json.dumps([self.fingerprint, [list(a) for a in self.mesh], self.cluster, self.task, self.version])
-        return hashlib.sha256(text.encode()).hexdigest()
+        parts: list[Any] = [self.fingerprint, [list(a) for a in self.mesh], self.cluster, self.task, self.version]
+        if self.measure:
+            parts.append(["measure", self.measure])
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -105,8 +118,9 @@ class Timings:
 
     capture: float
     lookup: float  # reading the cache, or the plan file
-    explore: float  # 0 on a cache hit
+    explore: float  # 0 on a cache hit; the search alone when measured
     first_call: float = 0.0  # compile and run the first step
+    measure: float = 0.0  # compile and time the candidate plans (0 when not measured)
 
 
 @dataclass(frozen=True)
@@ -133,11 +147,11 @@ def cluster_tag(cluster: Any) -> str:
     return f"{cluster.name}:{digest[:16]}"
 
 
-def cache_key(fingerprint: str, mesh: Mapping[str, int], cluster: Any, task: Task | str) -> CacheKey:
+def cache_key(fingerprint: str, mesh: Mapping[str, int], cluster: Any, task: Task | str, measure: int = 0) -> CacheKey:
     import hlomap
 
     return CacheKey(fingerprint, tuple((str(k), int(v)) for k, v in mesh.items()), cluster_tag(cluster),
-                    Task(task).value, hlomap.__version__)
+                    Task(task).value, hlomap.__version__, measure)
 
 
 def cache_path(cache_dir: Path, key: CacheKey) -> Path:
@@ -232,6 +246,28 @@ def priced_cluster(cluster: Any, devices: int) -> Any:
         return first_devices(load_cluster(cluster), devices)
     except ClusterSpecError as err:
         raise ValueError(f"auto_shard: cluster={cluster!r}: {err}") from None
+
+
+def runs_where_planned(cluster_devices: Sequence[str], device_kind: str, platform: str) -> bool:
+    """Whether a plan priced on a cluster of devices named `cluster_devices` runs where it was
+    planned, on present devices of this kind and platform: every priced device is named as the
+    present ones (JAX's `device_kind` or platform, case aside), as a cluster calibrated on this
+    machine is (`hlomap calibrate`, `cluster="local"`). A preset of V100s priced while JAX runs on
+    CPUs is not: timing its candidates here would not say which is fastest there."""
+    present = {device_kind.strip().lower(), platform.strip().lower()}
+    return bool(cluster_devices) and all(name.strip().lower() in present for name in cluster_devices)
+
+
+def measured_count(settings: Any, cluster: Any) -> int:
+    """How many candidates auto_shard times for a plan priced on `cluster`: the setting's count
+    when the plan runs where it was planned (`runs_where_planned`), else 0."""
+    if settings is None or not settings.enabled:
+        return 0
+    import jax
+
+    device = jax.devices()[0]
+    return settings.count if runs_where_planned([d.name for d in cluster.devices], device.device_kind,
+                                                device.platform) else 0
 
 
 def _platform() -> str:
@@ -421,15 +457,19 @@ class AutoShardedStep:
 
         mesh = resolve_mesh(self.config.mesh, self.config.task, jax.local_device_count())
         cluster = priced_cluster(self.config.cluster, mesh_devices(mesh))
-        key = cache_key(cap.text_sha256, mesh, cluster, self.config.task)
+        measure = measured_count(self.config.measure, cluster) if _HELD not in signature(args) else 0
+        key = cache_key(cap.text_sha256, mesh, cluster, self.config.task, measure)
         path = cache_path(self.config.cache_dir, key) if self.config.cache_dir is not None else None
         plan = load_cached(path, cap) if path is not None else None
         looked_up = time.perf_counter()
         origin = Origin.CACHE
         explored = looked_up
+        measuring = 0.0
         if plan is None:
             origin = Origin.EXPLORED
-            plan = self._explore(cap, mesh, cluster)
+            plan = self._explore(cap, mesh, cluster, args if measure else None, measure)
+            # The measuring's own wall time (its clock's), out of the exploration's.
+            measuring = plan.measured.seconds if plan.measured is not None else 0.0
             if path is not None:
                 try:
                     save_cached(path, plan)
@@ -444,9 +484,13 @@ class AutoShardedStep:
                  f"explored in {explored - looked_up:.1f} s" + (f", saved to {path}" if path else ""))
         step = parallelize(_runnable(self.__wrapped__, plan, cap), plan, example_args=_pipeline_args(plan, abstract))
         return _Entry(cap, plan, step, origin, path,
-                      Timings(captured - start, looked_up - captured, explored - looked_up), key)
+                      Timings(captured - start, looked_up - captured, max(0.0, explored - looked_up - measuring),
+                              measure=measuring), key)
 
-    def _explore(self, cap: Any, mesh: dict[str, int], cluster: Any) -> Any:
+    def _explore(self, cap: Any, mesh: dict[str, int], cluster: Any, args: tuple[Any, ...] | None,
+                 measure: int) -> Any:
+        """Search the plan; with `measure` > 0, time that many candidates on the present devices
+        from copies of the call's own arguments (`args`: the user's arrays are not donated)."""
         from hlomap.api import explore
 
         config = self.config
@@ -456,6 +500,9 @@ class AutoShardedStep:
         with _progress(config.progress, f"auto_shard / {config.task.value}") as on_progress:
             if on_progress is not None:
                 options["on_progress"] = on_progress
+            if measure:
+                options["measure"] = dataclasses.replace(config.measure, count=measure)
+                options["runnable"] = (self.__wrapped__, args)
             return explore(cap, task=config.task.value, mesh=mesh, cluster=cluster, agent=config.agent,
                            budget_seconds=config.budget_seconds, seed=config.seed, **options)
 
@@ -508,7 +555,8 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
                budget_seconds: float | None = 60.0, seed: int = 0,
                cache_dir: str | os.PathLike[str] | None = None, cache: bool = True,
                plan: str | os.PathLike[str] | None = None, progress: bool | None = None,
-               **options: Any) -> Any:
+               measure: int | Any = DEFAULT_MEASURE, measure_rounds: int = 10,
+               measure_budget_seconds: float | None = 60.0, **options: Any) -> Any:
     """Explore a plan for a train step `fn(params, opt_state, batch, ...) -> (params, opt_state,
     ...)` at its first call, cache it on disk and run it (module docstring). Use as
     `@auto_shard(...)` or `auto_shard(fn, ...)`.
@@ -525,9 +573,18 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
       an unwritable default warns and runs without a cache.
     plan: a plan file to run instead of searching (checked against the captured step).
     progress: a progress bar during the search; None: when stderr is a terminal.
+    measure: after a search, compile and time this many candidate plans on the present devices
+      and run the measured fastest (`hlomap.explore`'s measure=K; its cost is `timings.measure`),
+      when the plan runs where it was planned: the priced cluster's devices are the kind JAX
+      shows (a cluster calibrated here, as `cluster="local"` is; not a preset of V100s priced from a
+      CPU). 0 turns it off; a `hlomap.run.measure.MeasureSettings` sets everything.
+    measure_rounds, measure_budget_seconds: interleaved timing rounds at most, and the seconds of
+      timing after which the rounds stop.
     """
     config = make_config(mesh=mesh, cluster=cluster, task=task, agent=agent, budget_seconds=budget_seconds, seed=seed,
-                         cache_dir=cache_dir, cache=cache, plan=plan, progress=progress, options=options)
+                         cache_dir=cache_dir, cache=cache, plan=plan, progress=progress, options=options,
+                         measure=measure, measure_rounds=measure_rounds,
+                         measure_budget_seconds=measure_budget_seconds)
 
     def decorate(step: Callable[..., Any]) -> AutoShardedStep:
         if not callable(step):
@@ -540,8 +597,10 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
 def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, task: Task | str, agent: str,
                 budget_seconds: float | None, seed: int, cache_dir: str | os.PathLike[str] | None, cache: bool,
                 plan: str | os.PathLike[str] | None, progress: bool | None,
-                options: Mapping[str, Any]) -> AutoShardConfig:
+                options: Mapping[str, Any], measure: int | Any = 0, measure_rounds: int = 10,
+                measure_budget_seconds: float | None = 60.0) -> AutoShardConfig:
     """Check the decorator's arguments when it is applied, not at the first call."""
+    from hlomap.api import InputError, measure_settings
     from hlomap.plan import parse_mesh_text
 
     try:
@@ -562,6 +621,10 @@ def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, tas
     plan_path = None if plan is None else Path(plan).expanduser()
     if plan_path is not None and not plan_path.is_file():
         raise ValueError(f"auto_shard: plan={str(plan)!r}: no such file")
+    try:
+        settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
+    except InputError as err:
+        raise ValueError(f"auto_shard: {err}") from None
     directory = usable_cache_dir(cache_dir, cache)
     return AutoShardConfig(frozen_mesh, cluster, task, agent, budget_seconds, seed, directory, plan_path, progress,
-                           tuple(sorted(options.items())))
+                           tuple(sorted(options.items())), settings)

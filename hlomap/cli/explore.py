@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from hlomap import api
 from hlomap.cli import common
@@ -25,6 +26,7 @@ EPILOG = ("examples:\n  hlomap explore zoo:gpt-small --budget-seconds 30\n"
           "  hlomap explore zoo:bert-base --task pipeline --stages 2 --cluster A --agent dp\n"
           "  hlomap explore zoo:gpt-1.3b --task auto --cluster A\n"
           "  hlomap explore mymodel.py:make --task opp   (a function returning (train_step, example_args))\n"
+          "  hlomap explore zoo:gpt-tiny --task hybrid --mesh data=2,model=4 --measure 3   (time the best 3 here)\n"
           "  hlomap explore pipedream:vgg16.txt --task pipeline --stages 4   (a PipeDream profiler graph file)")
 
 
@@ -49,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_search_options(p)
     common.add_role_options(p)
     _add_pipeline_options(p)
+    _add_measure_options(p)
     p.add_argument("--fail-if-oom", action="store_true",
                    help="exit with status 3 when the plan (or a stage) does not fit device memory")
     p.add_argument("--json", action="store_true", help="print the plan (or pipeline result) as JSON")
@@ -83,7 +86,71 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
                    help="Gantt chart of the simulated step (default: next to the plan, *.timeline.png)")
 
 
+def _add_measure_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("measured selection (needs SOURCE zoo:NAME or FILE.py:FUNCTION)")
+    g.add_argument("--measure", type=common.count, default=0, metavar="K",
+                   help="after the search, compile and time the best K distinct candidate plans on this machine's "
+                        "devices (the pick and the best of each family always, so K may be raised) and keep the "
+                        "measured fastest (default 0: off)")
+    g.add_argument("--measure-rounds", type=common.positive_int, default=10, metavar="R",
+                   help="interleaved timing rounds at most (default 10)")
+    g.add_argument("--measure-budget-seconds", type=common.positive_float, default=60.0, metavar="S",
+                   help="stop timing after the round that crosses S seconds (compiles not counted; default 60)")
+
+
+def _measure_runnable(args: argparse.Namespace) -> Any:
+    """The step that --measure runs, resolved before the search (an HLO file cannot be run)."""
+    if not args.measure:
+        return None
+    try:
+        return api.measure_runnable(args.source, None, args.seed)
+    except api.InputError as err:
+        raise common.CliError(f"--measure {args.measure}: {err}") from None
+
+
+def _measure(args: argparse.Namespace, found: Any, cap: Any, cluster: Any, runnable: Any, output: Path) -> Any:
+    """Time the search's best candidates and save the measured fastest to `output`; returns the
+    chosen plan (its `measured` section holds the table of predicted against measured)."""
+    from hlomap.report.progress import measure_bar
+
+    settings = api.measure_settings(args.measure, args.measure_rounds, args.measure_budget_seconds)
+    if not args.quiet:
+        common.say(f"measuring up to {args.measure} candidate plans on this machine's devices (compiling first) ...")
+    with measure_bar(not args.quiet) as on_round:
+        selection = api.measure_found(found, cap, cluster, settings, runnable, on_round=on_round)
+    selection.plan.save(output)
+    return selection.plan
+
+
+def _show_measurement(args: argparse.Namespace, plan: Any) -> None:
+    from hlomap.report.measure import format_measurement
+
+    if plan is not None and plan.measured is not None and not args.json:
+        common.console().print(format_measurement(plan.measured))
+
+
+def _measure_devices(args: argparse.Namespace) -> int | None:
+    """Devices --measure runs the candidates on: the mesh's (opp, adp, hybrid) or the cluster's
+    (pipeline, auto); None when the arguments are wrong (the task's own checks say why)."""
+    import math
+
+    from hlomap.plan import parse_mesh_text
+
+    try:
+        if args.task in SHARDING_TASKS:
+            mesh = parse_mesh_text(args.mesh)
+            return mesh if isinstance(mesh, int) else math.prod(mesh.values())
+        return int(api.resolve_cluster(args.cluster, args.profile).cluster.n_devices)
+    except (ValueError, OSError):  # reported by the task's own checks, once
+        return None
+
+
 def cmd_explore(args: argparse.Namespace) -> int:
+    if args.measure:
+        # A CPU-only machine shows one device unless told before JAX starts (as `hlomap run` does).
+        devices = _measure_devices(args)
+        if devices is not None:
+            api.ensure_host_devices(devices)
     output = Path(args.output)
     if args.task == "pipeline":
         return _explore_pipeline(args, output)
@@ -118,6 +185,7 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     curve = Path(args.curve) if args.curve else common.beside(output, "convergence.png")
     common.check_outputs(output, curve)
     cluster = common.cluster_argument(args.cluster, args.profile)
+    runnable = _measure_runnable(args)
     interrupts = interrupts_of(args)
     cap = common.load_capture(args)
     api.require_roles(cap, f"the {args.task} task", trainable=args.task != "adp")
@@ -127,11 +195,14 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
                                      args.reward, budget_evaluations=args.budget_evaluations, output=output,
                                      on_progress=interrupts.wrap(on_progress))
     plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
+    plan = found.plan
+    if runnable is not None and not found.result.interrupted:
+        plan = _measure(args, found, cap, cluster, runnable, output)
     if args.json:
-        common.print_json(found.plan.to_json())
+        common.print_json(plan.to_json())
     else:
         roles = {p.path: p.role.value for p in cap.parameters}
-        common.console().print(format_plan_summary(found.plan, roles=roles if cap.has_roles else None))
+        common.console().print(format_plan_summary(plan, roles=roles if cap.has_roles else None))
     common.say(f"plan: {output}; convergence curve: {curve}")
     return _finish(found.result.interrupted, api.plan_fits(found.plan), args.fail_if_oom)
 
@@ -149,6 +220,7 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     if args.stages > cluster.n_devices:
         raise common.CliError(f"--stages {args.stages}: cluster {cluster.name} has {cluster.n_devices} devices, so "
                               f"at most {cluster.n_devices} stages")
+    runnable = _measure_runnable(args)
     interrupts = interrupts_of(args)
     source = api.load_pipeline_source(args.source, trainable=common.parse_trainable(args.trainable),
                                       trainable_prefix=tuple(args.trainable_prefix or ()))
@@ -161,9 +233,15 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
             on_progress=interrupts.wrap(on_progress))
     result = found.result
     draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
+    measured = None
+    if runnable is not None and not result.interrupted:
+        if not args.json:
+            common.console().print(format_pipeline_result(result))
+        measured = _measure(args, found, found.cap, cluster, runnable, output)
+        _show_measurement(args, measured)
     if args.json:
-        common.print_json(result.to_json())
-    else:
+        common.print_json(measured.to_json() if measured is not None else result.to_json())
+    elif measured is None:
         common.console().print(format_pipeline_result(result))
     for text in found.notes:
         common.note(text)
@@ -175,6 +253,7 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
     from hlomap.report.joint import format_joint_result
 
     cluster = common.cluster_argument(args.cluster, args.profile)
+    runnable = _measure_runnable(args)
     interrupts = interrupts_of(args)
     cap = common.load_capture(args)
     api.require_roles(cap, "the auto task")
@@ -182,10 +261,12 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
     if not args.quiet:
         common.say(f"planning {cap.source} on {cluster.name} ({cluster.n_devices} devices): stages x data x model ...")
     found = api.explore_auto_detailed(cap, cluster=cluster, schedule=args.schedule, output=output)
-    if args.json:
-        common.print_json(found.plan.to_json())
-    else:
+    if not args.json:
         common.console().print(format_joint_result(found.result, name=args.source))
+    plan = _measure(args, found, cap, cluster, runnable, output) if runnable is not None else found.plan
+    _show_measurement(args, plan)
+    if args.json:
+        common.print_json(plan.to_json())
     common.say(f"plan: {output}")
     return _finish(False, found.fits, args.fail_if_oom)
 

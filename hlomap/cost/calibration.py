@@ -47,6 +47,7 @@ from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import AlphaBeta, Collective
 from hlomap.cost.compute import flop_rate
 from hlomap.cost.devices import DeviceSpec
+from hlomap.cost.measured import EXECUTORS, Fit, executor_units, measured_costs
 
 #: The "format" field of a profile file, so that a cluster or plan JSON passed by mistake is
 #: recognized as such rather than failing on a missing field.
@@ -551,11 +552,69 @@ def fit_comm(samples: Iterable[CommSample]) -> tuple[CommFit, ...]:
     return tuple(fits)
 
 
+#: The name suffix of a kernel timed on one device while the others idle (the other kernels run on
+#: every device at once).
+ALONE_SUFFIX = "_alone"
+
+
+def solo_speedup(kernels: Iterable[Measurement]) -> float:
+    """How much faster one device ran a matmul alone than while every device ran one (>= 1; 1
+    without such a pair): devices that share hardware (host CPU devices share cores) compute
+    faster when fewer of them work."""
+    by_name = {m.name: m for m in kernels}
+    ratios = [by_name[name.removesuffix(ALONE_SUFFIX)].seconds / m.seconds for name, m in by_name.items()
+              if name.endswith(ALONE_SUFFIX) and name.removesuffix(ALONE_SUFFIX) in by_name]
+    return max(1.0, max(ratios, default=1.0))
+
+
+@dataclass(frozen=True)
+class ExecutorSample:
+    """One timed pipeline step of a near-empty model (`hlomap.run.calibrate`): `executor` ("spmd"
+    or "mpmd") over `stages` stages and `microbatches` microbatches took `seconds`."""
+
+    executor: str
+    stages: int
+    microbatches: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise CalibrationError(f"executor sample: executor {self.executor!r}, expected one of {sorted(EXECUTORS)}")
+        if self.stages < 1 or self.microbatches < 1:
+            raise CalibrationError(f"{self.executor} executor sample: stages = {self.stages!r} and microbatches = "
+                                   f"{self.microbatches!r} must be >= 1")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise CalibrationError(f"{self.executor} executor sample: seconds = {self.seconds!r} must be positive")
+
+    @property
+    def units(self) -> int:
+        return executor_units(self.executor, self.stages, self.microbatches)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"executor": self.executor, "stages": self.stages, "microbatches": self.microbatches,
+                "seconds": self.seconds}
+
+
+def fit_executors(samples: Iterable[ExecutorSample]) -> dict[str, Fit]:
+    """`fixed + per_unit x units` per executor (`hlomap.cost.measured.executor_units`), by the
+    relative-error alpha-beta fit; an executor with one sample gets no per-unit term."""
+    by_executor: dict[str, list[ExecutorSample]] = {}
+    for s in samples:
+        by_executor.setdefault(s.executor, []).append(s)
+    fits = {}
+    for name, ss in sorted(by_executor.items()):
+        fit = fit_alpha_beta([float(s.units) for s in ss], [s.seconds for s in ss])
+        fits[name] = Fit(fit.alpha, math.inf if fit.beta <= 0 else 1.0 / fit.beta)
+    return fits
+
+
 #: The key of a calibrated cluster file that holds the fits and the raw samples; `load_cluster`
 #: reads the rest of the file as an ordinary cluster and ignores it.
 CLUSTER_CALIBRATION_KEY = "calibration"
 #: The "format" of that object: not a profile (`FORMAT`), which `load_calibration` would read.
 CLUSTER_FORMAT = "hlomap-cluster-calibration"
+#: 2: kernels timed on every device at once; the cluster carries its measured collectives.
+CLUSTER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -577,10 +636,12 @@ class ClusterCalibration:
     hlomap_version: str = ""
     measured_at: str = ""
     wall_seconds: float = 0.0
+    executors: tuple[ExecutorSample, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernels", tuple(self.kernels))
         object.__setattr__(self, "comm", tuple(self.comm))
+        object.__setattr__(self, "executors", tuple(self.executors))
         if self.n_devices < 1:
             raise CalibrationError(f"n_devices = {self.n_devices!r} must be >= 1")
 
@@ -595,6 +656,10 @@ class ClusterCalibration:
     @property
     def comm_fits(self) -> tuple[CommFit, ...]:
         return fit_comm(self.comm)
+
+    @property
+    def executor_fits(self) -> dict[str, Fit]:
+        return fit_executors(self.executors)
 
     def figures(self) -> dict[str, float]:
         """The fitted figures by name (what a report table shows and two runs are compared on)."""
@@ -611,19 +676,25 @@ class ClusterCalibration:
                 continue
             out[f"{fit.kind} x{fit.group} latency s"] = fit.latency
             out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
+        out["solo speedup"] = solo_speedup(self.kernels)
+        for name, executor in self.executor_fits.items():
+            out[f"{name} executor fixed s"] = executor.latency
+            out[f"{name} executor per unit s"] = executor.seconds_per_byte
         return out
 
     def to_json(self) -> dict[str, Any]:
         figures = self.figures()
         return {
-            "format": CLUSTER_FORMAT, "version": VERSION, "backend": self.backend, "device_kind": self.device_kind,
+            "format": CLUSTER_FORMAT, "version": CLUSTER_VERSION, "backend": self.backend, "device_kind": self.device_kind,
             "n_devices": self.n_devices, "memory_bytes": self.memory_bytes, "jax_version": self.jax_version,
             "hlomap_version": self.hlomap_version, "measured_at": self.measured_at,
             "wall_seconds": self.wall_seconds, "figures": figures,
             "fits": {"matmul": [c.to_json() for c in self.matmul_curves],
                      "memory": {"latency": self.memory_fit.alpha, "bandwidth": figures["memory bandwidth B/s"]},
-                     "comm": [f.to_json() for f in self.comm_fits]},
-            "samples": {"kernels": [m.to_json() for m in self.kernels], "comm": [s.to_json() for s in self.comm]},
+                     "comm": [f.to_json() for f in self.comm_fits],
+                     "executors": {name: f.to_json() for name, f in self.executor_fits.items()}},
+            "samples": {"kernels": [m.to_json() for m in self.kernels], "comm": [s.to_json() for s in self.comm],
+                        "executors": [s.to_json() for s in self.executors]},
         }
 
 
@@ -645,6 +716,8 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     the largest f32 matmul measured (the dots that dominate a step are the large ones) and each
     dtype's peak is that matmul's achieved rate over this efficiency, so peak x efficiency is
     what the largest matmul of each dtype achieved. HBM bandwidth is the memory-bound fit's.
+    The collectives, transfer and dispatch as measured go in `Cluster.measured`, which prices
+    collectives instead of the links (`hlomap.cost.measured`).
     """
     curves = {c.dtype: c for c in calibration.matmul_curves}
     if "f32" not in curves:
@@ -663,7 +736,9 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     bandwidth = np.full((n, n), link.bandwidth if link else math.inf)
     latency = np.full((n, n), link.latency if link else 0.0)
     label = name or f"calibrated-{calibration.backend}-{n}"
-    return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency)
+    measured = replace(measured_costs(calibration.comm_fits, DISPATCH, TRANSFER, calibration.executor_fits),
+                       solo_speedup=solo_speedup(calibration.kernels), n_devices=n)
+    return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 
 def calibrated_cluster_json(calibration: ClusterCalibration, *, name: str | None = None) -> dict[str, Any]:

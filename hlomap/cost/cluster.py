@@ -12,8 +12,10 @@ JSON (units: bytes, bytes/s, seconds):
     {"name": "A", "devices": ["V100-16GB", ... | {full DeviceSpec}], "node_of": [0, 0, ...],
      "bandwidth": [[null, 1.3e11, ...], ...], "latency": [[0, 5e-06, ...], ...],
      "nics_per_node": 1}
-The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional; a
-"calibration" object (what `hlomap calibrate` measured, `hlomap.cost.calibration`) is ignored here.
+The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional; so
+is "measured" (collectives and dispatch as measured, `hlomap.cost.measured`, written by `hlomap
+calibrate`); a "calibration" object (every fit and sample behind it, `hlomap.cost.calibration`)
+is ignored here.
 
 Auto-MAP's configurations A, B, C are 2, 3 and 4 servers of 8 V100 GPUs, NVLink inside a server
 and 25 Gbps Ethernet between servers (arXiv 2007.04069, section 5). The paper does not give the
@@ -48,6 +50,7 @@ import numpy as np
 
 from hlomap.cost import topology
 from hlomap.cost.devices import DeviceSpec, DeviceSpecError, device_preset
+from hlomap.cost.measured import MeasuredCosts, MeasuredCostsError
 
 #: The topology string of the calibrated present devices (`hlomap.verify.local`).
 LOCAL = "local"
@@ -76,6 +79,8 @@ class Cluster:
     The arrays are copied and made read-only, so a Cluster can be shared freely; their diagonals
     are set to bandwidth inf and latency 0 (a device sends to itself for free). `nics_per_node`
     is how many cross-node streams a node can drive at the full table bandwidth at once.
+    `measured`: the collectives and dispatch as a calibration measured them
+    (`hlomap.cost.measured`), which price collectives instead of the links when present.
     """
 
     name: str
@@ -84,6 +89,7 @@ class Cluster:
     bandwidth: np.ndarray
     latency: np.ndarray
     nics_per_node: int = 1
+    measured: MeasuredCosts | None = None
     node_array: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,11 +137,12 @@ class Cluster:
             return NotImplemented
         return (self.name == other.name and self.devices == other.devices
                 and self.node_of == other.node_of and self.nics_per_node == other.nics_per_node
+                and self.measured == other.measured
                 and np.array_equal(self.bandwidth, other.bandwidth)
                 and np.array_equal(self.latency, other.latency))
 
     def __hash__(self) -> int:
-        return hash((self.name, self.devices, self.node_of, self.nics_per_node))
+        return hash((self.name, self.devices, self.node_of, self.nics_per_node, self.measured))
 
     def __repr__(self) -> str:
         kinds = sorted({d.name for d in self.devices})
@@ -145,7 +152,7 @@ class Cluster:
     # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         bandwidth = [[None if math.isinf(v) else v for v in row] for row in self.bandwidth.tolist()]
-        return {
+        out = {
             "name": self.name,
             "devices": [_device_to_json(d) for d in self.devices],
             "node_of": list(self.node_of),
@@ -153,6 +160,9 @@ class Cluster:
             "latency": self.latency.tolist(),
             "nics_per_node": self.nics_per_node,
         }
+        if self.measured is not None:
+            out["measured"] = self.measured.to_json()
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], *, source: str = "<dict>") -> Cluster:
@@ -161,6 +171,31 @@ class Cluster:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def busy_speedup(cluster: Cluster, busy: int) -> float:
+    """How much faster each device computes when only `busy` of the cluster's devices work: > 1
+    only for a measured cluster whose devices share hardware (`MeasuredCosts.busy_speedup`)."""
+    return 1.0 if cluster.measured is None else cluster.measured.busy_speedup(busy)
+
+
+def with_busy_devices(cluster: Cluster, busy: int) -> Cluster:
+    """`cluster` with every device's compute and memory rates scaled by `busy_speedup`: what a
+    plan keeping `busy` devices at work computes on. The cluster itself when nothing changes."""
+    factor = busy_speedup(cluster, busy)
+    if factor == 1.0:
+        return cluster
+    devices = tuple(sped_up(d, factor) for d in cluster.devices)
+    return Cluster(cluster.name, devices, cluster.node_of, cluster.bandwidth, cluster.latency, cluster.nics_per_node,
+                   cluster.measured)
+
+
+def sped_up(device: DeviceSpec, factor: float) -> DeviceSpec:
+    """`device` computing and moving memory `factor` times faster."""
+    if factor == 1.0:
+        return device
+    return DeviceSpec(device.name, {k: v * factor for k, v in device.peak_flops.items()}, device.hbm_bandwidth * factor,
+                      device.memory_bytes, device.efficiency)
 
 
 def first_devices(cluster: Cluster, count: int) -> Cluster:
@@ -173,7 +208,8 @@ def first_devices(cluster: Cluster, count: int) -> Cluster:
     if count == cluster.n_devices:
         return cluster
     return Cluster(f"{cluster.name}[:{count}]", cluster.devices[:count], cluster.node_of[:count],
-                   cluster.bandwidth[:count, :count], cluster.latency[:count, :count], cluster.nics_per_node)
+                   cluster.bandwidth[:count, :count], cluster.latency[:count, :count], cluster.nics_per_node,
+                   cluster.measured)
 
 
 def _device_to_json(device: DeviceSpec) -> str | dict[str, Any]:
@@ -239,7 +275,8 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}")
     # "calibration": the fits and samples `hlomap calibrate` keeps beside the cluster it measured
-    unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node", "calibration"})
+    unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node", "measured",
+                               "calibration"})
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}")
     if not isinstance(d["name"], str):
@@ -263,7 +300,10 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
     bandwidth = _matrix(d["bandwidth"], n, "bandwidth", source, diagonal=math.inf)
     latency = _matrix(d["latency"], n, "latency", source, diagonal=0.0)
     try:
-        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics)
+        measured = None if d.get("measured") is None else MeasuredCosts.from_json(d["measured"])
+        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics, measured)
+    except MeasuredCostsError as err:
+        raise ClusterSpecError(f"{source}: field {err}") from None
     except ClusterSpecError as err:
         raise ClusterSpecError(f"{source}: {err}") from None
 

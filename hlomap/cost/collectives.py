@@ -27,6 +27,11 @@ of a mesh axis), their streams add up. With one NIC per 8-GPU server, the k ring
 hierarchical all-reduce therefore move n bytes over the network in total, not n/k. Contention on
 links inside a node is not modeled (each GPU has its own NVLinks).
 
+A cluster measured by `hlomap calibrate` carries its collectives' own alpha-beta fits per kind
+and group size (`Cluster.measured`, `hlomap.cost.measured`); they replace everything above for
+that cluster (`measured_terms`): a fit already holds the algorithm, the links and their sharing.
+A collective-permute then takes the fit over the devices its pairs touch.
+
 For fixed devices every time here is affine in n: `all_reduce_terms` and
 `collective_permute_terms` return the alpha-beta terms the scalar functions evaluate, so that
 callers pricing many byte counts at once (the pipeline DP, `hlomap.cost.pipeline.links`) use the
@@ -250,6 +255,16 @@ def _all_to_all(cluster: Cluster, layout: _Layout, nbytes: float, share: float) 
     return (p - 1) * (max(inside.latency, across.latency) + block / bandwidth)
 
 
+def measured_terms(kind: Collective, cluster: Cluster, group_size: int) -> AlphaBeta | None:
+    """The terms of `kind` over `group_size` devices as the cluster's calibration measured them
+    (`hlomap.cost.measured`: the smallest measured group at least as large), or None when the
+    cluster has no such measurement and the links price it."""
+    if cluster.measured is None:
+        return None
+    fit = cluster.measured.collective(kind.value, group_size)
+    return None if fit is None else AlphaBeta(fit.latency, fit.seconds_per_byte)
+
+
 _GROUP_TIME = {
     Collective.ALL_REDUCE: _all_reduce,
     Collective.ALL_GATHER: _all_gather,
@@ -286,6 +301,9 @@ class GroupCost:
     def seconds(self, nbytes: float, load: Load) -> float:
         if nbytes < 0:
             raise ValueError(f"{self.kind.value}: nbytes must be >= 0, got {nbytes!r}")
+        fit = measured_terms(self.kind, self.cluster, self.layout.size)
+        if fit is not None:
+            return fit.seconds(float(nbytes))
         share = _nic_share(self.cluster, self.layout, load)
         return _GROUP_TIME[self.kind](self.cluster, self.layout, float(nbytes), share)
 
@@ -332,6 +350,9 @@ def all_reduce_terms(cluster: Cluster, group: Group) -> AlphaBeta:
     """The terms of `all_reduce_time(cluster, group, n)`, which is `alpha + beta * n` for every
     n >= 0 (zero terms for one device)."""
     layout = _layout(cluster, group, "all-reduce group")
+    fit = measured_terms(Collective.ALL_REDUCE, cluster, layout.size)
+    if fit is not None:
+        return fit
     load = Counter(_cross_node_streams(Collective.ALL_REDUCE, layout))
     return _all_reduce_terms(cluster, layout, _nic_share(cluster, layout, load))
 
@@ -362,6 +383,10 @@ def collective_permute_terms(cluster: Cluster, pairs: Sequence[tuple[int, int]])
                 raise ValueError(f"collective-permute pair ({src}, {dst}): device {d} out of range for "
                                  f"cluster {cluster.name!r} with {cluster.n_devices} devices")
         checked.append((int(src), int(dst)))
+    moving = [(s, d) for s, d in checked if s != d]
+    fit = measured_terms(Collective.COLLECTIVE_PERMUTE, cluster, len({x for pair in moving for x in pair}))
+    if fit is not None and moving:
+        return (fit,) * len(moving)
     node = cluster.node_of
     remote = [(s, d) for s, d in checked if node[s] != node[d]]
     out_load = Counter(node[s] for s, _ in remote)

@@ -38,7 +38,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.cluster import Cluster, load_cluster
+from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
 from hlomap.cost.compute import FREE_OPCODES, CostCache, instruction_cost
 from hlomap.cost.devices import DeviceSpec
@@ -173,10 +173,11 @@ class StepEstimate:
     collectives: tuple[CollectiveEstimate, ...]
     instructions: tuple[InstructionEstimate, ...]
     memory: MemoryEstimate
+    dispatch_seconds: float = 0.0  # launching the step's program (a measured cluster's; else 0)
 
     @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.exposed_communication_seconds
+        return self.compute_seconds + self.exposed_communication_seconds + self.dispatch_seconds
 
     @property
     def fits(self) -> bool:
@@ -215,7 +216,8 @@ class StepEstimate:
             "plan": self.plan, "mesh": dict(self.mesh), "cluster": self.cluster, "device": self.device,
             "overlap": self.overlap.value, "step_seconds": self.step_seconds,
             "compute_seconds": self.compute_seconds, "communication_seconds": self.communication_seconds,
-            "exposed_communication_seconds": self.exposed_communication_seconds, "flops": self.flops,
+            "exposed_communication_seconds": self.exposed_communication_seconds,
+            "dispatch_seconds": self.dispatch_seconds, "flops": self.flops,
             "collectives": [c.to_json() for c in self.collectives],
             "by_kind": [r._asdict() for r in self.by_kind()],
             "memory": self.memory.to_json(),
@@ -437,6 +439,8 @@ def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusio
     """Per-instruction compute and the collectives of a plan already applied to a graph, on
     `cluster` with the mesh axes mapped to devices by `mapping`."""
     device = cluster.devices[int(mapping.devices.flat[0])] if mapping.devices.size else cluster.devices[0]
+    # a mesh on some of a measured cluster's shared-hardware devices computes faster per device
+    device = sped_up(device, busy_speedup(cluster, int(mapping.devices.size)))
     kinds = {cluster.devices[int(d)].name for d in mapping.devices.flat}
     if len(kinds) > 1:
         log.warning("mesh spans devices of kinds %s; compute is costed on %s", sorted(kinds), device.name)
@@ -468,7 +472,14 @@ def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *
         plan=plan_name, mesh=tuple(sg.axes.mesh_shape.items()), cluster=cluster.name, device=device.name,
         overlap=overlap, compute_seconds=compute, communication_seconds=communication,
         exposed_communication_seconds=exposed, flops=sum(i.flops for i in instructions) + reduce_flops,
-        collectives=tuple(collectives), instructions=tuple(instructions), memory=memory)
+        collectives=tuple(collectives), instructions=tuple(instructions), memory=memory,
+        dispatch_seconds=dispatch_seconds(cluster))
+
+
+def dispatch_seconds(cluster: Cluster, programs: int = 1) -> float:
+    """The host's cost of launching `programs` programs on `cluster`: measured by a calibration
+    (`Cluster.measured`), else 0 (a datasheet cluster knows nothing of its host)."""
+    return programs * (cluster.measured.dispatch_seconds if cluster.measured is not None else 0.0)
 
 
 def estimate(cap: Capture, plan: np.ndarray, axes: MeshAxes, *, cluster: str | Cluster = "A",

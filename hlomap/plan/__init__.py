@@ -6,6 +6,8 @@ from hlomap.plan.model import PLAN_VERSION, Plan, write_atomic, write_problem
 from hlomap.plan.reference import ReferencePlan, parse_mesh_text, reference_plan, resolve_plan
 from hlomap.plan.sections import (
     GroupAssignment,
+    MeasuredCandidate,
+    Measurement,
     ParameterSpec,
     Pipeline,
     PipelineCut,
@@ -16,6 +18,7 @@ from hlomap.plan.sections import (
 )
 from hlomap.propagation.conflicts import PlanConflict
 
-__all__ = ["PLAN_VERSION", "GroupAssignment", "ParameterSpec", "Pipeline", "PipelineCut", "PipelineKind",
+__all__ = ["PLAN_VERSION", "GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec", "Pipeline",
+           "PipelineCut", "PipelineKind",
            "PipelineStage", "Placement", "Plan", "PlanConflict", "PlanError", "PlanSource", "ReferencePlan",
            "parse_mesh_text", "reference_plan", "resolve_plan", "write_atomic", "write_problem"]

@@ -16,7 +16,10 @@ JSON schema (version 1):
                          "microbatches": int, "schedule": "1f1b" | "gpipe", "cuts": [...], ...},
      "estimate": null | {...},
      "placement": null | {"devices": [int], "cluster": str, "solver": str,
-                          "step_seconds": float | null, "identity_step_seconds": float | null}}
+                          "step_seconds": float | null, "identity_step_seconds": float | null},
+     "measured": (optional) {"chosen": str, "devices": int, "platform": str, "load_average": [3 floats],
+                             "seconds": float, "candidates": [{"name", "family", "predicted_seconds",
+                             "median_seconds", "iqr_seconds", "rounds", "error"?}]}}
 
 The placement section (optional: plans written before it existed load unchanged, and readers that
 do not know it ignore it) says which physical device takes each logical position of the plan
@@ -45,7 +48,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from hlomap.plan.errors import PlanError
-from hlomap.plan.sections import GroupAssignment, ParameterSpec, Pipeline, Placement, PlanSource, spec_to_json
+from hlomap.plan.sections import (
+    GroupAssignment,
+    Measurement,
+    ParameterSpec,
+    Pipeline,
+    Placement,
+    PlanSource,
+    spec_to_json,
+)
 from hlomap.propagation.conflicts import REPLICATED, Conflict, ConflictChecker, MeshAxes, PlanConflict
 
 if TYPE_CHECKING:
@@ -76,6 +87,8 @@ class Plan:
     search: Mapping[str, Any] | None = None
     #: Which physical device takes each logical position (None: the identity order).
     placement: Placement | None = None
+    #: The candidates a measured selection timed on the present devices (None: not measured).
+    measured: Measurement | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
@@ -274,6 +287,7 @@ class Plan:
             "estimate": dict(self.estimate) if self.estimate is not None else None,
             **({"search": dict(self.search)} if self.search is not None else {}),
             "placement": self.placement.to_json() if self.placement is not None else None,
+            **({"measured": self.measured.to_json()} if self.measured is not None else {}),
         }
 
     @classmethod
@@ -293,6 +307,8 @@ class Plan:
                 search=data.get("search"),
                 placement=(None if data.get("placement") is None
                            else Placement.from_json(data["placement"], where=f"{where}: placement")),
+                measured=(None if data.get("measured") is None
+                          else Measurement.from_json(data["measured"], where=f"{where}: measured")),
             )
         except PlanError as exc:
             raise PlanError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None

@@ -25,8 +25,8 @@ from hlomap.plan.errors import PlanError
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
 
-__all__ = ["GroupAssignment", "ParameterSpec", "Pipeline", "PipelineCut", "PipelineKind", "PipelineStage",
-           "Placement", "PlanSource", "Spec", "spec_from_json", "spec_to_json"]
+__all__ = ["GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec", "Pipeline", "PipelineCut",
+           "PipelineKind", "PipelineStage", "Placement", "PlanSource", "Spec", "spec_from_json", "spec_to_json"]
 
 #: A PartitionSpec as data: per dim, None (replicated) or the mesh axes splitting it.
 Spec = tuple[tuple[str, ...] | None, ...]
@@ -438,6 +438,104 @@ class Pipeline:
                 layer_names=tuple(str(n) for n in data.get("layer_names") or ()),
                 block_profile=block_profile,
             )
+        except PlanError as err:
+            text = str(err)
+            raise PlanError(text if text.startswith(where) else f"{where}: {text}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The measured section: the candidates a measured selection timed on the present devices
+# ---------------------------------------------------------------------------------------------
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise PlanError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MeasuredCandidate:
+    """One candidate plan a measured selection considered: its name and family ("spmd",
+    "pipeline", "joint"), the cost model's step seconds, and the median and interquartile range
+    of its measured round medians (None with `error` when it failed to compile or run)."""
+
+    name: str
+    family: str
+    predicted_seconds: float | None
+    median_seconds: float | None = None
+    iqr_seconds: float | None = None
+    rounds: int = 0
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "family": self.family, "predicted_seconds": self.predicted_seconds,
+                               "median_seconds": self.median_seconds, "iqr_seconds": self.iqr_seconds,
+                               "rounds": self.rounds}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> MeasuredCandidate:
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where}: a measured candidate is an object with a 'name', got {data!r}")
+        error = data.get("error")
+        return cls(_text(data.get("name"), f"{where}: name"), _text(data.get("family", ""), f"{where}: family"),
+                   _number(data.get("predicted_seconds"), f"{where}: predicted_seconds"),
+                   _number(data.get("median_seconds"), f"{where}: median_seconds"),
+                   _number(data.get("iqr_seconds"), f"{where}: iqr_seconds"),
+                   _int(data.get("rounds", 0), f"{where}: rounds"),
+                   None if error is None else _text(error, f"{where}: error"))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A plan's `measured` section: every candidate timed (in the order they were listed), the
+    one chosen (the measured fastest), and the conditions: the devices and platform they ran
+    on, the machine's 1/5/15-minute load averages when timing ended, and the wall seconds the
+    measuring took (compiles included). Optional: plans without it load unchanged."""
+
+    candidates: tuple[MeasuredCandidate, ...]
+    chosen: str
+    devices: int
+    platform: str
+    load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.chosen not in {c.name for c in self.candidates}:
+            raise PlanError(f"the measured section chooses {self.chosen!r}, which is none of its candidates "
+                            f"({', '.join(c.name for c in self.candidates)})")
+
+    def candidate(self, name: str) -> MeasuredCandidate:
+        return next(c for c in self.candidates if c.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chosen": self.chosen, "devices": self.devices, "platform": self.platform,
+                "load_average": list(self.load_average), "seconds": self.seconds,
+                "candidates": [c.to_json() for c in self.candidates]}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "measured") -> Measurement:
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where}: expected an object with 'candidates' and 'chosen', got {data!r}")
+        candidates = data.get("candidates")
+        if not isinstance(candidates, Sequence) or isinstance(candidates, str) or not candidates:
+            raise PlanError(f"{where}: expected a non-empty 'candidates' list, got {candidates!r}")
+        load = data.get("load_average", (0.0, 0.0, 0.0))
+        if not isinstance(load, Sequence) or isinstance(load, str) or len(load) != 3:
+            raise PlanError(f"{where}: load_average is [1 min, 5 min, 15 min], got {load!r}")
+        try:
+            return cls(tuple(MeasuredCandidate.from_json(c, f"{where}: candidate {i}") for i, c in enumerate(candidates)),
+                       _text(data.get("chosen"), f"{where}: chosen"), _int(data.get("devices", 0), f"{where}: devices"),
+                       _text(data.get("platform", ""), f"{where}: platform"),
+                       tuple(_number(x, f"{where}: load_average") or 0.0 for x in load),  # type: ignore[arg-type]
+                       _number(data.get("seconds", 0.0), f"{where}: seconds") or 0.0)
         except PlanError as err:
             text = str(err)
             raise PlanError(text if text.startswith(where) else f"{where}: {text}") from None

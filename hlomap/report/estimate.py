@@ -34,8 +34,9 @@ def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> 
         f"{_plan_title(est.plan)} on mesh {{{mesh}}}, cluster {est.cluster} ({est.device}); per device:",
         f"step {human_seconds(est.step_seconds)} = compute {human_seconds(est.compute_seconds)} + exposed "
         f"communication {human_seconds(est.exposed_communication_seconds)} (of "
-        f"{human_seconds(est.communication_seconds)}; overlap assumed: {est.overlap.value}); "
-        f"{human_flops(est.flops)}",
+        f"{human_seconds(est.communication_seconds)}; overlap assumed: {est.overlap.value})"
+        + (f" + dispatch {human_seconds(est.dispatch_seconds)}" if est.dispatch_seconds else "")
+        + f"; {human_flops(est.flops)}",
         "",
         "by kind:",
     ]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 from hlomap.agents.loop import LoopProgress
 from hlomap.search.tracker import Progress
 
-__all__ = ["calibration_bar", "phase_reporter", "progress_bar", "training_bar"]
+__all__ = ["calibration_bar", "measure_bar", "phase_reporter", "progress_bar", "training_bar"]
 
 
 @contextlib.contextmanager
@@ -126,6 +126,27 @@ def calibration_bar(enabled: bool = True) -> Iterator[Callable[[Any], None] | No
 
     def update(p: Any) -> None:
         bar.update(task, total=p.total, completed=p.done, label=p.label)
+
+    with bar:
+        yield update
+
+
+@contextlib.contextmanager
+def measure_bar(enabled: bool = True, *, description: str = "measure") -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar fed by a measured selection's `on_round(done, rounds)`, on stderr;
+    yields None when disabled. Compiling the candidates comes before the first round."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+    bar = Bar(TextColumn(f"[bold]{description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rounds"),
+              TimeElapsedColumn(), console=Console(stderr=True))
+    task = bar.add_task(description, total=None)
+
+    def update(done: int, rounds: int) -> None:
+        bar.update(task, total=rounds, completed=done)
 
     with bar:
         yield update

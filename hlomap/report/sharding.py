@@ -140,4 +140,8 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
         lines.append(Text(f"estimate: step {est['step_seconds'] * 1e3:.3f} ms"
                           + (f", memory {mem.get('total', 0) / 2**30:.2f} GiB per device"
                              + ("" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")) if mem else "")))
+    if getattr(plan, "measured", None) is not None:
+        from hlomap.report.measure import format_measurement
+
+        lines.append(format_measurement(plan.measured))
     return Group(table, *lines)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 
-from hlomap.cost.pipeline.stages import Schedule
+from hlomap.cost.pipeline.stages import Schedule, default_executor
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import CutMapping
 from hlomap.run.pipeline.prepare import PipelineProgram, prepare
@@ -89,9 +89,7 @@ def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str
             raise RunError("the spmd executor needs every stage to have the same mesh and parameter specs; this "
                            "plan's stages differ, use the mpmd executor")
         return executor
-    if schedule is Schedule.ONE_F_ONE_B or not uniform:
-        return Executor.MPMD
-    return Executor.SPMD
+    return Executor(default_executor(schedule, uniform))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Microbenchmarks of the present devices: the measurements behind `hlomap calibrate`.
 
 The devices themselves are the oracle here: matmuls per dtype over a sweep of sizes and a
-memory-bound elementwise op on one device; each collective (`jax.shard_map` with `lax.psum`,
+memory-bound elementwise op, on every device at once (each on its own block: the rate a device
+achieves while the others work, as in a step); each collective (`jax.shard_map` with `lax.psum`,
 `all_gather`, `psum_scatter`, `all_to_all`, `ppermute`) over message sizes on groups of 2, 4, 8
 ... of the devices; a `jax.device_put` from one device to another (a stage-to-stage send); a
 trivial jitted call (the fixed cost of one dispatch). Every sample is the median of repeated
@@ -26,11 +27,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hlomap.cost.calibration import (
+    ALONE_SUFFIX,
     DISPATCH,
     TRANSFER,
     CalibrationError,
     ClusterCalibration,
     CommSample,
+    ExecutorSample,
     Measurement,
 )
 from hlomap.cost.collectives import Collective
@@ -55,8 +58,8 @@ class BenchPlan:
 
 #: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
 #: minute while spanning latency- and bandwidth-bound messages and the rise of the matmul curve.
-DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512, 1024), dtypes=("f32", "bf16"),
-                         memory_sizes=tuple(2**k for k in range(12, 25, 2)),
+DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512), dtypes=("f32", "bf16"),
+                         memory_sizes=tuple(2**k for k in range(12, 23, 2)),
                          message_sizes=tuple(2**k for k in range(6, 23, 2)), repeats=10, dispatch_repeats=200)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
@@ -137,15 +140,30 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     first = devices[0]
     tasks: list[tuple[str, Callable[[], Measurement | CommSample]]] = []
 
+    # Kernels run on every device at once, each on its own block (no communication): the rate a
+    # device achieves while the others work too, as in a step. Devices that share hardware (host
+    # CPU devices share the cores and the memory bus) are slower together than alone.
+    everywhere = Mesh(np.asarray(devices), ("x",))
+    blocks = NamedSharding(everywhere, PartitionSpec("x"))
+    count = len(devices)
+
     def matmul(dtype: str, n: int) -> Measurement:
         jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
-        a = jax.device_put(jnp.ones((n, n), jdtype), first)
-        f = jax.jit(jnp.dot)
-        seconds = _median_seconds(lambda: _ready(f(a, a)), plan.repeats)
+        a = jax.device_put(jnp.ones((count, n, n), jdtype), blocks)
+        f = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
+        seconds = _median_seconds(lambda: _ready(f(a)), plan.repeats)
         return Measurement(f"dot_{dtype}_{n}", "dot", dtype, 2.0 * n**3, 3.0 * n * n * _ITEMSIZE[dtype], seconds)
 
+    def matmul_alone(n: int) -> Measurement:
+        # the same f32 matmul on one device while the others idle: how much faster a device is
+        # alone than with all busy (`ClusterCalibration.solo_speedup`); not part of the curve
+        a = jax.device_put(jnp.ones((n, n), jnp.float32), first)
+        f = jax.jit(jnp.dot)
+        seconds = _median_seconds(lambda: _ready(f(a, a)), plan.repeats)
+        return Measurement(f"dot_f32_{n}{ALONE_SUFFIX}", "dot", "f32", 2.0 * n**3, 3.0 * n * n * 4, seconds, fit=False)
+
     def memory(elements: int) -> Measurement:
-        x = jax.device_put(jnp.ones((elements,), jnp.float32), first)
+        x = jax.device_put(jnp.ones((count * elements,), jnp.float32), blocks)
         f = jax.jit(lambda v: v * 2.0 + 1.0)
         seconds = _median_seconds(lambda: _ready(f(x)), plan.repeats)
         return Measurement(f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements,
@@ -173,6 +191,8 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     for dtype in plan.dtypes:
         for n in plan.matmul_sizes:
             tasks.append((f"matmul {dtype} {n}x{n}", lambda d=dtype, n=n: matmul(d, n)))
+    if "f32" in plan.dtypes and count > 1:
+        tasks.append((f"matmul f32 {max(plan.matmul_sizes)} alone", lambda: matmul_alone(max(plan.matmul_sizes))))
     for elements in plan.memory_sizes:
         tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
     tasks.append(("dispatch", dispatch))
@@ -211,11 +231,19 @@ def hlomap_version() -> str:
         return ""
 
 
+#: More samples a caller adds after the microbenchmarks (the pipeline executors' costs,
+#: `hlomap.run.calibrate.executor_tasks`): given the chosen devices, the quick flag and the timer,
+#: (label, measure) pairs whose measure returns an ExecutorSample or None (left out).
+ExtraTasks = Callable[[Sequence[Any], bool, Callable[[Callable[[], Any], int], float]],
+                      list[tuple[str, Callable[[], Any]]]]
+
+
 def measure_devices(devices: int | None = None, *, quick: bool = False, plan: BenchPlan | None = None,
-                    on_progress: Callable[[BenchProgress], None] | None = None) -> ClusterCalibration:
+                    on_progress: Callable[[BenchProgress], None] | None = None,
+                    extra_tasks: ExtraTasks | None = None) -> ClusterCalibration:
     """Time every microbenchmark on the first `devices` of JAX's devices (all when None) and
     return the samples with where and when they were taken. `plan` overrides the default (or,
-    with `quick`, the quick) sizes."""
+    with `quick`, the quick) sizes; `extra_tasks` adds the executor samples."""
     import jax
 
     available = jax.devices()
@@ -225,14 +253,21 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
                                f"({jax.default_backend()})")
     chosen = available[:count]
     bench = plan or (QUICK_PLAN if quick else DEFAULT_PLAN)
-    tasks = _tasks(bench, chosen)
+    tasks = _tasks(bench, chosen) + (extra_tasks(chosen, quick, _median_seconds) if extra_tasks else [])
     kernels: list[Measurement] = []
     comm: list[CommSample] = []
+    executors: list[ExecutorSample] = []
     start = time.perf_counter()
     for i, (label, measure) in enumerate(tasks):
         sample = measure()
-        (kernels if isinstance(sample, Measurement) else comm).append(sample)
-        log.debug("%s: %.3g s", label, sample.seconds)
+        if isinstance(sample, Measurement):
+            kernels.append(sample)
+        elif isinstance(sample, CommSample):
+            comm.append(sample)
+        elif isinstance(sample, ExecutorSample):
+            executors.append(sample)
+        if sample is not None:
+            log.debug("%s: %.3g s", label, sample.seconds)
         if on_progress is not None:
             on_progress(BenchProgress(i + 1, len(tasks), label))
     return ClusterCalibration(
@@ -240,4 +275,4 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
         memory_bytes=_memory_bytes(chosen[0], count), kernels=tuple(kernels), comm=tuple(comm),
         jax_version=jax.__version__, hlomap_version=hlomap_version(),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        wall_seconds=time.perf_counter() - start)
+        wall_seconds=time.perf_counter() - start, executors=tuple(executors))

@@ -4,8 +4,9 @@
 this module for it. The first use on a machine measures the devices (`hlomap calibrate`'s
 microbenchmarks, about half a minute on 8 CPU devices) with a one-line notice on stderr and keeps
 the cluster file in `$HLOMAP_CACHE_DIR/clusters/` (default `~/.cache/hlomap/clusters/`); later uses
-read it. The file is valid for one `LocalKey`: the backend, the device kind and count, and the
-JAX and hlomap versions: another GPU, another device count or an upgrade measures again.
+read it. The file is valid for one `LocalKey`: the backend, the device kind and count, the JAX
+and hlomap versions and the calibration's own version: another GPU, another device count or an
+upgrade measures again.
 `hlomap calibrate --local` (or `local_cluster(refresh=True)`) measures again on demand.
 
 A cache folder that cannot be written only warns: the cluster is then measured once per process.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from hlomap.cost.calibration import CLUSTER_VERSION as CALIBRATION_VERSION
 from hlomap.cost.cluster import LOCAL, Cluster, ClusterSpecError
 
 #: Where cached plans and clusters live unless $HLOMAP_CACHE_DIR says otherwise.
@@ -48,10 +50,13 @@ class LocalKey:
     n_devices: int
     jax_version: str
     hlomap_version: str
+    calibration_version: int = CALIBRATION_VERSION  # what the microbenchmarks measure, and how
 
     def file_name(self) -> str:
-        """`<backend>-<kind>-<count>-jax<version>-hlomap<version>.cluster.json`, file-system safe."""
-        raw = f"{self.backend}-{self.device_kind}-{self.n_devices}-jax{self.jax_version}-hlomap{self.hlomap_version}"
+        """`<backend>-<kind>-<count>-jax<version>-hlomap<version>-v<calibration>.cluster.json`,
+        file-system safe."""
+        raw = (f"{self.backend}-{self.device_kind}-{self.n_devices}-jax{self.jax_version}-hlomap{self.hlomap_version}"
+               f"-v{self.calibration_version}")
         return re.sub(r"[^A-Za-z0-9_.+-]+", "_", raw) + ".cluster.json"
 
     def describe(self) -> str:
@@ -97,9 +102,9 @@ Measure = Callable[[int], Any]  # device count -> ClusterCalibration
 
 
 def _measure(count: int) -> Any:
-    from hlomap.verify.devices import measure_devices
+    from hlomap.api import calibrate
 
-    return measure_devices(count)
+    return calibrate(count)[1]
 
 
 #: Clusters measured in this process for keys whose cache could not be written: measured once.

@@ -45,6 +45,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 
 __all__ = [
+    "executor_overhead",
     "CommModel",
     "CostOptions",
     "MemoryViolation",
@@ -119,6 +120,16 @@ def pipeline_latency(stage_seconds: Sequence[float], transfer_seconds: Sequence[
     closed form: every plan kind prices its stages its own way and combines them here."""
     bottleneck = max([*stage_seconds, *transfer_seconds])
     return sum(stage_seconds) + 2 * sum(transfer_seconds) + (microbatches - 1) * bottleneck, bottleneck
+
+
+def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int) -> float:
+    """Seconds per step the pipeline executor itself costs (dispatches, its loop, device_puts) on
+    a cluster that measured it (`Cluster.measured`, `hlomap.cost.measured`); 0 on a datasheet
+    cluster. Added to L: on a host that runs the executor and the devices on the same cores, the
+    executor's work does not hide behind the stages'."""
+    if cluster.measured is None:
+        return 0.0
+    return cluster.measured.executor_seconds(executor, stages, microbatches)
 
 
 def check_plan(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> None:

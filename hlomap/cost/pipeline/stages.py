@@ -6,7 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["DEFAULT_SCHEDULE", "Pass", "PipelinePlan", "Schedule", "Stage", "in_flight", "splits_batch", "stage_order"]
+__all__ = ["DEFAULT_SCHEDULE", "Pass", "PipelinePlan", "Schedule", "Stage", "default_executor", "in_flight", "splits_batch",
+           "stage_order"]
 
 
 class Schedule(enum.Enum):
@@ -27,6 +28,15 @@ class Schedule(enum.Enum):
 #: stage instead of M (Narayanan et al., Megatron-LM SC21, section 2.2.1), so it is what the explorers
 #: write and what the cost model prices; the MPMD runner executes it.
 DEFAULT_SCHEDULE = Schedule.ONE_F_ONE_B
+
+
+def default_executor(schedule: Schedule, uniform: bool, repeats: int = 1) -> str:
+    """The executor a pipeline runs on when none is asked for (`hlomap.run.Executor` values): a
+    circular pipeline (`repeats` > 1) and a GPipe pipeline whose stages are alike run on "spmd";
+    1F1B, or stages that differ, on "mpmd"."""
+    if repeats > 1:
+        return "spmd"
+    return "mpmd" if schedule is Schedule.ONE_F_ONE_B or not uniform else "spmd"
 
 
 class Pass(enum.Enum):

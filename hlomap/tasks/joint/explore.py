@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from hlomap.cost.cluster import Cluster
+from hlomap.cost.cluster import Cluster, with_busy_devices
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
@@ -195,7 +195,10 @@ def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Pipeline, *,
     simulate` shows. The plan's layers must be this cluster's layers (the planner cuts the step
     where the cluster's uniform splits cut), which holds for the cluster it was made for."""
     start = time.perf_counter()
-    model = joint_model(cap, cluster, graph=graph)
+    # priced at the rate of the devices the plan keeps busy (faster when it leaves some idle and
+    # the measured cluster's devices share hardware)
+    busy = len({d for stage in section.stages for d in stage.devices})
+    model = joint_model(cap, with_busy_devices(cluster, busy), graph=graph)
     saved = section.layer_names
     if saved and saved != model.layer_names:
         raise ValueError(f"the plan's layers ({len(saved)}) were cut for another cluster than {cluster.name} "

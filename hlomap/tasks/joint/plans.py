@@ -8,9 +8,10 @@ M microbatches (`costs.StageArrays` are per step, on one device of the stage):
   L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
 by the one pipeline closed form, `hlomap.cost.pipeline.costs.pipeline_latency` (Alpa's; fill
 and drain, then M - 1 periods of the slowest stage or link), with the stages priced by the
-sharded step. Memory per device: 4 x the stage's parameters (weights, gradients, Adam's
-moments) + the microbatches in flight (1F1B: min(S - s, M); GPipe: M) x the stage's stash per
-microbatch.
+sharded step; plus, on a measured cluster, the executor's own cost (`executor_overhead`), which
+is what makes many microbatches or stages dear on a host-bound machine. Memory per device: 4 x
+the stage's parameters (weights, gradients, Adam's moments) + the microbatches in flight
+(1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hlomap.cost.pipeline.costs import pipeline_latency
-from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
+from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency
+from hlomap.cost.pipeline.stages import PipelinePlan, Stage, default_executor, in_flight
 from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
                                       transfer_seconds)
 
@@ -68,12 +69,13 @@ class JointPlan(PipelinePlan):
 
 @dataclass(frozen=True)
 class JointCost:
-    latency: float
+    latency: float  # the pipeline's L plus the executor's own cost
     bottleneck: float
     stage_seconds: tuple[float, ...]
     transfer_seconds: tuple[float, ...]
     stage_memory: tuple[float, ...]
     device_memory: tuple[float, ...]
+    executor_seconds: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -108,4 +110,12 @@ def evaluate(model: JointModel, plan: JointPlan) -> JointCost:
             transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
                                               plan.stages[s + 1].first_device, nbytes))
     latency, bottleneck = pipeline_latency(times, transfers, m)
-    return JointCost(latency, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity))
+    overhead = executor_overhead(cluster, joint_executor(plan), n, m)
+    return JointCost(latency + overhead, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity),
+                     overhead)
+
+
+def joint_executor(plan: JointPlan) -> str:
+    """The executor the runner picks for a joint plan: stages alike (one mesh option) or not."""
+    uniform = len({stage.option for stage in plan.stages}) == 1
+    return default_executor(plan.schedule, uniform)

@@ -20,8 +20,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
 
-from hlomap.cost.cluster import Cluster
+from hlomap.cost.cluster import Cluster, busy_speedup
 from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
+from hlomap.cost.pipeline.profile import faster_profile
 from hlomap.cost.pipeline.simulator import SimulationResult
 from hlomap.plan import PipelineKind, Placement, Plan
 from hlomap.search.drivers import run_driver
@@ -158,12 +159,14 @@ def estimate_pipeline_plan(plan: Plan, cluster: Cluster, *, where: str = "plan")
     layout = problem.layout
     assert isinstance(layout, StageLayout)
     model = PipelineModel(cluster)
+    # the profile's times are the cluster's all-busy rate; a plan on fewer devices computes faster
+    profile = faster_profile(layout.profile, busy_speedup(cluster, len(set(plan.device_order()))))
     runs = []
     for devices in (plan.device_order(), plan.logical_devices()):
         if max(devices) >= cluster.n_devices:
             raise PlacementError(f"{where}: the placement uses device {max(devices)} but cluster {cluster.name!r} "
                                  f"has {cluster.n_devices} devices")
         stages = layout.plan(devices)
-        runs.append((model.simulate(layout.profile, stages), model.plan_cost(layout.profile, stages).latency))
+        runs.append((model.simulate(profile, stages), model.plan_cost(profile, stages).latency))
     (placed, placed_model), (identity, identity_model) = runs
     return PipelineEstimate(placed, identity, placed_model, identity_model)

@@ -1,0 +1,223 @@
+"""What a calibrated cluster measured beyond its roofline and link tables: the collectives as they
+ran, and the fixed cost of dispatching a program.
+
+A datasheet cluster prices a collective from its point-to-point links with a ring algorithm
+(`hlomap.cost.collectives`): 2(p-1) latencies for an all-reduce. On devices whose collectives are
+not rings over independent links (host CPU devices exchange buffers in shared memory; NCCL picks
+its own algorithms) that is far off: an 8-way all-reduce measured 0.5 ms on 8 CPU devices, where
+the ring over the measured link latency says 8 ms. A `MeasuredCosts` keeps, per collective kind
+and group size, the alpha-beta fit of the collective itself (`hlomap calibrate`), and the cost
+model uses it instead of the links wherever a cluster carries one:
+
+- a collective over g devices takes the fit of the smallest measured group >= g (the largest
+  measured group beyond it): rounding up errs towards the costlier, larger group;
+- each sample timed one dispatched program, so the dispatch is taken off its latency (inside a
+  step the collective is one instruction of a program already running);
+- `dispatch_seconds` is what launching one program costs the host: once per step for an SPMD
+  plan, once per stage program and microbatch on the mpmd pipeline executor;
+- `transfer` is a `jax.device_put` of a buffer to another device: the stage-to-stage send of the
+  mpmd executor;
+- `executors` are the pipeline executors' own costs (`hlomap.run.calibrate`), `fixed +
+  per_unit x units` seconds per step, where units are what each executor does per microbatch
+  (`executor_units`): the mpmd executor dispatches programs per stage and microbatch (S x M), the
+  spmd executor runs one loop tick per microbatch and stage of fill (M + S - 1). A `Fit` holds
+  them as latency = fixed and bandwidth = 1 / per_unit;
+- `solo_speedup` is how much faster one device computes alone than while all of the cluster's
+  devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
+  each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
+  k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster.
+
+JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
+    {"dispatch_seconds": 2.6e-05, "transfer": {"latency": 2e-04, "bandwidth": 1.1e10},
+     "collectives": [{"kind": "all-reduce", "group": 8, "latency": 4.9e-04, "bandwidth": 1.2e9}, ...],
+     "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
+     "solo_speedup": 7.9, "n_devices": 8}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+#: The collective kinds a table may hold (`hlomap.cost.collectives.Collective` values).
+COLLECTIVE_KINDS = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"})
+#: The pipeline executors (`hlomap.run.Executor` values).
+EXECUTORS = frozenset({"spmd", "mpmd"})
+
+
+def executor_units(executor: str, stages: int, microbatches: int) -> int:
+    """What an executor's cost grows with (module docstring): S x M programs per stage and
+    microbatch for mpmd, M + S - 1 loop ticks for spmd."""
+    if executor == "mpmd":
+        return stages * microbatches
+    if executor == "spmd":
+        return microbatches + stages - 1
+    raise MeasuredCostsError(f"executor {executor!r}: expected one of {sorted(EXECUTORS)}")
+
+
+class MeasuredCostsError(ValueError):
+    """A "measured" object of a cluster file that cannot be used; names the field."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """`latency + nbytes / bandwidth` seconds (bandwidth inf: a fixed cost)."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
+
+    @property
+    def seconds_per_byte(self) -> float:
+        return 0.0 if math.isinf(self.bandwidth) else 1.0 / self.bandwidth
+
+    def to_json(self) -> dict[str, Any]:
+        return {"latency": self.latency, "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth}
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Measured collectives by (kind, group size), dispatch and transfer (module docstring)."""
+
+    dispatch_seconds: float = 0.0
+    transfer: Fit | None = None
+    collectives: Mapping[tuple[str, int], Fit] = field(default_factory=dict)
+    executors: Mapping[str, Fit] = field(default_factory=dict)
+    solo_speedup: float = 1.0
+    n_devices: int = 1  # how many devices were busy when the roofline was measured
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "collectives", dict(sorted(self.collectives.items())))
+        object.__setattr__(self, "executors", dict(sorted(self.executors.items())))
+        _check(self)
+
+    def __hash__(self) -> int:
+        return hash((self.dispatch_seconds, self.transfer, tuple(self.collectives.items()),
+                     tuple(self.executors.items()), self.solo_speedup, self.n_devices))
+
+    def busy_speedup(self, busy: int) -> float:
+        """How much faster each device computes when only `busy` devices work (module docstring)."""
+        return max(1.0, min(self.solo_speedup, self.n_devices / max(1, busy)))
+
+    def executor_seconds(self, executor: str, stages: int, microbatches: int) -> float:
+        """The executor's own seconds per step for S stages and M microbatches (0 when it was not
+        measured)."""
+        fit = self.executors.get(executor)
+        return 0.0 if fit is None else fit.seconds(executor_units(executor, stages, microbatches))
+
+    def groups(self, kind: str) -> tuple[int, ...]:
+        return tuple(sorted(g for k, g in self.collectives if k == kind))
+
+    def collective(self, kind: str, group: int) -> Fit | None:
+        """The fit pricing `kind` over `group` devices (module docstring); None when the kind was
+        not measured, and a free fit for one device."""
+        if group <= 1:
+            return Fit(0.0, math.inf)
+        measured = self.groups(kind)
+        if not measured:
+            return None
+        chosen = next((g for g in measured if g >= group), measured[-1])
+        return self.collectives[kind, chosen]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dispatch_seconds": self.dispatch_seconds,
+                "transfer": None if self.transfer is None else self.transfer.to_json(),
+                "collectives": [{"kind": k, "group": g, **fit.to_json()} for (k, g), fit in self.collectives.items()],
+                "executors": {name: fit.to_json() for name, fit in self.executors.items()},
+                "solo_speedup": self.solo_speedup, "n_devices": self.n_devices}
+
+    @classmethod
+    def from_json(cls, data: Any, *, where: str = "measured") -> MeasuredCosts:
+        if not isinstance(data, Mapping):
+            raise MeasuredCostsError(f"{where}: expected an object, got {data!r}")
+        unknown = sorted(set(data) - {"dispatch_seconds", "transfer", "collectives", "executors", "solo_speedup",
+                                      "n_devices"})
+        if unknown:
+            raise MeasuredCostsError(f"{where}: unknown field(s) {unknown}")
+        transfer = data.get("transfer")
+        rows = data.get("collectives", [])
+        if not isinstance(rows, list):
+            raise MeasuredCostsError(f"{where}.collectives: expected a list, got {rows!r}")
+        table: dict[tuple[str, int], Fit] = {}
+        for i, row in enumerate(rows):
+            here = f"{where}.collectives[{i}]"
+            if not isinstance(row, Mapping) or set(row) != {"kind", "group", "latency", "bandwidth"}:
+                raise MeasuredCostsError(f"{here}: expected an object with kind, group, latency, bandwidth; got {row!r}")
+            table[str(row["kind"]), _int(row["group"], f"{here}.group")] = _fit(row, here)
+        executors = data.get("executors", {})
+        if not isinstance(executors, Mapping):
+            raise MeasuredCostsError(f"{where}.executors: expected an object, got {executors!r}")
+        try:
+            return cls(_number(data.get("dispatch_seconds", 0.0), f"{where}.dispatch_seconds"),
+                       None if transfer is None else _fit(transfer, f"{where}.transfer"), table,
+                       {str(k): _fit(v, f"{where}.executors.{k}") for k, v in executors.items()},
+                       _number(data.get("solo_speedup", 1.0), f"{where}.solo_speedup"),
+                       _int(data.get("n_devices", 1), f"{where}.n_devices"))
+        except MeasuredCostsError as err:
+            raise MeasuredCostsError(f"{where}: {err}") from None
+
+
+def measured_costs(fits: Iterable[Any], dispatch_kind: str, transfer_kind: str,
+                   executors: Mapping[str, Fit] | None = None) -> MeasuredCosts:
+    """The table of `hlomap.cost.calibration.CommFit`s: collectives with the dispatch taken off
+    their latency (never below 0), the dispatch, the transfer of the largest group measured; and
+    the executors' fits."""
+    fits = list(fits)
+    dispatch = next((f.latency for f in fits if f.kind == dispatch_kind), 0.0)
+    transfers = [f for f in fits if f.kind == transfer_kind]
+    transfer = max(transfers, key=lambda f: f.group) if transfers else None
+    table = {(f.kind, f.group): Fit(max(0.0, f.latency - dispatch), f.bandwidth)
+             for f in fits if f.kind in COLLECTIVE_KINDS}
+    return MeasuredCosts(dispatch, None if transfer is None else Fit(transfer.latency, transfer.bandwidth), table,
+                         dict(executors or {}))
+
+
+def _check(costs: MeasuredCosts) -> None:
+    if not (math.isfinite(costs.solo_speedup) and costs.solo_speedup >= 1.0):
+        raise MeasuredCostsError(f"solo_speedup = {costs.solo_speedup!r} must be finite and >= 1")
+    if costs.n_devices < 1:
+        raise MeasuredCostsError(f"n_devices = {costs.n_devices!r} must be >= 1")
+    if not (math.isfinite(costs.dispatch_seconds) and costs.dispatch_seconds >= 0):
+        raise MeasuredCostsError(f"dispatch_seconds = {costs.dispatch_seconds!r} must be finite and >= 0")
+    for (kind, group), fit in costs.collectives.items():
+        if kind not in COLLECTIVE_KINDS:
+            raise MeasuredCostsError(f"collective kind {kind!r}: expected one of {sorted(COLLECTIVE_KINDS)}")
+        if group < 2:
+            raise MeasuredCostsError(f"{kind} group {group!r} must be >= 2")
+        _check_fit(fit, f"{kind} x{group}")
+    if costs.transfer is not None:
+        _check_fit(costs.transfer, "transfer")
+    for name, fit in costs.executors.items():
+        if name not in EXECUTORS:
+            raise MeasuredCostsError(f"executor {name!r}: expected one of {sorted(EXECUTORS)}")
+        _check_fit(fit, f"{name} executor")
+
+
+def _check_fit(fit: Fit, what: str) -> None:
+    if not (math.isfinite(fit.latency) and fit.latency >= 0):
+        raise MeasuredCostsError(f"{what}: latency = {fit.latency!r} must be finite and >= 0")
+    if not fit.bandwidth > 0:
+        raise MeasuredCostsError(f"{what}: bandwidth = {fit.bandwidth!r} must be > 0")
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MeasuredCostsError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MeasuredCostsError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _fit(data: Any, where: str) -> Fit:
+    if not isinstance(data, Mapping) or not {"latency", "bandwidth"} <= set(data):
+        raise MeasuredCostsError(f"{where}: expected an object with latency and bandwidth, got {data!r}")
+    bandwidth = data["bandwidth"]
+    return Fit(_number(data["latency"], f"{where}.latency"),
+               math.inf if bandwidth is None else _number(bandwidth, f"{where}.bandwidth"))

@@ -1,0 +1,122 @@
+"""The pipeline executors' own costs, measured: what `hlomap calibrate` adds to the microbenchmarks.
+
+A pipeline step costs more than its stages' compute and transfers: the mpmd executor dispatches a
+forward and a backward program per stage and microbatch and moves every activation with a
+`jax.device_put`; the spmd executor runs one program whose loop takes a tick per microbatch and
+stage, each with a `ppermute` over the stage axis. On 8 CPU devices that is about a millisecond per
+stage and microbatch, more than a tiny model's whole step. These costs are timed here on a model
+with next to no compute (a chain of `TINY_LAYERS` 8x8 matmuls), over a few stage and microbatch
+counts, and fitted as `fixed + per_unit x units` per executor (`executor_units`): the term
+`hlomap.cost.pipeline.costs.executor_overhead` adds to a pipeline's price.
+
+It lives in `run` because it runs the executors; `hlomap.api.calibrate` calls it beside the
+device microbenchmarks of `hlomap.verify.devices`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from hlomap.cost.calibration import ExecutorSample
+from hlomap.run.errors import RunError
+
+log = logging.getLogger(__name__)
+
+#: Layers of the near-empty model: enough to cut into the largest stage count measured.
+TINY_LAYERS = 8
+TINY_WIDTH = 8
+TINY_BATCH = 64
+
+
+@dataclass(frozen=True)
+class ExecutorBench:
+    """Which (stages, microbatches) to time, and how many timed calls each sample is the median of."""
+
+    shapes: tuple[tuple[int, int], ...]
+    repeats: int
+
+
+DEFAULT_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 4), (4, 4)), repeats=10)
+QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3)
+
+
+def _tiny_step() -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """A train step of TINY_LAYERS small tanh layers (SGD): all overhead, no work."""
+    import jax.numpy as jnp
+    import optax
+
+    from hlomap.run.grad import value_and_grad
+
+    optimizer = optax.sgd(0.1)
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        h = batch
+        for i in range(TINY_LAYERS):
+            h = jnp.tanh(h @ params[f"w{i}"])
+        return jnp.mean(h**2)
+
+    def step(params: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = {f"w{i}": jnp.eye(TINY_WIDTH) for i in range(TINY_LAYERS)}
+    return step, (params, optimizer.init(params), jnp.ones((TINY_BATCH, TINY_WIDTH)))
+
+
+ExecutorTask = tuple[str, Callable[[], ExecutorSample | None]]
+
+
+def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: ExecutorBench | None = None,
+                   median_seconds: Callable[[Callable[[], Any], int], float]) -> list[ExecutorTask]:
+    """(label, measure) of each executor sample on `devices` (module docstring), for
+    `hlomap.verify.devices.measure_devices` to run after its own; a measure returns None for a
+    shape the executor refuses to run here (logged). Shapes needing more stages than devices are
+    left out. `median_seconds(call, repeats)` is the device microbenchmarks' timer."""
+    bench = bench or (QUICK_EXECUTOR_BENCH if quick else DEFAULT_EXECUTOR_BENCH)
+    count = len(devices)
+    if count < 2:
+        return []
+    prepared: dict[str, Any] = {}
+
+    def measure(executor: str, schedule: str, stages: int, microbatches: int, label: str) -> ExecutorSample | None:
+        import jax
+
+        from hlomap.run.runner import parallelize
+        from hlomap.tasks.pipeline.explore import explore_pipeline_plan
+        from hlomap.verify.timing import stateful_step
+
+        if not prepared:
+            prepared.update(_prepared_tiny_step())
+        step, cap, host = prepared["step"], prepared["cap"], prepared["host"]
+        try:
+            plan = explore_pipeline_plan(cap, cluster=f"uniform:{count}", agent="dp", stages=stages,
+                                         microbatches=microbatches, schedule=schedule)
+            parallel = parallelize(step, plan, executor=executor, devices=devices, example_args=host)
+            run = stateful_step(parallel, *parallel.place(host[0], host[1]), host[2])
+            seconds = median_seconds(lambda: jax.block_until_ready(run()), bench.repeats)
+        except (RunError, ValueError) as err:
+            log.info("calibrate: %s left out (%s)", label, err)
+            return None
+        return ExecutorSample(executor, stages, microbatches, seconds)
+
+    tasks: list[ExecutorTask] = []
+    for stages, microbatches in bench.shapes:
+        if stages > count:
+            continue
+        for executor, schedule in (("spmd", "gpipe"), ("mpmd", "1f1b")):
+            label = f"{executor} executor {stages}x{microbatches}"
+            tasks.append((label, lambda e=executor, s=schedule, n=stages, m=microbatches, lb=label: measure(e, s, n, m, lb)))
+    return tasks
+
+
+def _prepared_tiny_step() -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    from hlomap.hlo.capture import capture
+
+    step, example = _tiny_step()
+    return {"step": step, "cap": capture(step, *example), "host": jax.tree.map(np.asarray, example)}

@@ -1,0 +1,264 @@
+"""Measured selection (`hlomap.explore(..., measure=K)`, `--measure K`, auto_shard's measure=):
+the candidates of a search, the choice of the measured fastest with an injected clock and
+runnables (nothing here reads wall time), failures recorded, the plan's `measured` section and
+its JSON, and one real compile-and-time of a tiny model through auto_shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hlomap import api
+from hlomap.cli import run
+from hlomap.plan import MeasuredCandidate, Measurement, Plan, PlanError
+from hlomap.run.measure import MeasureError, MeasureSettings, measure_candidates
+from hlomap.tasks.candidates import PICK, Candidate, Family, select_candidates
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "zoo:haiku-mlp"
+
+
+class FakeClock:
+    """A clock that moves only when a fake runnable says its step took so long."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def runnable(self, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            self.now += seconds
+
+        return run
+
+
+def fake_settings(count: int, cost: Callable[[Plan], float], *, fail: Callable[[Plan], bool] = lambda plan: False,
+                  rounds: int = 4) -> tuple[MeasureSettings, FakeClock]:
+    """Settings whose runnables cost `cost(plan)` fake seconds a step (raising for `fail`)."""
+    clock = FakeClock()
+
+    def prepare(plan: Plan) -> Callable[[], None]:
+        if fail(plan):
+            raise RuntimeError("XLA could not compile this plan\nsecond line")
+        return clock.runnable(cost(plan))
+
+    return MeasureSettings(count=count, rounds=rounds, repeats=1, budget_seconds=None, clock=clock,
+                           wait=lambda out: out, prepare=prepare), clock
+
+
+def is_dp(plan: Plan) -> bool:
+    return plan.mesh_shape == {"data": 8}
+
+
+# ---------------------------------------------------------------------------------------------
+# Selecting and timing candidates: pure
+# ---------------------------------------------------------------------------------------------
+
+
+def _candidate(name: str, family: Family, seconds: float | None, axis: str = "data", size: int = 8) -> Candidate:
+    return Candidate(name, family, Plan(mesh=((axis, size),), parameters=()), seconds)
+
+
+def test_select_keeps_the_pick_and_each_familys_best_then_the_fastest_predicted() -> None:
+    found = [
+        _candidate(PICK, Family.PIPELINE, 3.0, "stage"),
+        _candidate("dp", Family.SPMD, 1.0, "data"),
+        _candidate("megatron", Family.SPMD, 2.0, "model"),
+        _candidate("joint 1 stage", Family.JOINT, 5.0, "joint"),
+        _candidate("copy of dp", Family.SPMD, 0.5, "data"),  # the same structure as dp: not distinct
+    ]
+    assert [c.name for c in select_candidates(found, 1)] == ["dp", PICK, "joint 1 stage"]  # K raised to 3
+    assert [c.name for c in select_candidates(found, 4)] == ["dp", "megatron", PICK, "joint 1 stage"]
+    with pytest.raises(ValueError, match="at least 1"):
+        select_candidates(found, 0)
+
+
+def test_measure_candidates_chooses_the_measured_fastest_and_records_a_failure() -> None:
+    found = [_candidate(PICK, Family.SPMD, 1.0, "model"), _candidate("dp", Family.SPMD, 2.0, "data"),
+             _candidate("megatron", Family.SPMD, 3.0, "other")]
+    settings, _ = fake_settings(3, lambda plan: 0.25 if is_dp(plan) else 1.0,
+                                fail=lambda plan: plan.mesh_shape == {"other": 8})
+    chosen = measure_candidates(found, settings.prepare, settings, devices=8, platform="cpu")
+    assert chosen.chosen.name == "dp" and chosen.plan.measured == chosen.measurement
+    records = {c.name: c for c in chosen.measurement.candidates}
+    assert records["dp"].median_seconds == pytest.approx(0.25) and records["dp"].rounds == 4
+    assert records[PICK].median_seconds == pytest.approx(1.0) and records[PICK].predicted_seconds == 1.0
+    assert records["megatron"].failed and records["megatron"].median_seconds is None
+    assert records["megatron"].error == "RuntimeError: XLA could not compile this plan"
+    # the fake clock ran 4 rounds of 1.25 s plus the untimed warm-up call of each
+    assert chosen.measurement.seconds == pytest.approx(4 * 1.25 + 1.25)
+
+
+def test_measure_candidates_fails_only_when_every_candidate_fails() -> None:
+    settings, _ = fake_settings(1, lambda plan: 1.0, fail=lambda plan: True)
+    with pytest.raises(MeasureError, match="no candidate plan compiled.*searched: RuntimeError"):
+        measure_candidates([_candidate(PICK, Family.SPMD, 1.0)], settings.prepare, settings, devices=8, platform="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# hlomap.explore(measure=K)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_explore_measure_returns_the_measured_best_not_the_predicted_best() -> None:
+    settings, _ = fake_settings(2, lambda plan: 0.5 if is_dp(plan) else 2.0)
+    plan = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5, measure=settings)
+    measured = plan.measured
+    assert measured is not None and measured.chosen == "dp" and is_dp(plan)
+    assert measured.devices == 8 and measured.platform == "cpu"
+    records = {c.name: c for c in measured.candidates}
+    assert set(records) == {PICK, "dp"}
+    # the cost model prefers the searched plan; the (fake) measurement prefers dp
+    assert records[PICK].predicted_seconds < records["dp"].predicted_seconds
+    assert records["dp"].median_seconds == pytest.approx(0.5) and records[PICK].median_seconds == pytest.approx(2.0)
+    assert plan.search is not None and plan.search["driver"] == "greedy"  # the search that found the pick
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).measured == measured
+
+
+def test_explore_without_measure_is_unchanged() -> None:
+    plain = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5)
+    zero = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5, measure=0)
+    assert plain.measured is None and "measured" not in plain.to_json()
+    assert zero.to_json()["parameters"] == plain.to_json()["parameters"]
+
+
+def test_explore_measure_of_a_pipeline_times_the_pick_and_the_best_spmd_plan() -> None:
+    settings, _ = fake_settings(1, lambda plan: 0.5 if plan.pipeline is not None else 2.0)
+    plan = api.explore(TINY, task="pipeline", cluster="hier:2x4", agent="dp", stages=2, measure=settings)
+    families = {c.family for c in plan.measured.candidates}
+    assert families == {"pipeline", "spmd"} and plan.measured.chosen == PICK and plan.pipeline is not None
+
+
+def test_explore_measure_needs_a_runnable_step(tmp_path: Path) -> None:
+    cap = api.load_source(TINY)
+    with pytest.raises(api.InputError, match="measuring needs a runnable step"):
+        api.explore(cap, task="opp", agent="greedy", measure=2)
+    with pytest.raises(api.InputError, match="measure = -1"):
+        api.explore(TINY, task="opp", agent="greedy", measure=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's measured section
+# ---------------------------------------------------------------------------------------------
+
+MEASUREMENT = Measurement((MeasuredCandidate("searched", "spmd", 1e-3, 2e-3, 1e-4, 5),
+                           MeasuredCandidate("dp", "spmd", 2e-3, error="RuntimeError: boom")),
+                          "searched", 8, "cpu", (1.0, 0.5, 0.25), 12.5)
+
+
+def test_the_measured_section_round_trips_and_old_plans_load_without_it() -> None:
+    old = json.loads((ROOT / "tests" / "data" / "plans" / "spmd_v1.json").read_text())
+    plan = Plan.from_json(old)
+    assert plan.measured is None and "measured" not in plan.to_json()
+    with_record = dataclasses.replace(plan, measured=MEASUREMENT)
+    again = Plan.from_json(json.loads(json.dumps(with_record.to_json())))
+    assert again.measured == MEASUREMENT and again.measured.candidate("dp").failed
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"chosen": "nobody"}, "chooses 'nobody'"),
+    ({"candidates": []}, "non-empty 'candidates'"),
+    ({"load_average": [1]}, "load_average"),
+    ({"candidates": [{"name": "searched", "median_seconds": "fast"}]}, "candidate 0: median_seconds"),
+])
+def test_a_malformed_measured_section_is_named(change: dict[str, Any], needle: str) -> None:
+    data = dataclasses.replace(Plan.from_json(json.loads((ROOT / "tests/data/plans/spmd_v1.json").read_text())),
+                               measured=MEASUREMENT).to_json()
+    data["measured"] |= change
+    with pytest.raises(PlanError, match="measured") as err:
+        Plan.from_json(data, where="p.json")
+    assert needle in str(err.value) and str(err.value).startswith("p.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_measure_on_an_hlo_file_says_it_needs_a_runnable_step(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    dump = tmp_path / "mlp.hlo"
+    assert run(["zoo", "dump", "haiku-mlp", "-o", str(dump)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "plan.json"
+    assert run(["explore", str(dump), "--measure", "2", "-q", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--measure 2" in err and "measuring needs a runnable step" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cli_help_lists_the_measure_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run(["explore", "--help"])
+    text = capsys.readouterr().out
+    assert "--measure K" in text and "--measure-rounds R" in text and "--measure-budget-seconds S" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# auto_shard
+# ---------------------------------------------------------------------------------------------
+
+
+def test_auto_shard_measures_only_where_the_plan_was_planned() -> None:
+    from hlomap.autoshard import runs_where_planned
+
+    assert runs_where_planned(["cpu"] * 8, "cpu", "cpu")
+    assert runs_where_planned(["NVIDIA H100 80GB HBM3"], "NVIDIA H100 80GB HBM3", "gpu")
+    assert not runs_where_planned(["V100-16GB"] * 8, "cpu", "cpu")
+    assert not runs_where_planned([], "cpu", "cpu")
+
+
+def test_the_cache_key_changes_with_measuring_and_keeps_unmeasured_digests() -> None:
+    from hlomap.autoshard import CacheKey
+
+    plain = CacheKey("f", (("data", 8),), "A:x", "opp", "1")
+    assert dataclasses.replace(plain, measure=0).digest() == plain.digest()
+    assert dataclasses.replace(plain, measure=3).digest() != plain.digest()
+
+
+def cpu_cluster() -> Any:
+    from hlomap.cost.cluster import hierarchical
+    from hlomap.cost.devices import DeviceSpec
+
+    return hierarchical(1, 8, device=DeviceSpec(name="cpu", peak_flops={"f32": 1e11}, hbm_bandwidth=1e10,
+                                                memory_bytes=1e10))
+
+
+def test_auto_shard_times_candidates_on_a_cluster_of_the_present_devices(tmp_path: Path) -> None:
+    """The one real compile and run: two candidates of a tiny model, two short rounds."""
+    import jax
+    import numpy as np
+
+    import hlomap
+    from hlomap import zoo
+
+    model = zoo.get("haiku-mlp")
+    step = hlomap.auto_shard(model.train_step(), mesh=8, cluster=cpu_cluster(), task="opp", agent="greedy",
+                             budget_seconds=5, cache_dir=tmp_path, progress=False,
+                             measure=MeasureSettings(count=2, rounds=2, repeats=1, budget_seconds=30))
+    params, opt_state, *rest = model.example_args(0)
+    before = jax.tree.map(np.array, params)
+    out = step(params, opt_state, *rest)
+    assert len(out) >= 2
+    measured = step.plan.measured
+    assert measured is not None and len(measured.candidates) >= 2 and measured.platform == "cpu"
+    assert all(c.median_seconds is not None and c.rounds >= 1 for c in measured.candidates if not c.failed)
+    assert step.timings.measure > 0 and step.timings.measure == measured.seconds
+    assert step.plan_file is not None and Plan.load(step.plan_file).measured == measured
+    # the user's arguments were copied for the candidates, not donated
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, before)
+
+
+def test_explore_measure_of_auto_lists_joint_plans_of_fewer_stages_and_the_spmd_plans() -> None:
+    settings, _ = fake_settings(8, lambda plan: 1.0 if plan.pipeline is not None else 3.0)
+    plan = api.explore(TINY, task="auto", cluster="hier:1x8", measure=settings)
+    names = {c.name: c.family for c in plan.measured.candidates}
+    assert names[PICK] == "joint" and "joint 1 stage" in names
+    assert {"joint", "spmd"} <= set(names.values())
+    assert plan.pipeline is not None and plan.search is not None and plan.search["task"] == "auto"
