@@ -12,7 +12,8 @@ medians, with their interquartile range). The set:
 - pipelines of 2 and 4 stages cut by the exact DP, GPipe on the spmd executor and 1F1B on the mpmd
   executor (the most microbatches up to `--microbatches` whose microbatch splits over a stage);
 - the explorer's picks on `--cluster`: opp (model=8), adp (data=8), hybrid (data=2 x model=4),
-  all with the cost reward, and the joint `auto` plan;
+  all with the cost reward, and the joint `auto` plan; none measured (`measure=0`): they are the
+  cost model's choices;
 - two random valid hybrid plans (2x4 and 4x2), drawn uniformly position by position.
 
 A plan that cannot be built for a model (no Megatron layout, a pipeline the model cannot be cut
@@ -251,10 +252,10 @@ def with_twins(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 
 def predict(cap: Any, plan: Plan, cluster: Any, executor: str) -> float:
-    """The cost model's step time of `plan` on `cluster`. `executor` ("spmd" or "mpmd") is how
-    the plan runs: the two pipeline executors cost differently, and the estimate is to take it as
-    soon as `hlomap.api.estimate` does."""
-    return float(api.estimate(cap, plan, cluster=cluster).step_seconds)
+    """The cost model's step time of `plan` on `cluster`, run by `executor` ("spmd" or "mpmd"):
+    the two pipeline executors cost differently. An SPMD plan has no executor to price."""
+    pipelined = plan.pipeline is not None
+    return float(api.estimate(cap, plan, cluster=cluster, executor=executor if pipelined else None).step_seconds)
 
 
 def prepare(model: Any, cap: Any, cluster: Any, candidate: Candidate, host_args: tuple[Any, ...],
