@@ -8,4 +8,6 @@
 - `devices`: microbenchmarks of the present devices, the samples `hlomap calibrate` fits;
 - `local`: the `local` cluster, those devices calibrated once and cached on disk;
 - `timing`: competing steps timed in interleaved rounds (medians and spread).
+- `fidelity`: predicted against measured step times of a set of plans (ranks, Spearman, the
+  picks' slowdowns), for `scripts/bench_fidelity.py`.
 """
