@@ -25,7 +25,7 @@ from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
-from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
+from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate, runs_as_spmd
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
 from hlomap.tasks.joint.task import JointSearchTask
 from hlomap.cost.pipeline.chain import PivotOptions, step_chain
@@ -128,10 +128,14 @@ def _cut(model: JointModel, layer: int) -> dict[str, Any]:
 def joint_plan(result: JointResult) -> Any:
     """The `Plan` of a joint result: no global mesh; a `pipeline` section whose stages carry
     their devices, mesh and the PartitionSpec of every parameter inside the stage, plus the
-    microbatches and schedule; the estimate (L, memory per stage) and how it was found."""
+    microbatches and schedule; the estimate (L, memory per stage) and how it was found. A result
+    of one stage and one microbatch on the first devices (`runs_as_spmd`) is an ordinary SPMD
+    plan on the stage's mesh instead: one program, without a pipeline executor's cost."""
     from hlomap.plan import Plan, PlanSource
 
     model, plan, cost = result.model, result.plan, result.cost
+    if runs_as_spmd(plan):
+        return _spmd_plan(result)
     stages = []
     for s, stage in enumerate(plan.stages):
         array, axes = model.plan_for(stage.option)
@@ -168,6 +172,25 @@ def joint_plan(result: JointResult) -> Any:
     replicated = tuple(dataclasses.replace(p, spec=(None,) * len(p.shape)) for p in parameters)
     base = Plan(mesh=(), parameters=replicated, source=PlanSource.of(model.cap))
     return dataclasses.replace(base, pipeline=Pipeline.from_json(pipeline), estimate=estimate, search=search)
+
+
+def _spmd_plan(result: JointResult) -> Any:
+    """The one-stage joint result as an SPMD plan (`joint_plan`), with its estimate and search."""
+    from hlomap.plan import Plan
+
+    model, plan, cost = result.model, result.plan, result.cost
+    array, axes = model.plan_for(plan.stages[0].option)
+    spmd = Plan.from_groups(model.cap, model.graph, array, axes, check=False)
+    best = result.best_grid
+    estimate = {"step_seconds": cost.latency, "memory": {"per_stage": list(cost.stage_memory),
+                                                         "total": max(cost.stage_memory), "fits": cost.fits},
+                "cluster": model.cluster.name}
+    search = {"task": "auto", "driver": result.driver, "seconds": round(result.seconds, 3),
+              "options": result.options, "layers": model.n_layers, "stages": 1,
+              "expert_grid_best": None if best is None else {"config": best.label,
+                                                               "step_seconds": best.cost.latency,
+                                                               "microbatches": best.plan.microbatches}}
+    return dataclasses.replace(spmd, estimate=estimate, search=search)
 
 
 def saved_joint_plan(section: Pipeline) -> JointPlan:

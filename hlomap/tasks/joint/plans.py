@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hlomap.cost.estimate import dispatch_seconds
 from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage, default_executor, in_flight
 from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
@@ -110,9 +111,23 @@ def evaluate(model: JointModel, plan: JointPlan) -> JointCost:
             transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
                                               plan.stages[s + 1].first_device, nbytes))
     latency, bottleneck = pipeline_latency(times, transfers, m)
-    overhead = executor_overhead(cluster, joint_executor(plan), n, m)
+    overhead = joint_overhead(cluster, plan)
     return JointCost(latency + overhead, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity),
                      overhead)
+
+
+def runs_as_spmd(plan: JointPlan) -> bool:
+    """A plan of one stage, one microbatch, on the cluster's first devices is an ordinary SPMD
+    plan (`joint.explore.joint_plan` writes it as one): one program, no pipeline executor."""
+    return plan.n_stages == 1 and plan.microbatches == 1 and plan.stages[0].first_device == 0
+
+
+def joint_overhead(cluster: Any, plan: JointPlan) -> float:
+    """What running `plan` costs beyond its stages on a measured cluster: one dispatch for a plan
+    that runs as SPMD, else its pipeline executor's cost."""
+    if runs_as_spmd(plan):
+        return dispatch_seconds(cluster)
+    return executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches)
 
 
 def joint_executor(plan: JointPlan) -> str:
