@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import pytest
 
 from hlomap.cost.calibration import (
@@ -152,12 +151,28 @@ def test_pipeline_simulation_adds_its_executor(cap_of) -> None:
         simulate_plan(cap, one_f_one_b, cluster=cluster, executor="spmd")
 
 
-def test_the_joint_cost_includes_its_executor(cap_of) -> None:
+def test_the_joint_cost_includes_its_executor_and_one_stage_runs_as_spmd(cap_of) -> None:
     import hlomap
+    from hlomap.cost.pipeline.stages import Schedule
+    from hlomap.tasks.joint.costs import StageOption
+    from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate, joint_executor
 
     cap = cap_of("gpt-tiny")
-    plan = hlomap.explore(cap, task="auto", cluster=_cluster())
-    sim = hlomap.estimate(cap, plan, cluster=_cluster())
-    stages, m = plan.pipeline.n_stages, plan.pipeline.microbatches
-    assert sim.executor_seconds == pytest.approx(executor_overhead(_cluster(), sim.executor, stages, m))
-    assert np.isfinite(sim.step_seconds) and sim.step_seconds > sim.executor_seconds
+    cluster = _cluster()
+    found = hlomap.api.explore_auto_detailed(cap, cluster=cluster)
+    model = found.result.model
+    half = model.n_layers // 2
+    option = StageOption(4, 4, 1)
+    two = JointPlan((JointStage.of(0, half, 0, option), JointStage.of(half, model.n_layers, 4, option)), 2,
+                    Schedule.ONE_F_ONE_B)
+    cost = evaluate(model, two)
+    assert joint_executor(two) == "mpmd"
+    assert cost.executor_seconds == pytest.approx(executor_overhead(cluster, "mpmd", 2, 2))
+    one = JointPlan((JointStage.of(0, model.n_layers, 0, StageOption(8, 8, 1)),), 1, Schedule.ONE_F_ONE_B)
+    assert evaluate(model, one).executor_seconds == pytest.approx(TABLE.dispatch_seconds)  # one program
+    # the pick of one stage and one microbatch is written as an ordinary SPMD plan on its mesh
+    if found.result.plan.n_stages == 1 and found.result.plan.microbatches == 1:
+        assert found.plan.pipeline is None and found.plan.mesh_shape
+        assert hlomap.estimate(cap, found.plan, cluster=cluster).step_seconds > 0
+    else:
+        assert found.plan.pipeline is not None
