@@ -27,7 +27,7 @@ _PUBLIC: dict[str, str] = {
     "parse_mesh": "hlomap.api",
     "StepEstimate": "hlomap.cost.estimate",
     "Cluster": "hlomap.cost.cluster",
-    "load_cluster": "hlomap.cost.cluster",
+    "load_cluster": "hlomap.api",
     "cluster_preset": "hlomap.cost.cluster",
     "parallelize": "hlomap.run",
     "value_and_grad": "hlomap.run",

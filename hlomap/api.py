@@ -238,7 +238,7 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
     space, graph) that reports and benchmarks need."""
     from hlomap.tasks.sharding.problem import explore_sharding
 
-    return explore_sharding(cap, task, parse_mesh(mesh, task), cluster, agent, budget_seconds, seed, reward,
+    return explore_sharding(cap, task, parse_mesh(mesh, task), _cluster_arg(cluster), agent, budget_seconds, seed, reward,
                             **options)
 
 
@@ -280,6 +280,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
+    cluster = _cluster_arg(cluster)
     name = str(getattr(task, "value", task))
     if name == "auto":
         if not settings.enabled:
@@ -344,7 +345,7 @@ def explore_candidates(found: Any, cap: Capture, cluster: Any) -> list[Any]:
     """Every distinct candidate plan of a finished search (`hlomap.tasks.candidates`): `found`
     is a sharding `Exploration`, a pipeline Plan or `PipelineExploration`, or a
     `JointExploration`."""
-    from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.cost.cluster import Cluster
     from hlomap.tasks import candidates
 
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -460,7 +461,7 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
         extra["overlap"] = overlap
     if fusion is not None:
         extra["fusion"] = fusion
-    return cost_estimate.estimate(cap, array, axes, cluster=cluster, axis_devices=axis_devices,
+    return cost_estimate.estimate(cap, array, axes, cluster=_cluster_arg(cluster), axis_devices=axis_devices,
                                   axis_order=axis_order, graph=graph, plan_name=name, **extra)
 
 
@@ -726,7 +727,6 @@ def resolve_cluster(cluster: Any, profile: str | None = None) -> ClusterChoice:
     """The Cluster `cluster` names (a preset, a topology string, a JSON path or a Cluster),
     with a calibration `profile`'s efficiencies applied to the devices it was measured on."""
     from hlomap.cost.calibration import CalibrationError, apply_calibration, load_calibration
-    from hlomap.cost.cluster import load_cluster
 
     loaded = load_cluster(cluster)
     if profile is None:
@@ -863,12 +863,12 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     runner's choice) prices a pipeline or joint plan on that executor."""
     import dataclasses
 
-    from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.cost.cluster import Cluster
     from hlomap.cost.pipeline.costs import executor_overhead
 
     plan = plan_or_built_in(plan) if isinstance(plan, (str, Path)) else plan
     cap = _capture_of(cap)
-    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)  # this module's: `local` too
     check_simulation_options(plan, mesh=mesh, axis_order=axis_order, where=where)
     category = plan_category(plan)
     if category not in (PlanCategory.PIPELINE, PlanCategory.JOINT) and executor is not None:
@@ -935,6 +935,7 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
     from hlomap.tasks.pipeline.explore import explore_pipeline, pipeline_plan, unsplittable_stages
 
     cap = source if isinstance(source, Capture) else None
+    cluster = load_cluster(cluster)
     if stages > cluster.n_devices:
         raise InputError(f"--stages {stages}: cluster {cluster.name} has {cluster.n_devices} devices, so at most "
                          f"{cluster.n_devices} stages")
@@ -972,7 +973,6 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
                           microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                           output: str | Path | None = None, **options: Any) -> JointExploration:
     """`explore_auto`, returning the search's result beside the plan."""
-    from hlomap.cost.cluster import load_cluster
     from hlomap.tasks.joint.explore import explore_joint, joint_plan
 
     result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
@@ -1031,7 +1031,7 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     `plan` may be a plan file's path, `cap` a SOURCE string."""
     import dataclasses
 
-    from hlomap.cost.cluster import Cluster, load_cluster
+    from hlomap.cost.cluster import Cluster
     from hlomap.tasks.placement.place import problem_from_plan
 
     if agent not in PLACEMENT_AGENTS:
@@ -1148,7 +1148,6 @@ def replan_run(report: Any, policy: str) -> Any:
 # Run and check
 # ---------------------------------------------------------------------------------------------
 
-FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 class RunPhase(enum.Enum):
@@ -1188,14 +1187,10 @@ def plan_devices(plan: Any) -> int:
 
 
 def ensure_host_devices(count: int) -> None:
-    """Let the CPU backend show `count` devices, so that a plan for 8 devices runs on a laptop.
-    Only possible before JAX initializes its backends, and harmless on GPU machines."""
-    import os
-    import sys
+    """Let the CPU backend show `count` devices (`hlomap.verify.mesh.ensure_host_devices`)."""
+    from hlomap.verify.mesh import ensure_host_devices as ensure
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if FORCE_DEVICES_FLAG not in flags and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={count}".strip()
+    ensure(count)
 
 
 def _run_source(spec: str, seed: int) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
@@ -1315,16 +1310,13 @@ def calibrate(devices: int | None = None, quick: bool = False,
     import jax
 
     from hlomap.cost.calibration import CalibrationError, calibrated_cluster
-    from hlomap.run.calibrate import executor_tasks
-    from hlomap.verify.devices import measure_devices
+    from hlomap.run.calibrate import measure_present_devices
 
     seen = jax.device_count()
     if devices is not None and devices > seen:
         raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)")
     try:
-        measured = measure_devices(devices, quick=quick, on_progress=on_progress,
-                                   extra_tasks=lambda chosen, q, timer: executor_tasks(chosen, quick=q,
-                                                                                       median_seconds=timer))
+        measured = measure_present_devices(devices, quick=quick, on_progress=on_progress)
         return calibrated_cluster(measured), measured
     except CalibrationError as err:
         raise InputError(f"calibration failed: {err}") from None
@@ -1347,14 +1339,43 @@ def save_calibration(calibration: Any, path: str | Path, *, name: str | None = N
 
 def local_cluster(refresh: bool = False) -> Any:
     """The `local` cluster (`cluster="local"`): the devices JAX sees, calibrated on first use and
-    cached on disk (`hlomap.verify.local`); `refresh` measures them again."""
-    from hlomap.verify.local import local_cluster as cached_local_cluster
+    cached on disk (`hlomap.run.local`); `refresh` measures them again. A CPU-only machine that
+    has not started JAX yet shows LOCAL_CPU_DEVICES host devices."""
+    ensure_host_devices(LOCAL_CPU_DEVICES)  # before hlomap.run imports JAX
+    from hlomap.run.local import local_cluster as cached_local_cluster
 
     return cached_local_cluster(refresh=refresh)
 
 
 def local_cluster_path() -> Path:
     """Where the `local` cluster of the devices JAX sees is cached (it may not exist yet)."""
-    from hlomap.verify.local import cached_path, present_key
+    ensure_host_devices(LOCAL_CPU_DEVICES)  # before hlomap.run imports JAX
+    from hlomap.run.local import cached_path, present_key
 
     return cached_path(present_key())
+
+
+#: Host devices a CPU-only machine shows for `local` and `hlomap calibrate` (`hlomap.run.local`).
+from hlomap.cost.cluster import LOCAL_CPU_DEVICES  # noqa: E402,F401 - re-exported for the CLI
+
+
+def is_local(cluster: Any) -> bool:
+    """Whether `cluster` names the `local` cluster (the devices JAX sees)."""
+    from hlomap.cost.cluster import LOCAL
+
+    return isinstance(cluster, str) and cluster.strip().lower() == LOCAL
+
+
+def load_cluster(spec: Any) -> Any:
+    """`hlomap.cost.cluster.load_cluster` (a preset, a topology string, a JSON path or a
+    Cluster), and `local`: the devices JAX sees, measured on first use and cached
+    (`local_cluster`). Every verb of this module resolves its `cluster` through here."""
+    from hlomap.cost.cluster import load_cluster as load
+
+    return local_cluster() if is_local(spec) else load(spec)
+
+
+def _cluster_arg(cluster: Any) -> Any:
+    """`cluster` for the layers below: `local` measured (they cannot run the devices), any
+    other spelling passed on as given (they load it, with their own errors)."""
+    return local_cluster() if is_local(cluster) else cluster

@@ -22,7 +22,7 @@ does a write that fails later (the plan in hand is still good).
 
 The cluster the search prices: the first N devices of `cluster`, N the devices the mesh spans.
 The default, "local", is the devices the step runs on, measured on first use and cached
-(`hlomap.verify.local`); a preset, a JSON file or a Cluster plans for other hardware. A step on
+(`hlomap.run.local`); a preset, a JSON file or a Cluster plans for other hardware. A step on
 8 devices of preset "A" (two servers of 8 V100s) is priced on its first server; a cluster with
 fewer than N devices is an error.
 
@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from hlomap.tasks import Task
 # Plans are cached where the `local` cluster is (unless `cache_dir` says otherwise):
 # $HLOMAP_CACHE_DIR, default ~/.cache/hlomap.
-from hlomap.verify.local import CACHE_ENV, default_cache_dir
+from hlomap.run.local import CACHE_ENV, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,8 @@ def resolve_mesh(mesh: int | tuple[tuple[str, int], ...] | None, task: Task, ava
 
 def priced_cluster(cluster: Any, devices: int) -> Any:
     """The first `devices` devices of `cluster` (module docstring)."""
-    from hlomap.cost.cluster import ClusterSpecError, first_devices, load_cluster
+    from hlomap.api import load_cluster
+    from hlomap.cost.cluster import ClusterSpecError, first_devices
 
     try:
         return first_devices(load_cluster(cluster), devices)
@@ -564,7 +565,7 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
     mesh: 8, {"data": 2, "model": 4}, "data=2,model=4", or None for every local device; for
       task "auto" and "pipeline" only the number of devices counts (the planner picks the meshes).
     cluster: what the search prices: "local" (default: the devices JAX sees, measured once and
-      cached; `hlomap.verify.local`), a preset ("A", "B", "C"), a cluster JSON file or a Cluster;
+      cached; `hlomap.run.local`), a preset ("A", "B", "C"), a cluster JSON file or a Cluster;
       its first N devices for a mesh of N devices.
     task: "opp", "adp", "hybrid", "pipeline" or "auto" (`hlomap.api.explore`).
     agent, budget_seconds, seed, **options: passed to `hlomap.api.explore`.

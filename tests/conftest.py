@@ -115,7 +115,7 @@ def local_cluster_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder for the whole session ($HLOMAP_CACHE_DIR: tests never write the user's
     ~/.cache) holding the `local` cluster of the present devices (`tests.local_cluster`), so that
     no test measures the machine. Tests of the first-use measurement pass their own folder."""
-    from hlomap.verify.local import CACHE_ENV
+    from hlomap.run.local import CACHE_ENV
     from tests.local_cluster import seed_local_cluster
 
     folder = tmp_path_factory.mktemp("hlomap-cache")

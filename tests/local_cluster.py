@@ -11,7 +11,7 @@ LOCAL_CLUSTER_FILE = Path(__file__).resolve().parent / "data" / "clusters" / "cp
 
 def seed_local_cluster(cache_dir: Path) -> Path:
     """Write the CI machine's calibration as the present devices' `local` cluster in `cache_dir`."""
-    from hlomap.verify.local import cached_path, present_key
+    from hlomap.run.local import cached_path, present_key
 
     path = cached_path(present_key(), cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)

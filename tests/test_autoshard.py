@@ -156,7 +156,8 @@ def test_a_plan_for_another_step_is_refused_by_name(example: dict[str, Any]) -> 
 def test_mesh_none_uses_every_local_device(example: dict[str, Any], tmp_path: Path) -> None:
     import jax
 
-    step = hlomap.auto_shard(mesh=None, task="opp", agent="greedy", budget_seconds=5,
+    # measure=0: the search's own plan (measured selection could pick a built-in data=8 plan)
+    step = hlomap.auto_shard(mesh=None, task="opp", agent="greedy", budget_seconds=5, measure=0,
                              cache_dir=tmp_path)(example["train_step"].__wrapped__)
     step(*example["init"](jax.random.key(0)), example["batch"])
     assert step.plan.mesh_shape == {"model": jax.local_device_count()} == {"model": 8}

@@ -493,7 +493,7 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     assert kept["n_devices"] == 2 and kept["backend"] == "cpu" and kept["jax_version"]
     kinds = {s["kind"] for s in kept["samples"]["comm"]}
     assert kinds == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "transfer",
-                     "dispatch", "launch"}
+                     "dispatch", "launch", "combined-all-reduce"}
     assert {k["dtype"] for k in kept["samples"]["kernels"] if k["kind"] == "dot"} == {"f32", "bf16"}
     # both pipeline executors timed on 2 devices (2 stages), and the costs the model uses kept
     assert {s["executor"] for s in kept["samples"]["executors"]} == {"spmd", "mpmd"}

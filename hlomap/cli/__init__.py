@@ -56,11 +56,9 @@ def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
-    if str(getattr(args, "cluster", "") or "").strip().lower() == "local":
+    if api.is_local(getattr(args, "cluster", None)):
         # before anything starts JAX: a CPU-only machine then shows the host devices `local` means
-        from hlomap.verify.local import CPU_DEVICES
-
-        api.ensure_host_devices(CPU_DEVICES)
+        api.ensure_host_devices(api.LOCAL_CPU_DEVICES)
     if os.environ.get("HLOMAP_DEBUG") == "1":
         return func(args)
     try:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from hlomap import api
 from hlomap.cli import common
-from hlomap.cost.cluster import LOCAL
-from hlomap.verify.local import CPU_DEVICES  # host devices a CPU-only machine simulates (as for `local`)
+
+#: Host devices a CPU-only machine simulates when --devices is not given (as for `local`).
+CPU_DEVICES = api.LOCAL_CPU_DEVICES
 
 DESCRIPTION = ("Measure the present devices (CPU, GPU or TPU) with microbenchmarks: matmul throughput per dtype over "
                "a sweep of sizes, memory bandwidth, each collective over message and group sizes, program dispatch "
@@ -55,7 +56,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         common.note(f"a CPU-only machine: measured {calibration.n_devices} simulated host devices "
                     "(--devices N for another count)")
     if args.local:
-        path = api.save_calibration(calibration, output, name=LOCAL)
+        path = api.save_calibration(calibration, output, name="local")
         common.say(f"wrote {path}: the `local` cluster ({cluster.n_devices} device(s)); use it with --cluster local")
         return 0
     path = api.save_calibration(calibration, output)

@@ -415,7 +415,11 @@ DISPATCH = "dispatch"
 #: A program of a chain of tiny matmuls on every device at once: its `nbytes` counts the kernels,
 #: so the fit's seconds per "byte" is the cost of launching one kernel inside a program.
 LAUNCH = "launch"
-COMM_KINDS = frozenset({c.value for c in Collective} | {TRANSFER, DISPATCH, LAUNCH})
+#: One all-reduce of many small buffers, as XLA's combiner makes of the gradients: its `nbytes`
+#: counts the buffers, so the fit's seconds per "byte" is what each buffer adds (on host CPU
+#: devices the buffers are reduced one after another; NCCL reduces them as one).
+COMBINED = "combined-all-reduce"
+COMM_KINDS = frozenset({c.value for c in Collective} | {TRANSFER, DISPATCH, LAUNCH, COMBINED})
 
 
 @dataclass(frozen=True)
@@ -677,8 +681,9 @@ class ClusterCalibration:
             if fit.kind == DISPATCH:
                 out["dispatch s"] = fit.latency
                 continue
-            if fit.kind == LAUNCH:
-                out["kernel launch s"] = 1.0 / fit.bandwidth if math.isfinite(fit.bandwidth) else 0.0
+            if fit.kind in (LAUNCH, COMBINED):
+                label = "kernel launch s" if fit.kind == LAUNCH else "combined all-reduce per buffer s"
+                out[label] = 1.0 / fit.bandwidth if math.isfinite(fit.bandwidth) else 0.0
                 continue
             out[f"{fit.kind} x{fit.group} latency s"] = fit.latency
             out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
@@ -743,11 +748,17 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     latency = np.full((n, n), link.latency if link else 0.0)
     label = name or f"calibrated-{calibration.backend}-{n}"
     fits = calibration.comm_fits
-    launch = next((f for f in fits if f.kind == LAUNCH and math.isfinite(f.bandwidth)), None)
     measured = replace(measured_costs(fits, DISPATCH, TRANSFER, calibration.executor_fits),
                        solo_speedup=solo_speedup(calibration.kernels), n_devices=n,
-                       kernel_seconds=0.0 if launch is None else 1.0 / launch.bandwidth)
+                       kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED))
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
+
+
+def _per_count(fits: Sequence[CommFit], kind: str) -> float:
+    """Seconds per counted item of a LAUNCH or COMBINED fit (whose "bytes" count kernels or
+    buffers); 0 when it was not measured."""
+    fit = next((f for f in fits if f.kind == kind and math.isfinite(f.bandwidth)), None)
+    return 0.0 if fit is None else 1.0 / fit.bandwidth
 
 
 def calibrated_cluster_json(calibration: ClusterCalibration, *, name: str | None = None) -> dict[str, Any]:

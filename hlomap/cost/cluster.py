@@ -33,7 +33,8 @@ string is named by its canonical spelling, so `load_cluster(cluster.name)` rebui
 JSON round-trips like any other cluster's.
 
 `local` names the devices JAX sees, as `hlomap calibrate` measures them: calibrated on first use
-and cached on disk (`hlomap.verify.local`).
+and cached on disk (`hlomap.run.local`), resolved by `hlomap.api.load_cluster` (measuring runs the
+devices, which the cost model does not).
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ from hlomap.cost import topology
 from hlomap.cost.devices import DeviceSpec, DeviceSpecError, device_preset
 from hlomap.cost.measured import MeasuredCosts, MeasuredCostsError
 
-#: The topology string of the calibrated present devices (`hlomap.verify.local`).
+#: The name of the calibrated present devices (`hlomap.run.local`, `hlomap.api.load_cluster`).
 LOCAL = "local"
+#: Host devices a CPU-only machine shows for `local` when JAX has not started yet: the count the
+#: examples and `hlomap run` plan for (a CPU backend shows one device unless XLA_FLAGS asks).
+LOCAL_CPU_DEVICES = 8
 
 #: Effective NVLink bandwidth between two V100s of a DGX-1-class server, bytes/s. The hybrid
 #: cube-mesh gives each V100 six NVLink2 links of 25 GB/s per direction (150 GB/s), but pairs
@@ -502,18 +506,17 @@ def _build_topology(text: str) -> Cluster:
 def load_cluster(spec: str | Path | Cluster) -> Cluster:
     """A preset name (`A`, `B`, `C`), a path to a cluster JSON file, a topology string
     (`torus:8x8x8`, `mesh:4x4`, `hier:4x8`, `random:64:SEED`, `uniform:16`; module docstring),
-    `local` (the devices JAX sees, calibrated once and cached: `hlomap.verify.local`) or a Cluster
-    (returned as is). This is what the CLI's `--cluster` option takes."""
+    or a Cluster (returned as is). `local` (the devices JAX sees, calibrated once and cached) is
+    `hlomap.api.load_cluster`'s, which every verb of the api resolves. This is what the CLI's `--cluster` option takes."""
     if isinstance(spec, Cluster):
         return spec
     text = str(spec)
     if text.upper() in AUTOMAP_SERVERS:
         return cluster_preset(text)
     if text.strip().lower() == LOCAL:
-        # measuring runs programs on the devices: that lives above the cost model
-        from hlomap.verify.local import local_cluster
-
-        return local_cluster()
+        # measuring runs programs on the devices, which only the layers above the cost model do
+        raise ClusterSpecError("cluster 'local' is the devices JAX sees, measured by the layers above the cost "
+                               "model: load it with hlomap.load_cluster('local') (hlomap.api)")
     path = Path(text)
     if not path.is_file():
         if ":" in text:

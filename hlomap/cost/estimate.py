@@ -388,10 +388,14 @@ def _bucket_gradient_sync(collectives: list[CollectiveEstimate], cluster: Cluste
                           groups: Any) -> list[CollectiveEstimate]:
     """Gradient-sync all-reduces over the same axes run as one combined all-reduce once the last
     gradient is ready (XLA's all-reduce combiner, DDP's buckets): latency is paid once, and each
-    gradient is charged its byte share of the combined time."""
+    gradient is charged its byte share of the combined time. On a measured cluster each buffer
+    after the first adds what the calibration measured (`MeasuredCosts.combined_operand_seconds`:
+    host CPU devices reduce the buffers of a combined all-reduce one after another)."""
     buckets = _gradient_buckets(collectives)
+    per_buffer = cluster.measured.combined_operand_seconds if cluster.measured is not None else 0.0
+    buffers = {axes: sum(1 for c in collectives if _bucketed(c) and c.axes == axes) for axes in buckets}
     combined = {axes: collective_time(Collective.ALL_REDUCE, cluster, groups(axes), total)
-                for axes, total in buckets.items()}
+                + per_buffer * max(0, buffers[axes] - 1) for axes, total in buckets.items()}
     return [replace(c, seconds=combined[c.axes] * c.nbytes / buckets[c.axes] if buckets[c.axes] else 0.0)
             if _bucketed(c) else c
             for c in collectives]

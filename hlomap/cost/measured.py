@@ -27,13 +27,16 @@ model uses it instead of the links wherever a cluster carries one:
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
   k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster;
 - `kernel_seconds` is what each kernel a program launches costs beyond its roofline (measured on
-  a chain of tiny matmuls): the small-kernel inefficiency that dominates small models on a host.
+  a chain of tiny matmuls): the small-kernel inefficiency that dominates small models on a host;
+- `combined_operand_seconds` is what each buffer adds to one all-reduce of many (XLA combines the
+  gradients' all-reduces into one): on host CPU devices the buffers are reduced one after
+  another, so 38 gradients cost 38 latencies, not one.
 
 JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
     {"dispatch_seconds": 2.6e-05, "transfer": {"latency": 2e-04, "bandwidth": 1.1e10},
      "collectives": [{"kind": "all-reduce", "group": 8, "latency": 4.9e-04, "bandwidth": 1.2e9}, ...],
      "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
-     "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06}
+     "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04}
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class MeasuredCosts:
     solo_speedup: float = 1.0
     n_devices: int = 1  # how many devices were busy when the roofline was measured
     kernel_seconds: float = 0.0  # launching one kernel inside a running program (all devices busy)
+    combined_operand_seconds: float = 0.0  # each buffer of a combined all-reduce adds this
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", dict(sorted(self.collectives.items())))
@@ -99,7 +103,8 @@ class MeasuredCosts:
 
     def __hash__(self) -> int:
         return hash((self.dispatch_seconds, self.transfer, tuple(self.collectives.items()),
-                     tuple(self.executors.items()), self.solo_speedup, self.n_devices, self.kernel_seconds))
+                     tuple(self.executors.items()), self.solo_speedup, self.n_devices, self.kernel_seconds,
+                     self.combined_operand_seconds))
 
     def busy_speedup(self, busy: int) -> float:
         """How much faster each device computes when only `busy` devices work (module docstring)."""
@@ -131,14 +136,14 @@ class MeasuredCosts:
                 "collectives": [{"kind": k, "group": g, **fit.to_json()} for (k, g), fit in self.collectives.items()],
                 "executors": {name: fit.to_json() for name, fit in self.executors.items()},
                 "solo_speedup": self.solo_speedup, "n_devices": self.n_devices,
-                "kernel_seconds": self.kernel_seconds}
+                "kernel_seconds": self.kernel_seconds, "combined_operand_seconds": self.combined_operand_seconds}
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "measured") -> MeasuredCosts:
         if not isinstance(data, Mapping):
             raise MeasuredCostsError(f"{where}: expected an object, got {data!r}")
         unknown = sorted(set(data) - {"dispatch_seconds", "transfer", "collectives", "executors", "solo_speedup",
-                                      "n_devices", "kernel_seconds"})
+                                      "n_devices", "kernel_seconds", "combined_operand_seconds"})
         if unknown:
             raise MeasuredCostsError(f"{where}: unknown field(s) {unknown}")
         transfer = data.get("transfer")
@@ -160,7 +165,8 @@ class MeasuredCosts:
                        {str(k): _fit(v, f"{where}.executors.{k}") for k, v in executors.items()},
                        _number(data.get("solo_speedup", 1.0), f"{where}.solo_speedup"),
                        _int(data.get("n_devices", 1), f"{where}.n_devices"),
-                       _number(data.get("kernel_seconds", 0.0), f"{where}.kernel_seconds"))
+                       _number(data.get("kernel_seconds", 0.0), f"{where}.kernel_seconds"),
+                       _number(data.get("combined_operand_seconds", 0.0), f"{where}.combined_operand_seconds"))
         except MeasuredCostsError as err:
             raise MeasuredCostsError(f"{where}: {err}") from None
 
@@ -183,8 +189,10 @@ def measured_costs(fits: Iterable[Any], dispatch_kind: str, transfer_kind: str,
 def _check(costs: MeasuredCosts) -> None:
     if not (math.isfinite(costs.solo_speedup) and costs.solo_speedup >= 1.0):
         raise MeasuredCostsError(f"solo_speedup = {costs.solo_speedup!r} must be finite and >= 1")
-    if not (math.isfinite(costs.kernel_seconds) and costs.kernel_seconds >= 0):
-        raise MeasuredCostsError(f"kernel_seconds = {costs.kernel_seconds!r} must be finite and >= 0")
+    for label in ("kernel_seconds", "combined_operand_seconds"):
+        value = getattr(costs, label)
+        if not (math.isfinite(value) and value >= 0):
+            raise MeasuredCostsError(f"{label} = {value!r} must be finite and >= 0")
     if costs.n_devices < 1:
         raise MeasuredCostsError(f"n_devices = {costs.n_devices!r} must be >= 1")
     if not (math.isfinite(costs.dispatch_seconds) and costs.dispatch_seconds >= 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hlomap.cost.calibration import DISPATCH, LAUNCH, ClusterCalibration
+from hlomap.cost.calibration import COMBINED, DISPATCH, LAUNCH, ClusterCalibration
 from hlomap.cost.cluster import Cluster
 from hlomap.report.units import human_bytes, human_flops, human_seconds
 
@@ -46,7 +46,7 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
     comm.add_column("bandwidth", justify="right")
     comm.add_column("samples", justify="right")
     for fit in calibration.comm_fits:
-        if fit.kind == LAUNCH:  # its "bytes" count kernels: shown below as a time per kernel
+        if fit.kind in (LAUNCH, COMBINED):  # their "bytes" count kernels or buffers: shown below per item
             continue
         comm.add_row(fit.kind, str(fit.group), human_seconds(fit.latency),
                      "-" if fit.kind == DISPATCH else _rate(fit.bandwidth), str(fit.samples))
@@ -57,6 +57,7 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
     measured = cluster.measured
     if measured is not None:
         overheads.add_row("kernel launch (per kernel, all devices busy)", "", human_seconds(measured.kernel_seconds))
+        overheads.add_row("combined all-reduce (per buffer)", "", human_seconds(measured.combined_operand_seconds))
         for name, fit in measured.executors.items():
             unit = "stage x microbatch" if name == "mpmd" else "tick (M + S - 1)"
             overheads.add_row(f"{name} pipeline executor (per {unit})", human_seconds(fit.latency),

@@ -120,3 +120,15 @@ def _prepared_tiny_step() -> dict[str, Any]:
 
     step, example = _tiny_step()
     return {"step": step, "cap": capture(step, *example), "host": jax.tree.map(np.asarray, example)}
+
+
+def measure_present_devices(devices: int | None = None, *, quick: bool = False,
+                            on_progress: Callable[[Any], None] | None = None) -> Any:
+    """`hlomap.verify.devices.measure_devices` on the first `devices` devices, with both
+    executors' samples after the microbenchmarks: everything `hlomap calibrate` measures."""
+    from hlomap.verify.devices import measure_devices
+
+    def extra(chosen: Sequence[Any], fast: bool, timer: Callable[[Callable[[], Any], int], float]) -> list[ExecutorTask]:
+        return executor_tasks(chosen, quick=fast, median_seconds=timer)
+
+    return measure_devices(devices, quick=quick, on_progress=on_progress, extra_tasks=extra)

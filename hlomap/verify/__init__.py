@@ -6,7 +6,6 @@
 - `shardings`: the shardings XLA's propagation chose, against the factor graph's;
 - `numerics`: the step under a plan against the unsharded step (`compare_outputs`, `run_plan`);
 - `devices`: microbenchmarks of the present devices, the samples `hlomap calibrate` fits;
-- `local`: the `local` cluster, those devices calibrated once and cached on disk;
 - `timing`: competing steps timed in interleaved rounds (medians and spread).
 - `fidelity`: predicted against measured step times of a set of plans (ranks, Spearman, the
   picks' slowdowns), for `scripts/bench_fidelity.py`.

@@ -28,6 +28,7 @@ import numpy as np
 
 from hlomap.cost.calibration import (
     ALONE_SUFFIX,
+    COMBINED,
     DISPATCH,
     LAUNCH,
     TRANSFER,
@@ -56,6 +57,7 @@ class BenchPlan:
     repeats: int
     dispatch_repeats: int
     launch_chains: tuple[int, ...] = (4, 64, 256)  # kernel-launch samples: programs of this many tiny matmuls
+    combined_buffers: tuple[int, ...] = (1, 8, 32)  # one all-reduce of this many small buffers
 
 
 #: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
@@ -65,11 +67,14 @@ DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512), dtypes=("f32", "bf16"
                          message_sizes=tuple(2**k for k in range(6, 23, 2)), repeats=10, dispatch_repeats=200)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
-                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_chains=(4, 64))
+                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_chains=(4, 64),
+                       combined_buffers=(1, 8))
 
 _ITEMSIZE = {"f32": 4, "bf16": 2}
 #: The side of the kernel-launch samples' matmuls: small enough that their compute is nothing.
 LAUNCH_SIDE = 8
+#: f32 elements per device of each buffer of the combined all-reduce samples.
+COMBINED_ELEMENTS = 1024
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     """(label, measure) of every sample, in the order they run."""
     import jax
     import jax.numpy as jnp
+    from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     first = devices[0]
@@ -199,6 +205,14 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         f = jax.jit(chain)
         return CommSample(LAUNCH, count, float(kernels), _median_seconds(lambda: _ready(f(x)), plan.repeats))
 
+    def combined(buffers: int) -> CommSample:
+        # one all-reduce of `buffers` small buffers, as XLA combines a step's gradient all-reduces
+        body = jax.shard_map(lambda *xs: tuple(lax.psum(x, "x") for x in xs), mesh=everywhere,
+                             in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"))
+        f = jax.jit(body)
+        xs = [jax.device_put(jnp.ones((count * COMBINED_ELEMENTS,), jnp.float32), blocks) for _ in range(buffers)]
+        return CommSample(COMBINED, count, float(buffers), _median_seconds(lambda: _ready(f(*xs)), plan.repeats))
+
     def dispatch() -> CommSample:
         x = jax.device_put(jnp.zeros((), jnp.float32), first)
         f = jax.jit(lambda v: v + 1.0)
@@ -214,6 +228,9 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     tasks.append(("dispatch", dispatch))
     for kernels in plan.launch_chains:
         tasks.append((f"{kernels} kernels", lambda k=kernels: launch(k)))
+    if count > 1:
+        for buffers in plan.combined_buffers:
+            tasks.append((f"all-reduce of {buffers} buffers", lambda b=buffers: combined(b)))
     for group in collective_group_sizes(len(devices)):
         for kind in Collective:
             for elements in plan.message_sizes:

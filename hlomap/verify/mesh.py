@@ -31,10 +31,24 @@ if TYPE_CHECKING:
 
     from hlomap.plan import Plan
 
-__all__ = ["DeviceError", "device_positions", "devices_at", "mesh_of", "ordered_devices", "plan_mesh"]
+__all__ = ["DeviceError", "device_positions", "devices_at", "ensure_host_devices", "mesh_of", "ordered_devices",
+           "plan_mesh"]
 
 #: What a user on a CPU does to get more devices (the count must be set before JAX starts).
 MORE_CPU_DEVICES = "set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax"
+FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def ensure_host_devices(count: int) -> None:
+    """Let the CPU backend show `count` devices, so that a plan for 8 devices runs on a laptop.
+    Only possible before JAX is imported (it reads XLA_FLAGS when its backends start), and
+    harmless on GPU machines."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if FORCE_DEVICES_FLAG not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={count}".strip()
 
 
 class DeviceError(ValueError):

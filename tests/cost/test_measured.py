@@ -176,3 +176,16 @@ def test_the_joint_cost_includes_its_executor_and_one_stage_runs_as_spmd(cap_of)
         assert hlomap.estimate(cap, found.plan, cluster=cluster).step_seconds > 0
     else:
         assert found.plan.pipeline is not None
+
+
+def test_each_buffer_of_the_combined_gradient_all_reduce_adds_its_measured_cost(cap_of) -> None:
+    import hlomap
+
+    cap = cap_of("gpt-tiny")
+    base = dataclasses.replace(TABLE, solo_speedup=1.0)
+    one = hlomap.estimate(cap, "dp", mesh={"data": 8}, cluster=_cluster(base))
+    per_buffer = hlomap.estimate(cap, "dp", mesh={"data": 8},
+                                 cluster=_cluster(dataclasses.replace(base, combined_operand_seconds=1e-3)))
+    buffers = sum(1 for c in one.collectives if c.reason.value == "gradient sync")
+    assert buffers > 10
+    assert per_buffer.communication_seconds - one.communication_seconds == pytest.approx((buffers - 1) * 1e-3)

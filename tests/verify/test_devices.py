@@ -31,6 +31,8 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
     # kernel-launch chains on every device: their "bytes" count kernels
     assert sorted(s.nbytes for s in cal.comm if s.kind == "launch") == [4.0, 64.0, 256.0]
     assert {s.group for s in cal.comm if s.kind == "launch"} == {4}
+    # one all-reduce of 1, 8 and 32 buffers: their "bytes" count buffers
+    assert sorted(s.nbytes for s in cal.comm if s.kind == "combined-all-reduce") == [1.0, 8.0, 32.0]
     groups = {(s.kind, s.group) for s in cal.comm}
     for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
         assert {(kind, 2), (kind, 4)} <= groups

@@ -1,13 +1,15 @@
 """The `local` cluster: the calibrated cluster of the devices JAX sees, cached on disk.
 
-`load_cluster("local")` (so `--cluster local`, `cluster="local"` and `auto_shard`'s default) asks
-this module for it. The first use on a machine measures the devices (`hlomap calibrate`'s
-microbenchmarks, about half a minute on 8 CPU devices) with a one-line notice on stderr and keeps
-the cluster file in `$HLOMAP_CACHE_DIR/clusters/` (default `~/.cache/hlomap/clusters/`); later uses
-read it. The file is valid for one `LocalKey`: the backend, the device kind and count, the JAX
-and hlomap versions and the calibration's own version: another GPU, another device count or an
-upgrade measures again.
-`hlomap calibrate --local` (or `local_cluster(refresh=True)`) measures again on demand.
+`hlomap.load_cluster("local")` (so `--cluster local`, `cluster="local"` and `auto_shard`'s
+default, which every verb of `hlomap.api` resolves) asks this module for it. It lives in `run`
+because measuring times the pipeline executors too (`hlomap.run.calibrate`). The first use on a
+machine measures the devices (`hlomap calibrate`'s microbenchmarks, about half a minute on 8 CPU
+devices) with a one-line notice on stderr and keeps the cluster file in
+`$HLOMAP_CACHE_DIR/clusters/` (default `~/.cache/hlomap/clusters/`); later uses read it. The
+file is valid for one `LocalKey`: the backend, the device kind and count, the JAX and hlomap
+versions and the calibration's own version: another GPU, another device count or an upgrade
+measures again. `hlomap calibrate --local` (or `local_cluster(refresh=True)`) measures again on
+demand.
 
 A cache folder that cannot be written only warns: the cluster is then measured once per process.
 A cached file that cannot be read is measured again, with a warning naming it.
@@ -25,16 +27,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hlomap.cost.calibration import CLUSTER_VERSION as CALIBRATION_VERSION
-from hlomap.cost.cluster import LOCAL, Cluster, ClusterSpecError
+from hlomap.cost.cluster import LOCAL, LOCAL_CPU_DEVICES, Cluster, ClusterSpecError
 
 #: Where cached plans and clusters live unless $HLOMAP_CACHE_DIR says otherwise.
 DEFAULT_CACHE_DIR = "~/.cache/hlomap"
 CACHE_ENV = "HLOMAP_CACHE_DIR"
 #: The folder of the cache holding calibrated clusters.
 CLUSTERS_FOLDER = "clusters"
-#: Host devices a CPU-only machine shows for `local` when JAX has not started yet: the count the
-#: examples and `hlomap run` plan for (a CPU backend shows one device unless XLA_FLAGS asks).
-CPU_DEVICES = 8
+CPU_DEVICES = LOCAL_CPU_DEVICES
 
 
 def default_cache_dir() -> Path:
@@ -66,7 +66,7 @@ class LocalKey:
 def present_key() -> LocalKey:
     """The key of the devices JAX sees now (starting JAX: on a CPU-only machine that has not
     started it yet, with `CPU_DEVICES` host devices)."""
-    from hlomap.api import ensure_host_devices
+    from hlomap.verify.mesh import ensure_host_devices
 
     ensure_host_devices(CPU_DEVICES)
     import jax
@@ -102,9 +102,9 @@ Measure = Callable[[int], Any]  # device count -> ClusterCalibration
 
 
 def _measure(count: int) -> Any:
-    from hlomap.api import calibrate
+    from hlomap.run.calibrate import measure_present_devices
 
-    return calibrate(count)[1]
+    return measure_present_devices(count)
 
 
 #: Clusters measured in this process for keys whose cache could not be written: measured once.

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hlomap.cost.cluster import LOCAL, Cluster, load_cluster
-from hlomap.verify import local
-from hlomap.verify.local import LocalKey, cached_path, local_cluster, present_key
+from hlomap.api import load_cluster
+from hlomap.cost.cluster import LOCAL, Cluster, ClusterSpecError
+from hlomap.cost.cluster import load_cluster as load_datasheet_cluster
+from hlomap.run import local
+from hlomap.run.local import LocalKey, cached_path, local_cluster, present_key
 from tests.cost.test_calibration_cluster import _calibration
 
 KEY = LocalKey("cpu", "cpu", 4, "0.0", "0.1.0")
@@ -84,6 +86,12 @@ def test_load_cluster_local_is_the_present_devices() -> None:
     cluster = load_cluster("local")
     assert cluster.name == LOCAL and cluster.n_devices == present_key().n_devices == 8
     assert load_cluster(" LOCAL ") == cluster
+    import hlomap
+
+    assert hlomap.load_cluster is load_cluster  # the public name measures too
+    # the cost model cannot run the devices: it names where `local` is loaded
+    with pytest.raises(ClusterSpecError, match=r"hlomap.load_cluster\('local'\)"):
+        load_datasheet_cluster("local")
 
 
 def test_cli_local_cluster(capsys) -> None:
