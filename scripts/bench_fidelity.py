@@ -195,8 +195,12 @@ def pick_candidates(cap: Any, cluster: Any, agent: str, budget_seconds: float, s
             out.append(Skipped(f"{task} pick {mesh_text(mesh)}", reason_of(err)))
     try:
         plan = api.explore(cap, task="auto", cluster=cluster)
-        stages = plan.pipeline.stages
-        note = f"{len(stages)} stage{'s' if len(stages) > 1 else ''}, devices {'+'.join(str(len(s.devices)) for s in stages)}"
+        if plan.pipeline is None:  # one stage, one microbatch: written as an SPMD plan
+            note = f"1 stage, mesh {mesh_text(plan.mesh_shape)}"
+        else:
+            stages = plan.pipeline.stages
+            note = (f"{len(stages)} stage{'s' if len(stages) > 1 else ''}, "
+                    f"devices {'+'.join(str(len(s.devices)) for s in stages)}")
         out.append(Candidate("auto pick", "pick", plan, pick=True, note=note))
     except Exception as err:
         out.append(Skipped("auto pick", reason_of(err)))

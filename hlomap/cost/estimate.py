@@ -392,20 +392,39 @@ def _bucket_gradient_sync(collectives: list[CollectiveEstimate], cluster: Cluste
     after the first adds what the calibration measured (`MeasuredCosts.combined_operand_seconds`:
     host CPU devices reduce the buffers of a combined all-reduce one after another)."""
     buckets = _gradient_buckets(collectives)
-    per_buffer = cluster.measured.combined_operand_seconds if cluster.measured is not None else 0.0
     buffers = {axes: sum(1 for c in collectives if _bucketed(c) and c.axes == axes) for axes in buckets}
     combined = {axes: collective_time(Collective.ALL_REDUCE, cluster, groups(axes), total)
-                + per_buffer * max(0, buffers[axes] - 1) for axes, total in buckets.items()}
+                + per_buffer_seconds(cluster, _group_size(groups(axes))) * max(0, buffers[axes] - 1)
+                for axes, total in buckets.items()}
     return [replace(c, seconds=combined[c.axes] * c.nbytes / buckets[c.axes] if buckets[c.axes] else 0.0)
             if _bucketed(c) else c
             for c in collectives]
+
+
+def _group_size(groups: Any) -> int:
+    return max((len(list(g)) for g in groups), default=1)
+
+
+def per_buffer_seconds(cluster: Cluster, group_size: int) -> float:
+    """What each buffer after the first adds to a combined all-reduce over `group_size` devices: a
+    measured cluster's per-buffer cost (timed over all its devices), scaled by the all-reduce
+    latency of this group size against that of all devices (a buffer is reduced as a small
+    all-reduce of its own); 0 on a datasheet cluster."""
+    measured = cluster.measured
+    if measured is None or measured.combined_operand_seconds == 0 or group_size <= 1:
+        return 0.0
+    here, full = measured.collective("all-reduce", group_size), measured.collective("all-reduce", measured.n_devices)
+    if here is None or full is None or full.latency <= 0:
+        return measured.combined_operand_seconds
+    return measured.combined_operand_seconds * min(1.0, here.latency / full.latency)
 
 
 def communication_terms(collectives: Sequence[CollectiveEstimate]) -> tuple[CommunicationTerm, ...]:
     """The step's collectives as the estimate prices them, merged: each combined gradient
     all-reduce once, and equal collectives (kind, axes, bytes) as one term with their counts
     summed. On any device mapping, the estimate's communication time is the sum over these of
-    `count * collective_time(kind, cluster, mapping.groups(axes), nbytes)` (up to rounding), which
+    `count * collective_time(kind, cluster, mapping.groups(axes), nbytes)` (up to rounding; a
+    measured cluster adds `per_buffer_seconds` per extra buffer of a combined all-reduce), which
     is what a device-placement search re-prices without re-estimating the step."""
     counts: dict[tuple[Collective, tuple[str, ...], float], int] = {}
     for c in collectives:

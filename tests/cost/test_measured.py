@@ -135,7 +135,7 @@ def test_pipeline_simulation_adds_its_executor(cap_of) -> None:
     import hlomap
     from hlomap.api import InputError, simulate_plan
 
-    cap = cap_of("gpt-tiny")
+    cap = cap_of("haiku-mlp")
     cluster = _cluster()
     plan = hlomap.explore(cap, task="pipeline", cluster=cluster, agent="dp", stages=2, microbatches=2,
                           schedule="gpipe")
@@ -157,7 +157,7 @@ def test_the_joint_cost_includes_its_executor_and_one_stage_runs_as_spmd(cap_of)
     from hlomap.tasks.joint.costs import StageOption
     from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate, joint_executor
 
-    cap = cap_of("gpt-tiny")
+    cap = cap_of("haiku-mlp")
     cluster = _cluster()
     found = hlomap.api.explore_auto_detailed(cap, cluster=cluster)
     model = found.result.model
@@ -189,3 +189,13 @@ def test_each_buffer_of_the_combined_gradient_all_reduce_adds_its_measured_cost(
     buffers = sum(1 for c in one.collectives if c.reason.value == "gradient sync")
     assert buffers > 10
     assert per_buffer.communication_seconds - one.communication_seconds == pytest.approx((buffers - 1) * 1e-3)
+
+
+def test_the_per_buffer_cost_scales_with_the_groups_all_reduce_latency() -> None:
+    from hlomap.cost.estimate import per_buffer_seconds
+
+    cluster = _cluster(dataclasses.replace(TABLE, combined_operand_seconds=300e-6))
+    assert per_buffer_seconds(cluster, 8) == pytest.approx(300e-6)
+    assert per_buffer_seconds(cluster, 2) == pytest.approx(300e-6 * 100e-6 / 400e-6)  # the 2-device latency
+    assert per_buffer_seconds(cluster, 1) == 0.0
+    assert per_buffer_seconds(_cluster(None), 8) == 0.0
