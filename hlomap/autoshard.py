@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from hlomap.tasks import Task
 # Plans are cached where the `local` cluster is (unless `cache_dir` says otherwise):
 # $HLOMAP_CACHE_DIR, default ~/.cache/hlomap.
-from hlomap.run.local import CACHE_ENV, default_cache_dir
+from hlomap.run.local import CACHE_ENV, default_cache_dir, folder_problem
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +177,7 @@ def load_cached(path: Path, cap: Any) -> Any:
 
 def cache_dir_problem(directory: Path) -> str | None:
     """Why plans cannot be cached in `directory` (created if missing), or None when they can."""
-    from hlomap.plan import write_problem
-
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        return err.strerror or str(err)
-    return write_problem(directory)
+    return folder_problem(directory)
 
 
 def usable_cache_dir(cache_dir: str | os.PathLike[str] | None, cache: bool) -> Path | None:

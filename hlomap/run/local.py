@@ -116,7 +116,7 @@ def local_cluster(*, refresh: bool = False, cache_dir: Path | None = None, measu
     """The calibrated cluster of the devices JAX sees (module docstring). `measure` and `key` are
     the devices' microbenchmarks and identity (tests inject both)."""
     from hlomap.cost.calibration import calibrated_cluster_json
-    from hlomap.plan import write_atomic, write_problem
+    from hlomap.plan import write_atomic
 
     key = key or present_key()
     path = cached_path(key, cache_dir)
@@ -127,7 +127,7 @@ def local_cluster(*, refresh: bool = False, cache_dir: Path | None = None, measu
     on_notice(f"measuring the {key.describe()} for cluster 'local' (once; cached in {path.parent})")
     data = calibrated_cluster_json(measure(key.n_devices), name=LOCAL)
     cluster = Cluster.from_json(data, source="local calibration")
-    problem = _folder_problem(path.parent) or write_problem(path.parent)
+    problem = folder_problem(path.parent)
     if problem is None:
         write_atomic(path, json.dumps(data, indent=1) + "\n")
     else:
@@ -137,9 +137,13 @@ def local_cluster(*, refresh: bool = False, cache_dir: Path | None = None, measu
     return cluster
 
 
-def _folder_problem(folder: Path) -> str | None:
+def folder_problem(folder: Path) -> str | None:
+    """Why files cannot be cached in `folder` (created if missing), or None when they can: the
+    one check of the cache folder, for clusters here and for `auto_shard`'s plans."""
+    from hlomap.plan import write_problem
+
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         return err.strerror or str(err)
-    return None
+    return write_problem(folder)
