@@ -9,9 +9,6 @@ from pathlib import Path
 from hlomap import api
 from hlomap.cli import common
 
-#: Host devices a CPU-only machine simulates when --devices is not given (as for `local`).
-CPU_DEVICES = api.LOCAL_CPU_DEVICES
-
 DESCRIPTION = ("Measure the present devices (CPU, GPU or TPU) with microbenchmarks: matmul throughput per dtype over "
                "a sweep of sizes, memory bandwidth, each collective over message and group sizes, program dispatch "
                "and device-to-device transfers; fit latency, bandwidth and efficiency, and write an ordinary cluster "
@@ -28,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=common.positive_int, default=None, metavar="N",
                    help="measure the first N devices (default: every device JAX sees; a CPU-only machine simulates "
-                        f"N host devices, {CPU_DEVICES} by default)")
+                        f"N host devices, {api.LOCAL_CPU_DEVICES} by default)")
     p.add_argument("-o", "--output", type=Path, default=Path("cluster.json"), metavar="FILE.json",
                    help="the cluster file to write (default cluster.json)")
     p.add_argument("--local", action="store_true",
@@ -41,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # before anything imports JAX (the reports below do): a CPU-only machine then shows N devices
     # (harmless elsewhere: the flag only sizes the host platform)
-    api.ensure_host_devices(args.devices or CPU_DEVICES)
+    api.ensure_host_devices(args.devices or api.LOCAL_CPU_DEVICES)
     from hlomap.report.calibration import format_calibration
     from hlomap.report.progress import calibration_bar
 

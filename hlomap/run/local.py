@@ -34,7 +34,6 @@ DEFAULT_CACHE_DIR = "~/.cache/hlomap"
 CACHE_ENV = "HLOMAP_CACHE_DIR"
 #: The folder of the cache holding calibrated clusters.
 CLUSTERS_FOLDER = "clusters"
-CPU_DEVICES = LOCAL_CPU_DEVICES
 
 
 def default_cache_dir() -> Path:
@@ -65,10 +64,10 @@ class LocalKey:
 
 def present_key() -> LocalKey:
     """The key of the devices JAX sees now (starting JAX: on a CPU-only machine that has not
-    started it yet, with `CPU_DEVICES` host devices)."""
+    started it yet, with `LOCAL_CPU_DEVICES` host devices)."""
     from hlomap.verify.mesh import ensure_host_devices
 
-    ensure_host_devices(CPU_DEVICES)
+    ensure_host_devices(LOCAL_CPU_DEVICES)
     import jax
 
     from hlomap.verify.devices import hlomap_version
