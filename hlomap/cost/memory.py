@@ -9,8 +9,12 @@ simulated in the module's program order (the HLO text's order, a topological ord
 each value close to its uses), except that the forward ops only the outputs read (the loss) run
 with the forward pass (`outputs_early`): a buffer is allocated when its instruction runs and freed
 after its last use; each top-level element of a tuple-shaped result is its own buffer; tuple,
-get-tuple-element, bitcast and reshape alias their operands instead of allocating. A `call` (or
-while, conditional) adds its callee's own peak while it runs.
+get-tuple-element, bitcast and reshape alias their operands instead of allocating, and so does a
+transpose whose layout keeps its operand's byte order (XLA makes it a bitcast). A `call` (or
+while, conditional) adds its callee's own peak while it runs; a call is read as XLA's call inliner
+leaves it: a result element the callee builds from constants only is no buffer, and an operand the
+callee never reads is not a use (JAX's nested jits, such as `jnp.where`, return and take such
+residuals).
 
 Assumptions, each what a training loop does and what `hlomap.verify.xla` compiles:
 - donation: the trainable parameters and optimizer state are donated, so their updated values are
@@ -287,6 +291,7 @@ def _simulate(ctx: _Context, instance: int, cache: dict[int, float]) -> _Peak:
     instructions = (outputs_early(comp.instructions, comp.root.name, phase_of) if instance == 0
                     else comp.instructions)
     users = _users(instructions)
+    by_name = {inst.name: inst for inst in instructions}
 
     # Each top-level element of a tuple-shaped result is its own buffer, freed after the last
     # read of that element, as XLA's buffer assignment does: a call's residual for the backward
@@ -306,30 +311,38 @@ def _simulate(ctx: _Context, instance: int, cache: dict[int, float]) -> _Peak:
         return flat[name]
 
     for i, inst in enumerate(instructions):
+        inlined = _inlined_call(ctx, instance, inst) if inst.opcode == "call" else None
         if inst.opcode == "get-tuple-element":
             parts = elements.get(inst.operands[0], ())
             k = inst.tuple_index
             elements[inst.name] = (parts[k],) if k is not None and k < len(parts) else (owners(inst.operands[0]),)
         elif inst.opcode == "tuple":
             elements[inst.name] = tuple(owners(o) for o in inst.operands)
-        elif inst.opcode in ALIASING_OPCODES or _fused_away(inst, users[inst.name], ctx.fusion):
+        elif (inst.opcode in ALIASING_OPCODES or _fused_away(inst, users[inst.name], ctx.fusion)
+              or is_layout_bitcast(inst, by_name.get(inst.operands[0]) if inst.operands else None)):
             # views alias their operands (a one-operand view keeps its operand's elements); a fused
             # producer is recomputed where its consumers run, so its operands live until then
             elements[inst.name] = (elements.get(inst.operands[0], ()) if len(inst.operands) == 1
-                                   and inst.opcode in ALIASING_OPCODES
+                                   and (inst.opcode in ALIASING_OPCODES or inst.opcode == "transpose")
                                    else (tuple(dict.fromkeys(b for o in inst.operands for b in owners(o))),))
         elif inst.opcode in NO_BUFFER_OPCODES:
             elements[inst.name] = ()
         else:
             parts = _element_bytes(sg, index[inst.name], inst)
             names = (inst.name,) if len(parts) == 1 else tuple(f"{inst.name}{{{k}}}" for k in range(len(parts)))
-            elements[inst.name] = tuple((b,) for b in names)
+            constant = inlined.constant_elements if inlined is not None else frozenset()
+            elements[inst.name] = tuple(() if k in constant else (b,) for k, b in enumerate(names))
+            names = tuple(b for k, b in enumerate(names) if k not in constant)
+            parts = tuple(nbytes for k, nbytes in enumerate(parts) if k not in constant)
             own[inst.name] = names
             kind = Category.GRADIENT if (instance, inst.name) in ctx.sync_bytes else Category.ACTIVATION
             for b, nbytes in zip(names, parts):
                 size[b], category[b], phase[b], last_use[b] = nbytes, kind, phase_of(inst), i
         reader = phase_of(inst)
-        for o in inst.operands:
+        unread = inlined.unread_operands if inlined is not None else frozenset()
+        for k, o in enumerate(inst.operands):
+            if k in unread:
+                continue
             for b in owners(o):
                 last_use[b] = max(last_use.get(b, -1), i)
                 # a backward value the optimizer update reads (through views and fusions) is a gradient
@@ -398,6 +411,50 @@ def _simulate(ctx: _Context, instance: int, cache: dict[int, float]) -> _Peak:
                 live.remove(b)
                 live_by_kind[kind_of[b]] -= size[b]
     return _Peak(best[0], dict(zip(kinds, best[1])), best[2], dict(zip(kinds, most)))
+
+
+def is_layout_bitcast(inst: Instruction, operand: Instruction | None) -> bool:
+    """A transpose whose result layout lists its operand's bytes in the same order (the layouts
+    permute with the dims): XLA's simplifier makes it a bitcast, a view of the operand. JAX emits
+    one for a tied embedding read as `x @ E.T`."""
+    if inst.opcode != "transpose" or operand is None or inst.shape.is_tuple or operand.shape.is_tuple:
+        return False
+    result_order, operand_order = inst.shape.minor_to_major, operand.shape.minor_to_major
+    permutation = inst.dimensions
+    if not result_order or operand_order is None or len(permutation) != len(result_order):
+        return False
+    return tuple(permutation[d] for d in result_order) == tuple(operand_order)
+
+
+@dataclass(frozen=True)
+class _InlinedCall:
+    """What a `call` is once XLA has inlined it (its call inliner runs before buffer assignment):
+    result elements the callee computes from constants only (a zero broadcast JAX's nested jits
+    return as a residual) are never buffers (rematerialized where read, or dead), and operands the
+    callee never reads are not uses (they do not keep a value alive until the call runs)."""
+
+    constant_elements: frozenset[int]
+    unread_operands: frozenset[int]
+
+
+def _inlined_call(ctx: _Context, instance: int, inst: Instruction) -> _InlinedCall | None:
+    children = ctx.children.get((instance, inst.name), ())
+    if len(children) != 1:
+        return None
+    g = ctx.sg.graph
+    child = children[0]
+    callee = g.module.computation(g.instances[child].computation)
+    index = ctx.sg.instance_index(child)
+    root = callee.root
+    constant: set[int] = set()
+    if root.opcode == "tuple" and inst.shape.is_tuple:
+        for k, operand in enumerate(root.operands):
+            tensors = g.result_tensors(index[operand])
+            if tensors and all(bool(g.tensor_free[t]) for t in tensors):
+                constant.add(k)
+    read = {o for i in callee.instructions for o in i.operands}
+    unread = {k for k, p in enumerate(callee.parameters) if p.name not in read and not p.is_root}
+    return _InlinedCall(frozenset(constant), frozenset(unread))
 
 
 def _element_bytes(sg: ShardedGraph, node: int, inst: Instruction) -> tuple[float, ...]:
