@@ -29,7 +29,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_time, collective_time
-from hlomap.cost.estimate import Reason, step_work
+from hlomap.cost.estimate import Reason, per_buffer_seconds, step_work
 from hlomap.cost.mapping import axis_devices
 from hlomap.cost.sharding import ShardedGraph
 from hlomap.hlo.capture import Capture, Role
@@ -113,7 +113,10 @@ class StageArrays(NamedTuple):
     optimizer update's seconds; grads: bytes of parameter gradients the `data` axis all-reduces;
     params: parameter bytes on the device; stash: activation bytes kept for the backward pass.
     crossing[k]: bytes of the cut after layer k on one device (k < n_layers - 1).
-    sync_alpha/sync_beta: the gradient all-reduce over the option's data groups, affine in bytes.
+    sync_alpha/sync_beta: the gradient all-reduce over the option's data groups, affine in bytes;
+    buffers: how many gradient buffers it combines, and sync_per_buffer what each after the first
+    adds (`hlomap.cost.estimate.per_buffer_seconds`, 0 on a datasheet cluster): the SPMD estimate's
+    combined all-reduce, so a one-stage plan costs what the same SPMD plan does.
     """
 
     compute: np.ndarray
@@ -128,6 +131,8 @@ class StageArrays(NamedTuple):
     sync_beta: float
     plan: np.ndarray  # the plan array over the graph's groups
     axes: MeshAxes
+    buffers: np.ndarray
+    sync_per_buffer: float = 0.0
 
 
 @dataclass(eq=False)
@@ -207,12 +212,13 @@ class JointModel:
                 update_total += inst.seconds
             elif p >= 0:
                 compute[p] += inst.seconds
-        alpha, beta, grads = np.zeros(n), np.zeros(n), np.zeros(n)
+        alpha, beta, grads, buffers = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         for c in work.collectives:
             p = where.get((c.computation, c.instruction), -1)
             p = p if p >= 0 else n - 1  # the loss's or the update's collectives: the last stage's
             if c.reason is Reason.GRADIENT_SYNC:
                 grads[p] += c.nbytes * c.count
+                buffers[p] += 1  # one buffer of the combined all-reduce, as the SPMD estimate counts
                 continue
             groups = mapping.groups(c.axes if len(c.axes) > 1 else c.axes[0])
             empty = collective_time(c.kind, self.cluster, groups, 0.0)
@@ -228,8 +234,9 @@ class JointModel:
         bounds = self.boundaries
         layer = lambda values: np.concatenate([[0.0], np.cumsum(np.add.reduceat(values, bounds[:-1]))])  # noqa: E731
         cut = crossing[np.asarray(self.pivots, dtype=np.int64)] if self.pivots else np.zeros(0)
+        per_buffer = per_buffer_seconds(self.cluster, option.data) if option.data > 1 else 0.0
         return StageArrays(layer(compute), layer(alpha), layer(beta), layer(update), layer(grads), layer(params),
-                           layer(stash), cut, zero, slope, plan, axes)
+                           layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer)
 
     def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
         """Per chain position: parameter and stash bytes on one device; and every crossing

@@ -86,7 +86,8 @@ class JointCost:
 def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int) -> Any:
     """Per-microbatch time of layers [i, j) under the option of `a` (scalars or arrays)."""
     grads = a.grads[j] - a.grads[i]
-    sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads, 0.0)
+    extra_buffers = np.maximum(a.buffers[j] - a.buffers[i] - 1, 0)
+    sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
     per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + sync + (a.update[j] - a.update[i])
     return per_step / microbatches + (a.alpha[j] - a.alpha[i])
 

@@ -140,3 +140,23 @@ def test_joint_plans_are_priced_by_the_one_pipeline_formula(gpt_tiny, monkeypatc
     again = evaluate(model, plan)
     assert (again.latency, again.bottleneck) == (1.0, 0.5)
     assert seen == [(cost.stage_seconds, cost.transfer_seconds, plan.microbatches)]
+
+
+@pytest.mark.parametrize("data, tp", [(8, 1), (2, 4)])
+def test_a_one_stage_plan_costs_the_spmd_estimate_on_a_measured_cluster(gpt_tiny, data: int, tp: int) -> None:
+    """On a calibrated cluster (8 CPU devices, measured collectives, dispatch, kernel launches and
+    the combined all-reduce's per-buffer cost), a one-stage one-microbatch joint plan is the SPMD
+    plan on the same mesh: the joint model prices it as the SPMD estimate does, so `task="auto"`
+    and the sharding tasks compare like with like."""
+    from hlomap.api import estimate
+    from hlomap.cost.cluster import load_cluster
+    from tests.local_cluster import LOCAL_CLUSTER_FILE
+
+    cluster = load_cluster(str(LOCAL_CLUSTER_FILE))
+    assert cluster.measured is not None and cluster.measured.combined_operand_seconds > 0
+    model = _model(gpt_tiny, cluster)
+    option = StageOption(8, data, tp)
+    one = JointPlan((JointStage.of(0, model.n_layers, 0, option),), 1)
+    mesh = {"data": data, "model": tp} if tp > 1 else {"data": data}
+    est = estimate(gpt_tiny, "dp+megatron" if tp > 1 else "dp", mesh=mesh, cluster=cluster, graph=model.graph)
+    assert evaluate(model, one).latency == pytest.approx(est.step_seconds, rel=0.01)
