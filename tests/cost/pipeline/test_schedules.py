@@ -138,3 +138,26 @@ def test_the_mpmd_executor_runs_every_schedule_but_uniform_gpipe(schedule):
     expected = "spmd" if schedule is Schedule.GPIPE else "mpmd"
     assert default_executor(schedule, uniform=True) == expected
     assert default_executor(schedule, uniform=False) == "mpmd"
+
+
+def test_plan_files_name_the_schedules_and_simulate_prices_them():
+    import dataclasses
+
+    from hlomap.api import simulate_plan
+    from hlomap.plan import Pipeline, Plan
+    from hlomap.plan.errors import PlanError
+
+    section = {"stages": [{"devices": [0]}, {"devices": [1]}], "microbatches": 4, "schedule": "zb-h1", "repeats": 1}
+    assert Pipeline.from_json(section).schedule is Schedule.ZERO_BUBBLE
+    assert Pipeline.from_json({**section, "schedule": "interleaved-1f1b", "repeats": 2}).repeats == 2
+    with pytest.raises(PlanError, match="unknown pipeline schedule 'zb'; expected .*interleaved-1f1b or zb-h1"):
+        Pipeline.from_json({**section, "schedule": "zb"})
+    plan = Plan.load("tests/data/plans/pipeline_v1.json")
+    priced = {}
+    for schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
+        variant = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, schedule=schedule))
+        simulation = simulate_plan(None, variant, cluster="A")
+        assert simulation.executor == "mpmd"
+        priced[schedule] = simulation.estimate.placed
+    assert priced[Schedule.ZERO_BUBBLE].length < priced[Schedule.ONE_F_ONE_B].length
+    assert priced[Schedule.ZERO_BUBBLE].bubble_fraction() < priced[Schedule.ONE_F_ONE_B].bubble_fraction()
