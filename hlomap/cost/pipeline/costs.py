@@ -30,7 +30,14 @@ The DP minimizes this L because it decomposes over stages; check a plan with the
 
 Memory per device of stage s: param_memory_factor * W_s + in_flight(s) * stash_s / r_s, where
 in_flight is M for GPipe and min(S - s, M) for 1F1B, and every replica holds the full parameters
-but only its 1/r_s share of each microbatch's activations.
+but only its 1/r_s share of each microbatch's activations. Under interleaved 1F1B a device stage
+holds its V chunks' parameters and, at the peak of their sum along its order, their stashes
+(`device_memory_bytes`); under ZB-H1 a microbatch is held until its weight pass.
+
+Interleaved 1F1B and ZB-H1 have no closed form that is exact for stages that differ: `evaluate_plan`
+prices them with the simulator's event timeline (`schedule_latency`), so the searches and the
+simulator charge the same for them. For S equal stages without communication that gives
+L = (M + (S - 1) / V)(t_f + t_b) for interleaved 1F1B, and less than 1F1B's for ZB-H1.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import Sequence
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, device_order, held_counts
+from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, device_order, held_counts
 from hlomap.cost.pipeline.timeline import event_timeline
 
 __all__ = [
@@ -230,13 +237,13 @@ def device_memory_bytes(profile: PipelineProfile, plan: PipelinePlan, factor: fl
             params.append(float(profile.parameter_bytes[layers].sum()))
             stash.append(0.0 if profile.stash_bytes is None else float(profile.stash_bytes[layers].sum()))
         order = device_order(plan.schedule, g, groups, plan.microbatches, plan.repeats)
-        frees = "W" if plan.schedule is Schedule.ZERO_BUBBLE else "B"
+        frees = Pass.WEIGHT if plan.schedule is Schedule.ZERO_BUBBLE else Pass.BACKWARD
         held, peak = 0.0, 0.0
         for step in order:  # counted in execution order, as `held_counts` does
-            if step.kind.value == "F":
+            if step.kind is Pass.FORWARD:
                 held += stash[step.chunk]
                 peak = max(peak, held)
-            elif step.kind.value == frees:
+            elif step.kind is frees:
                 held -= stash[step.chunk]
         out.append(factor * sum(params) + peak / plan.stages[g].replication)
     return tuple(out)

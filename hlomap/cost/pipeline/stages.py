@@ -37,8 +37,9 @@ class Schedule(enum.Enum):
       microbatches between F and B) and keeps 1F1B's peak memory (at most min(S, M) microbatches
       between F and W, what 1F1B's first stage holds), running a W only when no B or F can run: the
       gradient runs back through B passes only, and later stages defer up to s W passes into their
-      drain. For S equal stages with B = W = F the bubble is (S - 1) F instead of 1F1B's 3 (S - 1) F
-      (reached exactly when M <= S or M = S; the greedy order is a little above it otherwise).
+      drain. For S equal stages with B = W = F the paper's bubble is (S - 1) F instead of 1F1B's
+      3 (S - 1) F; this greedy order reaches it when M = S (and for S = 2) and stays within another
+      (S - 1) F of it otherwise, always below 1F1B's.
     """
 
     GPIPE = "gpipe"

@@ -161,3 +161,13 @@ def test_plan_files_name_the_schedules_and_simulate_prices_them():
         priced[schedule] = simulation.estimate.placed
     assert priced[Schedule.ZERO_BUBBLE].length < priced[Schedule.ONE_F_ONE_B].length
     assert priced[Schedule.ZERO_BUBBLE].bubble_fraction() < priced[Schedule.ONE_F_ONE_B].bubble_fraction()
+
+
+@pytest.mark.parametrize("schedule,repeats", [(Schedule.INTERLEAVED, 2), (Schedule.ZERO_BUBBLE, 1)])
+def test_gantt_draws_chunks_on_their_device_stage_and_weight_passes(tmp_path, schedule, repeats):
+    from hlomap.report.gantt import _row_of, draw_gantt
+
+    result = simulate(*_uniform(schedule, 2, 4, repeats), NO_COMM)
+    assert draw_gantt(result, tmp_path / "g.png").stat().st_size > 0
+    assert _row_of(SpanKind.FORWARD, 3, 2) == 2 and _row_of(SpanKind.WEIGHT, 2, 2) == 0
+    assert _row_of(SpanKind.SEND_ACTIVATION, 1, 2) == 3  # device stage 1 -> 0: the wrap-around link's row
