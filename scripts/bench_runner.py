@@ -8,8 +8,15 @@
    the simulator's predicted order, and a Gantt chart of both (goal: the same order per stage).
 4. Peak activation bytes held per stage, 1F1B against GPipe, from the scheduler's count of live
    residual buffers (goal: 1F1B holds at most S - s microbatches on stage s, GPipe all M).
+5. Each schedule's bubble fraction on the mpmd executor (stages cut evenly, S = 4, M = 8; interleaved
+   1F1B with V = 2), measured from the device timestamps of the recorded passes
+   (`dispatch.measured_bubble`: 1 - busy / (S x step)), against the simulator's for equal stages and
+   the analytic (S - 1) / (V M + S - 1) (goal: within 5 percentage points for GPipe, 1F1B and
+   interleaved; ZB-H1's measured bubble below 1F1B's).
 
-    python scripts/bench_runner.py [--model gpt-tiny] [--repeats 30] [--out bench_runner]
+    python scripts/bench_runner.py [--model gpt-tiny] [--repeats 30] [--out bench_runner] [--only 5] [--quick]
+
+`--quick` shrinks everything (S = 2, M = 4, 2 repeats) to check the script runs, not to measure.
 
 Runs on 8 host CPU devices when no accelerator is present (timings then say little about GPUs:
 the 8 "devices" share the machine's cores).
@@ -40,7 +47,7 @@ from hlomap.cost.pipeline.stages import Pass, PipelinePlan, Schedule  # noqa: E4
 from hlomap.plan import ParameterSpec, Plan, PlanSource, reference_plan  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
 from hlomap.report.gantt import draw_gantt  # noqa: E402
-from hlomap.run.pipeline.dispatch import dispatch_order, predicted_schedule, same_order  # noqa: E402
+from hlomap.run.pipeline.dispatch import dispatch_order, measured_bubble, predicted_schedule, same_order  # noqa: E402
 from hlomap.cost.pipeline.chain import step_chain  # noqa: E402
 from hlomap.verify.mesh import mesh_of  # noqa: E402
 
@@ -134,8 +141,9 @@ def section_one_stage(model: Any, cap: Any, repeats: int) -> None:
 
 def measured_result(events: list[Any], plan: PipelinePlan) -> SimulationResult:
     origin = min(e.start for e in events)
-    spans = tuple(Span(SpanKind.FORWARD if e.event.kind is Pass.FORWARD else SpanKind.BACKWARD, e.event.stage,
-                       e.event.microbatch, e.start - origin, e.end - origin) for e in events)
+    kinds = {Pass.FORWARD: SpanKind.FORWARD, Pass.BACKWARD: SpanKind.BACKWARD, Pass.WEIGHT: SpanKind.WEIGHT}
+    spans = tuple(Span(kinds[e.event.kind], e.event.stage, e.event.microbatch, e.start - origin, e.end - origin)
+                  for e in events)
     return SimulationResult(plan=plan, length=max(s.end for s in spans), spans=spans, peak_in_flight=(),
                             stage_memory=(0.0,) * plan.n_stages, violations=())
 
@@ -201,6 +209,65 @@ def section_schedule(model: Any, cap: Any, out: Path, stages: int, microbatches:
           f"{[f'{a / b:.2f}' for a, b in zip(one[1], gpipe[1])]}")
 
 
+#: The schedules section 5 compares, with the chunks per device stage each runs.
+BUBBLE_SCHEDULES = ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2), (Schedule.ZERO_BUBBLE, 1))
+
+
+def even_plan(cap: Any, stages: int, microbatches: int, schedule: Schedule, repeats: int, per_stage: int) -> Plan:
+    """S device stages of `per_stage` replicas, the step cut evenly along its chain into S V logical stages."""
+    chain = step_chain(cap)
+    logical = stages * repeats
+    n = len(chain.pivots)
+    pivots = [int(n * (k + 1) / logical) for k in range(logical - 1)]
+    if len(set(pivots)) != len(pivots):
+        raise SystemExit(f"{cap.source} has {n} cut points, too few for {logical} logical stages")
+    parameters = tuple(ParameterSpec(p.index, p.path, tuple(p.shape.dims), (None,) * len(p.shape.dims))
+                       for p in cap.parameters)
+    cuts = [{"instruction": chain.pivots[k].instruction, "layer": chain.pivots[k].layer} for k in pivots]
+    section = {"stages": [{"devices": list(range(s * per_stage, (s + 1) * per_stage))} for s in range(stages)],
+               "microbatches": microbatches, "schedule": schedule.value, "cuts": cuts}
+    if repeats > 1:
+        section["repeats"] = repeats
+    return Plan(mesh=(), parameters=parameters, source=PlanSource(cap.source, cap.text_sha256), pipeline=section)
+
+
+def section_bubbles(model: Any, cap: Any, stages: int, microbatches: int, steps: int) -> None:
+    """Part 5: measured, simulated and analytic bubble fraction of each schedule (module docstring)."""
+    args = tuple(model.example_args())
+    per_stage = max(1, min(8 // stages, model.config.batch_size // microbatches))
+    rows = []
+    for schedule, repeats in BUBBLE_SCHEDULES:
+        if schedule is Schedule.INTERLEAVED and microbatches % stages:
+            print(f"[5] {schedule.value}: skipped, M = {microbatches} is not a multiple of S = {stages}")
+            continue
+        plan = even_plan(cap, stages, microbatches, schedule, repeats, per_stage)
+        step = hlomap.parallelize(model.train_step(), plan, executor="mpmd", example_args=args)
+        runner = step._runner
+        params, opt_state = step.place(args[0], args[1])
+        params, opt_state, _ = runner(params, opt_state, args[2], record=True)  # compiles the recording programs
+        measured = []
+        for _ in range(steps):
+            params, opt_state, _ = runner(params, opt_state, args[2], record=True)
+            measured.append(measured_bubble(runner.stats.events, stages))
+        simulated = predicted_schedule(schedule, stages, microbatches, repeats).bubble_fraction()
+        analytic = (stages - 1) / (repeats * microbatches + stages - 1)
+        rows.append((schedule, repeats, statistics.median(measured), simulated, analytic))
+    print(f"[5] bubble fraction, mpmd executor, {model.name}, S={stages}, M={microbatches}, {per_stage} device(s) per "
+          f"stage, median of {steps} recorded steps")
+    print(f"    {'schedule':<18} {'V':>2} {'measured':>9} {'simulated':>10} {'analytic':>9}  goal")
+    by_schedule = {schedule: measured for schedule, _, measured, _, _ in rows}
+    for schedule, repeats, measured, simulated, analytic in rows:
+        if schedule is Schedule.ZERO_BUBBLE:
+            reference = by_schedule.get(Schedule.ONE_F_ONE_B)
+            met = reference is not None and measured < reference
+            goal = f"below 1F1B's measured: {'yes' if met else 'NO'}"
+            analytic_text = "-"  # ZB-H1 has no (S - 1) / (V M + S - 1) form
+        else:
+            goal = f"within 5 points of analytic: {'yes' if abs(measured - analytic) <= 0.05 else 'NO'}"
+            analytic_text = f"{analytic:9.3f}"
+        print(f"    {schedule.value:<18} {repeats:>2} {measured:9.3f} {simulated:10.3f} {analytic_text:>9}  {goal}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-tiny", help="zoo model (default gpt-tiny)")
@@ -208,8 +275,13 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--out", default="bench_runner", help="directory for the Gantt charts")
-    parser.add_argument("--only", choices=("1", "2", "3"), help="run one section (3 includes 4)")
+    parser.add_argument("--only", choices=("1", "2", "3", "5"), help="run one section (3 includes 4)")
+    parser.add_argument("--bubble-steps", type=int, default=5, help="recorded steps per schedule in section 5")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny configuration (S=2, M=4, 2 repeats, 1 recorded step) to check the script runs")
     args = parser.parse_args()
+    if args.quick:
+        args.stages, args.microbatches, args.repeats, args.bubble_steps = 2, 4, 2, 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = zoo.get(args.model)
@@ -222,6 +294,8 @@ def main() -> None:
         section_one_stage(model, cap, args.repeats)
     if args.only in (None, "3"):
         section_schedule(model, cap, out, args.stages, args.microbatches)
+    if args.only in (None, "5"):
+        section_bubbles(model, cap, args.stages, args.microbatches, args.bubble_steps)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(train_step, example_args)")
     p.add_argument("--executor", choices=("spmd", "mpmd"), default=None,
                    help="pipeline plans: spmd (one SPMD program, GPipe, multi-host) or mpmd (one program per "
-                        "stage, any schedule); default: spmd for gpipe, mpmd for 1f1b")
+                        "stage, any schedule); default: spmd for gpipe on alike stages, mpmd for 1f1b, "
+                        "interleaved-1f1b and zb-h1")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
     p.add_argument("--rtol", type=float, default=1e-4,
                    help="steps without a marked loss: relative tolerance of the outputs (default 1e-4)")

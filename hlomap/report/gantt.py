@@ -15,19 +15,22 @@ __all__ = ["draw_gantt"]
 _COLORS = {
     SpanKind.FORWARD: "#4c72b0",
     SpanKind.BACKWARD: "#dd8452",
+    SpanKind.WEIGHT: "#937860",
     SpanKind.SEND_ACTIVATION: "#55a868",
     SpanKind.SEND_GRADIENT: "#c44e52",
     SpanKind.ALLREDUCE: "#8172b3",
 }
 
 
-def _row_of(kind: SpanKind, stage: int) -> int:
-    """Compute and all-reduce on the stage's row 2s; both link directions of cut s on 2s + 1."""
+def _row_of(kind: SpanKind, stage: int, groups: int) -> int:
+    """Compute and all-reduce on device stage g's row 2g; both link directions between device
+    stages g and g + 1 on 2g + 1; under interleaving, the link from the last device stage back
+    to the first on the last row, 2S - 1."""
     if kind is SpanKind.SEND_GRADIENT:
-        return 2 * (stage - 1) + 1
+        return 2 * ((stage - 1) % groups) + 1
     if kind is SpanKind.SEND_ACTIVATION:
-        return 2 * stage + 1
-    return 2 * stage
+        return 2 * (stage % groups) + 1
+    return 2 * (stage % groups)
 
 
 def _devices(devices: tuple[int, ...]) -> str:
@@ -43,14 +46,14 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    n_stages = result.plan.n_stages
-    n_rows = 2 * n_stages - 1
+    n_stages = result.plan.device_stages
+    n_rows = 2 * n_stages - 1 + (result.plan.repeats > 1)
     figure = Figure(figsize=(12, 0.6 * n_rows + 1.9))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     scale, unit = (1e3, "ms") if result.length < 10 else (1.0, "s")
     for span in result.spans:
-        row = _row_of(span.kind, span.stage)
+        row = _row_of(span.kind, span.stage, n_stages)
         # The two directions of a link share a row: activations on the upper half.
         if span.kind is SpanKind.SEND_ACTIVATION:
             y, height = row - 0.4, 0.4
@@ -72,7 +75,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     for row in range(n_rows):
         s = row // 2
         labels.append(f"stage {s} ({_devices(result.plan.stages[s].devices)})" if row % 2 == 0
-                      else f"link {s}<->{s + 1}")
+                      else f"link {s}<->{(s + 1) % n_stages}")
     axes.set_yticks(range(n_rows), labels=labels, fontsize=7)
     axes.set_ylim(n_rows - 0.4, -0.6)
     axes.set_xlim(0, result.length * scale * 1.01)
@@ -85,7 +88,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     )
     axes.legend(
         handles=[Patch(color=color, label=kind.value) for kind, color in _COLORS.items()],
-        loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=7, ncols=5, frameon=False,
+        loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=7, ncols=6, frameon=False,
     )
     figure.tight_layout()
     out = Path(path)

@@ -19,8 +19,8 @@ def format_description(description: Any) -> list[Any]:
 
     n_logical = len(description.stages)
     stage_count = (f"{n_logical} stages" if description.repeats == 1 else
-                   f"{n_logical} logical stages on {n_logical // description.repeats} device stages (circular, "
-                   f"{description.repeats} rounds)")
+                   f"{n_logical} logical stages on {n_logical // description.repeats} device stages "
+                   f"({'circular' if description.schedule == 'gpipe' else 'interleaved'}, {description.repeats} rounds)")
     kind = "SPMD, one program" if description.executor == "spmd" else "one program per stage"
     out: list[Any] = [Text(f"pipeline on {description.devices} devices: {stage_count}, executor "
                             f"{description.executor} ({kind}), {description.schedule}, {description.microbatches} "

@@ -71,25 +71,26 @@ class Executor(enum.Enum):
 
 def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None,
                     repeats: int = 1) -> Executor:
-    """1F1B needs the mpmd executor; GPipe runs on the spmd executor unless the stages' meshes differ
-    or the mpmd one is asked for; a circular pipeline (`repeats` > 1) runs on the spmd executor only."""
-    if repeats > 1:
+    """GPipe runs on the spmd executor unless the stages' meshes differ or the mpmd one is asked for;
+    1F1B, interleaved 1F1B and ZB-H1 need the mpmd executor; a circular pipeline (gpipe with
+    `repeats` > 1) runs on the spmd executor only."""
+    if repeats > 1 and schedule is Schedule.GPIPE:
         if not uniform:
             raise RunError(f"a circular pipeline (repeats {repeats}) runs on the spmd executor, which needs every "
                            "stage to have the same mesh and parameter specs; this plan's stages differ")
         if requested is not None and Executor.parse(requested) is Executor.MPMD:
-            raise RunError(f"the mpmd executor does not run circular pipelines (repeats {repeats}); use the spmd "
-                           "executor")
+            raise RunError(f"the mpmd executor does not run circular pipelines (gpipe with repeats {repeats}); use the "
+                           "spmd executor, or the interleaved-1f1b schedule on the mpmd executor")
         return Executor.SPMD
     if requested is not None:
         executor = Executor.parse(requested)
-        if executor is Executor.SPMD and schedule is Schedule.ONE_F_ONE_B:
-            raise RunError("the spmd executor runs GPipe only; a 1f1b plan needs the mpmd executor")
+        if executor is Executor.SPMD and schedule is not Schedule.GPIPE:
+            raise RunError(f"the spmd executor runs GPipe only; a {schedule.value} plan needs the mpmd executor")
         if executor is Executor.SPMD and not uniform:
             raise RunError("the spmd executor needs every stage to have the same mesh and parameter specs; this "
                            "plan's stages differ, use the mpmd executor")
         return executor
-    return Executor(default_executor(schedule, uniform))
+    return Executor(default_executor(schedule, uniform, repeats))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,14 @@ The DP minimizes this L because it decomposes over stages; check a plan with the
 
 Memory per device of stage s: param_memory_factor * W_s + in_flight(s) * stash_s / r_s, where
 in_flight is M for GPipe and min(S - s, M) for 1F1B, and every replica holds the full parameters
-but only its 1/r_s share of each microbatch's activations.
+but only its 1/r_s share of each microbatch's activations. Under interleaved 1F1B a device stage
+holds its V chunks' parameters and, at the peak of their sum along its order, their stashes
+(`device_memory_bytes`); under ZB-H1 a microbatch is held until its weight pass.
+
+Interleaved 1F1B and ZB-H1 have no closed form that is exact for stages that differ: `evaluate_plan`
+prices them with the simulator's event timeline (`schedule_latency`), so the searches and the
+simulator charge the same for them. For S equal stages without communication that gives
+L = (M + (S - 1) / V)(t_f + t_b) for interleaved 1F1B, and less than 1F1B's for ZB-H1.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from typing import Sequence
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
+from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, device_order, held_counts
+from hlomap.cost.pipeline.timeline import event_timeline
 
 __all__ = [
     "executor_overhead",
@@ -50,9 +58,12 @@ __all__ = [
     "CostOptions",
     "MemoryViolation",
     "PlanCost",
+    "device_memory_bytes",
     "evaluate_plan",
     "gpipe_latency",
+    "peak_counts",
     "pipeline_latency",
+    "schedule_latency",
 ]
 
 
@@ -122,6 +133,37 @@ def pipeline_latency(stage_seconds: Sequence[float], transfer_seconds: Sequence[
     return sum(stage_seconds) + 2 * sum(transfer_seconds) + (microbatches - 1) * bottleneck, bottleneck
 
 
+def schedule_latency(forward: Sequence[float], backward: Sequence[float], transfer: Sequence[float],
+                     allreduce: Sequence[float], microbatches: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
+                     repeats: int = 1) -> tuple[float, float]:
+    """(L, tau) of a pipeline under `schedule` from per-microbatch forward and backward seconds of
+    its S V logical stages, the transfer seconds of its S V - 1 cuts and the all-reduce seconds
+    of its S device stages: what `evaluate_plan` charges, for an explorer that chooses schedule,
+    V and M over a stage plan. GPipe and 1F1B: the closed form `pipeline_latency` (Alpa's, the
+    all-reduce amortized over M). Interleaved 1F1B and ZB-H1: no closed form is exact for
+    stages that differ, so the event timeline of the simulator (`timeline.event_timeline`,
+    the backward split by `INPUT_GRADIENT_SHARE` under ZB-H1), plus each device stage's
+    all-reduce after its last pass; tau is then the busiest device stage's compute per
+    microbatch. For S equal stages and free links both give (V M + S - 1) / V per-stage times,
+    ZB-H1 less."""
+    n_logical = len(forward)
+    groups = n_logical // repeats
+    if (len(backward), len(transfer), len(allreduce)) != (n_logical, n_logical - 1, groups):
+        raise ValueError(f"{n_logical} logical stages with repeats {repeats} need as many backward times, "
+                         f"{n_logical - 1} transfers and {groups} all-reduces; got {len(backward)}, "
+                         f"{len(transfer)} and {len(allreduce)}")
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and repeats == 1:
+        times = [f + b + a / microbatches for f, b, a in zip(forward, backward, allreduce)]
+        return pipeline_latency(times, transfer, microbatches)
+    split = schedule is Schedule.ZERO_BUBBLE
+    inputs = [b * INPUT_GRADIENT_SHARE if split else b for b in backward]
+    weights = [b - i for b, i in zip(backward, inputs)]
+    spans, group_free = event_timeline(forward, inputs, weights, transfer, schedule, microbatches, repeats)
+    end = max([free + a for free, a in zip(group_free, allreduce)] + [span.end for span in spans])
+    busy = [sum(forward[k] + backward[k] for k in range(g, n_logical, groups)) for g in range(groups)]
+    return end, max([*busy, *transfer])
+
+
 def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int) -> float:
     """Seconds per step the pipeline executor itself costs (dispatches, its loop, device_puts) on
     a cluster that measured it (`Cluster.measured`, `hlomap.cost.measured`); 0 on a datasheet
@@ -172,6 +214,41 @@ def stage_memory_bytes(
     return tuple(out)
 
 
+def peak_counts(plan: PipelinePlan) -> tuple[int, ...]:
+    """Most microbatches each logical stage stashes at once under the plan's schedule, counted
+    along its device stage's order (`stages.held_counts`)."""
+    groups = plan.device_stages
+    per_group = [held_counts(device_order(plan.schedule, g, groups, plan.microbatches, plan.repeats), plan.repeats)
+                 for g in range(groups)]
+    return tuple(per_group[k % groups][k // groups] for k in range(plan.n_stages))
+
+
+def device_memory_bytes(profile: PipelineProfile, plan: PipelinePlan, factor: float) -> tuple[float, ...]:
+    """Bytes per device of each device stage: `factor` times its chunks' parameter bytes, plus
+    the most stashed activation bytes (its share of each microbatch) its chunks hold at once
+    along its order. Without chunks this is `stage_memory_bytes` of `peak_counts`."""
+    groups = plan.device_stages
+    out = []
+    for g in range(groups):
+        chunks = plan.stages[g::groups]
+        params, stash = [], []
+        for stage in chunks:
+            layers = profile.stage_slice(stage.start, stage.stop)
+            params.append(float(profile.parameter_bytes[layers].sum()))
+            stash.append(0.0 if profile.stash_bytes is None else float(profile.stash_bytes[layers].sum()))
+        order = device_order(plan.schedule, g, groups, plan.microbatches, plan.repeats)
+        frees = Pass.WEIGHT if plan.schedule is Schedule.ZERO_BUBBLE else Pass.BACKWARD
+        held, peak = 0.0, 0.0
+        for step in order:  # counted in execution order, as `held_counts` does
+            if step.kind is Pass.FORWARD:
+                held += stash[step.chunk]
+                peak = max(peak, held)
+            elif step.kind is frees:
+                held -= stash[step.chunk]
+        out.append(factor * sum(params) + peak / plan.stages[g].replication)
+    return tuple(out)
+
+
 def evaluate_plan(
     profile: PipelineProfile,
     cluster: Cluster,
@@ -192,23 +269,30 @@ def evaluate_plan(
         raise ValueError(f"prices of cluster {prices.cluster.name!r} cannot price a plan on "
                          f"cluster {cluster.name!r}")
     comm = options.comm is CommModel.OVERLAPPED
-    m = plan.microbatches
-    compute, allreduce = [], []
+    m, groups = plan.microbatches, plan.device_stages
+    compute, forward, backward, params = [], [], [], []
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
         compute.append(float(profile.compute_time[layers].sum()) / stage.replication)
-        params = float(profile.parameter_bytes[layers].sum())
-        allreduce.append(float(prices.allreduce(stage.devices)(params)) if comm else 0.0)
+        forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
+        backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
+        params.append(float(profile.parameter_bytes[layers].sum()))
+    # one all-reduce per device stage, of all its chunks' gradients
+    allreduce = [float(prices.allreduce(plan.stages[g].devices)(sum(params[g::groups]))) if comm else 0.0
+                 for g in range(groups)]
     transfers = []
     for a, b in zip(plan.stages[:-1], plan.stages[1:]):
         nbytes = float(profile.activation_bytes[a.stop - 1])
         transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
-    stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
-    latency, bottleneck = pipeline_latency(stage_times, transfers, m)
-    counts = tuple(
-        in_flight(plan.schedule, s, plan.n_stages, m) for s in range(plan.n_stages)
-    )
-    memory = stage_memory_bytes(profile, plan, counts, options.param_memory_factor)
+    if plan.repeats == 1 and plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        # the closed form over t_s = c_s + a_s / M (compute is the profile's, as the DP's tables)
+        stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
+        latency, bottleneck = pipeline_latency(stage_times, transfers, m)
+    else:
+        latency, bottleneck = schedule_latency(forward, backward, transfers, allreduce, m, plan.schedule,
+                                               plan.repeats)
+    counts = peak_counts(plan)
+    memory = device_memory_bytes(profile, plan, options.param_memory_factor)
     return PlanCost(
         latency=latency,
         bottleneck=bottleneck,

@@ -1,74 +1,60 @@
-"""Event simulator of one global batch through a pipeline (GPipe or 1F1B).
+"""Event simulator of one global batch through a pipeline (GPipe, 1F1B, interleaved 1F1B, ZB-H1).
 
 Model:
-- Each stage is one serial compute resource; its r replicas run in lockstep, each on 1/r of every
-  microbatch, so a pass takes (sum of the stage's layer times) / r.
-- Each stage runs its passes in the fixed order of its schedule (`stages.stage_order`); a pass
-  starts when the stage is free and its input has arrived: the activation from the previous
-  stage (forward) or the gradient from the next stage (backward; the last stage's backward only
-  needs its own forward).
-- Each direction of each cut is one serial link resource. A transfer starts when its producer
-  pass ends and the link is free (first come, first served), and takes
-  `hlomap.cost.pipeline.links.transfer_time`: the replicas' chunks as one collective-permute on
-  the cluster, cross-server streams sharing the servers' NICs. Links and compute run
-  concurrently: communication overlaps with compute.
-- After its last backward, a replicated stage all-reduces its parameter gradients over its
-  devices (`links.allreduce_time`, the all-reduce of `hlomap.cost.collectives`: a ring inside a
-  server, hierarchical across servers); the batch ends when the last all-reduce or pass ends.
-  These are the prices the closed form (`costs`) and the searches use.
-- Memory: a stage stashes a microbatch's activations from the start of its forward to the end of
-  its backward; the peak count, from the timeline, prices the stash. Devices short of memory are
+- Each device stage (group of devices) is one serial compute resource; its r replicas run in
+  lockstep, each on 1/r of every microbatch, so a pass of a logical stage takes (sum of its
+  layers' times) / r. Under interleaved 1F1B a device stage runs V logical stages (chunks).
+- Each device stage runs its passes in the fixed order of its schedule (`stages.device_order`); a
+  pass starts when the group is free and its input has arrived: the activation from the previous
+  logical stage (forward) or the gradient from the next one (backward; the last stage's backward
+  only needs its own forward). Under ZB-H1 the backward is split (`pass_times`): B, the input
+  gradient, is what the previous stage waits for; W, the weight gradient, only needs its own B.
+- Each direction between two device stages is one serial link resource (under interleaving the
+  V cuts between them share it). A transfer starts when its producer pass ends and the link is
+  free (first come, first served), and takes `hlomap.cost.pipeline.links.transfer_time`: the
+  replicas' chunks as one collective-permute on the cluster, cross-server streams sharing the
+  servers' NICs. Links and compute run concurrently: communication overlaps with compute.
+- After its last pass, a replicated device stage all-reduces its parameter gradients (all its
+  chunks') over its devices (`links.allreduce_time`, the all-reduce of `hlomap.cost.collectives`:
+  a ring inside a server, hierarchical across servers); the batch ends when the last all-reduce
+  or pass ends. These are the prices the closed form (`costs`) and the searches use.
+- Memory: a logical stage stashes a microbatch's activations from the start of its forward to the
+  end of its backward (under ZB-H1 of its W, which still reads them); the peak, counted along the
+  order (`costs.device_memory_bytes`), prices the stash. Devices short of memory are
   reported in `SimulationResult.violations`, logged, and raised by `check()`: never ignored.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from hlomap.cost.pipeline.costs import (
     CommModel,
     CostOptions,
     MemoryViolation,
     check_plan,
+    device_memory_bytes,
     memory_violations,
-    stage_memory_bytes,
+    peak_counts,
 )
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.cost.pipeline.stages import Pass, PipelinePlan, stage_order
+from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule
+from hlomap.cost.pipeline.timeline import COMPUTE, Span, SpanKind, event_timeline
 
 __all__ = [
+    "COMPUTE",
     "PipelineMemoryError",
     "SimulationResult",
     "Span",
     "SpanKind",
+    "pass_times",
     "simulate",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class SpanKind(enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    SEND_ACTIVATION = "send-activation"  # stage s -> s + 1
-    SEND_GRADIENT = "send-gradient"  # stage s -> s - 1
-    ALLREDUCE = "allreduce"
-
-
-class Span(NamedTuple):
-    """One interval of the timeline. For sends, `stage` is the sending stage; all-reduces have
-    microbatch -1."""
-
-    kind: SpanKind
-    stage: int
-    microbatch: int
-    start: float
-    end: float
 
 
 class PipelineMemoryError(RuntimeError):
@@ -80,8 +66,9 @@ class SimulationResult:
     """Timeline and memory of one global batch.
 
     length: L, seconds from the first forward to the end of the last pass or all-reduce.
-    stage_memory: bytes needed on each device of each stage at its peak.
-    peak_in_flight: most microbatches whose activations a stage held at once.
+    stage_memory: bytes needed on each device of each device stage at its peak (its chunks'
+      parameters and, at the peak of their sum, their stashed activations).
+    peak_in_flight: most microbatches whose activations a logical stage held at once.
     """
 
     plan: PipelinePlan
@@ -105,12 +92,38 @@ class SimulationResult:
         return self
 
     def busy_time(self, stage: int) -> float:
-        """Seconds stage `stage` spends computing (forward + backward); the rest is bubble."""
+        """Seconds device stage `stage` spends computing (F, B and W of all its chunks); the rest
+        is bubble."""
+        groups = self.plan.device_stages
         return sum(
             span.end - span.start
             for span in self.spans
-            if span.stage == stage and span.kind in (SpanKind.FORWARD, SpanKind.BACKWARD)
+            if span.stage % groups == stage and span.kind in COMPUTE
         )
+
+    def bubble_fraction(self) -> float:
+        """Share of the device stages' time over the batch that is not compute: 1 - (sum of busy
+        time) / (S L). For S equal stages and free links it is (S - 1) / (V M + S - 1) under
+        GPipe, 1F1B and interleaved 1F1B."""
+        groups = self.plan.device_stages
+        busy = sum(self.busy_time(g) for g in range(groups))
+        return 1.0 - busy / (groups * self.length) if self.length > 0 else 0.0
+
+
+def pass_times(profile: PipelineProfile, plan: PipelinePlan) -> tuple[list[float], list[float], list[float]]:
+    """(F, B, W) seconds per microbatch of each logical stage: its layers' times over its
+    replicas. Under ZB-H1 the backward splits into B = `INPUT_GRADIENT_SHARE` of it and W = the
+    rest; otherwise W is 0 and B the whole backward."""
+    split = plan.schedule is Schedule.ZERO_BUBBLE
+    forward, backward, weight = [], [], []
+    for stage in plan.stages:
+        layers = profile.stage_slice(stage.start, stage.stop)
+        f = float(profile.forward_time[layers].sum()) / stage.replication
+        b = float(profile.backward_time[layers].sum()) / stage.replication
+        forward.append(f)
+        backward.append(b * INPUT_GRADIENT_SHARE if split else b)
+        weight.append(b - b * INPUT_GRADIENT_SHARE if split else 0.0)
+    return forward, backward, weight
 
 
 def simulate(
@@ -122,12 +135,8 @@ def simulate(
     """Run one global batch of `plan` on `cluster`; see the module docstring for the model."""
     check_plan(profile, cluster, plan)
     comm = options.comm is CommModel.OVERLAPPED
-    n_stages, m = plan.n_stages, plan.microbatches
-    forward, backward = [], []
-    for stage in plan.stages:
-        layers = profile.stage_slice(stage.start, stage.stop)
-        forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
-        backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
+    n_groups, m, v = plan.device_stages, plan.microbatches, plan.repeats
+    forward, backward, weight = pass_times(profile, plan)
     transfer = [
         transfer_time(cluster, a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
         if comm
@@ -135,79 +144,18 @@ def simulate(
         for a, b in zip(plan.stages[:-1], plan.stages[1:])
     ]
 
-    orders = [stage_order(plan.schedule, s, n_stages, m) for s in range(n_stages)]
-    forward_end: list[list[float | None]] = [[None] * m for _ in range(n_stages)]
-    activation_arrival: list[list[float | None]] = [[None] * m for _ in range(n_stages)]
-    gradient_arrival: list[list[float | None]] = [[None] * m for _ in range(n_stages)]
-    stage_free = [0.0] * n_stages
-    forward_link_free = [0.0] * max(n_stages - 1, 0)
-    backward_link_free = [0.0] * max(n_stages - 1, 0)
-    position = [0] * n_stages
-    # Stashed microbatches per stage, counted in execution order (a forward adds one from its
-    # start, a backward frees one at its end); the order, not the clock, decides, so
-    # zero-length passes cannot reorder a release before an acquire.
-    stashed = [0] * n_stages
-    peaks = [0] * n_stages
-    spans: list[Span] = []
+    spans, group_free = event_timeline(forward, backward, weight, transfer, plan.schedule, m, v)
 
-    def send(kind: SpanKind, sender: int, cut: int, microbatch: int, ready: float) -> float:
-        free = forward_link_free if kind is SpanKind.SEND_ACTIVATION else backward_link_free
-        start = max(ready, free[cut])
-        end = start + transfer[cut]
-        free[cut] = end
-        if end > start:
-            spans.append(Span(kind, sender, microbatch, start, end))
-        return end
-
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for s in range(n_stages):
-            while position[s] < len(orders[s]):
-                kind, mb = orders[s][position[s]]
-                if kind is Pass.FORWARD:
-                    ready = 0.0 if s == 0 else activation_arrival[s][mb]
-                elif s == n_stages - 1:
-                    ready = forward_end[s][mb]
-                else:
-                    ready = gradient_arrival[s][mb]
-                if ready is None:
-                    break  # waits on another stage; come back on the next sweep
-                start = max(stage_free[s], ready)
-                if kind is Pass.FORWARD:
-                    end = start + forward[s]
-                    spans.append(Span(SpanKind.FORWARD, s, mb, start, end))
-                    forward_end[s][mb] = end
-                    stashed[s] += 1
-                    peaks[s] = max(peaks[s], stashed[s])
-                    if s + 1 < n_stages:
-                        arrival = send(SpanKind.SEND_ACTIVATION, s, s, mb, end)
-                        activation_arrival[s + 1][mb] = arrival
-                else:
-                    end = start + backward[s]
-                    spans.append(Span(SpanKind.BACKWARD, s, mb, start, end))
-                    stashed[s] -= 1
-                    if s > 0:
-                        arrival = send(SpanKind.SEND_GRADIENT, s, s - 1, mb, end)
-                        gradient_arrival[s - 1][mb] = arrival
-                stage_free[s] = end
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if remaining and not progressed:
-            stuck = {
-                s: orders[s][position[s]] for s in range(n_stages) if position[s] < len(orders[s])
-            }
-            raise RuntimeError(f"pipeline schedule deadlocked; next passes per stage: {stuck}")
-
-    for s, stage in enumerate(plan.stages):
-        layers = profile.stage_slice(stage.start, stage.stop)
-        params = float(profile.parameter_bytes[layers].sum())
-        duration = allreduce_time(cluster, stage.devices, params) if comm else 0.0
+    for g in range(n_groups):
+        devices = plan.stages[g].devices
+        params = sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
+                     for stage in plan.stages[g::n_groups])
+        duration = allreduce_time(cluster, devices, params) if comm else 0.0
         if duration > 0:
-            spans.append(Span(SpanKind.ALLREDUCE, s, -1, stage_free[s], stage_free[s] + duration))
+            spans.append(Span(SpanKind.ALLREDUCE, g, -1, group_free[g], group_free[g] + duration))
 
-    memory = stage_memory_bytes(profile, plan, tuple(peaks), options.param_memory_factor)
+    peaks = peak_counts(plan)
+    memory = device_memory_bytes(profile, plan, options.param_memory_factor)
     violations = memory_violations(cluster, plan, memory)
     for violation in violations:
         log.warning("%s: %s", profile.source, violation)
@@ -216,7 +164,7 @@ def simulate(
         plan=plan,
         length=max(span.end for span in spans),
         spans=tuple(spans),
-        peak_in_flight=tuple(peaks),
+        peak_in_flight=peaks,
         stage_memory=memory,
         violations=violations,
     )

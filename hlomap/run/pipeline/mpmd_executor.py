@@ -1,4 +1,5 @@
-"""The mpmd executor: a pipeline as one program per stage, driven by a Python scheduler (1F1B or GPipe).
+"""The mpmd executor: a pipeline as one program per stage, driven by a Python scheduler (GPipe, 1F1B,
+interleaved 1F1B or ZB-H1).
 
 Each stage is its own `jax.jit` on its own mesh (the plan's tensor or data parallelism inside the
 stage applies there), compiled once: its forward returns its outputs and the residuals of its
@@ -7,8 +8,13 @@ parameter and input cotangents. Activations and cotangents move between stages w
 `jax.device_put` to the receiving stage's `NamedSharding`. The scheduler dispatches the passes
 in the order the pipeline simulator predicts (`dispatch.dispatch_order`): under 1F1B (PipeDream-
 Flush, Narayanan et al., SC'21, section 2.2) stage s holds at most S - s microbatches' residuals,
-under GPipe all M. Gradients accumulate per stage; a leaf several stages hold (a tied
-embedding) gets the sum of their gradients; then each stage runs its own update program.
+under GPipe all M. Under interleaved 1F1B (`repeats` V) the model is cut into S V logical stages,
+each its own programs on the mesh of device stage k mod S, dispatched in Megatron's interleaved
+order. Under ZB-H1 a stage's backward is two programs over the same residuals, the input
+gradient (B, which the previous stage waits for) and the weight gradient (W, run when the
+schedule says; the residuals and the output cotangents live until then). Gradients accumulate per
+stage; a leaf several stages hold (a tied embedding, or a leaf two chunks read) gets the sum of
+their gradients; then each stage runs its own update program.
 
 Where the last stage's schedule runs a microbatch's backward right after its forward (every
 microbatch under 1F1B; under GPipe only with one microbatch), the two run as one program
@@ -92,16 +98,19 @@ class MpmdPipeline:
         section = program.section
         self.program = program
         traced = program.traced
-        self.n_stages = section.n_stages
+        # stage s below is a logical stage (a chunk under interleaved 1F1B): it runs on device stage s mod S
+        self.n_groups = section.n_stages
+        self.n_stages = section.logical_stages
         self.microbatches = section.microbatches
-        self.meshes = [mesh_of(devices_at(order, ids, f"stage {s}"), inner)
-                       for s, (ids, inner) in enumerate(zip(section.devices, section.inner))]
-        self.batch_axes = [batch_axes(parameters, traced, dict(inner), program.microbatch)
-                           for parameters, inner in zip(section.parameters, section.inner)]
+        group_meshes = [mesh_of(devices_at(order, ids, f"stage {g}"), inner)
+                        for g, (ids, inner) in enumerate(zip(section.devices, section.inner))]
+        self.meshes = [group_meshes[s % self.n_groups] for s in range(self.n_stages)]
+        self.batch_axes = [batch_axes(section.parameters[s % self.n_groups], traced, dict(section.inner[s % self.n_groups]),
+                                      program.microbatch) for s in range(self.n_stages)]
         self.leaf_sharding = [
             {leaf: NamedSharding(mesh, spec if _fits(spec, mesh) else P())
-             for leaf, spec in leaf_specs(parameters, traced.state_leaves).items()}
-            for parameters, mesh in zip(section.parameters, self.meshes)]
+             for leaf, spec in leaf_specs(section.parameters[s % self.n_groups], traced.state_leaves).items()}
+            for s, mesh in enumerate(self.meshes)]
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()
         residence = program.update.residence
@@ -109,11 +118,14 @@ class MpmdPipeline:
                                   tuple(range(n0)), trees[0])
         self.opt = StageLeaves(tuple(tuple(leaf for leaf in range(n0, n0 + n1) if s in residence[leaf])
                                      for s in range(self.n_stages)), tuple(range(n0, n0 + n1)), trees[1])
-        self.order = dispatch_order(section.schedule, self.n_stages, self.microbatches)
+        self.order = dispatch_order(section.schedule, self.n_groups, self.microbatches, section.repeats)
         self.trace_counts: dict[tuple[str, int], int] = {}
         self._forward = [self._make_forward(s) for s in range(self.n_stages)]
-        self._backward = [self._make_backward(s) for s in range(self.n_stages)]
-        self.fused = fusable_passes(self.order, self.n_stages)
+        # ZB-H1: the backward as two passes, the input gradient (B) and the weight gradient (W)
+        self.split_backward = any(e.kind is Pass.WEIGHT for e in self.order)
+        self._backward = [self._make_backward(s, None if not self.split_backward else 1) for s in range(self.n_stages)]
+        self._weight = [self._make_backward(s, 0) for s in range(self.n_stages)] if self.split_backward else []
+        self.fused = fusable_passes(self.order, self.n_stages, self.n_groups)
         self._forward_backward = self._make_forward_backward(self.n_stages - 1)
         self.final_update = self._can_fuse_update()
         self._reused = self._final_reused(self.n_stages - 1)
@@ -163,9 +175,19 @@ class MpmdPipeline:
         fwd, _ = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
         return jax.jit(self._counted("forward", s, fwd), compiler_options=self.options)
 
-    def _make_backward(self, s: int) -> Any:
+    def _backward_function(self, s: int, part: int | None) -> Callable[..., Any]:
+        """(residuals, output cotangents) -> (parameter cotangents, input cotangents) of stage s;
+        with `part` 0 only the parameter cotangents (ZB-H1's W pass), 1 only the input
+        cotangents (its B pass): one backward, of which the compiler drops what the part does
+        not return, so each part computes what the whole backward would."""
         _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
-        return jax.jit(self._counted("backward", s, bwd), compiler_options=self.options)
+        if part is None:
+            return bwd
+        return lambda residuals, cotangents: bwd(residuals, cotangents)[part]
+
+    def _make_backward(self, s: int, part: int | None = None) -> Any:
+        kind = {None: "backward", 1: "input_gradient", 0: "weight_gradient"}[part]
+        return jax.jit(self._counted(kind, s, self._backward_function(s, part)), compiler_options=self.options)
 
     def _forward_backward_function(self, s: int) -> Callable[..., Any]:
         """(params, received, state, data, output cotangents) -> (outputs, aux, parameter and
@@ -301,16 +323,21 @@ class MpmdPipeline:
         return self._residual_bytes
 
     def _make_recording(self, s: int, kind: Pass) -> Any:
-        """The forward or backward of stage s that also tells the host when it starts and ends
-        on its devices (`jax.debug.callback`, no blocking: the stages still overlap)."""
-        fwd, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
-        run = fwd if kind is Pass.FORWARD else bwd
+        """The forward, backward or weight pass of stage s that also tells the host when it
+        starts and ends on its devices (`jax.debug.callback`, no blocking: the stages still
+        overlap)."""
+        fwd, _ = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+        if kind is Pass.FORWARD:
+            run = fwd
+        else:
+            run = self._backward_function(s, 0 if kind is Pass.WEIGHT else 1 if self.split_backward else None)
 
         def recorded(microbatch: Any, *args: Any) -> Any:
             first = jax.tree_util.tree_leaves(args)[0]
             jax.debug.callback(self._stamp, s, kind.value, microbatch, jnp.ravel(first)[0], 0)
             out = run(*args)
-            last = jax.tree_util.tree_leaves(out)[-1]
+            # the first stage's input-gradient pass returns nothing (it has no input): stamp on its input
+            last = (jax.tree_util.tree_leaves(out) or [first])[-1]
             jax.debug.callback(self._stamp, s, kind.value, microbatch, jnp.ravel(last)[0], 1)
             return out
 
@@ -419,6 +446,7 @@ class MpmdPipeline:
         received: dict[tuple[int, int], tuple[Any, ...]] = {(0, i): () for i in range(m)}
         cotangent: dict[tuple[int, int], tuple[Any, ...]] = {}
         residuals: dict[tuple[int, int], tuple[Any, int]] = {}  # (residuals, their bytes)
+        awaiting_weight: dict[tuple[int, int], tuple[Any, int, Any]] = {}  # ZB-H1: (residuals, bytes, cotangents)
         fused_gradients: dict[int, tuple[Any, Any]] = {}  # microbatch -> the last stage's, from its fused pass
         loss_ct = self._loss_ct
         grads: list[Any] = [None] * n_stages
@@ -472,19 +500,33 @@ class MpmdPipeline:
                 if s + 1 < n_stages:
                     received[(s + 1, i)] = tuple(jax.device_put(v, self._value_sharding(s + 1, var.aval))
                                                  for v, var in zip(sent, split.stages[s + 1].receives))
-            else:
-                res, nbytes = residuals.pop((s, i))
+            elif event.kind is Pass.WEIGHT:  # ZB-H1: the parameter cotangents, from what the B pass kept
+                res, nbytes, cts = awaiting_weight.pop((s, i))
                 live_bytes[s] -= nbytes
                 in_flight[s] -= 1
+                g_params = (self._recorder(s, Pass.WEIGHT)(np.int32(i), res, cts) if record
+                            else self._weight[s](res, cts))
+                del res, cts  # the residuals of microbatch i on stage s are freed here
+                grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
+            else:
+                res, nbytes = residuals.pop((s, i))
                 cts = cotangent.pop((s, i), ()) + (loss_ct if stage.computes_loss else ())  # the last stage: none sent
-                if s == n_stages - 1 and i in fused_gradients:
-                    g_params, g_received = fused_gradients.pop(i)
-                elif record:
-                    g_params, g_received = self._recorder(s, Pass.BACKWARD)(np.int32(i), res, cts)
+                g_params = None
+                if self.split_backward:  # the input cotangents only; the W pass reads the residuals later
+                    g_received = (self._recorder(s, Pass.BACKWARD)(np.int32(i), res, cts) if record
+                                  else self._backward[s](res, cts))
+                    awaiting_weight[(s, i)] = (res, nbytes, cts)
                 else:
-                    g_params, g_received = self._backward[s](res, cts)
-                del res  # the residuals of microbatch i on stage s are freed here
-                if g_params is not None:  # None: the final pass summed and used them
+                    live_bytes[s] -= nbytes
+                    in_flight[s] -= 1
+                    if s == n_stages - 1 and i in fused_gradients:
+                        g_params, g_received = fused_gradients.pop(i)
+                    elif record:
+                        g_params, g_received = self._recorder(s, Pass.BACKWARD)(np.int32(i), res, cts)
+                    else:
+                        g_params, g_received = self._backward[s](res, cts)
+                del res  # without a W pass to come, the residuals of microbatch i on stage s are freed here
+                if g_params is not None:  # None: the final pass summed and used them, or the W pass will
                     grads[s] = g_params if grads[s] is None else self._accumulate[s](grads[s], g_params)
                 if s > 0:
                     previous = split.stages[s - 1]

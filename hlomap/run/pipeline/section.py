@@ -1,9 +1,10 @@
 """Meshes from a plan: the device order, the SPMD mesh, the pipeline's stages and their meshes.
 
 A pipeline plan's `pipeline` section (`hlomap.plan.Pipeline`, typed and checked by the plan)
-lists its stages with the (plan) device ids each uses (with `"repeats": V`, a circular schedule:
-the model is cut into S V logical stages and logical stage k runs on the devices of stage k mod S,
-each microbatch going round the stages V times); the
+lists its stages with the (plan) device ids each uses (with `"repeats": V`, the model is cut into
+S V logical stages and logical stage k runs on the devices of stage k mod S, each microbatch going
+round the stages V times: a circular schedule under gpipe, interleaved 1F1B under
+interleaved-1f1b); the
 mesh inside a stage is the stage's own `mesh` entry when it has one, else the plan's top-level
 mesh (its parameters' PartitionSpecs then apply inside every stage: tensor parallelism), else
 one `data` axis over the stage's devices (the explorer's replicated stages). The PartitionSpecs
@@ -20,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hlomap.cost.pipeline.stages import Schedule
+from hlomap.cost.pipeline.stages import Schedule, schedule_problem
 from hlomap.plan import ParameterSpec, Pipeline, PipelineCut, Plan
 from hlomap.plan.sections import Spec
 from hlomap.run.errors import RunError
@@ -49,7 +50,7 @@ class PipelineSection:
     microbatches: int
     schedule: Schedule
     parameters: tuple[tuple[ParameterSpec, ...], ...]
-    repeats: int = 1  # circular schedule: each stage's devices run this many of the model's stages
+    repeats: int = 1  # circular or interleaved: each stage's devices run this many of the model's stages
 
     @property
     def n_stages(self) -> int:
@@ -74,10 +75,13 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
     requires (a circular pipeline runs GPipe with at least as many microbatches as stages)."""
     section: Pipeline = plan.pipeline
     schedule, microbatches, repeats = section.schedule, section.microbatches, section.repeats
-    if repeats > 1 and schedule is not Schedule.GPIPE:
-        raise RunError(f"{where}: a circular pipeline (repeats {repeats}) runs the gpipe schedule, not "
-                       f"{schedule.value}")
-    if repeats > 1 and microbatches < section.n_stages:
+    if repeats > 1 and schedule not in (Schedule.GPIPE, Schedule.INTERLEAVED):
+        raise RunError(f"{where}: repeats {repeats} (model chunks per stage) runs the gpipe schedule (circular, on the "
+                       f"spmd executor) or interleaved-1f1b (on the mpmd executor), not {schedule.value}")
+    problem = schedule_problem(schedule, section.n_stages, microbatches, repeats)
+    if problem is not None:
+        raise RunError(f"{where}: {problem}")
+    if repeats > 1 and schedule is Schedule.GPIPE and microbatches < section.n_stages:
         raise RunError(f"{where}: a circular pipeline needs at least as many microbatches as stages (a microbatch "
                        f"comes back to stage 0 after {section.n_stages} ticks); it has {microbatches} microbatches "
                        f"and {section.n_stages} stages")

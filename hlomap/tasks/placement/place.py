@@ -66,6 +66,10 @@ def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
         raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has tensor-parallel stages, which "
                              "placement and re-planning do not price yet; they take the pipeline plans of hlomap "
                              "explore --task pipeline")
+    if pipeline.repeats > 1:
+        raise PlacementError(f"{where}: the pipeline runs {pipeline.repeats} model chunks per stage (repeats); placement "
+                             "and pricing from the block profile take one chunk per stage so far (the cost model "
+                             "prices chunks: hlomap.cost.pipeline.simulator.simulate of a PipelinePlan with repeats)")
     if pipeline.block_profile is None:
         raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")

@@ -36,7 +36,8 @@ def _straight(n_stages, microbatches, schedule, layers_per_stage=1):
     t_f=st.floats(0.01, 5.0),
     t_b=st.floats(0.01, 5.0),
     layers_per_stage=st.integers(1, 3),
-    schedule=st.sampled_from(Schedule),
+    # interleaved 1F1B without chunks is 1F1B; ZB-H1 beats the formula (tests/cost/pipeline/test_schedules.py)
+    schedule=st.sampled_from([Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED]),
 )
 def test_uniform_stages_follow_the_gpipe_formula(
     n_stages, microbatches, t_f, t_b, layers_per_stage, schedule
@@ -151,8 +152,8 @@ def test_timeline_respects_dependencies_and_resources(profile, cluster, schedule
                 assert b.start >= span[(SpanKind.BACKWARD, s + 1, mb)].end - eps
     # one pass at a time per stage, one transfer at a time per link direction
     for key in {(sp.kind, sp.stage) for sp in result.spans}:
-        kinds = {SpanKind.FORWARD, SpanKind.BACKWARD} if key[0] in (
-            SpanKind.FORWARD, SpanKind.BACKWARD) else {key[0]}
+        compute = {SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.WEIGHT}
+        kinds = compute if key[0] in compute else {key[0]}
         busy = sorted(
             (sp.start, sp.end) for sp in result.spans if sp.stage == key[1] and sp.kind in kinds
         )

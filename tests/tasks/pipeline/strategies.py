@@ -114,7 +114,7 @@ def spaces(draw: st.DrawFn) -> PipelineSpace:
     """Random search spaces exercising every option."""
     return PipelineSpace(
         microbatches=draw(st.integers(1, 6)),
-        schedule=draw(st.sampled_from(Schedule)),
+        schedule=draw(st.sampled_from([Schedule.GPIPE, Schedule.ONE_F_ONE_B])),  # what the explorers offer
         objective=draw(st.sampled_from(PipelineObjective)),
         replication=tuple(draw(st.sets(st.integers(1, 4), min_size=1, max_size=3))),
         use_all_devices=draw(st.booleans()),

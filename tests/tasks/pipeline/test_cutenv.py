@@ -45,7 +45,7 @@ def tasks(draw, *, objective=None):
         bandwidth.reshape(d, d), np.full((d, d), 1e-5)), memory)
     space = PipelineSpace(
         microbatches=draw(st.integers(1, 6)),
-        schedule=draw(st.sampled_from(Schedule)),
+        schedule=draw(st.sampled_from([Schedule.GPIPE, Schedule.ONE_F_ONE_B])),  # what the explorers offer
         objective=objective or draw(st.sampled_from(PipelineObjective)),
         replication=(per_node,),
         cut_on_node_boundary=True,
