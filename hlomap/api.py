@@ -969,11 +969,21 @@ class JointExploration:
         return bool(self.result.cost.fits)
 
 
+#: The schedules the joint planner prices exactly (its closed form); the others need the event
+#: timeline per plan, which its dynamic program cannot decompose.
+JOINT_SCHEDULES = ("1f1b", "gpipe")
+
+
 def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b",
                           microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                           output: str | Path | None = None, **options: Any) -> JointExploration:
     """`explore_auto`, returning the search's result beside the plan."""
     from hlomap.tasks.joint.explore import explore_joint, joint_plan
+
+    if str(getattr(schedule, "value", schedule)) not in JOINT_SCHEDULES:
+        raise InputError(f"schedule {getattr(schedule, 'value', schedule)!r}: the auto task plans under "
+                         f"{' or '.join(JOINT_SCHEDULES)} (choosing among schedules is --task pipeline's "
+                         "--schedule auto)")
 
     result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
                            max_stages=max_stages, **options)

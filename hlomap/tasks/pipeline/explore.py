@@ -33,6 +33,7 @@ from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, choose_schedule
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
@@ -272,7 +273,9 @@ def explore_pipeline(
     (`PipelineResult.interrupted`).
     """
     agent = PipelineAgent(agent)
-    schedule = Schedule(schedule)
+    choose = schedule == AUTO_SCHEDULE
+    # the cuts are searched under 1F1B, then every schedule is priced on them (`schedules`)
+    schedule = DEFAULT_SCHEDULE if choose else Schedule(schedule)
     objective = PipelineObjective(objective)
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
@@ -337,6 +340,8 @@ def explore_pipeline(
                            seed, on_best=report_best, on_progress=on_progress)
         plan, episodes_run, interrupted = found.plan, found.episodes, found.interrupted
     optimum = solve(profile, cluster, space).value if compare_dp else None
+    if choose:
+        plan = choose_schedule(profile, cluster, plan, space.cost).plan
     return result_of(plan, episodes_run, interrupted, optimum)
 
 
@@ -351,6 +356,13 @@ def _pipeline_section(result: PipelineResult) -> Pipeline:
     data = result.to_json()
     section = {key: data[key] for key in ("stages", "microbatches", "schedule", "cuts", "device_cuts",
                                           "on_node_boundaries")}
+    if result.plan.repeats > 1:
+        # interleaved: the section lists the S device stages (each runs V chunks, which the S V - 1
+        # cuts delimit), so no stage has one layer range
+        section["repeats"] = result.plan.repeats
+        section["stages"] = [{k: v for k, v in stage.items() if k != "layers"}
+                             for stage in data["stages"][:result.plan.device_stages]]
+        section["device_cuts"] = data["device_cuts"][:result.plan.device_stages - 1]
     # What re-pricing the plan on other devices or clusters needs (hlomap place, hlomap replan).
     section["block_profile"] = plan_profile(result.profile, result.plan).to_json()
     return Pipeline.from_json(section)

@@ -1,0 +1,131 @@
+"""The pipeline task's choice of schedule and V for a stage plan (`schedule="auto"`).
+
+The cut search optimizes the closed form, which is the same for GPipe and 1F1B and does not
+decompose for interleaved 1F1B or ZB-H1 (`hlomap.cost.pipeline.costs.schedule_latency`). So the
+schedule is chosen after the cuts: the found stages are priced under every schedule the runner
+runs (`SCHEDULE_CHOICES`), plus interleaved 1F1B with V = 2 model chunks per device stage when
+the stages are alike (the layers cut again into S V pieces of equal compute, chunk k on device
+stage k mod S), and the fastest that fits memory wins. Each price is the event simulator's L
+(`hlomap.cost.pipeline.simulator.simulate`: one model for every schedule; the closed form the cut
+search uses is exact only for equal stages) plus the executor's own cost on a measured cluster (`executor_overhead`; ZB-H1 launches a third program,
+the weight pass, per stage and microbatch), so on hosts where dispatch dominates the chooser
+keeps fewer programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hlomap.cost.cluster import Cluster
+from hlomap.cost.pipeline.costs import CostOptions, executor_overhead
+from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.simulator import SimulationResult, simulate
+from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
+
+__all__ = ["AUTO_SCHEDULE", "SCHEDULE_CHOICES", "ScheduleOption", "choose_schedule", "interleaved_variant",
+           "schedule_options"]
+
+#: The value of `schedule` that asks the explorer to choose.
+AUTO_SCHEDULE = "auto"
+#: Schedules tried on the same stages, in order of preference when their prices tie.
+SCHEDULE_CHOICES = (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)
+#: Model chunks per device stage tried for interleaved 1F1B.
+INTERLEAVED_CHUNKS = (2,)
+#: Programs the mpmd executor launches per stage and microbatch, relative to F and B: ZB-H1 adds W.
+_PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
+
+
+@dataclass(frozen=True)
+class ScheduleOption:
+    """One schedule priced on the found stages: the plan, its simulation and the executor's own
+    seconds (0 off a measured cluster); `seconds` is what the chooser compares."""
+
+    plan: PipelinePlan
+    simulation: SimulationResult
+    executor_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.simulation.length + self.executor_seconds
+
+    @property
+    def label(self) -> str:
+        return self.plan.schedule.value + (f" V={self.plan.repeats}" if self.plan.repeats > 1 else "")
+
+
+def interleaved_variant(profile: PipelineProfile, plan: PipelinePlan, repeats: int) -> PipelinePlan | None:
+    """`plan`'s device stages running interleaved 1F1B with `repeats` chunks each: the layers cut
+    into S V contiguous pieces of as equal compute as the layer boundaries allow, piece k on the
+    devices of stage k mod S. None when the stages differ in devices per stage (pieces of equal
+    compute would not take equal time), the microbatches are no multiple of S, or there are
+    fewer layers than pieces."""
+    groups = plan.stages[:plan.device_stages]
+    pieces = len(groups) * repeats
+    if (plan.repeats != 1 or len(groups) < 2 or len({(len(s.devices), s.model) for s in groups}) != 1
+            or profile.n_layers < pieces
+            or schedule_problem(Schedule.INTERLEAVED, len(groups), plan.microbatches, repeats) is not None):
+        return None
+    bounds = _balanced_bounds(profile.compute_time, pieces)
+    if bounds is None:
+        return None
+    stages = tuple(Stage(bounds[k], bounds[k + 1], groups[k % len(groups)].devices, groups[k % len(groups)].model)
+                   for k in range(pieces))
+    return PipelinePlan(stages, plan.microbatches, Schedule.INTERLEAVED, repeats)
+
+
+def _balanced_bounds(times: np.ndarray, pieces: int) -> list[int] | None:
+    """Layer bounds [0, ..., n] of `pieces` non-empty contiguous pieces, each ending at the layer
+    boundary nearest its equal share of the total time."""
+    n = len(times)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(times, dtype=float))])
+    bounds = [0]
+    for k in range(1, pieces):
+        target = prefix[-1] * k / pieces
+        cut = int(np.clip(np.argmin(np.abs(prefix - target)), bounds[-1] + 1, n - (pieces - k)))
+        bounds.append(cut)
+    bounds.append(n)
+    return bounds if all(a < b for a, b in zip(bounds, bounds[1:])) else None
+
+
+def _with_schedule(plan: PipelinePlan, schedule: Schedule) -> PipelinePlan | None:
+    if schedule_problem(schedule, plan.device_stages, plan.microbatches, plan.repeats) is not None:
+        return None
+    return PipelinePlan(plan.stages, plan.microbatches, schedule, plan.repeats)
+
+
+def _executor_seconds(cluster: Cluster, plan: PipelinePlan) -> float:
+    groups = plan.stages[:plan.device_stages]
+    uniform = len({(len(s.devices), s.model) for s in groups}) == 1
+    executor = default_executor(plan.schedule, uniform, plan.repeats)
+    base = executor_overhead(cluster, executor, plan.n_stages, plan.microbatches)
+    return base * _PROGRAM_SHARE.get(plan.schedule, 1.0)
+
+
+def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
+                     options: CostOptions = CostOptions(),
+                     schedules: Sequence[Schedule] = SCHEDULE_CHOICES,
+                     chunks: Sequence[int] = INTERLEAVED_CHUNKS) -> list[ScheduleOption]:
+    """`plan`'s stages priced under each of `schedules` and as interleaved 1F1B with each V in
+    `chunks` (where `interleaved_variant` can build it), in that order."""
+    variants = [_with_schedule(plan, s) for s in schedules]
+    variants += [interleaved_variant(profile, plan, v) for v in chunks]
+    out = []
+    for variant in variants:
+        if variant is not None:
+            out.append(ScheduleOption(variant, simulate(profile, cluster, variant, options),
+                                      _executor_seconds(cluster, variant)))
+    return out
+
+
+def choose_schedule(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
+                    options: CostOptions = CostOptions()) -> ScheduleOption:
+    """The fastest of `schedule_options` that fits memory (the first listed on a tie); when none
+    fits, the one that needs the least memory beyond the devices', so the caller reports it."""
+    found = schedule_options(profile, cluster, plan, options)
+    fitting = [o for o in found if o.simulation.feasible]
+    if fitting:
+        return min(fitting, key=lambda o: o.seconds)
+    return min(found, key=lambda o: max(v.need_bytes - v.have_bytes for v in o.simulation.violations))
