@@ -7,9 +7,9 @@ runs (`SCHEDULE_CHOICES`), plus interleaved 1F1B with V = 2 model chunks per dev
 the stages are alike (the layers cut again into S V pieces of equal compute, chunk k on device
 stage k mod S), and the fastest that fits memory wins. Each price is the event simulator's L
 (`hlomap.cost.pipeline.simulator.simulate`: one model for every schedule; the closed form the cut
-search uses is exact only for equal stages) plus the executor's own cost on a measured cluster (`executor_overhead`; ZB-H1 launches a third program,
-the weight pass, per stage and microbatch), so on hosts where dispatch dominates the chooser
-keeps fewer programs.
+search uses is exact only for equal stages) plus the executor's own cost on a measured cluster
+(`executor_overhead`; ZB-H1 launches a third program, the weight pass, per stage and
+microbatch), so on hosts where dispatch dominates the chooser keeps fewer programs.
 """
 
 from __future__ import annotations
