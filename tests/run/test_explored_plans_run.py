@@ -54,7 +54,8 @@ def test_the_dqn_cuts_equal_groups_a_microbatch_splits_over(zoo_case) -> None:
     _check_stages(case, plan)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny", "haiku-mlp"])
+# bert-tiny's plans take minutes to compile on 2 cores: the slow run covers them
+@pytest.mark.parametrize("name", ["gpt-tiny", pytest.param("bert-tiny", marks=pytest.mark.slow), "haiku-mlp"])
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_every_explored_pipeline_plan_runs(zoo_case, name: str, microbatches: int) -> None:
     case = zoo_case(name)
@@ -64,7 +65,8 @@ def test_every_explored_pipeline_plan_runs(zoo_case, name: str, microbatches: in
     _runs(case, plan)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny", "haiku-mlp"])
+@pytest.mark.parametrize("name", ["gpt-tiny", pytest.param("bert-tiny", marks=pytest.mark.slow),
+                                  pytest.param("haiku-mlp", marks=pytest.mark.slow)])
 def test_the_joint_plan_has_no_idle_stage_and_runs(zoo_case, name: str) -> None:
     """The loss after the last layer holds no parameter: it joins the stage before it instead of
     taking devices of its own."""
