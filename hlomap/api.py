@@ -969,9 +969,10 @@ class JointExploration:
         return bool(self.result.cost.fits)
 
 
-#: The schedules the joint planner prices exactly (its closed form); the others need the event
-#: timeline per plan, which its dynamic program cannot decompose.
-JOINT_SCHEDULES = ("1f1b", "gpipe")
+#: The schedules the joint planner takes: its DP plans under the closed form of 1F1B or GPipe;
+#: "auto" then prices the plan under 1F1B, ZB-H1 and GPipe by the event timeline and keeps the
+#: fastest that fits (interleaving is the pipeline task's only).
+JOINT_SCHEDULES = ("1f1b", "gpipe", "auto")
 
 
 def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b",
@@ -982,8 +983,7 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
 
     if str(getattr(schedule, "value", schedule)) not in JOINT_SCHEDULES:
         raise InputError(f"schedule {getattr(schedule, 'value', schedule)!r}: the auto task plans under "
-                         f"{' or '.join(JOINT_SCHEDULES)} (choosing among schedules is --task pipeline's "
-                         "--schedule auto)")
+                         f"{', '.join(JOINT_SCHEDULES)} (auto chooses among 1f1b, zb-h1 and gpipe)")
 
     result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
                            max_stages=max_stages, **options)

@@ -77,8 +77,8 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=common.positive_int, default=8, metavar="M",
                    help="microbatches per step (default 8)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1", "auto"), default="1f1b",
-                   help="pipeline schedule (default 1f1b); auto (--task pipeline): cut under 1F1B, then keep the "
-                        "fastest of 1f1b, zb-h1, gpipe and interleaved-1f1b with 2 chunks per stage")
+                   help="pipeline schedule (default 1f1b); auto: plan under 1F1B, then keep the fastest of 1f1b, zb-h1, "
+                        "gpipe (and, for --task pipeline, interleaved-1f1b with 2 chunks per stage)")
     g.add_argument("--episodes", type=common.positive_int, default=2000, metavar="N",
                    help="DQN training episodes (default 2000; --budget-seconds also limits it)")
     g.add_argument("--finetune-episodes", type=common.count, default=0, metavar="N",
@@ -255,8 +255,8 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
     from hlomap.report.joint import format_joint_result
 
     if args.schedule not in api.JOINT_SCHEDULES:
-        raise api.InputError(f"--schedule {args.schedule}: the auto task plans under {' or '.join(api.JOINT_SCHEDULES)} "
-                             "(--schedule auto chooses among schedules for --task pipeline)")
+        raise api.InputError(f"--schedule {args.schedule}: the auto task takes {', '.join(api.JOINT_SCHEDULES)} "
+                             "(auto: the fastest of 1f1b, zb-h1 and gpipe on the planned stages)")
     cluster = common.cluster_argument(args.cluster, args.profile)
     runnable = _measure_runnable(args)
     interrupts = interrupts_of(args)

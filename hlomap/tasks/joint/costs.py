@@ -32,7 +32,7 @@ from hlomap.cost.collectives import Collective, collective_permute_time, collect
 from hlomap.cost.estimate import Reason, per_buffer_seconds, step_work
 from hlomap.cost.mapping import axis_devices
 from hlomap.cost.sharding import ShardedGraph
-from hlomap.hlo.capture import Capture, Role
+from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
@@ -133,6 +133,7 @@ class StageArrays(NamedTuple):
     axes: MeshAxes
     buffers: np.ndarray
     sync_per_buffer: float = 0.0
+    forward: np.ndarray | None = None  # the forward pass's share of `compute` (schedules that split passes)
 
 
 @dataclass(eq=False)
@@ -203,7 +204,7 @@ class JointModel:
         work = step_work(sg, self.cluster, mapping, cache=self._cache, busy=self.cluster.n_devices)
         n = self.attribution.length
         where = _positions(self.cap, self.attribution)
-        compute, update_total = np.zeros(n), 0.0
+        compute, forward, update_total = np.zeros(n), np.zeros(n), 0.0
         for inst in work.instructions:
             p = where.get((inst.computation, inst.name))
             if p is None:
@@ -212,6 +213,8 @@ class JointModel:
                 update_total += inst.seconds
             elif p >= 0:
                 compute[p] += inst.seconds
+                if inst.phase is Phase.FORWARD:
+                    forward[p] += inst.seconds
         alpha, beta, grads, buffers = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         for c in work.collectives:
             p = where.get((c.computation, c.instruction), -1)
@@ -236,7 +239,7 @@ class JointModel:
         cut = crossing[np.asarray(self.pivots, dtype=np.int64)] if self.pivots else np.zeros(0)
         per_buffer = per_buffer_seconds(self.cluster, option.data) if option.data > 1 else 0.0
         return StageArrays(layer(compute), layer(alpha), layer(beta), layer(update), layer(grads), layer(params),
-                           layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer)
+                           layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer, layer(forward))
 
     def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
         """Per chain position: parameter and stash bytes on one device; and every crossing

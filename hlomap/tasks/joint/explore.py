@@ -25,7 +25,8 @@ from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
-from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate, runs_as_spmd
+from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, choose_schedule, evaluate, runs_as_spmd
+from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
 from hlomap.tasks.joint.task import JointSearchTask
 from hlomap.cost.pipeline.chain import PivotOptions, step_chain
@@ -83,7 +84,9 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     default: optimal for the model and fast), or a search driver over the outer level ("dqn",
     "random", "greedy"; `budget` bounds it) with the same inner level."""
     start = time.perf_counter()
-    schedule = Schedule(schedule)
+    choose = schedule == AUTO_SCHEDULE
+    # the DP needs the closed form: it plans under 1F1B, then every schedule is priced on its plan
+    schedule = DEFAULT_SCHEDULE if choose else Schedule(schedule)
     model = model or joint_model(cap, cluster, graph=graph)
     options = stage_options(cluster, kinds=kinds)
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
@@ -91,7 +94,7 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     task = JointSearchTask(model, space)
     found = run_driver(task, Driver(agent), budget or Budget(seconds=60.0), seed, on_best=on_best,
                        on_progress=on_progress)
-    plan = found.plan
+    plan = choose_schedule(model, found.plan) if choose else found.plan
     cost = evaluate(model, plan)
     grid = tuple(expert_grid(model, schedule=schedule)) if with_grid else ()
     log.info("joint plan of %s on %s: %d stages, L %.4g s (%.1f s)", cap.source, cluster.name, plan.n_stages,

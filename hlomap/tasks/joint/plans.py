@@ -23,11 +23,17 @@ import numpy as np
 
 from hlomap.cost.estimate import dispatch_seconds
 from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency
-from hlomap.cost.pipeline.stages import PipelinePlan, Stage, default_executor, in_flight
+from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
+from hlomap.cost.pipeline.timeline import event_timeline
 from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
                                       transfer_seconds)
 
 __all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
+
+#: Schedules the closed form prices exactly; the others are priced by the event timeline.
+CLOSED_FORM_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+#: Programs the mpmd executor launches per stage and microbatch, relative to F and B: ZB-H1 adds W.
+PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,18 @@ def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -
     return PARAM_MEMORY_FACTOR * (a.params[j] - a.params[i]) + held * (a.stash[j] - a.stash[i]) / microbatches
 
 
-def evaluate(model: JointModel, plan: JointPlan) -> JointCost:
-    """The closed-form cost of `plan` (module docstring)."""
+def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> JointCost:
+    """The cost of `plan` (module docstring): the closed form under GPipe and 1F1B, the event
+    timeline (`cost.pipeline.timeline`) under other schedules or with `timeline`, each stage's
+    time split into its forward and backward by their compute (under ZB-H1 the backward into
+    input and weight passes by `INPUT_GRADIENT_SHARE`)."""
     cluster = model.cluster
     m, n = plan.microbatches, plan.n_stages
-    times, transfers, memory, capacity = [], [], [], []
+    times, transfers, memory, capacity, forward_share = [], [], [], [], []
     for s, stage in enumerate(plan.stages):
         a = model.arrays(stage.option)
         times.append(float(stage_seconds(a, stage.start, stage.stop, m)))
+        forward_share.append(_forward_share(a, stage.start, stage.stop))
         held = in_flight(plan.schedule, s, n, m)
         memory.append(float(stage_memory(a, stage.start, stage.stop, held, m)))
         capacity.append(min(cluster.devices[d].memory_bytes for d in stage.devices))
@@ -111,10 +121,48 @@ def evaluate(model: JointModel, plan: JointPlan) -> JointCost:
             nbytes = float(a.crossing[stage.stop - 1]) * stage.option.data / m
             transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
                                               plan.stages[s + 1].first_device, nbytes))
-    latency, bottleneck = pipeline_latency(times, transfers, m)
+    if plan.schedule in CLOSED_FORM_SCHEDULES and not timeline:
+        latency, bottleneck = pipeline_latency(times, transfers, m)
+    else:
+        latency, bottleneck = _timeline_latency(times, forward_share, transfers, plan.schedule, m)
     overhead = joint_overhead(cluster, plan)
     return JointCost(latency + overhead, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity),
                      overhead)
+
+
+def _forward_share(a: StageArrays, i: int, j: int) -> float:
+    compute = float(a.compute[j] - a.compute[i])
+    if a.forward is None or compute <= 0:
+        return 1.0 / 3.0  # the rule of thumb: a backward is two forwards
+    return float(a.forward[j] - a.forward[i]) / compute
+
+
+def _timeline_latency(times: Sequence[float], forward_share: Sequence[float], transfers: Sequence[float],
+                      schedule: Schedule, microbatches: int) -> tuple[float, float]:
+    forward = [t * f for t, f in zip(times, forward_share)]
+    backward = [t - f for t, f in zip(times, forward)]
+    split = schedule is Schedule.ZERO_BUBBLE
+    inputs = [b * INPUT_GRADIENT_SHARE for b in backward] if split else backward
+    weights = [b - i for b, i in zip(backward, inputs)] if split else [0.0] * len(backward)
+    spans, group_free = event_timeline(forward, inputs, weights, transfers, schedule, microbatches)
+    return max([*group_free, *(span.end for span in spans)]), max([*times, *transfers])
+
+
+def choose_schedule(model: JointModel, plan: JointPlan,
+                    schedules: Sequence[Schedule] = (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE),
+                    ) -> JointPlan:
+    """`plan`'s stages under the fastest of `schedules` that fits memory, every schedule priced by
+    the event timeline (the closed form is exact for GPipe and 1F1B only, so it cannot compare
+    them with ZB-H1); `plan` itself when none fits."""
+    import dataclasses
+
+    priced = []
+    for schedule in schedules:
+        variant = dataclasses.replace(plan, schedule=schedule)
+        cost = evaluate(model, variant, timeline=True)
+        if cost.fits:
+            priced.append((cost.latency, variant))
+    return min(priced, key=lambda pair: pair[0])[1] if priced else plan
 
 
 def runs_as_spmd(plan: JointPlan) -> bool:
@@ -128,7 +176,8 @@ def joint_overhead(cluster: Any, plan: JointPlan) -> float:
     that runs as SPMD, else its pipeline executor's cost."""
     if runs_as_spmd(plan):
         return dispatch_seconds(cluster)
-    return executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches)
+    base = executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches)
+    return base * PROGRAM_SHARE.get(plan.schedule, 1.0)
 
 
 def joint_executor(plan: JointPlan) -> str:
