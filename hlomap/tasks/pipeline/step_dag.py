@@ -26,11 +26,13 @@ from hlomap.tasks.pipeline.space import PipelineSpace
 __all__ = ["EXPLORER_MAX_STATES", "StepDownsets", "chain_runs", "segment_of_positions", "solve_step_downsets",
            "step_dag"]
 
-#: The explorer's bound on the downset DP's cut states (`downsets.DEFAULT_MAX_STATES` is the
-#: PipeDream script's): the latency DP's passes cost O(K^2) each and it runs one per candidate
-#: bottleneck, so 512 states keep the exact agent within seconds on a 250-layer step; above the
-#: bound the DP searches the downsets within the largest lookahead that fits (logged).
-EXPLORER_MAX_STATES = 512
+#: The explorer's bound on the downsets the DP searches around the latest order
+#: (`downsets.DEFAULT_MAX_STATES` is the PipeDream script's); the chain's n + 1 prefixes come on
+#: top. The latency DP runs one O(K^2) pass per candidate bottleneck it tries, so with K about
+#: 500 on a 250-layer step the exact agent takes seconds, not the fraction of a second of the
+#: linear DP; above the bound the DP keeps the downsets within the largest lookahead that fits
+#: (logged), and `explore_pipeline(downset_states=0)` (`--downset-states 0`) turns it off.
+EXPLORER_MAX_STATES = 256
 
 
 def segment_of_positions(pivot_positions: tuple[int, ...] | list[int], positions: np.ndarray) -> np.ndarray:
