@@ -4,9 +4,8 @@ For each zoo model: capture its train step, profile it as the pipeline explorer 
 (`step_chain` on the cluster's device, scaled to a microbatch), and run the exact stage DP of
 `hlomap explore --task pipeline --agent dp` two ways on the same space: over the prefixes of the
 forward chain's order (the linear DP) and over downsets of the layer DAG
-(`step_dag.solve_step_downsets`: the chain's instructions in their latest order, segmented as the
-chain is, at most --max-states cut states, else those within a lookahead of that order). Prints
-the predicted step time L of each optimum (the closed form
+(`step_dag.solve_step_downsets`, at most --max-states cut states around the DAG's latest order,
+plus the chain's prefixes). Prints the predicted step time L of each optimum (the closed form
 the DP minimizes), how much lower the downset one is, the states searched, and the time each
 DP took on this machine (with the load average: on a shared machine only a rough figure).
 
@@ -33,7 +32,7 @@ from hlomap.cost.pipeline.profile import scale_batch  # noqa: E402
 from hlomap.tasks.pipeline.dp import solve  # noqa: E402
 from hlomap.tasks.pipeline.explore import pipeline_task  # noqa: E402
 from hlomap.tasks.pipeline.pipedream import pipedream_cluster  # noqa: E402
-from hlomap.tasks.pipeline.step_dag import EXPLORER_MAX_STATES, solve_step_downsets  # noqa: E402
+from hlomap.tasks.pipeline.step_dag import EXPLORER_MAX_STATES, solve_step_downsets, step_dag  # noqa: E402
 
 
 def _load() -> str:
@@ -57,7 +56,7 @@ def main() -> None:
                else load_cluster(args.cluster))
     table = Table(title=f"Exact pipeline DP, {args.stages} stages, M = {args.microbatches}, cluster {cluster.name}: "
                         "the chain's order vs downsets of the layer DAG")
-    for column in ("model", "layers", "DAG layers", "cut states", "L chain order (s)", "L downsets (s)", "lower by",
+    for column in ("model", "layers", "branches", "cut states", "L chain order (s)", "L downsets (s)", "lower by",
                    "linear DP (s)", "downset DP (s)", "load"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for name in args.models:
@@ -71,18 +70,18 @@ def main() -> None:
         linear = solve(profile, cluster, task.space)
         linear_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        found = solve_step_downsets(hlo.chain, cluster, task.space, scale=1.0 / m, max_states=args.max_states)
+        dag = step_dag(hlo, 1.0 / m)
+        found = solve_step_downsets(dag, cluster, task.space, max_states=args.max_states)
         downset_seconds = time.perf_counter() - start
         states = f"{found.found.states} " + ("all" if found.found.complete else f"h={found.found.lookahead}")
-        table.add_row(name, str(profile.n_layers), str(found.segments.dag.n_layers), states,
+        table.add_row(name, str(profile.n_layers), "no" if dag.is_chain else "yes", states,
                       f"{linear.value:.6g}", f"{found.value:.6g}", f"{100 * (1 - found.value / linear.value):.2f}%",
                       f"{linear_seconds:.2f}", f"{downset_seconds:.2f}", _load())
         console.print(f"  {name}: chain order {linear.value:.6g} s, downsets {found.value:.6g} s ({states})")
     console.print(table)
     console.print("L: the closed-form step time of one global batch the DP minimizes (latency objective, 1F1B); "
-                  "layers: the chain's segments the linear DP cuts; DAG layers: the segments of the latest order; "
-                  "cut states: the downsets searched, 'all' or those within lookahead h of that order; "
-                  "DP times are wall-clock on this machine, load average beside them.")
+                  "cut states: the downsets searched, 'all' or those within lookahead h of the DAG's latest order, "
+                  "plus the chain's prefixes; DP times are wall-clock on this machine, load average beside them.")
 
 
 if __name__ == "__main__":

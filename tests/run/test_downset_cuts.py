@@ -9,23 +9,22 @@ import hlomap
 from hlomap.plan import ParameterSpec, Plan, PlanSource
 from hlomap.run.compare import check_pipeline
 from hlomap.run.errors import RunError
-from hlomap.tasks.pipeline.step_dag import chain_runs, latest_segments
+from hlomap.tasks.pipeline.step_dag import chain_runs, step_dag
 from tests.run.helpers import FAST_COMPILE
 
 
 def _downset_plan(case, *, nested: bool = True) -> Plan:
-    """Two stages cut in the chain's latest order (`latest_segments`) at the first segment past
-    the middle where the instructions before the cut are no prefix of the chain (T5's decoder
-    embedding runs after the encoder there)."""
-    chain = case.chain.chain
-    segments = latest_segments(chain).positions
-    k = next(k for k in range(len(segments) // 2, len(segments))
-             if sorted(q for s in segments[:k] for q in s) != list(range(sum(len(s) for s in segments[:k]))))
-    before = [q for s in segments[:k] for q in s]
-    last = segments[k - 1][-1]
-    names = chain.profile.names
-    cut = {"instruction": names[last], "layer": chain.layers[last],
-           "downset": [list(run) for run in chain_runs(names, before if nested else set(before) - {last})]}
+    """Two stages cut in the DAG's latest order at the first point past the middle where the
+    layers before the cut are no prefix of the chain (T5's decoder embedding moves after the
+    encoder)."""
+    chain = case.chain
+    latest = step_dag(chain).latest_order()
+    n = len(latest)
+    k = next(k for k in range(n // 2, n - 1) if set(latest[:k]) != set(range(k)) and latest[k - 1] < n - 1)
+    before = latest[:k] if nested else latest[:k - 1]
+    last = chain.pivots[latest[k - 1]]
+    cut = {"instruction": last.instruction, "layer": last.layer, "scope": last.scope, "source": last.source,
+           "downset": [list(run) for run in chain_runs(chain, before)]}
     cap = case.cap
     parameters = tuple(ParameterSpec(p.index, p.path, tuple(p.shape.dims), (None,) * len(p.shape.dims))
                        for p in cap.parameters)

@@ -409,15 +409,21 @@ def solve_downsets(
     space: PipelineSpace,
     *,
     max_states: int = DEFAULT_MAX_STATES,
+    extra: np.ndarray | None = None,
 ) -> DownsetSolution:
     """The plan of `space` with the least objective over the downsets of `dag` (module
-    docstring; at most `max_states` of them, else a lookahead family); raises `NoFeasiblePlan`."""
+    docstring; at most `max_states` of them, else a lookahead family, to which `extra` [E, n]
+    bool adds more downsets, such as the prefixes of another order); raises `NoFeasiblePlan`."""
     n = dag.n_layers
     if dag.is_chain:
         solution = solve(dag.straight, cluster, space)
         return DownsetSolution(solution, dag.straight, tuple(range(n)), n + 1, 0, True)
     family = downset_family(dag, max_states)
     members = family.members
+    if extra is not None and not family.complete:
+        members = np.unique(np.concatenate([members, np.asarray(extra, dtype=bool)]), axis=0)
+        members = members[np.argsort(members.sum(axis=1), kind="stable")]  # empty first, all layers last
+        family = DownsetFamily(members, family.lookahead, False)
 
     def realize(chain: Sequence[int]) -> tuple[PipelineProfile, tuple[int, ...]]:
         bounds = tuple(int(members[state].sum()) for state in chain)

@@ -10,10 +10,9 @@ Agents:
   dqn-infer  the shipped inference network (section 3.5), optionally fine-tuned
   dp         the exact DP (`dp.solve`) over the same space: the optimum. On a captured step whose
              layer graph branches (ResNet's shortcuts, T5's encoder and decoder) it also runs the
-             downset DP (`step_dag.solve_step_downsets`: the chain's instructions in their
-             latest order, segmented as the chain is, at most `downset_states` cut states, else
-             the downsets within a lookahead, logged) and keeps its plan when that is cheaper;
-             such a plan's cuts list the chain instructions before them
+             downset DP (`step_dag.solve_step_downsets`, at most `downset_states` cut states,
+             else the downsets within a lookahead, logged) and keeps its plan when that is
+             cheaper; such a plan's cuts list the chain instructions before them
              (`CutDescription.downset`), which the runner follows.
 
 Units. A Capture or StepChain describes the step's whole batch; with M microbatches every
@@ -43,11 +42,10 @@ from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
 from hlomap.cost.pipeline.links import group_memory, is_node_boundary
-from hlomap.hlo.source_info import nearest_scopes
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
-from hlomap.tasks.pipeline.step_dag import EXPLORER_MAX_STATES, StepDownsets, chain_runs, solve_step_downsets
+from hlomap.tasks.pipeline.step_dag import EXPLORER_MAX_STATES, chain_runs, solve_step_downsets, step_dag
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, splits_batch
 
 __all__ = [
@@ -99,9 +97,8 @@ class PipelineResult:
 
     latency: L of one global batch from the event simulator; model_latency: the closed form the
     searches minimize; stage_memory: bytes per device of each stage at its simulated peak.
-    order: for a plan cut at downsets, the downset DP's segments (`step_dag.latest_segments`)
-    in the plan's order, which `profile` and the plan's layer ranges index; None for a plan
-    of the chain's own order.
+    order: for a plan cut at downsets, the step profile's layers in the plan's order (what
+    `profile` and the plan's layer ranges index); None for the chain's own order.
     straight_value: the chain order's optimum when the downset DP ran beside it (else None);
     downset_states: the cut states that DP searched (0: it did not run).
     """
@@ -243,11 +240,11 @@ def pipeline_task(
 
 
 def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan,
-              downsets: StepDownsets | None = None) -> tuple[CutDescription, ...]:
+              order: tuple[int, ...] | None = None) -> tuple[CutDescription, ...]:
     out = []
     for pivot in plan.cuts:
-        if hlo is not None and downsets is not None:
-            out.append(_describe_downset(hlo, profile, plan, downsets, pivot))
+        if hlo is not None and order is not None:
+            out.append(_describe_downset(hlo, profile, plan, order, pivot))
         elif hlo is not None:
             p = hlo.pivots[pivot]
             out.append(CutDescription(pivot, p.instruction, p.layer, p.crossing_bytes,
@@ -259,19 +256,18 @@ def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePla
     return tuple(out)
 
 
-def _describe_downset(hlo: StepChain, profile: PipelineProfile, plan: PipelinePlan, downsets: StepDownsets,
+def _describe_downset(hlo: StepChain, profile: PipelineProfile, plan: PipelinePlan, order: tuple[int, ...],
                       pivot: int) -> CutDescription:
     """The cut after position `pivot` of a downset plan's layer order: after the last chain
-    instruction (in the latest order) of the segment there, with the runs of chain instructions
-    before it (none when they are a prefix of the chain)."""
-    chain = hlo.chain
-    names = chain.profile.names
-    q = downsets.last_instruction(pivot)
-    before = downsets.before_cut(pivot)
-    prefix = before == tuple(range(q + 1))
-    source = chain.sources[q] if chain.sources else None
-    return CutDescription(pivot, names[q], chain.layers[q], float(profile.activation_bytes[pivot]) * plan.microbatches,
-                          nearest_scopes(chain.layers)[q], source, () if prefix else chain_runs(names, before))
+    instruction of the layer there, with the runs of chain instructions before it."""
+    layer = order[pivot]
+    if layer >= len(hlo.pivots):
+        raise ValueError(f"{hlo.source}: a downset plan puts the last layer (the loss) before a cut")
+    p = hlo.pivots[layer]
+    runs = chain_runs(hlo, order[:pivot + 1])
+    prefix = runs == ((hlo.chain.profile.names[0], p.instruction),)
+    return CutDescription(pivot, p.instruction, p.layer, float(profile.activation_bytes[pivot]) * plan.microbatches,
+                          p.scope, p.source, () if prefix else runs)
 
 
 def _plan_value(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan, space: PipelineSpace) -> float:
@@ -355,14 +351,13 @@ def explore_pipeline(
     def result_of(plan: PipelinePlan, episodes_run: int = 0, interrupted: bool = False,
                   optimum: float | None = None, downsets: _DownsetChoice | None = None) -> PipelineResult:
         device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
-        chosen = downsets.chosen if downsets is not None else None
-        used = chosen.found.profile if chosen is not None else profile
-        order = chosen.order if chosen is not None else None
+        used = downsets.profile if downsets is not None and downsets.order is not None else profile
+        order = None if downsets is None else downsets.order
         return PipelineResult(
             source=label, agent=agent, profile=used, plan=plan,
             cost=evaluate_plan(used, cluster, plan, space.cost),
             simulation=simulate(used, cluster, plan, space.cost),
-            cuts=_describe(hlo, used, plan, chosen), device_cuts=device_cuts, replication=plan.replication,
+            cuts=_describe(hlo, used, plan, order), device_cuts=device_cuts, replication=plan.replication,
             device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
             on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
             search_seconds=time.perf_counter() - start, episodes=episodes_run, optimum=optimum,
@@ -394,35 +389,39 @@ def explore_pipeline(
     optimum = solve(profile, cluster, space).value if compare_dp else None
     downsets = None
     if agent is PipelineAgent.DP and task is not None and hlo is not None and downset_states > 0 and not interrupted:
-        downsets = _try_downsets(hlo, profile, cluster, space, plan, microbatches, downset_states, pivot_options)
-        if downsets.chosen is not None:
-            plan = downsets.chosen.found.solution.plan
+        downsets = _try_downsets(hlo, profile, cluster, space, plan, microbatches, downset_states)
+        if downsets.plan is not None:
+            plan = downsets.plan
             optimum = None if optimum is None else min(optimum, downsets.value)
     return result_of(plan, episodes_run, interrupted, optimum, downsets)
 
 
 @dataclass(frozen=True)
 class _DownsetChoice:
-    """What the downset DP beside the exact agent found: the chain order's value, the states
-    searched, the downset optimum, and its plan when that beats the chain order's (else None)."""
+    """What the downset DP beside the exact agent found: its plan on `profile` in `order` when
+    that beats the chain order's (else order None), the chain order's value, the states searched."""
 
     straight_value: float
     states: int
     value: float
-    chosen: StepDownsets | None = None
+    order: tuple[int, ...] | None = None
+    profile: PipelineProfile | None = None
+    plan: PipelinePlan | None = None
 
 
 def _try_downsets(hlo: StepChain, profile: PipelineProfile, cluster: Cluster, space: PipelineSpace,
-                  straight: PipelinePlan, microbatches: int, max_states: int,
-                  pivot_options: PivotOptions) -> _DownsetChoice:
+                  straight: PipelinePlan, microbatches: int, max_states: int) -> _DownsetChoice:
     """Run the downset DP on the step's layer DAG and keep its plan when it is cheaper than the
     chain order's `straight` plan by more than ties (module docstring)."""
     straight_value = _plan_value(profile, cluster, straight, space)
+    dag = step_dag(hlo, 1.0 / microbatches)
+    if dag.is_chain:
+        log.info("%s: the layer graph is a chain; its order's cuts are every downset", hlo.source)
+        return _DownsetChoice(straight_value, 0, straight_value)
     try:
-        found = solve_step_downsets(hlo.chain, cluster, space, scale=1.0 / microbatches, options=pivot_options,
-                                    max_states=max_states)
+        found = solve_step_downsets(dag, cluster, space, max_states=max_states)
     except NoFeasiblePlan:
-        log.info("%s: the downset DP found no plan; keeping the chain order's", hlo.source)
+        log.info("%s: the downset DP found no plan around the latest order; keeping the chain order's", hlo.source)
         return _DownsetChoice(straight_value, 0, straight_value)
     states = found.found.states
     log.info("%s: downset DP over %d cut states (%s): %.6g against %.6g cutting the chain order", hlo.source, states,
@@ -430,7 +429,8 @@ def _try_downsets(hlo: StepChain, profile: PipelineProfile, cluster: Cluster, sp
              found.value, straight_value)
     if not found.value < straight_value * (1 - TIE_RTOL):
         return _DownsetChoice(straight_value, states, found.value)
-    return _DownsetChoice(straight_value, states, found.value, found)
+    return _DownsetChoice(straight_value, states, found.value, found.order, found.found.profile,
+                          found.found.solution.plan)
 
 
 # ---------------------------------------------------------------------------------------------

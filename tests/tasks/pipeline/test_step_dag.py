@@ -1,6 +1,6 @@
-"""The layer DAG of a captured step (`step_dag`): its straight order is the chain's profile, its
-latest order moves a branch run too early next to its reader, the downset DP is strictly
-better than cutting the chain's order there, and the exact agent never returns worse."""
+"""The layer DAG of a captured step (`step_dag`): its straight order is the explorer's profile,
+the downset DP on it is never worse than cutting the chain's order and strictly better on a
+branch the chain runs too early, and the exact agent reports both."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 
 from hlomap.cost.cluster import uniform
 from hlomap.cost.pipeline.chain import step_chain
+from hlomap.cost.pipeline.profile import scale_batch
 from hlomap.tasks.pipeline.dp import solve
 from hlomap.tasks.pipeline.downsets import DagTensor, LayerDag
 from hlomap.tasks.pipeline.explore import explore_pipeline
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
-from hlomap.tasks.pipeline.downsets import solve_downsets
-from hlomap.tasks.pipeline.step_dag import chain_runs, instruction_dag, latest_segments
+from hlomap.tasks.pipeline.step_dag import chain_runs, solve_step_downsets, step_dag
 
 BOTTLENECK = PipelineSpace(objective=PipelineObjective.BOTTLENECK, check_memory=False, require_trainable=False)
 
@@ -57,34 +57,34 @@ def test_the_downset_dp_beats_the_chain_order_on_a_branch_run_too_early() -> Non
     cluster = uniform(2, "V100-16GB", 1e9, 0.0)
     space = BOTTLENECK
     linear = solve(dag.straight, cluster, space)
-    found = solve_downsets(dag, cluster, space, max_states=64)
-    assert found.complete
+    found = solve_step_downsets(dag, cluster, space, max_states=64)
     assert found.value < 0.5 * linear.value  # every chain cut ships the 10 GB tensor; the downset one does not
-    first_stage = set(found.order[:found.solution.plan.stages[0].stop])
+    assert dag.latest_order() == (1, 2, 3, 4, 0, 5)
+    first_stage = set(found.order[:found.found.solution.plan.stages[0].stop])
     assert 0 not in first_stage and first_stage <= {1, 2, 3, 4}
-    # The latest order runs layer 0 next to its reader, where its prefixes alone find the optimum.
-    latest = dag.latest_order()
-    assert latest == (1, 2, 3, 4, 0, 5)
-    assert solve(dag.linearize(latest), cluster, space).value == pytest.approx(found.value)
-    assert solve_downsets(dag.reordered(latest), cluster, space, max_states=1).value == pytest.approx(found.value)
 
 
-def test_a_captured_step_s_dag_has_the_chain_s_crossing_bytes_and_segments_of_its_latest_order(zoo_capture) -> None:
+def test_with_a_tiny_state_bound_the_dp_is_still_no_worse_than_the_chain_order() -> None:
+    """Over the bound only the prefixes of both orders remain: still never worse."""
+    dag = _early_branch()
+    cluster = uniform(2, "V100-16GB", 1e9, 0.0)
+    linear = solve(dag.straight, cluster, BOTTLENECK)
+    assert solve_step_downsets(dag, cluster, BOTTLENECK, max_states=1).value <= linear.value
+
+
+def test_a_captured_step_s_dag_has_the_profile_s_crossing_bytes_and_branches(zoo_capture) -> None:
     cap = zoo_capture("t5-tiny")
-    chain = step_chain(cap).chain
-    dag = instruction_dag(chain)
+    hlo = step_chain(cap)
+    dag = step_dag(hlo, 0.5)
+    profile = scale_batch(hlo.profile, 0.5)
     assert not dag.is_chain
-    np.testing.assert_allclose(dag.straight.activation_bytes, chain.profile.activation_bytes, rtol=1e-12)
-    segments = latest_segments(chain, 0.5)
-    n = chain.profile.n_layers
-    assert sorted(q for s in segments.positions for q in s) == list(range(n))
-    assert segments.dag.n_layers == len(segments.positions) <= 256
-    assert segments.dag.straight.compute_time.sum() == pytest.approx(0.5 * chain.profile.compute_time.sum())
-    # T5's decoder embedding runs first in XLA's chain; the latest order runs the encoder first.
-    first = [chain.layers[q] for q in segments.positions[0]]
-    assert not any(layer.startswith("decoder") for layer in first), first
-    names = chain.profile.names
-    assert chain_runs(names, [0, 1, 2, 5, 6]) == ((names[0], names[2]), (names[5], names[6]))
+    np.testing.assert_allclose(dag.straight.activation_bytes, profile.activation_bytes, rtol=1e-12)
+    np.testing.assert_allclose(dag.straight.compute_time, profile.compute_time, rtol=1e-12)
+    dag.linearize(dag.latest_order())  # raises unless it is a topological order
+    names = hlo.chain.profile.names
+    assert chain_runs(hlo, range(3)) == ((names[0], hlo.pivots[2].instruction),)
+    assert chain_runs(hlo, [0, 2]) == ((names[0], hlo.pivots[0].instruction),
+                                       (names[hlo.pivots[1].position + 1], hlo.pivots[2].instruction))
 
 
 def test_the_exact_agent_reports_the_chain_order_and_the_downset_optimum(zoo_capture) -> None:
