@@ -266,7 +266,8 @@ def _describe_downset(hlo: StepChain, profile: PipelineProfile, plan: PipelinePl
     p = hlo.pivots[layer]
     runs = chain_runs(hlo, order[:pivot + 1])
     prefix = runs == ((hlo.chain.profile.names[0], p.instruction),)
-    return CutDescription(pivot, p.instruction, p.layer, float(profile.activation_bytes[pivot]) * plan.microbatches,
+    # `pivot` names the chain's pivot (as in a plan of the chain's order), not the plan's position.
+    return CutDescription(layer, p.instruction, p.layer, float(profile.activation_bytes[pivot]) * plan.microbatches,
                           p.scope, p.source, () if prefix else runs)
 
 
