@@ -87,13 +87,26 @@ def test_a_captured_step_s_dag_has_the_profile_s_crossing_bytes_and_branches(zoo
                                        (names[hlo.pivots[1].position + 1], hlo.pivots[2].instruction))
 
 
-def test_the_exact_agent_reports_the_chain_order_and_the_downset_optimum(zoo_capture) -> None:
-    cap = zoo_capture("resnet50-tiny")
-    result = explore_pipeline(cap, stages=2, microbatches=2, agent="dp", cluster=uniform(2, "V100-16GB", 1e8, 0.0),
-                              downset_states=64)
+def test_the_exact_agent_cuts_gpt_tiny_at_downsets_when_cheaper_and_says_so(zoo_capture) -> None:
+    from rich.console import Console
+
+    from hlomap.cost.cluster import hierarchical
+    from hlomap.report.pipeline import format_pipeline_result
+
+    cap = zoo_capture("gpt-tiny")
+    result = explore_pipeline(cap, stages=2, microbatches=2, agent="dp", cluster=hierarchical(2, 4), downset_states=128)
     assert result.downset_states > 0 and result.straight_value is not None
-    assert result.value <= result.straight_value * (1 + 1e-12)
-    if result.order is not None:  # a downset plan: its cuts name what runs before them
-        assert any(cut.downset for cut in result.cuts)
+    assert result.value < result.straight_value * (1 - 1e-6) and result.order is not None
+    hlo = step_chain(cap)
+    for cut in result.cuts:  # a cut names the chain's pivot it follows and what runs before it
+        assert cut.instruction == hlo.pivots[cut.pivot].instruction
+    assert any(cut.downset for cut in result.cuts)
+    console = Console(record=True, width=200)
+    console.print(format_pipeline_result(result))
+    assert "cut at downsets of the layer DAG" in console.export_text()
+    linear_only = explore_pipeline(cap, stages=2, microbatches=2, agent="dp", cluster=hierarchical(2, 4),
+                                   downset_states=0)
+    assert linear_only.order is None and linear_only.downset_states == 0
+    assert linear_only.value == pytest.approx(result.straight_value)
     with pytest.raises(ValueError, match="downset_states"):
         explore_pipeline(cap, stages=2, agent="dp", downset_states=-1)
