@@ -9,6 +9,14 @@ The DAG keeps what constrains the order, the data edges: segment a feeds segment
 value defined in a is read in b (by a chain op, or by a side op anchored there, `chain.attribute`).
 Each such value is a `DagTensor` of its bytes read by those segments, so the straight order's
 crossing bytes are exactly the profile's (`tests/tasks/pipeline/test_step_dag.py`).
+
+`solve_step_downsets` searches the downsets within a lookahead of the DAG's latest order (every
+segment as late as its readers allow, `LayerDag.latest_order`) plus every prefix of the chain's
+order, so its optimum is never worse than the linear DP's; `chain_runs` writes a downset as the
+runs of chain instructions the runner reads (`plan.PipelineCut.downset`). The segments are cut
+where few bytes cross in the chain's order, so a segment may hold pieces of two branches (XLA
+runs T5's decoder embedding in the segment that starts the encoder) and then no downset of
+segments separates them.
 """
 
 from __future__ import annotations
