@@ -63,3 +63,21 @@ def test_a_downset_that_misses_its_own_cut_instruction_is_refused(zoo_case) -> N
     plan = _downset_plan(case, nested=False)
     with pytest.raises(RunError, match="which its downset does not hold"):
         hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
+
+
+def test_instructions_take_the_stage_of_the_first_cut_that_holds_them() -> None:
+    from hlomap.plan import PipelineCut
+    from hlomap.run.pipeline.cuts import _chain_stages
+
+    position = {name: q for q, name in enumerate("abcdef")}
+    first = PipelineCut("b", downset=(("a", "b"), ("e", "e")))
+    second = PipelineCut("d", downset=(("a", "e"),))
+    assert _chain_stages([first, second], [1, 3], position, "src").tolist() == [0, 0, 1, 1, 0, 2]
+    # A prefix cut after a downset cut holds everything up to its instruction.
+    assert _chain_stages([first, PipelineCut("e")], [1, 4], position, "src").tolist() == [0, 0, 1, 1, 0, 2]
+    with pytest.raises(RunError, match="must nest"):
+        _chain_stages([first, PipelineCut("d")], [1, 3], position, "src")
+    with pytest.raises(RunError, match="'zz', which is not in the forward pass of src"):
+        _chain_stages([PipelineCut("b", downset=(("a", "zz"),))], [1], position, "src")
+    with pytest.raises(RunError, match="runs from 'c' back to the earlier 'a'"):
+        _chain_stages([PipelineCut("c", downset=(("c", "a"),))], [2], position, "src")
