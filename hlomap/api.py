@@ -25,8 +25,17 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from hlomap.hlo.capture import Capture, Role, capture, from_module
 from hlomap.plan import parse_mesh_text
+from hlomap.tasks.pipeline.step_dag import EXPLORER_MAX_STATES
 
 log = logging.getLogger(__name__)
+
+#: The pipeline explorer's default bound on the exact agent's downset DP (`--downset-states`): 0,
+#: off. On the zoo's captured steps the chain's segments already hold the useful cuts (resnet50
+#: and t5-small at 8 stages: the same optimum), the DP takes 2-5x the linear one's time, and where
+#: it wins on tiny models it is by a near-empty first stage; `EXPLORER_MAX_STATES` is the bound to ask for.
+DOWNSET_STATES = 0
+#: A bound that searches enough downsets for the zoo's steps in seconds.
+SUGGESTED_DOWNSET_STATES = EXPLORER_MAX_STATES
 
 __all__ = [
     "CalibrationProfileError",
@@ -925,10 +934,12 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
                               agent: str, seed: int = 0, budget_seconds: float | None = None, episodes: int = 2000,
                               finetune_episodes: int = 0, compare_dp: bool = False, name: str = "",
                               output: str | Path | None = None,
-                              on_progress: Callable[[Any], None] | None = None) -> PipelineExploration:
+                              on_progress: Callable[[Any], None] | None = None,
+                              downset_states: int | None = None) -> PipelineExploration:
     """The pipeline task on `source` (a Capture, or a PipeDream profile from
     `load_pipeline_source`); the best plan so far is saved to `output` as the search improves
-    it, so an interrupted search keeps it."""
+    it, so an interrupted search keeps it. `downset_states`: the exact agent's bound on the
+    downset DP (None: `step_dag.EXPLORER_MAX_STATES`; 0: the chain's order only)."""
     import json
 
     from hlomap.plan import write_atomic
@@ -951,7 +962,8 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
     result = explore_pipeline(source, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
                               agent=agent, seed=seed, budget_seconds=budget_seconds, episodes=episodes,
                               finetune_episodes=finetune_episodes, compare_dp=compare_dp, name=name, on_best=save,
-                              on_progress=on_progress)
+                              on_progress=on_progress,
+                              **({} if downset_states is None else {"downset_states": downset_states}))
     save(result)
     notes = tuple(unsplittable_stages(cap, result)) if cap is not None else ()
     return PipelineExploration(result, cap, notes)

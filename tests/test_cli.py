@@ -209,6 +209,22 @@ def test_explore_pipeline_on_a_zoo_step(tmp_path: Path, capsys: pytest.CaptureFi
     assert "needs 16 devices" in capsys.readouterr().err
 
 
+def test_explore_pipeline_at_downsets_records_the_runs_before_each_cut(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--agent dp cuts gpt-tiny at downsets on hier:2x4 (cheaper than the chain's order there); the
+    plan's cut lists its runs and the search section both optima; --downset-states 0 turns it off."""
+    plan_path = tmp_path / "ds.json"
+    argv = ["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--agent", "dp", "--microbatches", "2",
+            "--cluster", "hier:2x4", "-q", "--downset-states", "128", "-o", str(plan_path)]
+    assert run(argv) == 0
+    assert "cut at downsets of the layer DAG" in capsys.readouterr().out
+    saved = json.loads(plan_path.read_text())
+    assert saved["pipeline"]["cuts"][0]["downset"] and saved["search"]["downset_states"] > 0
+    assert saved["search"]["straight_optimum"] > saved["estimate"]["model_step_seconds"]
+    assert run([*argv[:-4], "--downset-states", "0", "-o", str(plan_path)]) == 0
+    assert "downset" not in json.loads(plan_path.read_text())["pipeline"]["cuts"][0]
+
+
 USER_STEP = Path(__file__).resolve().parent / "run" / "user_step.py"
 
 

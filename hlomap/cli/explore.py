@@ -84,6 +84,11 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune-episodes", type=common.count, default=0, metavar="N",
                    help="dqn-infer: fine-tune the shipped network for N episodes on this model (default 0)")
     g.add_argument("--compare-dp", action="store_true", help="also solve the exact DP and report the gap")
+    g.add_argument("--downset-states", type=common.count, default=api.DOWNSET_STATES, metavar="K",
+                   help="--agent dp on a branching step: also cut at downsets of the layer DAG, searching at most K "
+                        f"of them besides the chain's prefixes, and keep that plan when cheaper (default "
+                        f"{api.DOWNSET_STATES}: cut the chain's order only; {api.SUGGESTED_DOWNSET_STATES} searches "
+                        "the zoo's steps in seconds)")
     g.add_argument("--timeline", metavar="FILE.png",
                    help="Gantt chart of the simulated step (default: next to the plan, *.timeline.png)")
 
@@ -232,7 +237,7 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
             source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, cluster=cluster,
             agent=args.agent, seed=args.seed, budget_seconds=args.budget_seconds, episodes=args.episodes,
             finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp, name=args.source, output=output,
-            on_progress=interrupts.wrap(on_progress))
+            on_progress=interrupts.wrap(on_progress), downset_states=args.downset_states)
     result = found.result
     draw_gantt(result.simulation, timeline, title=gantt_title(result, args.source))
     measured = None

@@ -225,10 +225,24 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
     return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 
+def _runs(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value or not all(
+            isinstance(run, Sequence) and not isinstance(run, str) and len(run) == 2
+            and all(isinstance(name, str) for name in run) for run in value):
+        raise PlanError(f"{where}: downset is a non-empty list of [first, last] HLO instruction names, got {value!r}")
+    return tuple((str(first), str(last)) for first, last in value)
+
+
 @dataclass(frozen=True)
 class PipelineCut:
     """One cut between stages: the HLO instruction it follows, with its layer scope and source
-    line (what the runner maps to the loss function's jaxpr), and the chain position."""
+    line (what the runner maps to the loss function's jaxpr), and the chain position.
+
+    downset: when the stages before the cut are not a prefix of the forward chain (a cut at a
+    downset of a branching step's layer DAG, `tasks.pipeline.step_dag`), the runs of chain
+    instructions [first, last] (inclusive, in chain order) they hold; `instruction` is then the
+    last instruction of the stage before the cut in the plan's layer order. Empty: every chain
+    instruction up to `instruction`."""
 
     instruction: str
     layer: str = ""
@@ -236,12 +250,15 @@ class PipelineCut:
     source: str | None = None
     pivot: int | None = None
     crossing_bytes: float | None = None
+    downset: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pivot": self.pivot, "instruction": self.instruction, "layer": self.layer,
                                "scope": self.scope, "source": self.source}
         if self.crossing_bytes is not None:
             out["crossing_bytes"] = self.crossing_bytes
+        if self.downset:
+            out["downset"] = [list(run) for run in self.downset]
         return out
 
     @classmethod
@@ -252,7 +269,8 @@ class PipelineCut:
         return cls(data["instruction"], str(data.get("layer", "")), str(data.get("scope", "")),
                    None if data.get("source") is None else str(data["source"]),
                    None if pivot is None else _int(pivot, f"{where}: pivot"),
-                   _number(data.get("crossing_bytes"), f"{where}: crossing_bytes"))
+                   _number(data.get("crossing_bytes"), f"{where}: crossing_bytes"),
+                   () if data.get("downset") is None else _runs(data["downset"], where))
 
 
 @dataclass(frozen=True)

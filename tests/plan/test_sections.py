@@ -90,6 +90,15 @@ def test_the_plan_accepts_the_json_form_of_its_pipeline_section() -> None:
     assert built.pipeline == plan.pipeline
 
 
+def test_a_cut_s_downset_runs_round_trip() -> None:
+    data = _json("pipeline_v1.json")
+    section = copy.deepcopy(data["pipeline"])
+    section["cuts"][0]["downset"] = [["slice.1", "add.4"], ["dot.9", "add.12"]]
+    plan = Plan.from_json({**data, "pipeline": section}, where="p.json")
+    assert plan.pipeline.cuts[0].downset == (("slice.1", "add.4"), ("dot.9", "add.12"))
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).pipeline == plan.pipeline
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda s: s.update(schedule="zigzag"), r"pipeline: unknown pipeline schedule 'zigzag'"),
     (lambda s: s.update(stages=[]), r"pipeline: the pipeline section has no stages"),
@@ -100,6 +109,8 @@ def test_the_plan_accepts_the_json_form_of_its_pipeline_section() -> None:
     (lambda s: s.update(microbatches=0), r"pipeline: microbatches: expected a whole number >= 1, got 0"),
     (lambda s: s.update(kind="ring"), r"unknown pipeline kind 'ring'"),
     (lambda s: s["cuts"][0].pop("instruction"), r"cut 0: a cut is an object with an 'instruction'"),
+    (lambda s: s["cuts"][0].update(downset=[["a"]]), r"cut 0: downset is a non-empty list of \[first, last\]"),
+    (lambda s: s["cuts"][0].update(downset=[]), r"cut 0: downset is a non-empty list"),
 ])
 def test_malformed_pipeline_sections_are_refused_naming_the_field(change: Any, message: str) -> None:
     data = _json("pipeline_v1.json")

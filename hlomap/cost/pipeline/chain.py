@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -63,6 +63,7 @@ from hlomap.hlo.source_info import layer_name, nearest_scopes, scope_of, source_
 __all__ = [
     "ChainArrays",
     "ChainAttribution",
+    "ChainValue",
     "attribute",
     "crossing_bytes",
     "StepChain",
@@ -125,13 +126,23 @@ class Pivot:
         return f"{self.instruction} ({self.layer})"
 
 
+class ChainValue(NamedTuple):
+    """A chain value read at later positions: where it is defined, every later chain position
+    that reads it (a side op reads at its anchor), and its bytes. The data edges of the forward
+    chain, from which `tasks.pipeline.step_dag` builds the layer DAG a downset DP cuts."""
+
+    position: int
+    readers: tuple[int, ...]
+    nbytes: float
+
+
 @dataclass(frozen=True, eq=False)
 class ChainArrays:
     """Per-instruction arrays of the whole forward chain, before pivots are chosen.
 
     `profile` has one layer per chain instruction; `live_tensors[p]` counts the values crossing
     position p; `layers[i]` is chain instruction i's layer name and `sources[i]` its `file:line`
-    (None when unknown).
+    (None when unknown); `values` the chain values read at later positions (`ChainValue`).
     """
 
     profile: PipelineProfile
@@ -140,6 +151,7 @@ class ChainArrays:
     update_seconds: float
     unattributed_seconds: float
     sources: tuple[str | None, ...] = ()
+    values: tuple[ChainValue, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -235,8 +247,9 @@ class ChainAttribution:
 
     anchor: the chain position of every forward, side and backward instruction (a chain
       instruction's own position); forward: which of them run in the forward pass.
-    spans: (value, defined at, last read at) for every chain or side value read at a later
-      position: what crosses the pivots in between.
+    spans: (value, defined at, last read at) for every chain value read at a later position:
+      what crosses the pivots in between.
+    readers: each value of `spans` -> every later position that reads it (its data edges).
     stashed: forward values some backward op reads -> the position their stash is charged to.
     parameters: each trainable parameter (HLO name) -> the position that owns its bytes.
     update, unattributed: the optimizer update's instructions and the phase-less ones.
@@ -250,6 +263,7 @@ class ChainAttribution:
     parameters: Mapping[str, int]
     update: tuple[str, ...]
     unattributed: tuple[str, ...]
+    readers: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -278,6 +292,7 @@ def attribute(cap: Capture) -> ChainAttribution:
     stashed: dict[str, int] = {}  # forward value -> position its stash is charged to
     # last chain/side position that reads each chain value, for the crossing bytes.
     last_read = {inst.name: p for p, inst in enumerate(chain)}
+    read_at: dict[str, set[int]] = {inst.name: set() for inst in chain}  # later positions reading each value
     # Where each chain value is read in the chain, by the reader's scope: a backward op reading
     # v transposes the reader of v in its own scope, which may sit later than v itself.
     readers: dict[tuple[str, str], int] = {}
@@ -296,6 +311,7 @@ def attribute(cap: Capture) -> ChainAttribution:
             for operand in inst.operands:
                 if operand in position:
                     last_read[operand] = max(last_read[operand], p)
+                    read_at[operand].add(p)
             continue
         if phase is Phase.UPDATE:
             update.append(inst.name)
@@ -323,6 +339,7 @@ def attribute(cap: Capture) -> ChainAttribution:
             for operand in inst.operands:
                 if operand in position:
                     last_read[operand] = max(last_read[operand], a)
+                    read_at[operand].add(a)
             continue
         if forward_anchors:
             a = max(forward_anchors)
@@ -345,8 +362,9 @@ def attribute(cap: Capture) -> ChainAttribution:
             p = min(users, default=0)
         owner[name] = p
     spans = tuple((inst.name, p, last_read[inst.name]) for p, inst in enumerate(chain) if last_read[inst.name] > p)
+    readers = {name: tuple(sorted(r for r in read_at[name] if r > start)) for name, start, _ in spans}
     return ChainAttribution(tuple(chain), anchor, frozenset(forward), spans, stashed, owner,
-                            tuple(update), tuple(unattributed))
+                            tuple(update), tuple(unattributed), readers)
 
 
 def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainArrays:
@@ -394,7 +412,8 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainA
     live.setflags(write=False)
     tables = source_tables(module)
     sources = tuple(source_location(inst, tables) for inst in chain)
-    return ChainArrays(profile, live, tuple(layers), update_seconds, unattributed, sources)
+    values = tuple(ChainValue(start, found.readers[name], _byte_size(by_name[name])) for name, start, _ in found.spans)
+    return ChainArrays(profile, live, tuple(layers), update_seconds, unattributed, sources, values)
 
 
 def crossing_bytes(found: ChainAttribution, nbytes: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,10 @@ stage the same way, by finding each equation's HLO instruction:
   custom-derivative call whose HLO is named after its inside), and every equation the loss does
   not depend on (batch-statistics updates), goes to the latest stage of the equations it reads.
 
+A cut at a downset of a branching step's layer DAG (`PipelineCut.downset`) lists the runs of
+chain instructions before it instead of a prefix: an instruction's stage is then the number of
+cuts whose runs do not hold it.
+
 The stages are then a partition of the jaxpr that follows the plan's instruction order, not a
 prefix of the jaxpr's own order: XLA may order independent branches differently (T5's decoder
 self-attention of layer 0 comes before the encoder in its HLO), and a prefix could not hold the
@@ -203,12 +207,10 @@ def assign_stages(cap: Capture, traced: TracedStep, cuts: Sequence[PipelineCut])
             raise RunError(f"cut {number} of the plan is after HLO instruction {cut.instruction!r} ({cut.layer}), "
                            f"which is not in the forward pass of {cap.source}; was the plan made for this step?")
         cut_positions.append(position[cut.instruction])
-    if cut_positions != sorted(set(cut_positions)):
-        raise RunError(f"the plan's cuts after {', '.join(c.instruction for c in cuts)} are not in forward order")
-    bounds = np.asarray(cut_positions)
+    chain_stage = _chain_stages(cuts, cut_positions, position, cap.source)
 
     def hlo_stage(q: int) -> int:
-        return int(np.searchsorted(bounds, q, side="left"))
+        return int(chain_stage[q])
 
     eqns = traced.loss.jaxpr.eqns
     matched = _match(cap, traced, chain)
@@ -239,6 +241,34 @@ def assign_stages(cap: Capture, traced: TracedStep, cuts: Sequence[PipelineCut])
         log.warning("%s", note)
     on_loss = needed_eqns(eqns, traced.loss.jaxpr.outvars[:1])
     return StageAssignment(tuple(stages), tuple(mappings), len(matched), len(on_loss), tuple(notes))
+
+
+def _chain_stages(cuts: Sequence[PipelineCut], cut_positions: Sequence[int], position: Mapping[str, int],
+                  source: str) -> np.ndarray:
+    """The stage of every chain position: after the prefix cuts, or, when a cut lists its
+    downset's runs, the number of cuts that do not hold the position (the sets must nest)."""
+    n = len(position)
+    if not any(cut.downset for cut in cuts):
+        if cut_positions != sorted(set(cut_positions)):
+            raise RunError(f"the plan's cuts after {', '.join(c.instruction for c in cuts)} are not in forward order")
+        return np.searchsorted(np.asarray(cut_positions), np.arange(n), side="left")
+    before = np.zeros((len(cuts), n), dtype=bool)
+    for number, (cut, q) in enumerate(zip(cuts, cut_positions)):
+        if not cut.downset:
+            before[number, :q + 1] = True
+        for first, last in cut.downset:
+            missing = [name for name in (first, last) if name not in position]
+            if missing or position[first] > position[last]:
+                why = (f"names {missing[0]!r}, which is not in the forward pass of {source}" if missing
+                       else f"runs from {first!r} back to the earlier {last!r}")
+                raise RunError(f"cut {number} of the plan: its downset run [{first}, {last}] {why}")
+            before[number, position[first]:position[last] + 1] = True
+        if not before[number, q]:
+            raise RunError(f"cut {number} of the plan is after {cut.instruction!r}, which its downset does not hold")
+        if number and (before[number - 1] & ~before[number]).any():
+            raise RunError(f"the plan's cut {number} does not hold everything before cut {number - 1}: the sets "
+                           "of instructions before the cuts must nest")
+    return (~before).sum(axis=0)
 
 
 def _eqn_stages(eqns: Sequence[Any], placed: Mapping[int, int]) -> list[int]:

@@ -11,9 +11,11 @@ holds the first source. `dp.solve_states` runs the one DP recursion of `dp` over
 with the same cost model (per-stage compute, replication all-reduce, cut transfers, memory,
 priced on the `Cluster`), for every objective of `PipelineSpace`.
 
-The bytes crossing a cut are the outputs of the layers before it that some layer after it reads,
-each tensor once however many readers it has beyond the cut (as `pipedream.to_profile` counts
-them): a tensor that skips over a stage crosses both of its cuts.
+The bytes crossing a cut are the tensors made by the layers before it that some layer after it
+reads, each tensor once however many readers it has beyond the cut (as `pipedream.to_profile`
+counts them): a tensor that skips over a stage crosses both of its cuts. A PipeDream layer has
+one output tensor; a layer of a captured step (a segment of its forward chain, `step_dag`) may
+make several, each read by other layers (`LayerDag.tensors`).
 
 Bound. Wide graphs have far too many downsets (Inception-v3 and NASNet: over 200,000; the DP's
 tables are K x K). `downset_family` keeps the downsets within a *lookahead* h of the straight
@@ -34,6 +36,7 @@ inference network and the greedy search keep cutting the straight order (`dag.st
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -47,6 +50,7 @@ from hlomap.tasks.pipeline.space import PipelineSpace
 
 __all__ = [
     "DEFAULT_MAX_STATES",
+    "DagTensor",
     "DownsetFamily",
     "DownsetSolution",
     "LayerDag",
@@ -63,6 +67,15 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_STATES = 2048
 
 
+class DagTensor(NamedTuple):
+    """A tensor one layer makes and later layers read: it crosses a cut that has its producer
+    before it and one of its readers after it."""
+
+    producer: int
+    readers: tuple[int, ...]
+    nbytes: float
+
+
 @dataclass(frozen=True, eq=False)
 class LayerDag:
     """Layers and the tensors between them, numbered in one topological order (the straight
@@ -71,8 +84,11 @@ class LayerDag:
     Attributes:
       names, forward_time, backward_time, parameter_bytes, stash_bytes, source: per layer, as in
         `PipelineProfile` (seconds and bytes per microbatch).
-      output_bytes: [n] bytes of each layer's output tensor.
+      output_bytes: [n] bytes of each layer's output tensor (with `tensors`: of all its outputs).
       consumers: for each layer, the later layers that read its output.
+      tensors: the tensors that cross cuts, when a layer makes several read by different layers
+        (their readers must be among the producer's consumers); default: one per layer, its
+        output of `output_bytes` read by all its consumers.
     """
 
     names: tuple[str, ...]
@@ -83,6 +99,7 @@ class LayerDag:
     output_bytes: np.ndarray
     consumers: tuple[tuple[int, ...], ...]
     source: str = "<dag>"
+    tensors: tuple[DagTensor, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -107,11 +124,30 @@ class LayerDag:
             )
         output.setflags(write=False)
         object.__setattr__(self, "output_bytes", output)
+        object.__setattr__(self, "tensors", self._checked_tensors())
         # The straight order's profile checks (and freezes a copy of) every per-layer array.
         straight = self.linearize(range(n))
         for name in ("forward_time", "backward_time", "parameter_bytes", "stash_bytes"):
             object.__setattr__(self, name, getattr(straight, name))
         object.__setattr__(self, "_straight", straight)
+
+    def _checked_tensors(self) -> tuple[DagTensor, ...]:
+        """The given tensors, checked, in producer order; or one per layer with consumers."""
+        if self.tensors is None:
+            return tuple(DagTensor(i, readers, float(self.output_bytes[i]))
+                         for i, readers in enumerate(self.consumers) if readers)
+        checked = []
+        for t in self.tensors:
+            producer, readers, nbytes = int(t.producer), tuple(sorted(set(int(r) for r in t.readers))), float(t.nbytes)
+            outside = [r for r in readers if r not in self.consumers[producer]] if 0 <= producer < len(self.names) \
+                else list(readers)
+            if outside or not readers or not (math.isfinite(nbytes) and nbytes >= 0):
+                raise ValueError(
+                    f"{self.source}: tensor of layer {producer} read by {list(readers)} ({nbytes} bytes): a tensor "
+                    f"needs finite bytes >= 0 and readers among its producer's consumers"
+                )
+            checked.append(DagTensor(producer, readers, nbytes))
+        return tuple(sorted(checked, key=lambda t: (t.producer, t.readers)))
 
     @property
     def n_layers(self) -> int:
@@ -138,14 +174,63 @@ class LayerDag:
 
     def crossing_bytes(self, members: np.ndarray) -> np.ndarray:
         """[K]: bytes that cross a cut after each of K sets of layers (`members` [K, n] bool),
-        each crossing output counted once, summed in layer order (so that equal sets give equal
-        bits whichever way they were built)."""
-        frontier = np.zeros_like(members)
+        each crossing tensor counted once, summed in producer order (so that equal sets give
+        equal bits whichever way they were built)."""
+        tensors = self.tensors or ()
+        frontier = np.zeros((members.shape[0], len(tensors)), dtype=bool)
+        for t, tensor in enumerate(tensors):
+            left_behind = ~members[:, list(tensor.readers)].all(axis=1)
+            frontier[:, t] = members[:, tensor.producer] & left_behind
+        return _sequential_sum(frontier, np.array([t.nbytes for t in tensors], dtype=np.float64))
+
+    def reordered(self, order: Sequence[int]) -> LayerDag:
+        """The same DAG with its layers numbered in `order` (a topological order: layer
+        order[i] becomes layer i), so that it is the straight order the lookahead bounds."""
+        order = [int(i) for i in order]
+        self.linearize(order)  # checks that `order` is a topological order of every layer
+        new = {old: i for i, old in enumerate(order)}
+
+        def moved(values: np.ndarray | None) -> np.ndarray | None:
+            return None if values is None else np.asarray(values)[order]
+
+        return LayerDag(
+            names=tuple(self.names[i] for i in order),
+            forward_time=moved(self.forward_time),  # type: ignore[arg-type]
+            backward_time=moved(self.backward_time),  # type: ignore[arg-type]
+            parameter_bytes=moved(self.parameter_bytes),  # type: ignore[arg-type]
+            stash_bytes=moved(self.stash_bytes),
+            output_bytes=moved(self.output_bytes),  # type: ignore[arg-type]
+            consumers=tuple(tuple(new[c] for c in self.consumers[i]) for i in order),
+            source=self.source,
+            tensors=tuple(DagTensor(new[t.producer], tuple(new[r] for r in t.readers), t.nbytes)
+                          for t in self.tensors or ()),
+        )
+
+    def latest_order(self) -> tuple[int, ...]:
+        """A topological order that runs every layer as late as its readers allow: a depth-first
+        walk from the sinks backwards that takes a layer as soon as all its readers are taken
+        (the last one ready first; of layers ready together, the earliest of the straight order
+        first), reversed. A branch that feeds a layer far ahead (T5's decoder embedding and
+        first self-attention, read only with the encoder's output) moves up next to it, so
+        that the lookahead family around this order holds the cuts that keep it out of the
+        stages in between; a label's one-hot, read only by the loss, moves next to the loss."""
+        remaining = [len(readers) for readers in self.consumers]
+        producers: list[list[int]] = [[] for _ in self.names]
         for producer, readers in enumerate(self.consumers):
-            if readers:
-                left_behind = ~members[:, list(readers)].all(axis=1)
-                frontier[:, producer] = members[:, producer] & left_behind
-        return _sequential_sum(frontier, self.output_bytes)
+            for reader in readers:
+                producers[reader].append(producer)
+        stack = sorted((i for i, count in enumerate(remaining) if count == 0), reverse=True)
+        backwards: list[int] = []
+        while stack:
+            layer = stack.pop()
+            backwards.append(layer)
+            ready = []
+            for producer in producers[layer]:
+                remaining[producer] -= 1
+                if remaining[producer] == 0:
+                    ready.append(producer)
+            stack.extend(sorted(ready, reverse=True))  # the earliest on top
+        return tuple(reversed(backwards))
 
     def linearize(self, order: Sequence[int] | range | None = None) -> PipelineProfile:
         """The profile of the layers in `order` (a topological order; default: the straight one),
@@ -324,15 +409,21 @@ def solve_downsets(
     space: PipelineSpace,
     *,
     max_states: int = DEFAULT_MAX_STATES,
+    extra: np.ndarray | None = None,
 ) -> DownsetSolution:
     """The plan of `space` with the least objective over the downsets of `dag` (module
-    docstring; at most `max_states` of them, else a lookahead family); raises `NoFeasiblePlan`."""
+    docstring; at most `max_states` of them, else a lookahead family, to which `extra` [E, n]
+    bool adds more downsets, such as the prefixes of another order); raises `NoFeasiblePlan`."""
     n = dag.n_layers
     if dag.is_chain:
         solution = solve(dag.straight, cluster, space)
         return DownsetSolution(solution, dag.straight, tuple(range(n)), n + 1, 0, True)
     family = downset_family(dag, max_states)
     members = family.members
+    if extra is not None and not family.complete:
+        members = np.unique(np.concatenate([members, np.asarray(extra, dtype=bool)]), axis=0)
+        members = members[np.argsort(members.sum(axis=1), kind="stable")]  # empty first, all layers last
+        family = DownsetFamily(members, family.lookahead, False)
 
     def realize(chain: Sequence[int]) -> tuple[PipelineProfile, tuple[int, ...]]:
         bounds = tuple(int(members[state].sum()) for state in chain)

@@ -8,7 +8,12 @@ in closed form and with the event simulator (memory per stage, timeline).
 Agents:
   dqn        online DQN training on this model (section 3.4), best plan found
   dqn-infer  the shipped inference network (section 3.5), optionally fine-tuned
-  dp         the exact DP (`dp.solve`) over the same space: the optimum
+  dp         the exact DP (`dp.solve`) over the same space: the optimum. On a captured step whose
+             layer graph branches (ResNet's shortcuts, T5's encoder and decoder), asked to, it also runs the
+             downset DP (`step_dag.solve_step_downsets`, at most `downset_states` cut states,
+             else the downsets within a lookahead, logged) and keeps its plan when that is
+             cheaper; such a plan's cuts list the chain instructions before them
+             (`CutDescription.downset`), which the runner follows.
 
 Units. A Capture or StepChain describes the step's whole batch; with M microbatches every
 microbatch is 1/M of it (`profile.scale_batch`). A bare PipelineProfile is already per
@@ -33,14 +38,15 @@ from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, choose_schedule
+from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, INTERLEAVED_CHUNKS, choose_schedule
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
 from hlomap.cost.pipeline.links import group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
-from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
+from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
+from hlomap.tasks.pipeline.step_dag import chain_runs, solve_step_downsets, step_dag
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, splits_batch
 
 __all__ = [
@@ -73,7 +79,9 @@ class PipelineAgent(enum.Enum):
 class CutDescription:
     """One layer cut: the profile pivot, the HLO instruction before it, its layer name from
     metadata, the nearest layer scope (`chain.Pivot.scope`: the op's own, or `after X`
-    for an op traced outside any scope), its source line when known, and the bytes crossing."""
+    for an op traced outside any scope), its source line when known, and the bytes crossing.
+    downset: for a cut at a downset that is not a prefix of the chain, the runs [first, last]
+    of chain instructions before it (`plan.PipelineCut.downset`); empty for a prefix."""
 
     pivot: int
     instruction: str
@@ -81,6 +89,7 @@ class CutDescription:
     crossing_bytes: float
     scope: str = ""
     source: str | None = None
+    downset: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,6 +98,10 @@ class PipelineResult:
 
     latency: L of one global batch from the event simulator; model_latency: the closed form the
     searches minimize; stage_memory: bytes per device of each stage at its simulated peak.
+    order: for a plan cut at downsets, the step profile's layers in the plan's order (what
+    `profile` and the plan's layer ranges index); None for the chain's own order.
+    straight_value: the chain order's optimum when the downset DP ran beside it (else None);
+    downset_states: the cut states that DP searched (0: it did not run).
     """
 
     source: str
@@ -107,6 +120,9 @@ class PipelineResult:
     optimum: float | None  # the DP's L (or bottleneck) when compared, else None
     objective: PipelineObjective
     interrupted: bool = False  # Ctrl-C ended the search; the plan is the best found so far
+    order: tuple[int, ...] | None = None
+    straight_value: float | None = None
+    downset_states: int = 0
 
     @property
     def latency(self) -> float:
@@ -149,8 +165,9 @@ class PipelineResult:
                 for s, mem, cap in zip(self.plan.stages, self.stage_memory, self.device_memory)
             ],
             "cuts": [{"pivot": c.pivot, "instruction": c.instruction, "layer": c.layer,
-                      "scope": c.scope, "source": c.source,
-                      "crossing_bytes": c.crossing_bytes} for c in self.cuts],
+                      "scope": c.scope, "source": c.source, "crossing_bytes": c.crossing_bytes}
+                     | ({"downset": [list(run) for run in c.downset]} if c.downset else {})
+                     for c in self.cuts],
             "device_cuts": list(self.device_cuts),
             "on_node_boundaries": self.on_node_boundaries,
             "latency_seconds": self.latency,
@@ -162,6 +179,9 @@ class PipelineResult:
             "episodes": self.episodes,
             "interrupted": self.interrupted,
             "optimum": self.optimum,
+            "order": None if self.order is None else list(self.order),
+            "straight_value": self.straight_value,
+            "downset_states": self.downset_states,
         }
 
 
@@ -220,11 +240,13 @@ def pipeline_task(
     return CutTask(profile, cluster, space, stages, device_radius=device_radius)
 
 
-def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan
-              ) -> tuple[CutDescription, ...]:
+def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePlan,
+              order: tuple[int, ...] | None = None) -> tuple[CutDescription, ...]:
     out = []
     for pivot in plan.cuts:
-        if hlo is not None:
+        if hlo is not None and order is not None:
+            out.append(_describe_downset(hlo, profile, plan, order, pivot))
+        elif hlo is not None:
             p = hlo.pivots[pivot]
             out.append(CutDescription(pivot, p.instruction, p.layer, p.crossing_bytes,
                                       p.scope, p.source))
@@ -233,6 +255,26 @@ def _describe(hlo: StepChain | None, profile: PipelineProfile, plan: PipelinePla
             out.append(CutDescription(pivot, name, name, float(profile.activation_bytes[pivot]),
                                       name))
     return tuple(out)
+
+
+def _describe_downset(hlo: StepChain, profile: PipelineProfile, plan: PipelinePlan, order: tuple[int, ...],
+                      pivot: int) -> CutDescription:
+    """The cut after position `pivot` of a downset plan's layer order: after the last chain
+    instruction of the layer there, with the runs of chain instructions before it."""
+    layer = order[pivot]
+    if layer >= len(hlo.pivots):
+        raise ValueError(f"{hlo.source}: a downset plan puts the last layer (the loss) before a cut")
+    p = hlo.pivots[layer]
+    runs = chain_runs(hlo, order[:pivot + 1])
+    prefix = runs == ((hlo.chain.profile.names[0], p.instruction),)
+    # `pivot` names the chain's pivot (as in a plan of the chain's order), not the plan's position.
+    return CutDescription(layer, p.instruction, p.layer, float(profile.activation_bytes[pivot]) * plan.microbatches,
+                          p.scope, p.source, () if prefix else runs)
+
+
+def _plan_value(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan, space: PipelineSpace) -> float:
+    cost = evaluate_plan(profile, cluster, plan, space.cost)
+    return cost.latency if space.objective is PipelineObjective.LATENCY else cost.bottleneck
 
 
 def explore_pipeline(
@@ -253,6 +295,7 @@ def explore_pipeline(
     pivot_options: PivotOptions = PivotOptions(),
     policy_path: str | Path | None = None,
     compare_dp: bool = False,
+    downset_states: int = 0,
     name: str | None = None,
     on_best: Callable[[PipelineResult], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -266,6 +309,9 @@ def explore_pipeline(
     budget_seconds: wall-clock limit of the DQN (training or fine-tuning); episodes: its episode
       limit; finetune_episodes: for dqn-infer, 0 for inference alone.
     compare_dp: also run the DP and report the gap to its optimum.
+    downset_states: for agent "dp" on a captured step whose layer graph branches, the most cut
+      states of the downset DP (module docstring; `step_dag.EXPLORER_MAX_STATES` searches the
+      zoo's steps in seconds); 0 (default) cuts the chain's order only.
     name: how to call the source in reports (default: its profile's source).
     on_best: called with the result of every better plan the search finds (to save it as the
     search runs);
@@ -280,6 +326,8 @@ def explore_pipeline(
     if stages < 1 or microbatches < 1:
         raise ValueError(f"explore_pipeline: stages = {stages} and microbatches = "
                          f"{microbatches} must be >= 1")
+    if downset_states < 0:
+        raise ValueError(f"explore_pipeline: downset_states = {downset_states} must be >= 0 (0: no downset DP)")
     cluster = load_cluster(cluster)
     device = cluster.devices[0]
     hlo: StepChain | None
@@ -306,17 +354,21 @@ def explore_pipeline(
     label = name or (hlo.source if hlo is not None else profile.source)
 
     def result_of(plan: PipelinePlan, episodes_run: int = 0, interrupted: bool = False,
-                  optimum: float | None = None) -> PipelineResult:
+                  optimum: float | None = None, downsets: _DownsetChoice | None = None) -> PipelineResult:
         device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
+        used = downsets.profile if downsets is not None and downsets.order is not None else profile
+        order = None if downsets is None else downsets.order
         return PipelineResult(
-            source=label, agent=agent, profile=profile, plan=plan,
-            cost=evaluate_plan(profile, cluster, plan, space.cost),
-            simulation=simulate(profile, cluster, plan, space.cost),
-            cuts=_describe(hlo, profile, plan), device_cuts=device_cuts, replication=plan.replication,
+            source=label, agent=agent, profile=used, plan=plan,
+            cost=evaluate_plan(used, cluster, plan, space.cost),
+            simulation=simulate(used, cluster, plan, space.cost),
+            cuts=_describe(hlo, used, plan, order), device_cuts=device_cuts, replication=plan.replication,
             device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
             on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
             search_seconds=time.perf_counter() - start, episodes=episodes_run, optimum=optimum,
-            objective=objective, interrupted=interrupted,
+            objective=objective, interrupted=interrupted, order=order,
+            straight_value=None if downsets is None else downsets.straight_value,
+            downset_states=0 if downsets is None else downsets.states,
         )
 
     def report_best(found: SearchResult) -> None:
@@ -340,9 +392,55 @@ def explore_pipeline(
                            seed, on_best=report_best, on_progress=on_progress)
         plan, episodes_run, interrupted = found.plan, found.episodes, found.interrupted
     optimum = solve(profile, cluster, space).value if compare_dp else None
+    downsets = None
+    if agent is PipelineAgent.DP and task is not None and hlo is not None and downset_states > 0 and not interrupted:
+        downsets = _try_downsets(hlo, profile, cluster, space, plan, microbatches, downset_states)
+        if downsets.plan is not None:
+            plan = downsets.plan
+            optimum = None if optimum is None else min(optimum, downsets.value)
     if choose:
-        plan = choose_schedule(profile, cluster, plan, space.cost).plan
-    return result_of(plan, episodes_run, interrupted, optimum)
+        # on a downset plan (its profile in another order) only the schedule changes, not the cuts
+        cut_profile = downsets.profile if downsets is not None and downsets.plan is not None else profile
+        chunks = INTERLEAVED_CHUNKS if cut_profile is profile else ()
+        plan = choose_schedule(cut_profile, cluster, plan, space.cost, chunks=chunks).plan
+    return result_of(plan, episodes_run, interrupted, optimum, downsets)
+
+
+@dataclass(frozen=True)
+class _DownsetChoice:
+    """What the downset DP beside the exact agent found: its plan on `profile` in `order` when
+    that beats the chain order's (else order None), the chain order's value, the states searched."""
+
+    straight_value: float
+    states: int
+    value: float
+    order: tuple[int, ...] | None = None
+    profile: PipelineProfile | None = None
+    plan: PipelinePlan | None = None
+
+
+def _try_downsets(hlo: StepChain, profile: PipelineProfile, cluster: Cluster, space: PipelineSpace,
+                  straight: PipelinePlan, microbatches: int, max_states: int) -> _DownsetChoice:
+    """Run the downset DP on the step's layer DAG and keep its plan when it is cheaper than the
+    chain order's `straight` plan by more than ties (module docstring)."""
+    straight_value = _plan_value(profile, cluster, straight, space)
+    dag = step_dag(hlo, 1.0 / microbatches)
+    if dag.is_chain:
+        log.info("%s: the layer graph is a chain; its order's cuts are every downset", hlo.source)
+        return _DownsetChoice(straight_value, 0, straight_value)
+    try:
+        found = solve_step_downsets(dag, cluster, space, max_states=max_states)
+    except NoFeasiblePlan:
+        log.info("%s: the downset DP found no plan around the latest order; keeping the chain order's", hlo.source)
+        return _DownsetChoice(straight_value, 0, straight_value)
+    states = found.found.states
+    log.info("%s: downset DP over %d cut states (%s): %.6g against %.6g cutting the chain order", hlo.source, states,
+             "every downset" if found.found.complete else f"those within lookahead {found.found.lookahead}",
+             found.value, straight_value)
+    if not found.value < straight_value * (1 - TIE_RTOL):
+        return _DownsetChoice(straight_value, states, found.value)
+    return _DownsetChoice(straight_value, states, found.value, found.order, found.found.profile,
+                          found.found.solution.plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +508,9 @@ def pipeline_plan(cap: Capture, result: PipelineResult, *, seed: int = 0) -> Pla
               "seconds": round(result.search_seconds, 3), "seed": seed, "interrupted": result.interrupted}
     if result.optimum is not None:
         search["optimum"] = result.optimum
+    if result.downset_states:
+        search["downset_states"] = result.downset_states
+        search["straight_optimum"] = result.straight_value
     plan = Plan(mesh=(), parameters=parameters, source=PlanSource.of(cap))
     return dataclasses.replace(plan, pipeline=_pipeline_section(result), estimate=_estimate_section(result),
                                search=search)

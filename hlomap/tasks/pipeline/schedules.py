@@ -25,7 +25,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
 
-__all__ = ["AUTO_SCHEDULE", "SCHEDULE_CHOICES", "ScheduleOption", "choose_schedule", "interleaved_variant",
+__all__ = ["AUTO_SCHEDULE", "INTERLEAVED_CHUNKS", "SCHEDULE_CHOICES", "ScheduleOption", "choose_schedule", "interleaved_variant",
            "schedule_options"]
 
 #: The value of `schedule` that asks the explorer to choose.
@@ -121,10 +121,11 @@ def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
 
 
 def choose_schedule(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
-                    options: CostOptions = CostOptions()) -> ScheduleOption:
+                    options: CostOptions = CostOptions(), *,
+                    chunks: Sequence[int] = INTERLEAVED_CHUNKS) -> ScheduleOption:
     """The fastest of `schedule_options` that fits memory (the first listed on a tie); when none
     fits, the one that needs the least memory beyond the devices', so the caller reports it."""
-    found = schedule_options(profile, cluster, plan, options)
+    found = schedule_options(profile, cluster, plan, options, chunks=chunks)
     fitting = [o for o in found if o.simulation.feasible]
     if fitting:
         return min(fitting, key=lambda o: o.seconds)

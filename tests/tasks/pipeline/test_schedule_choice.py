@@ -90,7 +90,7 @@ def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch:
     from hlomap import zoo
     from hlomap.tasks.pipeline import explore as explore_module
 
-    def interleaved(profile, cluster, plan, options):  # type: ignore[no-untyped-def]
+    def interleaved(profile, cluster, plan, options, **kwargs):  # type: ignore[no-untyped-def]
         return next(o for o in schedule_options(profile, cluster, plan, options) if o.plan.repeats == 2)
 
     monkeypatch.setattr(explore_module, "choose_schedule", interleaved)
