@@ -262,16 +262,19 @@ class SpmdPipeline:
         options = dict(compiler_options or {}) or None
         self._pipeline_jit = _Checked(jax.jit(self._loss_and_grads, compiler_options=options))
         self._step_jit = _Checked(jax.jit(self._step, donate_argnums=(0, 1), compiler_options=options))
+        self._unpack = (self._make_unpack(self.params, options), self._make_unpack(self.opt, options))
+        # per state argument: (the leaves the last step returned, the rows they came from)
+        self._returned: list[tuple[tuple[Any, ...], Staged] | None] = [None, None]
 
-    # -- state ------------------------------------------------------------------------------------
-    def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
-        out = []
-        for layout, tree in ((self.params, params), (self.opt, opt_state)):
-            rows = layout.host_rows([to_host(x) for x in jax.tree_util.tree_leaves(tree)])
-            out.append(Staged({b: put(r, NamedSharding(self.mesh, layout.spec(b))) for b, r in rows.items()}, layout))
-        return out[0], out[1]
+    # -- state: the user's pytrees in and out ----------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees as the step returns them (`_user_trees`), laid out in rows for the next step."""
+        return self._user_trees(*self._stage_state(params, opt_state))
 
-    def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+    def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees as numpy arrays on the host."""
+        if not isinstance(params, Staged):
+            return jax.tree.map(to_host, params), jax.tree.map(to_host, opt_state)
         out = []
         for staged in (params, opt_state):
             layout: RowLayout = staged.layout
@@ -280,9 +283,55 @@ class SpmdPipeline:
             out.append(jax.tree_util.tree_unflatten(layout.treedef, values))
         return out[0], out[1]
 
-    def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+    def _stage_state(self, params: Any, opt_state: Any, consume: bool = False) -> tuple[Staged, Staged]:
+        """The user's pytrees as rows. The very leaves the last step returned take the rows it kept
+        (no copy, no transfer; with `consume`, the step about to donate them forgets them, so the
+        leaves, which are copies, can still be given again); any other pytree is packed into rows
+        through the host, as `place` always did."""
+        out = []
+        for k, (layout, tree) in enumerate(((self.params, params), (self.opt, opt_state))):
+            if isinstance(tree, Staged):
+                out.append(tree)
+                continue
+            leaves = jax.tree_util.tree_leaves(tree)
+            if len(leaves) != len(layout.leaves):
+                raise RunError(f"the step was cut for state of {len(layout.leaves)} leaves; it was given a pytree "
+                               f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+            returned = self._returned[k]
+            if returned is not None and len(returned[0]) == len(leaves) and all(
+                    a is b for a, b in zip(returned[0], leaves)):
+                out.append(returned[1])
+                if consume:
+                    self._returned[k] = None
+                continue
+            rows = layout.host_rows([to_host(x) for x in leaves])
+            out.append(Staged({b: put(r, NamedSharding(self.mesh, layout.spec(b))) for b, r in rows.items()}, layout))
+        return out[0], out[1]
+
+    def _user_trees(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+        """The user's pytrees from the rows: one program per state argument slices every leaf out of
+        its home stage's row into an array of its own on the whole mesh, split as the plan splits it
+        inside a stage and replicated over the stages and data axes (a copy of the state on every
+        stage: the conversion's cost, docs/python-api.md). The rows are kept for the next step."""
+        trees = []
+        for k, staged in enumerate((params, opt_state)):
+            layout: RowLayout = staged.layout
+            leaves = tuple(self._unpack[k](staged.parts))
+            self._returned[k] = (leaves, staged)
+            trees.append(jax.tree_util.tree_unflatten(layout.treedef, list(leaves)))
+        return trees[0], trees[1]
+
+    def _make_unpack(self, layout: RowLayout, options: Mapping[str, Any] | None) -> Any:
+        shardings = [NamedSharding(self.mesh, self.specs.get(leaf) or P()) for leaf in layout.leaves]
+        return jax.jit(lambda rows: [layout.leaf_from_rows(rows, leaf) for leaf in layout.leaves],
+                       out_shardings=shardings, compiler_options=options)
+
+    def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
+        """One step on the user's pytrees (or `Staged` rows), returning the user's pytrees."""
+        params, opt_state = self._stage_state(params, opt_state, consume=True)
         rest = self._put_arguments(rest)
-        return self._step_jit(params, opt_state, *rest)
+        new_params, new_opt_state, *out = self._step_jit(params, opt_state, *rest)
+        return (*self._user_trees(new_params, new_opt_state), *out)
 
     def _put_arguments(self, rest: Sequence[Any]) -> Any:
         """The non-state arguments on the mesh: batch leaves split on the stage's batch axes
@@ -487,11 +536,12 @@ class SpmdPipeline:
         loss, aux_rows, grads = self._loss_and_grads(params, opt_state, *rest)
         return self._update(params, opt_state, grads, aux_rows, loss, *rest)
 
-    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+    def value_and_grad(self, params: Any, opt_state: Any, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
         """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them
         (host arrays)."""
         program = self.program
         traced = program.traced
+        params, opt_state = self._stage_state(params, opt_state)
         rest = self._put_arguments(rest)
         loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
         aux_rows = {d: to_host(r) for d, r in aux_rows.items()}
