@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from hlomap.cost.pipeline.stages import Pass
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.pipeline.shared_compile import ExecutableCache, SharedProgram
 from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.stage_update import Source
@@ -131,6 +132,7 @@ class MpmdPipeline:
                                      for s in range(self.n_stages)), tuple(range(n0, n0 + n1)), trees[1])
         self.order = dispatch_order(section.schedule, self.n_stages, self.microbatches)
         self.trace_counts: dict[tuple[str, int], int] = {}
+        self.executables = ExecutableCache()  # stages with identical programs share one executable
         self._forward = [self._make_forward(s) for s in range(self.n_stages)]
         self._backward = [self._make_backward(s) for s in range(self.n_stages)]
         self.fused = fusable_passes(self.order, self.n_stages)
@@ -144,8 +146,8 @@ class MpmdPipeline:
         # not built and transferred on every step
         self._loss_ct = (put(np.asarray(1.0 / self.microbatches, loss_dtype), NamedSharding(self.meshes[-1], P())),)
         self._residual_bytes: int | None = None  # of the last stage's forward, for the fused passes' bookkeeping
-        self._accumulate = [jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options)
-                            for _ in range(self.n_stages)]
+        self._accumulate = [self._shared(s, jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options))
+                            for s in range(self.n_stages)]
         self._update = [self._make_update(s) for s in range(self.n_stages)]
         self.stats = StepStats()
         self._recording: dict[tuple[int, Pass], Any] = {}
@@ -183,11 +185,15 @@ class MpmdPipeline:
 
     def _make_forward(self, s: int) -> Any:
         fwd, _ = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
-        return jax.jit(self._counted("forward", s, fwd), compiler_options=self.options)
+        return self._shared(s, jax.jit(self._counted("forward", s, fwd), compiler_options=self.options))
 
     def _make_backward(self, s: int) -> Any:
         _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
-        return jax.jit(self._counted("backward", s, bwd), compiler_options=self.options)
+        return self._shared(s, jax.jit(self._counted("backward", s, bwd), compiler_options=self.options))
+
+    def _shared(self, s: int, jitted: Any) -> SharedProgram:
+        """Stage s's program, compiled once for all stages whose programs are identical."""
+        return SharedProgram(jitted, self.meshes[s], self.executables)
 
     def _forward_backward_function(self, s: int) -> Callable[..., Any]:
         """(params, received, state, data, output cotangents) -> (outputs, aux, parameter and
@@ -348,8 +354,8 @@ class MpmdPipeline:
         def update(*inputs: Any) -> Any:
             return run(*inputs)
 
-        return jax.jit(self._counted("update", s, update), donate_argnums=self._donated(update_s),
-                       compiler_options=self.options)
+        return self._shared(s, jax.jit(self._counted("update", s, update), donate_argnums=self._donated(update_s),
+                                       compiler_options=self.options))
 
     def _donated(self, update_s: Any) -> tuple[int, ...]:
         """Update inputs whose buffers the update may reuse: state leaves it replaces, each passed
