@@ -32,7 +32,6 @@ from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import CutMapping
 from hlomap.run.pipeline.prepare import PipelineProgram, prepare
 from hlomap.run.pipeline.section import STAGE_AXIS, pipeline_section
-from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.program import describe_eqn
 from hlomap.run.spmd import SpmdStep
 from hlomap.verify.mesh import DeviceError, device_positions, ordered_devices
@@ -200,13 +199,9 @@ class ParallelStep:
         return self._runner.place(params, opt_state)
 
     def _ready(self, params: Any, opt_state: Any, rest: Sequence[Any]) -> None:
+        """Cut the step at its first call (the batch's shapes decide the microbatches)."""
         if self._runner is None:
-            self._build((*self._runner_free(params, opt_state), *rest))
-
-    def _runner_free(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        if isinstance(params, Staged):
-            raise RunError("this step was given state another step laid out; give it the user's pytrees")
-        return params, opt_state
+            self._build((params, opt_state, *rest))
 
     def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
         if self._spmd is not None:
