@@ -85,7 +85,11 @@ def run_one(name: str, variant: str, stages: int, microbatches: int) -> dict:
     if variant == "mpmd-compile-each":  # before: every stage compiles its own programs
         from hlomap.run.pipeline import shared_compile
 
-        shared_compile.ExecutableCache.executable = lambda self, lowered, mesh: lowered.compile()
+        def compile_each(cache: shared_compile.ExecutableCache, lowered, mesh):  # noqa: ANN001, ANN202
+            cache.compiled += 1
+            return lowered.compile()
+
+        shared_compile.ExecutableCache.executable = compile_each
     plan, capture_s, search_s = _plan(model, stages, microbatches, "1f1b")
     cut = time.perf_counter()
     step = hlomap.parallelize(model.train_step(), plan, executor="mpmd", example_args=args)

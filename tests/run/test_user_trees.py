@@ -5,6 +5,8 @@ step fed its own outputs moves no state."""
 
 from __future__ import annotations
 
+import math
+import operator
 import pickle
 from typing import Any
 
@@ -18,7 +20,7 @@ from hlomap.plan import Plan, reference_plan
 from hlomap.propagation.graph import FactorGraph
 from hlomap.run.pipeline import mpmd_executor
 from hlomap.run.pipeline.spmd_executor import RowLayout
-from tests.run.helpers import FAST_COMPILE, boundary_pivots, pipeline_plan
+from tests.run.helpers import FAST_COMPILE, pipeline_plan, pivots_at
 
 STEPS = 4
 SAVED_AFTER = 1  # the loop saves and restores its state after this step
@@ -34,7 +36,10 @@ def _user_loop(step: Any, params: Any, opt_state: Any, batch: Any) -> tuple[list
         params, opt_state, loss = step(params, opt_state, batch)
         assert jax.tree.structure((params, opt_state)) == structure
         assert params[first_layer]["w"].shape == shapes[first_layer]["w"]  # indexed by the user's keys
-        norms.append(float(jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(params)))))
+        # per leaf, then on the host: a pipeline's leaves live on different stages' devices, and
+        # JAX combines no arrays committed to different devices (docs/python-api.md)
+        squares = jax.tree.map(lambda x: float(jnp.sum(jnp.square(x))), params)
+        norms.append(math.sqrt(jax.tree.reduce(operator.add, squares)))
         losses.append(float(loss))
         if i == SAVED_AFTER:
             saved = pickle.dumps(jax.tree.map(np.asarray, (params, opt_state)))
@@ -54,8 +59,8 @@ def _spmd_plan(case: Any) -> Plan:
 
 
 def _pipeline(case: Any) -> Plan:
-    """2 stages x data-parallel 4, GPipe, M = 2: both executors run it."""
-    return pipeline_plan(case.cap, case.chain, boundary_pivots(case.chain, 1), microbatches=2, devices_per_stage=4)
+    """2 stages x data-parallel 4, cut mid-chain (each holds weights), GPipe, M = 2: both executors run it."""
+    return pipeline_plan(case.cap, case.chain, pivots_at(case.chain, [0.3]), microbatches=2, devices_per_stage=4)
 
 
 def test_one_user_loop_runs_unchanged_on_every_plan_kind(mlp: Any) -> None:
@@ -97,6 +102,13 @@ def test_spmd_executor_keeps_its_rows_for_the_leaves_it_returned(mlp: Any, monke
     step = hlomap.parallelize(mlp.model.train_step(), _pipeline(mlp), executor="spmd", example_args=mlp.args,
                               compiler_options=FAST_COMPILE)
     params, opt_state, first = step(*jax.tree.map(np.asarray, mlp.args[:2]), mlp.args[2])
+    runner = step._runner
+    for layout, tree in ((runner.params, params), (runner.opt, opt_state)):
+        for leaf, value in zip(layout.leaves, jax.tree.leaves(tree)):  # on its home stage's devices only
+            home = runner.stage_meshes[layout.rows[layout.home(leaf)] // runner.repeats]
+            assert value.sharding.device_set == set(home.devices.flat)
+    assert {x.sharding.device_set == set(runner.stage_meshes[1].devices.flat) for x in jax.tree.leaves(params)} == {
+        False, True}  # both stages hold some
     packed = []
     original = RowLayout.host_rows
     monkeypatch.setattr(RowLayout, "host_rows", lambda self, values: packed.append(1) or original(self, values))
