@@ -17,6 +17,7 @@ cannot serialize executables, the stage is compiled as usual and a debug line sa
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class _Entry:
 
 @dataclass
 class ExecutableCache:
-    """Compiled programs by (lowered text, mesh shape), shared by an executor's stages."""
+    """Compiled programs by (lowered text's SHA-256, mesh shape), shared by an executor's stages."""
 
     entries: dict[tuple[str, tuple[tuple[str, int], ...]], _Entry] = field(default_factory=dict)
     compiled: int = 0  # executables compiled
@@ -48,7 +49,8 @@ class ExecutableCache:
     def executable(self, lowered: Any, mesh: Any) -> Any:
         """The compiled program for `lowered` on `mesh`: compiled, or loaded from an identical
         program compiled for a mesh of the same shape."""
-        key = (lowered.as_text(), tuple(mesh.shape.items()))
+        # the text's digest, not the text: an executor keeps a key per program of every stage
+        key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), tuple(mesh.shape.items()))
         devices = tuple(mesh.devices.flat)
         entry = self.entries.get(key)
         if entry is not None:
