@@ -138,23 +138,30 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), help=f"of {', '.join(MODELS)} or a zoo name")
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches (default 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant (default 3)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.stages, args.microbatches)))
         return
     print(f"load average before: {os.getloadavg()}")
-    for name in args.models:
-        for variant in VARIANTS:
-            done = subprocess.run([sys.executable, __file__, "--one", name, variant, "--stages", str(args.stages),
-                                   "--microbatches", str(args.microbatches)], capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"{name} {variant}: failed\n{done.stderr[-2000:]}")
-                continue
-            figures = json.loads(done.stdout.strip().splitlines()[-1])
-            shown = ", ".join(f"{k} {v:.3f} s" if isinstance(v, float) and k != "state_bytes" else f"{k} {v}"
-                              for k, v in figures.items())
-            print(f"{name:10s} {variant:18s} {shown}")
+    first_calls: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(args.repeats):  # rounds of every variant, so a burst of load hits them alike
+        for name in args.models:
+            for variant in VARIANTS:
+                done = subprocess.run([sys.executable, __file__, "--one", name, variant, "--stages", str(args.stages),
+                                       "--microbatches", str(args.microbatches)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(f"{name} {variant}: failed\n{done.stderr[-2000:]}")
+                    continue
+                figures = json.loads(done.stdout.strip().splitlines()[-1])
+                if "first_call" in figures:
+                    first_calls.setdefault((name, variant), []).append(figures["first_call"])
+                shown = ", ".join(f"{k} {v:.3f} s" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+                print(f"round {round_} {name:10s} {variant:18s} {shown}")
+    print("first call, median over rounds:")
+    for (name, variant), times in first_calls.items():
+        print(f"  {name:10s} {variant:18s} {statistics.median(times):.3f} s  ({', '.join(f'{t:.2f}' for t in times)})")
     print(f"load average after: {os.getloadavg()}")
 
 
