@@ -49,3 +49,25 @@ def test_a_loaded_program_keeps_its_donation() -> None:
         out = SharedProgram(jax.jit(lambda a: a * 2, donate_argnums=0), mesh, cache)(x)
         assert x.is_deleted() and float(out.sum()) == 64.0
     assert cache.loaded == 1
+
+
+def test_a_decoders_identical_middle_stages_share_executables_and_compute_the_plain_gradients() -> None:
+    """4 decoder layers on 4 stages (1F1B, M = 2): the middle stages run the same layer, so their
+    programs load the first one's executable; loss and gradients equal the unsharded step's."""
+    from dataclasses import replace
+
+    import hlomap
+    from hlomap import zoo
+    from hlomap.run.compare import check_pipeline
+    from tests.run.helpers import FAST_COMPILE, boundary_pivots, chain_of, pipeline_plan
+
+    tiny = zoo.get("gpt-tiny")
+    model = replace(tiny, config=replace(tiny.config, num_layers=4, batch_size=8))
+    args = model.example_args(seed=0)
+    cap = hlomap.capture(model.train_step(), *model.abstract_args())
+    chain = chain_of(cap)
+    plan = pipeline_plan(cap, chain, boundary_pivots(chain, 3), microbatches=2, schedule="1f1b", devices_per_stage=2)
+    step = hlomap.parallelize(model.train_step(), plan, executor="mpmd", compiler_options=FAST_COMPILE)
+    check = check_pipeline(step, args)
+    assert check.exact, "\n".join(c.words() for c in check.comparisons)  # float32 agrees, no float64 rescue
+    assert step._runner.executables.loaded > 0
