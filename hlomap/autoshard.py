@@ -275,30 +275,16 @@ def _platform() -> str:
 # Argument signatures (what makes the step capture again)
 # ---------------------------------------------------------------------------------------------
 
-#: A state argument held by a pipeline runner (`hlomap.run.pipeline.stage_state.Staged`): laid out by the
-#: step that placed it, so it matches that step's signature whatever its layout.
-_HELD = "held by the runner"
-
-
 def signature(args: Sequence[Any]) -> tuple[Any, ...]:
-    """Tree structure, shapes and dtypes of each argument: `jax.jit`'s retrace condition."""
+    """Tree structure, shapes and dtypes of each argument: `jax.jit`'s retrace condition. Every
+    plan's step returns the user's pytrees, so the state it hands back has the signature it got."""
     import jax
-
-    from hlomap.run.pipeline.stage_state import Staged
 
     out = []
     for arg in args:
-        if isinstance(arg, Staged):
-            out.append(_HELD)
-            continue
         leaves, treedef = jax.tree_util.tree_flatten(arg)
         out.append((treedef, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves)))
     return tuple(out)
-
-
-def held_signature(sig: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The signature the same arguments have once a pipeline runner holds the state."""
-    return (_HELD,) * min(STATE_ARGS, len(sig)) + sig[STATE_ARGS:]
 
 
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -404,23 +390,15 @@ class AutoShardedStep:
         entry = dataclasses.replace(entry, timings=dataclasses.replace(entry.timings,
                                                                        first_call=time.perf_counter() - start))
         self._entries[sig] = entry
-        self._entries.setdefault(held_signature(sig), entry)
         self._current = entry
         return out
 
     def _relocate(self, args: tuple[Any, ...], entry: _Entry) -> tuple[Any, ...]:
-        """Lay the state out for `entry`'s plan: from the user's arrays, or gathered back from the
-        step that held it."""
+        """Lay the state out for `entry`'s plan: the user's pytrees, whichever plan's step returned
+        them (every plan's step takes and returns them)."""
         if len(args) < STATE_ARGS:
             return args
-        params, opt_state = args[0], args[1]
-        previous = self._current
-        if previous is not None and previous is not entry and previous.step is not entry.step:
-            from hlomap.run.pipeline.stage_state import Staged
-
-            if isinstance(params, Staged):
-                params, opt_state = previous.step.gather(params, opt_state)
-        params, opt_state = entry.step.place(params, opt_state)
+        params, opt_state = entry.step.place(args[0], args[1])
         return (params, opt_state, *args[STATE_ARGS:])
 
     # -- capture, look up, explore --------------------------------------------------------------------
@@ -452,7 +430,7 @@ class AutoShardedStep:
 
         mesh = resolve_mesh(self.config.mesh, self.config.task, jax.local_device_count())
         cluster = priced_cluster(self.config.cluster, mesh_devices(mesh))
-        measure = measured_count(self.config.measure, cluster) if _HELD not in signature(args) else 0
+        measure = measured_count(self.config.measure, cluster)
         key = cache_key(cap.text_sha256, mesh, cluster, self.config.task, measure)
         path = cache_path(self.config.cache_dir, key) if self.config.cache_dir is not None else None
         plan = load_cached(path, cap) if path is not None else None

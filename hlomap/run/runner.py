@@ -1,9 +1,9 @@
 """`hlomap.parallelize(train_step, plan)`: any plan hlomap finds, as a runnable step.
 
     step = hlomap.parallelize(train_step, plan)          # same signature as train_step
-    params, opt_state = step.place(params, opt_state)    # put the state where the plan wants it
-    params, opt_state, loss = step(params, opt_state, batch)
-    params, opt_state = step.gather(params, opt_state)   # back to the user's pytrees, on the host
+    params, opt_state = step.place(params, opt_state)    # optional: put the state where the plan wants it
+    params, opt_state, loss = step(params, opt_state, batch)   # the user's pytrees in and out, any plan
+    params, opt_state = step.gather(params, opt_state)   # as numpy arrays on the host
 
 SPMD plans run as `jax.jit` with the plan's shardings (`spmd`). Pipeline plans run with one of
 two executors, picked by the plan's schedule unless `executor=` says otherwise:
@@ -32,7 +32,6 @@ from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import CutMapping
 from hlomap.run.pipeline.prepare import PipelineProgram, prepare
 from hlomap.run.pipeline.section import STAGE_AXIS, pipeline_section
-from hlomap.run.pipeline.stage_state import Staged
 from hlomap.run.program import describe_eqn
 from hlomap.run.spmd import SpmdStep
 from hlomap.verify.mesh import DeviceError, device_positions, ordered_devices
@@ -191,36 +190,31 @@ class ParallelStep:
 
     # -- the step ---------------------------------------------------------------------------------
     def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """The state where the plan wants it (for pipeline plans before the first call: as given,
-        laid out per stage by that call)."""
+        """The user's pytrees where the plan wants them: SPMD plans by the plan's shardings, pipeline
+        plans each leaf on its home stage (before the first call of a pipeline plan, as given: the
+        first call lays them out)."""
         if self._spmd is not None:
             return self._spmd.place(params, opt_state)
         if self._runner is None:
-            return Staged((params, opt_state), None), Staged((), None)
+            return params, opt_state
         return self._runner.place(params, opt_state)
 
-    def _staged(self, params: Any, opt_state: Any, rest: Sequence[Any]) -> tuple[Any, Any]:
-        if isinstance(params, Staged) and params.layout is None:  # placed before the first call
-            params, opt_state = params.parts
-        if not isinstance(params, Staged):
-            if self._runner is None:
-                self._build((params, opt_state, *rest))
-            return self._runner.place(params, opt_state)
-        return params, opt_state
+    def _ready(self, params: Any, opt_state: Any, rest: Sequence[Any]) -> None:
+        """Cut the step at its first call (the batch's shapes decide the microbatches)."""
+        if self._runner is None:
+            self._build((params, opt_state, *rest))
 
     def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
         if self._spmd is not None:
             return self._spmd(params, opt_state, *rest)
-        params, opt_state = self._staged(params, opt_state, rest)
+        self._ready(params, opt_state, rest)
         return self._runner(params, opt_state, *rest)
 
     def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """The user's pytrees of params and opt_state, as numpy arrays on the host."""
         if self._spmd is not None:
             return self._spmd.gather(params, opt_state)
-        if isinstance(params, Staged) and params.layout is None:
-            params, opt_state = params.parts
-        if not isinstance(params, Staged):
+        if self._runner is None:
             return jax.tree.map(_host, params), jax.tree.map(_host, opt_state)
         return self._runner.gather(params, opt_state)
 
@@ -235,7 +229,7 @@ class ParallelStep:
         before the optimizer (host arrays); for checking numerics."""
         if self._spmd is not None:
             raise RunError("value_and_grad of the runner applies to pipeline plans")
-        params, opt_state = self._staged(params, opt_state, rest)
+        self._ready(params, opt_state, rest)
         return self._runner.value_and_grad(params, opt_state, *rest)
 
     def describe(self, example_args: Sequence[Any] | None = None) -> RunnerDescription:

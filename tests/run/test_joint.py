@@ -43,7 +43,7 @@ def _check_layout(step: Any, plan: Plan, placed: tuple[Any, Any]) -> int:
     (stage, leaf) pairs are split over the `model` axis."""
     stages = plan.pipeline.stages
     split = 0
-    for staged in placed:
+    for staged in step._runner._stage_state(*placed):  # the arrays each stage holds
         layout = staged.layout
         if step.executor is Executor.MPMD:
             for s, held in enumerate(layout.per_stage):

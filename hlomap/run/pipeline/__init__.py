@@ -7,5 +7,6 @@
   every stage's state packed into rows (`layout`); runs across processes.
 - `mpmd_executor`: one program per stage driven by a Python scheduler in the order the pipeline
   simulator predicts (`dispatch`); any schedule, one controller.
-- `stage_state`: the per-stage state (`Staged`) both executors hand back between steps.
+- `stage_state`: the per-stage state (`Staged`) both executors hold inside a step.
+- `shared_compile`: one compiled executable for the stages whose programs are identical.
 """

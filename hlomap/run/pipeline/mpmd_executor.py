@@ -30,6 +30,7 @@ all (single controller), which is why this executor does not run across processe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -45,7 +46,9 @@ from jax.sharding import PartitionSpec as P
 from hlomap.cost.pipeline.stages import Pass
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.pipeline.shared_compile import ExecutableCache, SharedProgram
 from hlomap.run.pipeline.stage_state import Staged
+from hlomap.run.errors import RunError
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
 from hlomap.run.transfer import put, to_host
@@ -58,14 +61,32 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, eq=False)
 class StageLeaves:
-    """Which state leaves (flat argument indices) each stage holds, for one state argument."""
+    """Which state leaves (flat argument indices) each stage holds, for one state argument.
+
+    A leaf several stages read (a tied embedding, Adam's step count) is held by each of them; its
+    home, the first of them, holds the copy the user's pytree gets back."""
 
     per_stage: tuple[tuple[int, ...], ...]
     leaves: tuple[int, ...]
     treedef: Any
 
     def home(self, leaf: int) -> int:
-        return next(s for s, held in enumerate(self.per_stage) if leaf in held)
+        return self.holders(leaf)[0]
+
+    def holders(self, leaf: int) -> tuple[int, ...]:
+        return self._index[leaf][0]
+
+    def position(self, s: int, leaf: int) -> int:
+        """Where stage s keeps the leaf in its tuple of held leaves."""
+        return self._index[leaf][1][s]
+
+    @functools.cached_property
+    def _index(self) -> dict[int, tuple[tuple[int, ...], dict[int, int]]]:
+        where: dict[int, dict[int, int]] = {leaf: {} for leaf in self.leaves}
+        for s, held in enumerate(self.per_stage):
+            for k, leaf in enumerate(held):
+                where[leaf][s] = k
+        return {leaf: (tuple(sorted(at)), at) for leaf, at in where.items()}
 
 
 @dataclass
@@ -120,6 +141,7 @@ class MpmdPipeline:
                                      for s in range(self.n_stages)), tuple(range(n0, n0 + n1)), trees[1])
         self.order = dispatch_order(section.schedule, self.n_groups, self.microbatches, section.repeats)
         self.trace_counts: dict[tuple[str, int], int] = {}
+        self.executables = ExecutableCache()  # stages with identical programs share one executable
         self._forward = [self._make_forward(s) for s in range(self.n_stages)]
         # ZB-H1: the backward as two passes, the input gradient (B) and the weight gradient (W)
         self.split_backward = any(e.kind is Pass.WEIGHT for e in self.order)
@@ -136,12 +158,14 @@ class MpmdPipeline:
         # not built and transferred on every step
         self._loss_ct = (put(np.asarray(1.0 / self.microbatches, loss_dtype), NamedSharding(self.meshes[-1], P())),)
         self._residual_bytes: int | None = None  # of the last stage's forward, for the fused passes' bookkeeping
-        self._accumulate = [jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options)
-                            for _ in range(self.n_stages)]
+        self._accumulate = [self._shared(s, jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options))
+                            for s in range(self.n_stages)]
         self._update = [self._make_update(s) for s in range(self.n_stages)]
         self.stats = StepStats()
         self._recording: dict[tuple[int, Pass], Any] = {}
         self._stamps: list[tuple[int, str, int, int, float]] = []
+        # leaf -> (the array the last step returned for it, its copies on the other stages that read it)
+        self._returned: dict[int, tuple[Any, dict[int, Any]]] = {}
 
     # -- shardings --------------------------------------------------------------------------------
     def _sharding(self, s: int, leaf: int) -> NamedSharding:
@@ -173,7 +197,7 @@ class MpmdPipeline:
 
     def _make_forward(self, s: int) -> Any:
         fwd, _ = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
-        return jax.jit(self._counted("forward", s, fwd), compiler_options=self.options)
+        return self._shared(s, jax.jit(self._counted("forward", s, fwd), compiler_options=self.options))
 
     def _backward_function(self, s: int, part: int | None) -> Callable[..., Any]:
         """(residuals, output cotangents) -> (parameter cotangents, input cotangents) of stage s;
@@ -187,7 +211,12 @@ class MpmdPipeline:
 
     def _make_backward(self, s: int, part: int | None = None) -> Any:
         kind = {None: "backward", 1: "input_gradient", 0: "weight_gradient"}[part]
-        return jax.jit(self._counted(kind, s, self._backward_function(s, part)), compiler_options=self.options)
+        return self._shared(s, jax.jit(self._counted(kind, s, self._backward_function(s, part)),
+                                       compiler_options=self.options))
+
+    def _shared(self, s: int, jitted: Any) -> SharedProgram:
+        """Stage s's program, compiled once for all stages whose programs are identical."""
+        return SharedProgram(jitted, self.meshes[s], self.executables)
 
     def _forward_backward_function(self, s: int) -> Callable[..., Any]:
         """(params, received, state, data, output cotangents) -> (outputs, aux, parameter and
@@ -353,8 +382,8 @@ class MpmdPipeline:
         def update(*inputs: Any) -> Any:
             return run(*inputs)
 
-        return jax.jit(self._counted("update", s, update), donate_argnums=self._donated(update_s),
-                       compiler_options=self.options)
+        return self._shared(s, jax.jit(self._counted("update", s, update), donate_argnums=self._donated(update_s),
+                                       compiler_options=self.options))
 
     def _donated(self, update_s: Any) -> tuple[int, ...]:
         """Update inputs whose buffers the update may reuse: state leaves it replaces, each passed
@@ -375,26 +404,59 @@ class MpmdPipeline:
         return tuple(position for position, item in enumerate(update_s.inputs)
                      if item.source is Source.STATE and item.index in replaced and passed[item.index] == 1)
 
-    # -- state ------------------------------------------------------------------------------------
-    def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
+    # -- state: the user's pytrees in and out ----------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees, each leaf a copy on its home stage with that stage's sharding (a
+        leaf several stages read, also its copies on the others, kept for the next step)."""
+        return self._user_trees(*self._stage_state(params, opt_state))
+
+    def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees as numpy arrays on the host."""
+        if isinstance(params, Staged):
+            params, opt_state = self._user_trees(params, opt_state)
+        return jax.tree.map(to_host, params), jax.tree.map(to_host, opt_state)
+
+    def _stage_state(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
+        """The user's pytrees as the arrays each stage holds. A leaf this executor returned (the
+        same object) is taken as it is, and a leaf several stages read takes the copies the step
+        that returned it kept: a step fed its own outputs moves nothing. Any other leaf is copied
+        onto every stage that reads it (the step donates what it is given)."""
         out = []
         for layout, tree in ((self.params, params), (self.opt, opt_state)):
-            values = dict(zip(layout.leaves, jax.tree_util.tree_leaves(tree)))
-            parts = tuple(tuple(put(values[leaf], self._sharding(s, leaf)) for leaf in held)
+            if isinstance(tree, Staged):
+                out.append(tree)
+                continue
+            leaves = jax.tree_util.tree_leaves(tree)
+            if len(leaves) != len(layout.leaves):
+                raise RunError(f"the step was cut for state of {len(layout.leaves)} leaves; it was given a pytree "
+                               f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+            values = dict(zip(layout.leaves, leaves))
+            parts = tuple(tuple(self._stage_copy(s, leaf, values[leaf], layout) for leaf in held)
                           for s, held in enumerate(layout.per_stage))
             out.append(Staged(parts, layout))
         return out[0], out[1]
 
-    def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
-        out = []
+    def _stage_copy(self, s: int, leaf: int, value: Any, layout: StageLeaves) -> Any:
+        returned = self._returned.get(leaf)
+        if returned is not None and returned[0] is value:
+            return value if s == layout.home(leaf) else returned[1][s]
+        return put(value, self._sharding(s, leaf))
+
+    def _user_trees(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+        """The user's pytrees from the stages' arrays: each leaf its home stage's (`StageLeaves.home`:
+        the first stage that reads it); the other stages' copies are kept for the next step."""
+        self._returned = {}
+        trees = []
         for staged in (params, opt_state):
             layout: StageLeaves = staged.layout
             values = []
             for leaf in layout.leaves:
-                s = layout.home(leaf)
-                values.append(to_host(staged.parts[s][layout.per_stage[s].index(leaf)]))
-            out.append(jax.tree_util.tree_unflatten(layout.treedef, values))
-        return out[0], out[1]
+                copies = {s: staged.parts[s][layout.position(s, leaf)] for s in layout.holders(leaf)}
+                value = copies.pop(layout.home(leaf))
+                self._returned[leaf] = (value, copies)
+                values.append(value)
+            trees.append(jax.tree_util.tree_unflatten(layout.treedef, values))
+        return trees[0], trees[1]
 
     def _held(self, params: Staged, opt_state: Staged, s: int) -> dict[int, Any]:
         return {**dict(zip(self.params.per_stage[s], params.parts[s])),
@@ -583,10 +645,11 @@ class MpmdPipeline:
                 per_stage[s][leaf] = jax.device_put(total, per_stage[s][leaf].sharding)
         return per_stage
 
-    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+    def value_and_grad(self, params: Any, opt_state: Any, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
         """(loss, aux leaves, gradient leaves) of the marked call (host arrays)."""
         program = self.program
         traced = program.traced
+        params, opt_state = self._stage_state(params, opt_state)
         loss, grads, aux, _ = self._gradients(params, opt_state, rest)
         aux_out = []
         for j, source in enumerate(program.split.aux):
@@ -608,12 +671,14 @@ class MpmdPipeline:
             grad_out.append(to_host(found) if found is not None else np.zeros(aval.shape, aval.dtype))
         return to_host(loss), aux_out, grad_out
 
-    def __call__(self, params: Staged, opt_state: Staged, *rest: Any, record: bool = False) -> Any:
+    def __call__(self, params: Any, opt_state: Any, *rest: Any, record: bool = False) -> Any:
+        """One step on the user's pytrees (or `Staged` state), returning the user's pytrees."""
         program = self.program
         traced = program.traced
         update = program.update
         n_state = traced.state_leaves
         final: dict[str, Any] = {}
+        params, opt_state = self._stage_state(params, opt_state)
         loss, grads, aux, args = self._gradients(params, opt_state, rest, record=record, final=final)
         new_parts: list[dict[int, Any]] = []
         results: dict[int, Any] = {}
@@ -634,7 +699,7 @@ class MpmdPipeline:
         for o, value in results.items():
             flat[o] = value
         out = jax.tree_util.tree_unflatten(traced.out_tree, flat)
-        return (staged[0], staged[1], *out[2:])
+        return (*self._user_trees(staged[0], staged[1]), *out[2:])
 
     def _update_inputs(self, s: int, held: Mapping[int, Any], args: Sequence[Any], loss: Any,
                        aux: Mapping[int, Any] | None, grads: Mapping[int, Any] | None) -> list[Any]:

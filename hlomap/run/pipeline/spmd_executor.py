@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.run.errors import RunError
@@ -163,12 +163,14 @@ class RowLayout:
                     lead + (slot.size,))
         return rows
 
-    def leaf_from_rows(self, rows: Mapping[str, Any], leaf: int, stage: int | None = None) -> Any:
-        """A leaf (its own shape) from rows (host or device), read on `stage` (default: its home)."""
+    def leaf_from_rows(self, rows: Mapping[str, Any], leaf: int, stage: int | None = None, first_row: int = 0) -> Any:
+        """A leaf (its own shape) from rows (host or device), read on `stage` (default: its home);
+        `rows` may start at row `first_row` (one device stage's rows)."""
         s = self.home(leaf) if stage is None else stage
         slot = self.stages[s].slot(leaf)
         lead = self.leads.get(slot.buffer, ())
-        stored = rows[slot.buffer][self.rows[s], ..., slot.offset:slot.offset + slot.size].reshape(lead + slot.shape)
+        stored = rows[slot.buffer][self.rows[s] - first_row, ..., slot.offset:slot.offset + slot.size].reshape(
+            lead + slot.shape)
         return self.to_global(leaf, stored)
 
     def unpack(self, stage: int, row: Mapping[str, Any]) -> dict[int, Any]:
@@ -262,16 +264,22 @@ class SpmdPipeline:
         options = dict(compiler_options or {}) or None
         self._pipeline_jit = _Checked(jax.jit(self._loss_and_grads, compiler_options=options))
         self._step_jit = _Checked(jax.jit(self._step, donate_argnums=(0, 1), compiler_options=options))
+        self.stage_meshes = [Mesh(self.mesh.devices[d], self.mesh.axis_names[1:]) for d in range(self.n_stages)]
+        self._unpack = tuple([self._make_stage_unpack(layout, d, options) for d in range(self.n_stages)]
+                             for layout in (self.params, self.opt))
+        self._unpack_whole = (self._make_unpack(self.params, options), self._make_unpack(self.opt, options))
+        # per state argument: (the leaves the last step returned, the rows they came from)
+        self._returned: list[tuple[tuple[Any, ...], Staged] | None] = [None, None]
 
-    # -- state ------------------------------------------------------------------------------------
-    def place(self, params: Any, opt_state: Any) -> tuple[Staged, Staged]:
-        out = []
-        for layout, tree in ((self.params, params), (self.opt, opt_state)):
-            rows = layout.host_rows([to_host(x) for x in jax.tree_util.tree_leaves(tree)])
-            out.append(Staged({b: put(r, NamedSharding(self.mesh, layout.spec(b))) for b, r in rows.items()}, layout))
-        return out[0], out[1]
+    # -- state: the user's pytrees in and out ----------------------------------------------------
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees as the step returns them (`_user_trees`), laid out in rows for the next step."""
+        return self._user_trees(*self._stage_state(params, opt_state))
 
-    def gather(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+    def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The user's pytrees as numpy arrays on the host."""
+        if not isinstance(params, Staged):
+            return jax.tree.map(to_host, params), jax.tree.map(to_host, opt_state)
         out = []
         for staged in (params, opt_state):
             layout: RowLayout = staged.layout
@@ -280,9 +288,83 @@ class SpmdPipeline:
             out.append(jax.tree_util.tree_unflatten(layout.treedef, values))
         return out[0], out[1]
 
-    def __call__(self, params: Staged, opt_state: Staged, *rest: Any) -> Any:
+    def _stage_state(self, params: Any, opt_state: Any, consume: bool = False) -> tuple[Staged, Staged]:
+        """The user's pytrees as rows. The very leaves the last step returned take the rows it kept
+        (no copy, no transfer; with `consume`, the step about to donate them forgets them, so the
+        leaves, which are copies, can still be given again); any other pytree is packed into rows
+        through the host, as `place` always did."""
+        out = []
+        for k, (layout, tree) in enumerate(((self.params, params), (self.opt, opt_state))):
+            if isinstance(tree, Staged):
+                out.append(tree)
+                continue
+            leaves = jax.tree_util.tree_leaves(tree)
+            if len(leaves) != len(layout.leaves):
+                raise RunError(f"the step was cut for state of {len(layout.leaves)} leaves; it was given a pytree "
+                               f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+            returned = self._returned[k]
+            if returned is not None and len(returned[0]) == len(leaves) and all(
+                    a is b for a, b in zip(returned[0], leaves)):
+                out.append(returned[1])
+                if consume:
+                    self._returned[k] = None
+                continue
+            rows = layout.host_rows([to_host(x) for x in leaves])
+            out.append(Staged({b: put(r, NamedSharding(self.mesh, layout.spec(b))) for b, r in rows.items()}, layout))
+        return out[0], out[1]
+
+    def _user_trees(self, params: Staged, opt_state: Staged) -> tuple[Any, Any]:
+        """The user's pytrees from the rows, each leaf a `jax.Array` on its home stage's devices
+        (its first logical stage's), split as the plan splits it inside the stage: per device
+        stage, the rows' shards on its devices viewed as that stage's own rows (no copy) and one
+        program that slices its leaves out of them (a copy of the state on the stage, the
+        conversion's cost, docs/python-api.md). Across processes one program over the whole mesh
+        slices them instead, each leaf replicated over the stages. The rows are kept for the next step."""
+        trees = []
+        for k, staged in enumerate((params, opt_state)):
+            layout: RowLayout = staged.layout
+            values: dict[int, Any] = {}
+            if jax.process_count() > 1:
+                values.update(zip(layout.leaves, self._unpack_whole[k](staged.parts)))
+            else:
+                for d, (homes, unpack) in enumerate(self._unpack[k]):
+                    if homes:
+                        values.update(zip(homes, unpack(self._stage_rows(staged.parts, layout, d))))
+            leaves = tuple(values[leaf] for leaf in layout.leaves)
+            self._returned[k] = (leaves, staged)
+            trees.append(jax.tree_util.tree_unflatten(layout.treedef, list(leaves)))
+        return trees[0], trees[1]
+
+    def _stage_rows(self, rows: Mapping[str, Any], layout: RowLayout, d: int) -> dict[str, Any]:
+        """Device stage d's `[V, ...]` rows as arrays on its own mesh, made of the shards it holds."""
+        mesh = self.stage_meshes[d]
+        devices = set(mesh.devices.flat)
+        out = {}
+        for b, r in rows.items():
+            sharding = NamedSharding(mesh, P(None, *tuple(layout.spec(b))[1:]))
+            shards = [shard.data for shard in r.addressable_shards if shard.device in devices]
+            out[b] = jax.make_array_from_single_device_arrays((self.repeats,) + r.shape[1:], sharding, shards)
+        return out
+
+    def _make_stage_unpack(self, layout: RowLayout, d: int, options: Mapping[str, Any] | None) -> tuple[list[int], Any]:
+        """(the leaves whose home is on device stage d, the program slicing them out of its rows)."""
+        homes = [leaf for leaf in layout.leaves if layout.rows[layout.home(leaf)] // self.repeats == d]
+        shardings = [NamedSharding(self.stage_meshes[d], self.specs.get(leaf) or P()) for leaf in homes]
+        first_row = d * self.repeats
+        return homes, jax.jit(lambda rows: [layout.leaf_from_rows(rows, leaf, first_row=first_row) for leaf in homes],
+                              out_shardings=shardings, compiler_options=options)
+
+    def _make_unpack(self, layout: RowLayout, options: Mapping[str, Any] | None) -> Any:
+        shardings = [NamedSharding(self.mesh, self.specs.get(leaf) or P()) for leaf in layout.leaves]
+        return jax.jit(lambda rows: [layout.leaf_from_rows(rows, leaf) for leaf in layout.leaves],
+                       out_shardings=shardings, compiler_options=options)
+
+    def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
+        """One step on the user's pytrees (or `Staged` rows), returning the user's pytrees."""
+        params, opt_state = self._stage_state(params, opt_state, consume=True)
         rest = self._put_arguments(rest)
-        return self._step_jit(params, opt_state, *rest)
+        new_params, new_opt_state, *out = self._step_jit(params, opt_state, *rest)
+        return (*self._user_trees(new_params, new_opt_state), *out)
 
     def _put_arguments(self, rest: Sequence[Any]) -> Any:
         """The non-state arguments on the mesh: batch leaves split on the stage's batch axes
@@ -487,11 +569,12 @@ class SpmdPipeline:
         loss, aux_rows, grads = self._loss_and_grads(params, opt_state, *rest)
         return self._update(params, opt_state, grads, aux_rows, loss, *rest)
 
-    def value_and_grad(self, params: Staged, opt_state: Staged, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
+    def value_and_grad(self, params: Any, opt_state: Any, *rest: Any) -> tuple[Any, list[Any], list[Any]]:
         """(loss, aux leaves, gradient leaves) of the marked call, as the pipeline computes them
         (host arrays)."""
         program = self.program
         traced = program.traced
+        params, opt_state = self._stage_state(params, opt_state)
         rest = self._put_arguments(rest)
         loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
         aux_rows = {d: to_host(r) for d, r in aux_rows.items()}

@@ -1,10 +1,10 @@
-"""State kept per stage, as the pipeline executors hold params and opt_state between steps.
+"""State kept per stage, as the pipeline executors hold params and opt_state inside a step.
 
-`parallelize(step, pipeline_plan).place(params, opt_state)` returns `Staged` values in place of
-the two pytrees: the runner keeps each stage's leaves on that stage's devices, and a leaf read
-by several stages (a tied embedding, Adam's step count) once per stage. They are pytrees (of the
-arrays the executor holds) that the step takes and returns; `step.gather(params, opt_state)`
-rebuilds the user's pytrees.
+The executors take and return the user's pytrees; inside, `Staged` holds the arrays each stage
+keeps: the mpmd executor a leaf on every stage that reads it (a tied embedding, Adam's step count,
+once per stage), the spmd executor rows stacked on the `stage` mesh axis. The executors also
+accept `Staged` values in place of the two pytrees (the tests and benchmarks feed the rows to the
+spmd executor's program directly); users never see them.
 """
 
 from __future__ import annotations
