@@ -598,6 +598,7 @@ class MpmdPipeline:
                         for g, var in zip(g_received, previous.sends))
         if record:
             jax.block_until_ready((loss_sum, grads))
+            jax.effects_barrier()  # every pass's stamps (asynchronous debug callbacks) have arrived
             events = self._recorded_events(start)
         self.stats = StepStats(peak, peak_bytes, events)
         # an eager multiply is a dispatch of its own (milliseconds on a multi-device mesh): none for M = 1

@@ -1,4 +1,4 @@
-"""One compiled executable for the stages whose programs are identical (issue #25, part 4).
+"""One compiled executable for the stages whose programs are identical.
 
 The mpmd executor jits every stage's passes on the stage's own mesh. Stages that run the same
 layers (a decoder's middle stages) lower to the same program: the same StableHLO text, with the
@@ -40,7 +40,8 @@ class _Entry:
 
 @dataclass
 class ExecutableCache:
-    """Compiled programs by (lowered text's SHA-256, mesh shape), shared by an executor's stages."""
+    """Compiled programs by (SHA-256 of the lowered text and pytrees, mesh shape), shared by an
+    executor's stages."""
 
     entries: dict[tuple[str, tuple[tuple[str, int], ...]], _Entry] = field(default_factory=dict)
     compiled: int = 0  # executables compiled
@@ -49,8 +50,11 @@ class ExecutableCache:
     def executable(self, lowered: Any, mesh: Any) -> Any:
         """The compiled program for `lowered` on `mesh`: compiled, or loaded from an identical
         program compiled for a mesh of the same shape."""
-        # the text's digest, not the text: an executor keeps a key per program of every stage
-        key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), tuple(mesh.shape.items()))
+        # the text's digest, not the text: an executor keeps a key per program of every stage. The
+        # argument and result pytrees too: two structures with the same leaves lower to one text,
+        # and an executable takes only the structure it was compiled for
+        text = f"{lowered.as_text()}\n{lowered.in_tree}\n{lowered.out_tree}"
+        key = (hashlib.sha256(text.encode()).hexdigest(), tuple(mesh.shape.items()))
         devices = tuple(mesh.devices.flat)
         entry = self.entries.get(key)
         if entry is not None:
