@@ -83,7 +83,7 @@ def _run_and_check(case: Any, plan: Plan, executor: str | None = None) -> tuple[
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "t5-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", pytest.param("t5-tiny", marks=pytest.mark.slow)])
 def test_the_joint_optimum_runs_with_unsharded_numerics(zoo_case, name: str) -> None:
     case = zoo_case(name)
     plan = hlomap.explore(case.cap, task="auto", cluster=CLUSTER)
@@ -113,7 +113,7 @@ def _two_tensor_parallel_stages(cap: Any) -> Plan:
 
 @pytest.mark.parametrize("name,executor", [
     ("gpt-tiny", "spmd"), ("gpt-tiny", "mpmd"),
-    pytest.param("t5-tiny", "spmd", marks=pytest.mark.slow), ("t5-tiny", "mpmd"),
+    pytest.param("t5-tiny", "spmd", marks=pytest.mark.slow), pytest.param("t5-tiny", "mpmd", marks=pytest.mark.slow),
 ])
 def test_two_stages_with_tensor_parallelism_inside(zoo_case, name: str, executor: str) -> None:
     case = zoo_case(name)

@@ -73,6 +73,7 @@ def test_mlp_two_stages_tensor_parallel_both_executors(zoo_case) -> None:
         _run(case, plan, executor, update=executor == "spmd")
 
 
+@pytest.mark.slow  # the fast suite runs a circular plan in test_circular_plan_on_one_device_stage
 def test_gpt_circular_two_stages_two_rounds(zoo_case) -> None:
     """The spmd executor, circular: 4 logical stages over 2 device stages (2 rounds) x data-parallel 2,
     M = 2 (a microbatch comes back to stage 0 in the same tick) and M = 4 (it waits 2 ticks)."""

@@ -139,6 +139,7 @@ def test_dqn_learns_the_paper_optimum_and_beats_random(graph_of, axes8) -> None:
     assert np.mean(dqn.curve[-50:]) > np.mean(dqn.curve[:50]) + 3
 
 
+@pytest.mark.slow
 def test_fine_tuning_reaches_the_optimum_sooner(graph_of, axes8) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, replicate_residual=True, tie=False)
     optimum = exact_search(ShardingTask(space, PaperObjective(space))).score.value

@@ -47,8 +47,7 @@ from hlomap.cost.pipeline.stages import Pass
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.pipeline.shared_compile import ExecutableCache, SharedProgram
-from hlomap.run.pipeline.stage_state import Staged
-from hlomap.run.errors import RunError
+from hlomap.run.pipeline.stage_state import Staged, state_leaves
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
 from hlomap.run.transfer import put, to_host
@@ -426,10 +425,7 @@ class MpmdPipeline:
             if isinstance(tree, Staged):
                 out.append(tree)
                 continue
-            leaves = jax.tree_util.tree_leaves(tree)
-            if len(leaves) != len(layout.leaves):
-                raise RunError(f"the step was cut for state of {len(layout.leaves)} leaves; it was given a pytree "
-                               f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+            leaves = state_leaves(tree, len(layout.leaves))
             values = dict(zip(layout.leaves, leaves))
             parts = tuple(tuple(self._stage_copy(s, leaf, values[leaf], layout) for leaf in held)
                           for s, held in enumerate(layout.per_stage))

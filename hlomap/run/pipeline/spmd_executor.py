@@ -56,7 +56,7 @@ from hlomap.run.pipeline.layout import (BatchedLayout, FlatLayout, buffer_dtype,
                                         sharded_buffer)
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.pipeline.section import STAGE_AXIS
-from hlomap.run.pipeline.stage_state import Staged
+from hlomap.run.pipeline.stage_state import Staged, state_leaves
 from hlomap.run.pipeline.stage_update import Source
 from hlomap.run.trace import InputKind
 from hlomap.run.transfer import put, to_host
@@ -298,10 +298,7 @@ class SpmdPipeline:
             if isinstance(tree, Staged):
                 out.append(tree)
                 continue
-            leaves = jax.tree_util.tree_leaves(tree)
-            if len(leaves) != len(layout.leaves):
-                raise RunError(f"the step was cut for state of {len(layout.leaves)} leaves; it was given a pytree "
-                               f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+            leaves = state_leaves(tree, len(layout.leaves))
             returned = self._returned[k]
             if returned is not None and len(returned[0]) == len(leaves) and all(
                     a is b for a, b in zip(returned[0], leaves)):

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 
 import jax
 
-__all__ = ["Staged"]
+from hlomap.run.errors import RunError
+
+__all__ = ["Staged", "state_leaves"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -36,3 +38,13 @@ class Staged:
     @classmethod
     def tree_unflatten(cls, layout: Any, children: Sequence[Any]) -> Staged:
         return cls(children[0], layout)
+
+
+def state_leaves(tree: Any, expected: int) -> list[Any]:
+    """The leaves of one of the user's state pytrees, checked against the `expected` count the
+    step was cut for (a clear error instead of a mis-assignment of leaves to stages)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) != expected:
+        raise RunError(f"the step was cut for state of {expected} leaves; it was given a pytree "
+                       f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+    return leaves

@@ -61,6 +61,7 @@ def test_a_schedule_that_does_not_fit_is_not_chosen() -> None:
     assert choose_schedule(profile, cluster, _plan(), FREE).plan.schedule is not Schedule.GPIPE
 
 
+@pytest.mark.slow  # the fast suite runs an explored interleaved plan below
 def test_explore_with_schedule_auto_runs_with_the_unsharded_loss() -> None:
     import jax
 
