@@ -1,6 +1,6 @@
 """First-call time of a pipelined step against plain `jax.jit`, with and without stages sharing
-one compiled executable (issue #25, part 4), and the per-step cost of the spmd executor's
-conversion of its rows into the user's pytrees (part 3).
+one compiled executable, and the per-step cost of the spmd executor's
+conversion of its rows into the user's pytrees.
 
     python scripts/bench_first_call.py                  # gpt-tiny and a 4-layer decoder, 8 CPU devices
     python scripts/bench_first_call.py --stages 5 --microbatches 4

@@ -1,5 +1,5 @@
 """Interleaved 1F1B and ZB-H1 on the mpmd executor, 8 CPU devices: loss and gradients equal the
-unsharded step's, and one step's update equals it (issue #25: S = 2, 4; M = 4, 8; V = 2). One
+unsharded step's, and one step's update equals it (S = 2, 4; M = 4, 8; V = 2). One
 case per schedule runs by default; the rest of the matrix is marked slow."""
 
 from __future__ import annotations

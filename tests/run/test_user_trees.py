@@ -1,4 +1,4 @@
-"""The user's pytrees in and out on every plan kind (issue #25): a training loop that indexes its
+"""The user's pytrees in and out on every plan kind: a training loop that indexes its
 params by key, logs a global norm and saves and restores its state through pickle and numpy runs
 unchanged, with equal losses, on an SPMD plan and on a pipeline plan under both executors; a
 step fed its own outputs moves no state."""

@@ -1,5 +1,5 @@
 """The schedules' per-device orders, their simulated bubbles against the analytic ones, their
-memory, and the closed form's agreement with the simulator (issue #25, part 1)."""
+memory, and the closed form's agreement with the simulator."""
 
 from __future__ import annotations
 
