@@ -71,3 +71,18 @@ def test_a_decoders_identical_middle_stages_share_executables_and_compute_the_pl
     check = check_pipeline(step, args)
     assert check.exact, "\n".join(c.words() for c in check.comparisons)  # float32 agrees, no float64 rescue
     assert step._runner.executables.loaded > 0
+
+
+def test_a_program_called_with_two_structures_keeps_an_executable_for_each() -> None:
+    """A pipeline's gradient accumulator sums parameter tuples and auxiliary tuples in turn: after
+    one call with each, neither lowers again (lowering every call made a 4-stage gpt-tiny step
+    take 1.7x as long)."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    program = SharedProgram(jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)), mesh, ExecutableCache())
+    pair = (jnp.ones(4), jnp.ones(4))
+    single = (jnp.ones(3),)
+    for _ in range(3):
+        program(pair, pair)
+        out = program(single, single)
+    assert program.lowerings == 2
+    np.testing.assert_allclose(np.asarray(out[0]), 2 * np.ones(3))

@@ -102,27 +102,31 @@ def _load_for(entry: _Entry, devices: tuple[Any, ...]) -> Any:
 
 
 class SharedProgram:
-    """A jitted stage program that takes its executable from an `ExecutableCache`.
+    """A jitted stage program that takes its executables from an `ExecutableCache`.
 
-    Called like the jitted function. The executable is looked up on the first call and again
-    whenever the arguments' types or shardings change (as `jax.jit` would compile again): a call
-    the executable refuses for its arguments (TypeError or ValueError, before it runs) looks the
-    program up for the new arguments."""
+    Called like the jitted function. It keeps one executable per argument pytree structure (one
+    program may be called with several, such as a gradient accumulator over parameters and over
+    auxiliary outputs), looked up on the first call with that structure and again whenever the
+    arguments' types or shardings change (as `jax.jit` would compile again): a call the executable
+    refuses for its arguments (TypeError or ValueError, before it runs) looks the program up for
+    the new arguments."""
 
     def __init__(self, jitted: Callable[..., Any], mesh: Any, cache: ExecutableCache):
         self.jitted = jitted
         self.mesh = mesh
         self.cache = cache
-        self._executable: Any = None
+        self.lowerings = 0  # programs lowered: once per structure and argument types in a steady loop
+        self._executables: dict[Any, Any] = {}
 
     def __call__(self, *args: Any) -> Any:
-        if self._executable is not None:
+        structure = jax.tree_util.tree_structure(args)
+        executable = self._executables.get(structure)
+        if executable is not None:
             try:
-                return self._executable(*args)
+                return executable(*args)
             except (TypeError, ValueError):
                 pass  # other argument types or shardings: lower again below (a real error recurs there)
-        self._executable = self.cache.executable(self.jitted.lower(*args), self.mesh)
-        return self._executable(*args)
-
-    def lower(self, *args: Any) -> Any:
-        return self.jitted.lower(*args)
+        self.lowerings += 1
+        executable = self.cache.executable(self.jitted.lower(*args), self.mesh)
+        self._executables[structure] = executable
+        return executable(*args)
