@@ -25,6 +25,7 @@ from hlomap.cost.estimate import dispatch_seconds
 from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.cost.pipeline.timeline import event_timeline
+from hlomap.tasks.pipeline.schedules import PROGRAM_SHARE
 from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
                                       transfer_seconds)
 
@@ -32,8 +33,6 @@ __all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
 
 #: Schedules the closed form prices exactly; the others are priced by the event timeline.
 CLOSED_FORM_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-#: Programs the mpmd executor launches per stage and microbatch, relative to F and B: ZB-H1 adds W.
-PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
 
-__all__ = ["AUTO_SCHEDULE", "INTERLEAVED_CHUNKS", "SCHEDULE_CHOICES", "ScheduleOption", "choose_schedule", "interleaved_variant",
-           "schedule_options"]
+__all__ = ["AUTO_SCHEDULE", "INTERLEAVED_CHUNKS", "PROGRAM_SHARE", "SCHEDULE_CHOICES", "ScheduleOption",
+           "choose_schedule", "interleaved_variant", "schedule_options"]
 
 #: The value of `schedule` that asks the explorer to choose.
 AUTO_SCHEDULE = "auto"
@@ -35,7 +35,7 @@ SCHEDULE_CHOICES = (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)
 #: Model chunks per device stage tried for interleaved 1F1B.
 INTERLEAVED_CHUNKS = (2,)
 #: Programs the mpmd executor launches per stage and microbatch, relative to F and B: ZB-H1 adds W.
-_PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
+PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _executor_seconds(cluster: Cluster, plan: PipelinePlan) -> float:
     uniform = len({(len(s.devices), s.model) for s in groups}) == 1
     executor = default_executor(plan.schedule, uniform, plan.repeats)
     base = executor_overhead(cluster, executor, plan.n_stages, plan.microbatches)
-    return base * _PROGRAM_SHARE.get(plan.schedule, 1.0)
+    return base * PROGRAM_SHARE.get(plan.schedule, 1.0)
 
 
 def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
