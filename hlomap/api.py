@@ -935,11 +935,11 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
                               finetune_episodes: int = 0, compare_dp: bool = False, name: str = "",
                               output: str | Path | None = None,
                               on_progress: Callable[[Any], None] | None = None,
-                              downset_states: int | None = None) -> PipelineExploration:
+                              downset_states: int = DOWNSET_STATES) -> PipelineExploration:
     """The pipeline task on `source` (a Capture, or a PipeDream profile from
     `load_pipeline_source`); the best plan so far is saved to `output` as the search improves
     it, so an interrupted search keeps it. `downset_states`: the exact agent's bound on the
-    downset DP (None: `step_dag.EXPLORER_MAX_STATES`; 0: the chain's order only)."""
+    downset DP (0, the default: the chain's order only; `SUGGESTED_DOWNSET_STATES` searches the zoo's steps in seconds)."""
     import json
 
     from hlomap.plan import write_atomic
@@ -963,7 +963,7 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
                               agent=agent, seed=seed, budget_seconds=budget_seconds, episodes=episodes,
                               finetune_episodes=finetune_episodes, compare_dp=compare_dp, name=name, on_best=save,
                               on_progress=on_progress,
-                              **({} if downset_states is None else {"downset_states": downset_states}))
+                              downset_states=downset_states)
     save(result)
     notes = tuple(unsplittable_stages(cap, result)) if cap is not None else ()
     return PipelineExploration(result, cap, notes)

@@ -132,8 +132,8 @@ class StageArrays(NamedTuple):
     plan: np.ndarray  # the plan array over the graph's groups
     axes: MeshAxes
     buffers: np.ndarray
-    sync_per_buffer: float = 0.0
-    forward: np.ndarray | None = None  # the forward pass's share of `compute` (schedules that split passes)
+    sync_per_buffer: float
+    forward: np.ndarray  # the forward pass's part of `compute` (for schedules that split the passes)
 
 
 @dataclass(eq=False)

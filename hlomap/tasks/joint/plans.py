@@ -131,7 +131,7 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
 
 def _forward_share(a: StageArrays, i: int, j: int) -> float:
     compute = float(a.compute[j] - a.compute[i])
-    if a.forward is None or compute <= 0:
+    if compute <= 0:
         return 1.0 / 3.0  # the rule of thumb: a backward is two forwards
     return float(a.forward[j] - a.forward[i]) / compute
 
