@@ -15,10 +15,11 @@ from hlomap.plan.sections import (
     PipelineStage,
     Placement,
     PlanSource,
+    Recompute,
 )
 from hlomap.propagation.conflicts import PlanConflict
 
 __all__ = ["PLAN_VERSION", "GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec", "Pipeline",
            "PipelineCut", "PipelineKind",
-           "PipelineStage", "Placement", "Plan", "PlanConflict", "PlanError", "PlanSource", "ReferencePlan",
+           "PipelineStage", "Placement", "Plan", "PlanConflict", "PlanError", "PlanSource", "Recompute", "ReferencePlan",
            "parse_mesh_text", "reference_plan", "resolve_plan", "write_atomic", "write_problem"]

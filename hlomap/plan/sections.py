@@ -26,7 +26,21 @@ if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
 
 __all__ = ["GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec", "Pipeline", "PipelineCut",
-           "PipelineKind", "PipelineStage", "Placement", "PlanSource", "Spec", "spec_from_json", "spec_to_json"]
+           "PipelineKind", "PipelineStage", "Placement", "PlanSource", "Recompute", "Spec", "spec_from_json",
+           "spec_to_json"]
+
+
+class Recompute(str, enum.Enum):
+    """What a pipeline stage keeps of a microbatch's forward pass for its backward pass.
+
+    NONE: every activation the backward reads (the default). FULL: only the stage's inputs; the
+    backward pass runs the stage's forward again first (`jax.checkpoint` around the stage with
+    nothing saveable): one more forward per microbatch, and of the stage's activations only one
+    microbatch's at a time.
+    """
+
+    NONE = "none"
+    FULL = "full"
 
 #: A PartitionSpec as data: per dim, None (replicated) or the mesh axes splitting it.
 Spec = tuple[tuple[str, ...] | None, ...]
@@ -288,6 +302,7 @@ class PipelineStage:
     seconds_per_microbatch: float | None = None
     memory_bytes: float | None = None
     device_memory_bytes: float | None = None
+    recompute: Recompute = Recompute.NONE
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -315,6 +330,8 @@ class PipelineStage:
             out["mesh"] = dict(self.mesh)
         if self.inner_plan is not None:
             out["plan"] = self.inner_plan
+        if self.recompute is not Recompute.NONE:
+            out["recompute"] = self.recompute.value
         if self.specs is not None:
             out["specs"] = [spec_to_json(s) for s in self.specs]
         for key in ("seconds_per_microbatch", "memory_bytes", "device_memory_bytes"):
@@ -345,10 +362,15 @@ class PipelineStage:
                 raise PlanError(f"{where}: specs is a list with one spec per plan parameter, got {specs!r}")
             specs = tuple(spec_from_json(s, f"{where}: specs[{i}]") for i, s in enumerate(specs))
         try:
+            recompute = Recompute(data.get("recompute", Recompute.NONE.value))
+        except ValueError:
+            raise PlanError(f"{where}: recompute {data.get('recompute')!r}: expected "
+                            f"{' or '.join(r.value for r in Recompute)}") from None
+        try:
             stage = cls(devices, layers, mesh, specs, None if data.get("plan") is None else str(data["plan"]),
                         _number(data.get("seconds_per_microbatch"), f"{where}: seconds_per_microbatch"),
                         _number(data.get("memory_bytes"), f"{where}: memory_bytes"),
-                        _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"))
+                        _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"), recompute)
         except PlanError as err:
             raise PlanError(f"{where}: {err}") from None
         given = data.get("replication")

@@ -1,5 +1,5 @@
-"""A joint plan as tables: its stages (layers, devices, mesh, plan, time per microbatch, memory)
-and L, beside the expert grid's configurations priced by the same model."""
+"""A joint plan as tables: its stages (layers, devices, mesh, plan and whether the stage recomputes,
+time per microbatch, memory) and L, beside the expert grid's configurations priced by the same model."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
         over = cost.stage_memory[s] > cost.device_memory[s]
         stages.add_row(str(s), f"{names[stage.start]} .. {names[stage.stop - 1]}",
                        f"{stage.first_device}-{stage.first_device + option.devices - 1}",
-                       f"data={option.data} x model={option.model}", option.kind.value,
+                       f"data={option.data} x model={option.model}",
+                       option.kind.value + (", recomputed" if option.recompute else ""),
                        human_seconds(cost.stage_seconds[s]),
                        Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
                        human_bytes(cost.device_memory[s]))

@@ -99,6 +99,19 @@ def test_a_cut_s_downset_runs_round_trip() -> None:
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).pipeline == plan.pipeline
 
 
+def test_a_stage_s_recompute_round_trips_and_defaults_to_none() -> None:
+    from hlomap.plan import Recompute
+
+    data = _json("pipeline_v1.json")
+    section = copy.deepcopy(data["pipeline"])
+    section["stages"][1]["recompute"] = "full"
+    plan = Plan.from_json({**data, "pipeline": section}, where="p.json")
+    assert [s.recompute for s in plan.pipeline.stages] == [Recompute.NONE, Recompute.FULL]
+    written = plan.to_json()["pipeline"]["stages"]
+    assert "recompute" not in written[0] and written[1]["recompute"] == "full"
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).pipeline == plan.pipeline
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda s: s.update(schedule="zigzag"), r"pipeline: unknown pipeline schedule 'zigzag'"),
     (lambda s: s.update(stages=[]), r"pipeline: the pipeline section has no stages"),
@@ -111,6 +124,7 @@ def test_a_cut_s_downset_runs_round_trip() -> None:
     (lambda s: s["cuts"][0].pop("instruction"), r"cut 0: a cut is an object with an 'instruction'"),
     (lambda s: s["cuts"][0].update(downset=[["a"]]), r"cut 0: downset is a non-empty list of \[first, last\]"),
     (lambda s: s["cuts"][0].update(downset=[]), r"cut 0: downset is a non-empty list"),
+    (lambda s: s["stages"][1].update(recompute="some"), r"stage 1: recompute 'some': expected none or full"),
 ])
 def test_malformed_pipeline_sections_are_refused_naming_the_field(change: Any, message: str) -> None:
     data = _json("pipeline_v1.json")

@@ -199,3 +199,46 @@ def test_cli_explores_runs_and_simulates_a_joint_plan(tmp_path: Path, capsys: py
     assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", str(small)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and "devices" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages that recompute their forward pass
+# ---------------------------------------------------------------------------------------------
+
+
+def _two_stages(cap: Any, recompute: bool, schedule: Schedule = Schedule.ONE_F_ONE_B) -> Plan:
+    """Two stages of one server each (data 2 x model 2), 2 microbatches, recomputing or not (on
+    these roomy devices the planner would not recompute: the stages are marked by hand)."""
+    from hlomap.tasks.joint.plans import evaluate
+
+    model = joint_model(cap, CLUSTER)
+    plan, _ = solve(model, JointSpace((StageOption(4, 2, 2),), (2,), schedule, max_stages=2))
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages))
+    return joint_plan(JointResult(model, plan, evaluate(model, plan), (), 0.0, "exact", 1))
+
+
+@pytest.mark.parametrize("executor", ["mpmd", pytest.param("spmd", marks=pytest.mark.slow)])
+def test_recomputing_stages_run_with_unsharded_numerics(zoo_case, executor: str) -> None:
+    """The plan file says which stages recompute (`"recompute": "full"`); the mpmd executor
+    checkpoints those stages, so their forward keeps only the stage's inputs for the backward
+    (fewer residual bytes than the same stages keeping everything), the spmd executor
+    rematerializes every stage call; either way loss and gradients equal the unsharded step's,
+    and `simulate` prices the saved plan as the planner did."""
+    case = zoo_case("gpt-tiny")
+    schedule = Schedule.ONE_F_ONE_B if executor == "mpmd" else Schedule.GPIPE
+    plan = _two_stages(case.cap, True, schedule)
+    saved = plan.to_json()
+    assert [s.get("recompute") for s in saved["pipeline"]["stages"]] == ["full", "full"]
+    assert Plan.from_json(saved).pipeline.stages[0].recompute.value == "full"
+    step, _ = _run_and_check(case, plan, executor)
+    if executor == "mpmd":
+        kept = hlomap.parallelize(case.model.train_step(), _two_stages(case.cap, False), executor="mpmd",
+                                  example_args=case.args, compiler_options=FAST_COMPILE)
+        for s in (step, kept):
+            s(*s.place(case.args[0], case.args[1]), *case.args[2:])
+        recomputed, keeping = step._runner.stats.peak_residual_bytes, kept._runner.stats.peak_residual_bytes
+        assert recomputed[0] < keeping[0]
+    else:
+        assert step._runner.remat
+    simulated = hlomap.estimate(case.cap, plan, cluster=CLUSTER)
+    assert simulated.step_seconds == pytest.approx(plan.estimate["step_seconds"], rel=1e-9)

@@ -186,12 +186,17 @@ class MpmdPipeline:
 
     # -- per-stage programs -----------------------------------------------------------------------
     def _stage_function(self, s: int) -> Callable[..., Any]:
+        """Stage s as a function of (params, received, state, data); a stage the plan marks to
+        recompute is checkpointed with nothing saved, so its backward keeps only the stage's
+        inputs and runs its forward again (`Recompute.FULL`)."""
         stage = self.program.split.stages[s]
 
         def f(params: Any, received: Any, state: Any, data: Any) -> Any:
             sent, aux, loss = stage.run(params, state, data, received)
             return (tuple(sent) + ((loss,) if stage.computes_loss else ())), tuple(aux)
 
+        if self.program.section.recomputes(s):
+            return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
         return f
 
     def _make_forward(self, s: int) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from hlomap.cost.pipeline.stages import Schedule, schedule_problem
 from hlomap.plan import ParameterSpec, Pipeline, PipelineCut, Plan
-from hlomap.plan.sections import Spec
+from hlomap.plan.sections import Recompute, Spec
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import cut_records
 
@@ -51,6 +51,11 @@ class PipelineSection:
     schedule: Schedule
     parameters: tuple[tuple[ParameterSpec, ...], ...]
     repeats: int = 1  # circular or interleaved: each stage's devices run this many of the model's stages
+    recompute: tuple[bool, ...] = ()  # per device stage: run its forward again in its backward (empty: none)
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether logical stage `stage` (on device stage `stage` mod S) recomputes its forward."""
+        return bool(self.recompute) and self.recompute[stage % self.n_stages]
 
     @property
     def n_stages(self) -> int:
@@ -98,8 +103,9 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
         devices.append(ids)
         inner.append(mesh)
         parameters.append(stage_parameters(plan, stage.specs, mesh, f"{where}: stage {s}"))
+    recompute = tuple(stage.recompute is Recompute.FULL for stage in section.stages)
     return PipelineSection(tuple(devices), tuple(inner), cut_records(section, where), microbatches, schedule,
-                           tuple(parameters), repeats)
+                           tuple(parameters), repeats, recompute if any(recompute) else ())
 
 
 def stage_parameters(plan: Any, specs: Sequence[Spec] | None, mesh: tuple[tuple[str, int], ...],

@@ -221,8 +221,8 @@ class SpmdPipeline:
                  compiler_options: Mapping[str, Any] | None = None, remat: bool | None = None):
         section = program.section
         # rematerializing a stage call saves memory only when several microbatches are in flight
-        # on a stage; with one, it would recompute the forward pass for nothing
-        self.remat = section.microbatches > 1 if remat is None else remat
+        # on a stage; with one, it would recompute the forward pass for nothing (unless the plan asks)
+        self.remat = (section.microbatches > 1 or bool(section.recompute)) if remat is None else remat
         if not section.uniform:
             raise ValueError("the spmd executor needs every stage to have the same mesh and specs; use the mpmd "
                              "executor")

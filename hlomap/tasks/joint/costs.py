@@ -19,6 +19,7 @@ are per step (amortized over the M microbatches, as the pipeline closed form doe
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -62,15 +63,19 @@ class PlanKind(enum.Enum):
 @dataclass(frozen=True, order=True)
 class StageOption:
     """A stage's device group and what runs on it: `devices = data * model` devices, the mesh
-    shape, and the plan kind."""
+    shape, the plan kind, and whether the stage recomputes its forward pass in its backward
+    (`hlomap.plan.Recompute.FULL`: one more forward per microbatch, its inputs kept instead of
+    its activations)."""
 
     devices: int
     data: int
     model: int
     kind: PlanKind = PlanKind.EXPERT
+    recompute: bool = False
 
     def __str__(self) -> str:
-        return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value})"
+        extra = ", recomputed" if self.recompute else ""
+        return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}{extra})"
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -91,16 +96,17 @@ def group_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 
 def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXPERT,),
-                  max_model: int | None = None) -> tuple[StageOption, ...]:
-    """Every (group size, data x model, kind): tensor parallelism stays inside a server (its
-    all-reduces are on the critical path of every layer) unless a node holds one device."""
+                  max_model: int | None = None, recompute: Sequence[bool] = (False,)) -> tuple[StageOption, ...]:
+    """Every (group size, data x model, kind, recompute): tensor parallelism stays inside a server
+    (its all-reduces are on the critical path of every layer) unless a node holds one device."""
     per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
     limit = max_model or (per_node if per_node > 1 else 8)
     out = []
     for n in group_sizes(cluster):
         for model in (m for m in range(1, n + 1) if n % m == 0 and m <= limit and m & (m - 1) == 0):
             for kind in kinds:
-                out.append(StageOption(n, n // model, model, kind))
+                for again in recompute:
+                    out.append(StageOption(n, n // model, model, kind, again))
     return tuple(out)
 
 
@@ -117,6 +123,9 @@ class StageArrays(NamedTuple):
     buffers: how many gradient buffers it combines, and sync_per_buffer what each after the first
     adds (`hlomap.cost.estimate.per_buffer_seconds`, 0 on a datasheet cluster): the SPMD estimate's
     combined all-reduce, so a one-stage plan costs what the same SPMD plan does.
+    inputs[k]: bytes entering layer k on one device (not a prefix sum: what a stage starting at
+    layer k keeps per microbatch when it recomputes); recompute: the option's stages do
+    (`plans.stage_seconds` and `plans.stage_memory` price it).
     """
 
     compute: np.ndarray
@@ -134,6 +143,8 @@ class StageArrays(NamedTuple):
     buffers: np.ndarray
     sync_per_buffer: float
     forward: np.ndarray  # the forward pass's part of `compute` (for schedules that split the passes)
+    inputs: np.ndarray  # [n_layers + 1]: bytes entering layer k on one device (the cut before it; 0 for the first)
+    recompute: bool = False  # the option's stages run their forward again in the backward
 
 
 @dataclass(eq=False)
@@ -178,7 +189,11 @@ class JointModel:
     # -- one option's arrays --------------------------------------------------------------------
     def arrays(self, option: StageOption) -> StageArrays:
         if option not in self._arrays:
-            self._arrays[option] = self._price(option)
+            if option.recompute:  # the same work and bytes; `plans` prices what recomputing changes
+                base = self.arrays(dataclasses.replace(option, recompute=False))
+                self._arrays[option] = base._replace(recompute=True)
+            else:
+                self._arrays[option] = self._price(option)
         return self._arrays[option]
 
     def plan_for(self, option: StageOption) -> tuple[np.ndarray, MeshAxes]:
@@ -238,8 +253,10 @@ class JointModel:
         layer = lambda values: np.concatenate([[0.0], np.cumsum(np.add.reduceat(values, bounds[:-1]))])  # noqa: E731
         cut = crossing[np.asarray(self.pivots, dtype=np.int64)] if self.pivots else np.zeros(0)
         per_buffer = per_buffer_seconds(self.cluster, option.data) if option.data > 1 else 0.0
+        inputs = np.concatenate([[0.0], cut, [0.0]])
         return StageArrays(layer(compute), layer(alpha), layer(beta), layer(update), layer(grads), layer(params),
-                           layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer, layer(forward))
+                           layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer, layer(forward),
+                           inputs)
 
     def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
         """Per chain position: parameter and stash bytes on one device; and every crossing

@@ -18,7 +18,7 @@ from hlomap.cost.cluster import Cluster, with_busy_devices
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
-from hlomap.plan import Pipeline
+from hlomap.plan import Pipeline, Recompute
 from hlomap.propagation.graph import FactorGraph
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_split_ends
@@ -76,19 +76,22 @@ class JointResult:
 def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = DEFAULT_SCHEDULE,
                   microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                   kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
+                  recompute: bool = True,
                   budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
                   graph: FactorGraph | None = None, model: JointModel | None = None,
                   on_best: Callable[[SearchResult], None] | None = None,
                   on_progress: Callable[[Progress], None] | None = None) -> JointResult:
     """The least-L joint plan of `cap` on `cluster`. agent: "exact" (the two-level DP, the
     default: optimal for the model and fast), or a search driver over the outer level ("dqn",
-    "random", "greedy"; `budget` bounds it) with the same inner level."""
+    "random", "greedy"; `budget` bounds it) with the same inner level. recompute: stages may also
+    recompute their forward pass (`StageOption.recompute`), which only a stage short of memory
+    takes (`solve.problem_for` drops the option where the stage fits without it)."""
     start = time.perf_counter()
     choose = schedule == AUTO_SCHEDULE
     # the DP needs the closed form: it plans under 1F1B, then every schedule is priced on its plan
     schedule = DEFAULT_SCHEDULE if choose else Schedule(schedule)
     model = model or joint_model(cap, cluster, graph=graph)
-    options = stage_options(cluster, kinds=kinds)
+    options = stage_options(cluster, kinds=kinds, recompute=(False, True) if recompute else (False,))
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
                        schedule, max_stages)
     task = JointSearchTask(model, space)
@@ -146,6 +149,7 @@ def joint_plan(result: JointResult) -> Any:
         stages.append({
             "layers": [stage.start, stage.stop], "devices": list(stage.devices),
             "replication": stage.option.data, "mesh": stage.option.mesh, "plan": stage.option.kind.value,
+            **({"recompute": Recompute.FULL.value} if stage.recompute else {}),
             "specs": [p.to_json()["spec"] for p in inner.parameters],
             "seconds_per_microbatch": cost.stage_seconds[s], "memory_bytes": cost.stage_memory[s],
             "device_memory_bytes": cost.device_memory[s],
@@ -210,7 +214,7 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
         except ValueError:
             raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
                              f"expected {' or '.join(k.value for k in PlanKind)}") from None
-        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind)
+        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute is Recompute.FULL)
         stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
 

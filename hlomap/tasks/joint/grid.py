@@ -4,7 +4,8 @@ pp * tp * dp = devices, tensor parallelism inside a server, pp <= the model's re
 the blocks (`layers_k` scopes: transformer layers, encoder then decoder for T5) split
 uniformly over the stages, the embedding with the first stage and the head with the last;
 Megatron's specs on `model` and the batch on `data` inside every stage; the best microbatch
-count. Each configuration is priced by the same cost model as the joint planner
+count, each stage keeping its activations or recomputing them (Megatron-LM's full activation
+recomputation) as fits and is faster. Each configuration is priced by the same cost model as the joint planner
 (`plans.evaluate`), so the comparison is between plans, not between models.
 """
 
@@ -49,7 +50,8 @@ class GridPoint:
 
     @property
     def label(self) -> str:
-        return f"pp={self.pp} tp={self.tp} dp={self.dp}"
+        recomputed = self.plan is not None and any(stage.recompute for stage in self.plan.stages)
+        return f"pp={self.pp} tp={self.tp} dp={self.dp}" + (" recompute" if recomputed else "")
 
 
 def _layer_of(model: JointModel, position: int) -> int:
@@ -85,7 +87,7 @@ def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
 
 
 def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
-                microbatches: Sequence[int] | None = None) -> list[GridPoint]:
+                microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True)) -> list[GridPoint]:
     """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring)."""
     cluster = model.cluster
     devices = cluster.n_devices
@@ -101,16 +103,17 @@ def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
             if bounds is None or not all(aligned(per_node, s * group, group) for s in range(pp)):
                 out.append(GridPoint(pp, tp, dp, None, None, "no uniform split of the blocks"))
                 continue
-            option = StageOption(group, dp, tp, PlanKind.EXPERT)
             best: tuple[JointPlan, JointCost] | None = None
-            for m in choices:
-                if not splits_batch(model.batch, m, dp):
-                    continue
-                plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option) for s in range(pp)),
-                                 m, schedule)
-                cost = evaluate(model, plan)
-                if cost.fits and (best is None or cost.latency < best[1].latency):
-                    best = (plan, cost)
+            for again in recompute:
+                option = StageOption(group, dp, tp, PlanKind.EXPERT, again)
+                for m in choices:
+                    if not splits_batch(model.batch, m, dp):
+                        continue
+                    plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option)
+                                           for s in range(pp)), m, schedule)
+                    cost = evaluate(model, plan)
+                    if cost.fits and (best is None or cost.latency < best[1].latency):
+                        best = (plan, cost)
             out.append(GridPoint(pp, tp, dp, *(best or (None, None)),
                                  "" if best else "out of memory at every microbatch count"))
     return out

@@ -4,6 +4,7 @@ their closed-form cost: what the joint planner's searches minimize.
 For stages s = 0..S-1 of layers [i_s, j_s) on devices [d_s, d_s + n_s) with option o_s, and
 M microbatches (`costs.StageArrays` are per step, on one device of the stage):
   t_s = (compute + collective bandwidth + gradient all-reduce + update) / M + collective latency
+        (+ the stage's forward compute / M again when it recomputes)
   u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
   L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
 by the one pipeline closed form, `hlomap.cost.pipeline.costs.pipeline_latency` (Alpa's; fill
@@ -11,7 +12,9 @@ and drain, then M - 1 periods of the slowest stage or link), with the stages pri
 sharded step; plus, on a measured cluster, the executor's own cost (`executor_overhead`), which
 is what makes many microbatches or stages dear on a host-bound machine. Memory per device: 4 x
 the stage's parameters (weights, gradients, Adam's moments) + the microbatches in flight
-(1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch.
+(1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch; a stage that recomputes
+(`StageOption.recompute`, `hlomap.plan.Recompute.FULL`) holds its input per microbatch in flight
+instead, plus one microbatch's stash while it recomputes it.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ class JointStage(Stage):
     on its mesh; built from the search's (layers, first device, option) by `of`."""
 
     kind: PlanKind = PlanKind.EXPERT
+    recompute: bool = False
 
     @classmethod
     def of(cls, start: int, stop: int, first_device: int, option: StageOption) -> JointStage:
         """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
         return cls(int(start), int(stop), tuple(range(first_device, first_device + option.devices)), option.model,
-                   option.kind)
+                   option.kind, option.recompute)
 
     @property
     def first_device(self) -> int:
@@ -54,7 +58,7 @@ class JointStage(Stage):
 
     @property
     def option(self) -> StageOption:
-        return StageOption(len(self.devices), self.replication, self.model, self.kind)
+        return StageOption(len(self.devices), self.replication, self.model, self.kind, self.recompute)
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,20 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int) -> Any:
     extra_buffers = np.maximum(a.buffers[j] - a.buffers[i] - 1, 0)
     sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
     per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + sync + (a.update[j] - a.update[i])
+    if a.recompute:
+        per_step = per_step + (a.forward[j] - a.forward[i])  # the forward pass once more, in the backward
     return per_step / microbatches + (a.alpha[j] - a.alpha[i])
 
 
 def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -> Any:
-    return PARAM_MEMORY_FACTOR * (a.params[j] - a.params[i]) + held * (a.stash[j] - a.stash[i]) / microbatches
+    """Bytes per device of layers [i, j) with `held` microbatches in flight: parameters, gradients
+    and Adam's moments, and each held microbatch's stash (a recomputing stage: its input, plus one
+    microbatch's stash while the backward recomputes it)."""
+    params = PARAM_MEMORY_FACTOR * (a.params[j] - a.params[i])
+    stash = a.stash[j] - a.stash[i]
+    if a.recompute:
+        return params + (held * a.inputs[i] + stash) / microbatches
+    return params + held * stash / microbatches
 
 
 def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> JointCost:
@@ -130,10 +143,11 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
 
 
 def _forward_share(a: StageArrays, i: int, j: int) -> float:
-    compute = float(a.compute[j] - a.compute[i])
+    forward = float(a.forward[j] - a.forward[i])
+    compute = float(a.compute[j] - a.compute[i]) + (forward if a.recompute else 0.0)  # the recomputation is backward's
     if compute <= 0:
         return 1.0 / 3.0  # the rule of thumb: a backward is two forwards
-    return float(a.forward[j] - a.forward[i]) / compute
+    return forward / compute
 
 
 def _timeline_latency(times: Sequence[float], forward_share: Sequence[float], transfers: Sequence[float],

@@ -15,6 +15,7 @@ its data shards go to the next devices in order), whatever the next stage's opti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -212,9 +213,26 @@ def _plan(problem: JointProblem, chain: StageChain) -> JointPlan:
 
 
 def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> JointProblem | None:
-    """The problem of one microbatch count (None when no option splits the batch that way)."""
-    options = tuple(o for o in space.options if _valid(model, o, microbatches))
+    """The problem of one microbatch count (None when no option splits the batch that way).
+
+    A recomputing option is dropped where its twin (the same option keeping its activations) fits
+    every stage it could run: the whole model with every microbatch in flight. Then in any plan
+    the twin can replace it on the same devices with the same cuts, transfers and no more time,
+    so the optimum never needs it (exact pruning; it halves the options of a step that fits)."""
+    valid = [o for o in space.options if _valid(model, o, microbatches)]
+    options = tuple(o for o in valid if not (o.recompute and _twin_always_fits(model, o, microbatches, space)))
     return JointProblem(model, space, microbatches, options, _per_node(model)) if options else None
+
+
+def _twin_always_fits(model: JointModel, option: StageOption, microbatches: int, space: JointSpace) -> bool:
+    if not space.check_memory:
+        return True  # memory does not bound the search: recomputing only costs time
+    twin = model.arrays(dataclasses.replace(option, recompute=False))
+    n = model.n_layers
+    # parameters and stash are prefix sums of non-negative terms: [0, n) bounds every stage
+    need = float(stage_memory(twin, 0, n, microbatches, microbatches))
+    capacity = min(d.memory_bytes for d in model.cluster.devices)
+    return need <= capacity
 
 
 def _solve_for(model: JointModel, space: JointSpace, microbatches: int,

@@ -160,3 +160,56 @@ def test_a_one_stage_plan_costs_the_spmd_estimate_on_a_measured_cluster(gpt_tiny
     mesh = {"data": data, "model": tp} if tp > 1 else {"data": data}
     est = estimate(gpt_tiny, "dp+megatron" if tp > 1 else "dp", mesh=mesh, cluster=cluster, graph=model.graph)
     assert evaluate(model, one).latency == pytest.approx(est.step_seconds, rel=0.01)
+
+
+def test_a_recomputing_stage_pays_one_more_forward_and_keeps_only_its_inputs(gpt_tiny) -> None:
+    """`Recompute.FULL` priced: the stage's forward compute once more per step, and per microbatch
+    in flight its input (the cut before it) instead of its stash, plus one microbatch's stash."""
+    from hlomap.tasks.joint.plans import stage_memory, stage_seconds
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
+    keep = model.arrays(StageOption(2, 2, 1))
+    again = model.arrays(StageOption(2, 2, 1, recompute=True))
+    i, j, m, held = 1, 4, 4, 3
+    forward = keep.forward[j] - keep.forward[i]
+    assert forward > 0
+    assert stage_seconds(again, i, j, m) == pytest.approx(stage_seconds(keep, i, j, m) + forward / m, rel=1e-12)
+    params = 4.0 * (keep.params[j] - keep.params[i])
+    stash = keep.stash[j] - keep.stash[i]
+    assert keep.inputs[i] == keep.crossing[i - 1] > 0 and keep.inputs[0] == 0.0
+    assert stage_memory(keep, i, j, held, m) == pytest.approx(params + held * stash / m, rel=1e-12)
+    assert stage_memory(again, i, j, held, m) == pytest.approx(params + (held * keep.inputs[i] + stash) / m,
+                                                               rel=1e-12)
+    assert stage_memory(again, i, j, held, m) < stage_memory(keep, i, j, held, m)
+
+
+def test_the_dp_recomputes_exactly_when_memory_requires_it(gpt_tiny) -> None:
+    """Devices too small for any plan that keeps its activations: with recomputing options the DP
+    finds the plan enumeration finds (over every option, none pruned), and it recomputes; on
+    roomy devices `problem_for` drops every recomputing option (each is dominated by its twin)
+    and the plan is the one found without them."""
+    from hlomap.cost.devices import DeviceSpec
+    from hlomap.tasks.joint.solve import problem_for
+    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+
+    roomy = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=4)
+    keeping = JointSpace(stage_options(roomy.cluster), (2, 4))
+    both = JointSpace(stage_options(roomy.cluster, recompute=(False, True)), (2, 4))
+    assert len(both.options) == 2 * len(keeping.options)
+    assert len(problem_for(roomy, both, 4).options) == len(problem_for(roomy, keeping, 4).options)
+    assert solve(roomy, both)[1].latency == pytest.approx(solve(roomy, keeping)[1].latency, rel=1e-12)
+
+    def leanest(space: JointSpace) -> float:
+        return min(max(evaluate(roomy, plan).stage_memory) for plan in joint_plans(roomy, space))
+
+    keep_least, recompute_least = leanest(keeping), leanest(both)
+    assert recompute_least < keep_least
+    capacity = int((keep_least + recompute_least) / 2)
+    small = DeviceSpec("small", {"f32": 1e13}, 9e11, capacity)
+    model = _model(gpt_tiny, hierarchical(2, 4, small), layers=4)
+    with pytest.raises(NoFeasiblePlan):
+        solve(model, JointSpace(stage_options(model.cluster), (2, 4)))
+    space = JointSpace(stage_options(model.cluster, recompute=(False, True)), (2, 4))
+    plan, cost = solve(model, space)
+    assert cost.fits and any(stage.recompute for stage in plan.stages)
+    assert joint_brute_force(model, space)[1].latency == pytest.approx(cost.latency, rel=1e-9)
