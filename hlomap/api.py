@@ -604,12 +604,14 @@ class ZooEntry:
     family: str
     parameters: int
     description: str
+    #: dtype of its activations and dots (`zoo:NAME:DTYPE` picks another)
+    compute_dtype: str = "float32"
 
 
 def zoo_entries() -> list[ZooEntry]:
     from hlomap import zoo
 
-    return [ZooEntry(name, model.family, model.parameters, model.description)
+    return [ZooEntry(name, model.family, model.parameters, model.description, model.compute_dtype)
             for name, model in ((name, zoo.get(name)) for name in zoo.names())]
 
 
