@@ -23,6 +23,7 @@ from hlomap.hlo.capture import Role
 from hlomap.plan import Plan
 from hlomap.plan.reference import reference_plan
 from hlomap.propagation.graph import FactorGraph
+from hlomap.run.compare import FLOAT32, HALF_PRECISION, tolerances_for
 from hlomap.zoo.model import split_other, tree_paths
 
 #: bf16 peak 312 TFLOP/s, f32 19.5: the dots of a bfloat16 step cost about a sixteenth.
@@ -183,9 +184,7 @@ def test_each_bf16_transformer_has_the_float32_loss(name: str) -> None:
 def test_a_data_parallel_plan_runs_the_bf16_step_as_unsharded_within_bf16_precision() -> None:
     assert jax.device_count() >= 8
     model = zoo.get("gpt-tiny:bfloat16")
-    cap = _capture("gpt-tiny:bfloat16")
-    graph = FactorGraph.from_capture(cap)
-    plan = Plan.from_groups(cap, graph, *reference_plan(graph, "dp", {"data": 8}))
+    plan = _dp_plan(_capture("gpt-tiny:bfloat16"))
     params, opt_state, batch = _example("gpt-tiny")
     parallel = hlomap.parallelize(model.train_step(), plan)
     param_shardings, _, batch_shardings = parallel.arg_shardings((params, opt_state, batch))
@@ -199,3 +198,26 @@ def test_a_data_parallel_plan_runs_the_bf16_step_as_unsharded_within_bf16_precis
 
     _, _, step_loss = parallel(*parallel.place(params, opt_state), batch)
     assert float(step_loss) == pytest.approx(want_loss, rel=LOSS_RTOL)
+
+
+def _dp_plan(cap: Any) -> Plan:
+    graph = FactorGraph.from_capture(cap)
+    return Plan.from_groups(cap, graph, *reference_plan(graph, "dp", {"data": 8}))
+
+
+def test_a_bf16_step_is_checked_within_mixed_precision_tolerances() -> None:
+    """`hlomap run`'s check holds a step to its precision: its dots' operand dtypes decide."""
+    assert tolerances_for(api._dot_operand_dtypes(_capture("gpt-tiny").module)) is FLOAT32
+    assert tolerances_for(api._dot_operand_dtypes(_capture("gpt-tiny:bfloat16").module)) is HALF_PRECISION
+    # a sign the update check trusts is one no allowed gradient difference can flip
+    assert HALF_PRECISION.noise > HALF_PRECISION.gradient > FLOAT32.gradient
+
+
+@pytest.mark.slow  # about 30 s: the unsharded and sharded steps, the update, a timed step
+def test_check_run_finds_a_dp_plan_of_the_bf16_step_equal_to_the_unsharded_step() -> None:
+    checked = api.check_run(_dp_plan(_capture("gpt-tiny:bfloat16")), "zoo:gpt-tiny:bfloat16")
+    assert checked.ok, checked.check
+    assert "half precision" in (checked.note or "")
+    gradients = next(c for c in checked.check.comparisons if c.what == "gradients")
+    assert gradients.tolerance == HALF_PRECISION.gradient
+    assert max(leaf.relative for leaf in gradients.leaves) > FLOAT32.gradient  # bf16 needed the wider tolerance
