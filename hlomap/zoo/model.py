@@ -226,7 +226,8 @@ class ZooModel:
             raise ZooError(f"zoo model {self.name!r} computes in float32 only; a compute dtype is a "
                            "setting of the transformer families (gpt, bert, t5, moe)")
         config = replace(self.config, compute_dtype=compute_dtype)  # type: ignore[type-var]
-        return replace(self, name=f"{self.name}{DTYPE_SEPARATOR}{compute_dtype}", config=config)
+        base = self.name.partition(DTYPE_SEPARATOR)[0]  # a variant of a variant names the entry once
+        return replace(self, name=f"{base}{DTYPE_SEPARATOR}{compute_dtype}", config=config)
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.adam(self.config.learning_rate)

@@ -14,8 +14,8 @@ expert layers.
 
 Parameters are float32; `compute_dtype` is the dtype of the activations and the attention, MLP
 and expert dots. The router runs in float32 whatever the compute dtype (Switch Transformer's
-selective precision: a bfloat16 softmax over experts makes the top-k choice noisy), and so do the
-auxiliary and cross-entropy losses.
+selective precision: the router's softmax is where bfloat16 made training unstable), and so do
+the auxiliary and cross-entropy losses.
 """
 
 from __future__ import annotations
