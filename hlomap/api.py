@@ -604,12 +604,14 @@ class ZooEntry:
     family: str
     parameters: int
     description: str
+    #: dtype of its activations and dots (`zoo:NAME:DTYPE` picks another)
+    compute_dtype: str = "float32"
 
 
 def zoo_entries() -> list[ZooEntry]:
     from hlomap import zoo
 
-    return [ZooEntry(name, model.family, model.parameters, model.description)
+    return [ZooEntry(name, model.family, model.parameters, model.description, model.compute_dtype)
             for name, model in ((name, zoo.get(name)) for name in zoo.names())]
 
 
@@ -1186,7 +1188,8 @@ class RunPhase(enum.Enum):
 class RunCheck:
     """A plan run on the local devices and compared with the unsharded step: `check` (loss and
     gradients before the optimizer, a `StepCheck`) for a step that marks its loss, else
-    `outputs` (a `RunReport` of its outputs), with `note` saying why."""
+    `outputs` (a `RunReport` of its outputs), with `note` saying why; for a step whose dots run
+    in half precision, `note` says its check used the mixed-precision tolerances."""
 
     plan_where: str
     source: str
@@ -1263,13 +1266,21 @@ def _compare_outputs(step: Callable[..., Any], example: tuple[Any, ...], plan: A
     return RunReport(diff.max_abs_error, diff.max_rel_error, diff.ok, seconds, diff.worst_leaf, diff.failing_leaves)
 
 
+def _dot_operand_dtypes(module: Any) -> set[str]:
+    """HLO element types of every operand of the module's dots and convolutions."""
+    return {getattr(computation[operand].shape, "dtype", "")
+            for computation, instruction in module.instructions() if instruction.opcode in ("dot", "convolution")
+            for operand in instruction.operands}
+
+
 def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int = 0, rtol: float = 1e-4,
               atol: float = 1e-5, where: str = "plan",
               on_phase: Callable[[str], None] | None = None) -> RunCheck:
     """Run the step `source` names (`zoo:NAME` or `FILE.py:FUNCTION`) under `plan` on this
     machine's devices with `hlomap.parallelize`, and compare it with the unsharded step: its
     loss and gradients before the optimizer when it marks its loss with
-    `hlomap.value_and_grad`, else its outputs (`rtol`, `atol`). On a CPU-only machine the CPU
+    `hlomap.value_and_grad` (within `run.compare.HALF_PRECISION`'s tolerances when its dots take
+    bfloat16 or float16 operands), else its outputs (`rtol`, `atol`). On a CPU-only machine the CPU
     backend is given as many devices as the plan needs (before JAX starts). `on_phase` hears
     each phase as it starts, in words (`RunPhase`, then `check_step`'s). `plan` may be a plan
     file's path."""
@@ -1284,7 +1295,7 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     import jax
 
     from hlomap.run import parallelize
-    from hlomap.run.compare import check_step
+    from hlomap.run.compare import HALF_PRECISION, check_step, tolerances_for
     from hlomap.run.errors import RunError, SplitError
 
     if jax.device_count() < devices:
@@ -1296,12 +1307,16 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
     check_plan_for(plan, cap, where)
     platform = jax.devices()[0].platform
+    tolerances = tolerances_for(_dot_operand_dtypes(cap.module))
+    precision_note = ("the step's dots run in half precision: compared within mixed-precision tolerances"
+                      if tolerances is HALF_PRECISION else None)
     try:
         report(RunPhase.PREPARING.value)
         parallel = parallelize(step, plan, executor=executor, example_args=example if plan.pipeline else None)
         description = parallel.describe(example) if plan.pipeline is not None else None
-        checked = check_step(parallel, example, report)
-        return RunCheck(str(where), source, devices, platform, description=description, check=checked)
+        checked = check_step(parallel, example, report, tolerances)
+        return RunCheck(str(where), source, devices, platform, description=description, check=checked,
+                        note=precision_note)
     except SplitError as err:
         if plan.pipeline is not None:
             raise InputError(str(err)) from None

@@ -7,8 +7,13 @@ and the ratio; the search time (capture and factor graph excluded, then included
 Then: the DQN over the joint outer level against the exact DP on small cases, and the search
 time as the hierarchical cluster grows 8 -> 16 -> 32 -> 64 devices.
 
-    python scripts/reproduce_joint.py [--models gpt-1.3b gpt-2.6b t5-3b bert-48]
-        [--clusters A B C torus4x4] [--scaling-model gpt-1.3b] [--no-dqn] [--no-scaling]
+    python scripts/reproduce_joint.py [--models gpt-1.3b:float32 gpt-2.6b:float32 t5-3b:float32
+        bert-48:float32] [--clusters A B C torus4x4] [--scaling-model gpt-1.3b:float32] [--no-dqn]
+        [--no-scaling]
+
+The models run in float32 by default (`NAME:float32`; the zoo's entries compute in bfloat16):
+the clusters are V100s, which have no bfloat16 matmul, and the figures in docs/benchmarks.md
+were measured so. Name a model without the suffix for its bfloat16 step.
 """
 
 from __future__ import annotations
@@ -52,10 +57,11 @@ def _stages(result) -> str:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["gpt-1.3b", "gpt-2.6b", "t5-3b", "bert-48"],
+    parser.add_argument("--models", nargs="*",
+                        default=["gpt-1.3b:float32", "gpt-2.6b:float32", "t5-3b:float32", "bert-48:float32"],
                         help="zoo models of the grid comparison (none: skip it)")
     parser.add_argument("--clusters", nargs="+", default=["A", "B", "C", "torus4x4"])
-    parser.add_argument("--scaling-model", default="gpt-1.3b")
+    parser.add_argument("--scaling-model", default="gpt-1.3b:float32")
     parser.add_argument("--no-dqn", action="store_true")
     parser.add_argument("--no-scaling", action="store_true")
     args = parser.parse_args()

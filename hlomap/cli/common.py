@@ -66,7 +66,8 @@ CLUSTER_HELP = ("cluster: local (the devices JAX sees, measured once and cached:
                 "or a cluster JSON file")
 PROFILE_HELP = ("calibration profile (written by scripts/calibrate_gpu.py): the cluster's devices of the "
                 "profiled kind get its fitted compute efficiency and HBM bandwidth")
-SOURCE_HELP = "an HLO text file, zoo:NAME (see `hlomap zoo list`), or FILE.py:FUNCTION returning (train_step, example_args)"
+SOURCE_HELP = ("an HLO text file, zoo:NAME (see `hlomap zoo list`; zoo:NAME:float32 or zoo:NAME:bfloat16 picks "
+               "the compute dtype), or FILE.py:FUNCTION returning (train_step, example_args)")
 
 
 def add_role_options(p: argparse.ArgumentParser) -> None:

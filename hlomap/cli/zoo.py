@@ -13,12 +13,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          description="The model zoo: GPT, BERT, T5, VGG-19, ResNet-50, MoE and a Haiku MLP.")
     zsub = zoo.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
     zsub.required = True
-    zl = zsub.add_parser("list", help="list the zoo's models", description="List the zoo's models.")
+    zl = zsub.add_parser("list", help="list the zoo's models",
+                         description="List the zoo's models with their compute dtype. Parameters and optimizer "
+                                     "state are float32; a SOURCE zoo:NAME:float32 or zoo:NAME:bfloat16 runs a "
+                                     "transformer (gpt, bert, t5, moe) in the other compute dtype.")
     zl.add_argument("--json", action="store_true", help="print as JSON")
     zl.set_defaults(func=cmd_zoo_list)
     zd = zsub.add_parser("dump", help="write a zoo model's train step as HLO text",
                          description="Lower a zoo train step abstractly (no weights allocated) and write its HLO.")
-    zd.add_argument("name", metavar="NAME")
+    zd.add_argument("name", metavar="NAME", help="a zoo model, optionally NAME:float32 or NAME:bfloat16")
     zd.add_argument("-o", "--output", required=True, metavar="FILE.hlo")
     zd.set_defaults(func=cmd_zoo_dump)
 
@@ -29,7 +32,8 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
     entries = api.zoo_entries()
     if args.json:
         common.print_json([{"name": e.name, "family": e.family, "parameters": e.parameters,
-                            "description": e.description} for e in entries], indent=2)
+                            "compute_dtype": e.compute_dtype, "description": e.description} for e in entries],
+                          indent=2)
         return 0
     common.console().print(format_zoo(entries))
     return 0

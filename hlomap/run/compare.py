@@ -12,6 +12,10 @@ that are wrong by a constant factor (Adam divides it out). So:
 - the optimizer's output (updated parameters) only where the gradient is well above rounding
   noise, relative to the size of the update.
 
+A step whose dots run in bfloat16 or float16 (mixed precision) is held to its own, wider
+`Tolerances` (`HALF_PRECISION`): its sums are rounded to 8 (or 11) bits wherever a device or a
+microbatch ends one, so the sharded step differs from the unsharded one by a few percent.
+
 Each leaf goes through `hlomap.verify.numerics.compare_outputs` (the project's comparison) with
 an absolute tolerance made from that leaf's scale; this module only decides the tolerances.
 
@@ -23,14 +27,15 @@ that averages over examples, the loss and gradient of the whole batch), aux outp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from hlomap.verify.numerics import Tolerance, compare_outputs
 
-__all__ = ["GradientResult", "LeafDiff", "LeafGroupCheck", "StepCheck", "check_pipeline", "check_spmd", "check_step",
-           "compare_loss", "compare_scaled", "compare_updates", "reference_gradients"]
+__all__ = ["FLOAT32", "HALF_PRECISION", "GradientResult", "LeafDiff", "LeafGroupCheck", "StepCheck", "Tolerances",
+           "check_pipeline", "check_spmd", "check_step", "compare_loss", "compare_scaled", "compare_updates",
+           "reference_gradients", "tolerances_for"]
 
 #: Allowed difference of a gradient leaf, as a fraction of its scale (float32 sums reordered over
 #: microbatches and devices differ by a few ulps of the largest terms).
@@ -45,6 +50,37 @@ LOSS_TOLERANCE = 1e-5
 NOISE = 1e-3
 #: Allowed difference of an updated parameter, as a fraction of the leaf's largest update.
 UPDATE_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """How near the unsharded step's a parallel step's results must come: the loss (relative),
+    each gradient leaf (a fraction of its scale, floored at `floor` of the largest gradient),
+    and the updated parameters where the gradient is above `noise` of its leaf's scale."""
+
+    loss: float = LOSS_TOLERANCE
+    gradient: float = GRADIENT_TOLERANCE
+    floor: float = SCALE_FLOOR
+    noise: float = NOISE
+    update: float = UPDATE_TOLERANCE
+
+
+#: A step that computes in float32 (or wider).
+FLOAT32 = Tolerances()
+#: A step whose dots take bfloat16 or float16 operands. A gradient leaf that is a sum over the
+#: batch (a bias) reduces its terms in bfloat16: the sharded and unsharded sums differ by up to a
+#: few percent of the leaf's scale (4.2% measured on gpt-tiny in bfloat16 over 8 devices). Adam's
+#: first update is about +-lr for every gradient, so the update check keeps to gradients above
+#: `noise` of their leaf's scale, which no difference within `gradient` can flip the sign of.
+HALF_PRECISION = Tolerances(loss=1e-2, gradient=1e-1, floor=1e-2, noise=0.3, update=UPDATE_TOLERANCE)
+
+#: HLO element types of half precision.
+HALF_DTYPES = frozenset({"bf16", "f16"})
+
+
+def tolerances_for(dot_operand_dtypes: Iterable[str]) -> Tolerances:
+    """`HALF_PRECISION` when any dot of the step takes a half-precision operand, else `FLOAT32`."""
+    return HALF_PRECISION if HALF_DTYPES.intersection(dot_operand_dtypes) else FLOAT32
 
 
 @dataclass(frozen=True)
@@ -266,11 +302,14 @@ class StepCheck:
 
 
 def _marked_comparisons(got: GradientResult, ref: GradientResult, paths: Sequence[str],
-                        label: str) -> tuple[LeafGroupCheck, ...]:
+                        label: str, tolerances: Tolerances) -> tuple[LeafGroupCheck, ...]:
     """The loss, each gradient leaf and each aux output of the marked call against the reference."""
-    out = [compare_loss(got.loss, ref.loss), compare_scaled(f"gradients{label}", got.grads, ref.grads, paths)]
+    scaled = {"tolerance": tolerances.gradient, "floor": tolerances.floor}
+    out = [compare_loss(got.loss, ref.loss, tolerance=tolerances.loss),
+           compare_scaled(f"gradients{label}", got.grads, ref.grads, paths, **scaled)]
     if ref.aux:
-        out.append(compare_scaled(f"aux outputs{label}", got.aux, ref.aux, [f"aux {j}" for j in range(len(ref.aux))]))
+        out.append(compare_scaled(f"aux outputs{label}", got.aux, ref.aux, [f"aux {j}" for j in range(len(ref.aux))],
+                                  **scaled))
     return tuple(out)
 
 
@@ -288,7 +327,8 @@ def _timed_step(step: Any, args: Sequence[Any]) -> float:
     return time.perf_counter() - start
 
 
-def check_pipeline(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None) -> StepCheck:
+def check_pipeline(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None,
+                   tolerances: Tolerances = FLOAT32) -> StepCheck:
     """Loss, gradients and aux of `step` (a pipelined `hlomap.parallelize` step) against the
     unsharded reference with the plan's microbatches, in float64 too when float32 differs;
     then one timed step. `on_phase` hears each phase as it starts."""
@@ -302,7 +342,7 @@ def check_pipeline(step: Any, args: Sequence[Any], on_phase: Callable[[str], Non
     paths = [traced.loss_inputs[p].path for p in traced.grads]
 
     def against(result: tuple[Any, list[Any], list[Any]], ref: GradientResult, label: str) -> tuple[LeafGroupCheck, ...]:
-        return _marked_comparisons(GradientResult(*result), ref, paths, label)
+        return _marked_comparisons(GradientResult(*result), ref, paths, label, tolerances)
 
     phase("compiling and running the plan's step")
     result = step.value_and_grad(*args)
@@ -331,7 +371,8 @@ def check_pipeline(step: Any, args: Sequence[Any], on_phase: Callable[[str], Non
     return StepCheck(decisive, informative, _timed_step(step, args), wide_checks, reference_error)
 
 
-def check_spmd(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None) -> StepCheck:
+def check_spmd(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None,
+               tolerances: Tolerances = FLOAT32) -> StepCheck:
     """An SPMD plan (`hlomap.parallelize` of a plan without pipeline) against the unsharded step:
     the marked loss and gradients computed from arguments placed with the plan's shardings (XLA
     partitions the computation from them), and the optimizer's output of the whole sharded step
@@ -354,7 +395,7 @@ def check_spmd(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] |
                if traced.loss_inputs[p].kind is InputKind.PARAM and traced.loss_inputs[p].leaf < n_params}
 
     def against(sharded: GradientResult, ref: GradientResult, label: str) -> list[LeafGroupCheck]:
-        return list(_marked_comparisons(sharded, ref, paths, label))
+        return list(_marked_comparisons(sharded, ref, paths, label, tolerances))
 
     def updated(values: Sequence[Any]) -> list[Any]:
         """The state leaves after one step, sharded and unsharded (copies: the step donates)."""
@@ -373,7 +414,8 @@ def check_spmd(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] |
     decisive.append(compare_updates("updated parameters", [after[leaf] for leaf in leaf_of.values()],
                                     [after_reference[leaf] for leaf in leaf_of.values()],
                                     [before[leaf] for leaf in leaf_of.values()],
-                                    [reference.grads[k] for k in leaf_of], [paths[k] for k in leaf_of]))
+                                    [reference.grads[k] for k in leaf_of], [paths[k] for k in leaf_of],
+                                    noise=tolerances.noise, floor=tolerances.floor, tolerance=tolerances.update))
     wide_checks: tuple[LeafGroupCheck, ...] = ()
     reference_error = None
     if not all(c.ok for c in decisive):
@@ -389,10 +431,11 @@ def check_spmd(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] |
     return StepCheck(tuple(decisive), (), _timed_step(step, args), wide_checks, reference_error)
 
 
-def check_step(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None) -> StepCheck:
+def check_step(step: Any, args: Sequence[Any], on_phase: Callable[[str], None] | None = None,
+               tolerances: Tolerances = FLOAT32) -> StepCheck:
     """`check_pipeline` or `check_spmd`, by the plan `step` runs."""
     check = check_pipeline if step.plan.pipeline is not None else check_spmd
-    return check(step, args, on_phase)
+    return check(step, args, on_phase, tolerances)
 
 
 FLOAT64_PHASE = "running both steps again in float64 (float32 differs)"

@@ -4,7 +4,8 @@ Word + position + token-type embeddings, embedding layer norm, post-layer-norm b
 (`ln_1(x + attn(x))`, `ln_2(x + mlp(x))`), GELU MLP, and the MLM head of the original BERT: a
 dense transform, GELU, layer norm, then the tied word embedding plus an output bias. There is no
 pooler/next-sentence head (RoBERTa-style pre-training), and the loss covers every position: which
-positions were masked does not change the graph hlomap plans for.
+positions were masked does not change the graph hlomap plans for. Parameters are float32;
+`compute_dtype` is the dtype of the activations and dots (the loss is taken in float32).
 
 Parameter paths: `embed`, `pos_embed`, `type_embed` (`/embedding`), `ln_embed`,
 `layers_{i}/{attn/{query,key,value,out},ln_1,mlp/{fc_in,fc_out},ln_2}/...`,
@@ -23,7 +24,7 @@ from flax import nnx
 from hlomap.zoo import nnx_bridge
 from hlomap.zoo.nnx_bridge import ParamKeys
 from hlomap.zoo.layers import Activation, Attention, FeedForward, layer_name, normal, softmax_cross_entropy
-from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError
+from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError, check_compute_dtype
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,11 @@ class BertConfig:
     seq_len: int
     type_vocab_size: int = 2
     learning_rate: float = 1e-3
+    #: dtype of activations and dots, one of `COMPUTE_DTYPES`; parameters stay float32
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_compute_dtype(type(self).__name__, self.compute_dtype)
         if self.d_model % self.num_heads:
             raise ZooError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.seq_len > self.max_positions:
@@ -52,6 +56,10 @@ class BertConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
 
     def build(self, rngs: ParamKeys) -> "Bert":
         return Bert(self, rngs)
@@ -74,11 +82,11 @@ class EncoderBlock(nnx.Module):
 
     def __init__(self, config: BertConfig, rngs: ParamKeys):
         self.attn = Attention(config.d_model, config.num_heads, config.head_dim, use_bias=True,
-                              scale_queries=True, rngs=rngs)
-        self.ln_1 = nnx.LayerNorm(config.d_model, epsilon=1e-12, rngs=rngs)
+                              scale_queries=True, dtype=config.dtype, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(config.d_model, epsilon=1e-12, dtype=config.dtype, rngs=rngs)
         self.mlp = FeedForward(config.d_model, config.d_ff, activation=Activation.GELU,
-                               use_bias=True, rngs=rngs)
-        self.ln_2 = nnx.LayerNorm(config.d_model, epsilon=1e-12, rngs=rngs)
+                               use_bias=True, dtype=config.dtype, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(config.d_model, epsilon=1e-12, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.ln_1(x + self.attn(x))
@@ -87,8 +95,9 @@ class EncoderBlock(nnx.Module):
 
 class MlmHead(nnx.Module):
     def __init__(self, config: BertConfig, rngs: ParamKeys):
-        self.transform = nnx.Linear(config.d_model, config.d_model, kernel_init=normal(0.02), rngs=rngs)
-        self.ln = nnx.LayerNorm(config.d_model, epsilon=1e-12, rngs=rngs)
+        self.transform = nnx.Linear(config.d_model, config.d_model, kernel_init=normal(0.02),
+                                    dtype=config.dtype, rngs=rngs)
+        self.ln = nnx.LayerNorm(config.d_model, epsilon=1e-12, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.ln(jax.nn.gelu(self.transform(x)))
@@ -97,26 +106,31 @@ class MlmHead(nnx.Module):
 class Bert(nnx.Module):
     def __init__(self, config: BertConfig, rngs: ParamKeys):
         self.num_layers = config.num_layers
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(0.02), rngs=rngs)
+        self.dtype = config.dtype
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(0.02),
+                               dtype=config.dtype, rngs=rngs)
         self.pos_embed = nnx.Embed(config.max_positions, config.d_model, embedding_init=normal(0.02),
-                                   rngs=rngs)
+                                   dtype=config.dtype, rngs=rngs)
         self.type_embed = nnx.Embed(config.type_vocab_size, config.d_model, embedding_init=normal(0.02),
-                                    rngs=rngs)
-        self.ln_embed = nnx.LayerNorm(config.d_model, epsilon=1e-12, rngs=rngs)
+                                    dtype=config.dtype, rngs=rngs)
+        self.ln_embed = nnx.LayerNorm(config.d_model, epsilon=1e-12, dtype=config.dtype, rngs=rngs)
         for i in range(config.num_layers):
             setattr(self, layer_name(i), EncoderBlock(config, rngs))
         self.head = MlmHead(config, rngs)
         self.head_bias = nnx.Param(jnp.zeros((config.vocab_size,), jnp.float32))
 
     def __call__(self, tokens: jax.Array, token_types: jax.Array) -> jax.Array:
-        """tokens, token_types int32[b, s] -> MLM logits f32[b, s, vocab]."""
+        """tokens, token_types int32[b, s] -> MLM logits [b, s, vocab] in the compute dtype."""
         seq_len = tokens.shape[-1]
-        x = self.embed(tokens) + self.type_embed(token_types) + self.pos_embed.embedding[:seq_len]
+        # The position table and the output bias are read directly, not through a layer, so they
+        # are cast here (a no-op in float32).
+        x = (self.embed(tokens) + self.type_embed(token_types)
+             + self.pos_embed.embedding[:seq_len].astype(self.dtype))
         x = self.ln_embed(x)
         for i in range(self.num_layers):
             with jax.named_scope(layer_name(i)):
                 x = getattr(self, layer_name(i))(x)
-        return self.embed.attend(self.head(x)) + self.head_bias[...]
+        return self.embed.attend(self.head(x)) + self.head_bias[...].astype(self.dtype)
 
 
 def _forward_loss(model: nnx.Module, batch: Batch) -> jax.Array:

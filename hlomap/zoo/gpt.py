@@ -2,7 +2,8 @@
 
 Pre-layer-norm blocks (`x + attn(ln_1(x))`, `x + mlp(ln_2(x))`), learned absolute position
 embeddings, GELU MLP with biases, a final layer norm and an output projection tied to the token
-embedding. Parameter paths: `embed/embedding`, `pos_embed/embedding`,
+embedding. Parameters are float32; `compute_dtype` is the dtype of the activations and dots
+(the loss is taken in float32). Parameter paths: `embed/embedding`, `pos_embed/embedding`,
 `layers_{i}/{ln_1,attn/{query,key,value,out},ln_2,mlp/{fc_in,fc_out}}/...`, `ln_f/{scale,bias}`.
 """
 
@@ -19,7 +20,7 @@ from flax import nnx
 from hlomap.zoo import nnx_bridge
 from hlomap.zoo.nnx_bridge import ParamKeys
 from hlomap.zoo.layers import Activation, Attention, FeedForward, layer_name, normal, softmax_cross_entropy
-from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError
+from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError, check_compute_dtype
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,11 @@ class GptConfig:
     batch_size: int
     seq_len: int
     learning_rate: float = 1e-3
+    #: dtype of activations and dots, one of `COMPUTE_DTYPES`; parameters stay float32
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_compute_dtype(type(self).__name__, self.compute_dtype)
         if self.d_model % self.num_heads:
             raise ZooError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.seq_len > self.max_positions:
@@ -47,6 +51,10 @@ class GptConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
 
     def build(self, rngs: ParamKeys) -> "Gpt":
         return Gpt(self, rngs)
@@ -69,12 +77,12 @@ class DecoderBlock(nnx.Module):
     def __init__(self, config: GptConfig, rngs: ParamKeys):
         # GPT-2 scales the residual-output projections by 1/sqrt(2 * layers).
         out_std = 0.02 / math.sqrt(2 * config.num_layers)
-        self.ln_1 = nnx.LayerNorm(config.d_model, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
         self.attn = Attention(config.d_model, config.num_heads, config.head_dim, use_bias=True,
-                              scale_queries=True, out_std=out_std, rngs=rngs)
-        self.ln_2 = nnx.LayerNorm(config.d_model, rngs=rngs)
+                              scale_queries=True, out_std=out_std, dtype=config.dtype, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
         self.mlp = FeedForward(config.d_model, config.d_ff, activation=Activation.GELU,
-                               use_bias=True, out_std=out_std, rngs=rngs)
+                               use_bias=True, out_std=out_std, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln_1(x), causal=True)
@@ -84,18 +92,21 @@ class DecoderBlock(nnx.Module):
 class Gpt(nnx.Module):
     def __init__(self, config: GptConfig, rngs: ParamKeys):
         self.num_layers = config.num_layers
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(0.02), rngs=rngs)
+        self.dtype = config.dtype
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(0.02),
+                               dtype=config.dtype, rngs=rngs)
         self.pos_embed = nnx.Embed(config.max_positions, config.d_model, embedding_init=normal(0.01),
-                                   rngs=rngs)
+                                   dtype=config.dtype, rngs=rngs)
         for i in range(config.num_layers):
             setattr(self, layer_name(i), DecoderBlock(config, rngs))
-        self.ln_f = nnx.LayerNorm(config.d_model, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens int32[b, s] -> logits f32[b, s, vocab]."""
+        """tokens int32[b, s] -> logits [b, s, vocab] in the compute dtype."""
         seq_len = tokens.shape[-1]
-        # A static slice of the position table: positions are 0..s-1 for every sequence.
-        x = self.embed(tokens) + self.pos_embed.embedding[:seq_len]
+        # A static slice of the position table: positions are 0..s-1 for every sequence. The
+        # table is read directly, not through the Embed, so it is cast here (a no-op in float32).
+        x = self.embed(tokens) + self.pos_embed.embedding[:seq_len].astype(self.dtype)
         for i in range(self.num_layers):
             with jax.named_scope(layer_name(i)):
                 x = getattr(self, layer_name(i))(x)

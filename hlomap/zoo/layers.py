@@ -8,6 +8,9 @@ Choices that matter to hlomap's planner:
 - The cross-entropy is written with a one-hot (compare against an iota) instead of a gather of
   the target logit: with a gather the vocabulary dim of the logits would have to be replicated;
   with a one-hot a vocabulary-parallel plan stays expressible.
+- Mixed precision: every layer takes a compute `dtype` (Flax's `dtype=`) while its parameters
+  stay float32 (`param_dtype`), so the dots and activations are in the compute dtype and the
+  gradients, the optimizer state and the update in float32. The loss is taken in float32.
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ class Attention(nnx.Module):
         *,
         use_bias: bool,
         scale_queries: bool,
+        dtype: jnp.dtype,
         rngs: ParamKeys,
         qkv_std: tuple[float, float, float] = (0.02, 0.02, 0.02),
         out_std: float = 0.02,
     ):
         def projection(std: float) -> nnx.LinearGeneral:
             return nnx.LinearGeneral(
-                d_model, (num_heads, head_dim), use_bias=use_bias, kernel_init=normal(std), rngs=rngs
+                d_model, (num_heads, head_dim), use_bias=use_bias, kernel_init=normal(std), dtype=dtype,
+                rngs=rngs,
             )
 
         self.query = projection(qkv_std[0])
@@ -64,7 +69,7 @@ class Attention(nnx.Module):
         self.value = projection(qkv_std[2])
         self.out = nnx.LinearGeneral(
             (num_heads, head_dim), d_model, axis=(-2, -1), use_bias=use_bias,
-            kernel_init=normal(out_std), rngs=rngs,
+            kernel_init=normal(out_std), dtype=dtype, rngs=rngs,
         )
         # T5 folds the 1/sqrt(head_dim) into its initialisation; BERT/GPT scale the queries.
         self.query_scale = 1.0 / math.sqrt(head_dim) if scale_queries else 1.0
@@ -90,6 +95,8 @@ class Attention(nnx.Module):
             q_len, k_len = logits.shape[-2:]
             mask = jnp.tril(jnp.ones((q_len, k_len), dtype=bool))
             logits = jnp.where(mask, logits, MASK_VALUE)
+        # In the compute dtype (MASK_VALUE is within bfloat16's range): a float32 softmax would
+        # keep float32 weights, the largest activation of attention, for the backward pass.
         weights = jax.nn.softmax(logits, axis=-1)
         return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v))
 
@@ -104,12 +111,15 @@ class FeedForward(nnx.Module):
         *,
         activation: Activation,
         use_bias: bool,
+        dtype: jnp.dtype,
         rngs: ParamKeys,
         in_std: float = 0.02,
         out_std: float = 0.02,
     ):
-        self.fc_in = nnx.Linear(d_model, d_ff, use_bias=use_bias, kernel_init=normal(in_std), rngs=rngs)
-        self.fc_out = nnx.Linear(d_ff, d_model, use_bias=use_bias, kernel_init=normal(out_std), rngs=rngs)
+        self.fc_in = nnx.Linear(d_model, d_ff, use_bias=use_bias, kernel_init=normal(in_std), dtype=dtype,
+                                rngs=rngs)
+        self.fc_out = nnx.Linear(d_ff, d_model, use_bias=use_bias, kernel_init=normal(out_std), dtype=dtype,
+                                 rngs=rngs)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -117,7 +127,11 @@ class FeedForward(nnx.Module):
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean cross-entropy of integer `labels` under `logits` (last dim = classes), via one-hot."""
+    """Mean cross-entropy of integer `labels` under `logits` (last dim = classes), via one-hot.
+
+    Taken in float32 whatever the logits' dtype: a bfloat16 log-softmax over a large vocabulary
+    loses the small differences between logits that the loss and its gradient are made of."""
+    logits = logits.astype(jnp.float32)
     one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
     return -jnp.mean(jnp.sum(one_hot * jax.nn.log_softmax(logits, axis=-1), axis=-1))
 

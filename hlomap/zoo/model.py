@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Protocol
 
 import jax
@@ -57,6 +57,22 @@ class ZooError(KeyError):
     def __str__(self) -> str:
         # KeyError's str() repr-quotes its argument; these messages are prose.
         return str(self.args[0]) if self.args else ""
+
+
+#: Separates a zoo name from a compute dtype that overrides the entry's: `gpt-1.3b:float32`.
+DTYPE_SEPARATOR = ":"
+
+#: Dtypes a zoo transformer may compute in (its `compute_dtype`), by numpy name. Parameters and
+#: optimizer state are float32 whatever this is. (No float16: it would need loss scaling, and
+#: the attention mask's -1e9 is out of its range.)
+COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+def check_compute_dtype(owner: str, compute_dtype: object) -> None:
+    """ZooError naming `owner` (a config or zoo entry) when `compute_dtype` is not one of
+    `COMPUTE_DTYPES`."""
+    if not isinstance(compute_dtype, str) or compute_dtype not in COMPUTE_DTYPES:
+        raise ZooError(f"{owner}: compute_dtype={compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
 
 
 class Family(str, enum.Enum):
@@ -192,6 +208,26 @@ class ZooModel:
     #: trainable parameters as the registry declares them (what `zoo list` shows without
     #: tracing); `param_count()` computes them from the model
     parameters: int = 0
+
+    @property
+    def compute_dtype(self) -> str:
+        """Dtype of the step's activations and dots ("float32" for families without the setting:
+        the convolutional networks and the Haiku MLP)."""
+        return str(getattr(self.config, "compute_dtype", "float32"))
+
+    def with_compute_dtype(self, compute_dtype: str) -> "ZooModel":
+        """This entry computing in `compute_dtype` (one of `COMPUTE_DTYPES`), named
+        `NAME:DTYPE`; itself when that is already its dtype. ZooError for a bad dtype, or for a
+        family that computes in float32 only."""
+        check_compute_dtype(f"zoo model {self.name!r}", compute_dtype)
+        if compute_dtype == self.compute_dtype:
+            return self
+        if not hasattr(self.config, "compute_dtype"):
+            raise ZooError(f"zoo model {self.name!r} computes in float32 only; a compute dtype is a "
+                           "setting of the transformer families (gpt, bert, t5, moe)")
+        config = replace(self.config, compute_dtype=compute_dtype)  # type: ignore[type-var]
+        base = self.name.partition(DTYPE_SEPARATOR)[0]  # a variant of a variant names the entry once
+        return replace(self, name=f"{base}{DTYPE_SEPARATOR}{compute_dtype}", config=config)
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.adam(self.config.learning_rate)

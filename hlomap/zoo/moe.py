@@ -11,6 +11,11 @@ A group is one sequence of the batch.
 Parameter paths: as GPT (`embed`, `pos_embed`, `layers_{i}/{ln_1,attn,ln_2}`, `ln_f`), with
 `layers_{i}/mlp/{fc_in,fc_out}` in dense layers and `layers_{i}/moe/{router/kernel,wi,wo}` in
 expert layers.
+
+Parameters are float32; `compute_dtype` is the dtype of the activations and the attention, MLP
+and expert dots. The router runs in float32 whatever the compute dtype (Switch Transformer's
+selective precision: the router's softmax is where bfloat16 made training unstable), and so do
+the auxiliary and cross-entropy losses.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from flax import nnx
 from hlomap.zoo import nnx_bridge
 from hlomap.zoo.nnx_bridge import ParamKeys
 from hlomap.zoo.layers import Activation, Attention, FeedForward, layer_name, normal, softmax_cross_entropy
-from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError
+from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError, check_compute_dtype
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,11 @@ class MoeConfig:
     moe_every: int = 2  # layers i with i % moe_every == moe_every - 1 are MoE layers
     aux_loss_weight: float = 0.01
     learning_rate: float = 1e-3
+    #: dtype of activations and dots, one of `COMPUTE_DTYPES`; parameters stay float32
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_compute_dtype(type(self).__name__, self.compute_dtype)
         if self.d_model % self.num_heads:
             raise ZooError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if not 1 <= self.top_k <= self.num_experts:
@@ -61,6 +69,10 @@ class MoeConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
 
     @property
     def capacity(self) -> int:
@@ -140,56 +152,65 @@ class MoeFeedForward(nnx.Module):
         e, d, f = config.num_experts, config.d_model, config.d_ff
         self.top_k = config.top_k
         self.capacity = config.capacity
-        self.router = nnx.Linear(d, e, use_bias=False, kernel_init=normal(0.02), rngs=rngs)
+        self.dtype = config.dtype
+        self.router = nnx.Linear(d, e, use_bias=False, kernel_init=normal(0.02), dtype=jnp.float32,
+                                 rngs=rngs)
         self.wi = nnx.Param(normal(0.02)(rngs.params(), (e, d, f), jnp.float32))
         self.wo = nnx.Param(normal(out_std)(rngs.params(), (e, f, d), jnp.float32))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [G, S, d] -> (y [G, S, d], auxiliary loss)."""
         routing = route_top_k(self.router(x), top_k=self.top_k, capacity=self.capacity)
-        expert_inputs = jnp.einsum("gsec,gsd->egcd", routing.dispatch, x)
-        hidden = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", expert_inputs, self.wi[...]))
-        expert_outputs = jnp.einsum("egcf,efd->egcd", hidden, self.wo[...])
-        return jnp.einsum("gsec,egcd->gsd", routing.combine, expert_outputs), routing.aux_loss
+        # Dispatch and combine come out of the float32 router; the expert dots take them, and
+        # the stacked expert weights, in the compute dtype (all no-ops in float32).
+        dispatch, combine = routing.dispatch.astype(self.dtype), routing.combine.astype(self.dtype)
+        expert_inputs = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+        hidden = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", expert_inputs, self.wi[...].astype(self.dtype)))
+        expert_outputs = jnp.einsum("egcf,efd->egcd", hidden, self.wo[...].astype(self.dtype))
+        return jnp.einsum("gsec,egcd->gsd", combine, expert_outputs), routing.aux_loss
 
 
 class MoeBlock(nnx.Module):
     def __init__(self, config: MoeConfig, *, moe: bool, rngs: ParamKeys):
         out_std = 0.02 / math.sqrt(2 * config.num_layers)
         self.is_moe = moe
-        self.ln_1 = nnx.LayerNorm(config.d_model, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
         self.attn = Attention(config.d_model, config.num_heads, config.head_dim, use_bias=True,
-                              scale_queries=True, out_std=out_std, rngs=rngs)
-        self.ln_2 = nnx.LayerNorm(config.d_model, rngs=rngs)
+                              scale_queries=True, out_std=out_std, dtype=config.dtype, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
         if moe:
             self.moe = MoeFeedForward(config, rngs, out_std)
         else:
             self.mlp = FeedForward(config.d_model, config.d_ff, activation=Activation.GELU,
-                                   use_bias=True, out_std=out_std, rngs=rngs)
+                                   use_bias=True, out_std=out_std, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = x + self.attn(self.ln_1(x), causal=True)
         if self.is_moe:
             y, aux_loss = self.moe(self.ln_2(x))
             return x + y, aux_loss
-        return x + self.mlp(self.ln_2(x)), jnp.zeros((), x.dtype)
+        return x + self.mlp(self.ln_2(x)), jnp.zeros((), jnp.float32)  # the aux loss is float32
 
 
 class MoeDecoder(nnx.Module):
     def __init__(self, config: MoeConfig, rngs: ParamKeys):
         self.num_layers = config.num_layers
         self.aux_loss_weight = config.aux_loss_weight
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(0.02), rngs=rngs)
+        self.dtype = config.dtype
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(0.02),
+                               dtype=config.dtype, rngs=rngs)
         self.pos_embed = nnx.Embed(config.max_positions, config.d_model, embedding_init=normal(0.01),
-                                   rngs=rngs)
+                                   dtype=config.dtype, rngs=rngs)
         for i in range(config.num_layers):
             setattr(self, layer_name(i), MoeBlock(config, moe=config.is_moe_layer(i), rngs=rngs))
-        self.ln_f = nnx.LayerNorm(config.d_model, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens int32[b, s] -> (logits f32[b, s, vocab], summed auxiliary loss)."""
-        x = self.embed(tokens) + self.pos_embed.embedding[: tokens.shape[-1]]
-        aux_total = jnp.zeros((), x.dtype)
+        """tokens int32[b, s] -> (logits [b, s, vocab] in the compute dtype, summed float32
+        auxiliary loss)."""
+        # The position table is read directly, not through the Embed, so it is cast here.
+        x = self.embed(tokens) + self.pos_embed.embedding[: tokens.shape[-1]].astype(self.dtype)
+        aux_total = jnp.zeros((), jnp.float32)
         for i in range(self.num_layers):
             with jax.named_scope(layer_name(i)):
                 x, aux_loss = getattr(self, layer_name(i))(x)

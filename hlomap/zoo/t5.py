@@ -6,6 +6,8 @@ folded into the initialisation), ReLU MLP, a relative position bias (32 log-spac
 distance 128) owned by each stack and shared by all its layers, one embedding shared by encoder
 input, decoder input and (scaled by d_model**-0.5) the output projection. Dropout is omitted.
 With these rules t5-base has exactly the 222,903,552 parameters of the released checkpoint.
+Parameters are float32; `compute_dtype` is the dtype of the activations and dots (the loss is
+taken in float32).
 
 Parameter paths: `shared/embedding`, `{encoder,decoder}/relative_bias/embedding`,
 `{encoder,decoder}/layers_{i}/{ln_self_attn,self_attn,ln_mlp,mlp/{fc_in,fc_out}}/...`, decoder
@@ -26,7 +28,7 @@ from flax import nnx
 from hlomap.zoo import nnx_bridge
 from hlomap.zoo.nnx_bridge import ParamKeys
 from hlomap.zoo.layers import Activation, Attention, FeedForward, layer_name, normal, softmax_cross_entropy
-from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError
+from hlomap.zoo.model import Batch, BatchField, Family, LossFn, Params, ZooError, check_compute_dtype
 
 _EPSILON = 1e-6
 
@@ -50,10 +52,17 @@ class T5Config:
     num_buckets: int = 32
     max_distance: int = 128
     learning_rate: float = 1e-3
+    #: dtype of activations and dots, one of `COMPUTE_DTYPES`; parameters stay float32
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_compute_dtype(type(self).__name__, self.compute_dtype)
         if self.num_buckets % 2:
             raise ZooError(f"num_buckets={self.num_buckets} must be even (half per direction)")
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
 
     def build(self, rngs: ParamKeys) -> "T5":
         return T5(self, rngs)
@@ -105,18 +114,21 @@ class T5Layer(nnx.Module):
 
         def attention() -> Attention:
             # Mesh-TensorFlow T5 initialisation, which is why no 1/sqrt(d_kv) is needed.
-            return Attention(d, h, kv, use_bias=False, scale_queries=False, rngs=rngs,
+            return Attention(d, h, kv, use_bias=False, scale_queries=False, dtype=config.dtype, rngs=rngs,
                              qkv_std=((d * kv) ** -0.5, d ** -0.5, d ** -0.5), out_std=(h * kv) ** -0.5)
 
+        def rms_norm() -> nnx.RMSNorm:
+            return nnx.RMSNorm(d, epsilon=_EPSILON, dtype=config.dtype, rngs=rngs)
+
         self.decoder = decoder
-        self.ln_self_attn = nnx.RMSNorm(d, epsilon=_EPSILON, rngs=rngs)
+        self.ln_self_attn = rms_norm()
         self.self_attn = attention()
         if decoder:
-            self.ln_cross_attn = nnx.RMSNorm(d, epsilon=_EPSILON, rngs=rngs)
+            self.ln_cross_attn = rms_norm()
             self.cross_attn = attention()
-        self.ln_mlp = nnx.RMSNorm(d, epsilon=_EPSILON, rngs=rngs)
-        self.mlp = FeedForward(d, config.d_ff, activation=Activation.RELU, use_bias=False, rngs=rngs,
-                               in_std=d ** -0.5, out_std=config.d_ff ** -0.5)
+        self.ln_mlp = rms_norm()
+        self.mlp = FeedForward(d, config.d_ff, activation=Activation.RELU, use_bias=False, dtype=config.dtype,
+                               rngs=rngs, in_std=d ** -0.5, out_std=config.d_ff ** -0.5)
 
     def __call__(self, x: jax.Array, position_bias: jax.Array, encoded: jax.Array | None) -> jax.Array:
         x = x + self.self_attn(self.ln_self_attn(x), bias=position_bias, causal=self.decoder)
@@ -130,10 +142,11 @@ class T5Stack(nnx.Module):
         self.config = config
         self.decoder = decoder
         self.relative_bias = nnx.Embed(config.num_buckets, config.num_heads,
-                                       embedding_init=normal(config.d_model ** -0.5), rngs=rngs)
+                                       embedding_init=normal(config.d_model ** -0.5), dtype=config.dtype,
+                                       rngs=rngs)
         for i in range(config.num_layers):
             setattr(self, layer_name(i), T5Layer(config, decoder=decoder, rngs=rngs))
-        self.ln_f = nnx.RMSNorm(config.d_model, epsilon=_EPSILON, rngs=rngs)
+        self.ln_f = nnx.RMSNorm(config.d_model, epsilon=_EPSILON, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, encoded: jax.Array | None = None) -> jax.Array:
         seq_len = x.shape[1]
@@ -151,12 +164,14 @@ class T5Stack(nnx.Module):
 class T5(nnx.Module):
     def __init__(self, config: T5Config, rngs: ParamKeys):
         self.d_model = config.d_model
-        self.shared = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(1.0), rngs=rngs)
+        self.shared = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(1.0),
+                                dtype=config.dtype, rngs=rngs)
         self.encoder = T5Stack(config, decoder=False, rngs=rngs)
         self.decoder = T5Stack(config, decoder=True, rngs=rngs)
 
     def __call__(self, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-        """inputs int32[b, s_in], targets int32[b, s_out] -> logits f32[b, s_out, vocab]."""
+        """inputs int32[b, s_in], targets int32[b, s_out] -> logits [b, s_out, vocab] in the compute
+        dtype."""
         with jax.named_scope("encoder"):
             encoded = self.encoder(self.shared(inputs))
         # Teacher forcing: the decoder sees the targets shifted right behind start token 0.
