@@ -95,6 +95,9 @@ class Cluster:
     nics_per_node: int = 1
     measured: MeasuredCosts | None = None
     node_array: np.ndarray = field(init=False, repr=False, compare=False)
+    # collective analyses per group list (`collectives._concurrent_groups`): valid while the cluster
+    # is, since nothing in it changes
+    collective_memo: dict[Any, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -106,6 +109,7 @@ class Cluster:
             array.flags.writeable = False
             object.__setattr__(self, field_name, array)
         _validate(self)
+        object.__setattr__(self, "collective_memo", {})
         node_array = np.asarray(self.node_of, dtype=np.int64)
         node_array.flags.writeable = False
         object.__setattr__(self, "node_array", node_array)  # `node_of` as an array, for vector code

@@ -301,22 +301,29 @@ class GroupCost:
     def seconds(self, nbytes: float, load: Load) -> float:
         if nbytes < 0:
             raise ValueError(f"{self.kind.value}: nbytes must be >= 0, got {nbytes!r}")
+        return self.seconds_at_share(float(nbytes), _nic_share(self.cluster, self.layout, load))
+
+    def seconds_at_share(self, nbytes: float, share: float) -> float:
+        """Its time when its cross-node streams run `share` times slower (`_nic_share`)."""
         fit = measured_terms(self.kind, self.cluster, self.layout.size)
         if fit is not None:
-            return fit.seconds(float(nbytes))
-        share = _nic_share(self.cluster, self.layout, load)
-        return _GROUP_TIME[self.kind](self.cluster, self.layout, float(nbytes), share)
+            return fit.seconds(nbytes)
+        return _GROUP_TIME[self.kind](self.cluster, self.layout, nbytes, share)
 
 
-def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group], nbytes: float) -> float:
-    """Seconds for collective `kind` run at once over each of `groups` (disjoint device groups,
-    e.g. `AxisMapping.groups("data")`): the slowest group decides. `nbytes` per the module
-    docstring. For collective-permute use `collective_permute_time`."""
-    if kind is Collective.COLLECTIVE_PERMUTE:
-        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
-    if nbytes < 0:
-        raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
-    costs = [GroupCost(kind, cluster, g, what=f"{kind.value} group {i}") for i, g in enumerate(groups)]
+def _concurrent_groups(kind: Collective, cluster: Cluster,
+                       groups: Iterable[Group]) -> tuple[tuple[GroupCost, float], ...]:
+    """Each group of a collective run at once over `groups`, analysed, with the NIC share the
+    others' streams give it. Memoized per cluster (which is immutable) and group list: a cost
+    model pricing a step asks the same axes' groups for every collective of the step."""
+    listed = [g.astype(np.int64).reshape(-1) if isinstance(g, np.ndarray) else np.fromiter(
+        (int(d) for d in g), dtype=np.int64) for g in groups]
+    key = (kind, tuple(tuple(g.tolist()) for g in listed))
+    cache = cluster.collective_memo
+    found = cache.get(key)
+    if found is not None:
+        return found
+    costs = [GroupCost(kind, cluster, g, what=f"{kind.value} group {i}") for i, g in enumerate(listed)]
     seen: set[int] = set()
     for cost in costs:
         overlap = seen.intersection(cost.devices.tolist())
@@ -327,7 +334,27 @@ def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group],
     load: Counter[int] = Counter()
     for cost in costs:
         load.update(cost.streams)
-    return max((cost.seconds(nbytes, load) for cost in costs), default=0.0)
+    found = tuple((cost, _nic_share(cluster, cost.layout, load)) for cost in costs)
+    if len(cache) < _MEMO_LIMIT:
+        cache[key] = found
+    return found
+
+
+#: Group lists memoized per cluster, at most (a planner over a few thousand devices asks a few
+#: hundred: one per mesh axis of each stage option).
+_MEMO_LIMIT = 4096
+
+
+def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group], nbytes: float) -> float:
+    """Seconds for collective `kind` run at once over each of `groups` (disjoint device groups,
+    e.g. `AxisMapping.groups("data")`): the slowest group decides. `nbytes` per the module
+    docstring. For collective-permute use `collective_permute_time`."""
+    if kind is Collective.COLLECTIVE_PERMUTE:
+        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
+    if nbytes < 0:
+        raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
+    return max((cost.seconds_at_share(float(nbytes), share)
+                for cost, share in _concurrent_groups(kind, cluster, groups)), default=0.0)
 
 
 def group_streams(kind: Collective, cluster: Cluster, group: Group) -> Counter[int]:

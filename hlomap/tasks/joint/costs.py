@@ -29,7 +29,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.collectives import Collective, collective_permute_time, collective_time
+from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
 from hlomap.cost.estimate import Reason, per_buffer_seconds, step_work
 from hlomap.cost.mapping import axis_devices
 from hlomap.cost.sharding import ShardedGraph
@@ -312,8 +312,19 @@ def transfer_seconds(cluster: Cluster, option: StageOption, first_device: int, r
     `receiver_first`: replica c's first device sends its shard to the next stage's c-th device,
     all at once (streams leaving a server share its NICs: `collective_permute_time`). The
     receiving stage's layout does not enter, so a planner prices a cut from its sending side."""
-    if nbytes <= 0:
-        return 0.0
+    return float(transfer_seconds_of(cluster, option, first_device, receiver_first, np.asarray([nbytes]))[0])
+
+
+def transfer_seconds_of(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
+                        nbytes: np.ndarray) -> np.ndarray:
+    """`transfer_seconds` of every entry of `nbytes` at once: the pairs and their terms depend on
+    the devices only, so they are built once (a planner's table prices every cut of a stage)."""
+    nbytes = np.asarray(nbytes, dtype=float)
     shards = max(1, min(option.data, cluster.n_devices - receiver_first))
     pairs = [(first_device + c * option.model, receiver_first + c) for c in range(shards)]
-    return collective_permute_time(cluster, pairs, nbytes / shards)
+    terms = collective_permute_terms(cluster, pairs)
+    if not terms:
+        return np.zeros_like(nbytes)
+    per_shard = nbytes / shards
+    seconds = np.max([term.alpha + term.beta * per_shard for term in terms], axis=0)
+    return np.where(nbytes > 0, seconds, 0.0)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight, splits_batch
-from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption, transfer_seconds
+from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption, transfer_seconds_of
 from hlomap.tasks.joint.plans import (
     JointCost,
     JointPlan,
@@ -138,9 +138,7 @@ class JointProblem:
                 if e >= self.devices or not aligned(self.per_node, d, option.devices):
                     continue
                 u = np.zeros(n + 1)
-                for k in range(1, n):
-                    nbytes = float(a.crossing[k - 1]) * option.data / m
-                    u[k] = transfer_seconds(self.model.cluster, option, d, e, nbytes)
+                u[1:n] = transfer_seconds_of(self.model.cluster, option, d, e, a.crossing[:n - 1] * option.data / m)
                 per_device[d] = u
             transfer.append(per_device)
         return StageTables(stage, memory, transfer)

@@ -213,3 +213,38 @@ def test_the_dp_recomputes_exactly_when_memory_requires_it(gpt_tiny) -> None:
     plan, cost = solve(model, space)
     assert cost.fits and any(stage.recompute for stage in plan.stages)
     assert joint_brute_force(model, space)[1].latency == pytest.approx(cost.latency, rel=1e-9)
+
+
+def test_a_stage_s_cut_transfers_priced_at_once_equal_the_collective_permute_model() -> None:
+    """The planner's tables price every cut of a stage in one call (`transfer_seconds_of`): each
+    equals the collective-permute of the replicas' shards that `transfer_seconds` describes."""
+    import numpy as np
+
+    from hlomap.cost.collectives import collective_permute_time
+    from hlomap.tasks.joint.costs import transfer_seconds_of
+
+    cluster = hierarchical(4, 8, "A100-80GB", nics_per_node=2)
+    nbytes = np.asarray([0.0, 1.0, 4096.0, 3e6, 7.5e8])
+    for option, first, receiver in ((StageOption(8, 4, 2), 0, 8), (StageOption(16, 16, 1), 8, 24),
+                                    (StageOption(2, 2, 1), 6, 8), (StageOption(4, 1, 4), 4, 8)):
+        shards = max(1, min(option.data, cluster.n_devices - receiver))
+        pairs = [(first + c * option.model, receiver + c) for c in range(shards)]
+        expected = [collective_permute_time(cluster, pairs, b / shards) if b > 0 else 0.0 for b in nbytes]
+        assert transfer_seconds_of(cluster, option, first, receiver, nbytes) == pytest.approx(expected, rel=1e-12)
+
+
+def test_memoized_collective_prices_equal_a_fresh_cluster_s() -> None:
+    """`collective_time` memoizes its analysis of a group list per cluster: asked again with other
+    byte counts, kinds and group lists it prices what an unmemoized cluster does."""
+    from hlomap.cost.collectives import Collective, collective_time
+
+    def build():
+        return hierarchical(4, 4, "A100-80GB", nics_per_node=1)
+
+    warm = build()
+    asks = [(kind, groups, nbytes) for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL)
+            for groups in ([[0, 4, 8, 12], [1, 5, 9, 13]], [[0, 1, 2, 3]], [[0, 1, 4, 5], [8, 9, 12, 13]])
+            for nbytes in (0.0, 1e3, 2.5e7)]
+    for kind, groups, nbytes in asks * 2:
+        assert collective_time(kind, warm, groups, nbytes) == collective_time(kind, build(), groups, nbytes)
+    assert len(warm.collective_memo) == 9
