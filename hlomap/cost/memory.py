@@ -195,6 +195,10 @@ def fused_nodes(sg: ShardedGraph, fusion: Fusion) -> frozenset[int]:
     """Nodes whose results are fused into their consumers and never written to memory."""
     if fusion is Fusion.NONE:
         return frozenset()
+    key = ("fused_nodes", fusion)
+    found = sg.facts.memo.get(key)
+    if found is not None:  # the graph's structure decides, not the plan: once per graph
+        return found
     g = sg.graph
     out: set[int] = set()
     for instance, info in enumerate(g.instances):
@@ -202,7 +206,8 @@ def fused_nodes(sg: ShardedGraph, fusion: Fusion) -> frozenset[int]:
         users = _users(instructions)
         index = sg.instance_index(instance)
         out.update(index[i.name] for i in instructions if _fused_away(i, users[i.name], fusion))
-    return frozenset(out)
+    sg.facts.memo[key] = frozenset(out)
+    return sg.facts.memo[key]
 
 
 @dataclass(frozen=True)

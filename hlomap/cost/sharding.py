@@ -17,9 +17,9 @@ a result dim. Constant-derived operands are the exception (they are not linked, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -59,6 +59,8 @@ class GraphFacts:
     data_groups: frozenset[int]  # groups holding a dim of a DATA entry parameter
     tensor_full_bytes: np.ndarray  # unsharded bytes of every tensor
     instance_index: tuple[Mapping[str, int], ...]  # per instance: instruction name -> node id
+    # plan-independent results memoized by their readers (`cost.memory.fused_nodes` per fusion mode)
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, graph: FactorGraph) -> GraphFacts:

@@ -65,7 +65,7 @@ def _greedy(checker: ConflictChecker, plan: np.ndarray, candidates: Iterable[int
         trial[g] = option
         if checker.ok(trial)[0]:
             plan = trial
-        else:
+        elif log.isEnabledFor(logging.INFO):  # explaining a conflict costs more than finding it
             reasons = "; ".join(str(c) for c in checker.explain(trial, limit=2))
             log.info("%s: group %d left replicated: %s", what, g, reasons)
     return plan

@@ -367,12 +367,14 @@ def attribute(cap: Capture) -> ChainAttribution:
                             tuple(update), tuple(unattributed), readers)
 
 
-def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None) -> ChainArrays:
-    """Per-chain-instruction forward/backward seconds, crossing bytes, W and stash."""
+def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
+                 attribution: ChainAttribution | None = None) -> ChainArrays:
+    """Per-chain-instruction forward/backward seconds, crossing bytes, W and stash
+    (`attribution`: `attribute(cap)` when the caller has it already)."""
     spec = _device(device)
     module = cap.module
     entry = module.entry
-    found = attribute(cap)
+    found = attribution if attribution is not None else attribute(cap)
     chain = found.chain
     n = found.length
     cache: CostCache = {}
@@ -504,9 +506,11 @@ def step_chain(
     device: DeviceSpec | str | None = None,
     *,
     options: PivotOptions = PivotOptions(),
+    attribution: ChainAttribution | None = None,
 ) -> StepChain:
-    """The pipeline model of a captured train step on `device` (default: a V100-16GB)."""
-    chain = chain_arrays(cap, device)
+    """The pipeline model of a captured train step on `device` (default: a V100-16GB);
+    `attribution`: `attribute(cap)` when the caller has it already."""
+    chain = chain_arrays(cap, device, attribution=attribution)
     kept = select_pivots(chain, options)
     profile = merge_layers(chain.profile, kept)
     scopes = nearest_scopes(chain.layers)

@@ -32,7 +32,7 @@ from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
 from hlomap.cost.estimate import Reason, per_buffer_seconds, step_work
 from hlomap.cost.mapping import axis_devices
-from hlomap.cost.sharding import ShardedGraph
+from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
@@ -161,6 +161,7 @@ class JointModel:
     searched_plans: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
     _arrays: dict[StageOption, StageArrays] = field(default_factory=dict)
     _cache: dict[Any, Any] = field(default_factory=dict)
+    _facts: GraphFacts | None = None
 
     @classmethod
     def build(cls, cap: Capture, cluster: Cluster, pivots: Sequence[int], *, graph: FactorGraph | None = None,
@@ -214,7 +215,9 @@ class JointModel:
     def _price(self, option: StageOption) -> StageArrays:
         plan, axes = self.plan_for(option)
         mapping = axis_devices(self.cluster, option.mesh, order=("data", "model"))
-        sg = ShardedGraph.build(self.graph, plan, axes)
+        if self._facts is None:  # what the cost model reads off the graph, whatever the plan: once
+            self._facts = GraphFacts.of(self.graph)
+        sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
         # every stage computes while the others do: the cluster's devices are all busy
         work = step_work(sg, self.cluster, mapping, cache=self._cache, busy=self.cluster.n_devices)
         n = self.attribution.length

@@ -45,8 +45,9 @@ def joint_model(cap: Capture, cluster: Cluster, *, max_pivots: int = JOINT_PIVOT
     """The step cut into layers: the pipeline explorer's candidate pivots (fewest crossing bytes)
     plus the block ends where a uniform split into any stage count dividing the devices cuts,
     so that Megatron's uniform splits are plans too."""
-    chain = step_chain(cap, cluster.devices[0], options=PivotOptions(max_pivots=max_pivots))
     probe = JointModel.build(cap, cluster, (), graph=graph)
+    chain = step_chain(cap, cluster.devices[0], options=PivotOptions(max_pivots=max_pivots),
+                       attribution=probe.attribution)
     last = probe.attribution.length - 1
     ends = uniform_split_ends(block_ends(probe), cluster.n_devices)
     pivots = sorted({p.position for p in chain.pivots} | {e for e in ends if e < last})
