@@ -100,7 +100,7 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
                        on_progress=on_progress)
     plan = choose_schedule(model, found.plan) if choose else found.plan
     cost = evaluate(model, plan)
-    grid = tuple(expert_grid(model, schedule=schedule)) if with_grid else ()
+    grid = tuple(expert_grid(model, schedule=schedule, microbatches=space.microbatches)) if with_grid else ()
     log.info("joint plan of %s on %s: %d stages, L %.4g s (%.1f s)", cap.source, cluster.name, plan.n_stages,
              cost.latency, time.perf_counter() - start)
     return JointResult(model, plan, cost, grid, time.perf_counter() - start, found.driver.value, len(options), found)

@@ -54,9 +54,12 @@ class JointSpace:
     use_all_devices: bool = False
 
 
-def microbatch_choices(batch: int, most: int = 32) -> tuple[int, ...]:
-    """Microbatch counts that split `batch` evenly, up to `most`."""
-    return tuple(m for m in range(1, min(batch, most) + 1) if splits_batch(batch, m, 1))
+def microbatch_choices(batch: int, most: int | None = None) -> tuple[int, ...]:
+    """Microbatch counts that split `batch` evenly (every divisor; up to `most` when given): the
+    range follows the batch, since a large model on many devices may need many microbatches to fit
+    (GPT-76B on 1,024 GPUs in Megatron-LM's weak scaling) and a fixed cap made it infeasible."""
+    top = batch if most is None else min(batch, most)
+    return tuple(m for m in range(1, top + 1) if splits_batch(batch, m, 1))
 
 
 def aligned(per_node: int, device: int, size: int) -> bool:
