@@ -756,6 +756,32 @@ def _free_leaves(inst: Instruction, free: Mapping[str, list[bool]]) -> list[bool
     return [all(all(f) for f in operand_flags)] * n_leaves  # type: ignore[union-attr]
 
 
+def constant_derived(module: Module, computation: Computation | None = None,
+                     memo: dict[str, dict[str, list[bool]]] | None = None) -> dict[str, list[bool]]:
+    """Per instruction of `computation` (default the entry), per result leaf: is it computed from
+    constants only (`_free_leaves`)? A `call` is read as inlined, as XLA inlines it: its leaves
+    are its callee root's (a nested jit such as `jnp.where` returns, besides its result, the
+    broadcast constants its derivative reads; they cost nothing to rebuild, so a cost model must
+    not count them as activations kept for the backward pass). The callee's parameters count as
+    not constant, whatever the call passes: a conservative answer that does not depend on the
+    call site."""
+    memo = {} if memo is None else memo
+    comp = computation if computation is not None else module.entry
+    if comp.name in memo:
+        return memo[comp.name]
+    free: dict[str, list[bool]] = {}
+    for inst in comp.instructions:
+        callee = inst.called_computations[0] if inst.opcode == "call" and inst.called_computations else None
+        if callee is not None and callee in module.by_name:
+            inner_comp = module.computation(callee)
+            inner = constant_derived(module, inner_comp, memo)
+            free[inst.name] = list(inner[inner_comp.root.name])
+        else:
+            free[inst.name] = _free_leaves(inst, free)
+    memo[comp.name] = free
+    return free
+
+
 def _first_appearance_labels(labels: np.ndarray) -> np.ndarray:
     """Renumber component labels in order of their first dim, so group ids are deterministic."""
     if len(labels) == 0:

@@ -37,7 +37,7 @@ from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
-from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_bytes
+from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_bytes, kept_bytes
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ class JointModel:
     _arrays: dict[StageOption, StageArrays] = field(default_factory=dict)
     _cache: dict[Any, Any] = field(default_factory=dict)
     _facts: GraphFacts | None = None
+    _kept: dict[str, float] | None = None
 
     @classmethod
     def build(cls, cap: Capture, cluster: Cluster, pivots: Sequence[int], *, graph: FactorGraph | None = None,
@@ -266,6 +267,9 @@ class JointModel:
         value's bytes on one device."""
         n = self.attribution.length
         entry = self.cap.module.entry
+        if self._kept is None:  # plan-independent: once per model
+            self._kept = kept_bytes(self.cap)
+        kept = self._kept
         degree_of = {}
         for name in {*self.attribution.parameters, *self.attribution.stashed, *(s[0] for s in self.attribution.spans)}:
             node = self.graph.node_of(entry.name, name)
@@ -275,9 +279,9 @@ class JointModel:
         params, stash = np.zeros(n), np.zeros(n)
         for name, p in self.attribution.parameters.items():
             params[p] += nbytes[name] / degree_of[name]
-        for name, p in self.attribution.stashed.items():
-            stash[p] += nbytes[name] / degree_of[name]
-        values = {name: nbytes[name] / degree_of[name] for name, _, _ in self.attribution.spans}
+        for name, p in self.attribution.stashed.items():  # constants are rebuilt, not kept (`kept_bytes`)
+            stash[p] += kept[name] / degree_of[name]
+        values = {name: kept[name] / degree_of[name] for name, _, _ in self.attribution.spans}
         return params, stash, values
 
 

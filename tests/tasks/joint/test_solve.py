@@ -248,3 +248,36 @@ def test_memoized_collective_prices_equal_a_fresh_cluster_s() -> None:
     for kind, groups, nbytes in asks * 2:
         assert collective_time(kind, warm, groups, nbytes) == collective_time(kind, build(), groups, nbytes)
     assert len(warm.collective_memo) == 9
+
+
+def test_a_gpt_s_stash_splits_over_data_replicas(gpt_tiny) -> None:
+    """#26: the zoo GPT's `jnp.where` (causal mask) lowers to a nested call that also returns the
+    broadcast fill value its derivative reads, a [batch, heads, seq, seq] constant the data plan
+    leaves replicated. XLA rebuilds it (it inlines the call), so it is not an activation kept
+    for the backward pass (`chain.kept_bytes`): under data=8 every value the stage keeps that
+    has the batch dim is an eighth of it on a device, and the stash of data=8 is an eighth of
+    data=1's but for what has no batch dim (weights the backward reads again)."""
+    from hlomap.cost.pipeline.chain import kept_bytes
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.propagation.graph import constant_derived
+
+    entry = gpt_tiny.module.entry
+    free = constant_derived(gpt_tiny.module)
+    masked = [i for i in entry.instructions
+              if i.opcode == "get-tuple-element" and "where" in i.name and all(free[i.name]) and i.shape.rank == 4]
+    assert masked, "the causal mask's constant element of the nested where-call"
+    kept = kept_bytes(gpt_tiny)
+    assert all(kept[i.name] == 0.0 for i in masked)
+    model = _model(gpt_tiny, hierarchical(1, 8, "V100-16GB"))
+    plan, axes = model.plan_for(StageOption(8, 8, 1))
+    sg = ShardedGraph.build(model.graph, plan, axes)
+    by_name = {i.name: i for i in entry.instructions}
+    batched = [name for name in model.attribution.stashed
+               if kept[name] > 0 and by_name[name].shape.rank and by_name[name].shape.dims[0] == model.batch]
+    assert batched
+    for name in batched:
+        first = model.graph.node_tensors[model.graph.node_of(entry.name, name)][0]
+        assert sg.tensor_degree[first] == 8, name
+    one, eight = model.arrays(StageOption(1, 1, 1)), model.arrays(StageOption(8, 8, 1))
+    unbatched = sum(kept[n] for n in model.attribution.stashed if n not in batched)
+    assert eight.stash[-1] == pytest.approx(unbatched + (one.stash[-1] - unbatched) / 8, rel=1e-9)
