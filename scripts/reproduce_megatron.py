@@ -175,13 +175,15 @@ def main() -> int:
                  f"{planning:.0f}", f"{peak:.2f}")
         table.add_row(*cells)
         records.append(dict(zip(columns, cells)) | {"capture s": f"{captured:.0f}"})
-        console.print(f"{row.name}: captured in {captured:.0f} s, planned in {planning:.0f} s", highlight=False)
+        # each row as it is done: the largest take many minutes
+        console.print(f"{row.name}: captured in {captured:.0f} s, planned in {planning:.0f} s: "
+                      + " | ".join(f"{k} {v}" for k, v in zip(columns[2:], cells[2:])), highlight=False)
+        if args.csv:
+            with open(args.csv, "w", newline="") as out:
+                writer = csv.DictWriter(out, fieldnames=list(records[0]))
+                writer.writeheader()
+                writer.writerows(records)
     console.print(table)
-    if args.csv and records:
-        with open(args.csv, "w", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=list(records[0]))
-            writer.writeheader()
-            writer.writerows(records)
     return 0
 
 
