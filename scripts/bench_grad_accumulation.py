@@ -14,10 +14,10 @@ devices at hand, on a dm-haiku-sized MLP (784-512-512-16, batch 32, 8 data repli
   `data` with `spmd_axis_name`, the parameters broadcast to one copy per replica), accumulated
   per replica, summed over replicas once after the loop.
 
-It checks the two agree (relative difference per leaf) and times them interleaved, median and
-IQR over rounds, with the load average. The per-step form is exact only when examples of a
-microbatch do not interact across replicas (no batch statistics), which is why the executors do
-not use it yet.
+It checks the two agree (relative difference per leaf) and times them interleaved in rotating
+order (`hlomap.verify.timing.time_interleaved`), median and IQR over rounds, with the load
+average. The per-step form is exact only when examples of a microbatch do not interact across
+replicas (no batch statistics), which is why the executors do not use it yet.
 
     python scripts/bench_grad_accumulation.py [--microbatches 4] [--rounds 15]
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
+from pathlib import Path
 from typing import Any, Callable
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -35,9 +35,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hlomap.verify.timing import time_interleaved  # noqa: E402
 
 REPLICAS = 8
 BATCH = 32
@@ -101,18 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(float(jnp.max(jnp.abs(first[k] - second[k])) / jnp.max(jnp.abs(first[k]))) for k in first)
     print(f"largest difference relative to a leaf's scale: {worst:.2e}")
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, f in variants.items():
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                jax.block_until_ready(f(params, x, y))
-                times.append(time.perf_counter() - start)
-            samples[name].append(float(np.median(times)))
-    for name, rounds in samples.items():
-        q1, median, q3 = np.percentile(rounds, [25, 50, 75])
-        print(f"{name}: median {median * 1e3:.1f} ms (IQR {(q3 - q1) * 1e3:.1f} ms) over {args.rounds} rounds")
+    timed = time_interleaved({name: (lambda f=f: f(params, x, y)) for name, f in variants.items()},
+                             rounds=args.rounds, repeats=args.steps)
+    for name, run in timed.items():
+        print(f"{name}: median {run.median * 1e3:.1f} ms (IQR {run.iqr * 1e3:.1f} ms) over {len(run.rounds)} rounds")
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 

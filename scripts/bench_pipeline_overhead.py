@@ -44,14 +44,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hlomap import api, zoo  # noqa: E402
 from hlomap.cost.pipeline.costs import executor_overhead  # noqa: E402
 from hlomap.run import parallelize  # noqa: E402
-from hlomap.verify.timing import load_average, stateful_step  # noqa: E402
+from hlomap.verify.timing import load_average, stateful_step, time_interleaved  # noqa: E402
 
 #: (executor, schedule) pairs: each executor runs the schedule it is made for.
 EXECUTORS = (("mpmd", "1f1b"), ("spmd", "gpipe"))
@@ -102,20 +101,6 @@ def profile_steps(run: Callable[[], Any], steps: int) -> Breakdown:
     return Breakdown(seconds, calls, total, heaviest)
 
 
-def timed_median(run: Callable[[], Any], steps: int) -> tuple[float, float]:
-    """Median and interquartile range of `steps` timed steps (after one warm-up)."""
-    import time
-
-    jax.block_until_ready(run())
-    samples = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        samples.append(time.perf_counter() - start)
-    q1, median, q3 = np.percentile(samples, [25, 50, 75])
-    return float(median), float(q3 - q1)
-
-
 def measure(name: str, stages: int, microbatches: int, steps: int, cluster: Any, console: Console) -> None:
     model = zoo.get(name)
     cap = api.load_source(f"zoo:{name}")
@@ -130,7 +115,8 @@ def measure(name: str, stages: int, microbatches: int, steps: int, cluster: Any,
         step = parallelize(model.train_step(), plan, executor=executor, example_args=host_args)
         params, opt_state = step.place(host_args[0], host_args[1])
         run = stateful_step(step, params, opt_state, *host_args[2:])
-        median, iqr = timed_median(run, steps)
+        timed = time_interleaved({executor: run}, rounds=steps, repeats=1)[executor]
+        median, iqr = timed.median, timed.iqr
         predicted = float(api.estimate(cap, plan, cluster=cluster, executor=executor).step_seconds)
         overhead = executor_overhead(cluster, executor, plan.pipeline.n_stages * plan.pipeline.repeats,
                                      plan.pipeline.microbatches)

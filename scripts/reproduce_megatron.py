@@ -168,7 +168,8 @@ def main() -> int:
                   else ("does not fit" if point is not None else "not in the grid"))
         label = f"pp={row.pp} tp={row.tp} dp={row.dp}"
         if point is not None and point.plan is not None:
-            label += f" M={point.plan.microbatches}" + (" recompute" if "recompute" in point.label else "")
+            label += f" M={point.plan.microbatches}" + (" recompute" if any(s.recompute for s in point.plan.stages)
+                                                         else "")
         memory = max(result.cost.stage_memory) / 2**30
         cells = (row.name, str(row.gpus), describe(result), str(result.plan.microbatches), f"{seconds:.2f}",
                  f"{six_n:.0f}", f"{formula:.0f}", f"{memory:.1f}", label, theirs, f"{row.measured_seconds:.2f}",
