@@ -708,6 +708,32 @@ class ClusterCalibration:
                         "executors": [s.to_json() for s in self.executors]},
         }
 
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "<dict>") -> ClusterCalibration:
+        """The calibration a cluster file keeps under its "calibration" key (`to_json`), rebuilt
+        from its raw samples: the fits are derived again, so a file's figures can be checked
+        against what was measured."""
+        where = f"{source}: calibration"
+        if not isinstance(data, Mapping) or data.get("format") != CLUSTER_FORMAT:
+            raise CalibrationError(f"{where}: expected an object of format {CLUSTER_FORMAT!r}")
+        samples = data.get("samples")
+        if not isinstance(samples, Mapping):
+            raise CalibrationError(f"{where}.samples: expected an object of kernels, comm and executors")
+        try:
+            kernels = tuple(Measurement.from_json(m, where=f"{where}.samples.kernels[{i}]")
+                            for i, m in enumerate(samples.get("kernels", ())))
+            comm = tuple(CommSample(s["kind"], int(s["group"]), float(s["bytes"]), float(s["seconds"]))
+                         for s in samples.get("comm", ()))
+            executors = tuple(ExecutorSample(s["executor"], int(s["stages"]), int(s["microbatches"]),
+                                             float(s["seconds"])) for s in samples.get("executors", ()))
+            return cls(str(data["backend"]), str(data["device_kind"]), int(data["n_devices"]),
+                       float(data["memory_bytes"]), kernels, comm, jax_version=str(data.get("jax_version", "")),
+                       hlomap_version=str(data.get("hlomap_version", "")),
+                       measured_at=str(data.get("measured_at", "")),
+                       wall_seconds=float(data.get("wall_seconds", 0.0)), executors=executors)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CalibrationError(f"{where}: {type(err).__name__}: {err}") from None
+
 
 def _link_fit(fits: Sequence[CommFit]) -> CommFit | None:
     """The fit the cluster's link table takes: a collective-permute (every device sends to one

@@ -158,6 +158,33 @@ _H100_FLOPS = {"f64": 67 * TERA, "f32": 67 * TERA, "tf32": 494.5 * TERA,
                "bf16": 989.5 * TERA, "f16": 989.5 * TERA,
                "f8e4m3fn": 1979 * TERA, "f8e5m2": 1979 * TERA, "s8": 1979 * TERA}
 
+#: Devices measured by `hlomap calibrate` on the real hardware, shipped as the calibrated cluster
+#: file it wrote (figures, fits and raw samples, under hlomap/cost/data/): name -> file.
+#: H200-measured: one NVIDIA H200 (SXM, 141 GB) measured with JAX 0.11.2 on 2026-11-26 by
+#: `python scripts/bench_gpu.py` (its first calibration; docs/benchmarks.md has the run).
+MEASURED_DEVICE_FILES: Mapping[str, str] = types.MappingProxyType({"H200-measured": "H200-measured.cluster.json"})
+
+
+def measured_device(name: str) -> DeviceSpec:
+    """The measured device `name` (MEASURED_DEVICE_FILES): the calibrated roofline (per-dtype
+    rates, HBM bandwidth, efficiency, memory JAX could use) of the shipped cluster file, renamed.
+    Its measured launch and dispatch costs stay in that file (`--cluster FILE` uses them)."""
+    import json
+    from importlib import resources
+
+    text = resources.files("hlomap.cost").joinpath("data", MEASURED_DEVICE_FILES[name]).read_text()
+    device = json.loads(text)["devices"][0]
+    return DeviceSpec(name, device["peak_flops"], device["hbm_bandwidth"], device["memory_bytes"],
+                      device["efficiency"])
+
+
+def measured_device_path(name: str) -> Any:
+    """The shipped cluster file of the measured device `name` (a Traversable path)."""
+    from importlib import resources
+
+    return resources.files("hlomap.cost").joinpath("data", MEASURED_DEVICE_FILES[name])
+
+
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = types.MappingProxyType({
     spec.name: spec
     for spec in (
@@ -166,13 +193,16 @@ DEVICE_PRESETS: Mapping[str, DeviceSpec] = types.MappingProxyType({
         DeviceSpec("A100-40GB", _A100_FLOPS, 1555 * GIGA, 40 * GIB),
         DeviceSpec("A100-80GB", _A100_FLOPS, 2039 * GIGA, 80 * GIB),
         DeviceSpec("H100-80GB", _H100_FLOPS, 3350 * GIGA, 80 * GIB),
+        # NVIDIA H200 datasheet (SXM): the H100's compute rates; HBM3e 4.8 TB/s, 141 GB.
+        DeviceSpec("H200-141GB", _H100_FLOPS, 4800 * GIGA, 141 * GIGA),
+        *(measured_device(name) for name in MEASURED_DEVICE_FILES),
     )
 })
 
 
 def device_preset(name: str) -> DeviceSpec:
-    """The preset called `name` (case-insensitive): V100-16GB, V100-32GB, A100-40GB, A100-80GB,
-    H100-80GB."""
+    """The preset called `name` (case-insensitive): the datasheet V100-16GB, V100-32GB, A100-40GB,
+    A100-80GB, H100-80GB, H200-141GB, and the measured H200-measured."""
     for key, spec in DEVICE_PRESETS.items():
         if key.lower() == name.lower():
             return spec

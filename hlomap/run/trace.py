@@ -16,6 +16,7 @@ later arguments are passed whole to every microbatch.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ def trace_step(step: Callable[..., Any], args: Sequence[Any], paths: Sequence[st
 
     with intercept(recorder):
         closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
+    closed = inline_calls(closed)
     out_tree = jax.tree_util.tree_structure(out_shape)
     _check_state_outputs(step, args, out_shape)
     markers = [i for i, eqn in enumerate(closed.jaxpr.eqns) if eqn.primitive is MARKER]
@@ -209,6 +211,69 @@ def trace_step(step: Callable[..., Any], args: Sequence[Any], paths: Sequence[st
     return TracedStep(step=closed, marker=marker, loss=opened, loss_inputs=inputs,
                       grads=grads, n_aux=len(loss.out_avals) - 1, arg_tree=arg_tree, arg_sizes=arg_sizes,
                       out_tree=out_tree, paths=paths, batch_size=batch_size)
+
+
+#: Equations that only call a jaxpr (a `jax.jit`-wrapped function traced inside the step). JAX
+#: named the primitive `pjit` before it named it `jit`.
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def inline_calls(closed: Any) -> Any:
+    """`closed` with every call equation (`CALL_PRIMITIVES`, at any depth) replaced by the
+    equations it calls, the same computation. A jitted helper over a whole tree (optax's
+    `tree.bias_correction` is `jax.jit(inline=True)`, which current JAX keeps as one equation)
+    would otherwise be one equation reading every stage's gradients, which no stage can run
+    alone. Returned unchanged when it has no call equation."""
+    if not any(eqn.primitive.name in CALL_PRIMITIVES for eqn in closed.jaxpr.eqns):
+        return closed
+    jaxpr = closed.jaxpr
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in jaxpr.invars]
+
+    def run(*flat: Any) -> list[Any]:
+        return _eval_inlined(jaxpr, closed.consts, flat)
+
+    return jax.make_jaxpr(run)(*avals)
+
+
+def _source_of(eqn: Any) -> Any:
+    """A context binding under `eqn`'s source location and name stack, as `jax.core.eval_jaxpr`
+    does (JAX-internal; without it the messages lose the user's file:line, nothing else)."""
+    try:
+        from jax._src import source_info_util
+    except ImportError:  # pragma: no cover - a JAX without the module
+        return contextlib.nullcontext()
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def _eval_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluate `jaxpr` primitive by primitive (as `jax.core.eval_jaxpr` does), evaluating the
+    jaxpr of each call equation in place instead of binding the call."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if is_literal(v) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        operands = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in CALL_PRIMITIVES and "jaxpr" in eqn.params:
+            inner = eqn.params["jaxpr"]
+            if hasattr(inner, "consts"):  # a ClosedJaxpr (jit); closed_call's may be open
+                outs = _eval_inlined(inner.jaxpr, inner.consts, operands)
+            else:
+                outs = _eval_inlined(inner, (), operands)
+        else:
+            bound = eqn.primitive.get_bind_params(eqn.params)
+            # JAX before 0.10 returned (subfuns, params), later the params alone.
+            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+            with _source_of(eqn):  # keeps the user's file:line for describe_eqn's messages
+                outs = eqn.primitive.bind(*subfuns, *operands, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _with_consts_as_vars(closed: Any) -> Any:

@@ -42,7 +42,8 @@ from hlomap.cost.collectives import Collective
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "collective_group_sizes", "measure_devices"]
+__all__ = ["ACCELERATOR_PLAN", "BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "collective_group_sizes",
+           "default_plan", "measure_devices"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,13 @@ class BenchPlan:
 DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512), dtypes=("f32", "bf16"),
                          memory_sizes=tuple(2**k for k in range(12, 23, 2)),
                          message_sizes=tuple(2**k for k in range(6, 23, 2)), repeats=10, dispatch_repeats=200)
+#: An accelerator's run: its matmuls reach their peak only at sides of thousands and its memory
+#: bandwidth only on buffers far larger than its caches, so the CPU sizes above would fit a
+#: launch-bound curve (an H200 gave 2.6 of its ~790 bf16 TFLOP/s at 512 x 512, 0.5 of 4.3 TB/s on
+#: 16 MiB). Up to 8192 x 8192 and 512 MiB per device: ~1.4 ms per bf16 matmul on a Hopper GPU.
+ACCELERATOR_PLAN = BenchPlan(matmul_sizes=(128, 256, 512, 1024, 2048, 4096, 8192), dtypes=("f32", "bf16"),
+                             memory_sizes=tuple(2**k for k in range(14, 28, 2)) + (2**27,),
+                             message_sizes=tuple(2**k for k in range(8, 27, 2)), repeats=10, dispatch_repeats=200)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
                        message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_chains=(4, 64),
@@ -88,6 +96,15 @@ class BenchProgress:
     @property
     def fraction(self) -> float:
         return self.done / self.total if self.total else 1.0
+
+
+def _filled(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
+    """Ones of `shape` made where `sharding` puts them (not on the first device and then moved:
+    an accelerator run's buffers are hundreds of MiB per device)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
 
 
 def collective_group_sizes(n_devices: int) -> tuple[int, ...]:
@@ -159,7 +176,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
 
     def matmul(dtype: str, n: int) -> Measurement:
         jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
-        a = jax.device_put(jnp.ones((count, n, n), jdtype), blocks)
+        a = _filled((count, n, n), jdtype, blocks)
         f = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
         seconds = _median_seconds(lambda: _ready(f(a)), plan.repeats)
         return Measurement(f"dot_{dtype}_{n}", "dot", dtype, 2.0 * n**3, 3.0 * n * n * _ITEMSIZE[dtype], seconds)
@@ -173,7 +190,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         return Measurement(f"dot_f32_{n}{ALONE_SUFFIX}", "dot", "f32", 2.0 * n**3, 3.0 * n * n * 4, seconds, fit=False)
 
     def memory(elements: int) -> Measurement:
-        x = jax.device_put(jnp.ones((count * elements,), jnp.float32), blocks)
+        x = _filled((count * elements,), jnp.float32, blocks)
         f = jax.jit(lambda v: v * 2.0 + 1.0)
         seconds = _median_seconds(lambda: _ready(f(x)), plan.repeats)
         return Measurement(f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements,
@@ -273,6 +290,34 @@ ExtraTasks = Callable[[Sequence[Any], bool, Callable[[Callable[[], Any], int], f
                       list[tuple[str, Callable[[], Any]]]]
 
 
+#: Seconds of large matmuls an accelerator runs before its samples are taken.
+WARM_UP_SECONDS = 2.0
+
+
+def _warm_up(devices: Sequence[Any], seconds: float = WARM_UP_SECONDS) -> None:
+    """Keep the devices busy with large matmuls for `seconds`: a GPU idles at a fraction of its
+    clock (an H200 at 345 of 1980 MHz) and ramps up under load, so the first samples of a cold
+    one come out slow (two calibrations of an H200 back to back fitted 405 and 562 bf16 TFLOP/s)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    blocks = NamedSharding(Mesh(np.asarray(devices), ("x",)), PartitionSpec("x"))
+    a = _filled((len(devices), 4096, 4096), jnp.bfloat16, blocks)
+    f = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        _ready(f(a))
+
+
+def default_plan(platform: str, quick: bool = False) -> BenchPlan:
+    """The sizes a calibration of devices of `platform` ("cpu", "gpu", "tpu") times: QUICK_PLAN
+    with `quick`, DEFAULT_PLAN on host CPUs, ACCELERATOR_PLAN on anything else."""
+    if quick:
+        return QUICK_PLAN
+    return DEFAULT_PLAN if platform == "cpu" else ACCELERATOR_PLAN
+
+
 def measure_devices(devices: int | None = None, *, quick: bool = False, plan: BenchPlan | None = None,
                     on_progress: Callable[[BenchProgress], None] | None = None,
                     extra_tasks: ExtraTasks | None = None) -> ClusterCalibration:
@@ -287,7 +332,9 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
         raise CalibrationError(f"cannot calibrate {count} devices: JAX sees {len(available)} "
                                f"({jax.default_backend()})")
     chosen = available[:count]
-    bench = plan or (QUICK_PLAN if quick else DEFAULT_PLAN)
+    bench = plan or default_plan(chosen[0].platform, quick)
+    if chosen[0].platform != "cpu" and not quick:
+        _warm_up(chosen)
     tasks = _tasks(bench, chosen) + (extra_tasks(chosen, quick, _median_seconds) if extra_tasks else [])
     kernels: list[Measurement] = []
     comm: list[CommSample] = []

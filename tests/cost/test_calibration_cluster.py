@@ -156,3 +156,23 @@ def test_calibration_json_round_trips_through_load_cluster(tmp_path: Path) -> No
     assert kept["device_kind"] == "cpu" and kept["jax_version"] == "0.0" and kept["hlomap_version"] == "0.1.0"
     assert len(kept["samples"]["kernels"]) == len(cal.kernels) and len(kept["samples"]["comm"]) == len(cal.comm)
     assert kept["figures"] == pytest.approx(cal.figures())
+
+
+def test_the_measured_h200_is_a_device_preset_of_its_shipped_calibration() -> None:
+    from hlomap.cost.calibration import ClusterCalibration
+    from hlomap.cost.devices import device_preset, measured_device_path
+
+    data = json.loads(measured_device_path("H200-measured").read_text())
+    shipped = load_cluster(Cluster.from_json(data))
+    preset = device_preset("h200-measured")
+    assert preset.name == "H200-measured"
+    assert dict(preset.peak_flops) == dict(shipped.devices[0].peak_flops)
+    assert preset.hbm_bandwidth == shipped.devices[0].hbm_bandwidth
+    # the file's figures are its samples' fits, not numbers typed in: refitting them agrees
+    calibration = ClusterCalibration.from_json(data["calibration"])
+    assert dict(calibrated_cluster(calibration).devices[0].peak_flops) == pytest.approx(dict(preset.peak_flops))
+    assert calibration.backend == "gpu" and calibration.device_kind == "NVIDIA H200"
+    # usable in a topology string, and such a cluster round-trips through its JSON
+    cluster = load_cluster("hier:1x8@H200-measured")
+    assert cluster.devices[0] == preset
+    assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))).devices == cluster.devices

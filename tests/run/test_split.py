@@ -80,3 +80,23 @@ def test_a_global_gradient_norm_cannot_run_per_stage() -> None:
     traced, split = _two_stages(_step(optimizer=optimizer), optimizer)
     with pytest.raises(SplitError, match=r"combines the gradient of .* \(stage\(s\) [01]\) with the gradient of"):
         plan_update(traced, split)
+
+
+def _jitted_tree_helper(transformation):
+    """An optimizer transformation whose update runs a jitted function over the whole tree, as
+    optax's bias correction does under current JAX (one `jit` equation reading every leaf)."""
+    scale = jax.jit(lambda tree: jax.tree.map(lambda g: g * 0.5, tree), inline=False)
+
+    def update(updates, state, params=None):
+        return transformation.update(scale(updates), state, params)
+
+    return optax.GradientTransformation(transformation.init, update)
+
+
+def test_a_jitted_helper_over_the_tree_runs_per_stage() -> None:
+    optimizer = _jitted_tree_helper(optax.adam(1e-2))
+    traced, split = _two_stages(_step(optimizer=optimizer), optimizer)
+    assert not any(e.primitive.name in ("jit", "pjit") for e in traced.step.jaxpr.eqns)
+    plan = plan_update(traced, split)
+    by_path = dict(zip(traced.paths, plan.residence))
+    assert by_path["[0]['w0']"] == {0} and by_path["[0]['w1']"] == {1}

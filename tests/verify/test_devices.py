@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from hlomap.cost.calibration import CalibrationError
-from hlomap.verify.devices import BenchPlan, BenchProgress, collective_group_sizes, measure_devices
+from hlomap.verify.devices import (
+    ACCELERATOR_PLAN,
+    DEFAULT_PLAN,
+    QUICK_PLAN,
+    BenchPlan,
+    BenchProgress,
+    collective_group_sizes,
+    default_plan,
+    measure_devices,
+)
 
 TINY = BenchPlan(matmul_sizes=(8, 16), dtypes=("f32",), memory_sizes=(64, 256), message_sizes=(16, 64),
                  repeats=1, dispatch_repeats=2)
@@ -63,3 +72,11 @@ def test_extra_tasks_run_after_the_microbenchmarks_and_none_is_left_out() -> Non
     cal = measure_devices(2, plan=TINY, on_progress=seen.append, extra_tasks=extra)
     assert [(e.executor, e.stages, e.microbatches) for e in cal.executors] == [("mpmd", 2, 1)]
     assert seen[-1].label == "spmd executor 2x1" and seen[-1].fraction == 1
+
+
+def test_accelerators_are_timed_on_sizes_that_reach_their_peak() -> None:
+    # an accelerator's matmuls saturate only at sides of thousands, its bandwidth beyond its caches
+    assert default_plan("cpu") is DEFAULT_PLAN and default_plan("gpu") is ACCELERATOR_PLAN
+    assert default_plan("tpu") is ACCELERATOR_PLAN and default_plan("gpu", quick=True) is QUICK_PLAN
+    assert max(ACCELERATOR_PLAN.matmul_sizes) >= 8192 > max(DEFAULT_PLAN.matmul_sizes)
+    assert max(ACCELERATOR_PLAN.memory_sizes) * 4 >= 2**29  # 512 MiB per device, past any L2

@@ -92,15 +92,28 @@ class JointCost:
         return all(need <= have for need, have in zip(self.stage_memory, self.device_memory))
 
 
-def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int) -> Any:
-    """Per-microbatch time of layers [i, j) under the option of `a` (scalars or arrays)."""
+def syncs_each_microbatch(cluster: Any) -> bool:
+    """Whether a pipeline's gradient all-reduce is priced once per microbatch rather than once per
+    step. hlomap's executors all-reduce a stage's gradients in every microbatch's backward (the
+    gradient leaves each backward program replicated over the stage's data replicas); a measured
+    cluster prices the executors that ran on it (as `executor_overhead` does), a datasheet cluster
+    an ideal executor that syncs once per step, as Megatron-LM's does."""
+    return cluster.measured is not None
+
+
+def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_each_microbatch: bool = False) -> Any:
+    """Per-microbatch time of layers [i, j) under the option of `a` (scalars or arrays); the
+    gradient all-reduce counts once per step, or in full every microbatch with
+    `sync_each_microbatch` (`syncs_each_microbatch`)."""
     grads = a.grads[j] - a.grads[i]
     extra_buffers = np.maximum(a.buffers[j] - a.buffers[i] - 1, 0)
     sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
-    per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + sync + (a.update[j] - a.update[i])
+    per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + (a.update[j] - a.update[i])
     if a.recompute:
         per_step = per_step + (a.forward[j] - a.forward[i])  # the forward pass once more, in the backward
-    return per_step / microbatches + (a.alpha[j] - a.alpha[i])
+    if sync_each_microbatch:
+        return per_step / microbatches + sync + (a.alpha[j] - a.alpha[i])
+    return (per_step + sync) / microbatches + (a.alpha[j] - a.alpha[i])
 
 
 def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -> Any:
@@ -124,7 +137,8 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
     times, transfers, memory, capacity, forward_share = [], [], [], [], []
     for s, stage in enumerate(plan.stages):
         a = model.arrays(stage.option)
-        times.append(float(stage_seconds(a, stage.start, stage.stop, m)))
+        times.append(float(stage_seconds(a, stage.start, stage.stop, m,
+                                         sync_each_microbatch=syncs_each_microbatch(cluster))))
         forward_share.append(_forward_share(a, stage.start, stage.stop))
         held = in_flight(plan.schedule, s, n, m)
         memory.append(float(stage_memory(a, stage.start, stage.stop, held, m)))

@@ -31,6 +31,7 @@ from hlomap.tasks.joint.plans import (
     evaluate,
     stage_memory,
     stage_seconds,
+    syncs_each_microbatch,
 )
 from hlomap.tasks.pipeline.dp import StageChain, least_latency
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
@@ -129,9 +130,11 @@ class JointProblem:
         i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
         upper = j > i
         stage, memory, transfer = [], [], []
+        each_microbatch = syncs_each_microbatch(self.model.cluster)
         for option in self.options:
             a = self.model.arrays(option)
-            t = np.where(upper & holds_parameters(a, i, j), stage_seconds(a, i, j, m), np.inf)
+            t = np.where(upper & holds_parameters(a, i, j),
+                         stage_seconds(a, i, j, m, sync_each_microbatch=each_microbatch), np.inf)
             stage.append(t)
             memory.append({self.held(q): np.where(upper, stage_memory(a, i, j, self.held(q), m), np.inf)
                            for q in range(self.stages)})

@@ -162,6 +162,34 @@ def test_a_one_stage_plan_costs_the_spmd_estimate_on_a_measured_cluster(gpt_tiny
     assert evaluate(model, one).latency == pytest.approx(est.step_seconds, rel=0.01)
 
 
+def test_a_measured_cluster_prices_the_executors_gradient_all_reduce_in_every_microbatch(gpt_tiny) -> None:
+    """hlomap's executors all-reduce a stage's gradients in each microbatch's backward: on a
+    measured cluster a stage of 2 data replicas pays the whole all-reduce per microbatch (M times
+    per step); a datasheet cluster, an ideal executor syncing once per step, pays it once."""
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.tasks.joint.plans import stage_seconds, syncs_each_microbatch
+    from tests.local_cluster import LOCAL_CLUSTER_FILE
+
+    measured = load_cluster(str(LOCAL_CLUSTER_FILE))
+    assert syncs_each_microbatch(measured) and not syncs_each_microbatch(hierarchical(1, 8, "V100-16GB"))
+    model = _model(gpt_tiny, measured)
+    a = model.arrays(StageOption(2, 2, 1))
+    i, j, m = 0, 2, 4
+    sync = float(a.sync_alpha + a.sync_beta * (a.grads[j] - a.grads[i])
+                 + a.sync_per_buffer * max(a.buffers[j] - a.buffers[i] - 1, 0))
+    assert sync > 0
+    once = float(stage_seconds(a, i, j, m))
+    every = float(stage_seconds(a, i, j, m, sync_each_microbatch=True))
+    assert every - once == pytest.approx(sync * (1 - 1 / m), rel=1e-9)
+    assert float(stage_seconds(a, i, j, 1, sync_each_microbatch=True)) == pytest.approx(float(stage_seconds(a, i, j, 1)))
+    # evaluate and the DP price a plan the same way: a two-stage plan's stage times carry it
+    option = StageOption(4, 2, 2)
+    plan = JointPlan((JointStage.of(0, 2, 0, option), JointStage.of(2, model.n_layers, 4, option)), m)
+    b = model.arrays(option)
+    assert evaluate(model, plan).stage_seconds[0] == pytest.approx(
+        float(stage_seconds(b, 0, 2, m, sync_each_microbatch=True)))
+
+
 def test_a_recomputing_stage_pays_one_more_forward_and_keeps_only_its_inputs(gpt_tiny) -> None:
     """`Recompute.FULL` priced: the stage's forward compute once more per step, and per microbatch
     in flight its input (the cut before it) instead of its stash, plus one microbatch's stash."""
