@@ -170,10 +170,8 @@ def measured_device(name: str) -> DeviceSpec:
     rates, HBM bandwidth, efficiency, memory JAX could use) of the shipped cluster file, renamed.
     Its measured launch and dispatch costs stay in that file (`--cluster FILE` uses them)."""
     import json
-    from importlib import resources
 
-    text = resources.files("hlomap.cost").joinpath("data", MEASURED_DEVICE_FILES[name]).read_text()
-    device = json.loads(text)["devices"][0]
+    device = json.loads(measured_device_path(name).read_text())["devices"][0]
     return DeviceSpec(name, device["peak_flops"], device["hbm_bandwidth"], device["memory_bytes"],
                       device["efficiency"])
 

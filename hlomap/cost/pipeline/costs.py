@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
@@ -135,7 +135,7 @@ def pipeline_latency(stage_seconds: Sequence[float], transfer_seconds: Sequence[
 
 def schedule_latency(forward: Sequence[float], backward: Sequence[float], transfer: Sequence[float],
                      allreduce: Sequence[float], microbatches: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
-                     repeats: int = 1) -> tuple[float, float]:
+                     repeats: int = 1, *, sync_each_microbatch: bool = False) -> tuple[float, float]:
     """(L, tau) of a pipeline under `schedule` from per-microbatch forward and backward seconds of
     its S V logical stages, the transfer seconds of its S V - 1 cuts and the all-reduce seconds
     of its S device stages: what `evaluate_plan` charges, for an explorer that chooses schedule,
@@ -145,7 +145,9 @@ def schedule_latency(forward: Sequence[float], backward: Sequence[float], transf
     the backward split by `INPUT_GRADIENT_SHARE` under ZB-H1), plus each device stage's
     all-reduce after its last pass; tau is then the busiest device stage's compute per
     microbatch. For S equal stages and free links both give (V M + S - 1) / V per-stage times,
-    ZB-H1 less."""
+    ZB-H1 less. With `sync_each_microbatch` (`syncs_each_microbatch`) the all-reduce is part of
+    every microbatch's backward (its weight pass under ZB-H1), split evenly over a device stage's
+    V chunks, and nothing is left for the end."""
     n_logical = len(forward)
     groups = n_logical // repeats
     if (len(backward), len(transfer), len(allreduce)) != (n_logical, n_logical - 1, groups):
@@ -153,15 +155,41 @@ def schedule_latency(forward: Sequence[float], backward: Sequence[float], transf
                          f"{n_logical - 1} transfers and {groups} all-reduces; got {len(backward)}, "
                          f"{len(transfer)} and {len(allreduce)}")
     if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and repeats == 1:
-        times = [f + b + a / microbatches for f, b, a in zip(forward, backward, allreduce)]
+        share = 1 if sync_each_microbatch else microbatches
+        times = [f + b + a / share for f, b, a in zip(forward, backward, allreduce)]
         return pipeline_latency(times, transfer, microbatches)
     split = schedule is Schedule.ZERO_BUBBLE
     inputs = [b * INPUT_GRADIENT_SHARE if split else b for b in backward]
     weights = [b - i for b, i in zip(backward, inputs)]
+    if sync_each_microbatch:
+        synced = [allreduce[k % groups] / repeats for k in range(n_logical)]
+        if split:
+            weights = [w + a for w, a in zip(weights, synced)]
+        else:
+            inputs = [i + a for i, a in zip(inputs, synced)]
+        backward = [b + a for b, a in zip(backward, synced)]
+        allreduce = [0.0] * groups
     spans, group_free = event_timeline(forward, inputs, weights, transfer, schedule, microbatches, repeats)
     end = max([free + a for free, a in zip(group_free, allreduce)] + [span.end for span in spans])
     busy = [sum(forward[k] + backward[k] for k in range(g, n_logical, groups)) for g in range(groups)]
     return end, max([*busy, *transfer])
+
+
+def syncs_each_microbatch(cluster: Cluster) -> bool:
+    """Whether a stage's gradient all-reduce is priced in every microbatch rather than once per
+    step. hlomap's executors all-reduce a stage's gradients in every microbatch's backward (the
+    gradient leaves each backward program replicated over the stage's data replicas); a measured
+    cluster prices the executors that ran on it (as `executor_overhead` does), a datasheet cluster
+    an ideal executor that syncs once per step, as Megatron-LM's does. Every pipeline and joint
+    price follows this one rule."""
+    return cluster.measured is not None
+
+
+def allreduce_share(cluster: Cluster, seconds: Any, microbatches: int) -> Any:
+    """The part of a stage's gradient all-reduce (`seconds` per sync, a float or an array of
+    them) charged to each microbatch: all of it where the all-reduce runs every microbatch
+    (`syncs_each_microbatch`), else 1 / M."""
+    return seconds if syncs_each_microbatch(cluster) else seconds / microbatches
 
 
 def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int) -> float:
@@ -285,12 +313,13 @@ def evaluate_plan(
         nbytes = float(profile.activation_bytes[a.stop - 1])
         transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
     if plan.repeats == 1 and plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-        # the closed form over t_s = c_s + a_s / M (compute is the profile's, as the DP's tables)
-        stage_times = [c + ar / m for c, ar in zip(compute, allreduce)]
+        # the closed form over t_s = c_s + a_s / M, or + a_s on a cluster whose executors sync
+        # every microbatch (compute is the profile's, as the DP's tables)
+        stage_times = [c + allreduce_share(cluster, ar, m) for c, ar in zip(compute, allreduce)]
         latency, bottleneck = pipeline_latency(stage_times, transfers, m)
     else:
         latency, bottleneck = schedule_latency(forward, backward, transfers, allreduce, m, plan.schedule,
-                                               plan.repeats)
+                                               plan.repeats, sync_each_microbatch=syncs_each_microbatch(cluster))
     counts = peak_counts(plan)
     memory = device_memory_bytes(profile, plan, options.param_memory_factor)
     return PlanCost(
@@ -339,6 +368,9 @@ def gpipe_latency(
         backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
         params = float(profile.parameter_bytes[layers].sum())
         allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
+    if syncs_each_microbatch(cluster):  # every microbatch's backward ends with its all-reduce
+        backward = [b + a for b, a in zip(backward, allreduce)]
+        allreduce = [0.0] * n_stages
     cuts = [
         transfer_time(cluster, a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
         if comm

@@ -17,7 +17,9 @@ Model:
 - After its last pass, a replicated device stage all-reduces its parameter gradients (all its
   chunks') over its devices (`links.allreduce_time`, the all-reduce of `hlomap.cost.collectives`:
   a ring inside a server, hierarchical across servers); the batch ends when the last all-reduce
-  or pass ends. These are the prices the closed form (`costs`) and the searches use.
+  or pass ends. On a measured cluster (`costs.syncs_each_microbatch`) each chunk's backward (its
+  W under ZB-H1) all-reduces its own gradients instead, every microbatch, as hlomap's executors
+  do. These are the prices the closed form (`costs`) and the searches use.
 - Memory: a logical stage stashes a microbatch's activations from the start of its forward to the
   end of its backward (under ZB-H1 of its W, which still reads them); the peak, counted along the
   order (`costs.device_memory_bytes`), prices the stash. Devices short of memory are
@@ -37,6 +39,7 @@ from hlomap.cost.pipeline.costs import (
     device_memory_bytes,
     memory_violations,
     peak_counts,
+    syncs_each_microbatch,
 )
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import allreduce_time, transfer_time
@@ -137,6 +140,15 @@ def simulate(
     comm = options.comm is CommModel.OVERLAPPED
     n_groups, m, v = plan.device_stages, plan.microbatches, plan.repeats
     forward, backward, weight = pass_times(profile, plan)
+    each = syncs_each_microbatch(cluster)
+    if each and comm:  # each chunk's backward (weight pass under ZB-H1) all-reduces its gradients
+        synced = [allreduce_time(cluster, stage.devices,
+                                 float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum()))
+                  for stage in plan.stages]
+        if plan.schedule is Schedule.ZERO_BUBBLE:
+            weight = [w + a for w, a in zip(weight, synced)]
+        else:
+            backward = [b + a for b, a in zip(backward, synced)]
     transfer = [
         transfer_time(cluster, a.devices, b.devices, float(profile.activation_bytes[a.stop - 1]))
         if comm
@@ -146,13 +158,14 @@ def simulate(
 
     spans, group_free = event_timeline(forward, backward, weight, transfer, plan.schedule, m, v)
 
-    for g in range(n_groups):
-        devices = plan.stages[g].devices
-        params = sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
-                     for stage in plan.stages[g::n_groups])
-        duration = allreduce_time(cluster, devices, params) if comm else 0.0
-        if duration > 0:
-            spans.append(Span(SpanKind.ALLREDUCE, g, -1, group_free[g], group_free[g] + duration))
+    if not each:  # one all-reduce per device stage after its last pass
+        for g in range(n_groups):
+            devices = plan.stages[g].devices
+            params = sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
+                         for stage in plan.stages[g::n_groups])
+            duration = allreduce_time(cluster, devices, params) if comm else 0.0
+            if duration > 0:
+                spans.append(Span(SpanKind.ALLREDUCE, g, -1, group_free[g], group_free[g] + duration))
 
     peaks = peak_counts(plan)
     memory = device_memory_bytes(profile, plan, options.param_memory_factor)

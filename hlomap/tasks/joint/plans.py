@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hlomap.cost.estimate import dispatch_seconds
-from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency
+from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency, syncs_each_microbatch
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.cost.pipeline.timeline import event_timeline
 from hlomap.tasks.pipeline.schedules import PROGRAM_SHARE
@@ -90,15 +90,6 @@ class JointCost:
     @property
     def fits(self) -> bool:
         return all(need <= have for need, have in zip(self.stage_memory, self.device_memory))
-
-
-def syncs_each_microbatch(cluster: Any) -> bool:
-    """Whether a pipeline's gradient all-reduce is priced once per microbatch rather than once per
-    step. hlomap's executors all-reduce a stage's gradients in every microbatch's backward (the
-    gradient leaves each backward program replicated over the stage's data replicas); a measured
-    cluster prices the executors that ran on it (as `executor_overhead` does), a datasheet cluster
-    an ideal executor that syncs once per step, as Megatron-LM's does."""
-    return cluster.measured is not None
 
 
 def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_each_microbatch: bool = False) -> Any:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hlomap.cost.pipeline.costs import syncs_each_microbatch
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight, splits_batch
 from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption, transfer_seconds_of
 from hlomap.tasks.joint.plans import (
@@ -31,7 +32,6 @@ from hlomap.tasks.joint.plans import (
     evaluate,
     stage_memory,
     stage_seconds,
-    syncs_each_microbatch,
 )
 from hlomap.tasks.pipeline.dp import StageChain, least_latency
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan

@@ -49,7 +49,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.costs import CommModel, evaluate_plan
+from hlomap.cost.pipeline.costs import CommModel, allreduce_share, evaluate_plan
 from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
@@ -422,13 +422,14 @@ class _ReplicationOptions:
         return self.space.cost.comm is CommModel.OVERLAPPED
 
     def stage_seconds(self, device: int, option: int) -> np.ndarray:
-        """compute / r plus the stage's gradient all-reduce amortized over the microbatches
-        (`links.allreduce_time`)."""
+        """compute / r plus the stage's gradient all-reduce amortized over the microbatches, or
+        all of it per microbatch where the executors sync every microbatch
+        (`costs.allreduce_share`, `links.allreduce_time`)."""
         r = self.sizes[option]
         t = self.compute / r
         if self._comm and r > 1:
             allreduce = self.prices.allreduce(range(device, device + r))
-            t = t + allreduce(self.parameter) / self.space.microbatches
+            t = t + allreduce_share(self.prices.cluster, allreduce(self.parameter), self.space.microbatches)
         return np.where(self.allowed, t, np.inf)
 
     def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray | None:

@@ -4,7 +4,7 @@ Options at a change:
 - keep: the running plan, at its step time on the new resources (none if a device left);
 - move: the best "two-worker move": shift the boundary between two neighbouring stages by a few
   blocks, moving those layers (their parameters and optimizer state) from one stage to the other;
-- re-solve: the pipeline DP's optimal plan on the available devices.
+- re-solve: the pipeline DP's optimal plan on the available devices (some may stay idle).
 
 Each is priced by its step time (the pipeline cost model's closed-form latency on the state's
 cluster, `PipelineModel.plan_cost`) and by its migration: every device of the new plan must hold
@@ -66,8 +66,11 @@ class Workload:
     max_stages: int = 4
 
     def space(self) -> PipelineSpace:
+        """The plans a re-solve chooses from. Devices may stay idle: 14 GPUs cannot be cut into 2
+        stages of 1, 2, 4 or 8 replicas, and a re-solve that had to use them all answered "cannot
+        run" while 12 of them could train; leaving a device idle is also sometimes faster."""
         return PipelineSpace(microbatches=self.microbatches, schedule=self.schedule,
-                             objective=PipelineObjective.LATENCY, replication=self.replication, use_all_devices=True,
+                             objective=PipelineObjective.LATENCY, replication=self.replication, use_all_devices=False,
                              max_stages=self.max_stages, max_thresholds=200)
 
 
@@ -168,7 +171,8 @@ def best_move(workload: Workload, plan: RunningPlan, state: ResourceState,
 
 
 def resolve(workload: Workload, state: ResourceState, model: PipelineModel | None) -> tuple[RunningPlan, float] | None:
-    """The DP's optimal plan on the available devices (None when nothing fits)."""
+    """The DP's optimal plan on the available devices, leaving some idle where that is faster or
+    the only way (None when nothing fits)."""
     if model is None:
         return None
     try:

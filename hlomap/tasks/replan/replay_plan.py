@@ -5,7 +5,8 @@
 
 The plan's pipeline section gives the workload (its block profile, microbatches, schedule) and the
 running plan (its stages' blocks on their devices, the placement's if it has one). A re-solve may
-use the plan's own stage replications and 1, 2, 4, 8, and as many stages as the plan has.
+use the plan's own stage replications and 1, 2, 4, 8, as many stages as the plan has, and leave
+devices idle.
 """
 
 from __future__ import annotations

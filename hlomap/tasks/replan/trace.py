@@ -24,10 +24,11 @@ JSON format (version 1), for users' own traces:
 Links start at the cluster's own bandwidth between the servers, GPUs at every device. Latencies do
 not change. Events at the same time apply in order.
 
-`generate` builds traces of four kinds on a cluster: `steps` (server links drop to a fraction of
+`generate` builds traces of five kinds on a cluster: `steps` (server links drop to a fraction of
 their bandwidth for a while, then recover), `drift` (every link's bandwidth follows a
-multiplicative random walk), `leave` (a server leaves and comes back, over mild bandwidth noise)
-and `mixed` (all of it).
+multiplicative random walk), `leave` (a server leaves and comes back, over mild bandwidth noise),
+`mixed` (all of it) and `partial` (some GPUs of a server, not all, leave and come back, over mild
+bandwidth noise).
 """
 
 from __future__ import annotations
@@ -286,6 +287,7 @@ class TraceKind(str, enum.Enum):
     DRIFT = "drift"
     LEAVE = "leave"
     MIXED = "mixed"
+    PARTIAL = "partial"  # last: the other kinds' random streams are keyed by their index
 
     def __str__(self) -> str:
         return self.value
@@ -305,6 +307,9 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
     servers = base.shape[0]
     pairs = _pairs(servers)
     sizes = tuple(int(k) for k in np.bincount(cluster.node_array))
+    if kind is TraceKind.PARTIAL and max(sizes) < 2:
+        raise TraceError(f"a '{kind.value}' trace takes part of a server away: {cluster.name} has no server of "
+                         "2 GPUs or more")
     events: list[Event] = []
     current = {p: float(base[p]) for p in pairs}
     down: dict[tuple[int, int], float] = {}  # STEPS: pair -> time it recovers
@@ -333,7 +338,7 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
                         links.append((*pair, float(base[pair]) * factor))
                         current[pair] = float(base[pair]) * factor
                         down[pair] = until
-        if kind in (TraceKind.DRIFT, TraceKind.MIXED, TraceKind.LEAVE):
+        if kind in (TraceKind.DRIFT, TraceKind.MIXED, TraceKind.LEAVE, TraceKind.PARTIAL):
             scale = 0.5 if kind is TraceKind.DRIFT else 0.15
             for pair in pairs:
                 if pair in down:
@@ -342,6 +347,17 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
                 value = float(np.clip(value, 0.05 * base[pair], 1.2 * base[pair]))
                 current[pair] = value
                 links.append((*pair, value))
+        if kind is TraceKind.PARTIAL:
+            # Part of a server leaves (at least one GPU, not all) and comes back: the device
+            # count stops being a multiple of the server size.
+            if away is not None and t >= away[1]:
+                gpus = sizes
+                away = None
+            elif away is None and rng.random() < 0.5:
+                server = int(rng.choice([s for s, k in enumerate(sizes) if k >= 2]))
+                lost = int(rng.integers(1, sizes[server]))
+                away = (server, t + float(rng.uniform(1, 3)) * period)
+                gpus = tuple(k - lost if s == server else k for s, k in enumerate(sizes))
         if kind in (TraceKind.LEAVE, TraceKind.MIXED):
             if away is not None and t >= away[1]:
                 gpus = sizes

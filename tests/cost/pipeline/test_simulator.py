@@ -120,6 +120,34 @@ def test_gpipe_matches_the_flow_shop_closed_form_with_communication(profile, clu
     assert result.length == pytest.approx(gpipe_latency(profile, cluster, plan), rel=1e-9, abs=1e-12)
 
 
+@settings(max_examples=40, deadline=None)
+@given(profile=profiles(min_layers=2, max_layers=6), cluster=random_clusters(), data=st.data())
+def test_where_every_microbatch_syncs_the_all_reduce_is_part_of_each_backward(profile, cluster, data):
+    """On a measured cluster (`costs.syncs_each_microbatch`) a replicated stage all-reduces its
+    gradients in every microbatch's backward: no all-reduce is left for the end, the closed form
+    still equals the simulation, and a stage pays M all-reduces, not one."""
+    from hlomap.cost.measured import MeasuredCosts
+    from hlomap.cost.pipeline.links import allreduce_time
+
+    measured = replace(cluster, measured=MeasuredCosts())
+    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, profile.n_layers - 1), min_size=n_stages - 1,
+                                    max_size=n_stages - 1)))
+    replication = [1] * n_stages
+    for _ in range(cluster.n_devices - n_stages):
+        replication[data.draw(st.integers(0, n_stages - 1))] += 1
+    m = data.draw(st.integers(1, 6))
+    plan = PipelinePlan.linear([0, *cuts, profile.n_layers], replication, microbatches=m, schedule=Schedule.GPIPE)
+    result = simulate(profile, measured, plan)
+    assert not any(span.kind is SpanKind.ALLREDUCE for span in result.spans)
+    assert result.length == pytest.approx(gpipe_latency(profile, measured, plan), rel=1e-9, abs=1e-12)
+    # a stage's devices run its M all-reduces one after another
+    syncs = [allreduce_time(measured, stage.devices,
+                            float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum()))
+             for stage in plan.stages]
+    assert result.length >= m * max(syncs) * (1 - 1e-9)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     profile=profiles(min_layers=2, max_layers=6),

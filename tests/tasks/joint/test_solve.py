@@ -167,7 +167,8 @@ def test_a_measured_cluster_prices_the_executors_gradient_all_reduce_in_every_mi
     measured cluster a stage of 2 data replicas pays the whole all-reduce per microbatch (M times
     per step); a datasheet cluster, an ideal executor syncing once per step, pays it once."""
     from hlomap.cost.cluster import load_cluster
-    from hlomap.tasks.joint.plans import stage_seconds, syncs_each_microbatch
+    from hlomap.cost.pipeline.costs import syncs_each_microbatch
+    from hlomap.tasks.joint.plans import stage_seconds
     from tests.local_cluster import LOCAL_CLUSTER_FILE
 
     measured = load_cluster(str(LOCAL_CLUSTER_FILE))

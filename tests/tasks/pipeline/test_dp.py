@@ -1,9 +1,11 @@
+import dataclasses
 import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hlomap.cost.measured import MeasuredCosts
 from hlomap.cost.pipeline.costs import CommModel, CostOptions, evaluate_plan
 from hlomap.cost.pipeline.links import is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, uniform_profile
@@ -41,6 +43,21 @@ def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
     # The DP's plan is itself admissible, and its reported cost is the plan's cost.
     assert inadmissible(profile, cluster, found.plan, space, found.cost) is None
     assert found.cost == evaluate_plan(profile, cluster, found.plan, space.cost)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(profile=profiles(), cluster=random_clusters(), space=spaces())
+def test_dp_finds_the_brute_force_optimum_where_every_microbatch_syncs(profile, cluster, space):
+    """On a measured cluster a replicated stage pays its gradient all-reduce every microbatch
+    (`costs.syncs_each_microbatch`, as hlomap's executors run it): the DP's tables and the plan
+    pricing the brute force enumerates follow the same rule, so the optimum still agrees."""
+    measured = dataclasses.replace(cluster, measured=MeasuredCosts())
+    expected = _outcome(pipeline_brute_force, profile, measured, space)
+    found = _outcome(solve, profile, measured, space)
+    assert (expected is None) == (found is None)
+    if expected is not None:
+        assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
+        assert found.cost == evaluate_plan(profile, measured, found.plan, space.cost)
 
 
 def test_latency_needs_a_bottleneck_between_the_extremes():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Option, RunningPlan, Workload, best_move,
                                          candidates, migration, plan_step_seconds, resolve)
+from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.replan.trace import Event, Trace
 
 from tests.tasks.replan.helpers import small_workload
@@ -62,6 +64,25 @@ def test_resolve_is_the_brute_force_optimum_on_the_available_devices(gpus):
     assert step == pytest.approx(optimum.value, rel=1e-9)
     assert plan_step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
     assert {d for stage in plan.devices for d in stage} <= set(state.devices)
+
+
+def test_a_resolve_leaves_devices_idle_rather_than_stop_training():
+    """2 of a server's 4 GPUs leave hier:4x4: 14 devices cannot be cut into at most 2 stages of 1,
+    2, 4 or 8 replicas, so a re-solve that must use them all has no plan; one that may leave
+    devices idle trains on 12 of them (8 + 4), and is the brute-force optimum of that space."""
+    workload = Workload(small_workload().profile, microbatches=8, replication=(1, 2, 4, 8), max_stages=2)
+    state = Trace("t", load_cluster("hier:4x4"), 10.0, (Event(1.0, gpus=(4, 2, 4, 4)),)).states()[1][1]
+    assert len(state.devices) == 14
+    model = PipelineModel(state.cluster)
+    every = dataclasses.replace(workload.space(), use_all_devices=True)
+    with pytest.raises(NoFeasiblePlan):
+        model.solve(workload.profile, every)
+    found = resolve(workload, state, model)
+    assert found is not None
+    plan, step = found
+    used = [d for stage in plan.devices for d in stage]
+    assert math.isfinite(step) and len(used) < 14 and set(used) <= set(state.devices)
+    assert plan_step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
 
 
 def test_the_best_move_shifts_one_boundary_and_is_the_fastest_such():
