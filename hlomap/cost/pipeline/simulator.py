@@ -140,11 +140,11 @@ def simulate(
     comm = options.comm is CommModel.OVERLAPPED
     n_groups, m, v = plan.device_stages, plan.microbatches, plan.repeats
     forward, backward, weight = pass_times(profile, plan)
+    params = [float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
+              for stage in plan.stages]  # per logical stage (chunk)
     each = syncs_each_microbatch(cluster)
     if each and comm:  # each chunk's backward (weight pass under ZB-H1) all-reduces its gradients
-        synced = [allreduce_time(cluster, stage.devices,
-                                 float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum()))
-                  for stage in plan.stages]
+        synced = [allreduce_time(cluster, stage.devices, p) for stage, p in zip(plan.stages, params)]
         if plan.schedule is Schedule.ZERO_BUBBLE:
             weight = [w + a for w, a in zip(weight, synced)]
         else:
@@ -160,10 +160,7 @@ def simulate(
 
     if not each:  # one all-reduce per device stage after its last pass
         for g in range(n_groups):
-            devices = plan.stages[g].devices
-            params = sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
-                         for stage in plan.stages[g::n_groups])
-            duration = allreduce_time(cluster, devices, params) if comm else 0.0
+            duration = allreduce_time(cluster, plan.stages[g].devices, sum(params[g::n_groups])) if comm else 0.0
             if duration > 0:
                 spans.append(Span(SpanKind.ALLREDUCE, g, -1, group_free[g], group_free[g] + duration))
 
