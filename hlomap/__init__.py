@@ -22,6 +22,7 @@ _PUBLIC: dict[str, str] = {
     "PlanConflict": "hlomap.propagation.conflicts",
     "explore": "hlomap.api",
     "estimate": "hlomap.api",
+    "with_sharded_state": "hlomap.api",
     "calibrate": "hlomap.api",
     "load_source": "hlomap.api",
     "parse_mesh": "hlomap.api",

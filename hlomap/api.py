@@ -433,7 +433,7 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
 
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",
              axis_devices: Any = None, axis_order: Sequence[str] | None = None, graph: Any = None,
-             overlap: Any = None, fusion: Any = None, executor: str | None = None) -> Any:
+             overlap: Any = None, fusion: Any = None, executor: str | None = None, plan_name: str | None = None) -> Any:
     """Estimate one training step of `cap` under `plan` on `cluster` -> `StepEstimate`.
 
     `plan`: a `hlomap.plan.Plan` (its own mesh), a built-in plan name ("dp", "megatron",
@@ -446,6 +446,7 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     A pipeline or joint plan is priced by its stages instead (`simulate_plan`), and its
     `PipelineSimulation` or `JointSimulation` is returned, priced on `executor` ("spmd" or
     "mpmd"; default the runner's choice); every kind answers `step_seconds` and `fits`.
+    `plan_name` names the plan in the estimate (default: the built-in name, or "plan").
     """
     if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
         return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order, executor=executor)
@@ -457,6 +458,7 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
 
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     array, axes, name = resolve_plan(graph, plan, mesh)
+    name = plan_name or name
     if axis_devices is None and axis_order is None and getattr(plan, "placement", None) is not None:
         import numpy as np
 
@@ -470,9 +472,29 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
         extra["overlap"] = overlap
     if fusion is not None:
         extra["fusion"] = fusion
+    if getattr(plan, "state_sharding", None) is not None:
+        extra["sharded_state"] = plan.sharded_state()
+        name = f"{name}, optimizer state split over {','.join(plan.state_sharding.axes)} (ZeRO-1)"
     return cost_estimate.estimate(cap, array, axes, cluster=_cluster_arg(cluster), axis_devices=axis_devices,
                                   axis_order=axis_order, graph=graph, plan_name=name, **extra)
 
+
+
+def with_sharded_state(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None,
+                       graph: Any = None, where: str = "plan") -> Any:
+    """`plan` (a `Plan` or a built-in plan name with its `mesh`) with its optimizer state split
+    over its data axes (ZeRO-1, `Plan.with_sharded_state`); InputError when it has none."""
+    from hlomap.plan import Plan, PlanError, resolve_plan
+    from hlomap.propagation.graph import FactorGraph
+
+    graph = graph if graph is not None else FactorGraph.from_capture(cap)
+    if not isinstance(plan, Plan):
+        array, axes, _ = resolve_plan(graph, plan, mesh)
+        plan = Plan.from_groups(cap, graph, array, axes)
+    try:
+        return plan.with_sharded_state(graph)
+    except PlanError as err:
+        raise InputError(f"{where}: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,7 +862,8 @@ def plan_executor(plan: Any, requested: str | None = None, where: str = "plan") 
 
     try:
         section = pipeline_section(plan, where)
-        return choose_executor(section.schedule, section.uniform, requested, section.repeats).value
+        return choose_executor(section.schedule, section.uniform, requested, section.repeats,
+                               section.splits_state).value
     except RunError as err:
         raise InputError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from None
 
@@ -865,13 +888,16 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
 
 
 def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
-                  axis_order: Sequence[str] | None = None, where: str = "plan", executor: str | None = None) -> Simulation:
+                  axis_order: Sequence[str] | None = None, where: str = "plan", executor: str | None = None,
+                  shard_optimizer_state: bool = False) -> Simulation:
     """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
     a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
     pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
     None for a pipeline plan (`needs_module`). `cap` and `plan` may also be given as a SOURCE
     string and a built-in plan name or plan file. `executor` ("spmd" or "mpmd", default the
-    runner's choice) prices a pipeline or joint plan on that executor."""
+    runner's choice) prices a pipeline or joint plan on that executor. `shard_optimizer_state`
+    prices an SPMD or built-in plan with its optimizer state split over its data axes (ZeRO-1,
+    `Plan.with_sharded_state`)."""
     import dataclasses
 
     from hlomap.cost.cluster import Cluster
@@ -884,6 +910,8 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     category = plan_category(plan)
     if category not in (PlanCategory.PIPELINE, PlanCategory.JOINT) and executor is not None:
         raise InputError(f"executor {executor!r}: {where} has no pipeline section (executors run pipelines)")
+    if category in (PlanCategory.PIPELINE, PlanCategory.JOINT) and shard_optimizer_state:
+        raise InputError(f"{where}: sharding the optimizer state applies to SPMD plans, not to a {category.value} plan")
     if category in (PlanCategory.PIPELINE, PlanCategory.JOINT):
         chosen = plan_executor(plan, executor, where)
         section = plan.pipeline
@@ -908,7 +936,11 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
         check_plan_for(plan, cap, where)
     else:
         require_roles(cap, f"the built-in plan {plan!r}")
-    est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=axis_order)
+    name = plan if isinstance(plan, str) else None
+    if shard_optimizer_state:
+        plan = with_sharded_state(cap, plan, mesh=mesh, where=where)
+        mesh = None
+    est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=axis_order, plan_name=name)
     identity = estimate(cap, dataclasses.replace(plan, placement=None), mesh=mesh, cluster=cluster) if placed else None
     return SpmdSimulation(est, identity, plan.placement if placed else None)
 

@@ -123,7 +123,8 @@ def describe(result: JointResult) -> str:
     parts = []
     for stage in result.plan.stages:
         option = stage.option
-        parts.append(f"{option.devices}:d{option.data}xt{option.model}{'r' if option.recompute else ''}")
+        parts.append(f"{option.devices}:d{option.data}xt{option.model}{'r' if option.recompute else ''}"
+                     f"{'z' if option.split_state else ''}")
     return f"{len(parts)} stages " + " ".join(parts)
 
 

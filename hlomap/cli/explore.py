@@ -67,6 +67,9 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                               evaluations_help="also stop after N evaluated plans")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
                    help="where the plan is saved, and kept up to date while searching (default plan.json)")
+    p.add_argument("--shard-optimizer-state", choices=("off", "on", "auto"), default="auto",
+                   help="split the optimizer state over the plan's data axes (ZeRO-1): on; off; auto (default): "
+                        "only when the plan does not fit device memory otherwise and does with it")
     p.add_argument("--curve", metavar="FILE.png",
                    help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
 
@@ -200,7 +203,8 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     with progress_bar(not args.quiet, description=f"{args.task} / {args.agent}") as on_progress:
         found = api.explore_detailed(cap, args.task, mesh, cluster, args.agent, args.budget_seconds, args.seed,
                                      args.reward, budget_evaluations=args.budget_evaluations, output=output,
-                                     on_progress=interrupts.wrap(on_progress))
+                                     on_progress=interrupts.wrap(on_progress),
+                                     shard_optimizer_state=args.shard_optimizer_state)
     plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
     plan = found.plan
     if runnable is not None and not found.result.interrupted:

@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
                         "inside a node (default: the mesh's order)")
     common.add_role_options(p)
+    p.add_argument("--shard-optimizer-state", action="store_true",
+                   help="split the optimizer state over the plan's data axes (ZeRO-1) and price that")
     p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
@@ -48,7 +50,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if warning:
         common.warn(warning)
     cap = common.load_capture(args) if api.needs_module(plan) else None
-    simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan)
+    simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan,
+                                   shard_optimizer_state=args.shard_optimizer_state)
     if args.json:
         common.print_json(simulation_json(simulation), indent=2)
     else:

@@ -20,7 +20,10 @@ What is counted, per device (see hlomap.cost.sharding for how a plan splits each
   that axis. In a conflict-free plan these are the only collectives: every pair of dims that one
   instruction ties together shares a group, hence a sharding. Times come from
   `hlomap.cost.collectives` over the device groups of each mesh axis (`hlomap.cost.mapping`);
-- memory: `hlomap.cost.memory` (parameters, optimizer state, gradients, peak activations).
+- memory: `hlomap.cost.memory` (parameters, optimizer state, gradients, peak activations);
+- optimizer state sharded over the data axes (`ShardedState`, ZeRO-1, `hlomap.cost.zero`): the
+  sharded leaves' bytes divided by the axes' size, and an all-gather of each parameter whose
+  update runs split.
 
 Overlap: by default none (`Overlap.NONE`): step time = compute + all communication, which is
 what XLA's single combined gradient all-reduce at the end of the backward pass gives.
@@ -45,6 +48,7 @@ from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
 from hlomap.cost.sharding import CONTAINER_OPCODES, PartialResult, ShardedGraph
+from hlomap.cost.zero import StateShard, gathered_parameters
 from hlomap.hlo.capture import Capture, Phase
 from hlomap.hlo.ir import Instruction, Module
 from hlomap.propagation.conflicts import ConflictChecker, MeshAxes, PlanConflict
@@ -63,6 +67,7 @@ class Reason(enum.Enum):
     PARTIAL = "partial reduction"
     GRADIENT_SYNC = "gradient sync"
     RESHARD = "reshard"
+    SHARDED_STATE = "sharded optimizer state"
 
 
 class Overlap(enum.Enum):
@@ -368,35 +373,44 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
             Collective.ALL_REDUCE, pr.axes, size, nbytes, seconds, inst.name, node.computation,
             Reason.GRADIENT_SYNC if pr.gradient_sync else Reason.PARTIAL,
             _detail(pr, inst, module, where), phase, count))
-    return _bucket_gradient_sync(out, cluster, groups), reduce_flops
+    return _combine_buckets(out, cluster, groups), reduce_flops
+
+
+#: Collectives XLA combines into one per set of axes (its all-reduce and all-gather combiners,
+#: DDP's buckets): the gradient sync, and the all-gathers of parameters updated in slices.
+_COMBINED = {Reason.GRADIENT_SYNC: Collective.ALL_REDUCE, Reason.SHARDED_STATE: Collective.ALL_GATHER}
 
 
 def _bucketed(c: CollectiveEstimate) -> bool:
-    return c.reason is Reason.GRADIENT_SYNC and c.count == 1
+    return c.reason in _COMBINED and c.count == 1
 
 
-def _gradient_buckets(collectives: Sequence[CollectiveEstimate]) -> dict[tuple[str, ...], float]:
-    """Bytes of the combined gradient all-reduce over each set of axes."""
-    buckets: dict[tuple[str, ...], float] = {}
+def _buckets(collectives: Sequence[CollectiveEstimate]) -> dict[tuple[Collective, tuple[str, ...]], float]:
+    """Bytes of each combined collective: (kind, axes) -> the sum of its buffers."""
+    buckets: dict[tuple[Collective, tuple[str, ...]], float] = {}
     for c in collectives:
         if _bucketed(c):
-            buckets[c.axes] = buckets.get(c.axes, 0.0) + c.nbytes
+            key = (c.kind, c.axes)
+            buckets[key] = buckets.get(key, 0.0) + c.nbytes
     return buckets
 
 
-def _bucket_gradient_sync(collectives: list[CollectiveEstimate], cluster: Cluster,
-                          groups: Any) -> list[CollectiveEstimate]:
-    """Gradient-sync all-reduces over the same axes run as one combined all-reduce once the last
-    gradient is ready (XLA's all-reduce combiner, DDP's buckets): latency is paid once, and each
-    gradient is charged its byte share of the combined time. On a measured cluster each buffer
-    after the first adds what the calibration measured (`MeasuredCosts.combined_operand_seconds`:
-    host CPU devices reduce the buffers of a combined all-reduce one after another)."""
-    buckets = _gradient_buckets(collectives)
-    buffers = {axes: sum(1 for c in collectives if _bucketed(c) and c.axes == axes) for axes in buckets}
-    combined = {axes: collective_time(Collective.ALL_REDUCE, cluster, groups(axes), total)
-                + per_buffer_seconds(cluster, _group_size(groups(axes))) * max(0, buffers[axes] - 1)
-                for axes, total in buckets.items()}
-    return [replace(c, seconds=combined[c.axes] * c.nbytes / buckets[c.axes] if buckets[c.axes] else 0.0)
+def _combine_buckets(collectives: list[CollectiveEstimate], cluster: Cluster,
+                     groups: Any) -> list[CollectiveEstimate]:
+    """Collectives XLA combines (`_COMBINED`) run as one per kind and axes. Gradient-sync
+    all-reduces over the same axes run as one combined all-reduce once the last gradient is ready
+    (XLA's all-reduce combiner, DDP's buckets): latency is paid once, and each gradient is charged
+    its byte share of the combined time. On a measured cluster each buffer after the first adds
+    what the calibration measured (`MeasuredCosts.combined_operand_seconds`: host CPU devices
+    reduce the buffers of a combined all-reduce one after another). The all-gathers of parameters
+    updated in slices (`Reason.SHARDED_STATE`) combine the same way."""
+    buckets = _buckets(collectives)
+    buffers = {key: sum(1 for c in collectives if _bucketed(c) and (c.kind, c.axes) == key) for key in buckets}
+    combined = {key: collective_time(key[0], cluster, groups(key[1]), total)
+                + per_buffer_seconds(cluster, _group_size(groups(key[1]))) * max(0, buffers[key] - 1)
+                for key, total in buckets.items()}
+    return [replace(c, seconds=combined[(c.kind, c.axes)] * c.nbytes / buckets[(c.kind, c.axes)]
+                    if buckets[(c.kind, c.axes)] else 0.0)
             if _bucketed(c) else c
             for c in collectives]
 
@@ -420,19 +434,21 @@ def per_buffer_seconds(cluster: Cluster, group_size: int) -> float:
 
 
 def communication_terms(collectives: Sequence[CollectiveEstimate]) -> tuple[CommunicationTerm, ...]:
-    """The step's collectives as the estimate prices them, merged: each combined gradient
-    all-reduce once, and equal collectives (kind, axes, bytes) as one term with their counts
-    summed. On any device mapping, the estimate's communication time is the sum over these of
+    """The step's collectives as the estimate prices them, merged: each combined collective (the
+    gradient all-reduce, the all-gather of parameters updated in slices) once, and equal
+    collectives (kind, axes, bytes) as one term with their counts summed. On any device mapping,
+    the estimate's communication time is the sum over these of
     `count * collective_time(kind, cluster, mapping.groups(axes), nbytes)` (up to rounding; a
-    measured cluster adds `per_buffer_seconds` per extra buffer of a combined all-reduce), which
-    is what a device-placement search re-prices without re-estimating the step."""
+    measured cluster adds `per_buffer_seconds` per extra buffer of a combined collective), which
+    is what a device-placement search re-prices without re-estimating the step.
+    """
     counts: dict[tuple[Collective, tuple[str, ...], float], int] = {}
     for c in collectives:
         if not _bucketed(c):
             key = (c.kind, c.axes, c.nbytes)
             counts[key] = counts.get(key, 0) + c.count
-    for axes, total in _gradient_buckets(collectives).items():
-        key = (Collective.ALL_REDUCE, axes, total)
+    for (kind, axes), total in _buckets(collectives).items():
+        key = (kind, axes, total)
         counts[key] = counts.get(key, 0) + 1
     return tuple(CommunicationTerm(kind, axes, nbytes, count) for (kind, axes, nbytes), count in counts.items())
 
@@ -449,6 +465,62 @@ def _detail(pr: PartialResult, inst: Instruction, module: Module, where: str) ->
 # ---------------------------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """Optimizer-state leaves split over the mesh `axes` (ZeRO-1): a plan's `state_sharding`."""
+
+    axes: tuple[str, ...]
+    shards: tuple[StateShard, ...]
+
+
+def _split_updates(sg: ShardedGraph, instructions: list[InstructionEstimate], state: ShardedState,
+                   ways: int) -> list[InstructionEstimate]:
+    """`instructions` with the optimizer update of each sharded leaf split `ways` more: an
+    update-phase instruction whose result is shaped and linked like a sharded leaf (Adam's moment
+    and parameter arithmetic) runs on the replica's slice only."""
+    g = sg.graph
+    split_like = {(tuple(p.shape.dims), g.parameter_groups(p.index))
+                  for p in g.parameters if p.index in {s.parameter for s in state.shards}}
+    names: set[tuple[str, str]] = set()
+    for n, node in enumerate(g.nodes):
+        if sg.facts.phases[n] is not Phase.UPDATE or node.instruction.shape.is_tuple:
+            continue
+        first, count = g.node_tensors[n]
+        if count == 1:
+            key = (tuple(node.instruction.shape.dims), tuple(int(x) for x in g.group_of_dim[g.tensor_dims(first)]))
+            if key in split_like:
+                names.add((node.computation, node.instruction.name))
+    return [replace(i, degree=i.degree * ways, flops=i.flops / ways, transcendentals=i.transcendentals / ways,
+                    bytes_accessed=i.bytes_accessed / ways, compute_seconds=i.compute_seconds / ways,
+                    memory_seconds=i.memory_seconds / ways, seconds=i.seconds / ways)
+            if (i.computation, i.name) in names else i for i in instructions]
+
+
+def _with_sharded_state(memory: MemoryEstimate, collectives: list[CollectiveEstimate], sg: ShardedGraph,
+                        cluster: Cluster, mapping: AxisMapping, state: ShardedState) -> MemoryEstimate:
+    """`memory` with the sharded leaves at their share; appends the all-gathers to `collectives`."""
+    mesh = sg.axes.mesh_shape
+    ways = math.prod(mesh[a] for a in state.axes)
+    if ways <= 1 or not state.shards:
+        return memory
+    saved = sum(sg.parameter_bytes(s.parameter) for s in state.shards) * (1.0 - 1.0 / ways)
+    groups = mapping.groups(state.axes if len(state.axes) > 1 else state.axes[0])
+    where = ",".join(state.axes)
+    by_index = {p.index: p for p in sg.graph.parameters}
+    for index in gathered_parameters(sg, state.shards):
+        p = by_index[index]
+        nbytes = sg.parameter_bytes(index)
+        collectives.append(CollectiveEstimate(
+            Collective.ALL_GATHER, state.axes, ways, nbytes,
+            collective_time(Collective.ALL_GATHER, cluster, groups, nbytes), p.name, sg.graph.module.entry_name,
+            Reason.SHARDED_STATE, f"all-gather the updated {p.path or p.name} over {where}: its optimizer state is "
+            f"split there, so each replica updates its slice", Phase.UPDATE))
+    # the all-gathers run combined, as the gradient sync does
+    collectives[:] = _combine_buckets(collectives, cluster,
+                                      lambda axes: mapping.groups(axes if len(axes) > 1 else axes[0]))
+    return replace(memory, optimizer=int(round(memory.optimizer - saved)))
 
 
 class StepWork(NamedTuple):
@@ -484,11 +556,18 @@ def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusio
 
 def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, plan_name: str = "plan",
                      overlap: Overlap = Overlap.NONE, fusion: Fusion = Fusion.ELEMENTWISE,
-                     donated: frozenset[int] | None = None, cache: CostCache | None = None) -> StepEstimate:
+                     donated: frozenset[int] | None = None, cache: CostCache | None = None,
+                     sharded_state: ShardedState | None = None) -> StepEstimate:
     """The estimate of a plan already applied to a graph (`ShardedGraph`), on `cluster` with the
     mesh axes mapped to devices by `mapping`. `cache` memoizes computation costs across calls for
-    one module and device (explorers evaluating many plans pass the same dict)."""
+    one module and device (explorers evaluating many plans pass the same dict). `sharded_state`:
+    the optimizer-state leaves the plan splits over its data axes (ZeRO-1)."""
     device, instructions, collectives, reduce_flops = step_work(sg, cluster, mapping, fusion=fusion, cache=cache)
+    memory = estimate_memory(sg, device.memory_bytes, donated=donated, fusion=fusion)
+    if sharded_state is not None and sharded_state.shards:
+        memory = _with_sharded_state(memory, collectives, sg, cluster, mapping, sharded_state)
+        ways = math.prod(sg.axes.mesh_shape[a] for a in sharded_state.axes)
+        instructions = _split_updates(sg, instructions, sharded_state, ways)
     compute = sum(i.seconds for i in instructions)
     communication = sum(c.total_seconds for c in collectives)
     if overlap is Overlap.GRADIENT_SYNC:
@@ -497,7 +576,6 @@ def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *
         exposed = communication - sync + max(0.0, sync - backward)
     else:
         exposed = communication
-    memory = estimate_memory(sg, device.memory_bytes, donated=donated, fusion=fusion)
     instructions.sort(key=lambda i: -i.seconds)
     return StepEstimate(
         plan=plan_name, mesh=tuple(sg.axes.mesh_shape.items()), cluster=cluster.name, device=device.name,
@@ -516,12 +594,13 @@ def dispatch_seconds(cluster: Cluster, programs: int = 1) -> float:
 def estimate(cap: Capture, plan: np.ndarray, axes: MeshAxes, *, cluster: str | Cluster = "A",
              axis_devices: AxisMapping | None = None, axis_order: Sequence[str] | None = None,
              graph: FactorGraph | None = None, plan_name: str = "plan", overlap: Overlap = Overlap.NONE,
-             fusion: Fusion = Fusion.ELEMENTWISE) -> StepEstimate:
+             fusion: Fusion = Fusion.ELEMENTWISE, sharded_state: ShardedState | None = None) -> StepEstimate:
     """Estimate one training step of `cap` under the plan array `plan` (over the factor graph's
     groups, mesh `axes`) on `cluster` (a preset name, JSON path or Cluster). Mesh axes map onto
     devices with `axis_devices` when given, else in `axis_order` (outermost first; default the
     mesh's order, so the last axis stays inside a node). Raises PlanConflict for a plan with
     conflicts. `hlomap.api.estimate` takes a `Plan` or a built-in plan name instead.
+    `sharded_state`: the optimizer-state leaves split over the data axes (ZeRO-1).
     """
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     array = np.asarray(plan)
@@ -533,4 +612,4 @@ def estimate(cap: Capture, plan: np.ndarray, axes: MeshAxes, *, cluster: str | C
     mapping = _mapping(clus, axes, axis_devices, axis_order)
     sg = ShardedGraph.build(graph, array, axes)
     return estimate_sharded(sg, clus, mapping, plan_name=plan_name, overlap=overlap, fusion=fusion,
-                            donated=donated_parameters(cap))
+                            donated=donated_parameters(cap), sharded_state=sharded_state)

@@ -16,10 +16,12 @@ from hlomap.plan.sections import (
     Placement,
     PlanSource,
     Recompute,
+    StateSharding,
 )
 from hlomap.propagation.conflicts import PlanConflict
 
 __all__ = ["PLAN_VERSION", "GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec", "Pipeline",
            "PipelineCut", "PipelineKind",
            "PipelineStage", "Placement", "Plan", "PlanConflict", "PlanError", "PlanSource", "Recompute", "ReferencePlan",
+           "StateSharding",
            "parse_mesh_text", "reference_plan", "resolve_plan", "write_atomic", "write_problem"]

@@ -19,7 +19,12 @@ JSON schema (version 1):
                           "step_seconds": float | null, "identity_step_seconds": float | null},
      "measured": (optional) {"chosen": str, "devices": int, "platform": str, "load_average": [3 floats],
                              "seconds": float, "candidates": [{"name", "family", "predicted_seconds",
-                             "median_seconds", "iqr_seconds", "rounds", "error"?}]}}
+                             "median_seconds", "iqr_seconds", "rounds", "error"?}]},
+     "state_sharding": (optional) {"axes": [str], "parameters": [{"index": int, "dim": int}]}}
+
+The state-sharding section (ZeRO-1) splits the listed optimizer-state leaves further, along the
+given dim, over the plan's data axes: `leaf_spec` / `partition_specs` place them so, while the
+parameters' own specs (and `group_array`) stay those of the plan's linkage groups.
 
 The placement section (optional: plans written before it existed load unchanged, and readers that
 do not know it ignore it) says which physical device takes each logical position of the plan
@@ -55,6 +60,7 @@ from hlomap.plan.sections import (
     Pipeline,
     Placement,
     PlanSource,
+    StateSharding,
     spec_to_json,
 )
 from hlomap.propagation.conflicts import REPLICATED, Conflict, ConflictChecker, MeshAxes, PlanConflict
@@ -89,12 +95,18 @@ class Plan:
     placement: Placement | None = None
     #: The candidates a measured selection timed on the present devices (None: not measured).
     measured: Measurement | None = None
+    #: Optimizer-state leaves split over the data axes, ZeRO-1 (None: every replica keeps it all).
+    state_sharding: StateSharding | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
             object.__setattr__(self, "pipeline", Pipeline.from_json(self.pipeline))
         if self.pipeline is not None:
             _check_stage_specs(self.pipeline, self.parameters)
+        if self.state_sharding is not None:
+            if self.pipeline is not None:
+                raise PlanError("state_sharding applies to SPMD plans; a pipeline plan's stages say their own")
+            self.state_sharding.check(self.parameters, self.mesh_shape)
         if self.placement is not None and len(self.placement.devices) != self.n_positions:
             raise PlanError(f"placement lists {len(self.placement.devices)} devices but the plan has "
                             f"{self.n_positions} logical positions ({self._positions_text()})")
@@ -251,7 +263,7 @@ class Plan:
         """
         import jax
 
-        specs = [p.partition_spec() for p in sorted(self.parameters, key=lambda p: p.index)]
+        specs = [self.leaf_spec(p) for p in sorted(self.parameters, key=lambda p: p.index)]
         if like is not None:
             treedef = jax.tree_util.tree_structure(like)
             if treedef.num_leaves != len(specs):
@@ -260,6 +272,42 @@ class Plan:
         if self.in_tree is not None:
             return jax.tree_util.tree_unflatten(self.in_tree, specs)
         return _tree_from_paths([(p.path, s) for p, s in zip(sorted(self.parameters, key=lambda p: p.index), specs)])
+
+    def leaf_spec(self, parameter: ParameterSpec) -> Any:
+        """The PartitionSpec `parameter` is placed with: its own spec, split further over the
+        state sharding's axes when it is an optimizer-state leaf that the plan shards (ZeRO-1)."""
+        if self.state_sharding is None:
+            return parameter.partition_spec()
+        return dataclasses.replace(parameter, spec=self.state_sharding.spec_of(parameter)).partition_spec()
+
+    def with_sharded_state(self, graph: FactorGraph) -> Plan:
+        """This plan with its optimizer state split over its data axes (ZeRO-1, `hlomap.cost.zero`):
+        the mesh axes that split the batch and no trainable parameter. Its estimate is dropped (the
+        caller re-prices it). PlanError when the plan has no such axis or is a pipeline plan."""
+        from hlomap.cost.sharding import ShardedGraph
+        from hlomap.cost.zero import state_axes, state_shards
+
+        if self.pipeline is not None:
+            raise PlanError("sharding the optimizer state applies to SPMD plans, not to pipeline plans")
+        axes = MeshAxes.from_mesh(self.mesh_shape, extra=[g.axes for g in self.groups])
+        sg = ShardedGraph.build(graph, self.group_array(graph, axes), axes)
+        names = state_axes(sg)
+        if not names:
+            raise PlanError(f"the plan on mesh {self.mesh_shape} splits the batch over no axis that leaves the "
+                            "parameters replicated, so there are no data replicas to split the optimizer state over")
+        shards = state_shards(sg, names)
+        return dataclasses.replace(self, state_sharding=StateSharding(names, tuple((s.parameter, s.dim) for s in shards)),
+                                   estimate=None)
+
+    def sharded_state(self) -> Any:
+        """The state sharding as the cost model takes it (`hlomap.cost.estimate.ShardedState`), or None."""
+        if self.state_sharding is None:
+            return None
+        from hlomap.cost.estimate import ShardedState
+        from hlomap.cost.zero import StateShard
+
+        return ShardedState(self.state_sharding.axes,
+                            tuple(StateShard(index, dim) for index, dim in self.state_sharding.dims))
 
     def shardings(self, mesh: Any, like: Any = None) -> Any:
         """NamedSharding pytree for `jax.jit(in_shardings=...)` on `mesh` (a jax Mesh whose axis
@@ -288,6 +336,7 @@ class Plan:
             **({"search": dict(self.search)} if self.search is not None else {}),
             "placement": self.placement.to_json() if self.placement is not None else None,
             **({"measured": self.measured.to_json()} if self.measured is not None else {}),
+            **({"state_sharding": self.state_sharding.to_json()} if self.state_sharding is not None else {}),
         }
 
     @classmethod
@@ -309,6 +358,8 @@ class Plan:
                            else Placement.from_json(data["placement"], where=f"{where}: placement")),
                 measured=(None if data.get("measured") is None
                           else Measurement.from_json(data["measured"], where=f"{where}: measured")),
+                state_sharding=(None if data.get("state_sharding") is None
+                                else StateSharding.from_json(data["state_sharding"], where=f"{where}: state_sharding")),
             )
         except PlanError as exc:
             raise PlanError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
 
 __all__ = ["GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec", "Pipeline", "PipelineCut",
-           "PipelineKind", "PipelineStage", "Placement", "PlanSource", "Recompute", "Spec", "spec_from_json",
+           "PipelineKind", "PipelineStage", "Placement", "PlanSource", "Recompute", "Spec", "StateSharding", "spec_from_json",
            "spec_to_json"]
 
 
@@ -209,6 +209,78 @@ class Placement:
 
 
 
+@dataclass(frozen=True)
+class StateSharding:
+    """Optimizer-state leaves split over the mesh `axes` (ZeRO-1): `dims` pairs (index, dim), the
+    dim of entry parameter `index` that the axes split on top of the parameter's own spec.
+
+    JSON: {"axes": [str], "parameters": [{"index": int, "dim": int}]}. Optional in a plan file;
+    plans written before it existed load unchanged."""
+
+    axes: tuple[str, ...]
+    dims: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.axes:
+            raise PlanError("state_sharding names no mesh axes")
+        object.__setattr__(self, "axes", tuple(str(a) for a in self.axes))
+        pairs = dict(self.dims.items() if isinstance(self.dims, Mapping) else self.dims)
+        object.__setattr__(self, "dims", tuple(sorted((int(k), int(v)) for k, v in pairs.items())))
+
+    @property
+    def dim_of(self) -> dict[int, int]:
+        return dict(self.dims)
+
+    def spec_of(self, parameter: ParameterSpec) -> Spec:
+        """`parameter`'s spec with this section's split added (its own spec when not listed)."""
+        dim = self.dim_of.get(parameter.index)
+        if dim is None:
+            return parameter.spec
+        spec = list(parameter.spec) + [None] * (len(parameter.shape) - len(parameter.spec))
+        spec[dim] = tuple(spec[dim] or ()) + self.axes
+        return tuple(spec)
+
+    def check(self, parameters: Sequence[ParameterSpec], mesh: Mapping[str, int]) -> None:
+        """PlanError naming the parameter, dim and axes when the split cannot be applied."""
+        unknown = [a for a in self.axes if a not in mesh]
+        if unknown:
+            raise PlanError(f"state_sharding: axes {unknown} are not in the plan's mesh {dict(mesh)}")
+        ways = math.prod(mesh[a] for a in self.axes)
+        by_index = {p.index: p for p in parameters}
+        for index, dim in self.dims:
+            p = by_index.get(index)
+            if p is None:
+                raise PlanError(f"state_sharding: parameter {index} is not in the plan ({len(parameters)} parameters)")
+            if not 0 <= dim < len(p.shape):
+                raise PlanError(f"state_sharding: {p.path!r} has rank {len(p.shape)}; it has no dim {dim}")
+            own = p.spec[dim] if dim < len(p.spec) and p.spec[dim] is not None else ()
+            if set(own) & set(self.axes):
+                raise PlanError(f"state_sharding: {p.path!r} dim {dim} is already split on {list(own)}")
+            pieces = ways * math.prod(mesh.get(a, 1) for a in own)
+            if p.shape[dim] % pieces:
+                raise PlanError(f"state_sharding: {p.path!r} dim {dim} has size {p.shape[dim]}, which does not "
+                                f"split into {pieces} equal pieces")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"axes": list(self.axes),
+                "parameters": [{"index": index, "dim": dim} for index, dim in self.dims]}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "state_sharding") -> StateSharding:
+        if not isinstance(data, Mapping) or not isinstance(data.get("axes"), list) \
+                or not isinstance(data.get("parameters"), list):
+            raise PlanError(f"{where}: expected an object with an 'axes' list and a 'parameters' list, got {data!r}")
+        dims: dict[int, int] = {}
+        for k, entry in enumerate(data["parameters"]):
+            if not isinstance(entry, Mapping):
+                raise PlanError(f"{where}: parameters[{k}]: expected {{'index': int, 'dim': int}}, got {entry!r}")
+            index = _int(entry.get("index"), f"{where}: parameters[{k}].index")
+            dims[index] = _int(entry.get("dim"), f"{where}: parameters[{k}].dim")
+        try:
+            return cls(tuple(str(a) for a in data["axes"]), tuple(dims.items()))
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
+
 
 class PipelineKind(enum.Enum):
     """Which explorer's stages a pipeline section holds. CUTS: replicated stages over device
@@ -303,10 +375,16 @@ class PipelineStage:
     memory_bytes: float | None = None
     device_memory_bytes: float | None = None
     recompute: Recompute = Recompute.NONE
+    #: Mesh axes splitting the stage's optimizer state (ZeRO-1; its `specs` split those leaves so)
+    state_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise PlanError("a stage lists no devices")
+        unknown = [a for a in self.state_axes if a not in dict(self.mesh)]
+        if unknown:
+            raise PlanError(f"the stage splits its optimizer state over {unknown}, which its mesh "
+                            f"{dict(self.mesh)} does not have")
         if self.mesh and math.prod(size for _, size in self.mesh) != len(self.devices):
             raise PlanError(f"the stage has {len(self.devices)} devices but its mesh {dict(self.mesh)} has "
                             f"{math.prod(size for _, size in self.mesh)}")
@@ -332,6 +410,8 @@ class PipelineStage:
             out["plan"] = self.inner_plan
         if self.recompute is not Recompute.NONE:
             out["recompute"] = self.recompute.value
+        if self.state_axes:
+            out["state_axes"] = list(self.state_axes)
         if self.specs is not None:
             out["specs"] = [spec_to_json(s) for s in self.specs]
         for key in ("seconds_per_microbatch", "memory_bytes", "device_memory_bytes"):
@@ -366,11 +446,16 @@ class PipelineStage:
         except ValueError:
             raise PlanError(f"{where}: recompute {data.get('recompute')!r}: expected "
                             f"{' or '.join(r.value for r in Recompute)}") from None
+        state_axes = data.get("state_axes", [])
+        if not isinstance(state_axes, Sequence) or isinstance(state_axes, str) or not all(
+                isinstance(a, str) for a in state_axes):
+            raise PlanError(f"{where}: state_axes is a list of mesh axis names, got {state_axes!r}")
         try:
             stage = cls(devices, layers, mesh, specs, None if data.get("plan") is None else str(data["plan"]),
                         _number(data.get("seconds_per_microbatch"), f"{where}: seconds_per_microbatch"),
                         _number(data.get("memory_bytes"), f"{where}: memory_bytes"),
-                        _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"), recompute)
+                        _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"), recompute,
+                        tuple(state_axes))
         except PlanError as err:
             raise PlanError(f"{where}: {err}") from None
         given = data.get("replication")

@@ -22,7 +22,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
 
 def _plan_title(name: str) -> str:
     """`plan dp` for a built-in plan, `the plan` for a saved or given one (not `plan plan`)."""
-    return "the plan" if name == "plan" else f"plan {name}"
+    if name == "plan" or name.startswith("plan, "):
+        return "the " + name
+    return f"plan {name}"
 
 
 def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:

@@ -133,6 +133,10 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     if search:
         lines.append(Text(f"found by {search.get('driver')} ({search.get('reward')} reward) in "
                           f"{search.get('evaluations')} evaluations, {search.get('seconds')} s, seed {search.get('seed')}"))
+    state = getattr(plan, "state_sharding", None)
+    if state is not None:
+        lines.append(Text(f"optimizer state: {len(state.dims)} leaves split over {','.join(state.axes)} (ZeRO-1); "
+                          "each replica updates its slice and all-gathers the parameters"))
     est = plan.estimate or {}
     if "step_seconds" in est:
         mem = est.get("memory", {})

@@ -69,10 +69,20 @@ class Executor(enum.Enum):
 
 
 def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None,
-                    repeats: int = 1) -> Executor:
-    """GPipe runs on the spmd executor unless the stages' meshes differ or the mpmd one is asked for;
-    1F1B, interleaved 1F1B and ZB-H1 need the mpmd executor; a circular pipeline (gpipe with
-    `repeats` > 1) runs on the spmd executor only."""
+                    repeats: int = 1, splits_state: bool = False) -> Executor:
+    """GPipe runs on the spmd executor unless the stages' meshes differ, a stage splits its
+    optimizer state over its data axis (`splits_state`: inside the spmd executor's one program
+    XLA would reshard it between stages) or the mpmd one is asked for; 1F1B, interleaved 1F1B
+    and ZB-H1 need the mpmd executor; a circular pipeline (gpipe with `repeats` > 1) runs on the
+    spmd executor only."""
+    if splits_state:
+        if repeats > 1 and schedule is Schedule.GPIPE:
+            raise RunError("a circular pipeline runs on the spmd executor, which cannot keep a stage's optimizer "
+                           "state split over its data axis; drop the stages' state_axes (and their specs' data splits)")
+        if requested is not None and Executor.parse(requested) is Executor.SPMD:
+            raise RunError("the spmd executor cannot keep a stage's optimizer state split over its data axis (XLA "
+                           "reshards it between stages inside its one program); use the mpmd executor")
+        return Executor.MPMD
     if repeats > 1 and schedule is Schedule.GPIPE:
         if not uniform:
             raise RunError(f"a circular pipeline (repeats {repeats}) runs on the spmd executor, which needs every "
@@ -149,7 +159,7 @@ class ParallelStep:
         self.executor: Executor | None = None
         if self.section is not None:
             self.executor = choose_executor(self.section.schedule, self.section.uniform, executor,
-                                            self.section.repeats)
+                                            self.section.repeats, self.section.splits_state)
             if self.executor is Executor.MPMD and jax.process_count() > 1:
                 raise RunError(f"the mpmd executor is single-controller: one Python process drives every stage, but "
                                f"{jax.process_count()} processes run; use the spmd executor (GPipe) across hosts")

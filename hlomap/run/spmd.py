@@ -31,7 +31,7 @@ class SpmdStep:
         self.mesh = plan_mesh(plan, order)
         self.plan = plan
         self.step = step
-        self._specs = {p.index: p.partition_spec() for p in plan.parameters}
+        self._specs = {p.index: plan.leaf_spec(p) for p in plan.parameters}
         self._jitted: dict[Any, Any] = {}
         self._options = dict(compiler_options or {})
 

@@ -50,12 +50,18 @@ def output_specs(graph: FactorGraph, plan: Plan) -> list[PartitionSpec]:
 
     axes = MeshAxes.from_mesh(plan.mesh_shape, extra=[g.axes for g in plan.groups])
     array = plan.group_array(graph, axes)
+    parameters = sorted(plan.parameters, key=lambda p: p.index)
+    split = plan.state_sharding.dim_of if plan.state_sharding is not None else {}
     specs = []
-    for t in graph.output_tensors:
+    for k, t in enumerate(graph.output_tensors):
         entries: list[Any] = []
         for d in graph.tensor_dims(t):
             o = int(array[graph.group_of_dim[d]])
             entries.append(None if o < 0 else (axes.options[o][0] if len(axes.options[o]) == 1 else axes.options[o]))
+        # a state leaf split over the data axes (ZeRO-1) comes back split as it went in: the step
+        # returns the new state first, leaf k being argument leaf k
+        if k in split and k < len(parameters) and len(entries) == len(parameters[k].shape):
+            entries = list(plan.leaf_spec(parameters[k])) + [None] * (len(entries) - len(plan.leaf_spec(parameters[k])))
         while entries and entries[-1] is None:
             entries.pop()
         specs.append(PartitionSpec(*entries))

@@ -282,7 +282,7 @@ class MpmdPipeline:
                     aval = program.traced.step.jaxpr.invars[leaf].aval
                     given = per_leaf[leaf] if leaf in per_leaf else jnp.zeros(aval.shape, aval.dtype)
                 inputs.append(given)
-            return g_received, loss, update_s.run(*inputs)
+            return g_received, loss, self._pinned(s, update_s, update_s.run(*inputs))
 
         return jax.jit(self._counted("forward_backward_update", s, final), donate_argnums=0,
                        compiler_options=self.options)
@@ -379,12 +379,21 @@ class MpmdPipeline:
     def _stamp(self, stage: int, kind: str, microbatch: Any, _: Any, end: int) -> None:
         self._stamps.append((int(stage), kind, int(microbatch), int(end), time.perf_counter()))
 
+    def _pinned(self, s: int, update_s: Any, outputs: Sequence[Any]) -> list[Any]:
+        """Stage s's updated state leaves constrained to their shardings on the stage (a leaf
+        split more than its parameter, a ZeRO-1 optimizer state, stays split; XLA would be free
+        to return it whole otherwise); other outputs as XLA leaves them."""
+        n_state = self.program.traced.state_leaves
+        return [jax.lax.with_sharding_constraint(value, self._sharding(s, o)) if o < n_state and s in
+                self.program.update.residence[o] and o in self.leaf_sharding[s] else value
+                for o, value in zip(update_s.outputs, outputs)]
+
     def _make_update(self, s: int) -> Any:
         update_s = self.program.update.programs[s]
         run = update_s.run
 
         def update(*inputs: Any) -> Any:
-            return run(*inputs)
+            return self._pinned(s, update_s, run(*inputs))
 
         return self._shared(s, jax.jit(self._counted("update", s, update), donate_argnums=self._donated(update_s),
                                        compiler_options=self.options))

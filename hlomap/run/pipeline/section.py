@@ -52,6 +52,7 @@ class PipelineSection:
     parameters: tuple[tuple[ParameterSpec, ...], ...]
     repeats: int = 1  # circular or interleaved: each stage's devices run this many of the model's stages
     recompute: tuple[bool, ...] = ()  # per device stage: run its forward again in its backward (empty: none)
+    splits_state: bool = False  # some stage splits its optimizer state over its data axis (ZeRO-1)
 
     def recomputes(self, stage: int) -> bool:
         """Whether logical stage `stage` (on device stage `stage` mod S) recomputes its forward."""
@@ -105,7 +106,8 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
         parameters.append(stage_parameters(plan, stage.specs, mesh, f"{where}: stage {s}"))
     recompute = tuple(stage.recompute is Recompute.FULL for stage in section.stages)
     return PipelineSection(tuple(devices), tuple(inner), cut_records(section, where), microbatches, schedule,
-                           tuple(parameters), repeats, recompute if any(recompute) else ())
+                           tuple(parameters), repeats, recompute if any(recompute) else (),
+                           any(stage.state_axes for stage in section.stages))
 
 
 def stage_parameters(plan: Any, specs: Sequence[Spec] | None, mesh: tuple[tuple[str, int], ...],

@@ -33,6 +33,7 @@ from hlomap.cost.collectives import Collective, collective_permute_terms, collec
 from hlomap.cost.estimate import Reason, per_buffer_seconds, step_work
 from hlomap.cost.mapping import axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
+from hlomap.cost.zero import state_axes
 from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
@@ -63,19 +64,28 @@ class PlanKind(enum.Enum):
 @dataclass(frozen=True, order=True)
 class StageOption:
     """A stage's device group and what runs on it: `devices = data * model` devices, the mesh
-    shape, the plan kind, and whether the stage recomputes its forward pass in its backward
+    shape, the plan kind, whether the stage recomputes its forward pass in its backward
     (`hlomap.plan.Recompute.FULL`: one more forward per microbatch, its inputs kept instead of
-    its activations)."""
+    its activations), and whether it splits its optimizer state over its `data` replicas
+    (`split_state`, ZeRO-1: Adam's moments at 1 / data, each replica updates its slice and the
+    updated parameters are all-gathered once per step)."""
 
     devices: int
     data: int
     model: int
     kind: PlanKind = PlanKind.EXPERT
     recompute: bool = False
+    split_state: bool = False
 
     def __str__(self) -> str:
-        extra = ", recomputed" if self.recompute else ""
+        extra = (", recomputed" if self.recompute else "") + (", optimizer state split" if self.split_state else "")
         return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}{extra})"
+
+    @property
+    def plain(self) -> StageOption:
+        """The same devices, mesh and plan without recomputation or a split optimizer state: what
+        the cost model prices (`JointModel.arrays` derives the others from its arrays)."""
+        return dataclasses.replace(self, recompute=False, split_state=False)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -96,9 +106,11 @@ def group_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 
 def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXPERT,),
-                  max_model: int | None = None, recompute: Sequence[bool] = (False,)) -> tuple[StageOption, ...]:
-    """Every (group size, data x model, kind, recompute): tensor parallelism stays inside a server
-    (its all-reduces are on the critical path of every layer) unless a node holds one device."""
+                  max_model: int | None = None, recompute: Sequence[bool] = (False,),
+                  split_state: Sequence[bool] = (False,)) -> tuple[StageOption, ...]:
+    """Every (group size, data x model, kind, recompute, split state): tensor parallelism stays
+    inside a server (its all-reduces are on the critical path of every layer) unless a node holds
+    one device; the optimizer state is split only where there are data replicas (data > 1)."""
     per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
     limit = max_model or (per_node if per_node > 1 else 8)
     out = []
@@ -106,7 +118,10 @@ def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXP
         for model in (m for m in range(1, n + 1) if n % m == 0 and m <= limit and m & (m - 1) == 0):
             for kind in kinds:
                 for again in recompute:
-                    out.append(StageOption(n, n // model, model, kind, again))
+                    for split in split_state:
+                        if split and n // model == 1:
+                            continue
+                        out.append(StageOption(n, n // model, model, kind, again, split))
     return tuple(out)
 
 
@@ -126,6 +141,9 @@ class StageArrays(NamedTuple):
     inputs[k]: bytes entering layer k on one device (not a prefix sum: what a stage starting at
     layer k keeps per microbatch when it recomputes); recompute: the option's stages do
     (`plans.stage_seconds` and `plans.stage_memory` price it).
+    split_state: the option's stages split their optimizer state over their `data` replicas
+    (`StageOption.split_state`); gather_alpha/gather_beta: the combined all-gather of their
+    updated parameters over the data groups, affine in the gathered bytes (`params`).
     """
 
     compute: np.ndarray
@@ -145,6 +163,10 @@ class StageArrays(NamedTuple):
     forward: np.ndarray  # the forward pass's part of `compute` (for schedules that split the passes)
     inputs: np.ndarray  # [n_layers + 1]: bytes entering layer k on one device (the cut before it; 0 for the first)
     recompute: bool = False  # the option's stages run their forward again in the backward
+    split_state: bool = False  # the option's stages split their optimizer state over `data`
+    data: int = 1  # the option's data replicas
+    gather_alpha: float = 0.0
+    gather_beta: float = 0.0
 
 
 @dataclass(eq=False)
@@ -191,12 +213,32 @@ class JointModel:
     # -- one option's arrays --------------------------------------------------------------------
     def arrays(self, option: StageOption) -> StageArrays:
         if option not in self._arrays:
-            if option.recompute:  # the same work and bytes; `plans` prices what recomputing changes
-                base = self.arrays(dataclasses.replace(option, recompute=False))
-                self._arrays[option] = base._replace(recompute=True)
+            if option != option.plain:  # the same work and bytes; `plans` prices what these change
+                base = self.arrays(option.plain)
+                gather = self._gather_prices(option) if option.split_state else (0.0, 0.0)
+                self._arrays[option] = base._replace(recompute=option.recompute, split_state=option.split_state,
+                                                     gather_alpha=gather[0], gather_beta=gather[1])
             else:
                 self._arrays[option] = self._price(option)
         return self._arrays[option]
+
+    def can_split_state(self, option: StageOption) -> bool:
+        """The option's plan has data replicas to split the optimizer state over: its `data`
+        axis splits the batch and no parameter (`hlomap.cost.zero.state_axes`)."""
+        key = ("split state", option.plain)
+        if key not in self._cache:
+            plan, axes = self.plan_for(option)
+            sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
+            self._cache[key] = "data" in state_axes(sg)
+        return bool(self._cache[key])
+
+    def _gather_prices(self, option: StageOption) -> tuple[float, float]:
+        """(latency, seconds per gathered byte) of an all-gather over the option's data groups."""
+        if option.data <= 1:
+            return 0.0, 0.0
+        groups = axis_devices(self.cluster, option.mesh, order=("data", "model")).groups("data")
+        empty = collective_time(Collective.ALL_GATHER, self.cluster, groups, 0.0)
+        return empty, (collective_time(Collective.ALL_GATHER, self.cluster, groups, 2**30) - empty) / 2**30
 
     def plan_for(self, option: StageOption) -> tuple[np.ndarray, MeshAxes]:
         """The plan array a stage of this option runs, over the whole graph, and its mesh axes."""
@@ -260,7 +302,7 @@ class JointModel:
         inputs = np.concatenate([[0.0], cut, [0.0]])
         return StageArrays(layer(compute), layer(alpha), layer(beta), layer(update), layer(grads), layer(params),
                            layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer, layer(forward),
-                           inputs)
+                           inputs, data=option.data)
 
     def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
         """Per chain position: parameter and stash bytes on one device; and every crossing

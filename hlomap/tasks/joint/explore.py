@@ -19,6 +19,7 @@ from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
 from hlomap.plan import Pipeline, Recompute
+from hlomap.plan.sections import spec_to_json
 from hlomap.propagation.graph import FactorGraph
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_split_ends
@@ -77,7 +78,7 @@ class JointResult:
 def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = DEFAULT_SCHEDULE,
                   microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                   kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
-                  recompute: bool = True,
+                  recompute: bool = True, split_state: bool = True,
                   budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
                   graph: FactorGraph | None = None, model: JointModel | None = None,
                   on_best: Callable[[SearchResult], None] | None = None,
@@ -86,13 +87,16 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     default: optimal for the model and fast), or a search driver over the outer level ("dqn",
     "random", "greedy"; `budget` bounds it) with the same inner level. recompute: stages may also
     recompute their forward pass (`StageOption.recompute`), which only a stage short of memory
-    takes (`solve.problem_for` drops the option where the stage fits without it)."""
+    takes (`solve.problem_for` drops the option where the stage fits without it). split_state:
+    stages with data replicas may also split their optimizer state over them
+    (`StageOption.split_state`, ZeRO-1), kept only where it fits what would not or is faster."""
     start = time.perf_counter()
     choose = schedule == AUTO_SCHEDULE
     # the DP needs the closed form: it plans under 1F1B, then every schedule is priced on its plan
     schedule = DEFAULT_SCHEDULE if choose else Schedule(schedule)
     model = model or joint_model(cap, cluster, graph=graph)
-    options = stage_options(cluster, kinds=kinds, recompute=(False, True) if recompute else (False,))
+    options = stage_options(cluster, kinds=kinds, recompute=(False, True) if recompute else (False,),
+                            split_state=(False, True) if split_state else (False,))
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
                        schedule, max_stages)
     task = JointSearchTask(model, space)
@@ -145,13 +149,14 @@ def joint_plan(result: JointResult) -> Any:
         return _spmd_plan(result)
     stages = []
     for s, stage in enumerate(plan.stages):
-        array, axes = model.plan_for(stage.option)
-        inner = Plan.from_groups(model.cap, model.graph, array, axes, check=False)
+        inner = _inner_plan(model, stage.option)
+        state = inner.state_sharding
         stages.append({
             "layers": [stage.start, stage.stop], "devices": list(stage.devices),
             "replication": stage.option.data, "mesh": stage.option.mesh, "plan": stage.option.kind.value,
             **({"recompute": Recompute.FULL.value} if stage.recompute else {}),
-            "specs": [p.to_json()["spec"] for p in inner.parameters],
+            **({"state_axes": list(state.axes)} if state is not None else {}),
+            "specs": [spec_to_json(state.spec_of(p) if state is not None else p.spec) for p in inner.parameters],
             "seconds_per_microbatch": cost.stage_seconds[s], "memory_bytes": cost.stage_memory[s],
             "device_memory_bytes": cost.device_memory[s],
         })
@@ -182,13 +187,20 @@ def joint_plan(result: JointResult) -> Any:
     return dataclasses.replace(base, pipeline=Pipeline.from_json(pipeline), estimate=estimate, search=search)
 
 
-def _spmd_plan(result: JointResult) -> Any:
-    """The one-stage joint result as an SPMD plan (`joint_plan`), with its estimate and search."""
+def _inner_plan(model: JointModel, option: StageOption) -> Any:
+    """The SPMD plan a stage of `option` runs on its mesh (its optimizer state split over `data`
+    when the option says so: `Plan.with_sharded_state`)."""
     from hlomap.plan import Plan
 
+    array, axes = model.plan_for(option)
+    inner = Plan.from_groups(model.cap, model.graph, array, axes, check=False)
+    return inner.with_sharded_state(model.graph) if option.split_state else inner
+
+
+def _spmd_plan(result: JointResult) -> Any:
+    """The one-stage joint result as an SPMD plan (`joint_plan`), with its estimate and search."""
     model, plan, cost = result.model, result.plan, result.cost
-    array, axes = model.plan_for(plan.stages[0].option)
-    spmd = Plan.from_groups(model.cap, model.graph, array, axes, check=False)
+    spmd = _inner_plan(model, plan.stages[0].option)
     best = result.best_grid
     estimate = {"step_seconds": cost.latency, "memory": {"per_stage": list(cost.stage_memory),
                                                          "total": max(cost.stage_memory), "fits": cost.fits},
@@ -215,7 +227,8 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
         except ValueError:
             raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
                              f"expected {' or '.join(k.value for k in PlanKind)}") from None
-        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute is Recompute.FULL)
+        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute is Recompute.FULL,
+                             bool(st.state_axes))
         stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
 

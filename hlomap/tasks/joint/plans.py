@@ -4,7 +4,9 @@ their closed-form cost: what the joint planner's searches minimize.
 For stages s = 0..S-1 of layers [i_s, j_s) on devices [d_s, d_s + n_s) with option o_s, and
 M microbatches (`costs.StageArrays` are per step, on one device of the stage):
   t_s = (compute + collective bandwidth + gradient all-reduce + update) / M + collective latency
-        (+ the stage's forward compute / M again when it recomputes)
+        (+ the stage's forward compute / M again when it recomputes; a stage that splits its
+        optimizer state over its data replicas updates 1 / data of it and all-gathers its
+        updated parameters once per step)
   u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
   L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
 by the one pipeline closed form, `hlomap.cost.pipeline.costs.pipeline_latency` (Alpa's; fill
@@ -12,7 +14,8 @@ and drain, then M - 1 periods of the slowest stage or link), with the stages pri
 sharded step; plus, on a measured cluster, the executor's own cost (`executor_overhead`), which
 is what makes many microbatches or stages dear on a host-bound machine. Memory per device: 4 x
 the stage's parameters (weights, gradients, Adam's moments) + the microbatches in flight
-(1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch; a stage that recomputes
+(1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch (with the optimizer state
+split, the moments count 1 / data); a stage that recomputes
 (`StageOption.recompute`, `hlomap.plan.Recompute.FULL`) holds its input per microbatch in flight
 instead, plus one microbatch's stash while it recomputes it.
 """
@@ -45,12 +48,13 @@ class JointStage(Stage):
 
     kind: PlanKind = PlanKind.EXPERT
     recompute: bool = False
+    split_state: bool = False
 
     @classmethod
     def of(cls, start: int, stop: int, first_device: int, option: StageOption) -> JointStage:
         """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
         return cls(int(start), int(stop), tuple(range(first_device, first_device + option.devices)), option.model,
-                   option.kind, option.recompute)
+                   option.kind, option.recompute, option.split_state)
 
     @property
     def first_device(self) -> int:
@@ -58,7 +62,8 @@ class JointStage(Stage):
 
     @property
     def option(self) -> StageOption:
-        return StageOption(len(self.devices), self.replication, self.model, self.kind, self.recompute)
+        return StageOption(len(self.devices), self.replication, self.model, self.kind, self.recompute,
+                           self.split_state)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,10 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_eac
     extra_buffers = np.maximum(a.buffers[j] - a.buffers[i] - 1, 0)
     sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
     per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + (a.update[j] - a.update[i])
+    if a.split_state:  # each replica updates its slice, then the updated parameters are all-gathered
+        params = a.params[j] - a.params[i]
+        per_step = per_step - (a.update[j] - a.update[i]) * (1.0 - 1.0 / a.data) + np.where(
+            params > 0, a.gather_alpha + a.gather_beta * params + a.sync_per_buffer * extra_buffers, 0.0)
     if a.recompute:
         per_step = per_step + (a.forward[j] - a.forward[i])  # the forward pass once more, in the backward
     if sync_each_microbatch:
@@ -109,9 +118,12 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_eac
 
 def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -> Any:
     """Bytes per device of layers [i, j) with `held` microbatches in flight: parameters, gradients
-    and Adam's moments, and each held microbatch's stash (a recomputing stage: its input, plus one
-    microbatch's stash while the backward recomputes it)."""
-    params = PARAM_MEMORY_FACTOR * (a.params[j] - a.params[i])
+    and Adam's moments (split over the data replicas when the stage splits its optimizer state),
+    and each held microbatch's stash (a recomputing stage: its input, plus one microbatch's stash
+    while the backward recomputes it)."""
+    moments = PARAM_MEMORY_FACTOR - 2.0  # Adam's two moments; the weights and gradients stay whole
+    factor = PARAM_MEMORY_FACTOR - moments * (1.0 - 1.0 / a.data) if a.split_state else PARAM_MEMORY_FACTOR
+    params = factor * (a.params[j] - a.params[i])
     stash = a.stash[j] - a.stash[i]
     if a.recompute:
         return params + (held * a.inputs[i] + stash) / microbatches
@@ -199,6 +211,9 @@ def joint_overhead(cluster: Any, plan: JointPlan) -> float:
 
 
 def joint_executor(plan: JointPlan) -> str:
-    """The executor the runner picks for a joint plan: stages alike (one mesh option) or not."""
+    """The executor the runner picks for a joint plan (`hlomap.run.runner.choose_executor`):
+    stages alike (one mesh option) or not; a stage that splits its optimizer state runs on mpmd."""
+    if any(stage.split_state for stage in plan.stages):
+        return "mpmd"
     uniform = len({stage.option for stage in plan.stages}) == 1
     return default_executor(plan.schedule, uniform)

@@ -78,8 +78,10 @@ def _per_node(model: JointModel) -> int:
 
 
 def _valid(model: JointModel, option: StageOption, microbatches: int) -> bool:
-    """Each data replica gets a whole number of samples of every microbatch."""
-    return splits_batch(model.batch, microbatches, option.data)
+    """Each data replica gets a whole number of samples of every microbatch; a split optimizer
+    state needs data replicas the stage's plan leaves the parameters whole on."""
+    return splits_batch(model.batch, microbatches, option.data) and (
+        not option.split_state or model.can_split_state(option))
 
 
 def holds_parameters(a: StageArrays, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -219,19 +221,39 @@ def _plan(problem: JointProblem, chain: StageChain) -> JointPlan:
 def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> JointProblem | None:
     """The problem of one microbatch count (None when no option splits the batch that way).
 
-    A recomputing option is dropped where its twin (the same option keeping its activations) fits
-    every stage it could run: the whole model with every microbatch in flight. Then in any plan
-    the twin can replace it on the same devices with the same cuts, transfers and no more time,
-    so the optimum never needs it (exact pruning; it halves the options of a step that fits)."""
+    An option that recomputes or splits its optimizer state is dropped where a twin without
+    (some of) these (the same devices, mesh and plan) fits every stage it could run, the whole
+    model with every microbatch in flight, and is never slower: recomputing always costs time;
+    splitting the state costs an all-gather and saves part of the update, so it is never faster
+    when, layer by layer, the gather's bandwidth time is at least the update time it saves. Then
+    in any plan the twin can replace it on the same devices with the same cuts, transfers and no
+    more time, so the optimum never needs it (exact pruning; it halves the options of a step
+    that fits)."""
     valid = [o for o in space.options if _valid(model, o, microbatches)]
-    options = tuple(o for o in valid if not (o.recompute and _twin_always_fits(model, o, microbatches, space)))
+    options = tuple(o for o in valid if not _dominated(model, o, microbatches, space))
     return JointProblem(model, space, microbatches, options, _per_node(model)) if options else None
 
 
-def _twin_always_fits(model: JointModel, option: StageOption, microbatches: int, space: JointSpace) -> bool:
+def _dominated(model: JointModel, option: StageOption, microbatches: int, space: JointSpace) -> bool:
+    """A twin of `option` with fewer extras always fits and is never slower (`problem_for`)."""
+    twins = {dataclasses.replace(option, recompute=r, split_state=z)
+             for r in {False, option.recompute} for z in {False, option.split_state}} - {option}
+    return any(_twin_always_fits(model, twin, microbatches, space) and _never_slower(model, twin, option)
+               for twin in twins)
+
+
+def _never_slower(model: JointModel, twin: StageOption, option: StageOption) -> bool:
+    if not option.split_state or twin.split_state:
+        return True  # dropping recomputation only saves time
+    a = model.arrays(option)
+    params, update = np.diff(a.params), np.diff(a.update)
+    return bool(np.all(a.gather_beta * params >= update * (1.0 - 1.0 / a.data)))
+
+
+def _twin_always_fits(model: JointModel, twin_option: StageOption, microbatches: int, space: JointSpace) -> bool:
     if not space.check_memory:
         return True  # memory does not bound the search: recomputing only costs time
-    twin = model.arrays(dataclasses.replace(option, recompute=False))
+    twin = model.arrays(twin_option)
     n = model.n_layers
     # parameters and stash are prefix sums of non-negative terms: [0, n) bounds every stage
     need = float(stage_memory(twin, 0, n, microbatches, microbatches))

@@ -52,8 +52,10 @@ def estimate_model(cap: Capture, graph: FactorGraph, axes: MeshAxes, cluster: An
 
 
 def step_estimate(cap: Capture, graph: FactorGraph, plan: np.ndarray, axes: MeshAxes, cluster: Any = "A", *,
-                  axis_order: Sequence[str] | None = None) -> Any:
-    """The full `StepEstimate` of one plan array (for the plan's saved estimate and reports)."""
+                  axis_order: Sequence[str] | None = None, sharded_state: Any = None) -> Any:
+    """The full `StepEstimate` of one plan array (for the plan's saved estimate and reports);
+    `sharded_state`: the optimizer state the plan splits over its data axes (`Plan.sharded_state`)."""
     from hlomap.cost.estimate import estimate
 
-    return estimate(cap, np.asarray(plan), axes, cluster=cluster, graph=graph, axis_order=axis_order)
+    return estimate(cap, np.asarray(plan), axes, cluster=cluster, graph=graph, axis_order=axis_order,
+                    sharded_state=sharded_state)

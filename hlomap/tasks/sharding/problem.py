@@ -81,22 +81,49 @@ def search_sharding(problem: Problem, driver: Driver | str, budget: Budget, seed
                               on_progress=on_progress)
 
 
-def to_plan(problem: Problem, result: SearchResult, *, with_estimate: bool = True) -> Any:
-    """The `Plan` of a search result, carrying how it was found and (with `with_estimate`) the
-    cost model's estimate on the problem's cluster."""
-    from hlomap.plan import Plan
+#: `shard_optimizer_state` modes: never, always (where the plan has data replicas), or only when
+#: the plan does not fit in memory otherwise and does with it.
+STATE_SHARDING_MODES = ("off", "on", "auto")
 
+
+def to_plan(problem: Problem, result: SearchResult, *, with_estimate: bool = True,
+            shard_optimizer_state: str = "auto") -> Any:
+    """The `Plan` of a search result, carrying how it was found and (with `with_estimate`) the
+    cost model's estimate on the problem's cluster. `shard_optimizer_state` (`STATE_SHARDING_MODES`)
+    says whether the plan splits its optimizer state over its data axes (ZeRO-1,
+    `Plan.with_sharded_state`); "auto" needs the estimate to tell whether the plan fits."""
+    from hlomap.plan import Plan, PlanError
+
+    if shard_optimizer_state not in STATE_SHARDING_MODES:
+        raise ValueError(f"shard_optimizer_state {shard_optimizer_state!r}: expected one of {STATE_SHARDING_MODES}")
     plan = Plan.from_groups(problem.cap, problem.graph, result.plan, problem.axes)
     search = {"task": problem.space.task.value, **result.search_json()}
-    estimate = None
-    if with_estimate and problem.cluster is not None:
+    estimate = _estimate_json(problem, result, plan) if with_estimate and problem.cluster is not None else None
+    wanted = shard_optimizer_state == "on" or (shard_optimizer_state == "auto" and estimate is not None
+                                               and not estimate["memory"]["fits"])
+    if wanted:
         try:
-            from hlomap.tasks.sharding.costmodel import step_estimate
-
-            estimate = step_estimate(problem.cap, problem.graph, result.plan, problem.axes, problem.cluster).to_json()
-        except Exception as exc:  # an estimate is a report, not a reason to lose the plan
-            log.warning("could not estimate the explored plan: %s", exc)
+            sharded = plan.with_sharded_state(problem.graph)
+        except PlanError as exc:
+            log.log(logging.WARNING if shard_optimizer_state == "on" else logging.INFO,
+                    "the optimizer state stays whole: %s", exc)
+        else:
+            sharded_estimate = (_estimate_json(problem, result, sharded)
+                                if with_estimate and problem.cluster is not None else None)
+            if shard_optimizer_state == "on" or (sharded_estimate is not None and sharded_estimate["memory"]["fits"]):
+                plan, estimate = sharded, sharded_estimate
     return dataclasses.replace(plan, search=search, estimate=estimate)
+
+
+def _estimate_json(problem: Problem, result: SearchResult, plan: Any) -> dict[str, Any] | None:
+    try:
+        from hlomap.tasks.sharding.costmodel import step_estimate
+
+        return step_estimate(problem.cap, problem.graph, result.plan, problem.axes, problem.cluster,
+                             sharded_state=plan.sharded_state()).to_json()
+    except Exception as exc:  # an estimate is a report, not a reason to lose the plan
+        log.warning("could not estimate the explored plan: %s", exc)
+        return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,8 +145,10 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
                      budget_evaluations: int | None = None, output: str | PathLike[str] | None = None,
                      graph: FactorGraph | None = None, replicate_residual: bool | None = None,
                      dqn_config: DqnSearchConfig | None = None, with_estimate: bool = True,
-                     on_progress: Callable[[Progress], None] | None = None) -> Exploration:
-    """Search a sharding plan; the whole `Exploration`."""
+                     on_progress: Callable[[Progress], None] | None = None,
+                     shard_optimizer_state: str = "auto") -> Exploration:
+    """Search a sharding plan; the whole `Exploration`. `shard_optimizer_state`: "off", "on" or
+    "auto" (`to_plan`)."""
     problem = build_problem(cap, task=task, mesh=mesh, cluster=cluster, reward=reward, graph=graph,
                             replicate_residual=replicate_residual)
     budget = Budget(seconds=budget_seconds, evaluations=budget_evaluations)
@@ -130,7 +159,7 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
 
     result = search_sharding(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
                         on_progress=on_progress)
-    plan = to_plan(problem, result, with_estimate=with_estimate)
+    plan = to_plan(problem, result, with_estimate=with_estimate, shard_optimizer_state=shard_optimizer_state)
     if output is not None:
         plan.save(output)
     log.info("explored %s (%s, %s reward) with %s: score %.4g after %d evaluations in %.1f s%s",

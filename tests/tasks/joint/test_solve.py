@@ -143,22 +143,28 @@ def test_joint_plans_are_priced_by_the_one_pipeline_formula(gpt_tiny, monkeypatc
 
 
 @pytest.mark.parametrize("data, tp", [(8, 1), (2, 4)])
-def test_a_one_stage_plan_costs_the_spmd_estimate_on_a_measured_cluster(gpt_tiny, data: int, tp: int) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_a_one_stage_plan_costs_the_spmd_estimate_on_a_measured_cluster(gpt_tiny, data: int, tp: int,
+                                                                        split: bool) -> None:
     """On a calibrated cluster (8 CPU devices, measured collectives, dispatch, kernel launches and
     the combined all-reduce's per-buffer cost), a one-stage one-microbatch joint plan is the SPMD
     plan on the same mesh: the joint model prices it as the SPMD estimate does, so `task="auto"`
-    and the sharding tasks compare like with like."""
-    from hlomap.api import estimate
+    and the sharding tasks compare like with like; so with the optimizer state split over `data`
+    (`Plan.with_sharded_state`)."""
+    from hlomap.api import estimate, with_sharded_state
     from hlomap.cost.cluster import load_cluster
     from tests.local_cluster import LOCAL_CLUSTER_FILE
 
     cluster = load_cluster(str(LOCAL_CLUSTER_FILE))
     assert cluster.measured is not None and cluster.measured.combined_operand_seconds > 0
     model = _model(gpt_tiny, cluster)
-    option = StageOption(8, data, tp)
+    option = StageOption(8, data, tp, split_state=split)
     one = JointPlan((JointStage.of(0, model.n_layers, 0, option),), 1)
     mesh = {"data": data, "model": tp} if tp > 1 else {"data": data}
-    est = estimate(gpt_tiny, "dp+megatron" if tp > 1 else "dp", mesh=mesh, cluster=cluster, graph=model.graph)
+    plan = "dp+megatron" if tp > 1 else "dp"
+    if split:
+        plan = with_sharded_state(gpt_tiny, plan, mesh=mesh, graph=model.graph)
+    est = estimate(gpt_tiny, plan, mesh=None if split else mesh, cluster=cluster, graph=model.graph)
     assert evaluate(model, one).latency == pytest.approx(est.step_seconds, rel=0.01)
 
 
@@ -310,3 +316,54 @@ def test_a_gpt_s_stash_splits_over_data_replicas(gpt_tiny) -> None:
     one, eight = model.arrays(StageOption(1, 1, 1)), model.arrays(StageOption(8, 8, 1))
     unbatched = sum(kept[n] for n in model.attribution.stashed if n not in batched)
     assert eight.stash[-1] == pytest.approx(unbatched + (one.stash[-1] - unbatched) / 8, rel=1e-9)
+
+
+def test_a_split_state_stage_pays_an_all_gather_and_keeps_its_moments_at_one_over_data(gpt_tiny) -> None:
+    """`StageOption.split_state` priced: Adam's moments at 1 / data (4 x params -> (2 + 2 / data) x
+    params), 1 / data of the update, and once per step the all-gather of the stage's updated
+    parameters over its data groups."""
+    from hlomap.cost.collectives import Collective, collective_time
+    from hlomap.cost.mapping import axis_devices
+    from hlomap.tasks.joint.plans import stage_memory, stage_seconds
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
+    whole = model.arrays(StageOption(4, 4, 1))
+    split = model.arrays(StageOption(4, 4, 1, split_state=True))
+    i, j, m, held = 1, 4, 4, 2
+    params = whole.params[j] - whole.params[i]
+    assert params > 0
+    groups = axis_devices(model.cluster, {"data": 4, "model": 1}, order=("data", "model")).groups("data")
+    gather = collective_time(Collective.ALL_GATHER, model.cluster, groups, float(params))
+    update = whole.update[j] - whole.update[i]
+    assert update > 0
+    assert float(stage_seconds(split, i, j, m)) == pytest.approx(
+        float(stage_seconds(whole, i, j, m)) + (gather - update * 3 / 4) / m, rel=1e-9)
+    assert float(stage_memory(split, i, j, held, m)) == pytest.approx(
+        float(stage_memory(whole, i, j, held, m)) - 2.0 * params * 3 / 4, rel=1e-12)
+    offered = stage_options(model.cluster, split_state=(False, True))
+    assert any(o.split_state for o in offered)
+    assert not any(o.split_state and o.data == 1 for o in offered)  # no data replicas, nothing to split over
+
+
+@pytest.mark.parametrize("capacity", [None, 0.85])
+def test_the_dp_with_split_state_finds_the_enumerated_optimum(gpt_tiny, capacity) -> None:
+    """With split-state (and recomputing) options the DP, its exact pruning included, finds what
+    enumeration over every option finds: on roomy devices and on devices with 85% of the memory
+    the leanest whole-state plan needs."""
+    import dataclasses
+
+    from hlomap.cost.devices import device_preset
+
+    cluster = hierarchical(2, 4, "V100-16GB")
+    model = _model(gpt_tiny, cluster, layers=4)
+    if capacity is not None:
+        whole = JointSpace(stage_options(cluster), (2, 4))
+        least = min(max(evaluate(model, plan).stage_memory) for plan in joint_plans(model, whole))
+        device = dataclasses.replace(device_preset("V100-16GB"), memory_bytes=least * capacity)
+        model = _model(gpt_tiny, hierarchical(2, 4, device), layers=4)
+    space = JointSpace(stage_options(model.cluster, recompute=(False, True), split_state=(False, True)), (2, 4))
+    plan, cost = solve(model, space)
+    best_plan, best = joint_brute_force(model, space)
+    assert cost.latency == pytest.approx(best.latency, rel=1e-9)
+    if capacity is not None:
+        assert any(stage.split_state or stage.recompute for stage in plan.stages)

@@ -1,0 +1,102 @@
+"""Joint stages that split their optimizer state over their data replicas (ZeRO-1,
+`StageOption.split_state`): the plan file says so per stage, both pipeline executors run it with
+the unsharded step's numerics, and each stage keeps its moments split over `data`; the joint
+planner prices it (the moments at 1 / data, an all-gather of the updated parameters, 1 / data of
+the update) and takes it where it makes a plan fit that would not."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import pytest
+
+import hlomap
+from hlomap.cost.cluster import hierarchical
+from hlomap.cost.devices import device_preset
+from hlomap.cost.pipeline.stages import Schedule
+from hlomap.hlo.capture import Role
+from hlomap.plan import Plan
+from hlomap.run.compare import check_pipeline
+from hlomap.tasks.joint.costs import StageOption
+from hlomap.tasks.joint.explore import JointResult, joint_model, joint_plan, saved_joint_plan
+from hlomap.tasks.joint.plans import evaluate
+from hlomap.tasks.joint.solve import JointSpace, solve
+from tests.run.helpers import FAST_COMPILE
+
+CLUSTER = hierarchical(2, 4)
+
+
+def _plan(cap: Any, split: bool) -> tuple[Plan, Any]:
+    model = joint_model(cap, CLUSTER)
+    option = StageOption(4, 2, 2, split_state=split)
+    plan, cost = solve(model, JointSpace((option,), (2,), Schedule.GPIPE, max_stages=2))
+    return joint_plan(JointResult(model, plan, cost, (), 0.0, "exact", 1)), cost
+
+
+def test_split_state_is_priced_and_written_per_stage(zoo_case) -> None:  # type: ignore[no-untyped-def]
+    case = zoo_case("gpt-tiny")
+    whole, whole_cost = _plan(case.cap, False)
+    split, split_cost = _plan(case.cap, True)
+    assert all(st.state_axes == ("data",) for st in split.pipeline.stages)
+    assert all(st.state_axes == () for st in whole.pipeline.stages)
+    # the same stages; each keeps half of its moments (data = 2): 4 x params -> 3 x params
+    assert [s.layers for s in split.pipeline.stages] == [s.layers for s in whole.pipeline.stages]
+    for a, b in zip(split_cost.stage_memory, whole_cost.stage_memory):
+        assert a < b
+    # a moment's spec in the stage adds `data` to a dim its parameter leaves whole
+    moments = {p.index for p in case.cap.parameters if p.role is Role.OPTIMIZER_STATE and p.shape.rank}
+    stage = split.pipeline.stages[0]
+    with_data = [i for i in moments if any(s is not None and "data" in s for s in stage.specs[i])]
+    assert len(with_data) >= len(moments) // 2
+    # the saved plan prices again to the planner's figures
+    again = saved_joint_plan(Plan.from_json(split.to_json()).pipeline)
+    assert all(st.split_state for st in again.stages)
+    model = joint_model(case.cap, CLUSTER)
+    assert evaluate(model, again).latency == pytest.approx(split_cost.latency, rel=1e-9)
+
+
+def test_split_state_stages_run_with_unsharded_numerics(zoo_case) -> None:  # type: ignore[no-untyped-def]
+    """The GPipe plan's stages are alike, yet it runs on the mpmd executor (the spmd one cannot
+    keep the state split and says so); loss, gradients and updates equal the unsharded step's and
+    the moments stay split over `data` after a step."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.runner import Executor
+
+    case = zoo_case("gpt-tiny")
+    plan, _ = _plan(case.cap, True)
+    with pytest.raises(RunError, match="spmd executor cannot keep a stage's optimizer state split"):
+        hlomap.parallelize(case.model.train_step(), plan, executor="spmd")
+    step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
+    assert step.executor is Executor.MPMD
+    check = check_pipeline(step, case.args)
+    assert check.exact, "\n".join(c.words() for c in check.comparisons)
+    params, opt_state = step.place(case.args[0], case.args[1])
+    _, new_state, _ = step(params, opt_state, *case.args[2:])
+    specs = plan.pipeline.stages[0].specs
+    offset = len(jax.tree_util.tree_leaves(case.args[0]))
+    split = 0
+    for k, leaf in enumerate(jax.tree_util.tree_leaves(new_state)):
+        if any(s is not None and "data" in s for s in specs[offset + k]):
+            split += 1
+            assert "data" in jax.tree_util.tree_leaves(tuple(leaf.sharding.spec)), k
+    assert split > 0
+
+
+def test_the_planner_splits_the_state_where_it_makes_a_plan_fit(zoo_case) -> None:  # type: ignore[no-untyped-def]
+    """With room to spare the planner splits no state (it would add an all-gather); on devices
+    with 20% less memory than its plan needs, splitting a data-parallel stage's state beats every
+    plan that keeps the state whole (those need a third stage)."""
+    from hlomap.tasks.joint.explore import explore_joint
+
+    case = zoo_case("gpt-tiny")
+    roomy = explore_joint(case.cap, CLUSTER, with_grid=False, recompute=False)
+    assert not any(st.split_state for st in roomy.plan.stages)
+    device = dataclasses.replace(device_preset("V100-16GB"), memory_bytes=max(roomy.cost.stage_memory) * 0.8)
+    tight = hierarchical(2, 4, device)
+    whole = explore_joint(case.cap, tight, with_grid=False, recompute=False, split_state=False)
+    found = explore_joint(case.cap, tight, with_grid=False, recompute=False)
+    assert found.cost.fits and whole.cost.fits
+    assert any(st.split_state for st in found.plan.stages)
+    assert found.cost.latency < whole.cost.latency
