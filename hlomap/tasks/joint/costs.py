@@ -30,8 +30,8 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
-from hlomap.cost.estimate import Reason, per_buffer_seconds, step_work
-from hlomap.cost.mapping import axis_devices
+from hlomap.cost.estimate import CollectiveEstimate, InstructionEstimate, Reason, per_buffer_seconds, step_work
+from hlomap.cost.mapping import AxisMapping, axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.cost.zero import state_axes
 from hlomap.hlo.capture import Capture, Phase, Role
@@ -39,6 +39,8 @@ from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
 from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_bytes, kept_bytes
+from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, UPDATE, DataScaling, PositionedCollective, StageWork,
+                                        fit_data_scaling)
 
 log = logging.getLogger(__name__)
 
@@ -225,9 +227,9 @@ class JointModel:
     def can_split_state(self, option: StageOption) -> bool:
         """The option's plan has data replicas to split the optimizer state over: its `data`
         axis splits the batch and no parameter (`hlomap.cost.zero.state_axes`)."""
-        key = ("split state", option.plain)
+        plan, axes = self.plan_for(option)
+        key = ("split state", option.model, plan.tobytes())  # data widths with one plan array answer alike
         if key not in self._cache:
-            plan, axes = self.plan_for(option)
             sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
             self._cache[key] = "data" in state_axes(sg)
         return bool(self._cache[key])
@@ -241,7 +243,14 @@ class JointModel:
         return empty, (collective_time(Collective.ALL_GATHER, self.cluster, groups, 2**30) - empty) / 2**30
 
     def plan_for(self, option: StageOption) -> tuple[np.ndarray, MeshAxes]:
-        """The plan array a stage of this option runs, over the whole graph, and its mesh axes."""
+        """The plan array a stage of this option runs, over the whole graph, and its mesh axes
+        (memoized per mesh and plan kind)."""
+        key = ("plan", option.data, option.model, option.kind)
+        if key not in self._cache:
+            self._cache[key] = self._plan_for(option)
+        return self._cache[key]
+
+    def _plan_for(self, option: StageOption) -> tuple[np.ndarray, MeshAxes]:
         axes = MeshAxes.from_mesh(option.mesh)
         if option.kind is PlanKind.SEARCHED and (option.data, option.model) in self.searched_plans:
             return self.searched_plans[(option.data, option.model)], axes
@@ -257,16 +266,34 @@ class JointModel:
 
     def _price(self, option: StageOption) -> StageArrays:
         plan, axes = self.plan_for(option)
-        mapping = axis_devices(self.cluster, option.mesh, order=("data", "model"))
         if self._facts is None:  # what the cost model reads off the graph, whatever the plan: once
             self._facts = GraphFacts.of(self.graph)
+        work = None
+        if option.data > 1:  # one family per tensor-parallel width prices every data width
+            family = self._family(option)
+            if family is not None and np.array_equal(family.plan, plan):
+                work = family.at(option.data)
+        if work is None:
+            work = self._work(option, plan, axes)
+        return self._arrays_of(option, plan, axes, work)
+
+    def _mapping(self, option: StageOption) -> AxisMapping:
+        return axis_devices(self.cluster, option.mesh, order=("data", "model"))
+
+    def _work(self, option: StageOption, plan: np.ndarray, axes: MeshAxes) -> StageWork:
+        """The option's work per chain position, from the cost model's estimate of the step."""
         sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
         # every stage computes while the others do: the cluster's devices are all busy
-        work = step_work(sg, self.cluster, mapping, cache=self._cache, busy=self.cluster.n_devices)
+        work = step_work(sg, self.cluster, self._mapping(option), cache=self._cache, busy=self.cluster.n_devices)
+        return self._gathered_work([i for i in work.instructions], work.collectives, sg)
+
+    def _gathered_work(self, instructions: Sequence[InstructionEstimate], collectives: Sequence[CollectiveEstimate],
+                       sg: ShardedGraph) -> StageWork:
+        """Instructions and collectives summed per chain position (`StageWork`)."""
         n = self.attribution.length
-        where = _positions(self.cap, self.attribution)
+        where = self._where()
         compute, forward, update_total = np.zeros(n), np.zeros(n), 0.0
-        for inst in work.instructions:
+        for inst in instructions:
             p = where.get((inst.computation, inst.name))
             if p is None:
                 continue
@@ -276,21 +303,54 @@ class JointModel:
                 compute[p] += inst.seconds
                 if inst.phase is Phase.FORWARD:
                     forward[p] += inst.seconds
-        alpha, beta, grads, buffers = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-        for c in work.collectives:
+        grads, buffers = np.zeros(n), np.zeros(n)
+        priced = []
+        for c in collectives:
             p = where.get((c.computation, c.instruction), -1)
             p = p if p >= 0 else n - 1  # the loss's or the update's collectives: the last stage's
             if c.reason is Reason.GRADIENT_SYNC:
                 grads[p] += c.nbytes * c.count
                 buffers[p] += 1  # one buffer of the combined all-reduce, as the SPMD estimate counts
                 continue
-            groups = mapping.groups(c.axes if len(c.axes) > 1 else c.axes[0])
-            empty = collective_time(c.kind, self.cluster, groups, 0.0)
-            alpha[p] += empty * c.count
-            beta[p] += (c.seconds - empty) * c.count
-        params, stash, value_bytes = self._bytes(sg)
-        update = params / max(params.sum(), 1.0) * update_total
-        crossing, _ = crossing_bytes(self.attribution, value_bytes)
+            priced.append(PositionedCollective(p, c.kind, c.axes, c.nbytes, c.count))
+        params, stash, values = self._bytes(sg)
+        return StageWork(compute, forward, update_total, tuple(priced), grads, buffers, params, stash, values)
+
+    def _where(self) -> dict[tuple[str, str], int]:
+        key = ("positions",)
+        if key not in self._cache:
+            self._cache[key] = _positions(self.cap, self.attribution)
+        return self._cache[key]
+
+    def _family(self, option: StageOption) -> DataScaling | None:
+        """The data-width family of `option`'s tensor-parallel width and plan kind (None when the
+        cluster is too small to fit it: it is fitted at data = 2, 4 and 8)."""
+        key = ("family", option.model, option.kind)
+        if key not in self._cache:
+            fits = self.cluster.n_devices >= FAMILY_WIDTHS[-1] * option.model and len(
+                {d.name for d in self.cluster.devices}) == 1
+            self._cache[key] = fit_data_scaling(self, option) if fits else None
+        return self._cache[key]
+
+    def _arrays_of(self, option: StageOption, plan: np.ndarray, axes: MeshAxes, work: StageWork) -> StageArrays:
+        """The option's `StageArrays` from its work per position: its collectives priced on the
+        option's device groups (each distinct collective once), the gradient all-reduce's terms,
+        and every per-position figure as prefix sums over layers."""
+        n = self.attribution.length
+        mapping = self._mapping(option)
+        alpha, beta = np.zeros(n), np.zeros(n)
+        seconds: dict[tuple[Collective, tuple[str, ...], float], tuple[float, float]] = {}
+        for c in work.collectives:
+            key = (c.kind, c.axes, c.nbytes)
+            if key not in seconds:
+                groups = mapping.groups(c.axes if len(c.axes) > 1 else c.axes[0])
+                empty = collective_time(c.kind, self.cluster, groups, 0.0)
+                seconds[key] = (empty, collective_time(c.kind, self.cluster, groups, c.nbytes) - empty)
+            empty, rest = seconds[key]
+            alpha[c.position] += empty * c.count
+            beta[c.position] += rest * c.count
+        update = work.params / max(work.params.sum(), 1.0) * work.update_total
+        crossing, _ = crossing_bytes(self.attribution, work.values)
         sync_groups = mapping.groups("data")
         zero = collective_time(Collective.ALL_REDUCE, self.cluster, sync_groups, 0.0) if option.data > 1 else 0.0
         slope = ((collective_time(Collective.ALL_REDUCE, self.cluster, sync_groups, 2**30) - zero) / 2**30
@@ -300,9 +360,9 @@ class JointModel:
         cut = crossing[np.asarray(self.pivots, dtype=np.int64)] if self.pivots else np.zeros(0)
         per_buffer = per_buffer_seconds(self.cluster, option.data) if option.data > 1 else 0.0
         inputs = np.concatenate([[0.0], cut, [0.0]])
-        return StageArrays(layer(compute), layer(alpha), layer(beta), layer(update), layer(grads), layer(params),
-                           layer(stash), cut, zero, slope, plan, axes, layer(buffers), per_buffer, layer(forward),
-                           inputs, data=option.data)
+        return StageArrays(layer(work.compute), layer(alpha), layer(beta), layer(update), layer(work.grads),
+                           layer(work.params), layer(work.stash), cut, zero, slope, plan, axes, layer(work.buffers),
+                           per_buffer, layer(work.forward), inputs, data=option.data)
 
     def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
         """Per chain position: parameter and stash bytes on one device; and every crossing
@@ -325,10 +385,6 @@ class JointModel:
             stash[p] += kept[name] / degree_of[name]
         values = {name: kept[name] / degree_of[name] for name, _, _ in self.attribution.spans}
         return params, stash, values
-
-
-#: `_positions`' mark of an optimizer-update instruction.
-UPDATE = -2
 
 
 def _positions(cap: Capture, found: ChainAttribution) -> dict[tuple[str, str], int]:

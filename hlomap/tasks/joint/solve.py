@@ -204,6 +204,9 @@ class _JointOptions:
                                         for q in range(problem.stages)])
         return self._fits[key][behind]
 
+    #: A cut is priced from its sending side (`transfer_seconds`), whatever the next option.
+    cut_depends_on_next = False
+
     def cut_seconds(self, device: int, option: int) -> np.ndarray | None:
         u = self.tables.transfer[option].get(device)
         return None if u is None else np.broadcast_to(u[:, None], (len(u), len(self.sizes)))

@@ -130,18 +130,44 @@ def _combine(mode: _Mode, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.maximum(a, b) if mode is _Mode.MAX else a + b
 
 
-def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf) -> _Pass:
+class _Tail(NamedTuple):
+    """The suffixes after a cut into device `end`, over the next stage's option: the best value
+    per (q, b), that option, and the stage counts where some suffix exists."""
+
+    best: np.ndarray  # [Q - 1, K]
+    option: np.ndarray  # [Q - 1, K]
+    live: np.ndarray
+
+
+def _tail(value: np.ndarray, end: int) -> _Tail:
+    tail = value[:-1, :, end, :]
+    option = np.argmin(tail, axis=2)
+    best = np.take_along_axis(tail, option[..., None], axis=2)[..., 0]
+    return _Tail(best, option, np.flatnonzero(np.isfinite(best).any(axis=1)))
+
+
+def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: bool = True) -> _Pass:
     """One DP pass (module docstring); `tau` masks stage and cut times in SUM mode. Stage
     counts q are an array axis: F[q, ., d, .] needs F[q - 1, ., e, .] for e > d only, all
-    done when devices go right to left."""
+    done when devices go right to left. Without `chains` only the values are kept (the MAX
+    pass's bottleneck needs no plan).
+
+    A problem whose cut times do not depend on the next stage's option
+    (`cut_depends_on_next` False: the joint task prices a cut from its sending side) combines a
+    cut with the best suffix over the next option, found once per device the suffix starts on
+    (`_tail`) instead of once per stage before it: under SUM, u + min(tail) = min(u + tail);
+    under MAX, max(u, min(tail)) = min(max(u, tail))."""
     count, devices, sizes = problem.n_states, problem.n_devices, problem.sizes
     stages, last = problem.max_stages, problem.n_states - 1
     shape = (stages, count, devices + 1, len(sizes))
     value = np.full(shape, np.inf)
-    next_state = np.full(shape, -1, dtype=np.int32)
-    next_option = np.full(shape, -1, dtype=np.int32)
+    kept = shape if chains else (1, 1, 1, 1)
+    next_state = np.full(kept, -1, dtype=np.int32)
+    next_option = np.full(kept, -1, dtype=np.int32)
     first = np.zeros(1, dtype=np.int64)
     per_chunk = max(1, _CHUNK_CELLS // (count * count))  # stage counts done at once
+    shared = not getattr(problem, "cut_depends_on_next", True)
+    tails: dict[int, _Tail] = {}
     for d in range(devices - 1, -1, -1):
         for k, size in enumerate(sizes):
             end = d + size
@@ -158,10 +184,15 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf) -> _Pass:
                 value[0, :, d, k] = cost[:, last]
             if stages < 2 or end >= devices:
                 continue
-            tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
-            # Only stage counts some suffix from the next device reaches (with one device per
-            # stage on all devices, only q = D - 1 - d).
-            live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
+            if shared:
+                if end not in tails:
+                    tails[end] = _tail(value, end)
+                live = tails[end].live
+            else:
+                # Only stage counts some suffix from the next device reaches (with one device
+                # per stage on all devices, only q = D - 1 - d).
+                tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
+                live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
             if not len(live):
                 continue
             u = problem.cut_seconds(d, k)
@@ -170,12 +201,19 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf) -> _Pass:
             if mode is _Mode.SUM:
                 u = np.where(u <= tau, 2 * u, np.inf)
             for chunk in np.array_split(live, -(-len(live) // per_chunk)):
-                through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
-                choice = np.argmin(through, axis=2)  # the best next option after a cut at b
-                best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
+                if shared:
+                    best_next = _combine(mode, u[None, :, 0], tails[end].best[chunk])  # [L, b]
+                    choice = tails[end].option[chunk]
+                else:
+                    through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
+                    choice = np.argmin(through, axis=2)  # the best next option after a cut at b
+                    best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
                 fits = problem.fits(d, k, chunk + 1)
                 cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
                 total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+                if not chains:
+                    value[chunk + 1, :, d, k] = total.min(axis=2)
+                    continue
                 j = np.argmin(total, axis=2)  # [L, a]
                 value[chunk + 1, :, d, k] = np.take_along_axis(total, j[..., None], axis=2)[..., 0]
                 next_state[chunk + 1, :, d, k] = j
@@ -228,7 +266,8 @@ def _candidates(problem: StageOptions, floor: float) -> np.ndarray:
 
 
 def _least_max(problem: StageOptions) -> float:
-    return _best_chain(problem, _run(problem, _Mode.MAX))[0]
+    start = _run(problem, _Mode.MAX, chains=False).value[:, 0, 0, :]
+    return float(start.min()) if np.isfinite(start).any() else math.inf
 
 
 def _least_sum(problem: StageOptions, tau: float = math.inf) -> tuple[float, StageChain | None]:
