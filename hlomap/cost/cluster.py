@@ -6,14 +6,18 @@ bandwidth, latency)` with `n_devices`, `p2p_time(src, dst, nbytes)`, `to_json()`
 
 A message of n bytes from i to j takes `latency[i, j] + n / bandwidth[i, j]`. Devices are grouped
 into nodes (servers): collectives that span nodes run hierarchically, and the streams that leave
-a node share its `nics_per_node` network interfaces (see `hlomap.cost.collectives`).
+a node share its `nics_per_node` network interfaces (see `hlomap.cost.collectives`). A torus or
+mesh also keeps its links and routes (`Cluster.network`, `hlomap.cost.network`): its collectives
+are priced as flows sharing those links, every group of a mesh axis at once.
 
 JSON (units: bytes, bytes/s, seconds):
     {"name": "A", "devices": ["V100-16GB", ... | {full DeviceSpec}], "node_of": [0, 0, ...],
      "bandwidth": [[null, 1.3e11, ...], ...], "latency": [[0, 5e-06, ...], ...],
      "nics_per_node": 1}
 The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional; so
-is "measured" (collectives and dispatch as measured, `hlomap.cost.measured`, written by `hlomap
+is "network" (a torus or mesh's links, `hlomap.cost.network.Grid.to_json`: {"topology": "torus",
+"shape": [8, 8], "link_bandwidth": [5e10, 5e10], "link_latency": [1e-06, 1e-06]}, from which the
+links and routes are rebuilt); so is "measured" (collectives and dispatch as measured, `hlomap.cost.measured`, written by `hlomap
 calibrate`); a "calibration" object (every fit and sample behind it, `hlomap.cost.calibration`)
 is ignored here.
 
@@ -52,6 +56,7 @@ import numpy as np
 from hlomap.cost import topology
 from hlomap.cost.devices import DeviceSpec, DeviceSpecError, device_preset
 from hlomap.cost.measured import MeasuredCosts, MeasuredCostsError
+from hlomap.cost.network import Grid, Network, NetworkSpecError
 
 #: The name of the calibrated present devices (`hlomap.run.local`, `hlomap.api.load_cluster`).
 LOCAL = "local"
@@ -85,6 +90,9 @@ class Cluster:
     is how many cross-node streams a node can drive at the full table bandwidth at once.
     `measured`: the collectives and dispatch as a calibration measured them
     (`hlomap.cost.measured`), which price collectives instead of the links when present.
+    `network`: the links and routes of a torus or mesh (`hlomap.cost.network`), over which
+    collectives are priced with flows sharing links; its node i is device i (it may have more
+    nodes than the cluster has devices: `first_devices` of a torus still routes over the rest).
     """
 
     name: str
@@ -94,6 +102,7 @@ class Cluster:
     latency: np.ndarray
     nics_per_node: int = 1
     measured: MeasuredCosts | None = None
+    network: Network | None = None
     node_array: np.ndarray = field(init=False, repr=False, compare=False)
     # collective analyses per group list (`collectives._concurrent_groups`): valid while the cluster
     # is, since nothing in it changes
@@ -145,12 +154,12 @@ class Cluster:
             return NotImplemented
         return (self.name == other.name and self.devices == other.devices
                 and self.node_of == other.node_of and self.nics_per_node == other.nics_per_node
-                and self.measured == other.measured
+                and self.measured == other.measured and self.network == other.network
                 and np.array_equal(self.bandwidth, other.bandwidth)
                 and np.array_equal(self.latency, other.latency))
 
     def __hash__(self) -> int:
-        return hash((self.name, self.devices, self.node_of, self.nics_per_node, self.measured))
+        return hash((self.name, self.devices, self.node_of, self.nics_per_node, self.measured, self.network))
 
     def __repr__(self) -> str:
         kinds = sorted({d.name for d in self.devices})
@@ -168,6 +177,8 @@ class Cluster:
             "latency": self.latency.tolist(),
             "nics_per_node": self.nics_per_node,
         }
+        if self.network is not None:
+            out["network"] = self.network.grid.to_json()
         if self.measured is not None:
             out["measured"] = self.measured.to_json()
         return out
@@ -195,7 +206,7 @@ def with_busy_devices(cluster: Cluster, busy: int) -> Cluster:
         return cluster
     devices = tuple(sped_up(d, factor) for d in cluster.devices)
     return Cluster(cluster.name, devices, cluster.node_of, cluster.bandwidth, cluster.latency, cluster.nics_per_node,
-                   cluster.measured)
+                   cluster.measured, cluster.network)
 
 
 def sped_up(device: DeviceSpec, factor: float) -> DeviceSpec:
@@ -217,7 +228,7 @@ def first_devices(cluster: Cluster, count: int) -> Cluster:
         return cluster
     return Cluster(f"{cluster.name}[:{count}]", cluster.devices[:count], cluster.node_of[:count],
                    cluster.bandwidth[:count, :count], cluster.latency[:count, :count], cluster.nics_per_node,
-                   cluster.measured)
+                   cluster.measured, cluster.network)
 
 
 def _device_to_json(device: DeviceSpec) -> str | dict[str, Any]:
@@ -254,6 +265,8 @@ def _validate(cluster: Cluster) -> None:
         raise ClusterSpecError(f"{where}: latency[{i}][{j}] = {cluster.latency[i, j]!r} must be finite and >= 0")
     if cluster.nics_per_node < 1:
         raise ClusterSpecError(f"{where}: nics_per_node = {cluster.nics_per_node} must be >= 1")
+    if cluster.network is not None and cluster.network.n_nodes < n:
+        raise ClusterSpecError(f"{where}: its network has {cluster.network.n_nodes} nodes for {n} devices")
 
 
 def _matrix(value: Any, n: int, field_name: str, where: str, *, diagonal: float) -> np.ndarray:
@@ -284,7 +297,7 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}")
     # "calibration": the fits and samples `hlomap calibrate` keeps beside the cluster it measured
     unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node", "measured",
-                               "calibration"})
+                               "network", "calibration"})
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}")
     if not isinstance(d["name"], str):
@@ -309,7 +322,10 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
     latency = _matrix(d["latency"], n, "latency", source, diagonal=0.0)
     try:
         measured = None if d.get("measured") is None else MeasuredCosts.from_json(d["measured"])
-        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics, measured)
+        network = None if d.get("network") is None else Network(Grid.from_json(d["network"], where="field 'network'"))
+        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics, measured, network)
+    except NetworkSpecError as err:
+        raise ClusterSpecError(f"{source}: {err}") from None
     except MeasuredCostsError as err:
         raise ClusterSpecError(f"{source}: field {err}") from None
     except ClusterSpecError as err:
@@ -327,10 +343,11 @@ def _device(device: DeviceLike) -> DeviceSpec:
     return device if isinstance(device, DeviceSpec) else device_preset(device)
 
 
-def _from_tables(name: str, device: DeviceLike, tables: topology.LinkTables, nics_per_node: int = 1) -> Cluster:
+def _from_tables(name: str, device: DeviceLike, tables: topology.LinkTables, nics_per_node: int = 1,
+                 network: Network | None = None) -> Cluster:
     spec = _device(device)
     return Cluster(name, (spec,) * len(tables.node_of), tuple(tables.node_of.tolist()),
-                   tables.bandwidth, tables.latency, nics_per_node)
+                   tables.bandwidth, tables.latency, nics_per_node, network=network)
 
 
 def hierarchical(nodes: int, gpus_per_node: int, device: DeviceLike = "V100-16GB",
@@ -345,11 +362,19 @@ def hierarchical(nodes: int, gpus_per_node: int, device: DeviceLike = "V100-16GB
 
 def mesh_topology(shape: Sequence[int], device: DeviceLike, link_bw: float | Sequence[float],
                   link_lat: float | Sequence[float], torus: bool = False, *, name: str | None = None) -> Cluster:
-    """A 2-D/3-D (any rank) mesh or torus, one device per node; a path's bandwidth is its
-    bottleneck link and its latency hops x link latency (see `topology.mesh_tables`)."""
+    """A 2-D/3-D (any rank) mesh or torus, one device per node. Its tables give a path's
+    bottleneck link and hops x link latency (`topology.mesh_tables`); its `network` keeps the links
+    and dimension-order routes, over which collectives share bandwidth (`hlomap.cost.network`)."""
     tables = topology.mesh_tables(shape, link_bw, link_lat, torus)
     kind = "torus" if torus else "mesh"
-    return _from_tables(name or f"{kind}-{'x'.join(str(s) for s in shape)}", device, tables)
+    network = Network(Grid(tuple(int(s) for s in shape), torus, _axis_values(link_bw, len(shape)),
+                           _axis_values(link_lat, len(shape))))
+    return _from_tables(name or f"{kind}-{'x'.join(str(s) for s in shape)}", device, tables, network=network)
+
+
+def _axis_values(value: float | Sequence[float], rank: int) -> tuple[float, ...]:
+    """One value per axis (`mesh_tables` has checked the count)."""
+    return (float(value),) * rank if np.ndim(value) == 0 else tuple(float(v) for v in value)  # type: ignore[union-attr]
 
 
 def _rng(seed: int | np.random.Generator | None) -> np.random.Generator:

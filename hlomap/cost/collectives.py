@@ -27,6 +27,28 @@ of a mesh axis), their streams add up. With one NIC per 8-GPU server, the k ring
 hierarchical all-reduce therefore move n bytes over the network in total, not n/k. Contention on
 links inside a node is not modeled (each GPU has its own NVLinks).
 
+Tori and meshes (clusters with a `network`, `hlomap.cost.network`) are priced over their links
+instead of the tables above: every collective is its algorithm's flows, routed in dimension order,
+and flows that run at once share each link's bandwidth. A collective over several groups (every
+group of a mesh axis) runs them at the same time, so the groups' flows share links too:
+- ring all-reduce: 2(p-1) phases, ring all-gather and reduce-scatter: p-1 phases; in each, every
+  member sends n/p bytes to its successor in group order (the last to the first). The phases of a
+  ring move the same flows, so they are routed and counted once;
+- all-to-all: every member sends n/p bytes to each of the p-1 others, all at once (as NCCL posts
+  an all-to-all's sends together): one phase of p(p-1) flows, whose busiest link on a torus is
+  within a tie-break of the bisection bound; its latency stays p-1 steps of the group's longest
+  route, as the tables price it;
+- collective-permute: every pair at once, n bytes each.
+A group's phase takes the longest latency of its flows' routes plus n/p bytes at the share of the
+busiest link its flows cross, `max_l flows_l / bandwidth_l` seconds per byte with flows_l counting
+every group's flows; a group's time is that per phase, the collective's the slowest group's (a
+collective-permute pair's: its route's latency plus n at its own busiest link's share). For flows
+of one size that start together, the largest of these bandwidth terms is exactly when the last
+flow finishes under max-min fair sharing (`hlomap.cost.network`); a group whose own busiest link
+is less loaded finishes no later than its term says. Taking the largest latency and the busiest
+link per group keeps every time affine in n (`all_reduce_terms`). With every link alone (one
+group on a torus ring) this is the ring closed form above.
+
 A cluster measured by `hlomap calibrate` carries its collectives' own alpha-beta fits per kind
 and group size (`Cluster.measured`, `hlomap.cost.measured`); they replace everything above for
 that cluster (`measured_terms`): a fit already holds the algorithm, the links and their sharing.
@@ -48,6 +70,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
+from hlomap.cost.network import Network
 
 _LOG = logging.getLogger(__name__)
 
@@ -255,6 +278,145 @@ def _all_to_all(cluster: Cluster, layout: _Layout, nbytes: float, share: float) 
     return (p - 1) * (max(inside.latency, across.latency) + block / bandwidth)
 
 
+# ---------------------------------------------------------------------------------------------
+# Clusters with a network: flows sharing links (module docstring)
+# ---------------------------------------------------------------------------------------------
+
+
+def _listed(groups: Iterable[Group]) -> list[np.ndarray]:
+    return [g.astype(np.int64).reshape(-1) if isinstance(g, np.ndarray) else np.fromiter(
+        (int(d) for d in g), dtype=np.int64) for g in groups]
+
+
+def _check_groups(kind: Collective, cluster: Cluster, listed: Sequence[np.ndarray]) -> None:
+    """Refuse a group with a device out of range or listed twice, and groups that overlap (as
+    `_layout` and `_concurrent_groups` refuse them)."""
+    every = np.concatenate(listed) if listed else np.zeros(0, np.int64)
+    if (all(g.size for g in listed) and (not every.size or (every.min() >= 0 and every.max() < cluster.n_devices))
+            and np.unique(every).size == every.size):
+        return  # the common case, vectorized; the loop below names what is wrong
+    seen: set[int] = set()
+    for i, devices in enumerate(listed):
+        what = f"{kind.value} group {i}"
+        if devices.size == 0:
+            raise ValueError(f"{what}: empty device group")
+        members = devices.tolist()
+        bad = [d for d in members if not 0 <= d < cluster.n_devices]
+        if bad:
+            raise ValueError(f"{what}: device id(s) {bad} out of range for cluster {cluster.name!r} "
+                             f"with {cluster.n_devices} devices (group {members})")
+        if len(set(members)) != len(members):
+            raise ValueError(f"{what}: group {members} lists a device twice")
+        overlap = seen.intersection(members)
+        if overlap:
+            raise ValueError(f"{kind.value}: concurrent groups must be disjoint; device(s) "
+                             f"{sorted(overlap)} appear in more than one group")
+        seen.update(members)
+
+
+#: Flows routed at a time when a phase has many (an all-to-all over thousands of devices): bounds
+#: the [flows, hops] route table in memory.
+_ROUTE_CHUNK = 1 << 18
+
+
+def _group_flows(kind: Collective, groups: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, destinations, offsets): the flows every group puts on the network at once,
+    group by group (group i's from `offsets[i]`; a group of one device has none). A ring: each
+    member to its successor in group order. An all-to-all: each member to every other."""
+    p = len(groups[0]) if groups else 0
+    if p > 1 and all(len(g) == p for g in groups):  # one mesh axis: a [groups, p] block at once
+        block = np.stack(groups)
+        if kind is Collective.ALL_TO_ALL:
+            others = (np.arange(p)[:, None] + np.arange(1, p)[None, :]) % p
+            src, dst = np.repeat(block, p - 1, axis=1).reshape(-1), block[:, others].reshape(-1)
+        else:
+            src, dst = block.reshape(-1), np.roll(block, -1, axis=1).reshape(-1)
+        per_group = p * (p - 1) if kind is Collective.ALL_TO_ALL else p
+        return src, dst, np.arange(len(groups), dtype=np.int64) * per_group
+    src, dst, counts = [], [], []
+    for g in groups:
+        p = len(g)
+        if p < 2:
+            counts.append(0)
+            continue
+        if kind is Collective.ALL_TO_ALL:
+            shifts = np.arange(1, p)
+            src.append(np.repeat(g, p - 1))
+            dst.append(g[(np.arange(p)[:, None] + shifts[None, :]) % p].reshape(-1))
+        else:
+            src.append(g)
+            dst.append(np.roll(g, -1))
+        counts.append(len(src[-1]))
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    if not src:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), offsets
+    return np.concatenate(src), np.concatenate(dst), offsets
+
+
+def _shared_links(network: Network, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(route latency, busiest link's seconds per byte) of each flow, every flow counted on the
+    links it shares; routed a chunk at a time (counted in one pass, priced in a second)."""
+    chunks = range(0, len(src), _ROUTE_CHUNK)
+    if len(src) <= _ROUTE_CHUNK:
+        routes = network.routes(src, dst)
+        return network.route_latency(routes), network.busiest_link_seconds_per_byte(routes)
+    flows = np.zeros(network.n_links, dtype=np.int64)
+    for i in chunks:
+        flows += network.link_flows(network.routes(src[i:i + _ROUTE_CHUNK], dst[i:i + _ROUTE_CHUNK]))
+    latency, per_byte = np.empty(len(src)), np.empty(len(src))
+    for i in chunks:
+        routes = network.routes(src[i:i + _ROUTE_CHUNK], dst[i:i + _ROUTE_CHUNK])
+        latency[i:i + _ROUTE_CHUNK] = network.route_latency(routes)
+        per_byte[i:i + _ROUTE_CHUNK] = network.busiest_link_seconds_per_byte(routes, flows)
+    return latency, per_byte
+
+
+def _network_group_terms(kind: Collective, cluster: Cluster, groups: Sequence[np.ndarray]) -> tuple[AlphaBeta, ...]:
+    """Each group's time as `alpha + beta * nbytes` when `kind` runs over all of `groups` at once
+    on the cluster's network (module docstring): flows of every group share the links. Not
+    memoized (`collective_group_times` is); the groups must be checked (`_check_groups`)."""
+    network = cluster.network
+    if network is None:
+        raise ValueError(f"cluster {cluster.name!r} has no network")
+    if kind is Collective.COLLECTIVE_PERMUTE:
+        raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_terms")
+    sizes = np.array([len(g) for g in groups], dtype=np.float64)
+    # latency steps, and phases each moving n/p bytes per flow (module docstring)
+    steps = {Collective.ALL_REDUCE: 2 * (sizes - 1), Collective.ALL_GATHER: sizes - 1,
+             Collective.REDUCE_SCATTER: sizes - 1, Collective.ALL_TO_ALL: sizes - 1}[kind]
+    phases = np.ones_like(sizes) if kind is Collective.ALL_TO_ALL else steps
+    src, dst, offsets = _group_flows(kind, groups)
+    alpha, beta = np.zeros(len(groups)), np.zeros(len(groups))
+    moving = sizes > 1
+    if src.size:
+        latency, per_byte = _shared_links(network, src, dst)
+        starts = offsets[moving]
+        alpha[moving] = steps[moving] * np.maximum.reduceat(latency, starts)
+        beta[moving] = phases[moving] * np.maximum.reduceat(per_byte, starts) / sizes[moving]
+    return tuple(AlphaBeta(float(a), float(b)) for a, b in zip(alpha, beta))
+
+
+def _network_terms(kind: Collective, cluster: Cluster, groups: Iterable[Group]) -> tuple[AlphaBeta, ...]:
+    """`_network_group_terms`, after the measured fits (which take precedence per group size),
+    memoized per cluster and group list like `_concurrent_groups`."""
+    listed = _listed(groups)
+    key = ("network", kind, tuple(tuple(g.tolist()) for g in listed))
+    cache = cluster.collective_memo
+    found = cache.get(key)
+    if found is not None:
+        return found  # checked when it was stored
+    _check_groups(kind, cluster, listed)
+    terms = list(_network_group_terms(kind, cluster, listed))
+    for i, devices in enumerate(listed):
+        fit = measured_terms(kind, cluster, len(devices))
+        if fit is not None:
+            terms[i] = fit if len(devices) > 1 else _FREE
+    found = tuple(terms)
+    if len(cache) < _MEMO_LIMIT:
+        cache[key] = found
+    return found
+
+
 def measured_terms(kind: Collective, cluster: Cluster, group_size: int) -> AlphaBeta | None:
     """The terms of `kind` over `group_size` devices as the cluster's calibration measured them
     (`hlomap.cost.measured`: the smallest measured group at least as large), or None when the
@@ -293,6 +455,8 @@ class GroupCost:
         self.cluster = cluster
         self.layout = _layout(cluster, group, what or f"{kind.value} group")
         self.streams: Counter[int] = Counter(_cross_node_streams(kind, self.layout))
+        # on a network, the group alone (its flows sharing links among themselves only)
+        self._alone: AlphaBeta | None = None
 
     @property
     def devices(self) -> np.ndarray:
@@ -304,10 +468,16 @@ class GroupCost:
         return self.seconds_at_share(float(nbytes), _nic_share(self.cluster, self.layout, load))
 
     def seconds_at_share(self, nbytes: float, share: float) -> float:
-        """Its time when its cross-node streams run `share` times slower (`_nic_share`)."""
+        """Its time when its cross-node streams run `share` times slower (`_nic_share`). On a
+        cluster with a network there are no NICs to share: the group's time alone on the links
+        (other groups' flows on its links are `collective_group_times`')."""
         fit = measured_terms(self.kind, self.cluster, self.layout.size)
         if fit is not None:
             return fit.seconds(nbytes)
+        if self.cluster.network is not None:
+            if self._alone is None:
+                self._alone = _network_terms(self.kind, self.cluster, [self.layout.devices])[0]
+            return self._alone.seconds(nbytes)
         return _GROUP_TIME[self.kind](self.cluster, self.layout, nbytes, share)
 
 
@@ -349,12 +519,21 @@ def collective_time(kind: Collective, cluster: Cluster, groups: Iterable[Group],
     """Seconds for collective `kind` run at once over each of `groups` (disjoint device groups,
     e.g. `AxisMapping.groups("data")`): the slowest group decides. `nbytes` per the module
     docstring. For collective-permute use `collective_permute_time`."""
+    return float(collective_group_times(kind, cluster, groups, nbytes).max(initial=0.0))
+
+
+def collective_group_times(kind: Collective, cluster: Cluster, groups: Iterable[Group], nbytes: float) -> np.ndarray:
+    """Each group's seconds when `kind` runs at once over all of `groups`, of which
+    `collective_time` is the largest: under the joint NIC load, or, on a cluster with a network,
+    with every group's flows sharing the links."""
     if kind is Collective.COLLECTIVE_PERMUTE:
         raise ValueError("collective-permute takes (src, dst) pairs: use collective_permute_time")
     if nbytes < 0:
         raise ValueError(f"{kind.value}: nbytes must be >= 0, got {nbytes!r}")
-    return max((cost.seconds_at_share(float(nbytes), share)
-                for cost, share in _concurrent_groups(kind, cluster, groups)), default=0.0)
+    if cluster.network is not None:
+        return np.array([t.seconds(float(nbytes)) for t in _network_terms(kind, cluster, groups)], dtype=np.float64)
+    return np.array([cost.seconds_at_share(float(nbytes), share)
+                     for cost, share in _concurrent_groups(kind, cluster, groups)], dtype=np.float64)
 
 
 def group_streams(kind: Collective, cluster: Cluster, group: Group) -> Counter[int]:
@@ -380,6 +559,8 @@ def all_reduce_terms(cluster: Cluster, group: Group) -> AlphaBeta:
     fit = measured_terms(Collective.ALL_REDUCE, cluster, layout.size)
     if fit is not None:
         return fit
+    if cluster.network is not None:
+        return _network_terms(Collective.ALL_REDUCE, cluster, [layout.devices])[0]
     load = Counter(_cross_node_streams(Collective.ALL_REDUCE, layout))
     return _all_reduce_terms(cluster, layout, _nic_share(cluster, layout, load))
 
@@ -414,6 +595,8 @@ def collective_permute_terms(cluster: Cluster, pairs: Sequence[tuple[int, int]])
     fit = measured_terms(Collective.COLLECTIVE_PERMUTE, cluster, len({x for pair in moving for x in pair}))
     if fit is not None and moving:
         return (fit,) * len(moving)
+    if cluster.network is not None:
+        return _network_permute_terms(cluster, moving)
     node = cluster.node_of
     remote = [(s, d) for s, d in checked if node[s] != node[d]]
     out_load = Counter(node[s] for s, _ in remote)
@@ -427,6 +610,19 @@ def collective_permute_terms(cluster: Cluster, pairs: Sequence[tuple[int, int]])
             share = max(1.0, max(out_load[node[src]], in_load[node[dst]]) / cluster.nics_per_node)
         terms.append(AlphaBeta(float(cluster.latency[src, dst]), share / float(cluster.bandwidth[src, dst])))
     return tuple(terms)
+
+
+def _network_permute_terms(cluster: Cluster, pairs: Sequence[tuple[int, int]]) -> tuple[AlphaBeta, ...]:
+    """Every pair a flow at once on the cluster's network: its route's latency, and its busiest
+    link's share with every pair's flow counted (module docstring)."""
+    assert cluster.network is not None
+    if not pairs:
+        return ()
+    src, dst = np.array(pairs, dtype=np.int64).T
+    routes = cluster.network.routes(src, dst)
+    latency = cluster.network.route_latency(routes)
+    per_byte = cluster.network.busiest_link_seconds_per_byte(routes)
+    return tuple(AlphaBeta(float(a), float(b)) for a, b in zip(latency, per_byte))
 
 
 def collective_permute_time(cluster: Cluster, pairs: Sequence[tuple[int, int]], nbytes: float) -> float:

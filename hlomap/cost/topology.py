@@ -7,9 +7,11 @@ Diagonals hold bandwidth `inf` and latency 0: a device sends to itself for free.
 
 Multi-hop paths (mesh, torus) use dimension-order routing: a message between two devices crosses
 the links of every axis on which their coordinates differ. Its bandwidth is that of the slowest
-link crossed (the bottleneck) and its latency the sum of the per-hop latencies. Contention between
-messages sharing a link is not modeled here; `hlomap.cost.collectives` accounts for the one kind
-of sharing that dominates on GPU clusters, many streams leaving a node through few NICs.
+link crossed (the bottleneck) and its latency the sum of the per-hop latencies: a pair as if alone
+on the network. Messages sharing a link are modeled elsewhere: on meshes and tori by
+`hlomap.cost.network` (the links themselves, routes, max-min fair sharing), which prices their
+collectives; on servers by `hlomap.cost.collectives`' NIC sharing (many streams leaving a node
+through few NICs). Random and uniform topologies are these tables only.
 """
 
 from __future__ import annotations

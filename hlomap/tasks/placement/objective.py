@@ -10,7 +10,9 @@ second:
 - mesh layouts: per communication term, the device groups holding a or b, plus (when the swap
   changes how many of a group's members sit on a node) every group sharing a node whose NIC load
   changed; each group is priced by `cost.collectives.GroupCost` under the term's joint load, as
-  `collective_time` prices each of its groups, so the value equals `problem.step_seconds`;
+  `collective_time` prices each of its groups, so the value equals `problem.step_seconds`. On a
+  cluster with a network (a torus or mesh), every group's flows share links with the others', so
+  a swap that touches a term re-prices all of its groups at once (`collective_group_times`);
 - stage layouts: the (at most two) stages holding a or b and the cuts next to them, priced by the
   pipeline cost model through `PipelineModel`; L is recombined from the per-stage and per-cut
   times exactly as `cost.pipeline.costs.evaluate_plan` combines them (a test holds them equal).
@@ -30,7 +32,7 @@ from typing import NamedTuple, Protocol, Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.collectives import Collective, GroupCost
+from hlomap.cost.collectives import Collective, GroupCost, collective_group_times
 from hlomap.cost.pipeline.costs import pipeline_latency
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
@@ -141,6 +143,34 @@ class _TermState:
             self.node_count[g] = row
 
 
+class _JointTermState:
+    """One communication term on a cluster with a network: its groups' flows share links, so a
+    group's time depends on where every other group sits, and a trial re-prices the whole term
+    (`collective_group_times`, which `collective_time` takes the max of)."""
+
+    def __init__(self, cluster: Cluster, kind: Collective, nbytes: float, count: float, groups: np.ndarray,
+                 n_slots: int, order: np.ndarray):
+        self.cluster, self.kind, self.nbytes, self.count = cluster, kind, nbytes, count
+        self.groups = groups
+        self.in_term = np.zeros(n_slots, dtype=bool)
+        self.in_term[groups.reshape(-1)] = True
+        self.times = collective_group_times(kind, cluster, order[groups], nbytes)
+
+    def price(self, times: np.ndarray) -> tuple[float, float]:
+        return self.count * float(times.max()), self.count * float(times.mean())
+
+    def trial(self, order: np.ndarray, a: int, b: int) -> _TermTrial | None:
+        if not (self.in_term[a] or self.in_term[b]):
+            return None
+        swapped = order.copy()
+        swapped[a], swapped[b] = order[b], order[a]
+        times = collective_group_times(self.kind, self.cluster, swapped[self.groups], self.nbytes)
+        return _TermTrial(times, np.zeros(0, dtype=np.int64), {}, {})
+
+    def commit(self, trial: _TermTrial) -> None:
+        self.times = trial.times
+
+
 class MeshState:
     """Incremental pricing of an SPMD layout (module docstring)."""
 
@@ -153,7 +183,9 @@ class MeshState:
         node_of = np.asarray(cluster.node_of, dtype=np.int64)
         n_nodes = int(node_of.max()) + 1
         slots = layout.mapping(np.arange(layout.n_positions))
-        self.terms = [
+        self.terms: list[_TermState | _JointTermState] = [
+            _JointTermState(cluster, t.kind, t.nbytes, t.count, np.asarray(slots.groups(t.axes), dtype=np.int64),
+                            problem.n_devices, self.order) if cluster.network is not None else
             _TermState(cluster, t.kind, t.nbytes, t.count, np.asarray(slots.groups(t.axes), dtype=np.int64),
                        problem.n_devices, self.order, node_of, n_nodes)
             for t in layout.terms if len(slots.groups(t.axes)[0]) > 1]
