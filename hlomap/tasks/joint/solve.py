@@ -280,9 +280,48 @@ def _solve_for(model: JointModel, space: JointSpace, microbatches: int,
         priced[chain] = (plan, cost)
         return cost.latency
 
-    chain = least_latency(_JointOptions(problem, problem.tables()), microbatches, latency,
+    problem, tables = without_dominated(problem, problem.tables())
+    chain = least_latency(_JointOptions(problem, tables), microbatches, latency,
                           bound=bound, source=f"{model.cap.source} (joint)")
     return None if chain is None or chain not in priced else priced[chain]
+
+
+def without_dominated(problem: JointProblem, tables: StageTables) -> tuple[JointProblem, StageTables]:
+    """`problem` without the options another option of the same device count dominates: its
+    stage times, its memory at every count of microbatches held, and the time of a cut after it
+    from every device, all at most this one's. In any plan the dominating option can take the
+    dominated one's place (the same devices, and a cut into a stage is priced from the sending
+    stage's side), and L = sum + (M - 1) max grows with every stage and cut time, so the optimum
+    keeps (exact pruning). Of options that dominate each other the first is kept. Memory is
+    linear in the count held, so the fewest and the most held decide. On a measured cluster the
+    executor's cost depends on which options the stages take (alike or not), so nothing is
+    dropped there."""
+    if problem.model.cluster.measured is None and len(problem.options) > 1:
+        held = sorted(tables.memory[0])
+        ends = (held[0], held[-1])
+        keep = np.ones(len(problem.options), dtype=bool)
+        for size in sorted({o.devices for o in problem.options}):
+            members = [k for k, o in enumerate(problem.options) if o.devices == size]
+            if len(members) < 2:
+                continue
+            devices = sorted(tables.transfer[members[0]])
+            if any(sorted(tables.transfer[k]) != devices for k in members):
+                continue  # not the same device groups: leave them to the DP
+            rows = [np.concatenate([tables.stage[k].ravel(), *(tables.memory[k][h].ravel() for h in ends),
+                                    *(tables.transfer[k][d] for d in devices)]) for k in members]
+            stacked = np.stack(rows)  # [n, cells]
+            at_most = np.all(stacked[:, None, :] <= stacked[None, :, :], axis=2)  # [a, b]: a <= b everywhere
+            for j, b in enumerate(members):
+                beaten = [i for i in range(len(members))
+                          if i != j and at_most[i, j] and (not at_most[j, i] or i < j)]
+                if beaten:
+                    keep[b] = False
+        if not keep.all():
+            chosen = np.flatnonzero(keep)
+            problem = dataclasses.replace(problem, options=tuple(problem.options[k] for k in chosen))
+            tables = StageTables([tables.stage[k] for k in chosen], [tables.memory[k] for k in chosen],
+                                 [tables.transfer[k] for k in chosen])
+    return problem, tables
 
 
 def solve(model: JointModel, space: JointSpace) -> tuple[JointPlan, JointCost]:

@@ -367,3 +367,19 @@ def test_the_dp_with_split_state_finds_the_enumerated_optimum(gpt_tiny, capacity
     assert cost.latency == pytest.approx(best.latency, rel=1e-9)
     if capacity is not None:
         assert any(stage.split_state or stage.recompute for stage in plan.stages)
+
+
+def test_dominated_options_are_dropped_and_the_optimum_kept(gpt_tiny) -> None:
+    """Two plan kinds that run the same plan (no searched plan given: SEARCHED falls back to the
+    expert one) price alike: `without_dominated` keeps the first of each pair, and the DP's
+    optimum over the pruned options is the enumerated one over all of them."""
+    from hlomap.tasks.joint.solve import problem_for, without_dominated
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=4)
+    space = JointSpace(stage_options(model.cluster, kinds=(PlanKind.EXPERT, PlanKind.SEARCHED)), (2, 4))
+    problem = problem_for(model, space, 4)
+    pruned, tables = without_dominated(problem, problem.tables())
+    assert len(pruned.options) == len(problem.options) // 2
+    assert all(o.kind is PlanKind.EXPERT for o in pruned.options) and len(tables.stage) == len(pruned.options)
+    plan, cost = solve(model, space)
+    assert cost.latency == pytest.approx(joint_brute_force(model, space)[1].latency, rel=1e-9)
