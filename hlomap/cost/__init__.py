@@ -38,6 +38,7 @@ from hlomap.cost.collectives import (
     all_gather_time,
     all_reduce_time,
     all_to_all_time,
+    collective_group_times,
     collective_permute_time,
     collective_time,
     group_streams,
@@ -57,6 +58,7 @@ from hlomap.cost.compute import (
 )
 from hlomap.cost.devices import DEVICE_PRESETS, DeviceSpec, DeviceSpecError, device_preset
 from hlomap.cost.mapping import AxisMapping, MappingError, axis_devices
+from hlomap.cost.network import Grid, Network
 
 __all__ = [
     "DEVICE_PRESETS",
@@ -71,10 +73,12 @@ __all__ = [
     "CostClass",
     "DeviceSpec",
     "DeviceSpecError",
+    "Grid",
     "GroupCost",
     "InstructionCost",
     "MappingError",
     "Measurement",
+    "Network",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
@@ -82,6 +86,7 @@ __all__ = [
     "calibrated_cluster",
     "axis_devices",
     "cluster_preset",
+    "collective_group_times",
     "collective_permute_time",
     "collective_time",
     "computation_cost",
