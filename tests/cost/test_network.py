@@ -155,6 +155,7 @@ def test_route_latency_is_the_clusters_latency_table():
         assert np.allclose(lat, c.latency, rtol=1e-12, atol=1e-18)
 
 
+@pytest.mark.slow  # the cluster's dense 8192 x 8192 tables take most of its 15 s
 def test_routes_are_worked_out_per_batch_on_a_large_torus():
     # 8192 devices: no all-pairs route table is built, only the batch asked for.
     net = load_cluster("torus:16x16x32").network

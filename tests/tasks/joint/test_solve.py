@@ -345,7 +345,7 @@ def test_a_split_state_stage_pays_an_all_gather_and_keeps_its_moments_at_one_ove
     assert not any(o.split_state and o.data == 1 for o in offered)  # no data replicas, nothing to split over
 
 
-@pytest.mark.parametrize("capacity", [None, 0.85])
+@pytest.mark.parametrize("capacity", [pytest.param(None, marks=pytest.mark.slow), 0.85])
 def test_the_dp_with_split_state_finds_the_enumerated_optimum(gpt_tiny, capacity) -> None:
     """With split-state (and recomputing) options the DP, its exact pruning included, finds what
     enumeration over every option finds: on roomy devices and on devices with 85% of the memory
