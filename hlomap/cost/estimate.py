@@ -499,10 +499,9 @@ def _split_updates(sg: ShardedGraph, instructions: list[InstructionEstimate], st
 
 
 def _with_sharded_state(memory: MemoryEstimate, collectives: list[CollectiveEstimate], sg: ShardedGraph,
-                        cluster: Cluster, mapping: AxisMapping, state: ShardedState) -> MemoryEstimate:
-    """`memory` with the sharded leaves at their share; appends the all-gathers to `collectives`."""
-    mesh = sg.axes.mesh_shape
-    ways = math.prod(mesh[a] for a in state.axes)
+                        cluster: Cluster, mapping: AxisMapping, state: ShardedState, ways: int) -> MemoryEstimate:
+    """`memory` with the sharded leaves at their share (`ways`: the state axes' size); appends the
+    all-gathers to `collectives`."""
     if ways <= 1 or not state.shards:
         return memory
     saved = sum(sg.parameter_bytes(s.parameter) for s in state.shards) * (1.0 - 1.0 / ways)
@@ -565,8 +564,8 @@ def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *
     device, instructions, collectives, reduce_flops = step_work(sg, cluster, mapping, fusion=fusion, cache=cache)
     memory = estimate_memory(sg, device.memory_bytes, donated=donated, fusion=fusion)
     if sharded_state is not None and sharded_state.shards:
-        memory = _with_sharded_state(memory, collectives, sg, cluster, mapping, sharded_state)
         ways = math.prod(sg.axes.mesh_shape[a] for a in sharded_state.axes)
+        memory = _with_sharded_state(memory, collectives, sg, cluster, mapping, sharded_state, ways)
         instructions = _split_updates(sg, instructions, sharded_state, ways)
     compute = sum(i.seconds for i in instructions)
     communication = sum(c.total_seconds for c in collectives)

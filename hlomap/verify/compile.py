@@ -61,7 +61,8 @@ def output_specs(graph: FactorGraph, plan: Plan) -> list[PartitionSpec]:
         # a state leaf split over the data axes (ZeRO-1) comes back split as it went in: the step
         # returns the new state first, leaf k being argument leaf k
         if k in split and k < len(parameters) and len(entries) == len(parameters[k].shape):
-            entries = list(plan.leaf_spec(parameters[k])) + [None] * (len(entries) - len(plan.leaf_spec(parameters[k])))
+            placed = list(plan.leaf_spec(parameters[k]))
+            entries = placed + [None] * (len(entries) - len(placed))
         while entries and entries[-1] is None:
             entries.pop()
         specs.append(PartitionSpec(*entries))

@@ -236,11 +236,16 @@ class JointModel:
 
     def _gather_prices(self, option: StageOption) -> tuple[float, float]:
         """(latency, seconds per gathered byte) of an all-gather over the option's data groups."""
+        return self._data_terms(Collective.ALL_GATHER, option)
+
+    def _data_terms(self, kind: Collective, option: StageOption) -> tuple[float, float]:
+        """(latency, seconds per byte) of collective `kind` over the option's data groups (0, 0
+        without data replicas)."""
         if option.data <= 1:
             return 0.0, 0.0
-        groups = axis_devices(self.cluster, option.mesh, order=("data", "model")).groups("data")
-        empty = collective_time(Collective.ALL_GATHER, self.cluster, groups, 0.0)
-        return empty, (collective_time(Collective.ALL_GATHER, self.cluster, groups, 2**30) - empty) / 2**30
+        groups = self._mapping(option).groups("data")
+        empty = collective_time(kind, self.cluster, groups, 0.0)
+        return empty, (collective_time(kind, self.cluster, groups, 2**30) - empty) / 2**30
 
     def plan_for(self, option: StageOption) -> tuple[np.ndarray, MeshAxes]:
         """The plan array a stage of this option runs, over the whole graph, and its mesh axes
@@ -285,7 +290,7 @@ class JointModel:
         sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
         # every stage computes while the others do: the cluster's devices are all busy
         work = step_work(sg, self.cluster, self._mapping(option), cache=self._cache, busy=self.cluster.n_devices)
-        return self._gathered_work([i for i in work.instructions], work.collectives, sg)
+        return self._gathered_work(work.instructions, work.collectives, sg)
 
     def _gathered_work(self, instructions: Sequence[InstructionEstimate], collectives: Sequence[CollectiveEstimate],
                        sg: ShardedGraph) -> StageWork:
@@ -351,10 +356,7 @@ class JointModel:
             beta[c.position] += rest * c.count
         update = work.params / max(work.params.sum(), 1.0) * work.update_total
         crossing, _ = crossing_bytes(self.attribution, work.values)
-        sync_groups = mapping.groups("data")
-        zero = collective_time(Collective.ALL_REDUCE, self.cluster, sync_groups, 0.0) if option.data > 1 else 0.0
-        slope = ((collective_time(Collective.ALL_REDUCE, self.cluster, sync_groups, 2**30) - zero) / 2**30
-                 if option.data > 1 else 0.0)
+        zero, slope = self._data_terms(Collective.ALL_REDUCE, option)
         bounds = self.boundaries
         layer = lambda values: np.concatenate([[0.0], np.cumsum(np.add.reduceat(values, bounds[:-1]))])  # noqa: E731
         cut = crossing[np.asarray(self.pivots, dtype=np.int64)] if self.pivots else np.zeros(0)

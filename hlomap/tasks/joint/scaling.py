@@ -160,21 +160,23 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
     launch = seconds - np.maximum(compute, memory)
     if not _close(launch[1], launch[0]) or not _close(launch[2], launch[0]):
         return None
-    collectives = _fit_collectives(model, works)
+    # gradient, parameter, stash and crossing bytes per position, and where each collective is
+    # charged, by the rules the full estimate uses (`JointModel._gathered_work`)
+    summed = [model._gathered_work(w.instructions, w.collectives, sg) for w, sg in zip(works, sgs)]
+    collectives = _fit_collectives(works, summed[0].collectives)
     if collectives is None:
         return None
-    bytes_at = [model._bytes(sg) for sg in sgs]
-    params = bytes_at[0][0]
-    if not all(_close(b[0], params) for b in bytes_at[1:]):
+    first_sum = summed[0]
+    if not all(_close(x.params, first_sum.params) and _close(x.grads, first_sum.grads)
+               and np.array_equal(x.buffers, first_sum.buffers) for x in summed[1:]):
         return None
-    stash = _one_over_d(widths, [b[1] for b in bytes_at])
-    value_names = tuple(bytes_at[0][2])
-    values = _one_over_d(widths, [np.asarray([b[2][k] for k in value_names]) for b in bytes_at])
-    grads = _gradients(model, works)
-    if stash is None or values is None or grads is None:
+    stash = _one_over_d(widths, [x.stash for x in summed])
+    value_names = tuple(first_sum.values)
+    values = _one_over_d(widths, [np.asarray([x.values[k] for k in value_names]) for x in summed])
+    if stash is None or values is None:
         return None
     return DataScaling(plans[0][0], position, forward, compute[0], split, coefficients, launch[0], collectives,
-                       grads[0], grads[1], params, stash, value_names, values)
+                       first_sum.grads, first_sum.buffers, first_sum.params, stash, value_names, values)
 
 
 def _one_over_d(widths: tuple[int, ...], samples: list[np.ndarray]) -> np.ndarray | None:
@@ -187,35 +189,17 @@ def _one_over_d(widths: tuple[int, ...], samples: list[np.ndarray]) -> np.ndarra
     return np.stack([a, b]) if _close(a / d2 + b, x2) else None
 
 
-def _gradients(model: JointModel, works: list) -> tuple[np.ndarray, np.ndarray] | None:
-    """Gradient bytes and buffers per position (the same at every width, or None)."""
-    n = model.attribution.length
-    where = model._where()
-    found = []
-    for w in works:
-        grads, buffers = np.zeros(n), np.zeros(n)
-        for c in w.collectives:
-            if c.reason is Reason.GRADIENT_SYNC:
-                p = where.get((c.computation, c.instruction), -1)
-                p = p if p >= 0 else n - 1
-                grads[p] += c.nbytes * c.count
-                buffers[p] += 1
-        found.append((grads, buffers))
-    same = all(_close(g, found[0][0]) and np.array_equal(b, found[0][1]) for g, b in found[1:])
-    return found[0] if same else None
-
-
-def _fit_collectives(model: JointModel, works: list) -> tuple[tuple[PositionedCollective, int], ...] | None:
-    """The non-gradient collectives at the first width with the exponent e of their bytes'
-    d^-e, checked at the other widths (None when they differ in kind, place or form)."""
-    n = model.attribution.length
-    where = model._where()
+def _fit_collectives(works: list, positioned: tuple[PositionedCollective, ...],
+                     ) -> tuple[tuple[PositionedCollective, int], ...] | None:
+    """The non-gradient collectives at the first width (`positioned`, charged where the full
+    estimate charges them) with the exponent e of their bytes' d^-e, checked at the other widths
+    (None when they differ in kind, place or form)."""
     lists = [[c for c in w.collectives if c.reason is not Reason.GRADIENT_SYNC] for w in works]
     if any(len(x) != len(lists[0]) for x in lists[1:]):
         return None
     out = []
     d0, d1, d2 = FAMILY_WIDTHS
-    for c0, c1, c2 in zip(*lists):
+    for c0, c1, c2, at in zip(*lists, positioned):
         if (c0.kind, c0.axes, c0.instruction, c0.count) != (c1.kind, c1.axes, c1.instruction, c1.count) or \
                 (c0.kind, c0.axes, c0.instruction, c0.count) != (c2.kind, c2.axes, c2.instruction, c2.count):
             return None
@@ -226,6 +210,5 @@ def _fit_collectives(model: JointModel, works: list) -> tuple[tuple[PositionedCo
         for width, c in ((d1, c1), (d2, c2)):
             if not math.isclose(c0.nbytes * (d0 / width) ** e, c.nbytes, rel_tol=_CHECK_RTOL, abs_tol=1e-300):
                 return None
-        p = where.get((c0.computation, c0.instruction), -1)
-        out.append((PositionedCollective(p if p >= 0 else n - 1, c0.kind, c0.axes, c0.nbytes, c0.count), e))
+        out.append((at, e))
     return tuple(out)
