@@ -412,7 +412,7 @@ def apply_calibration(cluster: Cluster, profile: Calibration) -> Cluster:
 #: another (a stage-to-stage send) and a trivial jitted call (the fixed cost of one dispatch).
 TRANSFER = "transfer"
 DISPATCH = "dispatch"
-#: A program of a chain of tiny matmuls on every device at once: its `nbytes` counts the kernels,
+#: A train step of tiny layers on every device at once: its `nbytes` is hlomap's count of its kernels,
 #: so the fit's seconds per "byte" is the cost of launching one kernel inside a program.
 LAUNCH = "launch"
 #: One all-reduce of many small buffers, as XLA's combiner makes of the gradients: its `nbytes`
@@ -621,7 +621,9 @@ CLUSTER_CALIBRATION_KEY = "calibration"
 #: The "format" of that object: not a profile (`FORMAT`), which `load_calibration` would read.
 CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 2: kernels timed on every device at once; the cluster carries its measured collectives.
-CLUSTER_VERSION = 2
+#: 3: kernel launches timed on a train step of tiny layers, counted as the estimate counts them
+#: (version 2 timed a chain of tiny matmuls; its files still load, and their launch fit is theirs).
+CLUSTER_VERSION = 3
 
 
 @dataclass(frozen=True)

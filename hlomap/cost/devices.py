@@ -161,7 +161,8 @@ _H100_FLOPS = {"f64": 67 * TERA, "f32": 67 * TERA, "tf32": 494.5 * TERA,
 #: Devices measured by `hlomap calibrate` on the real hardware, shipped as the calibrated cluster
 #: file it wrote (figures, fits and raw samples, under hlomap/cost/data/): name -> file.
 #: H200-measured: one NVIDIA H200 (SXM, 141 GB) measured with JAX 0.11.2 on 2026-11-26 by
-#: `python scripts/bench_gpu.py` (its first calibration; docs/benchmarks.md has the run).
+#: `python scripts/bench_gpu.py --calibrations 1` (warmed up; kernel launches timed on a train
+#: step of tiny layers; docs/benchmarks.md has the run).
 MEASURED_DEVICE_FILES: Mapping[str, str] = types.MappingProxyType({"H200-measured": "H200-measured.cluster.json"})
 
 

@@ -51,7 +51,7 @@ from hlomap.cost.sharding import CONTAINER_OPCODES, PartialResult, ShardedGraph
 from hlomap.cost.zero import StateShard, gathered_parameters
 from hlomap.hlo.capture import Capture, Phase
 from hlomap.hlo.ir import Instruction, Module
-from hlomap.propagation.conflicts import ConflictChecker, MeshAxes, PlanConflict
+from hlomap.propagation.conflicts import REPLICATED, ConflictChecker, MeshAxes, PlanConflict
 from hlomap.propagation.graph import FactorGraph
 
 log = logging.getLogger(__name__)
@@ -269,6 +269,28 @@ def _gathered_axes(sg: ShardedGraph) -> dict[int, tuple[str, ...]]:
     return out
 
 
+def _runs(inst: Instruction, count: int) -> bool:
+    """Whether an instruction does work of its own (not a container, not free, executed)."""
+    return count > 0 and inst.opcode not in CONTAINER_OPCODES and inst.opcode not in FREE_OPCODES
+
+
+def kernel_count(sg: ShardedGraph, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
+    """The kernels one step launches as this model counts them: every executed instruction that
+    does work and is not fused into its consumer. A calibration divides a program's launch cost
+    by this count (not by the kernels XLA happens to emit), so that the measured cost per kernel
+    is priced back on exactly what it was fitted to."""
+    fused = fused_nodes(sg, fusion)
+    return sum(int(sg.node_count[n]) for n, node in enumerate(sg.graph.nodes)
+               if n not in fused and _runs(node.instruction, int(sg.node_count[n])))
+
+
+def launched_kernels(cap: Capture, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
+    """`kernel_count` of `cap`'s step run whole on one device."""
+    graph = FactorGraph.from_capture(cap)
+    axes = MeshAxes.from_mesh({"data": 1})
+    return kernel_count(ShardedGraph.build(graph, np.full(graph.num_groups, REPLICATED, dtype=np.intp), axes), fusion)
+
+
 def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
                            fused: frozenset[int], cache: CostCache,
                            kernel_seconds: float = 0.0) -> list[InstructionEstimate]:
@@ -282,7 +304,7 @@ def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mappi
     for n, node in enumerate(g.nodes):
         inst = node.instruction
         count = int(sg.node_count[n])
-        if count == 0 or inst.opcode in CONTAINER_OPCODES or inst.opcode in FREE_OPCODES:
+        if not _runs(inst, count):
             continue
         # an instruction's unsplit cost does not depend on the plan: memoized per graph node for
         # callers that estimate many plans of one module with one cache

@@ -27,7 +27,8 @@ model uses it instead of the links wherever a cluster carries one:
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
   k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster;
 - `kernel_seconds` is what each kernel a program launches costs beyond its roofline (measured on
-  a chain of tiny matmuls): the small-kernel inefficiency that dominates small models on a host;
+  a train step of tiny layers, per kernel as `hlomap.cost.estimate.kernel_count` counts them): the
+  small-kernel cost that dominates small models on a host and on a GPU;
 - `combined_operand_seconds` is what each buffer adds to one all-reduce of many (XLA combines the
   gradients' all-reduces into one): on host CPU devices the buffers are reduced one after
   another, so 38 gradients cost 38 latencies, not one.

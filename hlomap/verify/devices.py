@@ -57,7 +57,7 @@ class BenchPlan:
     message_sizes: tuple[int, ...]
     repeats: int
     dispatch_repeats: int
-    launch_chains: tuple[int, ...] = (4, 64, 256)  # kernel-launch samples: programs of this many tiny matmuls
+    launch_layers: tuple[int, ...] = (2, 16, 64)  # kernel-launch samples: train steps of this many tiny layers
     combined_buffers: tuple[int, ...] = (1, 8, 32)  # one all-reduce of this many small buffers
 
 
@@ -75,11 +75,11 @@ ACCELERATOR_PLAN = BenchPlan(matmul_sizes=(128, 256, 512, 1024, 2048, 4096, 8192
                              message_sizes=tuple(2**k for k in range(8, 27, 2)), repeats=10, dispatch_repeats=200)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
-                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_chains=(4, 64),
+                       message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_layers=(2, 16),
                        combined_buffers=(1, 8))
 
 _ITEMSIZE = {"f32": 4, "bf16": 2}
-#: The side of the kernel-launch samples' matmuls: small enough that their compute is nothing.
+#: The width of the kernel-launch samples' layers: small enough that their compute is nothing.
 LAUNCH_SIDE = 8
 #: f32 elements per device of each buffer of the combined all-reduce samples.
 COMBINED_ELEMENTS = 1024
@@ -157,6 +157,30 @@ def _message_bytes(kind: Collective, group: int, elements: int) -> float:
     return local * group if kind is Collective.ALL_GATHER else local
 
 
+def _tiny_train_step(ws: list[Any], x: Any) -> list[Any]:
+    """One SGD step of a chain of tiny tanh layers, batched over the devices' blocks (no
+    communication: the loss's sum over blocks is never computed, only its gradient)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(params: list[Any]) -> Any:
+        h = x
+        for w in params:
+            h = jnp.tanh(jnp.einsum("bij,bjk->bik", h, w))
+        return jnp.sum(h * h)
+
+    grads = jax.grad(loss)(ws)
+    return [w - 0.01 * g for w, g in zip(ws, grads)]
+
+
+def _kernels_of(step: Callable[..., Any], *args: Any) -> int:
+    """hlomap's kernel count of `step(*args)` (`hlomap.cost.estimate.launched_kernels`)."""
+    from hlomap.cost.estimate import launched_kernels
+    from hlomap.hlo.capture import capture
+
+    return launched_kernels(capture(step, *args))
+
+
 def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[[], Measurement | CommSample]]]:
     """(label, measure) of every sample, in the order they run."""
     import jax
@@ -210,17 +234,19 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         seconds = _median_seconds(lambda: _ready(jax.device_put(x, devices[1])), plan.repeats)
         return CommSample(TRANSFER, 2, 4.0 * elements, seconds)
 
-    def launch(kernels: int) -> CommSample:
-        # a chain of dependent tiny matmuls (a matmul is always its own kernel), every device at once
+    def launch(layers: int) -> CommSample:
+        # A train step of tiny layers (forward, gradient, update), every device on its own block:
+        # the kernels a real step launches (dots, elementwise, reductions, their backward), which a
+        # chain of one op does not show (an H200 launched tiny matmuls at 1.2 us each, while
+        # launch-bound zoo steps cost 4-6 us per kernel). Its `nbytes` is hlomap's own kernel count
+        # of the program (`launched_kernels`), so the fitted cost per kernel is priced back on the
+        # same count.
+        ws = [jax.device_put(jnp.full((count, LAUNCH_SIDE, LAUNCH_SIDE), 0.1, jnp.float32), blocks)
+              for _ in range(layers)]
         x = jax.device_put(jnp.ones((count, LAUNCH_SIDE, LAUNCH_SIDE), jnp.float32), blocks)
-
-        def chain(v: Any) -> Any:
-            for _ in range(kernels):
-                v = jnp.einsum("bij,bjk->bik", v, v) * 0.5
-            return v
-
-        f = jax.jit(chain)
-        return CommSample(LAUNCH, count, float(kernels), _median_seconds(lambda: _ready(f(x)), plan.repeats))
+        f = jax.jit(_tiny_train_step)
+        return CommSample(LAUNCH, count, float(_kernels_of(_tiny_train_step, ws, x)),
+                          _median_seconds(lambda: _ready(f(ws, x)), plan.repeats))
 
     def combined(buffers: int) -> CommSample:
         # one all-reduce of `buffers` small buffers, as XLA combines a step's gradient all-reduces
@@ -243,8 +269,8 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     for elements in plan.memory_sizes:
         tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
     tasks.append(("dispatch", dispatch))
-    for kernels in plan.launch_chains:
-        tasks.append((f"{kernels} kernels", lambda k=kernels: launch(k)))
+    for layers in plan.launch_layers:
+        tasks.append((f"step of {layers} tiny layers", lambda k=layers: launch(k)))
     if count > 1:
         for buffers in plan.combined_buffers:
             tasks.append((f"all-reduce of {buffers} buffers", lambda b=buffers: combined(b)))

@@ -111,6 +111,7 @@ def test_solo_speedup_and_busy_devices() -> None:
 
 def test_the_estimate_adds_dispatch_and_kernel_launches(cap_of) -> None:
     import hlomap
+    from hlomap.cost.estimate import launched_kernels
 
     cap = cap_of("gpt-tiny")
     table = dataclasses.replace(TABLE, solo_speedup=1.0)
@@ -120,6 +121,8 @@ def test_the_estimate_adds_dispatch_and_kernel_launches(cap_of) -> None:
     assert with_costs.dispatch_seconds == pytest.approx(20e-6)
     kernels = (with_costs.compute_seconds - plain.compute_seconds) / 10e-6
     assert kernels > 10 and abs(kernels - round(kernels)) < 1e-6  # a whole number of launched kernels
+    # the count a calibration divides its launch samples by is the count the estimate charges
+    assert round(kernels) == launched_kernels(cap)
     assert with_costs.step_seconds == pytest.approx(plain.step_seconds + 20e-6 + kernels * 10e-6)
 
 
