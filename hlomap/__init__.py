@@ -33,6 +33,7 @@ _PUBLIC: dict[str, str] = {
     "parallelize": "hlomap.run",
     "value_and_grad": "hlomap.run",
     "auto_shard": "hlomap.autoshard",
+    "elastic": "hlomap.elasticity",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]
