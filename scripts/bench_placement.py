@@ -1,15 +1,27 @@
-"""Device placement benchmark: solver gaps and step-time gains per topology, 512 devices within 60 s,
-and the PPO policy against random and greedy search at equal budget.
+"""Device placement benchmark: every structured start against the solvers on issue 23's topologies,
+solver gaps and step-time gains per topology, 512 devices within 60 s, and the PPO policy against
+random and greedy search at equal budget.
 
+    python scripts/bench_placement.py --quick               # the starts table, short budgets (about 4 min)
     python scripts/bench_placement.py                       # everything (about an hour on 2 busy cores)
     python scripts/bench_placement.py --sizes 8 16 64 --families torus hier random
-    python scripts/bench_placement.py --only gaps|large|ppo --json out.json
+    python scripts/bench_placement.py --only starts|gaps|large|ppo --json out.json
 
 Problems (`hlomap.tasks.placement.generate`): for every topology family and size, an SPMD
 transformer step on a data x model mesh (tensor-parallel all-reduces along `model`, the gradient
 all-reduce along `data`) and a pipeline of S stages replicated r ways, priced by the cost model.
 
 Tables:
+0. starts: scrambled torus:8x8 (device ids a random permutation of its nodes), torus:4x4x4,
+   torus:8x8x8, mesh:16x16, hier:8x8, random:64 and random:512 (and a scrambled torus:2x4 where
+   exact enumeration fits, without --quick), each with a tensor-parallel workload (n / 8 groups
+   of 8 all-reducing 100 MB at once) and the pipeline workload: the step time of the identity,
+   random search, every structured start (walks over the topology coordinates: row-major,
+   snake, Hilbert, and the mesh-axis nestings over them; recursive bisection; the constructive
+   placement), greedy (`place`'s default), PPO and exact, priced by the cost model (tori and
+   meshes: the network model, flows sharing links). `place / best start` is greedy's step over
+   the best structured start's (never above 1: the search refines the best start); wall times
+   include setting the problem up (cluster, layout, task).
 1. gaps: each solver (identity, random, greedy, ppo, and exact on 8 devices) with the same
    wall-clock budget per problem (--budget-scale x a per-size default); the gain is the step time
    saved against the identity order, the gap how far a solver is from the best any found.
@@ -40,15 +52,31 @@ from rich.console import Console  # noqa: E402
 
 from hlomap.report.placement import solver_table  # noqa: E402
 from hlomap.search.tracker import Budget, Driver, SearchResult  # noqa: E402
+from hlomap.cost.cluster import load_cluster  # noqa: E402
+from hlomap.tasks.placement.construct import named_starts  # noqa: E402
 from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, BenchmarkWorkload, TopologyFamily,  # noqa: E402
-                                             benchmark_problem, random_problem)
+                                             benchmark_problem, model_for, pipeline_layout, random_problem,
+                                             scrambled, tensor_parallel_layout)
 from hlomap.tasks.placement.place import search_placement  # noqa: E402
 from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_placement_policy  # noqa: E402
+from hlomap.tasks.placement.problem import PlacementProblem, step_seconds  # noqa: E402
+from hlomap.tasks.placement.task import PlacementTask  # noqa: E402
 
 #: Seconds per solver and problem, by device count (x --budget-scale).
 BUDGET = {8: 2.0, 16: 3.0, 32: 5.0, 64: 8.0, 128: 15.0, 512: 30.0}
 DEFAULT_FAMILIES = (TopologyFamily.TORUS, TopologyFamily.MESH, TopologyFamily.HIER, TopologyFamily.RANDOM,
                     TopologyFamily.UNIFORM_RANDOM, TopologyFamily.UNIFORM)
+
+
+#: The starts table's clusters (topology string, scrambled or not), issue 23's list.
+START_CLUSTERS = (("torus:8x8", True), ("torus:4x4x4", False), ("torus:8x8x8", False), ("mesh:16x16", False),
+                  ("hier:8x8", False), ("random:64:0", False), ("random:512:0", False))
+#: Where exact enumeration fits (8 devices), without --quick.
+EXACT_CLUSTERS = (("torus:2x4", True),)
+START_WORKLOADS = ("tp", "pipeline")
+#: Seconds per solver in the starts table, by device count (x --budget-scale); --quick: QUICK_BUDGET.
+START_BUDGET = {8: 2.0, 64: 8.0, 256: 20.0, 512: 30.0}
+QUICK_BUDGET = {8: 1.0, 64: 2.0, 256: 4.0, 512: 6.0}
 
 
 def _load() -> str:
@@ -59,6 +87,98 @@ def _run(problem: Any, solver: Driver, seconds: float, seed: int, policy: Any) -
     options = {"policy": policy} if solver is Driver.PPO else {}
     budget = Budget(None, None) if solver in (Driver.IDENTITY, Driver.EXACT) else Budget(seconds, None)
     return search_placement(problem, solver, budget, seed, **options)
+
+
+def _starts_problem(topology: str, scramble: bool, workload: str) -> PlacementProblem:
+    cluster = load_cluster(topology)
+    cluster = scrambled(cluster, seed=0) if scramble else cluster
+    n = cluster.n_devices
+    layout = (tensor_parallel_layout(n, group=min(8, n // 2)) if workload == "tp"
+              else pipeline_layout(cluster, n, model_for(n), stages=4 if n <= 8 else None))
+    return PlacementProblem(cluster, layout, name=f"{workload} on {cluster.name}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def _start_columns(starts: dict[str, float]) -> dict[str, float]:
+    """The table's start columns: each walk, the best nesting over the walks, bisection, construct."""
+    nestings = [v for k, v in starts.items() if " " in k]
+    out = {k: starts[k] for k in ("row-major", "snake", "hilbert")}
+    out["best nesting"] = min(nestings) if nestings else float("nan")
+    out["bisection"], out["construct"] = starts["bisection"], starts["construct"]
+    return out
+
+
+def starts_table(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[str, Any]]:
+    budgets = QUICK_BUDGET if args.quick else START_BUDGET
+    clusters = START_CLUSTERS + (() if args.quick else EXACT_CLUSTERS)
+    records = []
+    for topology, scramble in clusters:
+        for workload in args.start_workloads:
+            start = time.perf_counter()
+            problem = _starts_problem(topology, scramble, workload)
+            task = PlacementTask(problem)  # what every driver builds first: identity priced
+            setup = time.perf_counter() - start
+            n = problem.n_devices
+            seconds = budgets[n] * args.budget_scale
+            start = time.perf_counter()
+            starts = {name: step_seconds(problem, order[: problem.n_positions])
+                      for name, order in named_starts(problem, task.affinity).items()}
+            starts_wall = time.perf_counter() - start
+            solvers = [Driver.RANDOM, Driver.GREEDY] + ([Driver.PPO] if policy is not None else [])
+            solvers += [Driver.EXACT] if n <= 8 else []
+            results, walls = {}, {}
+            for solver in solvers:
+                start = time.perf_counter()
+                results[solver] = _run(problem, solver, seconds, args.seed, policy)
+                walls[solver] = time.perf_counter() - start + setup
+            identity = task.identity_seconds
+            best_start = min(v for k, v in starts.items() if k != "identity")
+            greedy = results[Driver.GREEDY].plan.step_seconds
+            record = {"problem": problem.name, "devices": n, "workload": workload, "budget_seconds": seconds,
+                      "setup_seconds": setup, "starts_seconds": starts_wall, "identity_seconds": identity,
+                      "starts": starts, "best_start_seconds": best_start,
+                      "solvers": {s.value: {"step_seconds": r.plan.step_seconds, "evaluations": r.evaluations,
+                                            "search_seconds": r.seconds, "wall_seconds": walls[s], "notes": r.notes}
+                                  for s, r in results.items()}}
+            records.append(record)
+            console.print(f"  {problem.name}: identity {identity * 1e3:.4g} ms, best start {best_start * 1e3:.4g} ms, "
+                          f"greedy {greedy * 1e3:.4g} ms (set-up {setup:.1f} s, starts {starts_wall:.1f} s), "
+                          f"load {_load()}")
+    print_starts(records, console)
+    return records
+
+
+STARTS_HEADER = ["problem", "identity", "random", "row-major", "snake", "hilbert", "best nesting", "bisection",
+                 "construct", "greedy", "ppo", "exact", "greedy / best start", "ppo / best start", "budget s",
+                 "greedy wall s", "ppo wall s"]
+
+
+def _starts_row(record: dict[str, Any]) -> list[str]:
+    solvers = record["solvers"]
+
+    def step(solver: str) -> str:
+        return _ms(solvers[solver]["step_seconds"]) if solver in solvers else "-"
+
+    def ratio(solver: str) -> str:
+        return f"{solvers[solver]['step_seconds'] / record['best_start_seconds']:.4f}" if solver in solvers else "-"
+
+    columns = _start_columns(record["starts"])
+    return [record["problem"], _ms(record["identity_seconds"]), step("random"),
+            *["-" if v != v else _ms(v) for v in columns.values()], step("greedy"), step("ppo"), step("exact"),
+            ratio("greedy"), ratio("ppo"), f"{record['budget_seconds']:g}",
+            f"{solvers['greedy']['wall_seconds']:.1f}",
+            f"{solvers['ppo']['wall_seconds']:.1f}" if "ppo" in solvers else "-"]
+
+
+def print_starts(records: list[dict[str, Any]], console: Console) -> None:
+    """The starts table as markdown (estimated step ms; ratios to the best structured start)."""
+    lines = ["| " + " | ".join(STARTS_HEADER) + " |", "|" + "---|" * len(STARTS_HEADER)]
+    lines += ["| " + " | ".join(_starts_row(r)) + " |" for r in records]
+    console.print("Placement starts and solvers: estimated step ms (walls include set-up)", markup=False)
+    console.print("\n".join(lines), markup=False, soft_wrap=True)
 
 
 def gaps(args: argparse.Namespace, console: Console, policy: Any) -> list[dict[str, Any]]:
@@ -154,7 +274,10 @@ def ppo_comparison(args: argparse.Namespace, console: Console, policy: Any) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gaps", "large", "ppo"), action="append")
+    parser.add_argument("--only", choices=("starts", "gaps", "large", "ppo"), action="append")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the starts table, with short budgets (a few minutes on 2 cores)")
+    parser.add_argument("--start-workloads", choices=START_WORKLOADS, nargs="+", default=list(START_WORKLOADS))
     parser.add_argument("--sizes", type=int, nargs="+", default=list(BENCHMARK_SIZES))
     parser.add_argument("--families", type=TopologyFamily, nargs="+", default=list(DEFAULT_FAMILIES))
     parser.add_argument("--workloads", type=BenchmarkWorkload, nargs="+", default=list(BenchmarkWorkload))
@@ -164,13 +287,19 @@ def main() -> None:
     parser.add_argument("--policy", type=Path, default=DEFAULT_POLICY)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--report", type=Path, help="print the starts table of a saved --json run, run nothing")
     args = parser.parse_args()
     console = Console(width=160)
+    if args.report:
+        print_starts(json.loads(args.report.read_text())["starts"], console)
+        return
     policy = load_placement_policy(args.policy) if args.policy.is_file() else None
     if policy is None:
         console.print(f"no placement policy at {args.policy}: the ppo columns are left out")
-    parts = args.only or ["gaps", "large", "ppo"]
+    parts = args.only or (["starts"] if args.quick else ["starts", "gaps", "large", "ppo"])
     out: dict[str, Any] = {"load_average_at_start": os.getloadavg()[0]}
+    if "starts" in parts:
+        out["starts"] = starts_table(args, console, policy)
     if "gaps" in parts:
         out["gaps"] = gaps(args, console, policy)
     if "large" in parts:

@@ -17,9 +17,11 @@ JSON (units: bytes, bytes/s, seconds):
 The bandwidth diagonal is written as null (JSON has no infinity); "nics_per_node" is optional; so
 is "network" (a torus or mesh's links, `hlomap.cost.network.Grid.to_json`: {"topology": "torus",
 "shape": [8, 8], "link_bandwidth": [5e10, 5e10], "link_latency": [1e-06, 1e-06]}, from which the
-links and routes are rebuilt); so is "measured" (collectives and dispatch as measured, `hlomap.cost.measured`, written by `hlomap
-calibrate`); a "calibration" object (every fit and sample behind it, `hlomap.cost.calibration`)
-is ignored here.
+links and routes are rebuilt, and "device_nodes" when the device ids are not the grid's row-major
+node ids); so is "coords" (each device's topology coordinates, `Cluster.coordinates`: [server,
+slot] on servers and random blocks; a grid's are its network's); so is "measured" (collectives
+and dispatch as measured, `hlomap.cost.measured`, written by `hlomap calibrate`); a "calibration"
+object (every fit and sample behind it, `hlomap.cost.calibration`) is ignored here.
 
 Auto-MAP's configurations A, B, C are 2, 3 and 4 servers of 8 V100 GPUs, NVLink inside a server
 and 25 Gbps Ethernet between servers (arXiv 2007.04069, section 5). The paper does not give the
@@ -93,6 +95,9 @@ class Cluster:
     `network`: the links and routes of a torus or mesh (`hlomap.cost.network`), over which
     collectives are priced with flows sharing links; its node i is device i (it may have more
     nodes than the cluster has devices: `first_devices` of a torus still routes over the rest).
+    `coords`: each device's topology coordinates (`coordinates`), given where the topology has
+    some and the network does not say them: [server, slot in the server] on servers and random
+    blocks. Placement starts from orders over them (row-major, snake, space-filling curves).
     """
 
     name: str
@@ -103,6 +108,7 @@ class Cluster:
     nics_per_node: int = 1
     measured: MeasuredCosts | None = None
     network: Network | None = None
+    coords: tuple[tuple[int, ...], ...] | None = None
     node_array: np.ndarray = field(init=False, repr=False, compare=False)
     # collective analyses per group list (`collectives._concurrent_groups`): valid while the cluster
     # is, since nothing in it changes
@@ -111,6 +117,8 @@ class Cluster:
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "node_of", tuple(int(x) for x in self.node_of))
+        if self.coords is not None:
+            object.__setattr__(self, "coords", tuple(tuple(int(c) for c in row) for row in self.coords))
         for field_name, diagonal in (("bandwidth", math.inf), ("latency", 0.0)):
             array = np.array(getattr(self, field_name), dtype=np.float64)  # a copy
             if array.ndim == 2 and array.shape[0] == array.shape[1]:
@@ -131,6 +139,17 @@ class Cluster:
     @property
     def n_nodes(self) -> int:
         return len(set(self.node_of))
+
+    @property
+    def coordinates(self) -> np.ndarray:
+        """[device, axis] integer topology coordinates of every device: a grid's node
+        coordinates (its network's), the given `coords`, else [node, slot in the node] (slots
+        numbered in device-id order). Distinct per device; placement orders devices by them."""
+        if self.network is not None:
+            return self.network.device_coords[: self.n_devices]
+        if self.coords is not None:
+            return np.asarray(self.coords, dtype=np.int64).reshape(self.n_devices, -1)
+        return node_slot_coordinates(self.node_of)
 
     def devices_on(self, node: int) -> tuple[int, ...]:
         return tuple(i for i, n in enumerate(self.node_of) if n == node)
@@ -155,11 +174,13 @@ class Cluster:
         return (self.name == other.name and self.devices == other.devices
                 and self.node_of == other.node_of and self.nics_per_node == other.nics_per_node
                 and self.measured == other.measured and self.network == other.network
+                and self.coords == other.coords
                 and np.array_equal(self.bandwidth, other.bandwidth)
                 and np.array_equal(self.latency, other.latency))
 
     def __hash__(self) -> int:
-        return hash((self.name, self.devices, self.node_of, self.nics_per_node, self.measured, self.network))
+        return hash((self.name, self.devices, self.node_of, self.nics_per_node, self.measured, self.network,
+                     self.coords))
 
     def __repr__(self) -> str:
         kinds = sorted({d.name for d in self.devices})
@@ -179,6 +200,8 @@ class Cluster:
         }
         if self.network is not None:
             out["network"] = self.network.grid.to_json()
+        if self.coords is not None:
+            out["coords"] = [list(row) for row in self.coords]
         if self.measured is not None:
             out["measured"] = self.measured.to_json()
         return out
@@ -206,7 +229,7 @@ def with_busy_devices(cluster: Cluster, busy: int) -> Cluster:
         return cluster
     devices = tuple(sped_up(d, factor) for d in cluster.devices)
     return Cluster(cluster.name, devices, cluster.node_of, cluster.bandwidth, cluster.latency, cluster.nics_per_node,
-                   cluster.measured, cluster.network)
+                   cluster.measured, cluster.network, cluster.coords)
 
 
 def sped_up(device: DeviceSpec, factor: float) -> DeviceSpec:
@@ -228,7 +251,18 @@ def first_devices(cluster: Cluster, count: int) -> Cluster:
         return cluster
     return Cluster(f"{cluster.name}[:{count}]", cluster.devices[:count], cluster.node_of[:count],
                    cluster.bandwidth[:count, :count], cluster.latency[:count, :count], cluster.nics_per_node,
-                   cluster.measured, cluster.network)
+                   cluster.measured, cluster.network, None if cluster.coords is None else cluster.coords[:count])
+
+
+def node_slot_coordinates(node_of: Sequence[int]) -> np.ndarray:
+    """[device, 2]: each device's node and its slot in the node (the devices of a node numbered
+    0, 1, ... in id order): the coordinates of servers and blocks."""
+    node = np.asarray(node_of, dtype=np.int64)
+    order = np.argsort(node, kind="stable")
+    first = np.searchsorted(node[order], node[order])  # where each device's node starts in `order`
+    slot = np.empty_like(node)
+    slot[order] = np.arange(len(node)) - first
+    return np.stack([node, slot], axis=1)
 
 
 def _device_to_json(device: DeviceSpec) -> str | dict[str, Any]:
@@ -267,6 +301,15 @@ def _validate(cluster: Cluster) -> None:
         raise ClusterSpecError(f"{where}: nics_per_node = {cluster.nics_per_node} must be >= 1")
     if cluster.network is not None and cluster.network.n_nodes < n:
         raise ClusterSpecError(f"{where}: its network has {cluster.network.n_nodes} nodes for {n} devices")
+    if cluster.coords is not None:
+        ranks = {len(row) for row in cluster.coords}
+        if len(cluster.coords) != n or len(ranks) != 1 or 0 in ranks:
+            raise ClusterSpecError(f"{where}: coords must give {n} devices the same number (>= 1) of coordinates")
+        if any(c < 0 for row in cluster.coords for c in row) or len(set(cluster.coords)) != n:
+            raise ClusterSpecError(f"{where}: coords must be non-negative and distinct per device")
+        if cluster.network is not None:
+            # one source of truth: a grid's coordinates are its network's
+            raise ClusterSpecError(f"{where}: a cluster with a network takes its coords from it (device_nodes)")
 
 
 def _matrix(value: Any, n: int, field_name: str, where: str, *, diagonal: float) -> np.ndarray:
@@ -297,7 +340,7 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}")
     # "calibration": the fits and samples `hlomap calibrate` keeps beside the cluster it measured
     unknown = sorted(set(d) - {"name", "devices", "node_of", "bandwidth", "latency", "nics_per_node", "measured",
-                               "network", "calibration"})
+                               "network", "coords", "calibration"})
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}")
     if not isinstance(d["name"], str):
@@ -323,7 +366,13 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
     try:
         measured = None if d.get("measured") is None else MeasuredCosts.from_json(d["measured"])
         network = None if d.get("network") is None else Network(Grid.from_json(d["network"], where="field 'network'"))
-        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics, measured, network)
+        coords = d.get("coords")
+        if coords is not None and (not isinstance(coords, list) or not all(
+                isinstance(row, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in row)
+                for row in coords)):
+            raise ClusterSpecError(f"{source}: field 'coords': expected a list of lists of integers")
+        return Cluster(d["name"], devices, tuple(node_of), bandwidth, latency, nics, measured, network,
+                       None if coords is None else tuple(tuple(row) for row in coords))
     except NetworkSpecError as err:
         raise ClusterSpecError(f"{source}: {err}") from None
     except MeasuredCostsError as err:
@@ -344,10 +393,13 @@ def _device(device: DeviceLike) -> DeviceSpec:
 
 
 def _from_tables(name: str, device: DeviceLike, tables: topology.LinkTables, nics_per_node: int = 1,
-                 network: Network | None = None) -> Cluster:
+                 network: Network | None = None, *, servers: bool = False) -> Cluster:
+    """`servers`: the devices sit in servers (or blocks), whose [server, slot] coordinates the
+    cluster keeps (`Cluster.coords`)."""
     spec = _device(device)
+    coords = tuple(map(tuple, node_slot_coordinates(tables.node_of).tolist())) if servers else None
     return Cluster(name, (spec,) * len(tables.node_of), tuple(tables.node_of.tolist()),
-                   tables.bandwidth, tables.latency, nics_per_node, network=network)
+                   tables.bandwidth, tables.latency, nics_per_node, network=network, coords=coords)
 
 
 def hierarchical(nodes: int, gpus_per_node: int, device: DeviceLike = "V100-16GB",
@@ -357,7 +409,7 @@ def hierarchical(nodes: int, gpus_per_node: int, device: DeviceLike = "V100-16GB
     """`nodes` servers x `gpus_per_node` devices: `intra_*` inside a server (NVLink), `inter_*`
     between servers (the network). Device ids run server by server."""
     tables = topology.hierarchical_tables(nodes, gpus_per_node, intra_bw, inter_bw, intra_lat, inter_lat)
-    return _from_tables(name or f"hierarchical-{nodes}x{gpus_per_node}", device, tables, nics_per_node)
+    return _from_tables(name or f"hierarchical-{nodes}x{gpus_per_node}", device, tables, nics_per_node, servers=True)
 
 
 def mesh_topology(shape: Sequence[int], device: DeviceLike, link_bw: float | Sequence[float],
@@ -387,7 +439,7 @@ def random_block(n_devices: int, n_blocks: int, device: DeviceLike, intra_bw: fl
                  name: str | None = None) -> Cluster:
     """Random contiguous blocks (nodes) of devices; see `topology.random_block_tables`."""
     tables = topology.random_block_tables(n_devices, n_blocks, intra_bw, inter_bw, intra_lat, inter_lat, _rng(seed))
-    return _from_tables(name or f"random-block-{n_devices}/{n_blocks}", device, tables, nics_per_node)
+    return _from_tables(name or f"random-block-{n_devices}/{n_blocks}", device, tables, nics_per_node, servers=True)
 
 
 def uniform(n_devices: int, device: DeviceLike, bandwidth: topology.Range, latency: topology.Range,

@@ -42,12 +42,16 @@ class NetworkSpecError(ValueError):
 @dataclass(frozen=True)
 class Grid:
     """What a grid network is built from, and all its JSON keeps: the node counts per axis,
-    wrap-around links or not, and each axis's link bandwidth (bytes/s) and latency (s)."""
+    wrap-around links or not, each axis's link bandwidth (bytes/s) and latency (s), and
+    `device_nodes`, the grid node (row-major index of its coordinates) of each device id: None
+    when device i is node i, a permutation of the nodes for a cluster whose ids are scrambled
+    (ids handed out by a scheduler in no physical order)."""
 
     shape: tuple[int, ...]
     torus: bool
     link_bandwidth: tuple[float, ...]
     link_latency: tuple[float, ...]
+    device_nodes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.shape)
@@ -62,20 +66,30 @@ class Grid:
         object.__setattr__(self, "torus", bool(self.torus))
         object.__setattr__(self, "link_bandwidth", bw)
         object.__setattr__(self, "link_latency", lat)
+        if self.device_nodes is not None:
+            nodes = tuple(int(x) for x in self.device_nodes)
+            if sorted(nodes) != list(range(math.prod(shape))):
+                raise NetworkSpecError(f"device_nodes must list each of the {math.prod(shape)} grid nodes once, got "
+                                       f"{len(nodes)} entries")
+            # the identity is spelled None, so that equal networks compare (and hash) equal
+            object.__setattr__(self, "device_nodes", None if nodes == tuple(range(len(nodes))) else nodes)
 
     @property
     def n_nodes(self) -> int:
         return math.prod(self.shape)
 
     def to_json(self) -> dict[str, Any]:
-        return {"topology": "torus" if self.torus else "mesh", "shape": list(self.shape),
-                "link_bandwidth": list(self.link_bandwidth), "link_latency": list(self.link_latency)}
+        out: dict[str, Any] = {"topology": "torus" if self.torus else "mesh", "shape": list(self.shape),
+                               "link_bandwidth": list(self.link_bandwidth), "link_latency": list(self.link_latency)}
+        if self.device_nodes is not None:
+            out["device_nodes"] = list(self.device_nodes)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], *, where: str = "network") -> Grid:
         if not isinstance(d, Mapping):
             raise NetworkSpecError(f"{where}: expected an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"topology", "shape", "link_bandwidth", "link_latency"})
+        unknown = sorted(set(d) - {"topology", "shape", "link_bandwidth", "link_latency", "device_nodes"})
         missing = [k for k in ("topology", "shape", "link_bandwidth", "link_latency") if k not in d]
         if unknown or missing:
             raise NetworkSpecError(f"{where}: unknown field(s) {unknown}, missing field(s) {missing}")
@@ -89,8 +103,13 @@ class Grid:
             if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                       for v in value):
                 raise NetworkSpecError(f"{where}: field {key!r}: expected a list of numbers, got {value!r}")
+        nodes = d.get("device_nodes")
+        if nodes is not None and (not isinstance(nodes, list)
+                                  or not all(isinstance(x, int) and not isinstance(x, bool) for x in nodes)):
+            raise NetworkSpecError(f"{where}: field 'device_nodes': expected a list of integers, got {nodes!r}")
         try:
-            return cls(tuple(shape), d["topology"] == "torus", tuple(d["link_bandwidth"]), tuple(d["link_latency"]))
+            return cls(tuple(shape), d["topology"] == "torus", tuple(d["link_bandwidth"]), tuple(d["link_latency"]),
+                       None if nodes is None else tuple(nodes))
         except NetworkSpecError as err:
             raise NetworkSpecError(f"{where}: {err}") from None
 
@@ -110,8 +129,9 @@ def _wraps(grid: Grid, axis: int) -> bool:
 @dataclass(frozen=True, eq=False)
 class Network:
     """The directed links of a grid (`src[l] -> dst[l]`, `bandwidth[l]` bytes/s, `latency[l]`
-    s) and its dimension-order routes (module docstring). Node ids are row-major coordinates,
-    as the cluster's device ids. Equal (and hashed) by its `grid`."""
+    s) and its dimension-order routes (module docstring). Node ids are row-major coordinates;
+    `routes` takes device ids, which are node ids unless the grid's `device_nodes` says
+    otherwise. Equal (and hashed) by its `grid`."""
 
     grid: Grid
     src: np.ndarray = field(init=False, repr=False)
@@ -123,6 +143,7 @@ class Network:
     # [node, axis, direction] -> the neighbour that link reaches (the node itself where none)
     next_node: np.ndarray = field(init=False, repr=False)
     coords: np.ndarray = field(init=False, repr=False)  # [node, axis]
+    node_of_device: np.ndarray = field(init=False, repr=False)  # [device] -> node
 
     def __post_init__(self) -> None:
         grid = self.grid
@@ -156,7 +177,10 @@ class Network:
             array = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
             array.flags.writeable = False
             object.__setattr__(self, name, array)
-        for name, array in (("link_of", link_of), ("next_node", next_node), ("coords", coords)):
+        node_of_device = (np.arange(n, dtype=np.int64) if grid.device_nodes is None
+                          else np.asarray(grid.device_nodes, dtype=np.int64))
+        for name, array in (("link_of", link_of), ("next_node", next_node), ("coords", coords),
+                            ("node_of_device", node_of_device)):
             array.flags.writeable = False
             object.__setattr__(self, name, array)
 
@@ -182,10 +206,16 @@ class Network:
         """The longest route's link count: the width of `routes`' table."""
         return sum(size // 2 if _wraps(self.grid, a) else size - 1 for a, size in enumerate(self.grid.shape))
 
+    @property
+    def device_coords(self) -> np.ndarray:
+        """[device, axis]: the grid coordinates of each device id."""
+        return self.coords[self.node_of_device]
+
     def routes(self, src: np.ndarray | Sequence[int], dst: np.ndarray | Sequence[int]) -> np.ndarray:
         """[flows, max_hops] link ids of each flow's route in the order crossed, padded with -1
         (so that `values[routes]` over an array with one extra 0 at its end, index -1, ignores the
-        padding). Vectorized over the flows: one pass per hop of the longest route."""
+        padding), from device `src[f]` to device `dst[f]`. Vectorized over the flows: one pass
+        per hop of the longest route."""
         s = np.asarray(src, dtype=np.int64).reshape(-1)
         t = np.asarray(dst, dtype=np.int64).reshape(-1)
         if s.shape != t.shape:
@@ -193,6 +223,8 @@ class Network:
         n = self.n_nodes
         if s.size and (min(s.min(), t.min()) < 0 or max(s.max(), t.max()) >= n):
             raise ValueError(f"routes: node id out of range for a network of {n} nodes")
+        if self.grid.device_nodes is not None:
+            s, t = self.node_of_device[s], self.node_of_device[t]
         out = np.full((s.size, self.max_hops), -1, dtype=np.int64)
         current = s.copy()
         column = 0
@@ -218,7 +250,7 @@ class Network:
         return out
 
     def route(self, src: int, dst: int) -> tuple[int, ...]:
-        """The link ids from node `src` to node `dst`, in the order crossed (empty when equal)."""
+        """The link ids from device `src` to device `dst`, in the order crossed (empty when equal)."""
         row = self.routes([src], [dst])[0]
         return tuple(int(x) for x in row[row >= 0])
 

@@ -8,8 +8,9 @@ improves the score or the budget runs out. Deterministic; the seed is only recor
 A `LocalSearchTask` (device placement): iterated local search (Lourenco et al. 2003). Start from
 the best of the task's starts; sweep its incremental neighbourhood, applying the best improving
 move of each group, until a sweep improves nothing (a local optimum); then kick the best plan
-(`perturb`) and descend again, until the budget ends or `PATIENCE` kicks in a row found nothing
-better. Without a budget, one descent to its local optimum. The seed drives the kicks and the
+(`perturb`) and descend again, until the budget ends, `PATIENCE` kicks in a row found nothing
+better, or (a time budget) the best has not improved for `STALL_SHARE` of it. Without a budget,
+one descent to its local optimum. The seed drives the kicks and the
 random moves a sweep adds.
 """
 
@@ -26,10 +27,16 @@ from hlomap.search.tracker import Budget, Driver, Progress, SearchResult, Tracke
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PATIENCE", "greedy_search", "iterated_local_search"]
+__all__ = ["PATIENCE", "STALL_MIN_SECONDS", "STALL_SHARE", "greedy_search", "iterated_local_search", "stalled"]
 
 #: Kicks in a row without a better plan after which iterated local search stops early.
 PATIENCE = 50
+#: A time-limited local search also stops once its best has not improved for this share of its
+#: budget (and at least STALL_MIN_SECONDS): at 512 devices one sweep of swaps outlasts a minute,
+#: so a start that is already optimal (row-major on a torus) would hold the search to its whole
+#: budget without a sweep ever finishing to prove it.
+STALL_SHARE = 0.25
+STALL_MIN_SECONDS = 5.0
 #: Relative difference under which two scores (or tie-breaks) count as equal: incremental
 #: pricing and pricing from scratch may differ in the last bits.
 RTOL = 1e-12
@@ -91,8 +98,17 @@ def _beats(score: Score, proxy: float, than: Score, than_proxy: float) -> bool:
     return proxy < than_proxy - 1e-15
 
 
+def stalled(tracker: Tracker) -> bool:
+    """Whether a time-limited search's best has not improved for STALL_SHARE of its budget."""
+    budget = tracker.budget.seconds
+    if budget is None:
+        return False
+    return tracker.seconds - _last(tracker) >= max(STALL_MIN_SECONDS, STALL_SHARE * budget)
+
+
 def _descend(hood: Neighbourhood, tracker: Tracker, rng: np.random.Generator) -> bool:
-    """Sweeps until one applies no move (True: a local optimum) or the budget ends (False)."""
+    """Sweeps until one applies no move (True: a local optimum) or the budget ends or the search
+    stalls (False)."""
     while True:
         improved = False
         for group in hood.sweep(rng):
@@ -109,9 +125,16 @@ def _descend(hood: Neighbourhood, tracker: Tracker, rng: np.random.Generator) ->
                 improved = True
             if tracker.exhausted():
                 return False
+            if stalled(tracker):
+                tracker.notes.append(f"stopped: no better plan in the last {tracker.seconds - _last(tracker):.1f} s")
+                return False
         tracker.progress()
         if not improved:
             return True
+
+
+def _last(tracker: Tracker) -> float:
+    return tracker.improvements[-1].seconds if tracker.improvements else 0.0
 
 
 def iterated_local_search(task: LocalSearchTask, tracker: Tracker, rng: np.random.Generator, *,
@@ -127,7 +150,8 @@ def iterated_local_search(task: LocalSearchTask, tracker: Tracker, rng: np.rando
     converged = _descend(hood, tracker, rng)
     best, best_score = hood.decisions.copy(), hood.score
     restarts = stale = 0
-    while converged and not tracker.budget.unlimited and not tracker.exhausted() and stale < PATIENCE:
+    while (converged and not tracker.budget.unlimited and not tracker.exhausted() and stale < PATIENCE
+           and not stalled(tracker)):
         kicked = task.perturb(best, rng)
         if kicked is None:
             break

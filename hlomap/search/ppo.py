@@ -5,7 +5,8 @@ by step in the task's environment, then the greedy driver's local search polishe
 Use: optionally fine-tune the policy on the task itself (PPO on its environment, for at most
 half a timed budget); the greedy rollout (the most probable action at every step); sampled
 rollouts for `INFERENCE_SHARE` of what is left of the budget; then iterated local search
-(`search.greedy`) from the best rollout and the task's trivial plan for the rest. Every episode
+(`search.greedy`) from the best of the best rollout, the task's trivial plan and its starts
+(`LocalSearchTask.starts`) for the rest. Every episode
 the environment finishes, fine-tuning included, is a scored plan the tracker records.
 """
 
@@ -97,6 +98,8 @@ def ppo_search(task: SearchTask, budget: Budget, seed: int = 0, *, agent: PpoAge
             if trivial is not None:
                 tracker.record(trivial, task.score(trivial))
         else:
-            starts = [tracker.best_decisions] + ([trivial] if trivial is not None else [])
+            # the task's structured starts too: a polish from the best rollout alone could end
+            # worse than a start built in microseconds (a walk over a scrambled torus)
+            starts = [tracker.best_decisions] + ([trivial] if trivial is not None else []) + list(task.starts())
             iterated_local_search(task, tracker, np.random.default_rng(seed), starts=starts)
     return tracker.result()

@@ -400,3 +400,20 @@ def test_a_network_is_equal_by_its_grid():
     assert a == Network(Grid((4, 4), True, (B, B), (A, A))) and hash(a) == hash(grid_network((4, 4), B, A, True))
     assert a != grid_network((4, 4), B, A, torus=False)
     assert a.route(0, 5) == (a.link_of[0, 0, 0], a.link_of[4, 1, 0])  # (0, 0) -> (1, 0) -> (1, 1)
+
+
+def test_device_nodes_route_ids_through_their_nodes_and_are_checked():
+    plain = Grid((4, 4), True, (B, B), (A, A))
+    assert Grid((4, 4), True, (B, B), (A, A), tuple(range(16))) == plain  # the identity is spelled None
+    nodes = tuple(np.random.default_rng(1).permutation(16).tolist())
+    moved = Network(Grid((4, 4), True, (B, B), (A, A), nodes))
+    base = Network(plain)
+    assert moved != base and moved.route(3, 9) == base.route(nodes[3], nodes[9])
+    assert moved.device_coords.tolist() == base.coords[list(nodes)].tolist()
+    assert Grid.from_json(moved.grid.to_json()) == moved.grid
+    with pytest.raises(ValueError, match="device_nodes must list each of the 16"):
+        Grid((4, 4), True, (B, B), (A, A), (0,) * 16)
+    data = moved.grid.to_json()
+    data["device_nodes"] = ["a"] * 16
+    with pytest.raises(ValueError, match="'device_nodes'"):
+        Grid.from_json(data)

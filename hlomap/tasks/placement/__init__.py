@@ -6,8 +6,9 @@ search task of `hlomap.search`.
     placed = with_placement(plan, problem, result)     # the plan with its placement section
 
 See `problem` (what is placed and priced), `objective` (incremental pricing), `construct`
-(structured and constructed starting placements), `task` (the search task: scores, swap moves,
-exact enumeration), `ppo` (the learned policy's environment and training), `generate` (benchmark
-and training problems), `place` (plans in and out), `pipeline_costs` (the one door to the pipeline
-cost model and DP).
+(structured and constructed starting placements), `curves` (row-major, snake and Hilbert walks
+over topology coordinates), `bisection` (recursive bisection of positions against devices),
+`task` (the search task: scores, swap moves, exact enumeration), `ppo` (the learned policy's
+environment and training), `generate` (benchmark and training problems, scrambled clusters),
+`place` (plans in and out), `pipeline_costs` (the one door to the pipeline cost model and DP).
 """

@@ -18,6 +18,7 @@ per sample and `microbatch` samples per data-parallel replica, 2-byte values, tr
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from hlomap.cost.pipeline.stages import Schedule
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
 
 __all__ = ["BENCHMARK_SIZES", "BenchmarkWorkload", "ModelSize", "TopologyFamily", "benchmark_problem", "model_for",
-           "pipeline_layout", "random_problem", "spmd_layout", "topology"]
+           "pipeline_layout", "random_problem", "scrambled", "spmd_layout", "tensor_parallel_layout", "topology"]
 
 BENCHMARK_SIZES = (8, 16, 64, 128, 512)
 #: Values are 2 bytes (bf16 activations and gradients).
@@ -155,6 +156,33 @@ def pipeline_layout(cluster: Cluster, n: int, model: ModelSize, stages: int | No
         source=f"transformer h={model.hidden} L={model.layers}",
     )
     return StageLayout(profile, (r,) * s, 2 * s, Schedule.ONE_F_ONE_B)
+
+
+def tensor_parallel_layout(n: int, group: int = 8, nbytes: float = 1e8, count: int = 1) -> MeshLayout:
+    """n / group tensor-parallel groups of `group` devices, all all-reducing `nbytes` at once
+    (`count` times a step) and nothing else: the workload where a placement's only job is to
+    keep every group on links no other group crosses (issue 23's torus:8x8 example)."""
+    if n % group:
+        raise ValueError(f"groups of {group} do not split {n} devices")
+    return MeshLayout((("data", n // group), ("model", group)),
+                      (CommunicationTerm(Collective.ALL_REDUCE, ("model",), float(nbytes), float(count)),))
+
+
+def scrambled(cluster: Cluster, seed: int = 0) -> Cluster:
+    """`cluster` with its device ids a random permutation of its physical devices, as a scheduler
+    may hand them out: device k of the result is device `order[k]` of `cluster` (tables,
+    servers, coordinates and, on a grid, the node each id sits on all follow). Named
+    `NAME~SEED`."""
+    order = np.random.default_rng([seed, 0x5C4A]).permutation(cluster.n_devices)
+    network = cluster.network
+    if network is not None:
+        nodes = network.node_of_device.copy()
+        nodes[: cluster.n_devices] = nodes[order]  # nodes past the devices (a slice of a torus) stay
+        network = type(network)(dataclasses.replace(network.grid, device_nodes=tuple(nodes.tolist())))
+    coords = None if cluster.coords is None else tuple(cluster.coords[i] for i in order)
+    return Cluster(f"{cluster.name}~{seed}", tuple(cluster.devices[i] for i in order),
+                   tuple(cluster.node_of[i] for i in order), cluster.bandwidth[np.ix_(order, order)],
+                   cluster.latency[np.ix_(order, order)], cluster.nics_per_node, cluster.measured, network, coords)
 
 
 def benchmark_problem(family: TopologyFamily | str, n: int, workload: BenchmarkWorkload | str,

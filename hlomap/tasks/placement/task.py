@@ -7,6 +7,10 @@ swap, as in `objective`). The score is the speedup over the plan as given, `iden
 1 for the identity), and its tie-break the negated plateau measure of `objective` relative to the
 identity's step: so scores compare on one scale for any cluster.
 
+Starts (`starts`, `construct.structured_starts`): the identity, walks over the topology coordinates
+and mesh-axis nestings over them, recursive bisection and the constructive placement; the greedy
+driver (and the PPO driver's polish) scores them and descends from the best.
+
 Moves (the greedy driver's iterated local search, `LocalSearchTask`): a sweep visits positions,
 the most expensive under the affinity proxy first; each tries swapping with the `NEAREST`
 devices the proxy makes cheapest plus `RANDOM` random slots, priced incrementally
