@@ -156,3 +156,21 @@ def test_bad_devices_and_options_are_named() -> None:
         step.resize([], params, opt_state)
     with pytest.raises(TypeError, match="train step function"):
         hlomap.elastic(42)
+
+
+def test_the_survivors_cluster_keeps_their_devices_links_and_coordinates() -> None:
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.elasticity import surviving_cluster
+
+    servers = load_cluster("hier:2x4")
+    assert surviving_cluster(servers, range(8)) is servers
+    sub = surviving_cluster(servers, (0, 1, 5, 6))
+    assert sub.n_devices == 4 and sub.node_of == (0, 0, 1, 1)
+    assert sub.bandwidth[0, 1] == servers.bandwidth[0, 1] and sub.bandwidth[1, 2] == servers.bandwidth[1, 5]
+    assert sub.coordinates.tolist() == servers.coordinates[[0, 1, 5, 6]].tolist()
+    torus = load_cluster("torus:2x4")
+    kept = surviving_cluster(torus, (1, 2, 7))
+    # the routes need every node of the grid: the survivors keep their coordinates, not the network
+    assert kept.network is None and kept.coordinates.tolist() == torus.coordinates[[1, 2, 7]].tolist()
+    with pytest.raises(ValueError, match="distinct positions"):
+        surviving_cluster(servers, (0, 0))

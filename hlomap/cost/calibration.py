@@ -623,7 +623,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 2: kernels timed on every device at once; the cluster carries its measured collectives.
 #: 3: kernel launches timed on a train step of tiny layers, counted as the estimate counts them
 #: (version 2 timed a chain of tiny matmuls; its files still load, and their launch fit is theirs).
-CLUSTER_VERSION = 3
+#: 4: each sample is the lower quartile of its timed calls, not the median (less moved by load).
+CLUSTER_VERSION = 4
 
 
 @dataclass(frozen=True)
