@@ -110,16 +110,22 @@ def test_the_loop_equals_restarting_from_the_gathered_state(hybrid_run: Any) -> 
         np.testing.assert_allclose(np.asarray(params[name]), np.asarray(p[name]), rtol=1e-6, atol=1e-7)
 
 
-def test_the_loop_follows_the_unsharded_step(hybrid_run: Any) -> None:
+def _unsharded_run() -> tuple[list[float], Any]:
+    """The loss curve and final parameters of the same steps under plain `jax.jit`."""
     import jax
 
-    step, losses, params, _ = hybrid_run
     train_step, p, o, batch = _model()
     jitted = jax.jit(train_step)
-    expected = []
+    losses = []
     for _ in range(STEPS):
         p, o, loss = jitted(p, o, batch)
-        expected.append(float(loss))
+        losses.append(float(loss))
+    return losses, p
+
+
+def test_the_loop_follows_the_unsharded_step(hybrid_run: Any) -> None:
+    _, losses, params, _ = hybrid_run
+    expected, p = _unsharded_run()
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
     for name in params:
         scale = float(np.max(np.abs(np.asarray(p[name])))) or 1.0
@@ -128,17 +134,9 @@ def test_the_loop_follows_the_unsharded_step(hybrid_run: Any) -> None:
 
 def test_the_auto_planner_re_plans_and_the_loss_follows() -> None:
     """task="auto" (the default): the planner may choose a pipeline or leave devices idle."""
-    import jax
-
     step, losses, _, _ = _elastic_run("auto", None)
     assert [e.replanned for e in step.history] == [True, False]
-    train_step, p, o, batch = _model()
-    jitted = jax.jit(train_step)
-    expected = []
-    for _ in range(STEPS):
-        p, o, loss = jitted(p, o, batch)
-        expected.append(float(loss))
-    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    np.testing.assert_allclose(losses, _unsharded_run()[0], rtol=1e-4)
 
 
 def test_bad_devices_and_options_are_named() -> None:

@@ -28,6 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     # the package): above api (it explores through it) and report (its progress bar, explain())
     "autoshard": {"hlo", "propagation", "cost", "plan", "search", "agents", "tasks", "verify", "run", "zoo", "api",
                    "report", "__init__", "autoshard"},
+    # `hlomap.elastic` (a module named elastic would shadow the function too): re-plans through api
+    # and captures as the decorator does
+    "elasticity": {"hlo", "cost", "run", "api", "autoshard", "elasticity"},
 }
 #: what the package's own __init__ may import: everything.
 TOP = {"__init__"}

@@ -114,7 +114,7 @@ def collective_group_sizes(n_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def _sample_seconds(fn: Callable[[], Any], repeats: int) -> float:
     """The lower quartile of the wall times of `repeats` calls of `fn` (which blocks until its
     result is ready), after one untimed warm-up call; never below a nanosecond, so that the
     sample is a valid time. A quartile, not the median: on a shared machine other work only ever
@@ -205,7 +205,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
         a = _filled((count, n, n), jdtype, blocks)
         f = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
-        seconds = _median_seconds(lambda: _ready(f(a)), plan.repeats)
+        seconds = _sample_seconds(lambda: _ready(f(a)), plan.repeats)
         return Measurement(f"dot_{dtype}_{n}", "dot", dtype, 2.0 * n**3, 3.0 * n * n * _ITEMSIZE[dtype], seconds)
 
     def matmul_alone(n: int) -> Measurement:
@@ -213,13 +213,13 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         # alone than with all busy (`ClusterCalibration.solo_speedup`); not part of the curve
         a = jax.device_put(jnp.ones((n, n), jnp.float32), first)
         f = jax.jit(jnp.dot)
-        seconds = _median_seconds(lambda: _ready(f(a, a)), plan.repeats)
+        seconds = _sample_seconds(lambda: _ready(f(a, a)), plan.repeats)
         return Measurement(f"dot_f32_{n}{ALONE_SUFFIX}", "dot", "f32", 2.0 * n**3, 3.0 * n * n * 4, seconds, fit=False)
 
     def memory(elements: int) -> Measurement:
         x = _filled((count * elements,), jnp.float32, blocks)
         f = jax.jit(lambda v: v * 2.0 + 1.0)
-        seconds = _median_seconds(lambda: _ready(f(x)), plan.repeats)
+        seconds = _sample_seconds(lambda: _ready(f(x)), plan.repeats)
         return Measurement(f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements,
                            8.0 * elements, seconds)
 
@@ -229,12 +229,12 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         body = _collective_program(kind, group)
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
         x = jax.device_put(jnp.ones((group * elements,), jnp.float32), NamedSharding(mesh, spec))
-        seconds = _median_seconds(lambda: _ready(f(x)), plan.repeats)
+        seconds = _sample_seconds(lambda: _ready(f(x)), plan.repeats)
         return CommSample(kind.value, group, _message_bytes(kind, group, elements), seconds)
 
     def transfer(elements: int) -> CommSample:
         x = jax.device_put(jnp.ones((elements,), jnp.float32), first)
-        seconds = _median_seconds(lambda: _ready(jax.device_put(x, devices[1])), plan.repeats)
+        seconds = _sample_seconds(lambda: _ready(jax.device_put(x, devices[1])), plan.repeats)
         return CommSample(TRANSFER, 2, 4.0 * elements, seconds)
 
     def launch(layers: int) -> CommSample:
@@ -249,7 +249,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         x = jax.device_put(jnp.ones((count, LAUNCH_SIDE, LAUNCH_SIDE), jnp.float32), blocks)
         f = jax.jit(_tiny_train_step)
         return CommSample(LAUNCH, count, float(_kernels_of(_tiny_train_step, ws, x)),
-                          _median_seconds(lambda: _ready(f(ws, x)), plan.repeats))
+                          _sample_seconds(lambda: _ready(f(ws, x)), plan.repeats))
 
     def combined(buffers: int) -> CommSample:
         # one all-reduce of `buffers` small buffers, as XLA combines a step's gradient all-reduces
@@ -257,12 +257,12 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
                              in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"))
         f = jax.jit(body)
         xs = [jax.device_put(jnp.ones((count * COMBINED_ELEMENTS,), jnp.float32), blocks) for _ in range(buffers)]
-        return CommSample(COMBINED, count, float(buffers), _median_seconds(lambda: _ready(f(*xs)), plan.repeats))
+        return CommSample(COMBINED, count, float(buffers), _sample_seconds(lambda: _ready(f(*xs)), plan.repeats))
 
     def dispatch() -> CommSample:
         x = jax.device_put(jnp.zeros((), jnp.float32), first)
         f = jax.jit(lambda v: v + 1.0)
-        return CommSample(DISPATCH, 1, 0.0, _median_seconds(lambda: _ready(f(x)), plan.dispatch_repeats))
+        return CommSample(DISPATCH, 1, 0.0, _sample_seconds(lambda: _ready(f(x)), plan.dispatch_repeats))
 
     for dtype in plan.dtypes:
         for n in plan.matmul_sizes:
@@ -364,7 +364,7 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
     bench = plan or default_plan(chosen[0].platform, quick)
     if chosen[0].platform != "cpu" and not quick:
         _warm_up(chosen)
-    tasks = _tasks(bench, chosen) + (extra_tasks(chosen, quick, _median_seconds) if extra_tasks else [])
+    tasks = _tasks(bench, chosen) + (extra_tasks(chosen, quick, _sample_seconds) if extra_tasks else [])
     kernels: list[Measurement] = []
     comm: list[CommSample] = []
     executors: list[ExecutorSample] = []
