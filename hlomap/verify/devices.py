@@ -42,7 +42,7 @@ from hlomap.cost.collectives import Collective
 log = logging.getLogger(__name__)
 
 __all__ = ["ACCELERATOR_PLAN", "BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "collective_group_sizes",
-           "default_plan", "measure_devices"]
+           "default_plan", "host_bytes_needed", "measure_devices"]
 
 
 @dataclass(frozen=True)
@@ -347,6 +347,36 @@ def default_plan(platform: str, quick: bool = False) -> BenchPlan:
     return DEFAULT_PLAN if platform == "cpu" else ACCELERATOR_PLAN
 
 
+def host_bytes_needed(plan: BenchPlan, count: int) -> float:
+    """About the peak host memory a calibration of `count` host CPU devices holds: its largest
+    all-gather (every device receives every device's largest message), its largest memory-bound
+    buffers (input and output on every device) or its largest matmuls, whichever is most."""
+    gather = count * count * max(plan.message_sizes) * 4.0
+    memory = 2.0 * count * max(plan.memory_sizes) * 4.0
+    matmul = 3.0 * count * max(plan.matmul_sizes) ** 2 * 4.0
+    return max(gather, memory, matmul)
+
+
+def _free_host_bytes() -> float | None:
+    """Host memory free now (None where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_host_memory(plan: BenchPlan, count: int) -> None:
+    """Simulated host devices live in this process's memory: refuse a calibration that would not
+    fit (the kernel would kill the process without a word) before measuring anything."""
+    needed = host_bytes_needed(plan, count)
+    free = _free_host_bytes()
+    if free is not None and needed > 0.8 * free:
+        raise CalibrationError(
+            f"calibrating {count} host CPU devices needs about {needed / 2**30:.1f} GiB of memory (the largest "
+            f"all-gather gives every device {count} messages of {max(plan.message_sizes) * 4 / 2**20:g} MiB); "
+            f"{free / 2**30:.1f} GiB are free: measure fewer devices, or run the quick calibration (--quick)")
+
+
 def measure_devices(devices: int | None = None, *, quick: bool = False, plan: BenchPlan | None = None,
                     on_progress: Callable[[BenchProgress], None] | None = None,
                     extra_tasks: ExtraTasks | None = None) -> ClusterCalibration:
@@ -362,6 +392,8 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
                                f"({jax.default_backend()})")
     chosen = available[:count]
     bench = plan or default_plan(chosen[0].platform, quick)
+    if chosen[0].platform == "cpu":
+        _check_host_memory(bench, count)
     if chosen[0].platform != "cpu" and not quick:
         _warm_up(chosen)
     tasks = _tasks(bench, chosen) + (extra_tasks(chosen, quick, _sample_seconds) if extra_tasks else [])

@@ -82,3 +82,15 @@ def test_accelerators_are_timed_on_sizes_that_reach_their_peak() -> None:
     assert default_plan("tpu") is ACCELERATOR_PLAN and default_plan("gpu", quick=True) is QUICK_PLAN
     assert max(ACCELERATOR_PLAN.matmul_sizes) >= 8192 > max(DEFAULT_PLAN.matmul_sizes)
     assert max(ACCELERATOR_PLAN.memory_sizes) * 4 >= 2**29  # 512 MiB per device, past any L2
+
+
+def test_a_calibration_too_large_for_host_memory_is_refused_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hlomap.verify import devices
+
+    # the largest all-gather dominates: 8 devices each receiving 8 messages of the largest size
+    assert devices.host_bytes_needed(DEFAULT_PLAN, 8) == 8 * 8 * max(DEFAULT_PLAN.message_sizes) * 4.0
+    monkeypatch.setattr(devices, "_free_host_bytes", lambda: 2.0**20)
+    seen: list[BenchProgress] = []
+    with pytest.raises(CalibrationError, match=r"calibrating 4 host CPU devices needs about .* GiB are free"):
+        measure_devices(4, plan=DEFAULT_PLAN, on_progress=seen.append)
+    assert not seen  # nothing was measured
