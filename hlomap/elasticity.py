@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ElasticStep", "Resize", "elastic", "surviving_cluster"]
 
-#: (params, opt_state): the arguments a resize moves and every plan's step takes and returns.
-STATE_ARGS = 2
 #: Tasks whose plans take a mesh of named axes; the others plan the devices as a whole.
 MESH_TASKS = frozenset({"opp", "adp", "hybrid"})
 

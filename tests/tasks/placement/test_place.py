@@ -77,7 +77,8 @@ def test_a_placed_pipeline_plan_is_simulated_on_its_placement():
     assert [stage.devices for stage in est.placed.plan.stages] == [tuple(d) for d in placed.stage_devices()]
 
 
-@pytest.mark.parametrize("driver", ["greedy", "ppo"])
+# PPO (17 s on 2 cores: its rollouts before the same local search) only in the slow run
+@pytest.mark.parametrize("driver", ["greedy", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_placement_unscrambles_a_scrambled_torus(driver):
     """8 tensor-parallel groups of 8 all-reduce at once on torus:8x8 whose device ids are a random
     permutation of its nodes. Physical row-major puts each group on a torus row (no link shared,
