@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hlomap.tasks.placement.curves import row_major
+from hlomap.tasks.placement.curves import row_major, sorted_by
 
 __all__ = ["bisect_coordinates", "bisect_graph", "compact_devices", "recursive_bisection"]
 
@@ -73,8 +73,7 @@ def bisect_coordinates(coords: np.ndarray, size: int) -> np.ndarray:
     their bounding box (ties: the lower axis), in row-major order along it."""
     extent = coords.max(axis=0) - coords.min(axis=0)
     axis = int(np.argmax(extent))
-    keys = [coords[:, axis]] + [coords[:, a] for a in range(coords.shape[1]) if a != axis]
-    order = np.lexsort([np.arange(len(coords)), *reversed(keys)])
+    order = sorted_by([coords[:, axis]] + [coords[:, a] for a in range(coords.shape[1]) if a != axis])
     inside = np.zeros(len(coords), dtype=bool)
     inside[order[:size]] = True
     return inside

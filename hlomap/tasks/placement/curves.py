@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hilbert", "hilbert_keys", "row_major", "snake"]
+__all__ = ["hilbert", "hilbert_keys", "row_major", "snake", "sorted_by"]
 
 
 def _as_coordinates(coords: np.ndarray) -> np.ndarray:
@@ -32,7 +32,7 @@ def _as_coordinates(coords: np.ndarray) -> np.ndarray:
     return array
 
 
-def _sorted_by(keys: list[np.ndarray]) -> np.ndarray:
+def sorted_by(keys: list[np.ndarray]) -> np.ndarray:
     """Device ids sorted by `keys` (first key slowest), then by id."""
     n = len(keys[0]) if keys else 0
     return np.lexsort([np.arange(n), *reversed(keys)]).astype(np.int64)
@@ -41,7 +41,7 @@ def _sorted_by(keys: list[np.ndarray]) -> np.ndarray:
 def row_major(coords: np.ndarray) -> np.ndarray:
     """Devices in row-major order of their coordinates (axis 0 slowest)."""
     array = _as_coordinates(coords)
-    return _sorted_by([array[:, a] for a in range(array.shape[1])])
+    return sorted_by([array[:, a] for a in range(array.shape[1])])
 
 
 def snake(coords: np.ndarray) -> np.ndarray:
@@ -56,7 +56,7 @@ def snake(coords: np.ndarray) -> np.ndarray:
         digit = np.where(slower % 2 == 1, extent[a] - 1 - array[:, a], array[:, a])
         keys.append(digit)
         slower = slower * extent[a] + digit
-    return _sorted_by(keys)
+    return sorted_by(keys)
 
 
 def hilbert_keys(coords: np.ndarray) -> np.ndarray:
@@ -97,4 +97,4 @@ def hilbert_keys(coords: np.ndarray) -> np.ndarray:
 
 def hilbert(coords: np.ndarray) -> np.ndarray:
     """Devices in Hilbert-curve order of their coordinates (module docstring)."""
-    return _sorted_by([hilbert_keys(coords)])
+    return sorted_by([hilbert_keys(coords)])

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hlomap.cost.cluster import Cluster, ClusterSpecError, load_cluster
+from hlomap.cost.cluster import Cluster, ClusterSpecError, load_cluster, node_slot_coordinates
 
 __all__ = ["Event", "ResourceState", "Trace", "TraceError", "TraceKind", "generate", "load_trace"]
 
@@ -85,12 +85,8 @@ class ResourceState:
 
     def __post_init__(self) -> None:
         node = self.base.node_array
-        servers = int(node.max()) + 1
-        rank = np.zeros(self.base.n_devices, dtype=np.int64)
-        for s in range(servers):
-            members = np.flatnonzero(node == s)
-            rank[members] = np.arange(members.size)
-        up = np.flatnonzero(rank < np.asarray(self.gpus)[node])
+        slot = node_slot_coordinates(self.base.node_of)[:, 1]  # a server's k GPUs are its first k
+        up = np.flatnonzero(slot < np.asarray(self.gpus)[node])
         object.__setattr__(self, "devices", tuple(int(d) for d in up))
         bandwidth = np.array(self.base.bandwidth)
         cross = node[:, None] != node[None, :]
