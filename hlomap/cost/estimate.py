@@ -150,6 +150,7 @@ class InstructionEstimate:
     compute_seconds: float
     memory_seconds: float
     seconds: float
+    instance: int = 0  # the graph's instance of its computation (one per call site; 0 the entry)
 
 
 class KindRow(NamedTuple):
@@ -330,7 +331,7 @@ def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mappi
         out.append(InstructionEstimate(
             inst.name, node.computation, inst.opcode, phases[n], degree, count,
             full.flops / degree * count, full.transcendentals / degree * count, nbytes * count,
-            compute * count, memory * count, (max(compute, memory) + launch) * count))
+            compute * count, memory * count, (max(compute, memory) + launch) * count, node.instance))
     return out
 
 

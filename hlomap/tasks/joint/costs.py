@@ -209,8 +209,11 @@ class JointModel:
     @property
     def batch(self) -> int:
         """The step's batch: the leading dim of its data inputs (what microbatches split)."""
-        data = [p for p in self.cap.parameters if p.role is Role.DATA and p.shape.rank > 0]
-        return min((p.shape.dims[0] for p in data), default=1)
+        key = ("batch",)
+        if key not in self._cache:  # asked once per option and microbatch count
+            data = [p for p in self.cap.parameters if p.role is Role.DATA and p.shape.rank > 0]
+            self._cache[key] = min((p.shape.dims[0] for p in data), default=1)
+        return self._cache[key]
 
     # -- one option's arrays --------------------------------------------------------------------
     def arrays(self, option: StageOption) -> StageArrays:
@@ -299,7 +302,7 @@ class JointModel:
         where = self._where()
         compute, forward, update_total = np.zeros(n), np.zeros(n), 0.0
         for inst in instructions:
-            p = where.get((inst.computation, inst.name))
+            p = self.position_of(inst, where)
             if p is None:
                 continue
             if p == UPDATE:
@@ -320,6 +323,40 @@ class JointModel:
             priced.append(PositionedCollective(p, c.kind, c.axes, c.nbytes, c.count))
         params, stash, values = self._bytes(sg)
         return StageWork(compute, forward, update_total, tuple(priced), grads, buffers, params, stash, values)
+
+    def position_of(self, inst: InstructionEstimate, where: dict[tuple[str, str], int] | None = None) -> int | None:
+        """The chain position an instruction's work is charged to (`_positions`); an instruction
+        of a called computation goes with its own call site's entry instruction: a computation
+        that every layer calls (`jnp.where`'s) is charged to each layer once, not all to the
+        first."""
+        where = self._where() if where is None else where
+        if inst.instance > 0:
+            site = self._entry_sites().get(inst.instance)
+            if site is not None:
+                return where.get((self.cap.module.entry.name, site))
+        return where.get((inst.computation, inst.name))
+
+    def _entry_sites(self) -> dict[int, str]:
+        """Per instance of a called computation, the entry instruction whose call it runs under."""
+        key = ("entry sites",)
+        if key not in self._cache:
+            instances = self.graph.instances
+            sites: dict[int, str] = {}
+            for k, instance in enumerate(instances):
+                if instance.parent < 0:
+                    continue
+                parent = instances[instance.parent]
+                sites[k] = instance.call_site if parent.parent < 0 else sites.get(instance.parent, "")
+            self._cache[key] = sites
+        return self._cache[key]
+
+    def group_capacity(self, first_device: int, size: int) -> float:
+        """The least memory of devices [first_device, first_device + size) (memoized: plans
+        priced by the thousand ask for the same groups)."""
+        key = ("capacity", first_device, size)
+        if key not in self._cache:
+            self._cache[key] = min(d.memory_bytes for d in self.cluster.devices[first_device:first_device + size])
+        return self._cache[key]
 
     def _where(self) -> dict[tuple[str, str], int]:
         key = ("positions",)
@@ -413,25 +450,33 @@ def _positions(cap: Capture, found: ChainAttribution) -> dict[tuple[str, str], i
 
 
 def transfer_seconds(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
-                     nbytes: float) -> float:
+                     nbytes: float, cache: dict[Any, Any] | None = None) -> float:
     """Moving a cut's activations (`nbytes` in all, one shard per data replica) from a stage of
     `option` on devices from `first_device` to the next stage, whose devices start at
     `receiver_first`: replica c's first device sends its shard to the next stage's c-th device,
     all at once (streams leaving a server share its NICs: `collective_permute_time`). The
     receiving stage's layout does not enter, so a planner prices a cut from its sending side."""
-    return float(transfer_seconds_of(cluster, option, first_device, receiver_first, np.asarray([nbytes]))[0])
+    return float(transfer_seconds_of(cluster, option, first_device, receiver_first, np.asarray([nbytes]), cache)[0])
 
 
 def transfer_seconds_of(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
-                        nbytes: np.ndarray) -> np.ndarray:
+                        nbytes: np.ndarray, cache: dict[Any, Any] | None = None) -> np.ndarray:
     """`transfer_seconds` of every entry of `nbytes` at once: the pairs and their terms depend on
-    the devices only, so they are built once (a planner's table prices every cut of a stage)."""
+    the devices only, so they are built once (a planner's table prices every cut of a stage), and
+    kept in `cache` when given (the expert grid and the DP price the same groups many times)."""
     nbytes = np.asarray(nbytes, dtype=float)
     shards = max(1, min(option.data, cluster.n_devices - receiver_first))
-    pairs = [(first_device + c * option.model, receiver_first + c) for c in range(shards)]
-    terms = collective_permute_terms(cluster, pairs)
-    if not terms:
+    key = ("permute terms", option.data, option.model, first_device, receiver_first)
+    terms = None if cache is None else cache.get(key)
+    if terms is None:
+        pairs = [(first_device + c * option.model, receiver_first + c) for c in range(shards)]
+        found = collective_permute_terms(cluster, pairs)
+        terms = (np.asarray([t.alpha for t in found]), np.asarray([t.beta for t in found]))
+        if cache is not None:
+            cache[key] = terms
+    alpha, beta = terms
+    if not len(alpha):
         return np.zeros_like(nbytes)
     per_shard = nbytes / shards
-    seconds = np.max([term.alpha + term.beta * per_shard for term in terms], axis=0)
+    seconds = np.max(alpha[:, None] + beta[:, None] * np.atleast_1d(per_shard)[None, :], axis=0).reshape(nbytes.shape)
     return np.where(nbytes > 0, seconds, 0.0)

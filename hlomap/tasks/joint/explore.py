@@ -99,12 +99,20 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
                             split_state=(False, True) if split_state else (False,))
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
                        schedule, max_stages)
-    task = JointSearchTask(model, space)
+    # The grid first: its best configuration bounds the exact DP from the start (`solve.solve`),
+    # and a tight bound is what lets the DP leave out most stages on a large cluster. The grid's
+    # configurations with the optimizer state split (when the space allows it) only serve as
+    # that bound: the grid reported stays Megatron's own.
+    uniform = expert_grid(model, schedule=schedule, microbatches=space.microbatches,
+                          split_state=(False, True) if split_state else (False,)) if with_grid else []
+    grid = tuple(g for g in uniform if not g.split_state)
+    feasible = [g for g in uniform if g.plan is not None and g.cost is not None]
+    incumbent = min(feasible, key=lambda g: g.cost.latency).plan if feasible else None  # type: ignore[union-attr]
+    task = JointSearchTask(model, space, incumbent=incumbent)
     found = run_driver(task, Driver(agent), budget or Budget(seconds=60.0), seed, on_best=on_best,
                        on_progress=on_progress)
     plan = choose_schedule(model, found.plan) if choose else found.plan
     cost = evaluate(model, plan)
-    grid = tuple(expert_grid(model, schedule=schedule, microbatches=space.microbatches)) if with_grid else ()
     log.info("joint plan of %s on %s: %d stages, L %.4g s (%.1f s)", cap.source, cluster.name, plan.n_stages,
              cost.latency, time.perf_counter() - start)
     return JointResult(model, plan, cost, grid, time.perf_counter() - start, found.driver.value, len(options), found)

@@ -47,6 +47,7 @@ class GridPoint:
     plan: JointPlan | None
     cost: JointCost | None  # None when no microbatch count fits in memory
     note: str = ""
+    split_state: bool = False  # the stages split their optimizer state over `dp` (ZeRO-1)
 
     @property
     def label(self) -> str:
@@ -70,10 +71,11 @@ def uniform_split_ends(ends: Sequence[int], devices: int) -> tuple[int, ...]:
                          for b in range(1, pp)}))
 
 
-def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
+def uniform_cuts(model: JointModel, pp: int, ends: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """Layer bounds [0, ..., n_layers] of a uniform split of the blocks over `pp` stages, or None
-    when there are fewer blocks than stages or a block end is not a cut point of the model."""
-    ends = block_ends(model)
+    when there are fewer blocks than stages or a block end is not a cut point of the model.
+    `ends`: the model's `block_ends`, when the caller has them (they take a pass over the step)."""
+    ends = block_ends(model) if ends is None else ends
     if pp > len(ends):
         return None
     bounds = [0]
@@ -87,33 +89,38 @@ def uniform_cuts(model: JointModel, pp: int) -> tuple[int, ...] | None:
 
 
 def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
-                microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True)) -> list[GridPoint]:
-    """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring)."""
+                microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True),
+                split_state: Sequence[bool] = (False,)) -> list[GridPoint]:
+    """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring);
+    with `split_state` (False, True), each configuration with data replicas once more with its
+    optimizer state split over them (a point of its own)."""
     cluster = model.cluster
     devices = cluster.n_devices
     per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
     choices = tuple(microbatches) if microbatches else microbatch_choices(model.batch)
     out = []
     tp_limit = per_node if per_node > 1 else 8  # as `costs.stage_options`: inside a server, or 8 on a torus
+    ends = block_ends(model)
     for pp in (p for p in range(1, devices + 1) if devices % p == 0):
         group = devices // pp
         for tp in (t for t in range(1, group + 1) if group % t == 0 and t & (t - 1) == 0 and t <= tp_limit):
             dp = group // tp
-            bounds = uniform_cuts(model, pp)
+            bounds = uniform_cuts(model, pp, ends)
             if bounds is None or not all(aligned(per_node, s * group, group) for s in range(pp)):
                 out.append(GridPoint(pp, tp, dp, None, None, "no uniform split of the blocks"))
                 continue
-            best: tuple[JointPlan, JointCost] | None = None
-            for again in recompute:
-                option = StageOption(group, dp, tp, PlanKind.EXPERT, again)
-                for m in choices:
-                    if not splits_batch(model.batch, m, dp):
-                        continue
-                    plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option)
-                                           for s in range(pp)), m, schedule)
-                    cost = evaluate(model, plan)
-                    if cost.fits and (best is None or cost.latency < best[1].latency):
-                        best = (plan, cost)
-            out.append(GridPoint(pp, tp, dp, *(best or (None, None)),
-                                 "" if best else "out of memory at every microbatch count"))
+            for split in (z for z in split_state if not z or dp > 1):
+                best: tuple[JointPlan, JointCost] | None = None
+                for again in recompute:
+                    option = StageOption(group, dp, tp, PlanKind.EXPERT, again, split)
+                    for m in choices:
+                        if not splits_batch(model.batch, m, dp):
+                            continue
+                        plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option)
+                                               for s in range(pp)), m, schedule)
+                        cost = evaluate(model, plan)
+                        if cost.fits and (best is None or cost.latency < best[1].latency):
+                            best = (plan, cost)
+                out.append(GridPoint(pp, tp, dp, *(best or (None, None)),
+                                     "" if best else "out of memory at every microbatch count", split))
     return out

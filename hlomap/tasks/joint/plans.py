@@ -145,11 +145,11 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
         forward_share.append(_forward_share(a, stage.start, stage.stop))
         held = in_flight(plan.schedule, s, n, m)
         memory.append(float(stage_memory(a, stage.start, stage.stop, held, m)))
-        capacity.append(min(cluster.devices[d].memory_bytes for d in stage.devices))
+        capacity.append(model.group_capacity(stage.first_device, len(stage.devices)))
         if s + 1 < n:
             nbytes = float(a.crossing[stage.stop - 1]) * stage.option.data / m
             transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
-                                              plan.stages[s + 1].first_device, nbytes))
+                                              plan.stages[s + 1].first_device, nbytes, model._cache))
     if plan.schedule in CLOSED_FORM_SCHEDULES and not timeline:
         latency, bottleneck = pipeline_latency(times, transfers, m)
     else:

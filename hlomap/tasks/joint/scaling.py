@@ -146,7 +146,8 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
         return None
     where = model._where()
     first = works[0].instructions
-    position = np.asarray([where.get(key, -1) for key in names[0]], dtype=np.int64)
+    located = [model.position_of(i, where) for i in first]
+    position = np.asarray([-1 if p is None else p for p in located], dtype=np.int64)
     forward = np.asarray([i.phase is Phase.FORWARD for i in first])
     compute = np.asarray([[i.compute_seconds for i in w.instructions] for w in works])  # [3, I]
     memory = np.asarray([[i.memory_seconds for i in w.instructions] for w in works])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,10 +34,10 @@ from hlomap.tasks.joint.plans import (
     stage_memory,
     stage_seconds,
 )
-from hlomap.tasks.pipeline.dp import StageChain, least_latency
+from hlomap.tasks.pipeline.dp import StageChain, least_latency, stage_width
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 
-__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "holds_parameters",
+__all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "holds_parameters", "in_space",
            "microbatch_choices", "problem_for", "solve"]
 
 
@@ -91,12 +92,47 @@ def holds_parameters(a: StageArrays, i: np.ndarray, j: np.ndarray) -> np.ndarray
     return (a.params[j] - a.params[i]) > 0
 
 
+class HeldMemory(Mapping[int, np.ndarray]):
+    """One option's [i, j] memory per count of microbatches held (inf where j <= i), computed
+    when asked: a problem of many stages has as many counts, and most are never looked at."""
+
+    def __init__(self, arrays: StageArrays, held: Sequence[int], microbatches: int) -> None:
+        self._arrays, self._held, self._m = arrays, tuple(sorted(set(held))), microbatches
+        self._tables: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, held: int) -> np.ndarray:
+        if held not in self._held:
+            raise KeyError(held)
+        if held not in self._tables:
+            i, j = _pairs(len(self._arrays.params))
+            self._tables[held] = np.where(j > i, stage_memory(self._arrays, i, j, held, self._m), np.inf)
+        return self._tables[held]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def fit(self, held: Sequence[int], capacity: float) -> np.ndarray:
+        """[len(held), i, j]: the stage fits `capacity` holding each count, by the same arithmetic
+        as `stage_memory` (broadcast over the counts, so plans at the edge agree with `evaluate`)."""
+        i, j = _pairs(len(self._arrays.params))
+        counts = np.asarray(held)[:, None, None]
+        need = stage_memory(self._arrays, i[None], j[None], counts, self._m)
+        return (j > i)[None] & (need <= capacity)
+
+
+def _pairs(states: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.meshgrid(np.arange(states), np.arange(states), indexing="ij")
+
+
 class StageTables(NamedTuple):
     """Per option: [i, j] stage seconds (inf where j <= i), per held count the [i, j] memory,
     per first device the [j] transfer seconds after layer j - 1."""
 
     stage: list[np.ndarray]
-    memory: list[dict[int, np.ndarray]]
+    memory: list[HeldMemory]
     transfer: list[dict[int, np.ndarray]]
 
 
@@ -138,38 +174,72 @@ class JointProblem:
             t = np.where(upper & holds_parameters(a, i, j),
                          stage_seconds(a, i, j, m, sync_each_microbatch=each_microbatch), np.inf)
             stage.append(t)
-            memory.append({self.held(q): np.where(upper, stage_memory(a, i, j, self.held(q), m), np.inf)
-                           for q in range(self.stages)})
+            memory.append(HeldMemory(a, [self.held(q) for q in range(self.stages)], m))
             per_device = {}
             for d in range(self.devices):
                 e = d + option.devices
                 if e >= self.devices or not aligned(self.per_node, d, option.devices):
                     continue
                 u = np.zeros(n + 1)
-                u[1:n] = transfer_seconds_of(self.model.cluster, option, d, e, a.crossing[:n - 1] * option.data / m)
+                u[1:n] = transfer_seconds_of(self.model.cluster, option, d, e, a.crossing[:n - 1] * option.data / m,
+                                             self.model._cache)
                 per_device[d] = u
             transfer.append(per_device)
         return StageTables(stage, memory, transfer)
 
     def capacity(self, device: int, size: int) -> float:
-        cluster = self.model.cluster
-        return min(cluster.devices[x].memory_bytes for x in range(device, device + size))
+        return self.model.group_capacity(device, size)
 
 
 @dataclass(frozen=True)
 class _JointOptions:
     """A microbatch count's problem as the stage DP's `StageOptions`: cut states are the n + 1
     layer prefixes, a stage's option one of `problem.options` on an `aligned` device group, and
-    the cut after a stage is priced from the sending side, whatever the next option."""
+    the cut after a stage is priced from the sending side, whatever the next option.
+
+    With a `bound` (the latency of a plan already found), stages and cuts that no plan faster
+    than it can hold are left out: L = sum t + 2 sum u + (M - 1) max(t, u) >= M t for each
+    stage and >= (M + 1) u for each cut, so a stage with M t >= bound or a cut with
+    (M + 1) u >= bound only occurs in plans that are not faster (exact pruning). An option with
+    no stage left is skipped at every device, which is what makes large clusters cheap: a
+    stage of a few devices cannot run even one layer of a large model fast enough."""
 
     problem: JointProblem
     tables: StageTables
+    bound: float = math.inf
     sizes: tuple[int, ...] = field(init=False)
     _fits: dict[tuple[int, float], np.ndarray] = field(init=False)  # by (option, capacity)
+    _stage: list[np.ndarray | None] = field(init=False)  # per option, None when no stage is left
+    _widths: list[int] = field(init=False)  # per option, `stage_width` of its table
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes", tuple(option.devices for option in self.problem.options))
         object.__setattr__(self, "_fits", {})
+        m = self.problem.microbatches
+        stage = [t if not math.isfinite(self.bound) else np.where(t * m < self.bound, t, np.inf)
+                 for t in self.tables.stage]
+        object.__setattr__(self, "_stage", [t if np.isfinite(t).any() else None for t in stage])
+        object.__setattr__(self, "_widths", [0 if t is None else stage_width(t) for t in self._stage])
+
+    def stage_width(self, device: int, option: int) -> int:
+        """The most layers a stage of `option` takes (the same table on every device)."""
+        return self._widths[option]
+
+    @property
+    def saturated_stages(self) -> int:
+        """From this count of stages after a stage on, every stage holds as many microbatches
+        (1F1B: min(S - s, M) is M from S - s = M on), so the DP need not tell them apart."""
+        problem = self.problem
+        held = [problem.held(q) for q in range(problem.stages)]
+        q = len(held) - 1
+        while q > 0 and held[q - 1] == held[-1]:
+            q -= 1
+        return q
+
+    @property
+    def bounded_stages(self) -> bool:
+        """The space caps the stage count below what the layers and devices allow."""
+        return self.problem.space.max_stages is not None
 
     @property
     def n_states(self) -> int:
@@ -190,7 +260,7 @@ class _JointOptions:
     def stage_seconds(self, device: int, option: int) -> np.ndarray | None:
         if not aligned(self.problem.per_node, device, self.sizes[option]):
             return None
-        return self.tables.stage[option]
+        return self._stage[option]
 
     def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray | None:
         problem = self.problem
@@ -199,17 +269,23 @@ class _JointOptions:
         capacity = problem.capacity(device, self.sizes[option])
         key = (option, capacity)
         if key not in self._fits:
-            memory = self.tables.memory[option]
-            self._fits[key] = np.stack([memory[problem.held(q)] <= capacity
-                                        for q in range(problem.stages)])
-        return self._fits[key][behind]
+            held = [problem.held(q) for q in range(problem.stages)]
+            self._fits[key] = self.tables.memory[option].fit(held, capacity)
+        table = self._fits[key]
+        if len(behind) and behind[0] == 0 and np.array_equal(behind, np.arange(len(behind))):
+            return table[:len(behind)]  # a view: the shared pass asks for every count at once
+        return table[behind]
 
     #: A cut is priced from its sending side (`transfer_seconds`), whatever the next option.
     cut_depends_on_next = False
 
     def cut_seconds(self, device: int, option: int) -> np.ndarray | None:
         u = self.tables.transfer[option].get(device)
-        return None if u is None else np.broadcast_to(u[:, None], (len(u), len(self.sizes)))
+        if u is None:
+            return None
+        if math.isfinite(self.bound):
+            u = np.where(u * (self.problem.microbatches + 1) < self.bound, u, np.inf)
+        return np.broadcast_to(u[:, None], (len(u), len(self.sizes)))
 
 
 def _plan(problem: JointProblem, chain: StageChain) -> JointPlan:
@@ -281,7 +357,7 @@ def _solve_for(model: JointModel, space: JointSpace, microbatches: int,
         return cost.latency
 
     problem, tables = without_dominated(problem, problem.tables())
-    chain = least_latency(_JointOptions(problem, tables), microbatches, latency,
+    chain = least_latency(_JointOptions(problem, tables, bound), microbatches, latency,
                           bound=bound, source=f"{model.cap.source} (joint)")
     return None if chain is None or chain not in priced else priced[chain]
 
@@ -324,9 +400,26 @@ def without_dominated(problem: JointProblem, tables: StageTables) -> tuple[Joint
     return problem, tables
 
 
-def solve(model: JointModel, space: JointSpace) -> tuple[JointPlan, JointCost]:
-    """The joint plan of least L over `space` (every microbatch count); raises NoFeasiblePlan."""
+def in_space(space: JointSpace, plan: JointPlan) -> bool:
+    """`plan` is one of the plans `space` allows (its options, microbatch count and schedule)."""
+    return (plan.microbatches in space.microbatches and plan.schedule is space.schedule
+            and all(stage.option in space.options for stage in plan.stages)
+            and (space.max_stages is None or plan.n_stages <= space.max_stages))
+
+
+def solve(model: JointModel, space: JointSpace, incumbent: JointPlan | None = None) -> tuple[JointPlan, JointCost]:
+    """The joint plan of least L over `space` (every microbatch count); raises NoFeasiblePlan.
+
+    `incumbent`, a plan of the space found by other means (the expert grid's best), bounds the
+    search from the start: every microbatch count's DP then only looks for faster plans, and
+    leaves out the stages and cuts that cannot be in one (`_JointOptions`). The result is the
+    same optimum (the incumbent itself when nothing is faster); only the work shrinks."""
     best: tuple[JointPlan, JointCost] | None = None
+    if incumbent is not None and in_space(space, incumbent) and (
+            not space.use_all_devices or sum(s.option.devices for s in incumbent.stages) == model.cluster.n_devices):
+        cost = evaluate(model, incumbent)
+        if cost.fits or not space.check_memory:
+            best = (incumbent, cost)
     for m in sorted(space.microbatches, reverse=True):  # many microbatches usually win: a good bound early
         found = _solve_for(model, space, m, best[1].latency if best else math.inf)
         if found is not None and (best is None or found[1].latency < best[1].latency):

@@ -297,6 +297,7 @@ class JointSearchTask:
     model: JointModel
     space: JointSpace
     ranked: int = CANDIDATES
+    incumbent: JointPlan | None = None  # a plan found by other means: bounds the exact DP from the start
     _scored: int = 0
     _envs: list[JointEnv] = field(default_factory=list)
 
@@ -389,7 +390,7 @@ class JointSearchTask:
         return None
 
     def solve_exactly(self, tracker: Tracker) -> None:
-        plan, _ = solve(self.model, self.space)
+        plan, _ = solve(self.model, self.space, self.incumbent)
         decisions = encode(self.space, plan)
         tracker.record(decisions, self.score(decisions))
         tracker.optimal = not tracker.interrupted

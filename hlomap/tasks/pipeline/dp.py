@@ -34,7 +34,15 @@ time that can occur), L(tau) = SUM(tau) + (M - 1) tau; the optimal plan's own ma
 candidate, so the least L(tau) is the optimum. Only candidates in
 [tau*, (best L - unconstrained least sum) / (M - 1)) can win, and since SUM(tau) only falls as
 tau grows, a range [a, b] of candidates is pruned whole once SUM(b) + (M - 1) a reaches the
-best L found (branch and bound on sorted candidates).
+best L found (branch and bound on sorted candidates); L >= M tau* skips a microbatch count
+after its MAX pass alone.
+
+Cuts priced from the sending side (the joint task: `cut_depends_on_next` False) need no option
+axis: `_run_shared` keeps per (q, a, d) the best suffix over the first stage's option, merges
+the stage counts whose stages hold alike (`stage_counts`: under 1F1B every count from M on), and
+computes only the cells a plan from device 0 can reach (a stage on device d starts at a state
+no smaller than the fewest stages that reach d; a stage with q more after it ends q layers
+before the last). Each is exact: the tests compare it with enumeration and with `_run`.
 """
 
 from __future__ import annotations
@@ -130,33 +138,205 @@ def _combine(mode: _Mode, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.maximum(a, b) if mode is _Mode.MAX else a + b
 
 
-class _Tail(NamedTuple):
-    """The suffixes after a cut into device `end`, over the next stage's option: the best value
-    per (q, b), that option, and the stage counts where some suffix exists."""
+class _SharedPass(NamedTuple):
+    """A pass of a problem whose cuts are priced from the sending side: per (q, a, d) only the
+    best suffix over the first stage's option is kept (the stage before needs nothing more),
+    with that option and the state its stage ends at."""
 
-    best: np.ndarray  # [Q - 1, K]
-    option: np.ndarray  # [Q - 1, K]
-    live: np.ndarray
+    value: np.ndarray  # T[q, a, d]
+    option: np.ndarray  # its first stage's option (int16)
+    next_state: np.ndarray  # the cut state its first stage ends at
+    merged: bool  # the last stage-count index stands for that many stages after or more
 
 
-def _tail(value: np.ndarray, end: int) -> _Tail:
-    tail = value[:-1, :, end, :]
-    option = np.argmin(tail, axis=2)
-    best = np.take_along_axis(tail, option[..., None], axis=2)[..., 0]
-    return _Tail(best, option, np.flatnonzero(np.isfinite(best).any(axis=1)))
+def stage_counts(problem: StageOptions) -> tuple[int, bool]:
+    """How many stage-count indices a pass needs, and whether the last one stands for "this many
+    stages after, or more". A problem whose stages depend on the count after them only through
+    what they hold (`saturated_stages`: from that count on, every stage holds the same, as
+    1F1B's min(S - s, M) does from M on) needs no more indices: the plans of more stages are
+    priced and checked alike, and no count limit is lost when `max_stages` is only what the
+    layers and devices allow (`bounded_stages` False)."""
+    stages = problem.max_stages
+    saturated = getattr(problem, "saturated_stages", None)
+    if saturated is None or getattr(problem, "bounded_stages", True):
+        return stages, False
+    needed = max(saturated + 1, 2)  # index 0 is the last stage itself, never merged
+    return (stages, False) if needed >= stages else (needed, True)
+
+
+#: Stage counts one step of the shared pass takes at once: its [counts, a, b] block is cut to the
+#: states the smallest count leaves room for (b <= last - q), so small chunks waste few cells.
+_COUNTS_PER_STEP = 16
+
+
+def fewest_stages_before(problem: StageOptions) -> list[float]:
+    """Per device d, the fewest stages (of sizes some group may start with) whose devices
+    cover exactly [0, d): inf where no sequence of stages ends there."""
+    devices, sizes = problem.n_devices, problem.sizes
+    fewest = [0.0] + [math.inf] * devices
+    for d in range(devices):
+        if math.isinf(fewest[d]):
+            continue
+        for k, size in enumerate(sizes):
+            if d + size <= devices and fewest[d] + 1 < fewest[d + size] and problem.stage_seconds(d, k) is not None:
+                fewest[d + size] = fewest[d] + 1
+    return fewest
+
+
+#: The shared pass takes a stage table's band (b - a up to its width) instead of the whole
+#: [a, b] block when the block is this many times wider.
+_BAND_SHARE = 3
+
+
+def stage_width(stage: np.ndarray) -> int:
+    """The most layers a stage of this [a, b] table takes (b - a over its finite cells; 1 when
+    none is finite)."""
+    finite = np.isfinite(stage)
+    if not finite.any():
+        return 1
+    a, b = np.nonzero(finite)
+    return max(1, int((b - a).max()))
+
+
+def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: bool = True) -> _SharedPass:
+    """`_run` for a problem whose cut times do not depend on the next stage's option: the
+    suffix after a cut into device e is the best over its first option, T[q - 1, b, e], so per
+    (q, a, d) only the best over d's options is stored: no option axis, and each (device,
+    option) is combined with one tail (under SUM, u + min(T) = min(u + T); under MAX,
+    max(u, min(T)) = min(max(u, T))). With merged stage counts (`stage_counts`) the top index
+    Q - 1 takes its suffix from Q - 2 or Q - 1 alike.
+
+    Only cells some plan from (state 0, device 0) can use are computed: a stage that starts on
+    device d follows at least `fewest_stages_before(d)` stages of a layer each, so it starts at
+    a state a >= that; a stage followed by q more ends at b <= last - q (each of them takes a
+    layer). The others stay inf, which no reachable cell reads. A table whose stages take few
+    layers is combined on its band b - a <= width only (`stage_width`)."""
+    count, devices, sizes = problem.n_states, problem.n_devices, problem.sizes
+    n_counts, merged = stage_counts(problem)
+    last = count - 1
+    shape = (n_counts, count, devices + 1)
+    value = np.full(shape, np.inf)
+    kept = shape if chains else (1, 1, 1)
+    option_of = np.full(kept, -1, dtype=np.int16)
+    next_state = np.full(kept, -1, dtype=np.int32)
+    first = np.zeros(1, dtype=np.int64)
+    every_count = np.arange(n_counts)
+    per_step = max(1, min(_COUNTS_PER_STEP, _CHUNK_CELLS // (count * count)))
+    reach = fewest_stages_before(problem)
+    tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def keep(q: slice | int, rows: slice, d: int, k: int, best: np.ndarray, j: np.ndarray) -> None:
+        """Fold option k's best values (and the states its stage ends at) into T[q, rows, d]."""
+        better = best < value[q, rows, d]
+        value[q, rows, d] = np.where(better, best, value[q, rows, d])
+        if chains:
+            option_of[q, rows, d] = np.where(better, k, option_of[q, rows, d])
+            next_state[q, rows, d] = np.where(better, j, next_state[q, rows, d])
+
+    for d in range(devices - 1, -1, -1):
+        if reach[d] >= last:  # no layer is left for a stage that starts here
+            continue
+        a0 = int(reach[d])
+        from_a0 = slice(a0, count)
+        for k, size in enumerate(sizes):
+            end = d + size
+            if end > devices:
+                continue
+            stage = problem.stage_seconds(d, k)
+            if stage is None:
+                continue
+            if mode is _Mode.SUM:
+                stage = np.where(stage <= tau, stage, np.inf)
+            if end == devices or not problem.use_all_devices:  # a last stage: q = 0
+                fits = problem.fits(d, k, first)
+                alone = stage[from_a0, last]
+                if fits is not None:
+                    alone = np.where(fits[0][from_a0, last], alone, np.inf)
+                keep(0, from_a0, d, k, alone, np.full(len(alone), last))
+            if n_counts < 2 or end >= devices:
+                continue
+            if end not in tails:
+                after = value[:-1, :, end].copy()  # [Q - 1, b]: suffixes for q = 1 .. Q - 1
+                if merged:
+                    after[-1] = np.minimum(after[-1], value[-1, :, end])
+                tails[end] = (after, np.flatnonzero(np.isfinite(after).any(axis=1)))
+            after, live = tails[end]
+            if not len(live):
+                continue
+            u = problem.cut_seconds(d, k)
+            if u is None:
+                continue
+            u = u[:, 0]
+            if mode is _Mode.SUM:
+                u = np.where(u <= tau, 2 * u, np.inf)
+            fits_all = problem.fits(d, k, every_count)
+            # the most layers a stage of this table takes (a problem whose tables do not change
+            # with the device knows it once per option)
+            width = problem.stage_width(d, k) if hasattr(problem, "stage_width") else stage_width(stage)
+            for lo in range(int(live[0]), int(live[-1]) + 1, per_step):
+                hi = min(lo + per_step, int(live[-1]) + 1)  # tail rows [lo, hi): counts lo + 1 .. hi
+                b_hi = last - (lo + 1)  # the fewest counts of the chunk leave the most layers
+                if b_hi <= a0:
+                    break
+                a_rows = slice(a0, b_hi)
+                if width * _BAND_SHARE < b_hi - a0:
+                    # few layers fit a stage of this option: only the band b in (a, a + width]
+                    starts = np.arange(a0, b_hi)
+                    ends = starts[:, None] + 1 + np.arange(width)[None, :]  # [a, j]: b = a + 1 + j
+                    inside = ends <= b_hi
+                    ends = np.minimum(ends, b_hi)
+                    cost = np.where(inside, stage[starts[:, None], ends], np.inf)[None]  # [1, a, j]
+                    if fits_all is not None:
+                        cost = np.where(fits_all[lo + 1:hi + 1][:, starts[:, None], ends], cost, np.inf)
+                    total = _combine(mode, cost, _combine(mode, u[ends][None], after[lo:hi][:, ends]))
+                    j = np.argmin(total, axis=-1)
+                    best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
+                    keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + starts[None, :] + 1)
+                    continue
+                b_cols = slice(a0 + 1, b_hi + 1)
+                best_next = _combine(mode, u[None, b_cols], after[lo:hi, b_cols])  # [L, b]
+                cost = stage[None, a_rows, b_cols]
+                if fits_all is not None:
+                    cost = np.where(fits_all[lo + 1:hi + 1, a_rows, b_cols], cost, np.inf)
+                total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+                j = np.argmin(total, axis=-1)
+                best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
+                keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + a0 + 1)
+    return _SharedPass(value, option_of, next_state, merged)
+
+
+def _best_shared_chain(problem: StageOptions, result: _SharedPass) -> tuple[float, StageChain | None]:
+    """The least T[q, 0, 0] over stage counts, and its chain (a merged top count takes its next
+    stage's count from whichever of Q - 2 and Q - 1 was its suffix)."""
+    start = result.value[:, 0, 0]
+    if not np.isfinite(start).any():
+        return math.inf, None
+    q = int(np.argmin(start))
+    best = float(start[q])
+    states, options = [0], []
+    state, device, top = 0, 0, len(start) - 1
+    while True:
+        k = int(result.option[q, state, device])
+        nxt = int(result.next_state[q, state, device])
+        options.append(k)
+        states.append(nxt)
+        if q == 0:
+            break
+        device += problem.sizes[k]
+        if result.merged and q == top and result.value[top, nxt, device] < result.value[top - 1, nxt, device]:
+            pass  # stays at the top count
+        else:
+            q -= 1
+        state = nxt
+    return best, StageChain(tuple(states), tuple(options))
 
 
 def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: bool = True) -> _Pass:
     """One DP pass (module docstring); `tau` masks stage and cut times in SUM mode. Stage
     counts q are an array axis: F[q, ., d, .] needs F[q - 1, ., e, .] for e > d only, all
     done when devices go right to left. Without `chains` only the values are kept (the MAX
-    pass's bottleneck needs no plan).
-
-    A problem whose cut times do not depend on the next stage's option
-    (`cut_depends_on_next` False: the joint task prices a cut from its sending side) combines a
-    cut with the best suffix over the next option, found once per device the suffix starts on
-    (`_tail`) instead of once per stage before it: under SUM, u + min(tail) = min(u + tail);
-    under MAX, max(u, min(tail)) = min(max(u, tail))."""
+    pass's bottleneck needs no plan). Problems whose cuts do not depend on the next stage's
+    option take `_run_shared` instead."""
     count, devices, sizes = problem.n_states, problem.n_devices, problem.sizes
     stages, last = problem.max_stages, problem.n_states - 1
     shape = (stages, count, devices + 1, len(sizes))
@@ -166,8 +346,6 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: b
     next_option = np.full(kept, -1, dtype=np.int32)
     first = np.zeros(1, dtype=np.int64)
     per_chunk = max(1, _CHUNK_CELLS // (count * count))  # stage counts done at once
-    shared = not getattr(problem, "cut_depends_on_next", True)
-    tails: dict[int, _Tail] = {}
     for d in range(devices - 1, -1, -1):
         for k, size in enumerate(sizes):
             end = d + size
@@ -184,15 +362,10 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: b
                 value[0, :, d, k] = cost[:, last]
             if stages < 2 or end >= devices:
                 continue
-            if shared:
-                if end not in tails:
-                    tails[end] = _tail(value, end)
-                live = tails[end].live
-            else:
-                # Only stage counts some suffix from the next device reaches (with one device
-                # per stage on all devices, only q = D - 1 - d).
-                tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
-                live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
+            # Only stage counts some suffix from the next device reaches (with one device
+            # per stage on all devices, only q = D - 1 - d).
+            tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
+            live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
             if not len(live):
                 continue
             u = problem.cut_seconds(d, k)
@@ -201,13 +374,9 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: b
             if mode is _Mode.SUM:
                 u = np.where(u <= tau, 2 * u, np.inf)
             for chunk in np.array_split(live, -(-len(live) // per_chunk)):
-                if shared:
-                    best_next = _combine(mode, u[None, :, 0], tails[end].best[chunk])  # [L, b]
-                    choice = tails[end].option[chunk]
-                else:
-                    through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
-                    choice = np.argmin(through, axis=2)  # the best next option after a cut at b
-                    best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
+                through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
+                choice = np.argmin(through, axis=2)  # the best next option after a cut at b
+                best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
                 fits = problem.fits(d, k, chunk + 1)
                 cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
                 total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
@@ -265,12 +434,20 @@ def _candidates(problem: StageOptions, floor: float) -> np.ndarray:
     return np.unique(np.concatenate(values)) if values else np.zeros(0)
 
 
+def _shares_cuts(problem: StageOptions) -> bool:
+    """The problem prices a cut from its sending side, whatever the next stage's option."""
+    return not getattr(problem, "cut_depends_on_next", True)
+
+
 def _least_max(problem: StageOptions) -> float:
-    start = _run(problem, _Mode.MAX, chains=False).value[:, 0, 0, :]
+    run = _run_shared if _shares_cuts(problem) else _run
+    start = run(problem, _Mode.MAX, chains=False).value[:, 0, 0]
     return float(start.min()) if np.isfinite(start).any() else math.inf
 
 
 def _least_sum(problem: StageOptions, tau: float = math.inf) -> tuple[float, StageChain | None]:
+    if _shares_cuts(problem):
+        return _best_shared_chain(problem, _run_shared(problem, _Mode.SUM, tau))
     return _best_chain(problem, _run(problem, _Mode.SUM, tau))
 
 
@@ -300,6 +477,8 @@ def least_latency(
     if not math.isfinite(tau_star):
         return None
     m = microbatches
+    if m * tau_star >= bound:  # L >= sum + (M - 1) max >= M max >= M tau*
+        return None
     least_sum, unconstrained = _least_sum(problem)
     if least_sum + (m - 1) * tau_star >= bound:
         return None

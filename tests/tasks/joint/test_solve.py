@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from hlomap.cost.cluster import hierarchical, mesh_topology
@@ -45,6 +46,62 @@ def test_the_dp_finds_the_enumerated_optimum(gpt_tiny, cluster, schedule) -> Non
     assert cost.latency == pytest.approx(best.latency, rel=1e-9)
     assert evaluate(model, plan).latency == pytest.approx(cost.latency, rel=1e-12)
     assert sum(stage.option.devices for stage in plan.stages) <= model.cluster.n_devices
+
+
+@pytest.mark.parametrize("which", ["optimum", "worst", "out of the space"])
+def test_an_incumbent_bounds_the_dp_without_changing_the_optimum(gpt_tiny, which) -> None:
+    """A plan found by other means bounds every microbatch count's DP from the start (stages and
+    cuts no faster plan can hold are left out); the optimum is the enumerated one whether the
+    incumbent is that optimum, the slowest plan that fits, or a plan the space does not hold."""
+    model = _model(gpt_tiny, CLUSTERS["2 servers x 4"](), layers=4)
+    space = JointSpace(stage_options(model.cluster), (1, 2, 4))
+    best_plan, best = joint_brute_force(model, space)
+    if which == "optimum":
+        incumbent = best_plan
+    elif which == "worst":
+        fitting = [(evaluate(model, p).latency, p) for p in joint_plans(model, space) if evaluate(model, p).fits]
+        incumbent = max(fitting, key=lambda pair: pair[0])[1]
+    else:
+        incumbent = JointPlan((JointStage.of(0, model.n_layers, 0, StageOption(8, 8, 1)),), 3)  # M = 3 is not offered
+    plan, cost = solve(model, space, incumbent)
+    assert cost.latency == pytest.approx(best.latency, rel=1e-9)
+    assert evaluate(model, plan).latency == pytest.approx(cost.latency, rel=1e-12)
+
+
+def test_a_computation_every_layer_calls_is_charged_to_each_layer() -> None:
+    """The zoo GPT's `jnp.where` lowers to one computation that every block calls; its work goes
+    to each caller's layer (it all went to the first block, which made a first stage of GPT-145B
+    7x slower than the others), so identical blocks cost alike."""
+    import dataclasses
+
+    from hlomap import zoo
+    from hlomap.hlo.capture import capture
+    from hlomap.tasks.joint.grid import block_ends
+
+    tiny = zoo.get("gpt-tiny")
+    four = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, num_layers=4))
+    cap = capture(four.train_step(), *four.abstract_args())
+    probe = JointModel.build(cap, CLUSTERS["2 servers x 4"](), ())
+    ends = block_ends(probe)
+    assert len(ends) == 4
+    model = JointModel.build(cap, probe.cluster, ends[:-1], graph=probe.graph)  # layer k ends with block k
+    called = [i for i in model_instructions(model) if i.instance > 0 and "where" in i.computation]
+    assert called, "the step no longer calls a nested computation"
+    charged = [p for p in (model.position_of(i) for i in called) if p is not None and p >= 0]
+    layers = {int(np.searchsorted(model.boundaries, p, side="right")) - 1 for p in charged}
+    assert layers == {0, 1, 2, 3}  # one call per block, each charged to its own block's layer
+    compute = np.diff(model.arrays(StageOption(1, 1, 1)).compute)
+    assert compute[1] == pytest.approx(compute[2], rel=1e-6)  # blocks 1 and 2: nothing else in them
+
+
+def model_instructions(model: JointModel):  # type: ignore[no-untyped-def]
+    from hlomap.cost.estimate import step_work
+    from hlomap.cost.sharding import ShardedGraph
+
+    option = StageOption(1, 1, 1)
+    plan, axes = model.plan_for(option)
+    sg = ShardedGraph.build(model.graph, plan, axes)
+    return step_work(sg, model.cluster, model._mapping(option)).instructions
 
 
 def test_memory_limits_are_honoured(gpt_tiny) -> None:
@@ -94,6 +151,24 @@ def test_the_expert_grid_lies_inside_the_joint_space(gpt_tiny) -> None:
     assert {g.label for g in grid} >= {"pp=1 tp=4 dp=2", "pp=2 tp=4 dp=1", "pp=2 tp=2 dp=2"}
     plan, cost = solve(model, JointSpace(stage_options(cluster), microbatch_choices(model.batch)))
     assert cost.latency <= min(g.cost.latency for g in grid) * (1 + 1e-12)
+
+
+def test_the_grid_with_the_state_split_is_a_point_per_configuration_with_data_replicas(gpt_tiny) -> None:
+    """`split_state=(False, True)` adds each configuration with data replicas once more with its
+    optimizer state split (what `explore_joint` bounds the DP with); the plain points are the
+    same as without."""
+    from hlomap.tasks.joint.explore import joint_model
+
+    cluster = hierarchical(2, 4, "V100-16GB")
+    model = joint_model(gpt_tiny, cluster, max_pivots=6)
+    plain = expert_grid(model)
+    both = expert_grid(model, split_state=(False, True))
+    assert [(g.label, g.cost) for g in both if not g.split_state] == [(g.label, g.cost) for g in plain]
+    split = [g for g in both if g.split_state]
+    assert split and all(g.dp > 1 for g in split)
+    splittable = {(g.pp, g.tp, g.dp) for g in plain if g.dp > 1 and g.note != "no uniform split of the blocks"}
+    assert {(g.pp, g.tp, g.dp) for g in split} == splittable
+    assert all(stage.split_state for g in split if g.plan is not None for stage in g.plan.stages)
 
 
 def test_stage_options_keep_tensor_parallelism_inside_a_server() -> None:

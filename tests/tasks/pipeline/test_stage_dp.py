@@ -151,3 +151,101 @@ def test_stage_counts_done_a_few_at_a_time_give_the_same_plan(seed, monkeypatch)
     assert whole[0] is not None and len(whole[0].options) == toy.max_stages
     monkeypatch.setattr(dp, "_CHUNK_CELLS", 1)  # one stage count at a time
     assert (least_latency(toy, 64, latency), least_bottleneck(toy)) == whole
+
+
+@dataclass(frozen=True)
+class _SharedToy(_Toy):
+    """A toy whose cut is priced from the sending side (`cut_depends_on_next` False, the joint
+    task's kind, solved by `dp._run_shared`) and whose stages hold min(q + 1, `held_cap`)
+    microbatches with q stages after them, as under 1F1B with `held_cap` microbatches."""
+
+    held_cap: int = 2
+    cut_depends_on_next: bool = False
+    bounded_stages: bool = False
+
+    @property
+    def saturated_stages(self) -> int:
+        return self.held_cap - 1
+
+    def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray:
+        held = np.minimum(np.asarray(behind) + 1, self.held_cap)
+        return held[:, None, None] * self.need[option][None] <= self.capacity
+
+
+def _shared_toy(seed: int, use_all_devices: bool, held_cap: int) -> _SharedToy:
+    """Odd seeds: stage times that add up over layers and shrink with the group, so that with
+    many microbatches deep pipelines win; even seeds: any times."""
+    rng = np.random.default_rng(100 + seed)
+    devices, states, sizes = 6, 6, (1, 2, 3)
+    upper = np.triu(np.ones((states, states), dtype=bool), k=1)
+    times = rng.uniform(0.1, 1.0, (devices, len(sizes), states, states))
+    if seed % 2:
+        work = np.concatenate([[0.0], np.cumsum(rng.uniform(1, 2, states - 1))])
+        times = (work[None, :] - work[:, None])[None, None] / np.asarray(sizes)[None, :, None, None] * times
+    stage = np.where(upper, times, np.inf)
+    placeable = rng.uniform(size=(devices, len(sizes))) < 0.8
+    placeable[0, 0] = True
+    sending = rng.uniform(0.0, 0.4, (devices, len(sizes), states, 1))
+    return _SharedToy(stage=stage, cut=np.broadcast_to(sending, (devices, len(sizes), states, len(sizes))).copy(),
+                      need=rng.uniform(0.0, 0.8, (len(sizes), states, states)), placeable=placeable, sizes=sizes,
+                      use_all_devices=use_all_devices, max_stages=min(devices, states - 1), capacity=1.5,
+                      held_cap=held_cap)
+
+
+@pytest.mark.parametrize("held_cap", [1, 2, 6])
+@pytest.mark.parametrize("use_all_devices", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_shared_cut_pass_is_the_enumerated_optimum(seed, use_all_devices, held_cap) -> None:
+    """The pass for cuts priced from the sending side keeps one value per (q, a, d), merges the
+    stage counts that hold alike (held_cap 1 and 2: every count from 1 or 2 on), and computes
+    only the cells a plan from device 0 can reach; it finds the enumerated optimum, the same
+    latency the general pass (one value per option) finds on the same problem."""
+    toy = _shared_toy(seed, use_all_devices, held_cap)
+    plans = dict(_plans(toy))
+    for microbatches in (1, 3, 16):
+        def latency(chain: StageChain) -> float:
+            assert chain in plans, f"the DP returned {chain}, not a plan of the problem"
+            return _latency(plans[chain], microbatches)
+
+        chain = least_latency(toy, microbatches, latency)
+        general = least_latency(dataclasses.replace(toy, cut_depends_on_next=True), microbatches, latency)
+        if not plans:
+            assert chain is None and general is None
+            continue
+        best = min(_latency(times, microbatches) for times in plans.values())
+        assert latency(chain) == pytest.approx(best, rel=1e-12)
+        assert latency(general) == pytest.approx(best, rel=1e-12)
+        assert least_latency(toy, microbatches, latency, bound=best * (1 - 1e-9)) is None
+    found = least_bottleneck(toy)
+    if plans:
+        tau = min(max(stages + cuts) for stages, cuts in plans.values())
+        assert found is not None and found[0] == pytest.approx(tau, rel=1e-12)
+
+
+def test_the_shared_cut_pass_merges_stage_counts() -> None:
+    toy = _shared_toy(0, False, held_cap=2)
+    assert dp.stage_counts(toy) == (2, True)
+    assert dp.stage_counts(dataclasses.replace(toy, bounded_stages=True)) == (toy.max_stages, False)
+    assert dp.stage_counts(dataclasses.replace(toy, held_cap=1)) == (2, True)  # the last stage stays apart
+
+
+@pytest.mark.parametrize("held_cap", [2, 6])
+@pytest.mark.parametrize("use_all_devices", [True, False])
+@pytest.mark.parametrize("seed", range(10))
+def test_the_shared_cut_pass_on_the_band_of_short_stages_is_the_same(seed, use_all_devices, held_cap,
+                                                                      monkeypatch) -> None:
+    """Where no stage of a table takes more than a few layers, the shared pass works on the band
+    b - a <= width only; forced onto every table, it finds the enumerated optima."""
+    toy = _shared_toy(seed, use_all_devices, held_cap)
+    upper = np.triu(np.ones_like(toy.need, dtype=bool), k=1)
+    short = np.where(upper & ~np.triu(upper, k=3), 1.0, np.inf)[None]  # stages of one or two layers only
+    toy = dataclasses.replace(toy, stage=toy.stage * short)
+    plans = {chain: times for chain, times in _plans(toy) if np.isfinite(times[0]).all()}
+    monkeypatch.setattr(dp, "_BAND_SHARE", 0)  # always the band
+    for microbatches in (1, 3, 16):
+        chain = least_latency(toy, microbatches, lambda c: _latency(plans[c], microbatches))
+        if not plans:
+            assert chain is None
+            continue
+        best = min(_latency(t, microbatches) for t in plans.values())
+        assert _latency(plans[chain], microbatches) == pytest.approx(best, rel=1e-12)
