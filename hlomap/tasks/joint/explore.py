@@ -89,7 +89,9 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     recompute their forward pass (`StageOption.recompute`), which only a stage short of memory
     takes (`solve.problem_for` drops the option where the stage fits without it). split_state:
     stages with data replicas may also split their optimizer state over them
-    (`StageOption.split_state`, ZeRO-1), kept only where it fits what would not or is faster."""
+    (`StageOption.split_state`, ZeRO-1), kept only where it fits what would not or is faster.
+    With `with_grid`, Megatron-LM's grid is priced first and its best configuration (also with the
+    optimizer state split) bounds the exact DP, which then skips whatever cannot beat it."""
     start = time.perf_counter()
     choose = schedule == AUTO_SCHEDULE
     # the DP needs the closed form: it plans under 1F1B, then every schedule is priced on its plan
@@ -103,8 +105,9 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     # and a tight bound is what lets the DP leave out most stages on a large cluster. The grid's
     # configurations with the optimizer state split (when the space allows it) only serve as
     # that bound: the grid reported stays Megatron's own.
+    bounded = split_state and Driver(agent) is Driver.EXACT
     uniform = expert_grid(model, schedule=schedule, microbatches=space.microbatches,
-                          split_state=(False, True) if split_state else (False,)) if with_grid else []
+                          split_state=(False, True) if bounded else (False,)) if with_grid else []
     grid = tuple(g for g in uniform if not g.split_state)
     feasible = [g for g in uniform if g.plan is not None and g.cost is not None]
     incumbent = min(feasible, key=lambda g: g.cost.latency).plan if feasible else None  # type: ignore[union-attr]
