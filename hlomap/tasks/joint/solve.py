@@ -197,12 +197,12 @@ class _JointOptions:
     layer prefixes, a stage's option one of `problem.options` on an `aligned` device group, and
     the cut after a stage is priced from the sending side, whatever the next option.
 
-    With a `bound` (the latency of a plan already found), stages and cuts that no plan faster
-    than it can hold are left out: L = sum t + 2 sum u + (M - 1) max(t, u) >= M t for each
-    stage and >= (M + 1) u for each cut, so a stage with M t >= bound or a cut with
-    (M + 1) u >= bound only occurs in plans that are not faster (exact pruning). An option with
-    no stage left is skipped at every device, which is what makes large clusters cheap: a
-    stage of a few devices cannot run even one layer of a large model fast enough."""
+    With a `bound` (the latency of a plan already found), stages and cuts that no faster plan
+    can hold are left out: L = sum t + 2 sum u + (M - 1) max(t, u) >= M t for each stage
+    and >= (M + 1) u for each cut, so a stage with M t >= bound or a cut with (M + 1) u >= bound
+    only occurs in plans that are not faster (exact pruning). An option with no stage left is
+    skipped at every device, which is what makes large clusters cheap: a stage of a few devices
+    cannot run even one layer of a large model fast enough."""
 
     problem: JointProblem
     tables: StageTables
@@ -235,6 +235,13 @@ class _JointOptions:
         while q > 0 and held[q - 1] == held[-1]:
             q -= 1
         return q
+
+    @property
+    def monotone_in_stages(self) -> bool:
+        """A stage holds no fewer microbatches with more stages after it (memory grows with the
+        count held), so its memory check only gets harder."""
+        held = [self.problem.held(q) for q in range(self.problem.stages)]
+        return all(a <= b for a, b in zip(held, held[1:]))
 
     @property
     def bounded_stages(self) -> bool:

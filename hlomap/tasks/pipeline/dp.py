@@ -35,7 +35,8 @@ candidate, so the least L(tau) is the optimum. Only candidates in
 [tau*, (best L - unconstrained least sum) / (M - 1)) can win, and since SUM(tau) only falls as
 tau grows, a range [a, b] of candidates is pruned whole once SUM(b) + (M - 1) a reaches the
 best L found (branch and bound on sorted candidates); L >= M tau* skips a microbatch count
-after its MAX pass alone.
+after its MAX pass alone, and a bounded problem with no plan left skips it before any pass
+(`any_plan`).
 
 Cuts priced from the sending side (the joint task: `cut_depends_on_next` False) need no option
 axis: `_run_shared` keeps per (q, a, d) the best suffix over the first stage's option, merges
@@ -50,7 +51,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -138,6 +139,21 @@ def _combine(mode: _Mode, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.maximum(a, b) if mode is _Mode.MAX else a + b
 
 
+def _stages(problem: StageOptions, mode: _Mode, tau: float, devices: Iterable[int],
+            ) -> Iterator[tuple[int, int, int, np.ndarray]]:
+    """(first device, option, device after the group, [a, b] stage times) of every group that
+    may start on each of `devices`, in that order; under SUM, times above `tau` are inf."""
+    for d in devices:
+        for k, size in enumerate(problem.sizes):
+            end = d + size
+            if end > problem.n_devices:
+                continue
+            stage = problem.stage_seconds(d, k)
+            if stage is None:
+                continue
+            yield d, k, end, (np.where(stage <= tau, stage, np.inf) if mode is _Mode.SUM else stage)
+
+
 class _SharedPass(NamedTuple):
     """A pass of a problem whose cuts are priced from the sending side: per (q, a, d) only the
     best suffix over the first stage's option is kept (the stage before needs nothing more),
@@ -211,7 +227,7 @@ def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, ch
     a state a >= that; a stage followed by q more ends at b <= last - q (each of them takes a
     layer). The others stay inf, which no reachable cell reads. A table whose stages take few
     layers is combined on its band b - a <= width only (`stage_width`)."""
-    count, devices, sizes = problem.n_states, problem.n_devices, problem.sizes
+    count, devices = problem.n_states, problem.n_devices
     n_counts, merged = stage_counts(problem)
     last = count - 1
     shape = (n_counts, count, devices + 1)
@@ -233,76 +249,112 @@ def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, ch
             option_of[q, rows, d] = np.where(better, k, option_of[q, rows, d])
             next_state[q, rows, d] = np.where(better, j, next_state[q, rows, d])
 
-    for d in range(devices - 1, -1, -1):
-        if reach[d] >= last:  # no layer is left for a stage that starts here
-            continue
+    # a stage on device d starts no earlier than the fewest stages that reach d (a layer each)
+    reachable = [d for d in range(devices - 1, -1, -1) if reach[d] < last]
+    for d, k, end, stage in _stages(problem, mode, tau, reachable):
         a0 = int(reach[d])
         from_a0 = slice(a0, count)
-        for k, size in enumerate(sizes):
-            end = d + size
-            if end > devices:
-                continue
-            stage = problem.stage_seconds(d, k)
-            if stage is None:
-                continue
-            if mode is _Mode.SUM:
-                stage = np.where(stage <= tau, stage, np.inf)
-            if end == devices or not problem.use_all_devices:  # a last stage: q = 0
-                fits = problem.fits(d, k, first)
-                alone = stage[from_a0, last]
-                if fits is not None:
-                    alone = np.where(fits[0][from_a0, last], alone, np.inf)
-                keep(0, from_a0, d, k, alone, np.full(len(alone), last))
-            if n_counts < 2 or end >= devices:
-                continue
-            if end not in tails:
-                after = value[:-1, :, end].copy()  # [Q - 1, b]: suffixes for q = 1 .. Q - 1
-                if merged:
-                    after[-1] = np.minimum(after[-1], value[-1, :, end])
-                tails[end] = (after, np.flatnonzero(np.isfinite(after).any(axis=1)))
-            after, live = tails[end]
-            if not len(live):
-                continue
-            u = problem.cut_seconds(d, k)
-            if u is None:
-                continue
-            u = u[:, 0]
-            if mode is _Mode.SUM:
-                u = np.where(u <= tau, 2 * u, np.inf)
-            fits_all = problem.fits(d, k, every_count)
-            # the most layers a stage of this table takes (a problem whose tables do not change
-            # with the device knows it once per option)
-            width = problem.stage_width(d, k) if hasattr(problem, "stage_width") else stage_width(stage)
-            for lo in range(int(live[0]), int(live[-1]) + 1, per_step):
-                hi = min(lo + per_step, int(live[-1]) + 1)  # tail rows [lo, hi): counts lo + 1 .. hi
-                b_hi = last - (lo + 1)  # the fewest counts of the chunk leave the most layers
-                if b_hi <= a0:
-                    break
-                a_rows = slice(a0, b_hi)
-                if width * _BAND_SHARE < b_hi - a0:
-                    # few layers fit a stage of this option: only the band b in (a, a + width]
-                    starts = np.arange(a0, b_hi)
-                    ends = starts[:, None] + 1 + np.arange(width)[None, :]  # [a, j]: b = a + 1 + j
-                    inside = ends <= b_hi
-                    ends = np.minimum(ends, b_hi)
-                    cost = np.where(inside, stage[starts[:, None], ends], np.inf)[None]  # [1, a, j]
-                    if fits_all is not None:
-                        cost = np.where(fits_all[lo + 1:hi + 1][:, starts[:, None], ends], cost, np.inf)
-                    total = _combine(mode, cost, _combine(mode, u[ends][None], after[lo:hi][:, ends]))
-                    j = np.argmin(total, axis=-1)
-                    best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
-                    keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + starts[None, :] + 1)
-                    continue
-                b_cols = slice(a0 + 1, b_hi + 1)
-                best_next = _combine(mode, u[None, b_cols], after[lo:hi, b_cols])  # [L, b]
-                cost = stage[None, a_rows, b_cols]
+        if end == devices or not problem.use_all_devices:  # a last stage: q = 0
+            fits = problem.fits(d, k, first)
+            alone = stage[from_a0, last]
+            if fits is not None:
+                alone = np.where(fits[0][from_a0, last], alone, np.inf)
+            keep(0, from_a0, d, k, alone, np.full(len(alone), last))
+        if n_counts < 2 or end >= devices:
+            continue
+        if end not in tails:
+            after = value[:-1, :, end].copy()  # [Q - 1, b]: suffixes for q = 1 .. Q - 1
+            if merged:
+                after[-1] = np.minimum(after[-1], value[-1, :, end])
+            tails[end] = (after, np.flatnonzero(np.isfinite(after).any(axis=1)))
+        after, live = tails[end]
+        if not len(live):
+            continue
+        u = problem.cut_seconds(d, k)
+        if u is None:
+            continue
+        u = u[:, 0]
+        if mode is _Mode.SUM:
+            u = np.where(u <= tau, 2 * u, np.inf)
+        fits_all = problem.fits(d, k, every_count)
+        # the most layers a stage of this table takes (a problem whose tables do not change
+        # with the device knows it once per option)
+        width = problem.stage_width(d, k) if hasattr(problem, "stage_width") else stage_width(stage)
+        for lo in range(int(live[0]), int(live[-1]) + 1, per_step):
+            hi = min(lo + per_step, int(live[-1]) + 1)  # tail rows [lo, hi): counts lo + 1 .. hi
+            b_hi = last - (lo + 1)  # the fewest counts of the chunk leave the most layers
+            if b_hi <= a0:
+                break
+            a_rows = slice(a0, b_hi)
+            if width * _BAND_SHARE < b_hi - a0:
+                # few layers fit a stage of this option: only the band b in (a, a + width]
+                starts = np.arange(a0, b_hi)
+                ends = starts[:, None] + 1 + np.arange(width)[None, :]  # [a, j]: b = a + 1 + j
+                inside = ends <= b_hi
+                ends = np.minimum(ends, b_hi)
+                cost = np.where(inside, stage[starts[:, None], ends], np.inf)[None]  # [1, a, j]
                 if fits_all is not None:
-                    cost = np.where(fits_all[lo + 1:hi + 1, a_rows, b_cols], cost, np.inf)
-                total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+                    cost = np.where(fits_all[lo + 1:hi + 1][:, starts[:, None], ends], cost, np.inf)
+                total = _combine(mode, cost, _combine(mode, u[ends][None], after[lo:hi][:, ends]))
                 j = np.argmin(total, axis=-1)
                 best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
-                keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + a0 + 1)
+                keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + starts[None, :] + 1)
+                continue
+            b_cols = slice(a0 + 1, b_hi + 1)
+            best_next = _combine(mode, u[None, b_cols], after[lo:hi, b_cols])  # [L, b]
+            cost = stage[None, a_rows, b_cols]
+            if fits_all is not None:
+                cost = np.where(fits_all[lo + 1:hi + 1, a_rows, b_cols], cost, np.inf)
+            total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+            j = np.argmin(total, axis=-1)
+            best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
+            keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + a0 + 1)
     return _SharedPass(value, option_of, next_state, merged)
+
+
+def holds_monotonically(problem: StageOptions) -> bool:
+    """A stage's memory check only gets harder with more stages after it (`fits` is monotone
+    in the count: stages hold no fewer microbatches with more after them), as under 1F1B and
+    GPipe; problems that do not say so are not assumed to."""
+    return bool(getattr(problem, "monotone_in_stages", False))
+
+
+def any_plan(problem: StageOptions) -> bool:
+    """Whether any plan of the shared-cut problem exists (a plan from device 0 whose stages and
+    cuts are all finite and fit), without a stage-count axis: with memory monotone in the count
+    after a stage (`holds_monotonically`), the suffix of fewest stages from a cut is the easiest
+    for every stage before it, so H[a, d], the fewest stages of a plan's suffix from state a on
+    device d, decides. A fraction of a pass's work; a bounded problem with none left is ruled
+    out without one."""
+    count, devices = problem.n_states, problem.n_devices
+    n_counts, _ = stage_counts(problem)
+    last = count - 1
+    fewest = np.full((count, devices + 1), np.inf)  # H[a, d]
+    reach = fewest_stages_before(problem)
+    reachable = [d for d in range(devices - 1, -1, -1) if reach[d] < last]
+    first = np.zeros(1, dtype=np.int64)
+    every_count = np.arange(n_counts)
+    for d, k, end, stage in _stages(problem, _Mode.MAX, math.inf, reachable):
+        a0 = int(reach[d])
+        if end == devices or not problem.use_all_devices:  # a last stage
+            fits = problem.fits(d, k, first)
+            alone = np.isfinite(stage[a0:, last]) & (True if fits is None else fits[0][a0:, last])
+            fewest[a0:, d] = np.where(alone, np.minimum(fewest[a0:, d], 1.0), fewest[a0:, d])
+        if end >= devices:
+            continue
+        after = fewest[:, end]  # [b]: the fewest stages from a cut at b
+        u = problem.cut_seconds(d, k)
+        if u is None or not np.isfinite(after).any():
+            continue
+        usable = np.isfinite(after) & np.isfinite(u[:, 0])
+        counts = np.minimum(np.where(usable, after, 0), n_counts - 1).astype(np.int64)  # stages after this one
+        ok = np.isfinite(stage[a0:, :]) & usable[None, :]
+        fits = problem.fits(d, k, every_count)
+        if fits is not None:
+            ok &= fits[counts[None, :], np.arange(a0, count)[:, None], np.arange(count)[None, :]]
+        through = np.where(ok, 1.0 + after[None, :], np.inf).min(axis=1)
+        fewest[a0:, d] = np.minimum(fewest[a0:, d], through)
+    return bool(np.isfinite(fewest[0, 0]))
 
 
 def _best_shared_chain(problem: StageOptions, result: _SharedPass) -> tuple[float, StageChain | None]:
@@ -346,47 +398,38 @@ def _run(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: b
     next_option = np.full(kept, -1, dtype=np.int32)
     first = np.zeros(1, dtype=np.int64)
     per_chunk = max(1, _CHUNK_CELLS // (count * count))  # stage counts done at once
-    for d in range(devices - 1, -1, -1):
-        for k, size in enumerate(sizes):
-            end = d + size
-            if end > devices:
+    for d, k, end, stage in _stages(problem, mode, tau, range(devices - 1, -1, -1)):
+        if end == devices or not problem.use_all_devices:  # a last stage: q = 0
+            fits = problem.fits(d, k, first)
+            cost = stage if fits is None else np.where(fits[0], stage, np.inf)
+            value[0, :, d, k] = cost[:, last]
+        if stages < 2 or end >= devices:
+            continue
+        # Only stage counts some suffix from the next device reaches (with one device
+        # per stage on all devices, only q = D - 1 - d).
+        tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
+        live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
+        if not len(live):
+            continue
+        u = problem.cut_seconds(d, k)
+        if u is None:
+            continue
+        if mode is _Mode.SUM:
+            u = np.where(u <= tau, 2 * u, np.inf)
+        for chunk in np.array_split(live, -(-len(live) // per_chunk)):
+            through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
+            choice = np.argmin(through, axis=2)  # the best next option after a cut at b
+            best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
+            fits = problem.fits(d, k, chunk + 1)
+            cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
+            total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
+            if not chains:
+                value[chunk + 1, :, d, k] = total.min(axis=2)
                 continue
-            stage = problem.stage_seconds(d, k)
-            if stage is None:
-                continue
-            if mode is _Mode.SUM:
-                stage = np.where(stage <= tau, stage, np.inf)
-            if end == devices or not problem.use_all_devices:  # a last stage: q = 0
-                fits = problem.fits(d, k, first)
-                cost = stage if fits is None else np.where(fits[0], stage, np.inf)
-                value[0, :, d, k] = cost[:, last]
-            if stages < 2 or end >= devices:
-                continue
-            # Only stage counts some suffix from the next device reaches (with one device
-            # per stage on all devices, only q = D - 1 - d).
-            tail = value[:-1, :, end, :]  # [Q - 1, b, o']: suffixes after a cut at state b
-            live = np.flatnonzero(np.isfinite(tail).any(axis=(1, 2)))
-            if not len(live):
-                continue
-            u = problem.cut_seconds(d, k)
-            if u is None:
-                continue
-            if mode is _Mode.SUM:
-                u = np.where(u <= tau, 2 * u, np.inf)
-            for chunk in np.array_split(live, -(-len(live) // per_chunk)):
-                through = _combine(mode, u[None], tail[chunk])  # [L, b, o']
-                choice = np.argmin(through, axis=2)  # the best next option after a cut at b
-                best_next = np.take_along_axis(through, choice[..., None], axis=2)[..., 0]
-                fits = problem.fits(d, k, chunk + 1)
-                cost = stage[None] if fits is None else np.where(fits, stage[None], np.inf)
-                total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
-                if not chains:
-                    value[chunk + 1, :, d, k] = total.min(axis=2)
-                    continue
-                j = np.argmin(total, axis=2)  # [L, a]
-                value[chunk + 1, :, d, k] = np.take_along_axis(total, j[..., None], axis=2)[..., 0]
-                next_state[chunk + 1, :, d, k] = j
-                next_option[chunk + 1, :, d, k] = np.take_along_axis(choice, j, axis=1)
+            j = np.argmin(total, axis=2)  # [L, a]
+            value[chunk + 1, :, d, k] = np.take_along_axis(total, j[..., None], axis=2)[..., 0]
+            next_state[chunk + 1, :, d, k] = j
+            next_option[chunk + 1, :, d, k] = np.take_along_axis(choice, j, axis=1)
     return _Pass(value, next_state, next_option)
 
 
@@ -473,6 +516,8 @@ def least_latency(
 ) -> StageChain | None:
     """The chain of least L = sum + (M - 1) max (module docstring); `latency` prices a chain
     (inf for one the caller rejects). None when no plan exists or none beats `bound`."""
+    if _shares_cuts(problem) and holds_monotonically(problem) and not any_plan(problem):
+        return None  # nothing left (a bounded problem leaves out what cannot beat the bound)
     tau_star = _least_max(problem)
     if not math.isfinite(tau_star):
         return None

@@ -162,6 +162,7 @@ class _SharedToy(_Toy):
     held_cap: int = 2
     cut_depends_on_next: bool = False
     bounded_stages: bool = False
+    monotone_in_stages: bool = True
 
     @property
     def saturated_stages(self) -> int:
@@ -249,3 +250,14 @@ def test_the_shared_cut_pass_on_the_band_of_short_stages_is_the_same(seed, use_a
             continue
         best = min(_latency(t, microbatches) for t in plans.values())
         assert _latency(plans[chain], microbatches) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("capacity", [0.3, 0.8, 1.5])
+@pytest.mark.parametrize("use_all_devices", [True, False])
+@pytest.mark.parametrize("seed", range(10))
+def test_any_plan_says_whether_a_plan_exists(seed, use_all_devices, capacity) -> None:
+    """The feasibility pass without a stage-count axis (the suffix of fewest stages is the
+    easiest for the stages before it) agrees with enumeration, on devices roomy and tight."""
+    toy = dataclasses.replace(_shared_toy(seed, use_all_devices, held_cap=6), capacity=capacity)
+    plans = dict(_plans(toy))
+    assert dp.any_plan(toy) == bool(plans)
