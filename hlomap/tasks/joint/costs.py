@@ -429,7 +429,7 @@ class JointModel:
 def _positions(cap: Capture, found: ChainAttribution) -> dict[tuple[str, str], int]:
     """(computation, instruction) -> chain position (UPDATE for the optimizer update, -1 for
     the rest) for every instruction of the entry and of the computations its instructions call
-    (charged where their call site is)."""
+    (at their first call site; `JointModel.position_of` charges each call to its own)."""
     module = cap.module
     entry = module.entry
     out: dict[tuple[str, str], int] = {}
