@@ -350,6 +350,16 @@ class JointModel:
             self._cache[key] = sites
         return self._cache[key]
 
+    def transfer_seconds(self, option: StageOption, first_device: int, receiver_first: int, nbytes: float) -> float:
+        """`transfer_seconds` on this model's cluster, its terms kept per pair of device groups
+        (the expert grid, `plans.evaluate` and the DP's tables price the same groups many times)."""
+        return transfer_seconds(self.cluster, option, first_device, receiver_first, nbytes, self._cache)
+
+    def transfer_seconds_of(self, option: StageOption, first_device: int, receiver_first: int,
+                            nbytes: np.ndarray) -> np.ndarray:
+        """`transfer_seconds_of` on this model's cluster, with the same kept terms."""
+        return transfer_seconds_of(self.cluster, option, first_device, receiver_first, nbytes, self._cache)
+
     def group_capacity(self, first_device: int, size: int) -> float:
         """The least memory of devices [first_device, first_device + size) (memoized: plans
         priced by the thousand ask for the same groups)."""

@@ -32,8 +32,7 @@ from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency, sync
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.cost.pipeline.timeline import event_timeline
 from hlomap.tasks.pipeline.schedules import PROGRAM_SHARE
-from hlomap.tasks.joint.costs import (PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption,
-                                      transfer_seconds)
+from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption
 
 __all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
 
@@ -148,8 +147,8 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
         capacity.append(model.group_capacity(stage.first_device, len(stage.devices)))
         if s + 1 < n:
             nbytes = float(a.crossing[stage.stop - 1]) * stage.option.data / m
-            transfers.append(transfer_seconds(cluster, stage.option, stage.first_device,
-                                              plan.stages[s + 1].first_device, nbytes, model._cache))
+            transfers.append(model.transfer_seconds(stage.option, stage.first_device,
+                                                    plan.stages[s + 1].first_device, nbytes))
     if plan.schedule in CLOSED_FORM_SCHEDULES and not timeline:
         latency, bottleneck = pipeline_latency(times, transfers, m)
     else:

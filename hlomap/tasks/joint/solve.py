@@ -16,6 +16,7 @@ its data shards go to the next devices in order), whatever the next stage's opti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import numpy as np
 
 from hlomap.cost.pipeline.costs import syncs_each_microbatch
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight, splits_batch
-from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption, transfer_seconds_of
+from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption
 from hlomap.tasks.joint.plans import (
     JointCost,
     JointPlan,
@@ -163,6 +164,11 @@ class JointProblem:
     def held(self, after: int) -> int:
         return in_flight(self.space.schedule, 0, after + 1, self.microbatches)
 
+    @functools.cached_property
+    def held_counts(self) -> tuple[int, ...]:
+        """`held(q)` for every count q of stages after a stage (0 .. stages - 1)."""
+        return tuple(self.held(q) for q in range(self.stages))
+
     def tables(self) -> StageTables:
         n, m = self.layers, self.microbatches
         i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
@@ -174,15 +180,14 @@ class JointProblem:
             t = np.where(upper & holds_parameters(a, i, j),
                          stage_seconds(a, i, j, m, sync_each_microbatch=each_microbatch), np.inf)
             stage.append(t)
-            memory.append(HeldMemory(a, [self.held(q) for q in range(self.stages)], m))
+            memory.append(HeldMemory(a, self.held_counts, m))
             per_device = {}
             for d in range(self.devices):
                 e = d + option.devices
                 if e >= self.devices or not aligned(self.per_node, d, option.devices):
                     continue
                 u = np.zeros(n + 1)
-                u[1:n] = transfer_seconds_of(self.model.cluster, option, d, e, a.crossing[:n - 1] * option.data / m,
-                                             self.model._cache)
+                u[1:n] = self.model.transfer_seconds_of(option, d, e, a.crossing[:n - 1] * option.data / m)
                 per_device[d] = u
             transfer.append(per_device)
         return StageTables(stage, memory, transfer)
@@ -229,8 +234,7 @@ class _JointOptions:
     def saturated_stages(self) -> int:
         """From this count of stages after a stage on, every stage holds as many microbatches
         (1F1B: min(S - s, M) is M from S - s = M on), so the DP need not tell them apart."""
-        problem = self.problem
-        held = [problem.held(q) for q in range(problem.stages)]
+        held = self.problem.held_counts
         q = len(held) - 1
         while q > 0 and held[q - 1] == held[-1]:
             q -= 1
@@ -240,7 +244,7 @@ class _JointOptions:
     def monotone_in_stages(self) -> bool:
         """A stage holds no fewer microbatches with more stages after it (memory grows with the
         count held), so its memory check only gets harder."""
-        held = [self.problem.held(q) for q in range(self.problem.stages)]
+        held = self.problem.held_counts
         return all(a <= b for a, b in zip(held, held[1:]))
 
     @property
@@ -276,8 +280,7 @@ class _JointOptions:
         capacity = problem.capacity(device, self.sizes[option])
         key = (option, capacity)
         if key not in self._fits:
-            held = [problem.held(q) for q in range(problem.stages)]
-            self._fits[key] = self.tables.memory[option].fit(held, capacity)
+            self._fits[key] = self.tables.memory[option].fit(problem.held_counts, capacity)
         table = self._fits[key]
         if len(behind) and behind[0] == 0 and np.array_equal(behind, np.arange(len(behind))):
             return table[:len(behind)]  # a view: the shared pass asks for every count at once

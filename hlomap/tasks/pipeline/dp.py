@@ -214,7 +214,8 @@ def stage_width(stage: np.ndarray) -> int:
     return max(1, int((b - a).max()))
 
 
-def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: bool = True) -> _SharedPass:
+def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: bool = True,
+                reach: Sequence[float] | None = None) -> _SharedPass:
     """`_run` for a problem whose cut times do not depend on the next stage's option: the
     suffix after a cut into device e is the best over its first option, T[q - 1, b, e], so per
     (q, a, d) only the best over d's options is stored: no option axis, and each (device,
@@ -226,7 +227,8 @@ def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, ch
     device d follows at least `fewest_stages_before(d)` stages of a layer each, so it starts at
     a state a >= that; a stage followed by q more ends at b <= last - q (each of them takes a
     layer). The others stay inf, which no reachable cell reads. A table whose stages take few
-    layers is combined on its band b - a <= width only (`stage_width`)."""
+    layers is combined on its band b - a <= width only (`stage_width`). `reach`: the problem's
+    `fewest_stages_before`, when the caller has it (every pass of one problem needs the same)."""
     count, devices = problem.n_states, problem.n_devices
     n_counts, merged = stage_counts(problem)
     last = count - 1
@@ -238,7 +240,7 @@ def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, ch
     first = np.zeros(1, dtype=np.int64)
     every_count = np.arange(n_counts)
     per_step = max(1, min(_COUNTS_PER_STEP, _CHUNK_CELLS // (count * count)))
-    reach = fewest_stages_before(problem)
+    reach = fewest_stages_before(problem) if reach is None else reach
     tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def keep(q: slice | int, rows: slice, d: int, k: int, best: np.ndarray, j: np.ndarray) -> None:
@@ -319,18 +321,18 @@ def holds_monotonically(problem: StageOptions) -> bool:
     return bool(getattr(problem, "monotone_in_stages", False))
 
 
-def any_plan(problem: StageOptions) -> bool:
+def any_plan(problem: StageOptions, reach: Sequence[float] | None = None) -> bool:
     """Whether any plan of the shared-cut problem exists (a plan from device 0 whose stages and
     cuts are all finite and fit), without a stage-count axis: with memory monotone in the count
     after a stage (`holds_monotonically`), the suffix of fewest stages from a cut is the easiest
     for every stage before it, so H[a, d], the fewest stages of a plan's suffix from state a on
     device d, decides. A fraction of a pass's work; a bounded problem with none left is ruled
-    out without one."""
+    out without one. `reach` as for `_run_shared`."""
     count, devices = problem.n_states, problem.n_devices
     n_counts, _ = stage_counts(problem)
     last = count - 1
     fewest = np.full((count, devices + 1), np.inf)  # H[a, d]
-    reach = fewest_stages_before(problem)
+    reach = fewest_stages_before(problem) if reach is None else reach
     reachable = [d for d in range(devices - 1, -1, -1) if reach[d] < last]
     first = np.zeros(1, dtype=np.int64)
     every_count = np.arange(n_counts)
@@ -375,9 +377,8 @@ def _best_shared_chain(problem: StageOptions, result: _SharedPass) -> tuple[floa
         if q == 0:
             break
         device += problem.sizes[k]
-        if result.merged and q == top and result.value[top, nxt, device] < result.value[top - 1, nxt, device]:
-            pass  # stays at the top count
-        else:
+        # a merged top count stays there when its suffix came from the top count itself
+        if not (result.merged and q == top and result.value[top, nxt, device] < result.value[top - 1, nxt, device]):
             q -= 1
         state = nxt
     return best, StageChain(tuple(states), tuple(options))
@@ -482,25 +483,35 @@ def _shares_cuts(problem: StageOptions) -> bool:
     return not getattr(problem, "cut_depends_on_next", True)
 
 
-def _least_max(problem: StageOptions) -> float:
-    run = _run_shared if _shares_cuts(problem) else _run
-    start = run(problem, _Mode.MAX, chains=False).value[:, 0, 0]
+def _reach(problem: StageOptions) -> list[float] | None:
+    """What every shared pass of `problem` needs alike (`fewest_stages_before`), worked out once
+    per search; None for the general pass, which does not use it."""
+    return fewest_stages_before(problem) if _shares_cuts(problem) else None
+
+
+def _least_max(problem: StageOptions, reach: Sequence[float] | None = None) -> float:
+    if _shares_cuts(problem):
+        start = _run_shared(problem, _Mode.MAX, chains=False, reach=reach).value[:, 0, 0]
+    else:
+        start = _run(problem, _Mode.MAX, chains=False).value[:, 0, 0]
     return float(start.min()) if np.isfinite(start).any() else math.inf
 
 
-def _least_sum(problem: StageOptions, tau: float = math.inf) -> tuple[float, StageChain | None]:
+def _least_sum(problem: StageOptions, tau: float = math.inf,
+               reach: Sequence[float] | None = None) -> tuple[float, StageChain | None]:
     if _shares_cuts(problem):
-        return _best_shared_chain(problem, _run_shared(problem, _Mode.SUM, tau))
+        return _best_shared_chain(problem, _run_shared(problem, _Mode.SUM, tau, reach=reach))
     return _best_chain(problem, _run(problem, _Mode.SUM, tau))
 
 
 def least_bottleneck(problem: StageOptions) -> tuple[float, StageChain] | None:
     """The least bottleneck tau* and, among plans within it, the one of least sum (None when no
     plan exists)."""
-    tau_star = _least_max(problem)
+    reach = _reach(problem)
+    tau_star = _least_max(problem, reach)
     if not math.isfinite(tau_star):
         return None
-    _, chain = _least_sum(problem, tau_star * (1 + TIE_RTOL))
+    _, chain = _least_sum(problem, tau_star * (1 + TIE_RTOL), reach)
     assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
     return tau_star, chain
 
@@ -516,15 +527,16 @@ def least_latency(
 ) -> StageChain | None:
     """The chain of least L = sum + (M - 1) max (module docstring); `latency` prices a chain
     (inf for one the caller rejects). None when no plan exists or none beats `bound`."""
-    if _shares_cuts(problem) and holds_monotonically(problem) and not any_plan(problem):
+    reach = _reach(problem)
+    if reach is not None and holds_monotonically(problem) and not any_plan(problem, reach):
         return None  # nothing left (a bounded problem leaves out what cannot beat the bound)
-    tau_star = _least_max(problem)
+    tau_star = _least_max(problem, reach)
     if not math.isfinite(tau_star):
         return None
     m = microbatches
     if m * tau_star >= bound:  # L >= sum + (M - 1) max >= M max >= M tau*
         return None
-    least_sum, unconstrained = _least_sum(problem)
+    least_sum, unconstrained = _least_sum(problem, reach=reach)
     if least_sum + (m - 1) * tau_star >= bound:
         return None
     best: StageChain | None = None
@@ -537,7 +549,7 @@ def least_latency(
             if value < best_value:
                 best, best_value = chain, value
 
-    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL))[1])
+    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL), reach)[1])
     consider(unconstrained)
     if m == 1:  # L is the plain sum: the unconstrained pass is the optimum.
         return best
@@ -550,7 +562,7 @@ def least_latency(
         """SUM(taus[index]), memoized; every evaluation may improve the best plan."""
         if index not in sums:
             tau = float(taus[index])
-            total, chain = _least_sum(problem, tau)
+            total, chain = _least_sum(problem, tau, reach)
             sums[index] = total
             if total + (m - 1) * tau < best_value:
                 consider(chain)
