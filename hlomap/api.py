@@ -474,16 +474,21 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
         extra["fusion"] = fusion
     if getattr(plan, "state_sharding", None) is not None:
         extra["sharded_state"] = plan.sharded_state()
-        name = f"{name}, optimizer state split over {','.join(plan.state_sharding.axes)} (ZeRO-1)"
+        over = ",".join(plan.state_sharding.axes)
+        trainable = {p.index for p in cap.parameters if p.role is Role.TRAINABLE}
+        name = (f"{name}, parameters and optimizer state split over {over} (FSDP)"
+                if plan.state_sharding.splits_any(trainable) else
+                f"{name}, optimizer state split over {over} (ZeRO-1)")
     return cost_estimate.estimate(cap, array, axes, cluster=_cluster_arg(cluster), axis_devices=axis_devices,
                                   axis_order=axis_order, graph=graph, plan_name=name, **extra)
 
 
 
 def with_sharded_state(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None,
-                       graph: Any = None, where: str = "plan") -> Any:
+                       graph: Any = None, where: str = "plan", parameters: bool = False) -> Any:
     """`plan` (a `Plan` or a built-in plan name with its `mesh`) with its optimizer state split
-    over its data axes (ZeRO-1, `Plan.with_sharded_state`); InputError when it has none."""
+    over its data axes (ZeRO-1, `Plan.with_sharded_state`), with `parameters` its trainable
+    parameters stored split there too (FSDP / ZeRO-3); InputError when it has no data axis."""
     from hlomap.plan import Plan, PlanError, resolve_plan
     from hlomap.propagation.graph import FactorGraph
 
@@ -492,7 +497,7 @@ def with_sharded_state(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any
         array, axes, _ = resolve_plan(graph, plan, mesh)
         plan = Plan.from_groups(cap, graph, array, axes)
     try:
-        return plan.with_sharded_state(graph)
+        return plan.with_sharded_state(graph, parameters=parameters)
     except PlanError as err:
         raise InputError(f"{where}: {err}") from None
 
@@ -889,7 +894,7 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
 
 def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", mesh: Mapping[str, int] | int | None = None,
                   axis_order: Sequence[str] | None = None, where: str = "plan", executor: str | None = None,
-                  shard_optimizer_state: bool = False) -> Simulation:
+                  shard_optimizer_state: bool = False, shard_parameters: bool = False) -> Simulation:
     """Price one step of `plan` on `cluster`, whatever its kind (`plan_category`): an SPMD plan or
     a built-in one by `estimate` (a placed plan also on the identity order, for comparison), a
     pipeline plan from its stage profile, a joint plan again from `cap`'s module. `cap` may be
@@ -897,7 +902,8 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     string and a built-in plan name or plan file. `executor` ("spmd" or "mpmd", default the
     runner's choice) prices a pipeline or joint plan on that executor. `shard_optimizer_state`
     prices an SPMD or built-in plan with its optimizer state split over its data axes (ZeRO-1,
-    `Plan.with_sharded_state`)."""
+    `Plan.with_sharded_state`), `shard_parameters` with its trainable parameters stored split
+    there too (FSDP / ZeRO-3; implies `shard_optimizer_state`)."""
     import dataclasses
 
     from hlomap.cost.cluster import Cluster
@@ -910,8 +916,9 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     category = plan_category(plan)
     if category not in (PlanCategory.PIPELINE, PlanCategory.JOINT) and executor is not None:
         raise InputError(f"executor {executor!r}: {where} has no pipeline section (executors run pipelines)")
-    if category in (PlanCategory.PIPELINE, PlanCategory.JOINT) and shard_optimizer_state:
-        raise InputError(f"{where}: sharding the optimizer state applies to SPMD plans, not to a {category.value} plan")
+    if category in (PlanCategory.PIPELINE, PlanCategory.JOINT) and (shard_optimizer_state or shard_parameters):
+        raise InputError(f"{where}: sharding the optimizer state or the parameters over data replicas applies to "
+                         f"SPMD plans, not to a {category.value} plan")
     if category in (PlanCategory.PIPELINE, PlanCategory.JOINT):
         chosen = plan_executor(plan, executor, where)
         section = plan.pipeline
@@ -937,8 +944,8 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     else:
         require_roles(cap, f"the built-in plan {plan!r}")
     name = plan if isinstance(plan, str) else None
-    if shard_optimizer_state:
-        plan = with_sharded_state(cap, plan, mesh=mesh, where=where)
+    if shard_optimizer_state or shard_parameters:
+        plan = with_sharded_state(cap, plan, mesh=mesh, where=where, parameters=shard_parameters)
         mesh = None
     est = estimate(cap, plan, mesh=mesh, cluster=cluster, axis_order=axis_order, plan_name=name)
     identity = estimate(cap, dataclasses.replace(plan, placement=None), mesh=mesh, cluster=cluster) if placed else None

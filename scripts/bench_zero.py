@@ -1,11 +1,13 @@
-"""The optimizer state split over the data replicas (ZeRO-1) against the same plan without it, on
-the present devices: memory as the cost model and XLA see it, and step time predicted and measured.
+"""The optimizer state split over the data replicas (ZeRO-1), and the parameters with it (FSDP /
+ZeRO-3), against the same plan without them, on the present devices: memory as the cost model and
+XLA see it, and step time predicted and measured.
 
-For each model, the data-parallel plan (and data x Megatron) with and without `state_sharding`:
+For each model, the data-parallel plan (and data x Megatron) without `state_sharding`, with the
+optimizer state split and with the parameters split too:
 - memory per device: the estimate's persistent bytes (parameters + optimizer state + inputs) and
   XLA's `memory_analysis` argument bytes, and the peak of each;
 - step time: predicted on `--cluster` (default `local`, the calibrated present devices) and
-  measured, the four plans of a model timed in interleaved rounds (median of round medians, IQR).
+  measured, the six plans of a model timed in interleaved rounds (median of round medians, IQR).
 
     python scripts/bench_zero.py [--models haiku-mlp gpt-tiny] [--rounds 20] [--cluster local]
 
@@ -44,6 +46,7 @@ def plans_for(cap: object, graph: FactorGraph) -> dict[str, Plan]:
         label = "data=8" if name == "dp" else "data=2 x model=4"
         out[label] = plan
         out[label + " + ZeRO-1"] = plan.with_sharded_state(graph)
+        out[label + " + FSDP"] = plan.with_sharded_state(graph, parameters=True)
     return out
 
 

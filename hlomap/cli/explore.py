@@ -70,6 +70,10 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-optimizer-state", choices=("off", "on", "auto"), default="auto",
                    help="split the optimizer state over the plan's data axes (ZeRO-1): on; off; auto (default): "
                         "only when the plan does not fit device memory otherwise and does with it")
+    p.add_argument("--shard-parameters", choices=("off", "on", "auto"), default="auto",
+                   help="store the trainable parameters split over the plan's data axes too (FSDP / ZeRO-3; XLA "
+                        "gathers each before its use): on (splits the optimizer state as well); off; auto (default): "
+                        "only when the plan with its optimizer state split still does not fit and does with it")
     p.add_argument("--curve", metavar="FILE.png",
                    help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
 
@@ -204,7 +208,8 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
         found = api.explore_detailed(cap, args.task, mesh, cluster, args.agent, args.budget_seconds, args.seed,
                                      args.reward, budget_evaluations=args.budget_evaluations, output=output,
                                      on_progress=interrupts.wrap(on_progress),
-                                     shard_optimizer_state=args.shard_optimizer_state)
+                                     shard_optimizer_state=args.shard_optimizer_state,
+                                     shard_parameters=args.shard_parameters)
     plot_convergence([found.result], curve, title=f"{cap.source}: {args.task}, {args.reward} reward")
     plan = found.plan
     if runnable is not None and not found.result.interrupted:

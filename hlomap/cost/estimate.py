@@ -23,7 +23,8 @@ What is counted, per device (see hlomap.cost.sharding for how a plan splits each
 - memory: `hlomap.cost.memory` (parameters, optimizer state, gradients, peak activations);
 - optimizer state sharded over the data axes (`ShardedState`, ZeRO-1, `hlomap.cost.zero`): the
   sharded leaves' bytes divided by the axes' size, and an all-gather of each parameter whose
-  update runs split.
+  update runs split; a state that lists trainable parameters too (FSDP / ZeRO-3) keeps them at
+  their share as well and gathers them before their use instead of after the update.
 
 Overlap: by default none (`Overlap.NONE`): step time = compute + all communication, which is
 what XLA's single combined gradient all-reduce at the end of the backward pass gives.
@@ -49,7 +50,7 @@ from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
 from hlomap.cost.sharding import CONTAINER_OPCODES, PartialResult, ShardedGraph
 from hlomap.cost.zero import StateShard, gathered_parameters
-from hlomap.hlo.capture import Capture, Phase
+from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.hlo.ir import Instruction, Module
 from hlomap.propagation.conflicts import REPLICATED, ConflictChecker, MeshAxes, PlanConflict
 from hlomap.propagation.graph import FactorGraph
@@ -68,6 +69,7 @@ class Reason(enum.Enum):
     GRADIENT_SYNC = "gradient sync"
     RESHARD = "reshard"
     SHARDED_STATE = "sharded optimizer state"
+    SHARDED_PARAMETERS = "sharded parameters"
 
 
 class Overlap(enum.Enum):
@@ -401,7 +403,8 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
 
 #: Collectives XLA combines into one per set of axes (its all-reduce and all-gather combiners,
 #: DDP's buckets): the gradient sync, and the all-gathers of parameters updated in slices.
-_COMBINED = {Reason.GRADIENT_SYNC: Collective.ALL_REDUCE, Reason.SHARDED_STATE: Collective.ALL_GATHER}
+_COMBINED = {Reason.GRADIENT_SYNC: Collective.ALL_REDUCE, Reason.SHARDED_STATE: Collective.ALL_GATHER,
+             Reason.SHARDED_PARAMETERS: Collective.ALL_GATHER}
 
 
 def _bucketed(c: CollectiveEstimate) -> bool:
@@ -492,7 +495,8 @@ def _detail(pr: PartialResult, inst: Instruction, module: Module, where: str) ->
 
 @dataclass(frozen=True)
 class ShardedState:
-    """Optimizer-state leaves split over the mesh `axes` (ZeRO-1): a plan's `state_sharding`."""
+    """Optimizer-state leaves split over the mesh `axes` (ZeRO-1), and trainable parameters where
+    it lists them (FSDP / ZeRO-3): a plan's `state_sharding`."""
 
     axes: tuple[str, ...]
     shards: tuple[StateShard, ...]
@@ -523,26 +527,40 @@ def _split_updates(sg: ShardedGraph, instructions: list[InstructionEstimate], st
 
 def _with_sharded_state(memory: MemoryEstimate, collectives: list[CollectiveEstimate], sg: ShardedGraph,
                         cluster: Cluster, mapping: AxisMapping, state: ShardedState, ways: int) -> MemoryEstimate:
-    """`memory` with the sharded leaves at their share (`ways`: the state axes' size); appends the
-    all-gathers to `collectives`."""
+    """`memory` with the sharded leaves at their share (`ways`: the state axes' size): optimizer
+    state (ZeRO-1) and, where the state lists them, trainable parameters (FSDP); appends the
+    all-gathers to `collectives`: of each parameter stored split before its use, of each other
+    parameter whose update runs split after the update."""
     if ways <= 1 or not state.shards:
         return memory
-    saved = sum(sg.parameter_bytes(s.parameter) for s in state.shards) * (1.0 - 1.0 / ways)
+    trainable = {p.index for p in sg.graph.with_role(Role.TRAINABLE)}
+    stored_split = {s.parameter for s in state.shards if s.parameter in trainable}
+    moments = [s for s in state.shards if s.parameter not in trainable]
+    saved_parameters = sum(sg.parameter_bytes(i) for i in stored_split) * (1.0 - 1.0 / ways)
+    saved_state = sum(sg.parameter_bytes(s.parameter) for s in moments) * (1.0 - 1.0 / ways)
     groups = mapping.groups(state.axes if len(state.axes) > 1 else state.axes[0])
     where = ",".join(state.axes)
     by_index = {p.index: p for p in sg.graph.parameters}
-    for index in gathered_parameters(sg, state.shards):
+    gathered = sorted(stored_split | set(gathered_parameters(sg, moments)))
+    for index in gathered:
         p = by_index[index]
         nbytes = sg.parameter_bytes(index)
+        if index in stored_split:
+            reason, phase = Reason.SHARDED_PARAMETERS, Phase.FORWARD
+            detail = f"all-gather {p.path or p.name} over {where} before its use: it is stored split there (FSDP)"
+        else:
+            reason, phase = Reason.SHARDED_STATE, Phase.UPDATE
+            detail = (f"all-gather the updated {p.path or p.name} over {where}: its optimizer state is split there, "
+                      "so each replica updates its slice")
         collectives.append(CollectiveEstimate(
             Collective.ALL_GATHER, state.axes, ways, nbytes,
             collective_time(Collective.ALL_GATHER, cluster, groups, nbytes), p.name, sg.graph.module.entry_name,
-            Reason.SHARDED_STATE, f"all-gather the updated {p.path or p.name} over {where}: its optimizer state is "
-            f"split there, so each replica updates its slice", Phase.UPDATE))
+            reason, detail, phase))
     # the all-gathers run combined, as the gradient sync does
     collectives[:] = _combine_buckets(collectives, cluster,
                                       lambda axes: mapping.groups(axes if len(axes) > 1 else axes[0]))
-    return replace(memory, optimizer=int(round(memory.optimizer - saved)))
+    return replace(memory, parameters=int(round(memory.parameters - saved_parameters)),
+                   optimizer=int(round(memory.optimizer - saved_state)))
 
 
 class StepWork(NamedTuple):

@@ -280,12 +280,14 @@ class Plan:
             return parameter.partition_spec()
         return dataclasses.replace(parameter, spec=self.state_sharding.spec_of(parameter)).partition_spec()
 
-    def with_sharded_state(self, graph: FactorGraph) -> Plan:
+    def with_sharded_state(self, graph: FactorGraph, *, parameters: bool = False) -> Plan:
         """This plan with its optimizer state split over its data axes (ZeRO-1, `hlomap.cost.zero`):
-        the mesh axes that split the batch and no trainable parameter. Its estimate is dropped (the
-        caller re-prices it). PlanError when the plan has no such axis or is a pipeline plan."""
+        the mesh axes that split the batch and no trainable parameter; with `parameters` the
+        trainable parameters stored split there too (FSDP / ZeRO-3, `zero.parameter_shards`). Its
+        estimate is dropped (the caller re-prices it). PlanError when the plan has no such axis or
+        is a pipeline plan."""
         from hlomap.cost.sharding import ShardedGraph
-        from hlomap.cost.zero import state_axes, state_shards
+        from hlomap.cost.zero import parameter_shards, state_axes, state_shards
 
         if self.pipeline is not None:
             raise PlanError("sharding the optimizer state applies to SPMD plans, not to pipeline plans")
@@ -296,6 +298,8 @@ class Plan:
             raise PlanError(f"the plan on mesh {self.mesh_shape} splits the batch over no axis that leaves the "
                             "parameters replicated, so there are no data replicas to split the optimizer state over")
         shards = state_shards(sg, names)
+        if parameters:
+            shards = shards + parameter_shards(sg, shards)
         return dataclasses.replace(self, state_sharding=StateSharding(names, tuple((s.parameter, s.dim) for s in shards)),
                                    estimate=None)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -211,8 +211,9 @@ class Placement:
 
 @dataclass(frozen=True)
 class StateSharding:
-    """Optimizer-state leaves split over the mesh `axes` (ZeRO-1): `dims` pairs (index, dim), the
-    dim of entry parameter `index` that the axes split on top of the parameter's own spec.
+    """Optimizer-state leaves split over the mesh `axes` (ZeRO-1), and trainable parameters where it
+    lists them (FSDP / ZeRO-3): `dims` pairs (index, dim), the dim of entry parameter `index`
+    that the axes split on top of the parameter's own spec.
 
     JSON: {"axes": [str], "parameters": [{"index": int, "dim": int}]}. Optional in a plan file;
     plans written before it existed load unchanged."""
@@ -230,6 +231,11 @@ class StateSharding:
     @property
     def dim_of(self) -> dict[int, int]:
         return dict(self.dims)
+
+    def splits_any(self, indices: Collection[int]) -> bool:
+        """Whether any of the entry parameters `indices` is split (with the trainable parameters'
+        indices: whether this is FSDP / ZeRO-3 rather than ZeRO-1)."""
+        return any(index in indices for index, _ in self.dims)
 
     def spec_of(self, parameter: ParameterSpec) -> Spec:
         """`parameter`'s spec with this section's split added (its own spec when not listed)."""

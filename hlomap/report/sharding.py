@@ -120,12 +120,14 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     total_vars = 0
     for layer, params in rows.items():
         for i, p in enumerate(params):
-            sharded = any(s is not None for s in p.spec)
+            # as placed: an FSDP plan stores its parameters split over the data axes too
+            spec = plan.state_sharding.spec_of(p) if getattr(plan, "state_sharding", None) is not None else p.spec
+            sharded = any(s is not None for s in spec)
             sharded_vars += sharded
             total_vars += 1
             name = p.path.split("/", 1)[1] if "/" in p.path else p.path
             table.add_row(layer if i == 0 else "", name[len(layer) + 1:] if name.startswith(layer + "/") else name,
-                          "x".join(str(d) for d in p.shape), Text(_spec_text(p.spec), style="green" if sharded else "dim"))
+                          "x".join(str(d) for d in p.shape), Text(_spec_text(spec), style="green" if sharded else "dim"))
         table.add_section()
     mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh)
     lines = [Text(f"mesh {{{mesh}}}: {sharded_vars} of {total_vars} variables sharded")]
@@ -135,8 +137,16 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
                           f"{search.get('evaluations')} evaluations, {search.get('seconds')} s, seed {search.get('seed')}"))
     state = getattr(plan, "state_sharding", None)
     if state is not None:
-        lines.append(Text(f"optimizer state: {len(state.dims)} leaves split over {','.join(state.axes)} (ZeRO-1); "
-                          "each replica updates its slice and all-gathers the parameters"))
+        over = ",".join(state.axes)
+        kept = {p.index for p in plan.parameters if p.path.startswith(("opt_state", "optimizer_state"))
+                or (roles is not None and roles.get(p.path) == "optimizer_state")}
+        stored = len(state.dims) - sum(1 for index, _ in state.dims if index in kept)
+        if stored:
+            lines.append(Text(f"parameters and optimizer state: {len(state.dims)} leaves stored split over {over} "
+                              "(FSDP / ZeRO-3); XLA gathers each parameter before its use"))
+        else:
+            lines.append(Text(f"optimizer state: {len(state.dims)} leaves split over {over} (ZeRO-1); "
+                              "each replica updates its slice and all-gathers the parameters"))
     est = plan.estimate or {}
     if "step_seconds" in est:
         mem = est.get("memory", {})

@@ -81,37 +81,51 @@ def search_sharding(problem: Problem, driver: Driver | str, budget: Budget, seed
                               on_progress=on_progress)
 
 
-#: `shard_optimizer_state` modes: never, always (where the plan has data replicas), or only when
-#: the plan does not fit in memory otherwise and does with it.
+#: `shard_optimizer_state` and `shard_parameters` modes: never, always (where the plan has data
+#: replicas), or only when the plan does not fit in memory otherwise and does with it.
 STATE_SHARDING_MODES = ("off", "on", "auto")
 
 
 def to_plan(problem: Problem, result: SearchResult, *, with_estimate: bool = True,
-            shard_optimizer_state: str = "auto") -> Any:
+            shard_optimizer_state: str = "auto", shard_parameters: str = "auto") -> Any:
     """The `Plan` of a search result, carrying how it was found and (with `with_estimate`) the
     cost model's estimate on the problem's cluster. `shard_optimizer_state` (`STATE_SHARDING_MODES`)
     says whether the plan splits its optimizer state over its data axes (ZeRO-1,
-    `Plan.with_sharded_state`); "auto" needs the estimate to tell whether the plan fits."""
+    `Plan.with_sharded_state`), `shard_parameters` whether it stores its trainable parameters
+    split there too (FSDP / ZeRO-3; "on" splits the state as well). "auto" needs the estimate to
+    tell whether the plan fits: each split is taken only where the plan does not fit without it
+    and does with it, the state's first, then the parameters' (a plan whose parameters stay whole
+    between steps is the one a user's code that reads them expects)."""
     from hlomap.plan import Plan, PlanError
 
-    if shard_optimizer_state not in STATE_SHARDING_MODES:
-        raise ValueError(f"shard_optimizer_state {shard_optimizer_state!r}: expected one of {STATE_SHARDING_MODES}")
+    for name, mode in (("shard_optimizer_state", shard_optimizer_state), ("shard_parameters", shard_parameters)):
+        if mode not in STATE_SHARDING_MODES:
+            raise ValueError(f"{name} {mode!r}: expected one of {STATE_SHARDING_MODES}")
     plan = Plan.from_groups(problem.cap, problem.graph, result.plan, problem.axes)
     search = {"task": problem.space.task.value, **result.search_json()}
     estimate = _estimate_json(problem, result, plan) if with_estimate and problem.cluster is not None else None
-    wanted = shard_optimizer_state == "on" or (shard_optimizer_state == "auto" and estimate is not None
-                                               and not estimate["memory"]["fits"])
-    if wanted:
+    # (parameters too, forced): the splits to try, in order; the parameters' split implies the state's
+    steps: list[tuple[bool, bool]] = []
+    if shard_parameters == "on":
+        steps.append((True, True))
+    elif shard_optimizer_state != "off":
+        steps.append((False, shard_optimizer_state == "on"))
+        if shard_parameters == "auto":
+            steps.append((True, False))
+    whole = plan
+    for parameters, forced in steps:
+        if not forced and (estimate is None or estimate["memory"]["fits"]):
+            break
+        what = "parameters" if parameters else "optimizer state"
         try:
-            sharded = plan.with_sharded_state(problem.graph)
+            sharded = whole.with_sharded_state(problem.graph, parameters=parameters)
         except PlanError as exc:
-            log.log(logging.WARNING if shard_optimizer_state == "on" else logging.INFO,
-                    "the optimizer state stays whole: %s", exc)
-        else:
-            sharded_estimate = (_estimate_json(problem, result, sharded)
-                                if with_estimate and problem.cluster is not None else None)
-            if shard_optimizer_state == "on" or (sharded_estimate is not None and sharded_estimate["memory"]["fits"]):
-                plan, estimate = sharded, sharded_estimate
+            log.log(logging.WARNING if forced else logging.INFO, "the %s stays whole: %s", what, exc)
+            break
+        sharded_estimate = (_estimate_json(problem, result, sharded)
+                            if with_estimate and problem.cluster is not None else None)
+        if forced or (sharded_estimate is not None and sharded_estimate["memory"]["fits"]):
+            plan, estimate = sharded, sharded_estimate
     return dataclasses.replace(plan, search=search, estimate=estimate)
 
 
@@ -146,9 +160,9 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
                      graph: FactorGraph | None = None, replicate_residual: bool | None = None,
                      dqn_config: DqnSearchConfig | None = None, with_estimate: bool = True,
                      on_progress: Callable[[Progress], None] | None = None,
-                     shard_optimizer_state: str = "auto") -> Exploration:
-    """Search a sharding plan; the whole `Exploration`. `shard_optimizer_state`: "off", "on" or
-    "auto" (`to_plan`)."""
+                     shard_optimizer_state: str = "auto", shard_parameters: str = "auto") -> Exploration:
+    """Search a sharding plan; the whole `Exploration`. `shard_optimizer_state` and
+    `shard_parameters`: "off", "on" or "auto" (`to_plan`)."""
     problem = build_problem(cap, task=task, mesh=mesh, cluster=cluster, reward=reward, graph=graph,
                             replicate_residual=replicate_residual)
     budget = Budget(seconds=budget_seconds, evaluations=budget_evaluations)
@@ -159,7 +173,8 @@ def explore_sharding(cap: Capture, task: Task | str = "opp", mesh: Mapping[str, 
 
     result = search_sharding(problem, agent, budget, seed, dqn_config=dqn_config, on_best=on_best,
                         on_progress=on_progress)
-    plan = to_plan(problem, result, with_estimate=with_estimate, shard_optimizer_state=shard_optimizer_state)
+    plan = to_plan(problem, result, with_estimate=with_estimate, shard_optimizer_state=shard_optimizer_state,
+                   shard_parameters=shard_parameters)
     if output is not None:
         plan.save(output)
     log.info("explored %s (%s, %s reward) with %s: score %.4g after %d evaluations in %.1f s%s",
