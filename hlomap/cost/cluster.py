@@ -51,7 +51,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -98,6 +98,10 @@ class Cluster:
     `coords`: each device's topology coordinates (`coordinates`), given where the topology has
     some and the network does not say them: [server, slot in the server] on servers and random
     blocks. Placement starts from orders over them (row-major, snake, space-filling curves).
+    `slowdown`: each device's compute time against its kind's (a straggler at half speed: 2.0);
+    None (every device at its kind's speed) unless a re-planning trace slows some. The pipeline
+    cost model, simulator and DP charge a stage the slowest of its devices
+    (`compute_slowdown`: data replicas wait for each other). Kept in memory only, not in JSON.
     """
 
     name: str
@@ -109,6 +113,7 @@ class Cluster:
     measured: MeasuredCosts | None = None
     network: Network | None = None
     coords: tuple[tuple[int, ...], ...] | None = None
+    slowdown: tuple[float, ...] | None = None
     node_array: np.ndarray = field(init=False, repr=False, compare=False)
     # collective analyses per group list (`collectives._concurrent_groups`): valid while the cluster
     # is, since nothing in it changes
@@ -119,6 +124,8 @@ class Cluster:
         object.__setattr__(self, "node_of", tuple(int(x) for x in self.node_of))
         if self.coords is not None:
             object.__setattr__(self, "coords", tuple(tuple(int(c) for c in row) for row in self.coords))
+        if self.slowdown is not None:
+            object.__setattr__(self, "slowdown", tuple(float(x) for x in self.slowdown))
         for field_name, diagonal in (("bandwidth", math.inf), ("latency", 0.0)):
             array = np.array(getattr(self, field_name), dtype=np.float64)  # a copy
             if array.ndim == 2 and array.shape[0] == array.shape[1]:
@@ -221,6 +228,14 @@ def busy_speedup(cluster: Cluster, busy: int) -> float:
     return 1.0 if cluster.measured is None else cluster.measured.busy_speedup(busy)
 
 
+def compute_slowdown(cluster: Cluster, devices: Iterable[int]) -> float:
+    """How much longer a stage on `devices` computes than on devices at their kind's speed: its
+    slowest device's `Cluster.slowdown` (data replicas wait for each other), 1.0 without one."""
+    if cluster.slowdown is None:
+        return 1.0
+    return max((cluster.slowdown[int(d)] for d in devices), default=1.0)
+
+
 def with_busy_devices(cluster: Cluster, busy: int) -> Cluster:
     """`cluster` with every device's compute and memory rates scaled by `busy_speedup`: what a
     plan keeping `busy` devices at work computes on. The cluster itself when nothing changes."""
@@ -229,7 +244,7 @@ def with_busy_devices(cluster: Cluster, busy: int) -> Cluster:
         return cluster
     devices = tuple(sped_up(d, factor) for d in cluster.devices)
     return Cluster(cluster.name, devices, cluster.node_of, cluster.bandwidth, cluster.latency, cluster.nics_per_node,
-                   cluster.measured, cluster.network, cluster.coords)
+                   cluster.measured, cluster.network, cluster.coords, cluster.slowdown)
 
 
 def sped_up(device: DeviceSpec, factor: float) -> DeviceSpec:
@@ -251,7 +266,8 @@ def first_devices(cluster: Cluster, count: int) -> Cluster:
         return cluster
     return Cluster(f"{cluster.name}[:{count}]", cluster.devices[:count], cluster.node_of[:count],
                    cluster.bandwidth[:count, :count], cluster.latency[:count, :count], cluster.nics_per_node,
-                   cluster.measured, cluster.network, None if cluster.coords is None else cluster.coords[:count])
+                   cluster.measured, cluster.network, None if cluster.coords is None else cluster.coords[:count],
+                   None if cluster.slowdown is None else cluster.slowdown[:count])
 
 
 def node_slot_coordinates(node_of: Sequence[int]) -> np.ndarray:
@@ -310,6 +326,9 @@ def _validate(cluster: Cluster) -> None:
         if cluster.network is not None:
             # one source of truth: a grid's coordinates are its network's
             raise ClusterSpecError(f"{where}: a cluster with a network takes its coords from it (device_nodes)")
+    if cluster.slowdown is not None and (len(cluster.slowdown) != n
+                                         or not all(math.isfinite(x) and x > 0 for x in cluster.slowdown)):
+        raise ClusterSpecError(f"{where}: slowdown must give each of its {n} devices a finite factor > 0")
 
 
 def _matrix(value: Any, n: int, field_name: str, where: str, *, diagonal: float) -> np.ndarray:

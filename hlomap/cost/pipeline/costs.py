@@ -46,7 +46,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hlomap.cost.cluster import Cluster
+from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, device_order, held_counts
@@ -301,9 +301,10 @@ def evaluate_plan(
     compute, forward, backward, params = [], [], [], []
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
-        compute.append(float(profile.compute_time[layers].sum()) / stage.replication)
-        forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
-        backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
+        per_device = compute_slowdown(cluster, stage.devices) / stage.replication
+        compute.append(float(profile.compute_time[layers].sum()) * per_device)
+        forward.append(float(profile.forward_time[layers].sum()) * per_device)
+        backward.append(float(profile.backward_time[layers].sum()) * per_device)
         params.append(float(profile.parameter_bytes[layers].sum()))
     # one all-reduce per device stage, of all its chunks' gradients
     allreduce = [float(prices.allreduce(plan.stages[g].devices)(sum(params[g::groups]))) if comm else 0.0
@@ -364,8 +365,9 @@ def gpipe_latency(
     forward, backward, allreduce = [], [], []
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
-        forward.append(float(profile.forward_time[layers].sum()) / stage.replication)
-        backward.append(float(profile.backward_time[layers].sum()) / stage.replication)
+        per_device = compute_slowdown(cluster, stage.devices) / stage.replication
+        forward.append(float(profile.forward_time[layers].sum()) * per_device)
+        backward.append(float(profile.backward_time[layers].sum()) * per_device)
         params = float(profile.parameter_bytes[layers].sum())
         allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
     if syncs_each_microbatch(cluster):  # every microbatch's backward ends with its all-reduce

@@ -41,7 +41,7 @@ from hlomap.cost.pipeline.costs import (
     peak_counts,
     syncs_each_microbatch,
 )
-from hlomap.cost.cluster import Cluster
+from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.links import allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule
@@ -113,16 +113,20 @@ class SimulationResult:
         return 1.0 - busy / (groups * self.length) if self.length > 0 else 0.0
 
 
-def pass_times(profile: PipelineProfile, plan: PipelinePlan) -> tuple[list[float], list[float], list[float]]:
+def pass_times(profile: PipelineProfile, plan: PipelinePlan,
+               cluster: Cluster | None = None) -> tuple[list[float], list[float], list[float]]:
     """(F, B, W) seconds per microbatch of each logical stage: its layers' times over its
-    replicas. Under ZB-H1 the backward splits into B = `INPUT_GRADIENT_SHARE` of it and W = the
-    rest; otherwise W is 0 and B the whole backward."""
+    replicas, on `cluster`'s slowest of them (`compute_slowdown`). Under ZB-H1 the backward
+    splits into B = `INPUT_GRADIENT_SHARE` of it and W = the rest; otherwise W is 0 and B the
+    whole backward."""
     split = plan.schedule is Schedule.ZERO_BUBBLE
     forward, backward, weight = [], [], []
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
-        f = float(profile.forward_time[layers].sum()) / stage.replication
-        b = float(profile.backward_time[layers].sum()) / stage.replication
+        slowdown = 1.0 if cluster is None else compute_slowdown(cluster, stage.devices)
+        per_device = slowdown / stage.replication
+        f = float(profile.forward_time[layers].sum()) * per_device
+        b = float(profile.backward_time[layers].sum()) * per_device
         forward.append(f)
         backward.append(b * INPUT_GRADIENT_SHARE if split else b)
         weight.append(b - b * INPUT_GRADIENT_SHARE if split else 0.0)
@@ -139,7 +143,7 @@ def simulate(
     check_plan(profile, cluster, plan)
     comm = options.comm is CommModel.OVERLAPPED
     n_groups, m, v = plan.device_stages, plan.microbatches, plan.repeats
-    forward, backward, weight = pass_times(profile, plan)
+    forward, backward, weight = pass_times(profile, plan, cluster)
     params = [float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
               for stage in plan.stages]  # per logical stage (chunk)
     each = syncs_each_microbatch(cluster)

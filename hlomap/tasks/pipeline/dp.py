@@ -57,7 +57,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from hlomap.cost.cluster import Cluster
+from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.costs import CommModel, allreduce_share, evaluate_plan
 from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
@@ -701,7 +701,7 @@ class _ReplicationOptions:
         all of it per microbatch where the executors sync every microbatch
         (`costs.allreduce_share`, `links.allreduce_time`)."""
         r = self.sizes[option]
-        t = self.compute / r
+        t = self.compute * (compute_slowdown(self.cluster, range(device, device + r)) / r)
         if self._comm and r > 1:
             allreduce = self.prices.allreduce(range(device, device + r))
             t = t + allreduce_share(self.prices.cluster, allreduce(self.parameter), self.space.microbatches)

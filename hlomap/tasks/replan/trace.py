@@ -18,17 +18,22 @@ JSON format (version 1), for users' own traces:
                                                   directions; pairs not named keep their value)
         "gpus": [4, 4, 4, 4]},                    GPUs available on each server: its first k devices
        {"time": 1800, "links": [[0, 1, 3.125e9]]},
+       {"time": 3600, "speed": [[5, 0.5]]},      device 5 computes at half speed (a straggler) ...
+       {"time": 4000, "speed": [[5, 1.0]]},      ... and recovers
        {"time": 5400, "gpus": [4, 0, 4, 4]},      server 1 leaves ...
        {"time": 9000, "gpus": [4, 4, 4, 4]}]}     ... and comes back
 
-Links start at the cluster's own bandwidth between the servers, GPUs at every device. Latencies do
-not change. Events at the same time apply in order.
+Links start at the cluster's own bandwidth between the servers, GPUs at every device, every device
+at full speed (`speed`: the fraction of its kind's compute speed, in (0, 1]). Latencies do not
+change. Events at the same time apply in order.
 
-`generate` builds traces of five kinds on a cluster: `steps` (server links drop to a fraction of
+`generate` builds traces of seven kinds on a cluster: `steps` (server links drop to a fraction of
 their bandwidth for a while, then recover), `drift` (every link's bandwidth follows a
 multiplicative random walk), `leave` (a server leaves and comes back, over mild bandwidth noise),
-`mixed` (all of it) and `partial` (some GPUs of a server, not all, leave and come back, over mild
-bandwidth noise).
+`mixed` (all of it), `partial` (some GPUs of a server, not all, leave and come back, over mild
+bandwidth noise), `link` (one link between two servers drops to 5-30% of its bandwidth for a
+while) and `straggler` (one device computes at half speed for a while); in the last two the other
+links keep 80-100% of their bandwidth, drawn afresh at each change, so the one change stands out.
 """
 
 from __future__ import annotations
@@ -55,11 +60,13 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class Event:
-    """A change at `time`: new bandwidths for server pairs, and/or new GPU counts per server."""
+    """A change at `time`: new bandwidths for server pairs, new GPU counts per server, and/or new
+    compute speeds (fractions of full speed) for devices."""
 
     time: float
     links: tuple[tuple[int, int, float], ...] = ()
     gpus: tuple[int, ...] | None = None
+    speed: tuple[tuple[int, float], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"time": self.time}
@@ -67,19 +74,24 @@ class Event:
             out["links"] = [[a, b, bw] for a, b, bw in self.links]
         if self.gpus is not None:
             out["gpus"] = list(self.gpus)
+        if self.speed:
+            out["speed"] = [[d, f] for d, f in self.speed]
         return out
 
 
 @dataclass(frozen=True, eq=False)
 class ResourceState:
-    """The resources between two events: each server pair's bandwidth and each server's GPUs.
+    """The resources between two events: each server pair's bandwidth, each server's GPUs and
+    each device's compute speed (`speed[d]`, a fraction of full speed; empty: all at full speed).
 
     `cluster` is the sub-cluster of the available devices (local ids 0..k-1, in increasing global
-    order); `devices[i]` is the global id of local device i."""
+    order), its `slowdown` the available devices' 1 / speed; `devices[i]` is the global id of
+    local device i."""
 
     base: Cluster
     server_bandwidth: np.ndarray
     gpus: tuple[int, ...]
+    speed: tuple[float, ...] = ()
     devices: tuple[int, ...] = field(init=False)
     cluster: Cluster = field(init=False)
 
@@ -92,9 +104,11 @@ class ResourceState:
         cross = node[:, None] != node[None, :]
         bandwidth[cross] = self.server_bandwidth[node[:, None], node[None, :]][cross]
         sub = np.ix_(up, up)
+        slow = self.speed and any(self.speed[d] < 1.0 for d in up)
+        slowdown = tuple(1.0 / self.speed[d] for d in up) if slow else None
         cluster = Cluster(f"{self.base.name}[{len(up)} up]", tuple(self.base.devices[d] for d in up),
                           tuple(int(n) for n in node[up]), bandwidth[sub], self.base.latency[sub],
-                          self.base.nics_per_node) if up.size else None
+                          self.base.nics_per_node, slowdown=slowdown) if up.size else None
         object.__setattr__(self, "cluster", cluster)
 
     @property
@@ -114,6 +128,12 @@ class ResourceState:
 
     def gpu_share(self) -> float:
         return self.n_available / self.base.n_devices
+
+    def speed_share(self) -> float:
+        """Mean compute speed of the available devices relative to full speed."""
+        if not self.speed or not self.devices:
+            return 1.0
+        return float(np.mean([self.speed[d] for d in self.devices]))
 
 
 def _server_bandwidth(cluster: Cluster) -> np.ndarray:
@@ -159,6 +179,13 @@ class Trace:
                 for s, (k, size) in enumerate(zip(e.gpus, sizes)):
                     if not 0 <= k <= size:
                         raise TraceError(f"{where}: gpus[{s}] = {k} is not between 0 and the server's {size}")
+            for d, f in e.speed:
+                if not 0 <= d < self.cluster.n_devices:
+                    raise TraceError(f"{where}: speed: device {d} is not one of the cluster's "
+                                     f"{self.cluster.n_devices}")
+                if not 0 < f <= 1:
+                    raise TraceError(f"{where}: speed: device {d} at {f!r}; a speed is a fraction of full speed "
+                                     "in (0, 1]")
             if e.time > self.horizon:
                 raise TraceError(f"{where}: time {e.time} is past the horizon {self.horizon}")
 
@@ -170,6 +197,7 @@ class Trace:
         """The resources from each change on: [(time, state)], the first at time 0."""
         bandwidth = _server_bandwidth(self.cluster)
         gpus = tuple(int(k) for k in np.bincount(self.cluster.node_array))
+        speed = [1.0] * self.cluster.n_devices
         out: list[tuple[float, ResourceState]] = []
         times = sorted({0.0, *(e.time for e in self.events)})
         for t in times:
@@ -179,7 +207,10 @@ class Trace:
                     for a, b, bw in e.links:
                         bandwidth[a, b] = bandwidth[b, a] = bw
                     gpus = e.gpus if e.gpus is not None else gpus
-            out.append((t, ResourceState(self.cluster, bandwidth, tuple(gpus))))
+                    for d, f in e.speed:
+                        speed[d] = f
+            slowed = tuple(speed) if min(speed) < 1.0 else ()
+            out.append((t, ResourceState(self.cluster, bandwidth, tuple(gpus), slowed)))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -242,7 +273,7 @@ def _number(value: Any, where: str) -> float:
 def _event(data: Any, where: str) -> Event:
     if not isinstance(data, Mapping) or "time" not in data:
         raise TraceError(f"{where}: expected an object with a 'time'")
-    unknown = sorted(set(data) - {"time", "links", "gpus"})
+    unknown = sorted(set(data) - {"time", "links", "gpus", "speed"})
     if unknown:
         raise TraceError(f"{where}: unknown field(s) {unknown}")
     links = []
@@ -255,7 +286,13 @@ def _event(data: Any, where: str) -> Event:
     if gpus is not None and (not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool)
                                                                    for g in gpus)):
         raise TraceError(f"{where}: gpus: expected a list of integers, got {gpus!r}")
-    return Event(_number(data["time"], f"{where}: time"), tuple(links), None if gpus is None else tuple(gpus))
+    speed = []
+    for k, entry in enumerate(data.get("speed", [])):
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise TraceError(f"{where}: speed[{k}]: expected [device, fraction_of_full_speed]")
+        speed.append((int(_number(entry[0], f"{where}: speed[{k}]")), _number(entry[1], f"{where}: speed[{k}]")))
+    return Event(_number(data["time"], f"{where}: time"), tuple(links), None if gpus is None else tuple(gpus),
+                 tuple(speed))
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -283,7 +320,9 @@ class TraceKind(str, enum.Enum):
     DRIFT = "drift"
     LEAVE = "leave"
     MIXED = "mixed"
-    PARTIAL = "partial"  # last: the other kinds' random streams are keyed by their index
+    PARTIAL = "partial"  # the kinds before it keep their random streams (keyed by index)
+    LINK = "link"
+    STRAGGLER = "straggler"
 
     def __str__(self) -> str:
         return self.value
@@ -306,8 +345,11 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
     if kind is TraceKind.PARTIAL and max(sizes) < 2:
         raise TraceError(f"a '{kind.value}' trace takes part of a server away: {cluster.name} has no server of "
                          "2 GPUs or more")
+    if kind is TraceKind.LINK and not pairs:
+        raise TraceError(f"a '{kind.value}' trace slows a link between two servers: {cluster.name} has one server")
     events: list[Event] = []
     current = {p: float(base[p]) for p in pairs}
+    slow: tuple[int, float] | None = None    # STRAGGLER: device slowed until
     down: dict[tuple[int, int], float] = {}  # STEPS: pair -> time it recovers
     away: tuple[int, float] | None = None    # LEAVE: server away until
     t = 0.0
@@ -317,6 +359,29 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
             break
         links: list[tuple[int, int, float]] = []
         gpus: tuple[int, ...] | None = None
+        speed: tuple[tuple[int, float], ...] = ()
+        if kind is TraceKind.LINK:
+            for pair, until in list(down.items()):
+                if t >= until:
+                    links.append((*pair, float(base[pair])))
+                    current[pair] = float(base[pair])
+                    del down[pair]
+            if not down and rng.random() < 0.7:
+                # One link between two servers drops to 5-30% for 1-4 periods.
+                pair = pairs[int(rng.integers(len(pairs)))]
+                value = float(base[pair]) * float(rng.uniform(0.05, 0.3))
+                links.append((*pair, value))
+                current[pair] = value
+                down[pair] = t + float(rng.uniform(1, 4)) * period
+        if kind is TraceKind.STRAGGLER:
+            # One device computes at half speed for 1-3 periods, then recovers.
+            if slow is not None and t >= slow[1]:
+                speed = ((slow[0], 1.0),)
+                slow = None
+            elif slow is None and rng.random() < 0.6:
+                device = int(rng.integers(cluster.n_devices))
+                slow = (device, t + float(rng.uniform(1, 3)) * period)
+                speed = ((device, 0.5),)
         if kind in (TraceKind.STEPS, TraceKind.MIXED):
             for pair, until in list(down.items()):
                 if t >= until:
@@ -334,6 +399,14 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
                         links.append((*pair, float(base[pair]) * factor))
                         current[pair] = float(base[pair]) * factor
                         down[pair] = until
+        if kind in (TraceKind.LINK, TraceKind.STRAGGLER):
+            # Independent mild noise (80-100% of full strength), so the one change stands out.
+            for pair in pairs:
+                if pair in down:
+                    continue
+                value = float(base[pair]) * float(np.clip(np.exp(rng.normal(0.0, 0.05)), 0.8, 1.0))
+                current[pair] = value
+                links.append((*pair, value))
         if kind in (TraceKind.DRIFT, TraceKind.MIXED, TraceKind.LEAVE, TraceKind.PARTIAL):
             scale = 0.5 if kind is TraceKind.DRIFT else 0.15
             for pair in pairs:
@@ -362,7 +435,7 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
                 server = int(rng.integers(servers))
                 away = (server, t + float(rng.uniform(1, 3)) * period)
                 gpus = tuple(0 if s == server else k for s, k in enumerate(sizes))
-        if links or gpus is not None:
+        if links or gpus is not None or speed:
             latest = {(a, b): bw for a, b, bw in links}  # a link that recovers and drops again: the drop
-            events.append(Event(round(t, 3), tuple((a, b, bw) for (a, b), bw in latest.items()), gpus))
+            events.append(Event(round(t, 3), tuple((a, b, bw) for (a, b), bw in latest.items()), gpus, speed))
     return Trace(f"{kind.value}-{seed}", cluster, horizon, tuple(events))

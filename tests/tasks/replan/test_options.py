@@ -10,6 +10,8 @@ import pytest
 
 from hlomap.cost.cluster import load_cluster
 from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.costs import gpipe_latency
+from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
 from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Option, RunningPlan, Workload, best_move,
@@ -64,6 +66,35 @@ def test_resolve_is_the_brute_force_optimum_on_the_available_devices(gpus):
     assert step == pytest.approx(optimum.value, rel=1e-9)
     assert plan_step_seconds(workload, plan, state, model) == pytest.approx(step, rel=1e-12)
     assert {d for stage in plan.devices for d in stage} <= set(state.devices)
+
+
+@pytest.mark.parametrize("straggler", [0, 3, 5])  # each on a device of the full-speed plan
+def test_resolve_around_a_straggler_is_the_brute_force_optimum(straggler):
+    """A device at half speed: the stage holding it computes at its pace (its replicas wait), in
+    the closed form, the simulator and the DP alike; the re-solve is the brute-force optimum of the
+    slowed cluster and no slower there than the plan chosen at full speed."""
+    workload = small_workload()
+    cluster = load_cluster("hier:4x2")
+    trace = Trace("t", cluster, 10.0, (Event(1.0, speed=((straggler, 0.5),)),))
+    (_, full), (_, slowed) = trace.states()
+    model = PipelineModel(slowed.cluster)
+    plan, step = resolve(workload, slowed, model)
+    optimum = pipeline_brute_force(workload.profile, slowed.cluster, workload.space())
+    assert step == pytest.approx(optimum.value, rel=1e-9)
+    before, _ = resolve(workload, full, PipelineModel(full.cluster))
+    assert any(straggler in stage for stage in before.devices)
+    kept = plan_step_seconds(workload, before, slowed, model)
+    assert kept > plan_step_seconds(workload, before, full, PipelineModel(full.cluster))
+    assert step <= kept
+    # the event simulator slows the same stage: under GPipe it equals the closed form on both clusters
+    stages = plan.on(slowed).stages
+    gpipe = PipelinePlan(stages, workload.microbatches, Schedule.GPIPE)
+    lengths = []
+    for state in (full, slowed):
+        events = PipelineModel(state.cluster).simulate(workload.profile, gpipe)
+        assert events.length == pytest.approx(gpipe_latency(workload.profile, state.cluster, gpipe), rel=1e-12)
+        lengths.append(events.length)
+    assert lengths[1] > lengths[0]
 
 
 def test_a_resolve_leaves_devices_idle_rather_than_stop_training():

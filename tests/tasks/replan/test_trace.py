@@ -45,6 +45,44 @@ def test_events_accumulate_into_states():
     np.testing.assert_array_equal(after.cluster.latency, cluster.latency[np.ix_([0, 1, 4], [0, 1, 4])])
 
 
+def test_a_straggler_slows_its_device_until_it_recovers():
+    """A speed event gives the sub-cluster of the available devices a slowdown of 1 / speed on
+    that device (in local ids), and a later event at full speed takes it away."""
+    cluster = load_cluster("hier:3x2")
+    trace = Trace("t", cluster, 1000.0, (Event(10.0, speed=((3, 0.5),)), Event(20.0, gpus=(2, 1, 2)),
+                                         Event(30.0, speed=((3, 1.0),))))
+    states = [state for _, state in trace.states()]
+    assert states[0].cluster.slowdown is None and states[0].speed_share() == 1.0
+    assert states[1].cluster.slowdown == (1.0, 1.0, 1.0, 2.0, 1.0, 1.0)
+    assert states[1].speed_share() == pytest.approx(5.5 / 6)
+    assert states[2].devices == (0, 1, 2, 4, 5)   # device 3 (server 1's second GPU) left: nothing is slow
+    assert states[2].cluster.slowdown is None
+    assert states[3].cluster.slowdown is None and states[3].speed == ()
+
+
+@pytest.mark.parametrize("kind", [TraceKind.LINK, TraceKind.STRAGGLER])
+def test_link_and_straggler_traces_change_one_link_or_one_device_at_a_time(kind):
+    trace = generate(kind, "hier:4x2", seed=5, horizon=40_000)
+    cluster = trace.cluster
+    base = np.array([[cluster.bandwidth[np.ix_(cluster.node_array == a, cluster.node_array == b)].min()
+                      for b in range(4)] for a in range(4)])
+    changed = 0
+    for _, state in trace.states():
+        assert state.n_available == 8  # nobody leaves
+        off = ~np.eye(4, dtype=bool)
+        low = np.argwhere(off & (state.server_bandwidth < 0.31 * base))
+        if kind is TraceKind.LINK:
+            assert len(low) in (0, 2)  # one pair (both directions) at 5-30%, the others within noise
+            changed += len(low) > 0
+            assert state.cluster.slowdown is None
+        else:
+            assert not len(low)
+            slow = [d for d, f in enumerate(state.speed) if f < 1.0]
+            assert len(slow) <= 1 and all(state.speed[d] == 0.5 for d in slow)
+            changed += len(slow) == 1
+    assert changed >= 2
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d.update(version=2), "version 2"),
     (lambda d: d.pop("horizon_seconds"), "'horizon_seconds'"),
@@ -52,7 +90,10 @@ def test_events_accumulate_into_states():
     (lambda d: d["events"].append({"time": 50.0, "links": [[0, 7, 1e9]]}), r"link \[0, 7\]"),
     (lambda d: d["events"].append({"time": 50.0, "gpus": [2, 2]}), "gpus lists 2 servers"),
     (lambda d: d["events"].append({"time": 50.0, "gpus": [2, 3, 2]}), r"gpus\[1\] = 3"),
-    (lambda d: d["events"].append({"time": 50.0, "speed": 1}), "unknown field"),
+    (lambda d: d["events"].append({"time": 50.0, "nodes": 1}), "unknown field"),
+    (lambda d: d["events"].append({"time": 50.0, "speed": [[9, 0.5]]}), "device 9 is not one of the cluster's 6"),
+    (lambda d: d["events"].append({"time": 50.0, "speed": [[2, 0.0]]}), r"device 2 at 0.0; a speed is a fraction"),
+    (lambda d: d["events"].append({"time": 50.0, "speed": [[2]]}), r"speed\[0\]: expected \[device, "),
     (lambda d: d.update(cluster="torus:2xx2"), "shape '2xx2'"),
 ])
 def test_bad_traces_name_the_field(mutate, message, tmp_path):
