@@ -37,6 +37,7 @@ from rich.table import Table  # noqa: E402
 
 from hlomap.cost.cluster import Cluster, hierarchical  # noqa: E402
 from hlomap.hlo.capture import Capture, capture  # noqa: E402
+from hlomap.plan import Recompute  # noqa: E402
 from hlomap.tasks.joint.explore import JointResult, explore_joint, joint_model  # noqa: E402
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan  # noqa: E402
 from hlomap.zoo.gpt import GptConfig  # noqa: E402
@@ -119,11 +120,15 @@ def megatron_point(result: JointResult, row: Row):  # type: ignore[no-untyped-de
     return next((g for g in result.grid if (g.pp, g.tp, g.dp) == (row.pp, row.tp, row.dp)), None)
 
 
+#: How `describe` marks a stage's recomputation: r in full, s selectively (all but the matmuls).
+_RECOMPUTE_MARK = {Recompute.NONE: "", Recompute.SELECTIVE: "s", Recompute.FULL: "r"}
+
+
 def describe(result: JointResult) -> str:
     parts = []
     for stage in result.plan.stages:
         option = stage.option
-        parts.append(f"{option.devices}:d{option.data}xt{option.model}{'r' if option.recompute else ''}"
+        parts.append(f"{option.devices}:d{option.data}xt{option.model}{_RECOMPUTE_MARK[option.recompute]}"
                      f"{'z' if option.split_state else ''}")
     return f"{len(parts)} stages " + " ".join(parts)
 
@@ -169,8 +174,8 @@ def main() -> int:
                   else ("does not fit" if point is not None else "not in the grid"))
         label = f"pp={row.pp} tp={row.tp} dp={row.dp}"
         if point is not None and point.plan is not None:
-            label += f" M={point.plan.microbatches}" + (" recompute" if any(s.recompute for s in point.plan.stages)
-                                                         else "")
+            recomputed = any(s.recompute is not Recompute.NONE for s in point.plan.stages)
+            label += f" M={point.plan.microbatches}" + (" recompute" if recomputed else "")
         memory = max(result.cost.stage_memory) / 2**30
         cells = (row.name, str(row.gpus), describe(result), str(result.plan.microbatches), f"{seconds:.2f}",
                  f"{six_n:.0f}", f"{formula:.0f}", f"{memory:.1f}", label, theirs, f"{row.measured_seconds:.2f}",

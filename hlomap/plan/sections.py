@@ -33,13 +33,16 @@ __all__ = ["GroupAssignment", "MeasuredCandidate", "Measurement", "ParameterSpec
 class Recompute(str, enum.Enum):
     """What a pipeline stage keeps of a microbatch's forward pass for its backward pass.
 
-    NONE: every activation the backward reads (the default). FULL: only the stage's inputs; the
-    backward pass runs the stage's forward again first (`jax.checkpoint` around the stage with
-    nothing saveable): one more forward per microbatch, and of the stage's activations only one
-    microbatch's at a time.
+    NONE: every activation the backward reads (the default). SELECTIVE: the stage's inputs and
+    the outputs of its matrix multiplications (`jax.checkpoint` around the stage with
+    `jax.checkpoint_policies.dots_saveable`); the backward pass runs the rest of the forward again
+    (the elementwise work, cheap next to the matmuls). FULL: only the stage's inputs; the backward
+    pass runs the stage's forward again first (`jax.checkpoint` with nothing saveable): one more
+    forward per microbatch, and of the stage's activations only one microbatch's at a time.
     """
 
     NONE = "none"
+    SELECTIVE = "selective"
     FULL = "full"
 
 #: A PartitionSpec as data: per dim, None (replicated) or the mesh axes splitting it.

@@ -29,6 +29,8 @@ def _change(events: Sequence[Event]) -> str:
         if e.links:
             shown = ", ".join(f"{a}-{b} {b_ / 1e9:.2g} GB/s" for a, b, b_ in e.links[:3])
             parts.append(f"links {shown}" + (f" +{len(e.links) - 3}" if len(e.links) > 3 else ""))
+        if e.speed:
+            parts.append("speed " + ", ".join(f"device {d} x{f:g}" for d, f in e.speed))
     return "; ".join(parts) or "start"
 
 
@@ -109,6 +111,9 @@ def plot_throughput(trace: Trace, runs: Mapping[ReplanPolicy, PolicyRun], path: 
                 where="post", label="mean link bandwidth share")
     bottom.step([t / hours for t in times], [s.gpu_share() for s in states] + [states[-1].gpu_share()],
                 where="post", label="GPU share")
+    if any(s.speed for s in states):
+        bottom.step([t / hours for t in times], [s.speed_share() for s in states] + [states[-1].speed_share()],
+                    where="post", label="mean speed of the available GPUs")
     bottom.set_xlabel("hours")
     bottom.set_ylim(0, 1.3)
     bottom.legend(loc="lower left", fontsize="small")

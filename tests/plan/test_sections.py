@@ -124,7 +124,7 @@ def test_a_stage_s_recompute_round_trips_and_defaults_to_none() -> None:
     (lambda s: s["cuts"][0].pop("instruction"), r"cut 0: a cut is an object with an 'instruction'"),
     (lambda s: s["cuts"][0].update(downset=[["a"]]), r"cut 0: downset is a non-empty list of \[first, last\]"),
     (lambda s: s["cuts"][0].update(downset=[]), r"cut 0: downset is a non-empty list"),
-    (lambda s: s["stages"][1].update(recompute="some"), r"stage 1: recompute 'some': expected none or full"),
+    (lambda s: s["stages"][1].update(recompute="some"), r"stage 1: recompute 'some': expected none or selective or full"),
 ])
 def test_malformed_pipeline_sections_are_refused_naming_the_field(change: Any, message: str) -> None:
     data = _json("pipeline_v1.json")

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import hlomap
 from hlomap.cost.cluster import hierarchical
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.plan import ParameterSpec, PipelineKind, Plan, PlanError, PlanSource
+from hlomap.plan import ParameterSpec, PipelineKind, Plan, PlanError, PlanSource, Recompute
 from hlomap.run.compare import check_pipeline
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.section import pipeline_section
@@ -206,7 +206,7 @@ def test_cli_explores_runs_and_simulates_a_joint_plan(tmp_path: Path, capsys: py
 # ---------------------------------------------------------------------------------------------
 
 
-def _two_stages(cap: Any, recompute: bool, schedule: Schedule = Schedule.ONE_F_ONE_B) -> Plan:
+def _two_stages(cap: Any, recompute: Recompute, schedule: Schedule = Schedule.ONE_F_ONE_B) -> Plan:
     """Two stages of one server each (data 2 x model 2), 2 microbatches, recomputing or not (on
     these roomy devices the planner would not recompute: the stages are marked by hand)."""
     from hlomap.tasks.joint.plans import evaluate
@@ -217,27 +217,33 @@ def _two_stages(cap: Any, recompute: bool, schedule: Schedule = Schedule.ONE_F_O
     return joint_plan(JointResult(model, plan, evaluate(model, plan), (), 0.0, "exact", 1))
 
 
-@pytest.mark.parametrize("executor", ["mpmd", pytest.param("spmd", marks=pytest.mark.slow)])
-def test_recomputing_stages_run_with_unsharded_numerics(zoo_case, executor: str) -> None:
-    """The plan file says which stages recompute (`"recompute": "full"`); the mpmd executor
-    checkpoints those stages, so their forward keeps only the stage's inputs for the backward
-    (fewer residual bytes than the same stages keeping everything), the spmd executor
-    rematerializes every stage call; either way loss and gradients equal the unsharded step's,
-    and `simulate` prices the saved plan as the planner did."""
+@pytest.mark.parametrize("executor, recompute", [("mpmd", Recompute.FULL), ("mpmd", Recompute.SELECTIVE),
+                                                 pytest.param("spmd", Recompute.FULL, marks=pytest.mark.slow)])
+def test_recomputing_stages_run_with_unsharded_numerics(zoo_case, executor: str, recompute: Recompute) -> None:
+    """The plan file says which stages recompute (`"recompute": "full"` or `"selective"`); the mpmd
+    executor checkpoints those stages, so their forward keeps only the stage's inputs (full) or
+    its inputs and matmul outputs (selective) for the backward: fewer residual bytes than the same
+    stages keeping everything, and selective between the two, as the cost model prices their
+    memory. The spmd executor rematerializes every stage call; either way loss and gradients equal
+    the unsharded step's, and `simulate` prices the saved plan as the planner did."""
     case = zoo_case("gpt-tiny")
     schedule = Schedule.ONE_F_ONE_B if executor == "mpmd" else Schedule.GPIPE
-    plan = _two_stages(case.cap, True, schedule)
+    plan = _two_stages(case.cap, recompute, schedule)
     saved = plan.to_json()
-    assert [s.get("recompute") for s in saved["pipeline"]["stages"]] == ["full", "full"]
-    assert Plan.from_json(saved).pipeline.stages[0].recompute.value == "full"
+    assert [s.get("recompute") for s in saved["pipeline"]["stages"]] == [recompute.value] * 2
+    assert Plan.from_json(saved).pipeline.stages[0].recompute is recompute
     step, _ = _run_and_check(case, plan, executor)
     if executor == "mpmd":
-        kept = hlomap.parallelize(case.model.train_step(), _two_stages(case.cap, False), executor="mpmd",
-                                  example_args=case.args, compiler_options=FAST_COMPILE)
-        for s in (step, kept):
+        others = {r: _two_stages(case.cap, r) for r in Recompute if r is not recompute}
+        steps = {recompute: step, **{r: hlomap.parallelize(case.model.train_step(), p, executor="mpmd",
+                                                            example_args=case.args, compiler_options=FAST_COMPILE)
+                                     for r, p in others.items()}}
+        for s in steps.values():
             s(*s.place(case.args[0], case.args[1]), *case.args[2:])
-        recomputed, keeping = step._runner.stats.peak_residual_bytes, kept._runner.stats.peak_residual_bytes
-        assert recomputed[0] < keeping[0]
+        residual = {r: s._runner.stats.peak_residual_bytes[0] for r, s in steps.items()}
+        assert residual[Recompute.FULL] < residual[Recompute.SELECTIVE] < residual[Recompute.NONE], residual
+        priced = {r: p.pipeline.stages[0].memory_bytes for r, p in {**others, recompute: plan}.items()}
+        assert priced[Recompute.FULL] < priced[Recompute.SELECTIVE] < priced[Recompute.NONE], priced
     else:
         assert step._runner.remat
     simulated = hlomap.estimate(case.cap, plan, cluster=CLUSTER)

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.cost.pipeline.stages import Pass
+from hlomap.plan.sections import Recompute
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
 from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.pipeline.shared_compile import ExecutableCache, SharedProgram
@@ -56,6 +57,10 @@ from hlomap.verify.mesh import devices_at, mesh_of
 __all__ = ["MpmdPipeline", "StageLeaves", "StepStats"]
 
 log = logging.getLogger(__name__)
+
+#: The `jax.checkpoint` policy of each recomputation a plan's stage may ask for.
+_CHECKPOINT_POLICIES = {Recompute.SELECTIVE: jax.checkpoint_policies.dots_saveable,
+                        Recompute.FULL: jax.checkpoint_policies.nothing_saveable}
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,17 +192,17 @@ class MpmdPipeline:
     # -- per-stage programs -----------------------------------------------------------------------
     def _stage_function(self, s: int) -> Callable[..., Any]:
         """Stage s as a function of (params, received, state, data); a stage the plan marks to
-        recompute is checkpointed with nothing saved, so its backward keeps only the stage's
-        inputs and runs its forward again (`Recompute.FULL`)."""
+        recompute is checkpointed: with nothing saved (`Recompute.FULL`), its backward keeps only
+        the stage's inputs and runs its forward again; with its matmuls' outputs saved
+        (`Recompute.SELECTIVE`, `dots_saveable`), it runs the rest of the forward again."""
         stage = self.program.split.stages[s]
 
         def f(params: Any, received: Any, state: Any, data: Any) -> Any:
             sent, aux, loss = stage.run(params, state, data, received)
             return (tuple(sent) + ((loss,) if stage.computes_loss else ())), tuple(aux)
 
-        if self.program.section.recomputes(s):
-            return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
-        return f
+        policy = _CHECKPOINT_POLICIES.get(self.program.section.recomputes(s))
+        return f if policy is None else jax.checkpoint(f, policy=policy)
 
     def _make_forward(self, s: int) -> Any:
         fwd, _ = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)

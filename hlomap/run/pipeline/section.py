@@ -51,12 +51,12 @@ class PipelineSection:
     schedule: Schedule
     parameters: tuple[tuple[ParameterSpec, ...], ...]
     repeats: int = 1  # circular or interleaved: each stage's devices run this many of the model's stages
-    recompute: tuple[bool, ...] = ()  # per device stage: run its forward again in its backward (empty: none)
+    recompute: tuple[Recompute, ...] = ()  # per device stage: what its backward runs again (empty: nothing)
     splits_state: bool = False  # some stage splits its optimizer state over its data axis (ZeRO-1)
 
-    def recomputes(self, stage: int) -> bool:
-        """Whether logical stage `stage` (on device stage `stage` mod S) recomputes its forward."""
-        return bool(self.recompute) and self.recompute[stage % self.n_stages]
+    def recomputes(self, stage: int) -> Recompute:
+        """What logical stage `stage` (on device stage `stage` mod S) recomputes of its forward."""
+        return self.recompute[stage % self.n_stages] if self.recompute else Recompute.NONE
 
     @property
     def n_stages(self) -> int:
@@ -104,9 +104,10 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
         devices.append(ids)
         inner.append(mesh)
         parameters.append(stage_parameters(plan, stage.specs, mesh, f"{where}: stage {s}"))
-    recompute = tuple(stage.recompute is Recompute.FULL for stage in section.stages)
+    recompute = tuple(stage.recompute for stage in section.stages)
     return PipelineSection(tuple(devices), tuple(inner), cut_records(section, where), microbatches, schedule,
-                           tuple(parameters), repeats, recompute if any(recompute) else (),
+                           tuple(parameters), repeats,
+                           recompute if any(r is not Recompute.NONE for r in recompute) else (),
                            any(stage.state_axes for stage in section.stages))
 
 

@@ -35,14 +35,17 @@ from hlomap.cost.mapping import AxisMapping, axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.cost.zero import state_axes
 from hlomap.hlo.capture import Capture, Phase, Role
+from hlomap.plan.sections import Recompute
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
 from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_bytes, kept_bytes
-from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, UPDATE, DataScaling, PositionedCollective, StageWork,
-                                        fit_data_scaling)
+from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, MATMUL_OPCODES, UPDATE, DataScaling, PositionedCollective,
+                                        StageWork, fit_data_scaling)
 
 log = logging.getLogger(__name__)
+
+_RECOMPUTED = {Recompute.NONE: "", Recompute.SELECTIVE: ", recomputed but matmuls", Recompute.FULL: ", recomputed"}
 
 __all__ = ["JointModel", "PlanKind", "StageArrays", "StageOption", "stage_options"]
 
@@ -66,9 +69,10 @@ class PlanKind(enum.Enum):
 @dataclass(frozen=True, order=True)
 class StageOption:
     """A stage's device group and what runs on it: `devices = data * model` devices, the mesh
-    shape, the plan kind, whether the stage recomputes its forward pass in its backward
-    (`hlomap.plan.Recompute.FULL`: one more forward per microbatch, its inputs kept instead of
-    its activations), and whether it splits its optimizer state over its `data` replicas
+    shape, the plan kind, what the stage recomputes of its forward pass in its backward
+    (`hlomap.plan.Recompute`: FULL, one more forward per microbatch, its inputs kept instead of
+    its activations; SELECTIVE, the forward's work other than its matmuls again, its inputs and
+    matmul outputs kept), and whether it splits its optimizer state over its `data` replicas
     (`split_state`, ZeRO-1: Adam's moments at 1 / data, each replica updates its slice and the
     updated parameters are all-gathered once per step)."""
 
@@ -76,18 +80,18 @@ class StageOption:
     data: int
     model: int
     kind: PlanKind = PlanKind.EXPERT
-    recompute: bool = False
+    recompute: Recompute = Recompute.NONE
     split_state: bool = False
 
     def __str__(self) -> str:
-        extra = (", recomputed" if self.recompute else "") + (", optimizer state split" if self.split_state else "")
+        extra = (_RECOMPUTED[self.recompute] + (", optimizer state split" if self.split_state else ""))
         return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}{extra})"
 
     @property
     def plain(self) -> StageOption:
         """The same devices, mesh and plan without recomputation or a split optimizer state: what
         the cost model prices (`JointModel.arrays` derives the others from its arrays)."""
-        return dataclasses.replace(self, recompute=False, split_state=False)
+        return dataclasses.replace(self, recompute=Recompute.NONE, split_state=False)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -108,7 +112,7 @@ def group_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 
 def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXPERT,),
-                  max_model: int | None = None, recompute: Sequence[bool] = (False,),
+                  max_model: int | None = None, recompute: Sequence[Recompute] = (Recompute.NONE,),
                   split_state: Sequence[bool] = (False,)) -> tuple[StageOption, ...]:
     """Every (group size, data x model, kind, recompute, split state): tensor parallelism stays
     inside a server (its all-reduces are on the critical path of every layer) unless a node holds
@@ -141,8 +145,10 @@ class StageArrays(NamedTuple):
     adds (`hlomap.cost.estimate.per_buffer_seconds`, 0 on a datasheet cluster): the SPMD estimate's
     combined all-reduce, so a one-stage plan costs what the same SPMD plan does.
     inputs[k]: bytes entering layer k on one device (not a prefix sum: what a stage starting at
-    layer k keeps per microbatch when it recomputes); recompute: the option's stages do
-    (`plans.stage_seconds` and `plans.stage_memory` price it).
+    layer k keeps per microbatch when it recomputes); recompute: what the option's stages
+    recompute (`plans.stage_seconds` and `plans.stage_memory` price it); redo: the forward
+    seconds a SELECTIVE stage runs again (all but its matmuls); saved: the bytes it keeps per
+    microbatch besides its input (its forward's matmul outputs).
     split_state: the option's stages split their optimizer state over their `data` replicas
     (`StageOption.split_state`); gather_alpha/gather_beta: the combined all-gather of their
     updated parameters over the data groups, affine in the gathered bytes (`params`).
@@ -164,7 +170,9 @@ class StageArrays(NamedTuple):
     sync_per_buffer: float
     forward: np.ndarray  # the forward pass's part of `compute` (for schedules that split the passes)
     inputs: np.ndarray  # [n_layers + 1]: bytes entering layer k on one device (the cut before it; 0 for the first)
-    recompute: bool = False  # the option's stages run their forward again in the backward
+    redo: np.ndarray  # the forward's seconds other than its matmuls'
+    saved: np.ndarray  # bytes of the forward's matmul outputs
+    recompute: Recompute = Recompute.NONE  # what the option's stages run again in the backward
     split_state: bool = False  # the option's stages split their optimizer state over `data`
     data: int = 1  # the option's data replicas
     gather_alpha: float = 0.0
@@ -300,7 +308,7 @@ class JointModel:
         """Instructions and collectives summed per chain position (`StageWork`)."""
         n = self.attribution.length
         where = self._where()
-        compute, forward, update_total = np.zeros(n), np.zeros(n), 0.0
+        compute, forward, redo, update_total = np.zeros(n), np.zeros(n), np.zeros(n), 0.0
         for inst in instructions:
             p = self.position_of(inst, where)
             if p is None:
@@ -311,6 +319,8 @@ class JointModel:
                 compute[p] += inst.seconds
                 if inst.phase is Phase.FORWARD:
                     forward[p] += inst.seconds
+                    if inst.opcode not in MATMUL_OPCODES:
+                        redo[p] += inst.seconds
         grads, buffers = np.zeros(n), np.zeros(n)
         priced = []
         for c in collectives:
@@ -321,8 +331,9 @@ class JointModel:
                 buffers[p] += 1  # one buffer of the combined all-reduce, as the SPMD estimate counts
                 continue
             priced.append(PositionedCollective(p, c.kind, c.axes, c.nbytes, c.count))
-        params, stash, values = self._bytes(sg)
-        return StageWork(compute, forward, update_total, tuple(priced), grads, buffers, params, stash, values)
+        params, stash, values, saved = self._bytes(sg)
+        return StageWork(compute, forward, update_total, tuple(priced), grads, buffers, params, stash, values, redo,
+                         saved)
 
     def position_of(self, inst: InstructionEstimate, where: dict[tuple[str, str], int] | None = None) -> int | None:
         """The chain position an instruction's work is charged to (`_positions`); an instruction
@@ -411,18 +422,21 @@ class JointModel:
         inputs = np.concatenate([[0.0], cut, [0.0]])
         return StageArrays(layer(work.compute), layer(alpha), layer(beta), layer(update), layer(work.grads),
                            layer(work.params), layer(work.stash), cut, zero, slope, plan, axes, layer(work.buffers),
-                           per_buffer, layer(work.forward), inputs, data=option.data)
+                           per_buffer, layer(work.forward), inputs, layer(work.redo), layer(work.saved),
+                           data=option.data)
 
-    def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-        """Per chain position: parameter and stash bytes on one device; and every crossing
-        value's bytes on one device."""
+    def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float], np.ndarray]:
+        """Per chain position: parameter and stash bytes on one device; every crossing value's
+        bytes on one device; and the bytes of the forward's matmul outputs (`_forward_matmuls`)."""
         n = self.attribution.length
         entry = self.cap.module.entry
         if self._kept is None:  # plan-independent: once per model
             self._kept = kept_bytes(self.cap)
         kept = self._kept
         degree_of = {}
-        for name in {*self.attribution.parameters, *self.attribution.stashed, *(s[0] for s in self.attribution.spans)}:
+        matmuls = self._forward_matmuls()
+        for name in {*self.attribution.parameters, *self.attribution.stashed, *(s[0] for s in self.attribution.spans),
+                     *matmuls}:
             node = self.graph.node_of(entry.name, name)
             first = self.graph.node_tensors[node][0]
             degree_of[name] = float(sg.tensor_degree[first])
@@ -432,8 +446,24 @@ class JointModel:
             params[p] += nbytes[name] / degree_of[name]
         for name, p in self.attribution.stashed.items():  # constants are rebuilt, not kept (`kept_bytes`)
             stash[p] += kept[name] / degree_of[name]
+        saved = np.zeros(n)
+        for name, p in matmuls.items():
+            saved[p] += kept[name] / degree_of[name]
         values = {name: kept[name] / degree_of[name] for name, _, _ in self.attribution.spans}
-        return params, stash, values
+        return params, stash, values, saved
+
+    def _forward_matmuls(self) -> dict[str, int]:
+        """The forward pass's matmuls (`MATMUL_OPCODES`) -> their chain positions (memoized): the
+        values selective recomputation keeps. JAX's `dots_saveable` saves every dot_general and
+        convolution output the backward needs, directly or through the elementwise work it redoes
+        from them; in a forward chain every matmul's output leads to some stashed value."""
+        key = ("forward matmuls",)
+        if key not in self._cache:
+            found = self.attribution
+            self._cache[key] = {inst.name: found.anchor[inst.name] for inst in self.cap.module.entry.instructions
+                                if inst.opcode in MATMUL_OPCODES and inst.name in found.forward
+                                and found.anchor.get(inst.name, -1) >= 0}
+        return self._cache[key]
 
 
 def _positions(cap: Capture, found: ChainAttribution) -> dict[tuple[str, str], int]:

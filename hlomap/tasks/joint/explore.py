@@ -86,8 +86,9 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     """The least-L joint plan of `cap` on `cluster`. agent: "exact" (the two-level DP, the
     default: optimal for the model and fast), or a search driver over the outer level ("dqn",
     "random", "greedy"; `budget` bounds it) with the same inner level. recompute: stages may also
-    recompute their forward pass (`StageOption.recompute`), which only a stage short of memory
-    takes (`solve.problem_for` drops the option where the stage fits without it). split_state:
+    recompute their forward pass, selectively (all but the matmuls) or in full
+    (`StageOption.recompute`), which only a stage short of memory takes (`solve.problem_for` drops
+    the option where the stage fits with less recomputation). split_state:
     stages with data replicas may also split their optimizer state over them
     (`StageOption.split_state`, ZeRO-1), kept only where it fits what would not or is faster.
     With `with_grid`, Megatron-LM's grid is priced first and its best configuration (also with the
@@ -97,7 +98,7 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     # the DP needs the closed form: it plans under 1F1B, then every schedule is priced on its plan
     schedule = DEFAULT_SCHEDULE if choose else Schedule(schedule)
     model = model or joint_model(cap, cluster, graph=graph)
-    options = stage_options(cluster, kinds=kinds, recompute=(False, True) if recompute else (False,),
+    options = stage_options(cluster, kinds=kinds, recompute=tuple(Recompute) if recompute else (Recompute.NONE,),
                             split_state=(False, True) if split_state else (False,))
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
                        schedule, max_stages)
@@ -165,7 +166,7 @@ def joint_plan(result: JointResult) -> Any:
         stages.append({
             "layers": [stage.start, stage.stop], "devices": list(stage.devices),
             "replication": stage.option.data, "mesh": stage.option.mesh, "plan": stage.option.kind.value,
-            **({"recompute": Recompute.FULL.value} if stage.recompute else {}),
+            **({"recompute": stage.recompute.value} if stage.recompute is not Recompute.NONE else {}),
             **({"state_axes": list(state.axes)} if state is not None else {}),
             "specs": [spec_to_json(state.spec_of(p) if state is not None else p.spec) for p in inner.parameters],
             "seconds_per_microbatch": cost.stage_seconds[s], "memory_bytes": cost.stage_memory[s],
@@ -238,8 +239,7 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
         except ValueError:
             raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
                              f"expected {' or '.join(k.value for k in PlanKind)}") from None
-        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute is Recompute.FULL,
-                             bool(st.state_axes))
+        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute, bool(st.state_axes))
         stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
 

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, splits_batch
 from hlomap.hlo.source_info import layer_name
+from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
 from hlomap.tasks.joint.solve import aligned, microbatch_choices
@@ -51,7 +52,7 @@ class GridPoint:
 
     @property
     def label(self) -> str:
-        recomputed = self.plan is not None and any(stage.recompute for stage in self.plan.stages)
+        recomputed = self.plan is not None and any(stage.recompute is not Recompute.NONE for stage in self.plan.stages)
         return f"pp={self.pp} tp={self.tp} dp={self.dp}" + (" recompute" if recomputed else "")
 
 
@@ -89,7 +90,8 @@ def uniform_cuts(model: JointModel, pp: int, ends: Sequence[int] | None = None) 
 
 
 def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
-                microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True),
+                microbatches: Sequence[int] | None = None,
+                recompute: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL),
                 split_state: Sequence[bool] = (False,)) -> list[GridPoint]:
     """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring);
     with `split_state` (False, True), each configuration with data replicas once more with its

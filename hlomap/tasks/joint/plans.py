@@ -4,7 +4,8 @@ their closed-form cost: what the joint planner's searches minimize.
 For stages s = 0..S-1 of layers [i_s, j_s) on devices [d_s, d_s + n_s) with option o_s, and
 M microbatches (`costs.StageArrays` are per step, on one device of the stage):
   t_s = (compute + collective bandwidth + gradient all-reduce + update) / M + collective latency
-        (+ the stage's forward compute / M again when it recomputes; a stage that splits its
+        (+ the stage's forward compute / M again when it recomputes, its non-matmul forward
+        compute when it recomputes selectively; a stage that splits its
         optimizer state over its data replicas updates 1 / data of it and all-gathers its
         updated parameters once per step)
   u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
@@ -17,7 +18,10 @@ the stage's parameters (weights, gradients, Adam's moments) + the microbatches i
 (1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch (with the optimizer state
 split, the moments count 1 / data); a stage that recomputes
 (`StageOption.recompute`, `hlomap.plan.Recompute.FULL`) holds its input per microbatch in flight
-instead, plus one microbatch's stash while it recomputes it.
+instead, plus one microbatch's stash while it recomputes it; one that recomputes selectively
+(`Recompute.SELECTIVE`, JAX's `dots_saveable`) holds its input and its forward's matmul outputs
+per microbatch, runs the rest of its forward again, and holds the rest of one microbatch's stash
+while it does.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency, sync
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.cost.pipeline.timeline import event_timeline
 from hlomap.tasks.pipeline.schedules import PROGRAM_SHARE
+from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption
 
 __all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
@@ -46,7 +51,7 @@ class JointStage(Stage):
     on its mesh; built from the search's (layers, first device, option) by `of`."""
 
     kind: PlanKind = PlanKind.EXPERT
-    recompute: bool = False
+    recompute: Recompute = Recompute.NONE
     split_state: bool = False
 
     @classmethod
@@ -108,8 +113,7 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_eac
         params = a.params[j] - a.params[i]
         per_step = per_step - (a.update[j] - a.update[i]) * (1.0 - 1.0 / a.data) + np.where(
             params > 0, a.gather_alpha + a.gather_beta * params + a.sync_per_buffer * extra_buffers, 0.0)
-    if a.recompute:
-        per_step = per_step + (a.forward[j] - a.forward[i])  # the forward pass once more, in the backward
+    per_step = per_step + _recomputed_seconds(a, i, j)
     if sync_each_microbatch:
         return per_step / microbatches + sync + (a.alpha[j] - a.alpha[i])
     return (per_step + sync) / microbatches + (a.alpha[j] - a.alpha[i])
@@ -119,14 +123,28 @@ def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -
     """Bytes per device of layers [i, j) with `held` microbatches in flight: parameters, gradients
     and Adam's moments (split over the data replicas when the stage splits its optimizer state),
     and each held microbatch's stash (a recomputing stage: its input, plus one microbatch's stash
-    while the backward recomputes it)."""
+    while the backward recomputes it; selectively, its input and its matmuls' outputs, plus the
+    rest of one microbatch's stash while the backward recomputes it)."""
     moments = PARAM_MEMORY_FACTOR - 2.0  # Adam's two moments; the weights and gradients stay whole
     factor = PARAM_MEMORY_FACTOR - moments * (1.0 - 1.0 / a.data) if a.split_state else PARAM_MEMORY_FACTOR
     params = factor * (a.params[j] - a.params[i])
     stash = a.stash[j] - a.stash[i]
-    if a.recompute:
+    if a.recompute is Recompute.FULL:
         return params + (held * a.inputs[i] + stash) / microbatches
+    if a.recompute is Recompute.SELECTIVE:
+        saved = a.saved[j] - a.saved[i]
+        return params + (held * (a.inputs[i] + saved) + np.maximum(stash - saved, 0.0)) / microbatches
     return params + held * stash / microbatches
+
+
+def _recomputed_seconds(a: StageArrays, i: Any, j: Any) -> Any:
+    """Forward seconds of layers [i, j) that the option's backward runs again: all of the
+    forward (FULL), all but its matmuls (SELECTIVE), none."""
+    if a.recompute is Recompute.FULL:
+        return a.forward[j] - a.forward[i]
+    if a.recompute is Recompute.SELECTIVE:
+        return a.redo[j] - a.redo[i]
+    return 0.0
 
 
 def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> JointCost:
@@ -160,7 +178,7 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
 
 def _forward_share(a: StageArrays, i: int, j: int) -> float:
     forward = float(a.forward[j] - a.forward[i])
-    compute = float(a.compute[j] - a.compute[i]) + (forward if a.recompute else 0.0)  # the recomputation is backward's
+    compute = float(a.compute[j] - a.compute[i] + _recomputed_seconds(a, i, j))  # the recomputation is backward's
     if compute <= 0:
         return 1.0 / 3.0  # the rule of thumb: a backward is two forwards
     return forward / compute

@@ -37,6 +37,7 @@ from hlomap.cost.collectives import Collective
 from hlomap.cost.estimate import Reason, step_work
 from hlomap.cost.sharding import ShardedGraph
 from hlomap.hlo.capture import Phase
+from hlomap.plan.sections import Recompute
 
 if TYPE_CHECKING:
     from hlomap.tasks.joint.costs import JointModel, StageOption
@@ -48,6 +49,9 @@ __all__ = ["FAMILY_WIDTHS", "DataScaling", "PositionedCollective", "StageWork", 
 FAMILY_WIDTHS = (2, 4, 8)
 #: `JointModel`'s mark of an optimizer-update instruction (`costs._positions`).
 UPDATE = -2
+#: Opcodes whose outputs selective recomputation keeps (`jax.checkpoint_policies.dots_saveable`:
+#: dot_general and conv_general_dilated).
+MATMUL_OPCODES = frozenset({"dot", "convolution"})
 #: How close the third width must come to each fitted form (float rounding only).
 _CHECK_RTOL = 1e-9
 
@@ -67,7 +71,9 @@ class StageWork(NamedTuple):
     """One option's work per chain position, before its collectives are priced on its devices:
     compute and forward seconds, the optimizer update's seconds in all, the other collectives,
     gradient bytes the data axis all-reduces and their buffers, parameter and stash bytes on one
-    device, and each crossing value's bytes on one device."""
+    device, each crossing value's bytes on one device, the forward seconds other than the
+    matmuls' (`redo`: what selective recomputation runs again) and the bytes of the forward's
+    matmul outputs (`saved`: what it keeps)."""
 
     compute: np.ndarray
     forward: np.ndarray
@@ -78,6 +84,8 @@ class StageWork(NamedTuple):
     params: np.ndarray
     stash: np.ndarray
     values: dict[str, float]
+    redo: np.ndarray
+    saved: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,6 +109,8 @@ class DataScaling:
     stash: np.ndarray  # [2, n]: coefficients of 1 / d and 1
     value_names: tuple[str, ...]
     values: np.ndarray  # [2, V]
+    matmul: np.ndarray  # per instruction: a matmul (what selective recomputation keeps)
+    saved: np.ndarray  # [2, n]: coefficients of 1 / d and 1
 
     def at(self, data: int) -> StageWork:
         """The work at data width `data` (>= 2)."""
@@ -113,11 +123,14 @@ class DataScaling:
         total = np.bincount(self.position[charged], weights=seconds[charged], minlength=n)
         ahead = charged & self.forward
         forward = np.bincount(self.position[ahead], weights=seconds[ahead], minlength=n)
+        again = ahead & ~self.matmul
+        redo = np.bincount(self.position[again], weights=seconds[again], minlength=n)
         update_total = float(seconds[self.position == UPDATE].sum())
         collectives = tuple(c._replace(nbytes=c.nbytes * (base / d) ** e) for c, e in self.collectives)
         values = dict(zip(self.value_names, self.values[0] / d + self.values[1]))
         return StageWork(total, forward, update_total, collectives, self.grads.copy(), self.buffers.copy(),
-                         self.params.copy(), self.stash[0] / d + self.stash[1], values)
+                         self.params.copy(), self.stash[0] / d + self.stash[1], values, redo,
+                         self.saved[0] / d + self.saved[1])
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
@@ -132,8 +145,8 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
     from hlomap.cost.sharding import GraphFacts
 
     widths = FAMILY_WIDTHS
-    options = [dataclasses.replace(option, devices=d * option.model, data=d, recompute=False, split_state=False)
-               for d in widths]
+    options = [dataclasses.replace(option, devices=d * option.model, data=d, recompute=Recompute.NONE,
+                                   split_state=False) for d in widths]
     plans = [model.plan_for(o) for o in options]
     if any(not np.array_equal(plans[0][0], p) for p, _ in plans[1:]):
         return None
@@ -149,6 +162,7 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
     located = [model.position_of(i, where) for i in first]
     position = np.asarray([-1 if p is None else p for p in located], dtype=np.int64)
     forward = np.asarray([i.phase is Phase.FORWARD for i in first])
+    matmul = np.asarray([i.opcode in MATMUL_OPCODES for i in first], dtype=bool)
     compute = np.asarray([[i.compute_seconds for i in w.instructions] for w in works])  # [3, I]
     memory = np.asarray([[i.memory_seconds for i in w.instructions] for w in works])
     seconds = np.asarray([[i.seconds for i in w.instructions] for w in works])
@@ -172,12 +186,14 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
                and np.array_equal(x.buffers, first_sum.buffers) for x in summed[1:]):
         return None
     stash = _one_over_d(widths, [x.stash for x in summed])
+    saved = _one_over_d(widths, [x.saved for x in summed])
     value_names = tuple(first_sum.values)
     values = _one_over_d(widths, [np.asarray([x.values[k] for k in value_names]) for x in summed])
-    if stash is None or values is None:
+    if stash is None or values is None or saved is None:
         return None
     return DataScaling(plans[0][0], position, forward, compute[0], split, coefficients, launch[0], collectives,
-                       first_sum.grads, first_sum.buffers, first_sum.params, stash, value_names, values)
+                       first_sum.grads, first_sum.buffers, first_sum.params, stash, value_names, values, matmul,
+                       saved)
 
 
 def _one_over_d(widths: tuple[int, ...], samples: list[np.ndarray]) -> np.ndarray | None:

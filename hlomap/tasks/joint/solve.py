@@ -26,6 +26,7 @@ import numpy as np
 
 from hlomap.cost.pipeline.costs import syncs_each_microbatch
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight, splits_batch
+from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import JointModel, StageArrays, StageOption
 from hlomap.tasks.joint.plans import (
     JointCost,
@@ -311,8 +312,9 @@ def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> Join
     """The problem of one microbatch count (None when no option splits the batch that way).
 
     An option that recomputes or splits its optimizer state is dropped where a twin without
-    (some of) these (the same devices, mesh and plan) fits every stage it could run, the whole
-    model with every microbatch in flight, and is never slower: recomputing always costs time;
+    (some of) these or recomputing less (the same devices, mesh and plan) fits every stage it
+    could run, the whole model with every microbatch in flight, and is never slower: recomputing
+    always costs time, selectively less than in full (its work is part of the forward's);
     splitting the state costs an all-gather and saves part of the update, so it is never faster
     when, layer by layer, the gather's bandwidth time is at least the update time it saves. Then
     in any plan the twin can replace it on the same devices with the same cuts, transfers and no
@@ -323,17 +325,22 @@ def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> Join
     return JointProblem(model, space, microbatches, options, _per_node(model)) if options else None
 
 
+#: Recomputation from the least time it costs to the most (selective runs part of what full does).
+_RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+
 def _dominated(model: JointModel, option: StageOption, microbatches: int, space: JointSpace) -> bool:
     """A twin of `option` with fewer extras always fits and is never slower (`problem_for`)."""
     twins = {dataclasses.replace(option, recompute=r, split_state=z)
-             for r in {False, option.recompute} for z in {False, option.split_state}} - {option}
+             for r in _RECOMPUTE_ORDER[:_RECOMPUTE_ORDER.index(option.recompute) + 1]
+             for z in {False, option.split_state}} - {option}
     return any(_twin_always_fits(model, twin, microbatches, space) and _never_slower(model, twin, option)
                for twin in twins)
 
 
 def _never_slower(model: JointModel, twin: StageOption, option: StageOption) -> bool:
     if not option.split_state or twin.split_state:
-        return True  # dropping recomputation only saves time
+        return True  # recomputing less only saves time
     a = model.arrays(option)
     params, update = np.diff(a.params), np.diff(a.update)
     return bool(np.all(a.gather_beta * params >= update * (1.0 - 1.0 / a.data)))

@@ -10,6 +10,7 @@ import pytest
 
 from hlomap.cost.cluster import hierarchical, mesh_topology
 from hlomap.cost.pipeline.stages import Schedule
+from hlomap.plan import Recompute
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import expert_grid
 from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
@@ -279,7 +280,7 @@ def test_a_recomputing_stage_pays_one_more_forward_and_keeps_only_its_inputs(gpt
 
     model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
     keep = model.arrays(StageOption(2, 2, 1))
-    again = model.arrays(StageOption(2, 2, 1, recompute=True))
+    again = model.arrays(StageOption(2, 2, 1, recompute=Recompute.FULL))
     i, j, m, held = 1, 4, 4, 3
     forward = keep.forward[j] - keep.forward[i]
     assert forward > 0
@@ -293,6 +294,37 @@ def test_a_recomputing_stage_pays_one_more_forward_and_keeps_only_its_inputs(gpt
     assert stage_memory(again, i, j, held, m) < stage_memory(keep, i, j, held, m)
 
 
+def test_a_selectively_recomputing_stage_redoes_all_but_its_matmuls_and_keeps_their_outputs(gpt_tiny) -> None:
+    """`Recompute.SELECTIVE` priced (JAX's `dots_saveable`): the forward's non-matmul compute once
+    more per step, and per microbatch in flight its input and its forward's matmul outputs, plus
+    the rest of one microbatch's stash while it recomputes. Its time sits between keeping everything and full
+    recomputation; the saved bytes are those of the forward's dots on the stage's layers."""
+    from hlomap.tasks.joint.plans import stage_memory, stage_seconds
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
+    keep = model.arrays(StageOption(2, 2, 1))
+    full = model.arrays(StageOption(2, 2, 1, recompute=Recompute.FULL))
+    selective = model.arrays(StageOption(2, 2, 1, recompute=Recompute.SELECTIVE))
+    i, j, m, held = 1, 4, 4, 3
+    redo, forward = selective.redo[j] - selective.redo[i], keep.forward[j] - keep.forward[i]
+    assert 0 < redo < forward
+    assert stage_seconds(selective, i, j, m) == pytest.approx(stage_seconds(keep, i, j, m) + redo / m, rel=1e-12)
+    saved, stash = selective.saved[j] - selective.saved[i], keep.stash[j] - keep.stash[i]
+    params = 4.0 * (keep.params[j] - keep.params[i])
+    assert stage_memory(selective, i, j, held, m) == pytest.approx(
+        params + (held * (keep.inputs[i] + saved) + max(stash - saved, 0.0)) / m, rel=1e-12)
+    times = [float(stage_seconds(a, i, j, m)) for a in (keep, selective, full)]
+    assert times[0] < times[1] < times[2]
+    assert stage_memory(full, i, j, held, m) < stage_memory(selective, i, j, held, m)
+    # the saved bytes: every forward dot of layers [i, j), at its size on one device (data = 2
+    # splits each along the batch)
+    entry = {inst.name: inst for inst in gpt_tiny.module.entry.instructions}
+    bounds = model.boundaries
+    dots = [name for name, p in model.attribution.anchor.items() if entry[name].opcode == "dot"
+            and name in model.attribution.forward and bounds[i] <= p < bounds[j]]
+    assert dots and saved == pytest.approx(sum(entry[d].shape.byte_size for d in dots) / 2, rel=1e-9)
+
+
 def test_the_dp_recomputes_exactly_when_memory_requires_it(gpt_tiny) -> None:
     """Devices too small for any plan that keeps its activations: with recomputing options the DP
     finds the plan enumeration finds (over every option, none pruned), and it recomputes; on
@@ -304,8 +336,8 @@ def test_the_dp_recomputes_exactly_when_memory_requires_it(gpt_tiny) -> None:
 
     roomy = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=4)
     keeping = JointSpace(stage_options(roomy.cluster), (2, 4))
-    both = JointSpace(stage_options(roomy.cluster, recompute=(False, True)), (2, 4))
-    assert len(both.options) == 2 * len(keeping.options)
+    both = JointSpace(stage_options(roomy.cluster, recompute=tuple(Recompute)), (2, 4))
+    assert len(both.options) == 3 * len(keeping.options)
     assert len(problem_for(roomy, both, 4).options) == len(problem_for(roomy, keeping, 4).options)
     assert solve(roomy, both)[1].latency == pytest.approx(solve(roomy, keeping)[1].latency, rel=1e-12)
 
@@ -319,9 +351,9 @@ def test_the_dp_recomputes_exactly_when_memory_requires_it(gpt_tiny) -> None:
     model = _model(gpt_tiny, hierarchical(2, 4, small), layers=4)
     with pytest.raises(NoFeasiblePlan):
         solve(model, JointSpace(stage_options(model.cluster), (2, 4)))
-    space = JointSpace(stage_options(model.cluster, recompute=(False, True)), (2, 4))
+    space = JointSpace(stage_options(model.cluster, recompute=tuple(Recompute)), (2, 4))
     plan, cost = solve(model, space)
-    assert cost.fits and any(stage.recompute for stage in plan.stages)
+    assert cost.fits and any(stage.recompute is not Recompute.NONE for stage in plan.stages)
     assert joint_brute_force(model, space)[1].latency == pytest.approx(cost.latency, rel=1e-9)
 
 
@@ -436,12 +468,12 @@ def test_the_dp_with_split_state_finds_the_enumerated_optimum(gpt_tiny, capacity
         least = min(max(evaluate(model, plan).stage_memory) for plan in joint_plans(model, whole))
         device = dataclasses.replace(device_preset("V100-16GB"), memory_bytes=least * capacity)
         model = _model(gpt_tiny, hierarchical(2, 4, device), layers=4)
-    space = JointSpace(stage_options(model.cluster, recompute=(False, True), split_state=(False, True)), (2, 4))
+    space = JointSpace(stage_options(model.cluster, recompute=tuple(Recompute), split_state=(False, True)), (2, 4))
     plan, cost = solve(model, space)
     best_plan, best = joint_brute_force(model, space)
     assert cost.latency == pytest.approx(best.latency, rel=1e-9)
     if capacity is not None:
-        assert any(stage.split_state or stage.recompute for stage in plan.stages)
+        assert any(stage.split_state or stage.recompute is not Recompute.NONE for stage in plan.stages)
 
 
 def test_dominated_options_are_dropped_and_the_optimum_kept(gpt_tiny) -> None:
