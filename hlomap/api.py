@@ -1032,12 +1032,19 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
                           microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                           output: str | Path | None = None, **options: Any) -> JointExploration:
     """`explore_auto`, returning the search's result beside the plan."""
+    from hlomap.tasks.joint.costs import step_batch
     from hlomap.tasks.joint.explore import explore_joint, joint_plan
 
     if str(getattr(schedule, "value", schedule)) not in JOINT_SCHEDULES:
         raise InputError(f"schedule {getattr(schedule, 'value', schedule)!r}: the auto task plans under "
                          f"{', '.join(JOINT_SCHEDULES)} (auto chooses among 1f1b, zb-h1 and gpipe)")
 
+    if microbatches is not None:
+        batch = step_batch(cap)
+        bad = [m for m in microbatches if m < 1 or batch % m]
+        if bad:
+            raise InputError(f"microbatches {bad}: the step's batch of {batch} does not split into "
+                             f"{' or '.join(str(m) for m in bad)} equal microbatches")
     result = explore_joint(cap, load_cluster(cluster), schedule=schedule, microbatches=microbatches,
                            max_stages=max_stages, **options)
     plan = joint_plan(result)

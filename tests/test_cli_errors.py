@@ -484,3 +484,18 @@ def test_a_command_run_in_process_gives_the_callers_ctrl_c_back() -> None:
     before = signal.getsignal(signal.SIGINT)
     assert run(["zoo", "list"]) == 0
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_auto_task_takes_microbatches_and_stages_and_refuses_a_count_that_cannot_split_the_batch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--task auto --microbatches M --stages S` plans with M microbatches and at most S stages
+    (they were ignored); an M that does not divide the batch is named before any search."""
+    plan = tmp_path / "auto.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "auto", "--cluster", "hier:2x4", "--microbatches", "2",
+                "--stages", "1", "-q", "-o", str(plan)]) == 0
+    saved = json.loads(plan.read_text())
+    assert saved["pipeline"]["microbatches"] == 2 and len(saved["pipeline"]["stages"]) == 1
+    capsys.readouterr()
+    assert run(["explore", "zoo:gpt-tiny", "--task", "auto", "--cluster", "hier:2x4", "--microbatches", "3",
+                "-q", "-o", str(tmp_path / "bad.json")]) == 2
+    _one_line_error(capsys, "microbatches [3]", "batch of 8 does not split into 3")

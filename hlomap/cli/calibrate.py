@@ -49,6 +49,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
     common.show(*format_calibration(cluster, calibration))
+    busy = calibration.busy_warning()
+    if busy:
+        common.warn(busy)
     if args.devices is None and calibration.backend == "cpu" and not args.quiet:
         common.note(f"a CPU-only machine: measured {calibration.n_devices} simulated host devices "
                     "(--devices N for another count)")

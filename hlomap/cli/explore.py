@@ -79,10 +79,12 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pipeline task")
-    g.add_argument("--stages", type=common.positive_int, default=2, metavar="S", help="pipeline stages (default 2)")
-    g.add_argument("--microbatches", type=common.positive_int, default=8, metavar="M",
-                   help="microbatches per step (default 8)")
+    g = p.add_argument_group("pipeline and auto tasks")
+    g.add_argument("--stages", type=common.positive_int, metavar="S",
+                   help="pipeline stages (pipeline task: default 2; auto: at most S, default any number)")
+    g.add_argument("--microbatches", type=common.positive_int, metavar="M",
+                   help="microbatches per step (pipeline task: default 8; auto: default every count that splits the "
+                        "batch, searched)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1", "auto"), default="1f1b",
                    help="pipeline schedule (default 1f1b); auto: plan under 1F1B, then keep the fastest of 1f1b, zb-h1, "
                         "gpipe (and, for --task pipeline, interleaved-1f1b with 2 chunks per stage)")
@@ -233,8 +235,9 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     timeline = Path(args.timeline) if args.timeline else common.beside(output, "timeline.png")
     common.check_outputs(output, timeline)
     cluster = common.cluster_argument(args.cluster, args.profile)
-    if args.stages > cluster.n_devices:
-        raise common.CliError(f"--stages {args.stages}: cluster {cluster.name} has {cluster.n_devices} devices, so "
+    stages = args.stages or 2
+    if stages > cluster.n_devices:
+        raise common.CliError(f"--stages {stages}: cluster {cluster.name} has {cluster.n_devices} devices, so "
                               f"at most {cluster.n_devices} stages")
     runnable = _measure_runnable(args)
     interrupts = interrupts_of(args)
@@ -243,7 +246,7 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     interrupts.check()
     with progress_bar(not args.quiet, description=f"pipeline / {args.agent}") as on_progress:
         found = api.explore_pipeline_detailed(
-            source, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, cluster=cluster,
+            source, stages=stages, microbatches=args.microbatches or 8, schedule=args.schedule, cluster=cluster,
             agent=args.agent, seed=args.seed, budget_seconds=args.budget_seconds, episodes=args.episodes,
             finetune_episodes=args.finetune_episodes, compare_dp=args.compare_dp, name=args.source, output=output,
             on_progress=interrupts.wrap(on_progress), downset_states=args.downset_states)
@@ -279,7 +282,9 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
     interrupts.check()
     if not args.quiet:
         common.say(f"planning {cap.source} on {cluster.name} ({cluster.n_devices} devices): stages x data x model ...")
-    found = api.explore_auto_detailed(cap, cluster=cluster, schedule=args.schedule, output=output)
+    found = api.explore_auto_detailed(cap, cluster=cluster, schedule=args.schedule, output=output,
+                                      microbatches=[args.microbatches] if args.microbatches else None,
+                                      max_stages=args.stages)
     if not args.json:
         common.console().print(format_joint_result(found.result, name=args.source))
     plan = _measure(args, found, cap, cluster, runnable, output) if runnable is not None else found.plan

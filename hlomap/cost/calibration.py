@@ -627,6 +627,10 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 CLUSTER_VERSION = 4
 
 
+#: Load average per core above which a calibration's start counts as busy (`busy_warning`).
+BUSY_LOAD_PER_CORE = 0.5
+
+
 @dataclass(frozen=True)
 class ClusterCalibration:
     """Everything one calibration of the present devices measured, and where and when.
@@ -647,6 +651,8 @@ class ClusterCalibration:
     measured_at: str = ""
     wall_seconds: float = 0.0
     executors: tuple[ExecutorSample, ...] = ()
+    load_average: tuple[float, ...] = ()  # the 1-minute load average when it started and when it ended
+    cores: int = 0  # the host's CPU cores (what a load average is measured against)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernels", tuple(self.kernels))
@@ -658,6 +664,16 @@ class ClusterCalibration:
     @property
     def matmul_curves(self) -> tuple[MatmulCurve, ...]:
         return fit_matmul_curves(self.kernels)
+
+    def busy_warning(self) -> str | None:
+        """A warning when the host was busy as this calibration started (1-minute load average
+        above half its cores): other work only adds time, so every sample, and every plan priced
+        on them, reads slower than the devices are. None when it was idle or nothing was recorded."""
+        if not self.load_average or self.cores < 1 or self.load_average[0] <= BUSY_LOAD_PER_CORE * self.cores:
+            return None
+        return (f"the machine was busy when the calibration started (1-minute load average "
+                f"{self.load_average[0]:.2f} on {self.cores} cores): other work slows the samples, so the cluster "
+                "prices every plan slower than the devices are; calibrate again on an idle machine")
 
     @property
     def memory_fit(self) -> AlphaBeta:
@@ -702,7 +718,8 @@ class ClusterCalibration:
             "format": CLUSTER_FORMAT, "version": CLUSTER_VERSION, "backend": self.backend, "device_kind": self.device_kind,
             "n_devices": self.n_devices, "memory_bytes": self.memory_bytes, "jax_version": self.jax_version,
             "hlomap_version": self.hlomap_version, "measured_at": self.measured_at,
-            "wall_seconds": self.wall_seconds, "figures": figures,
+            "wall_seconds": self.wall_seconds, "load_average": list(self.load_average), "cores": self.cores,
+            "figures": figures,
             "fits": {"matmul": [c.to_json() for c in self.matmul_curves],
                      "memory": {"latency": self.memory_fit.alpha, "bandwidth": figures["memory bandwidth B/s"]},
                      "comm": [f.to_json() for f in self.comm_fits],
@@ -733,7 +750,9 @@ class ClusterCalibration:
                        float(data["memory_bytes"]), kernels, comm, jax_version=str(data.get("jax_version", "")),
                        hlomap_version=str(data.get("hlomap_version", "")),
                        measured_at=str(data.get("measured_at", "")),
-                       wall_seconds=float(data.get("wall_seconds", 0.0)), executors=executors)
+                       wall_seconds=float(data.get("wall_seconds", 0.0)), executors=executors,
+                       load_average=tuple(float(x) for x in data.get("load_average", ())),
+                       cores=int(data.get("cores", 0)))
         except (KeyError, TypeError, ValueError) as err:
             raise CalibrationError(f"{where}: {type(err).__name__}: {err}") from None
 

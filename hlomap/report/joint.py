@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hlomap.plan.sections import Recompute
 from hlomap.report.units import human_bytes, human_seconds
+from hlomap.tasks.joint.costs import RECOMPUTED_WORDS
 from hlomap.tasks.joint.explore import JointResult
 
 __all__ = ["format_joint_result"]
@@ -30,8 +30,7 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
         stages.add_row(str(s), f"{names[stage.start]} .. {names[stage.stop - 1]}",
                        f"{stage.first_device}-{stage.first_device + option.devices - 1}",
                        f"data={option.data} x model={option.model}",
-                       option.kind.value + {Recompute.NONE: "", Recompute.SELECTIVE: ", recomputed but matmuls",
-                                           Recompute.FULL: ", recomputed"}[option.recompute],
+                       option.kind.value + RECOMPUTED_WORDS[option.recompute],
                        human_seconds(cost.stage_seconds[s]),
                        Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
                        human_bytes(cost.device_memory[s]))

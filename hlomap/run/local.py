@@ -124,7 +124,11 @@ def local_cluster(*, refresh: bool = False, cache_dir: Path | None = None, measu
         if cached is not None:
             return cached
     on_notice(f"measuring the {key.describe()} for cluster 'local' (once; cached in {path.parent})")
-    data = calibrated_cluster_json(measure(key.n_devices), name=LOCAL)
+    calibration = measure(key.n_devices)
+    busy = calibration.busy_warning()
+    if busy:  # cached for later runs too: say how to take it again
+        on_notice(f"{busy} (`hlomap calibrate --local`)")
+    data = calibrated_cluster_json(calibration, name=LOCAL)
     cluster = Cluster.from_json(data, source="local calibration")
     problem = folder_problem(path.parent)
     if problem is None:

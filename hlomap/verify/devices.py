@@ -38,6 +38,7 @@ from hlomap.cost.calibration import (
     Measurement,
 )
 from hlomap.cost.collectives import Collective
+from hlomap.verify.timing import load_average
 
 log = logging.getLogger(__name__)
 
@@ -400,6 +401,7 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
     kernels: list[Measurement] = []
     comm: list[CommSample] = []
     executors: list[ExecutorSample] = []
+    load_before = load_average()[0]
     start = time.perf_counter()
     for i, (label, measure) in enumerate(tasks):
         sample = measure()
@@ -418,4 +420,5 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
         memory_bytes=_memory_bytes(chosen[0], count), kernels=tuple(kernels), comm=tuple(comm),
         jax_version=jax.__version__, hlomap_version=hlomap_version(),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        wall_seconds=time.perf_counter() - start, executors=tuple(executors))
+        wall_seconds=time.perf_counter() - start, executors=tuple(executors),
+        load_average=(load_before, load_average()[0]), cores=os.cpu_count() or 0)

@@ -29,6 +29,26 @@ class Counting:
         return _calibration(count)
 
 
+def test_a_calibration_taken_on_a_busy_machine_says_so_and_keeps_its_load_average(tmp_path: Path) -> None:
+    """The 1-minute load average at the start and end of a calibration, and the host's cores, are
+    kept in the file; a start above half the cores (other work only adds time) earns a warning,
+    which the `local` cluster's first use passes on with how to measure again."""
+    import dataclasses
+
+    from hlomap.cost.calibration import ClusterCalibration
+
+    idle = dataclasses.replace(_calibration(4), load_average=(0.4, 2.1), cores=2)
+    busy = dataclasses.replace(idle, load_average=(1.8, 2.6))
+    assert idle.busy_warning() is None and _calibration(4).busy_warning() is None
+    warning = busy.busy_warning()
+    assert warning is not None and "1.80 on 2 cores" in warning and "calibrate again" in warning
+    again = ClusterCalibration.from_json(busy.to_json(), source="test")
+    assert again.load_average == (1.8, 2.6) and again.cores == 2
+    notices: list[str] = []
+    local_cluster(cache_dir=tmp_path, measure=lambda n: busy, key=KEY, on_notice=notices.append)
+    assert len(notices) == 2 and "busy" in notices[1] and "hlomap calibrate --local" in notices[1]
+
+
 def test_first_use_measures_once_with_a_notice_then_reads_the_cache(tmp_path: Path) -> None:
     measure, notices = Counting(), []
     first = local_cluster(cache_dir=tmp_path, measure=measure, key=KEY, on_notice=notices.append)

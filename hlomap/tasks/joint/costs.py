@@ -45,9 +45,11 @@ from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, MATMUL_OPCODES, UPDATE, D
 
 log = logging.getLogger(__name__)
 
-_RECOMPUTED = {Recompute.NONE: "", Recompute.SELECTIVE: ", recomputed but matmuls", Recompute.FULL: ", recomputed"}
+#: How a stage option's recomputation reads in its description (`StageOption.__str__`, reports).
+RECOMPUTED_WORDS = {Recompute.NONE: "", Recompute.SELECTIVE: ", recomputed except its matmuls",
+                    Recompute.FULL: ", recomputed"}
 
-__all__ = ["JointModel", "PlanKind", "StageArrays", "StageOption", "stage_options"]
+__all__ = ["JointModel", "PlanKind", "StageArrays", "StageOption", "stage_options", "step_batch"]
 
 #: Bytes kept per parameter byte: weights, gradients and Adam's two moments (as the pipeline
 #: cost model's `CostOptions.param_memory_factor`).
@@ -84,7 +86,7 @@ class StageOption:
     split_state: bool = False
 
     def __str__(self) -> str:
-        extra = (_RECOMPUTED[self.recompute] + (", optimizer state split" if self.split_state else ""))
+        extra = RECOMPUTED_WORDS[self.recompute] + (", optimizer state split" if self.split_state else "")
         return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}{extra})"
 
     @property
@@ -96,6 +98,11 @@ class StageOption:
     @property
     def mesh(self) -> dict[str, int]:
         return {"data": self.data, "model": self.model}
+
+
+def step_batch(cap: Capture) -> int:
+    """A step's batch: the leading dim of its data inputs (the least, what microbatches split)."""
+    return min((p.shape.dims[0] for p in cap.parameters if p.role is Role.DATA and p.shape.rank > 0), default=1)
 
 
 def group_sizes(cluster: Cluster) -> tuple[int, ...]:
@@ -219,8 +226,7 @@ class JointModel:
         """The step's batch: the leading dim of its data inputs (what microbatches split)."""
         key = ("batch",)
         if key not in self._cache:  # asked once per option and microbatch count
-            data = [p for p in self.cap.parameters if p.role is Role.DATA and p.shape.rank > 0]
-            self._cache[key] = min((p.shape.dims[0] for p in data), default=1)
+            self._cache[key] = step_batch(self.cap)
         return self._cache[key]
 
     # -- one option's arrays --------------------------------------------------------------------

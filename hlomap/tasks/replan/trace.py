@@ -276,6 +276,9 @@ def _event(data: Any, where: str) -> Event:
     unknown = sorted(set(data) - {"time", "links", "gpus", "speed"})
     if unknown:
         raise TraceError(f"{where}: unknown field(s) {unknown}")
+    for key in ("links", "speed"):
+        if not isinstance(data.get(key, []), list):
+            raise TraceError(f"{where}: {key}: expected a list, got {data[key]!r}")
     links = []
     for k, link in enumerate(data.get("links", [])):
         if not isinstance(link, list) or len(link) != 3:

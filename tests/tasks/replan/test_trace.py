@@ -94,6 +94,8 @@ def test_link_and_straggler_traces_change_one_link_or_one_device_at_a_time(kind)
     (lambda d: d["events"].append({"time": 50.0, "speed": [[9, 0.5]]}), "device 9 is not one of the cluster's 6"),
     (lambda d: d["events"].append({"time": 50.0, "speed": [[2, 0.0]]}), r"device 2 at 0.0; a speed is a fraction"),
     (lambda d: d["events"].append({"time": 50.0, "speed": [[2]]}), r"speed\[0\]: expected \[device, "),
+    (lambda d: d["events"].append({"time": 50.0, "speed": 1}), "speed: expected a list, got 1"),
+    (lambda d: d["events"].append({"time": 50.0, "links": "fast"}), "links: expected a list, got 'fast'"),
     (lambda d: d.update(cluster="torus:2xx2"), "shape '2xx2'"),
 ])
 def test_bad_traces_name_the_field(mutate, message, tmp_path):
