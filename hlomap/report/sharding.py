@@ -138,10 +138,11 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     state = getattr(plan, "state_sharding", None)
     if state is not None:
         over = ",".join(state.axes)
-        kept = {p.index for p in plan.parameters if p.path.startswith(("opt_state", "optimizer_state"))
-                or (roles is not None and roles.get(p.path) == "optimizer_state")}
-        stored = len(state.dims) - sum(1 for index, _ in state.dims if index in kept)
-        if stored:
+        # which listed leaves are parameters: by their roles when known, else by their paths
+        parameters = {p.index for p in plan.parameters
+                      if (roles.get(p.path) == "trainable" if roles is not None
+                          else not p.path.startswith(("opt_state", "optimizer_state")))}
+        if state.splits_any(parameters):
             lines.append(Text(f"parameters and optimizer state: {len(state.dims)} leaves stored split over {over} "
                               "(FSDP / ZeRO-3); XLA gathers each parameter before its use"))
         else:

@@ -117,3 +117,29 @@ def test_layer_of() -> None:
     assert layer_of("params/block2_conv1/kernel") == "block2_conv1"
     assert layer_of("params/embed/embedding") == "embed"
     assert layer_of("batch/tokens") == "batch"
+
+
+def test_the_plan_summary_tells_zero_1_from_fsdp_and_shows_the_stored_split(cap_of, graph_of) -> None:
+    """A plan whose state sharding lists only optimizer-state leaves reads as ZeRO-1; one that
+    lists the parameters too reads as FSDP, and its table shows each parameter's spec as placed
+    (split over `data`), by roles when given and by paths otherwise."""
+    from rich.console import Console
+
+    from hlomap.plan import Plan, resolve_plan
+
+    cap, graph = cap_of("haiku-mlp"), graph_of("haiku-mlp")
+    array, axes, _ = resolve_plan(graph, "dp", {"data": 8})
+    base = Plan.from_groups(cap, graph, array, axes)
+    roles = {p.path: p.role.value for p in cap.parameters}
+
+    def text(plan: Plan, with_roles: bool) -> str:
+        console = Console(record=True, width=140)
+        console.print(format_plan_summary(plan, roles=roles if with_roles else None))
+        return console.export_text()
+
+    for with_roles in (True, False):
+        zero = text(base.with_sharded_state(graph), with_roles)
+        fsdp = text(base.with_sharded_state(graph, parameters=True), with_roles)
+        assert "(ZeRO-1)" in zero and "FSDP" not in zero
+        assert "(FSDP / ZeRO-3)" in fsdp and "ZeRO-1" not in fsdp
+        assert "8 of 8 variables sharded" in fsdp and "2 of 8 variables sharded" in zero
