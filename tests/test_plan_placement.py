@@ -82,3 +82,18 @@ def test_bad_placement_json_names_the_file():
     data["placement"] = {"devices": [0, 0, 1, 2, 3, 4, 5, 6]}
     with pytest.raises(PlanError, match=r"plan\.json: placement: .*device\(s\) \[0\]"):
         Plan.from_json(data, where="plan.json")
+
+
+def test_a_plan_reads_in_one_line(zoo_capture, zoo_graph):
+    """`repr(plan)` says what the plan is in one short line (the generated one listed every
+    parameter: about 10,000 characters for haiku-mlp, far more for a GPT)."""
+    from hlomap.plan import resolve_plan
+
+    cap, graph = zoo_capture("haiku-mlp"), zoo_graph("haiku-mlp")
+    array, axes, _ = resolve_plan(graph, "dp", {"data": 8})
+    plan = Plan.from_groups(cap, graph, array, axes).with_sharded_state(graph, parameters=True)
+    text = repr(plan)
+    assert "\n" not in text and len(text) < 200
+    assert "mesh {'data': 8}" in text and "state leaves split over data" in text and "jax:" in text
+    pipeline = repr(dataclasses.replace(PIPELINE, placement=Placement((4, 3, 2, 1, 0), "hier:1x8", "greedy")))
+    assert pipeline == "Plan(for test: cuts pipeline of 2 stages on 5 devices, M=4, 1f1b; placed)"

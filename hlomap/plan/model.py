@@ -95,8 +95,33 @@ class Plan:
     placement: Placement | None = None
     #: The candidates a measured selection timed on the present devices (None: not measured).
     measured: Measurement | None = None
-    #: Optimizer-state leaves split over the data axes, ZeRO-1 (None: every replica keeps it all).
+    #: Optimizer-state leaves split over the data axes, ZeRO-1, and parameters where it lists
+    #: them, FSDP (None: every replica keeps it all).
     state_sharding: StateSharding | None = None
+
+    def __repr__(self) -> str:
+        """One line a notebook or a log can show (the generated one lists every parameter: tens of
+        thousands of characters for a GPT): the kind, mesh or stages, and what else it carries."""
+        parts = []
+        if self.pipeline is not None:
+            section = self.pipeline
+            devices = sum(len(d) for d in section.stage_devices())
+            chunks = f" x {section.repeats} chunks" if section.repeats > 1 else ""
+            parts.append(f"{section.kind.value} pipeline of {section.n_stages} stages{chunks} on {devices} devices, "
+                         f"M={section.microbatches}, {section.schedule.value}")
+        else:
+            sharded = sum(1 for p in self.parameters if any(s is not None for s in p.spec))
+            parts.append(f"mesh {dict(self.mesh)}, {sharded} of {len(self.parameters)} parameters sharded")
+        if self.state_sharding is not None:
+            parts.append(f"{len(self.state_sharding.dims)} state leaves split over {','.join(self.state_sharding.axes)}")
+        if self.placement is not None:
+            parts.append("placed")
+        if self.estimate and "step_seconds" in self.estimate:
+            parts.append(f"estimated step {self.estimate['step_seconds'] * 1e3:.4g} ms")
+        if self.measured is not None:
+            parts.append("measured")
+        source = f"for {self.source.kind}: " if self.source.kind else ""
+        return f"Plan({source}{'; '.join(parts)})"
 
     def __post_init__(self) -> None:
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
