@@ -19,6 +19,7 @@ _COLORS = {
     SpanKind.SEND_ACTIVATION: "#55a868",
     SpanKind.SEND_GRADIENT: "#c44e52",
     SpanKind.ALLREDUCE: "#8172b3",
+    SpanKind.UPDATE: "#8c8c8c",
 }
 
 

@@ -202,6 +202,18 @@ def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches
     return cluster.measured.executor_seconds(executor, stages, microbatches)
 
 
+def stage_update_seconds(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan, group: int) -> float:
+    """Seconds of device stage `group`'s optimizer update, once per step: its chunks' parameter
+    bytes times `PipelineProfile.update_seconds_per_byte`, at its slowest device's pace (every
+    replica updates all of the stage's parameters)."""
+    if not profile.update_seconds_per_byte:
+        return 0.0
+    groups = plan.device_stages
+    params = sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
+                 for stage in plan.stages[group::groups])
+    return params * profile.update_seconds_per_byte * compute_slowdown(cluster, plan.stages[group].devices)
+
+
 def check_plan(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> None:
     """Raise ValueError unless `plan` covers the profile's layers on devices the cluster has."""
     if plan.n_layers != profile.n_layers:
@@ -313,14 +325,17 @@ def evaluate_plan(
     for a, b in zip(plan.stages[:-1], plan.stages[1:]):
         nbytes = float(profile.activation_bytes[a.stop - 1])
         transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
+    update = [stage_update_seconds(profile, cluster, plan, g) for g in range(groups)]
     if plan.repeats == 1 and plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         # the closed form over t_s = c_s + a_s / M, or + a_s on a cluster whose executors sync
-        # every microbatch (compute is the profile's, as the DP's tables)
-        stage_times = [c + allreduce_share(cluster, ar, m) for c, ar in zip(compute, allreduce)]
+        # every microbatch (compute is the profile's, as the DP's tables), + the stage's
+        # optimizer update / M (once per step, amortized as the joint planner does)
+        stage_times = [c + allreduce_share(cluster, ar, m) + u / m for c, ar, u in zip(compute, allreduce, update)]
         latency, bottleneck = pipeline_latency(stage_times, transfers, m)
     else:
         latency, bottleneck = schedule_latency(forward, backward, transfers, allreduce, m, plan.schedule,
                                                plan.repeats, sync_each_microbatch=syncs_each_microbatch(cluster))
+        latency += max(update, default=0.0)  # the updates run after the last passes (at most the largest)
     counts = peak_counts(plan)
     memory = device_memory_bytes(profile, plan, options.param_memory_factor)
     return PlanCost(
@@ -357,7 +372,8 @@ def gpipe_latency(
     Forward: machines f_0, u_0, f_1, ..., f_{S-1} (stages and the forward direction of links)
     process M identical microbatches, so the last forward ends at
     T_F = sum + (M - 1) * max. Backward: b_{S-1}, u_{S-2}, b_{S-2}, ..., b_0 from T_F on, and
-    stage s starts its all-reduce when its last backward ends. L = max_s (end_s + a_s).
+    stage s starts its all-reduce when its last backward ends, then its optimizer update (p_s,
+    `stage_update_seconds`). L = max_s (end_s + a_s + p_s).
     """
     check_plan(profile, cluster, plan)
     comm = options.comm is CommModel.OVERLAPPED
@@ -387,7 +403,8 @@ def gpipe_latency(
     for s in range(n_stages - 2, -1, -1):
         line += [cuts[s], backward[s]]
     finish = _flow_shop_finish(line, m)
-    # Machine 2k of the backward line is stage S - 1 - k.
+    # Machine 2k of the backward line is stage S - 1 - k; then its all-reduce and optimizer update.
     return max(
-        forward_end + finish[2 * (n_stages - 1 - s)] + allreduce[s] for s in range(n_stages)
+        forward_end + finish[2 * (n_stages - 1 - s)] + allreduce[s] + stage_update_seconds(profile, cluster, plan, s)
+        for s in range(n_stages)
     )

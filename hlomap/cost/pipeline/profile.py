@@ -80,6 +80,9 @@ class PipelineProfile:
       stash_bytes: [n] bytes each layer keeps alive per in-flight microbatch (activations saved
         for the backward pass), or None when unknown; None prices activation memory at zero.
       source: where the numbers came from (a file name, a module name), used in messages.
+      update_seconds_per_byte: the optimizer update's seconds per step per parameter byte on one
+        device (0 when unknown). The update is elementwise over the parameters (Adam), so a stage
+        pays this times its parameter bytes once per step, on every replica (`update_time`).
     """
 
     names: tuple[str, ...]
@@ -89,9 +92,13 @@ class PipelineProfile:
     parameter_bytes: np.ndarray
     stash_bytes: np.ndarray | None = None
     source: str = "<profile>"
+    update_seconds_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        if not (math.isfinite(self.update_seconds_per_byte) and self.update_seconds_per_byte >= 0):
+            raise ValueError(f"{self.source}: PipelineProfile.update_seconds_per_byte = "
+                             f"{self.update_seconds_per_byte!r} is not a finite value >= 0")
         if n == 0:
             raise ValueError(f"{self.source}: a PipelineProfile needs at least one layer")
         object.__setattr__(self, "names", tuple(str(name) for name in self.names))
@@ -124,6 +131,11 @@ class PipelineProfile:
     def compute_time(self) -> np.ndarray:
         """[n] forward + backward seconds per layer (PipeDream's per-layer compute)."""
         return self.forward_time + self.backward_time
+
+    @property
+    def update_time(self) -> np.ndarray:
+        """[n] seconds per step the optimizer update of each layer's parameters takes on one device."""
+        return self.parameter_bytes * self.update_seconds_per_byte
 
     @property
     def trainable(self) -> np.ndarray:
@@ -195,6 +207,7 @@ def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
         parameter_bytes=profile.parameter_bytes,
         stash_bytes=None if profile.stash_bytes is None else profile.stash_bytes * factor,
         source=f"{profile.source}*{factor:g}",
+        update_seconds_per_byte=profile.update_seconds_per_byte,  # once per step, whatever the batch
     )
 
 
@@ -229,6 +242,7 @@ def merge_layers(profile: PipelineProfile, pivots: tuple[int, ...] | list[int]) 
         parameter_bytes=summed(profile.parameter_bytes),
         stash_bytes=None if profile.stash_bytes is None else summed(profile.stash_bytes),
         source=profile.source,
+        update_seconds_per_byte=profile.update_seconds_per_byte,
     )
 
 
@@ -237,4 +251,5 @@ def faster_profile(profile: PipelineProfile, factor: float) -> PipelineProfile:
     if factor == 1.0:
         return profile
     return dataclasses.replace(profile, forward_time=profile.forward_time / factor,
-                               backward_time=profile.backward_time / factor)
+                               backward_time=profile.backward_time / factor,
+                               update_seconds_per_byte=profile.update_seconds_per_byte / factor)

@@ -36,6 +36,7 @@ from hlomap.cost.pipeline.costs import (
     CostOptions,
     MemoryViolation,
     check_plan,
+    stage_update_seconds,
     device_memory_bytes,
     memory_violations,
     peak_counts,
@@ -162,11 +163,17 @@ def simulate(
 
     spans, group_free = event_timeline(forward, backward, weight, transfer, plan.schedule, m, v)
 
-    if not each:  # one all-reduce per device stage after its last pass
-        for g in range(n_groups):
+    for g in range(n_groups):
+        free = group_free[g]
+        if not each:  # one all-reduce per device stage after its last pass
             duration = allreduce_time(cluster, plan.stages[g].devices, sum(params[g::n_groups])) if comm else 0.0
             if duration > 0:
-                spans.append(Span(SpanKind.ALLREDUCE, g, -1, group_free[g], group_free[g] + duration))
+                spans.append(Span(SpanKind.ALLREDUCE, g, -1, free, free + duration))
+                free += duration
+        # then its optimizer update: every replica updates all the stage's parameters, once per step
+        update = stage_update_seconds(profile, cluster, plan, g)
+        if update > 0:
+            spans.append(Span(SpanKind.UPDATE, g, -1, free, free + update))
 
     peaks = peak_counts(plan)
     memory = device_memory_bytes(profile, plan, options.param_memory_factor)

@@ -24,6 +24,7 @@ class SpanKind(enum.Enum):
     SEND_ACTIVATION = "send-activation"  # stage s -> s + 1
     SEND_GRADIENT = "send-gradient"  # stage s -> s - 1
     ALLREDUCE = "allreduce"
+    UPDATE = "update"  # the optimizer update of a device stage's parameters, once per step
 
 
 class Span(NamedTuple):

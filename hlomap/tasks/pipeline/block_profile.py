@@ -53,6 +53,7 @@ class PlanProfile(NamedTuple):
             "stash_bytes": None if p.stash_bytes is None else p.stash_bytes.tolist(),
             "activation_bytes": p.activation_bytes.tolist(),
             "stage_bounds": list(self.stage_bounds),
+            "update_seconds_per_byte": p.update_seconds_per_byte,
         }
 
     @classmethod
@@ -74,12 +75,15 @@ class PlanProfile(NamedTuple):
             return np.asarray(value, dtype=np.float64)
 
         stash = data.get("stash_bytes")
+        update = data.get("update_seconds_per_byte", 0.0)  # plans written before it priced no update
+        if isinstance(update, bool) or not isinstance(update, (int, float)):
+            raise ProfileError(f"{where}: field 'update_seconds_per_byte': expected a number, got {update!r}")
         try:
             blocks = PipelineProfile(
                 names=tuple(str(n) for n in data["names"]), forward_time=vector("forward_seconds"),
                 backward_time=vector("backward_seconds"), activation_bytes=vector("activation_bytes"),
                 parameter_bytes=vector("parameter_bytes"), stash_bytes=None if stash is None else vector("stash_bytes"),
-                source=where)
+                source=where, update_seconds_per_byte=float(update))
         except ValueError as err:
             raise ProfileError(f"{where}: {err}") from None
         bounds = data["stage_bounds"]

@@ -89,6 +89,7 @@ class LayerDag:
       tensors: the tensors that cross cuts, when a layer makes several read by different layers
         (their readers must be among the producer's consumers); default: one per layer, its
         output of `output_bytes` read by all its consumers.
+      update_seconds_per_byte: as in `PipelineProfile` (the optimizer update per parameter byte).
     """
 
     names: tuple[str, ...]
@@ -100,6 +101,7 @@ class LayerDag:
     consumers: tuple[tuple[int, ...], ...]
     source: str = "<dag>"
     tensors: tuple[DagTensor, ...] | None = None
+    update_seconds_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -204,6 +206,7 @@ class LayerDag:
             source=self.source,
             tensors=tuple(DagTensor(new[t.producer], tuple(new[r] for r in t.readers), t.nbytes)
                           for t in self.tensors or ()),
+            update_seconds_per_byte=self.update_seconds_per_byte,
         )
 
     def latest_order(self) -> tuple[int, ...]:
@@ -262,6 +265,7 @@ class LayerDag:
             parameter_bytes=ordered(self.parameter_bytes),
             stash_bytes=ordered(self.stash_bytes),
             source=self.source,
+            update_seconds_per_byte=self.update_seconds_per_byte,
         )
 
 
@@ -362,6 +366,7 @@ def downset_states(dag: LayerDag, family: DownsetFamily) -> CutStates:
         cut_bytes=dag.crossing_bytes(members),
         n_layers=dag.n_layers,
         source=dag.source,
+        update_per_byte=dag.update_seconds_per_byte,
     )
 
 

@@ -599,6 +599,8 @@ class CutStates(NamedTuple):
     nested: [K, K] bool, state a is a proper subset of state b: a stage from a to b may exist.
     cut_bytes: [K] bytes of activations that cross a cut leaving exactly state a before it.
     n_layers, source: for messages.
+    update_per_byte: the optimizer update's seconds per step per parameter byte on one device
+      (`PipelineProfile.update_seconds_per_byte`).
     """
 
     totals: Prefix
@@ -606,6 +608,7 @@ class CutStates(NamedTuple):
     cut_bytes: np.ndarray
     n_layers: int
     source: str
+    update_per_byte: float = 0.0
 
     @property
     def count(self) -> int:
@@ -638,6 +641,7 @@ def chain_states(profile: PipelineProfile) -> CutStates:
         cut_bytes=cut_bytes,
         n_layers=n,
         source=profile.source,
+        update_per_byte=profile.update_seconds_per_byte,
     )
 
 
@@ -699,9 +703,12 @@ class _ReplicationOptions:
     def stage_seconds(self, device: int, option: int) -> np.ndarray:
         """compute / r plus the stage's gradient all-reduce amortized over the microbatches, or
         all of it per microbatch where the executors sync every microbatch
-        (`costs.allreduce_share`, `links.allreduce_time`)."""
+        (`costs.allreduce_share`, `links.allreduce_time`), plus its optimizer update amortized
+        (each replica updates all the stage's parameters once per step)."""
         r = self.sizes[option]
         t = self.compute * (compute_slowdown(self.cluster, range(device, device + r)) / r)
+        if self.states.update_per_byte:
+            t = t + self.parameter * (self.states.update_per_byte / self.space.microbatches)
         if self._comm and r > 1:
             allreduce = self.prices.allreduce(range(device, device + r))
             t = t + allreduce_share(self.prices.cluster, allreduce(self.parameter), self.space.microbatches)

@@ -78,6 +78,7 @@ def step_dag(hlo: StepChain, scale: float = 1.0) -> LayerDag:
         consumers=tuple(tuple(sorted(c)) for c in consumers),
         source=profile.source,
         tensors=tuple(DagTensor(p, r, b) for (p, r), b in merged.items()),
+        update_seconds_per_byte=profile.update_seconds_per_byte,
     )
 
 

@@ -237,7 +237,10 @@ class StageState:
         for s, positions in enumerate(self.positions):
             self.stage_of[list(positions)] = s
         profile = layout.profile
-        self.compute = (profile.forward_time + profile.backward_time) / np.asarray(layout.replication)
+        # compute per replica, and each stage's optimizer update amortized over the microbatches
+        # as the closed form does (`costs.evaluate_plan`; every replica updates all its parameters)
+        self.compute = ((profile.forward_time + profile.backward_time) / np.asarray(layout.replication)
+                        + profile.update_time / layout.microbatches)
         self.params = profile.parameter_bytes
         self.cut_bytes = profile.activation_bytes
         self.m = layout.microbatches

@@ -12,6 +12,7 @@ from hlomap.cost.devices import device_preset
 from hlomap.cost.pipeline.links import with_device_memory
 from hlomap.cost.pipeline.profile import PipelineProfile, uniform_profile
 from hlomap.cost.pipeline.simulator import PipelineMemoryError, SpanKind, simulate
+from hlomap.cost.pipeline.timeline import COMPUTE
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage
 from hlomap.report.gantt import draw_gantt
 from hlomap.cost.pipeline.costs import gpipe_latency
@@ -240,3 +241,32 @@ def test_plans_that_do_not_fit_the_profile_or_links_are_rejected():
         PipelinePlan(stages=(Stage(0, 1, (0,)), Stage(2, 3, (1,))), microbatches=1)
     with pytest.raises(ValueError, match="device 0 is in stage 0 and stage 1"):
         PipelinePlan(stages=(Stage(0, 1, (0,)), Stage(1, 3, (0,))), microbatches=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(profile=profiles(min_layers=2, max_layers=6), cluster=random_clusters(), data=st.data())
+def test_each_stage_updates_its_parameters_once_after_its_last_pass(profile, cluster, data):
+    """With `update_seconds_per_byte`, every device stage ends with one UPDATE span of its
+    parameters' bytes times the rate (after its all-reduce), and GPipe's closed form still equals
+    the simulation."""
+    from hlomap.cost.pipeline.costs import stage_update_seconds
+
+    per_byte = data.draw(st.floats(1e-12, 1e-9))
+    profile = replace(profile, update_seconds_per_byte=per_byte)
+    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, profile.n_layers - 1), min_size=n_stages - 1,
+                                    max_size=n_stages - 1)))
+    plan = PipelinePlan.linear([0, *cuts, profile.n_layers], [1] * n_stages,
+                               microbatches=data.draw(st.integers(1, 6)), schedule=Schedule.GPIPE)
+    result = simulate(profile, cluster, plan)
+    assert result.length == pytest.approx(gpipe_latency(profile, cluster, plan), rel=1e-9, abs=1e-12)
+    updates = [span for span in result.spans if span.kind is SpanKind.UPDATE]
+    for s, stage in enumerate(plan.stages):
+        params = float(profile.parameter_bytes[stage.start:stage.stop].sum())
+        mine = [span for span in updates if span.stage == s]
+        assert len(mine) == (1 if params > 0 else 0)
+        if mine:
+            assert mine[0].end - mine[0].start == pytest.approx(params * per_byte, rel=1e-9)
+            assert stage_update_seconds(profile, cluster, plan, s) == pytest.approx(params * per_byte, rel=1e-9)
+            last = max(span.end for span in result.spans if span.stage == s and span.kind in COMPUTE)
+            assert mine[0].start >= last - 1e-15

@@ -207,3 +207,24 @@ def test_dp_finds_the_brute_force_optimum_larger(profile, cluster, space):
     if expected is not None:
         assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
         assert math.isfinite(found.cost.latency)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(profile=profiles(), cluster=random_clusters(), space=spaces(),
+       per_byte=st.floats(1e-12, 1e-9, allow_nan=False, allow_infinity=False))
+def test_dp_finds_the_brute_force_optimum_with_the_optimizer_update(profile, cluster, space, per_byte):
+    """With the optimizer update priced (`update_seconds_per_byte`: every replica of a stage
+    updates all its parameters once per step), the DP's tables charge what `evaluate_plan` does,
+    so the optimum still agrees, and a stage's time grows by its update over M."""
+    profile = dataclasses.replace(profile, update_seconds_per_byte=per_byte)
+    expected = _outcome(pipeline_brute_force, profile, cluster, space)
+    found = _outcome(solve, profile, cluster, space)
+    assert (expected is None) == (found is None)
+    if expected is None:
+        return
+    assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
+    assert found.cost == evaluate_plan(profile, cluster, found.plan, space.cost)
+    if found.plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and found.plan.repeats == 1:
+        without = evaluate_plan(dataclasses.replace(profile, update_seconds_per_byte=0.0), cluster, found.plan,
+                                space.cost)
+        assert found.cost.latency > without.latency or not profile.parameter_bytes.any()
