@@ -706,9 +706,10 @@ class _ReplicationOptions:
         (`costs.allreduce_share`, `links.allreduce_time`), plus its optimizer update amortized
         (each replica updates all the stage's parameters once per step)."""
         r = self.sizes[option]
-        t = self.compute * (compute_slowdown(self.cluster, range(device, device + r)) / r)
-        if self.states.update_per_byte:
-            t = t + self.parameter * (self.states.update_per_byte / self.space.microbatches)
+        slowdown = compute_slowdown(self.cluster, range(device, device + r))
+        t = self.compute * (slowdown / r)
+        if self.states.update_per_byte:  # every replica updates all of the stage's parameters
+            t = t + self.parameter * (self.states.update_per_byte * slowdown / self.space.microbatches)
         if self._comm and r > 1:
             allreduce = self.prices.allreduce(range(device, device + r))
             t = t + allreduce_share(self.prices.cluster, allreduce(self.parameter), self.space.microbatches)

@@ -228,3 +228,10 @@ def test_dp_finds_the_brute_force_optimum_with_the_optimizer_update(profile, clu
         without = evaluate_plan(dataclasses.replace(profile, update_seconds_per_byte=0.0), cluster, found.plan,
                                 space.cost)
         assert found.cost.latency > without.latency or not profile.parameter_bytes.any()
+    # with every other device at half speed (a straggler's stage updates at its pace too)
+    slowed = dataclasses.replace(cluster, slowdown=tuple(1.0 + d % 2 for d in range(cluster.n_devices)))
+    expected = _outcome(pipeline_brute_force, profile, slowed, space)
+    found = _outcome(solve, profile, slowed, space)
+    assert (expected is None) == (found is None)
+    if expected is not None:
+        assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
