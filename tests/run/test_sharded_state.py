@@ -30,6 +30,18 @@ def _plans(cap: Any, name: str, mesh: dict[str, int]) -> tuple[Plan, Plan, Facto
     return base, base.with_sharded_state(graph), graph
 
 
+def _step_checked(case: Any, plan: Plan) -> tuple[Any, Any]:
+    """Run `plan` on the case's step after checking its loss, gradients and updates against the
+    unsharded step's (`check_spmd`, float32 tolerances); the new params and optimizer state of
+    one step."""
+    step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
+    check = check_spmd(step, case.args)
+    assert check.exact, "\n".join(c.words() for c in check.comparisons)
+    params, opt_state = step.place(case.args[0], case.args[1])
+    new_params, new_state, _ = step(params, opt_state, *case.args[2:])
+    return new_params, new_state
+
+
 def test_dp_state_split_eight_ways_matches_xla(zoo_case) -> None:  # type: ignore[no-untyped-def]
     """haiku-mlp, data=8: every Adam moment is split 8 ways (the step count stays whole), the
     arguments XLA allocates are exactly the estimate's persistent bytes, the all-gathers of the
@@ -92,11 +104,7 @@ def test_fsdp_plan_runs_with_the_unsharded_numerics_and_keeps_its_parameters_spl
     case = zoo_case("gpt-tiny")
     _, zero, graph = _plans(case.cap, "dp+megatron", {"data": 2, "model": 4})
     fsdp = zero.with_sharded_state(graph, parameters=True)
-    step = hlomap.parallelize(case.model.train_step(), fsdp, example_args=case.args, compiler_options=FAST_COMPILE)
-    check = check_spmd(step, case.args)
-    assert check.exact, "\n".join(c.words() for c in check.comparisons)
-    params, opt_state = step.place(case.args[0], case.args[1])
-    new_params, _, _ = step(params, opt_state, *case.args[2:])
+    new_params, _ = _step_checked(case, fsdp)
     split = fsdp.state_sharding.dim_of
     by_index = {p.index: p for p in fsdp.parameters}
     checked = 0
@@ -131,11 +139,7 @@ def test_zero_plan_runs_with_the_unsharded_numerics_and_keeps_its_state_split(zo
     tolerances, no float64 rescue); after a step the moments are still split over `data`."""
     case = zoo_case("haiku-mlp")
     _, zero, _ = _plans(case.cap, "dp", {"data": 8})
-    step = hlomap.parallelize(case.model.train_step(), zero, example_args=case.args, compiler_options=FAST_COMPILE)
-    check = check_spmd(step, case.args)
-    assert check.exact, "\n".join(c.words() for c in check.comparisons)
-    params, opt_state = step.place(case.args[0], case.args[1])
-    _, new_state, _ = step(params, opt_state, *case.args[2:])
+    _, new_state = _step_checked(case, zero)
     split = zero.state_sharding.dim_of
     offset = len(jax.tree_util.tree_leaves(case.args[0]))
     for k, leaf in enumerate(jax.tree_util.tree_leaves(new_state)):

@@ -335,6 +335,17 @@ def _pairs(servers: int) -> list[tuple[int, int]]:
     return [(a, b) for a in range(servers) for b in range(a + 1, servers)]
 
 
+def _recover(down: dict[tuple[int, int], float], current: dict[tuple[int, int], float], base: np.ndarray,
+             t: float) -> list[tuple[int, int, float]]:
+    """The links of `down` whose slow spell is over at `t`, back at full bandwidth: taken out of
+    `down`, set in `current`, and returned as link changes."""
+    back = [pair for pair, until in down.items() if t >= until]
+    for pair in back:
+        current[pair] = float(base[pair])
+        del down[pair]
+    return [(*pair, float(base[pair])) for pair in back]
+
+
 def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, horizon: float = 36_000.0,
              seed: int = 0, period: float = 1_800.0) -> Trace:
     """A generated trace (module docstring) with a change about every `period` seconds."""
@@ -364,11 +375,7 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
         gpus: tuple[int, ...] | None = None
         speed: tuple[tuple[int, float], ...] = ()
         if kind is TraceKind.LINK:
-            for pair, until in list(down.items()):
-                if t >= until:
-                    links.append((*pair, float(base[pair])))
-                    current[pair] = float(base[pair])
-                    del down[pair]
+            links.extend(_recover(down, current, base, t))
             if not down and rng.random() < 0.7:
                 # One link between two servers drops to 5-30% for 1-4 periods.
                 pair = pairs[int(rng.integers(len(pairs)))]
@@ -386,11 +393,7 @@ def generate(kind: TraceKind | str, cluster: Cluster | str = "hier:4x4", *, hori
                 slow = (device, t + float(rng.uniform(1, 3)) * period)
                 speed = ((device, 0.5),)
         if kind in (TraceKind.STEPS, TraceKind.MIXED):
-            for pair, until in list(down.items()):
-                if t >= until:
-                    links.append((*pair, float(base[pair])))
-                    current[pair] = float(base[pair])
-                    del down[pair]
+            links.extend(_recover(down, current, base, t))
             free = [p for p in pairs if p not in down]
             if free and rng.random() < 0.7:
                 # A congested server: every link from it drops to 5-30% for 1-4 periods.

@@ -29,15 +29,23 @@ def _outcome(search, profile, cluster, space):
         return None
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(profile=profiles(), cluster=random_clusters(), space=spaces())
-def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
+def _dp_and_brute_force(profile, cluster, space):
+    """(the DP's solution, the brute force's), after checking that both find a plan or neither
+    does and that their objectives agree."""
     expected = _outcome(pipeline_brute_force, profile, cluster, space)
     found = _outcome(solve, profile, cluster, space)
     assert (expected is None) == (found is None)
+    if expected is not None:
+        assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
+    return found, expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(profile=profiles(), cluster=random_clusters(), space=spaces())
+def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
+    found, expected = _dp_and_brute_force(profile, cluster, space)
     if expected is None:
         return
-    assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
     if space.objective is PipelineObjective.BOTTLENECK:  # ties are broken by latency in both
         assert found.cost.latency == pytest.approx(expected.cost.latency, rel=1e-9, abs=1e-12)
     # The DP's plan is itself admissible, and its reported cost is the plan's cost.
@@ -52,11 +60,8 @@ def test_dp_finds_the_brute_force_optimum_where_every_microbatch_syncs(profile, 
     (`costs.syncs_each_microbatch`, as hlomap's executors run it): the DP's tables and the plan
     pricing the brute force enumerates follow the same rule, so the optimum still agrees."""
     measured = dataclasses.replace(cluster, measured=MeasuredCosts())
-    expected = _outcome(pipeline_brute_force, profile, measured, space)
-    found = _outcome(solve, profile, measured, space)
-    assert (expected is None) == (found is None)
-    if expected is not None:
-        assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
+    found, _ = _dp_and_brute_force(profile, measured, space)
+    if found is not None:
         assert found.cost == evaluate_plan(profile, measured, found.plan, space.cost)
 
 
@@ -201,11 +206,8 @@ def test_no_feasible_plan_is_an_error_naming_the_source():
     space=spaces(),
 )
 def test_dp_finds_the_brute_force_optimum_larger(profile, cluster, space):
-    expected = _outcome(pipeline_brute_force, profile, cluster, space)
-    found = _outcome(solve, profile, cluster, space)
-    assert (expected is None) == (found is None)
-    if expected is not None:
-        assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
+    found, _ = _dp_and_brute_force(profile, cluster, space)
+    if found is not None:
         assert math.isfinite(found.cost.latency)
 
 
@@ -217,12 +219,9 @@ def test_dp_finds_the_brute_force_optimum_with_the_optimizer_update(profile, clu
     updates all its parameters once per step), the DP's tables charge what `evaluate_plan` does,
     so the optimum still agrees, and a stage's time grows by its update over M."""
     profile = dataclasses.replace(profile, update_seconds_per_byte=per_byte)
-    expected = _outcome(pipeline_brute_force, profile, cluster, space)
-    found = _outcome(solve, profile, cluster, space)
-    assert (expected is None) == (found is None)
-    if expected is None:
+    found, _ = _dp_and_brute_force(profile, cluster, space)
+    if found is None:
         return
-    assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
     assert found.cost == evaluate_plan(profile, cluster, found.plan, space.cost)
     if found.plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and found.plan.repeats == 1:
         without = evaluate_plan(dataclasses.replace(profile, update_seconds_per_byte=0.0), cluster, found.plan,
@@ -230,8 +229,4 @@ def test_dp_finds_the_brute_force_optimum_with_the_optimizer_update(profile, clu
         assert found.cost.latency > without.latency or not profile.parameter_bytes.any()
     # with every other device at half speed (a straggler's stage updates at its pace too)
     slowed = dataclasses.replace(cluster, slowdown=tuple(1.0 + d % 2 for d in range(cluster.n_devices)))
-    expected = _outcome(pipeline_brute_force, profile, slowed, space)
-    found = _outcome(solve, profile, slowed, space)
-    assert (expected is None) == (found is None)
-    if expected is not None:
-        assert found.value == pytest.approx(expected.value, rel=1e-9, abs=1e-12)
+    _dp_and_brute_force(profile, slowed, space)
