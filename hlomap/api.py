@@ -826,6 +826,7 @@ class PipelineSimulation:
     placement: Any = None
     executor: str = ""
     executor_seconds: float = 0.0
+    lockstep_seconds: float | None = None  # the batch as the spmd executor's lockstep ticks run it
 
     @property
     def fits(self) -> bool:
@@ -833,8 +834,11 @@ class PipelineSimulation:
 
     @property
     def step_seconds(self) -> float:
-        """The event simulator's batch time on the plan's placement, plus the executor's cost."""
-        return float(self.estimate.placed.length) + self.executor_seconds
+        """The batch time on the plan's placement as its executor runs it (the mpmd executor: the
+        event simulator's schedule; the spmd one: lockstep ticks, `costs.lockstep_latency`), plus
+        the executor's own cost."""
+        length = self.estimate.placed.length if self.lockstep_seconds is None else self.lockstep_seconds
+        return float(length) + self.executor_seconds
 
 
 @dataclass(frozen=True)
@@ -924,10 +928,11 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
         section = plan.pipeline
         overhead = executor_overhead(cluster, chosen, section.n_stages * section.repeats, section.microbatches)
     if category is PlanCategory.PIPELINE:
-        from hlomap.tasks.placement.place import estimate_pipeline_plan
+        from hlomap.tasks.placement.place import estimate_pipeline_plan, lockstep_pipeline_seconds
 
+        lockstep = lockstep_pipeline_seconds(plan, cluster, where=where) if chosen == "spmd" else None
         return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement,
-                                  chosen, overhead)
+                                  chosen, overhead, lockstep)
     if cap is None:
         raise InputError(f"{where}: a {category.value} plan is priced from the step's module: name its SOURCE")
     if category is PlanCategory.JOINT:

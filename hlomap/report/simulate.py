@@ -8,6 +8,7 @@ from typing import Any
 from hlomap.report.estimate import format_estimate
 from hlomap.report.joint import format_joint_result
 from hlomap.report.placement import format_pipeline_estimate, placement_line
+from hlomap.report.units import human_seconds
 
 __all__ = ["format_simulation", "simulation_json"]
 
@@ -17,12 +18,24 @@ def format_simulation(simulation: Any, *, top: int = 10, name: str | None = None
     if hasattr(simulation, "result"):  # a joint plan
         return [format_joint_result(simulation.result, name=name)]
     if hasattr(simulation, "cluster_name"):  # a pipeline plan
-        return [format_pipeline_estimate(simulation.estimate, simulation.cluster_name, simulation.placement)]
+        return [format_pipeline_estimate(simulation.estimate, simulation.cluster_name, simulation.placement),
+                executor_line(simulation)]
     out: list[Any] = [format_estimate(simulation.estimate, top=top)]
     if simulation.identity is not None:
         out.append(placement_line(simulation.placement, simulation.estimate.step_seconds,
                                   simulation.identity.step_seconds))
     return out
+
+
+def executor_line(simulation: Any) -> str:
+    """The step as the plan's executor runs it (`PipelineSimulation.step_seconds`): the spmd
+    executor's lockstep ticks or the simulated schedule, plus the executor's own cost."""
+    if simulation.lockstep_seconds is not None:
+        how = f"{human_seconds(simulation.lockstep_seconds)} in lockstep ticks"
+    else:
+        how = f"{human_seconds(simulation.estimate.placed.length)} as simulated"
+    return (f"on the {simulation.executor} executor: step {human_seconds(simulation.step_seconds)} ({how} + "
+            f"{human_seconds(simulation.executor_seconds)} of the executor's own)")
 
 
 def simulation_json(simulation: Any) -> dict[str, Any]:
@@ -37,6 +50,8 @@ def simulation_json(simulation: Any) -> dict[str, Any]:
         return {"cluster": simulation.cluster_name, "step_seconds": est.placed.length,
                 "model_step_seconds": est.placed_model_seconds, "identity_order_step_seconds": est.identity.length,
                 "stages": [list(stage.devices) for stage in est.placed.plan.stages],
+                "executor": simulation.executor, "executor_seconds": simulation.executor_seconds,
+                "lockstep_seconds": simulation.lockstep_seconds, "executor_step_seconds": simulation.step_seconds,
                 "memory_violations": [str(v) for v in est.placed.violations]}
     data = simulation.estimate.to_json()
     if simulation.identity is not None:

@@ -22,6 +22,9 @@ How the step is read (JAX tags ops with `jvp(` / `transpose(jvp(` in metadata op
   split into `max_pivots` bins of equal compute and each bin keeps its cheapest candidate.
 - C, forward. Each chain instruction's roofline time (`hlomap.cost.instruction_cost`) at its
   position; a side op's time at its anchor (below).
+- Fixed part of C. The share of each instruction's time that a split batch does not shrink
+  (its weight reads and weight-gradient writes: `hlomap.cost.pipeline.batch_split`), summed per
+  position like C (`PipelineProfile.forward_fixed`).
 - C, backward. Each BACKWARD instruction is attributed to the forward position it
   differentiates, its anchor: the latest forward position among its direct forward operands
   (residuals: a chain value at its position or, later, where a chain op of the same layer scope
@@ -58,6 +61,7 @@ from hlomap.cost.devices import DeviceSpec, device_preset
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
 from hlomap.hlo.ir import Computation, Instruction
+from hlomap.cost.pipeline.batch_split import fixed_fractions
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
 from hlomap.hlo.source_info import layer_name, nearest_scopes, scope_of, source_location, source_tables
 
@@ -387,8 +391,14 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
 
     forward_time = np.zeros(n)
     backward_time = np.zeros(n)
+    forward_fixed = np.zeros(n)
+    backward_fixed = np.zeros(n)
+    fixed = fixed_fractions(cap, spec, cache)
     for name, p in found.anchor.items():
-        (forward_time if name in found.forward else backward_time)[p] += seconds(name)
+        forward = name in found.forward
+        t = seconds(name)
+        (forward_time if forward else backward_time)[p] += t
+        (forward_fixed if forward else backward_fixed)[p] += t * fixed.get(name, 0.0)
     update_seconds = fused_update_seconds(cap, spec)
     unattributed = sum(seconds(name) for name in found.unattributed)
     kept = kept_bytes(cap)
@@ -415,6 +425,8 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
         source=cap.source,
         # the update is elementwise over the parameters (Adam): priced per parameter byte, once per step
         update_seconds_per_byte=update_seconds / parameter_bytes.sum() if parameter_bytes.sum() > 0 else 0.0,
+        forward_fixed=forward_fixed,
+        backward_fixed=backward_fixed,
     )
     live.setflags(write=False)
     tables = source_tables(module)

@@ -5,7 +5,8 @@ recursion of `hlomap.tasks.pipeline.dp`, so that brute force over this function 
 for the DP. Only the price of a device group is shared, on purpose: there is one model.
 
 For a plan with stages s = 0..S-1 (replication r_s, devices g_s) and M microbatches:
-  c_s   = (sum of forward + backward time of the stage's layers) / r_s     per microbatch
+  c_s   = F_s + (C_s - F_s) / r_s       per microbatch, with C_s the forward + backward time of the
+          stage's layers and F_s its part a batch split does not shrink (`PipelineProfile.forward_fixed`)
   a_s   = all-reduce of the stage's parameter bytes over g_s               once per batch
   t_s   = c_s + a_s / M          stage time per microbatch, all-reduce amortized over the batch
   u_k   = transfer of activation_bytes[cut k] from g_k to g_{k+1}           per microbatch, each
@@ -46,7 +47,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hlomap.cost.cluster import Cluster, compute_slowdown
+from hlomap.cost.cluster import Cluster, busy_speedup, compute_slowdown
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, device_order, held_counts
@@ -313,10 +314,11 @@ def evaluate_plan(
     compute, forward, backward, params = [], [], [], []
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
-        per_device = compute_slowdown(cluster, stage.devices) / stage.replication
-        compute.append(float(profile.compute_time[layers].sum()) * per_device)
-        forward.append(float(profile.forward_time[layers].sum()) * per_device)
-        backward.append(float(profile.backward_time[layers].sum()) * per_device)
+        slowdown = compute_slowdown(cluster, stage.devices)
+        f, b = profile.on_replicas(layers, stage.replication)
+        compute.append((f + b) * slowdown)
+        forward.append(f * slowdown)
+        backward.append(b * slowdown)
         params.append(float(profile.parameter_bytes[layers].sum()))
     # one all-reduce per device stage, of all its chunks' gradients
     allreduce = [float(prices.allreduce(plan.stages[g].devices)(sum(params[g::groups]))) if comm else 0.0
@@ -381,9 +383,10 @@ def gpipe_latency(
     forward, backward, allreduce = [], [], []
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
-        per_device = compute_slowdown(cluster, stage.devices) / stage.replication
-        forward.append(float(profile.forward_time[layers].sum()) * per_device)
-        backward.append(float(profile.backward_time[layers].sum()) * per_device)
+        slowdown = compute_slowdown(cluster, stage.devices)
+        f, b = profile.on_replicas(layers, stage.replication)
+        forward.append(f * slowdown)
+        backward.append(b * slowdown)
         params = float(profile.parameter_bytes[layers].sum())
         allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
     if syncs_each_microbatch(cluster):  # every microbatch's backward ends with its all-reduce
@@ -408,3 +411,61 @@ def gpipe_latency(
         forward_end + finish[2 * (n_stages - 1 - s)] + allreduce[s] + stage_update_seconds(profile, cluster, plan, s)
         for s in range(n_stages)
     )
+
+
+#: Row-sized memory passes per backward tick of the spmd executor: the stage's gradient is
+#: assembled into its padded parameter row (a concatenation: one row written) and added to the
+#: row accumulated over the ticks (two rows read, one written).
+ROW_PASSES = 4
+
+
+def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan, *, remat: bool) -> float:
+    """L of a pipeline as the spmd executor runs it (`hlomap.run.pipeline.spmd_executor`): one
+    program whose loop moves every device stage in lockstep, one tick per microbatch and stage of
+    fill, T = M V + S - 1 ticks forward and T backward, each ending in the `ppermute` that hands
+    every stage's output on. Per tick:
+
+    - every device stage computes, the fill and drain ticks too (on garbage the loss masks out):
+      its pass of one chunk, in a backward tick the forward again when the executor
+      rematerializes stage calls (`remat`), and `ROW_PASSES` passes over its parameter row,
+      padded to the longest stage's: the per-tick gradient of the rows;
+    - a tick lasts as long as the slowest device's work, or, on devices sharing hardware (host
+      CPU devices, `busy_speedup`), as long as all devices' work takes the shared hardware when
+      that is longer: the devices that finish early lend the others their cores;
+    - then its collectives, stage after stage: the gradient all-reduce over the stage's replicas
+      (XLA's partitioner puts it where each tick's gradient is made) and the send to the next
+      stage.
+
+    Then each device stage updates its parameters (`stage_update_seconds`), all in parallel."""
+    check_plan(profile, cluster, plan)
+    groups = plan.device_stages
+    ticks = plan.microbatches * plan.repeats + groups - 1
+    row = max(sum(float(profile.parameter_bytes[profile.stage_slice(s.start, s.stop)].sum())
+                  for s in plan.stages[g::groups]) for g in range(groups))
+    forward = [0.0] * groups  # per device stage: the costliest chunk's work in one tick
+    backward = [0.0] * groups
+    forward_comm = backward_comm = 0.0
+    for k, stage in enumerate(plan.stages):
+        g = k % groups
+        layers = profile.stage_slice(stage.start, stage.stop)
+        slowdown = compute_slowdown(cluster, stage.devices)
+        f, b = (t * slowdown for t in profile.on_replicas(layers, stage.replication))
+        rows = ROW_PASSES * row / cluster.devices[stage.devices[0]].hbm_bandwidth * slowdown
+        forward[g] = max(forward[g], f)
+        backward[g] = max(backward[g], b + (f if remat else 0.0) + rows)
+        send = 0.0
+        if k + 1 < len(plan.stages):
+            send = transfer_time(cluster, stage.devices, plan.stages[k + 1].devices,
+                                 float(profile.activation_bytes[stage.stop - 1]))
+        params = float(profile.parameter_bytes[layers].sum())
+        forward_comm = max(forward_comm, send)
+        backward_comm = max(backward_comm, allreduce_time(cluster, stage.devices, params) + send)
+    widths = [len(plan.stages[g].devices) for g in range(groups)]
+    shared = busy_speedup(cluster, 1)
+
+    def tick(work: list[float]) -> float:
+        spread = sum(w * n for w, n in zip(work, widths)) / sum(widths)  # the mean device's work
+        return max(max(work) / shared, spread) if shared > 1.0 else max(work)
+
+    update = max(stage_update_seconds(profile, cluster, plan, g) for g in range(groups))
+    return ticks * (tick(forward) + forward_comm + tick(backward) + backward_comm) + update

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,6 +26,7 @@ __all__ = [
     "PipelineProfile",
     "Prefix",
     "merge_layers",
+    "replicated_seconds",
     "scale_batch",
     "uniform_profile",
 ]
@@ -49,10 +50,17 @@ def _frozen_vector(values: object, *, name: str, length: int, source: str) -> np
     return array
 
 
+def replicated_seconds(total: Any, fixed: Any, replicas: Any) -> Any:
+    """Seconds on each of `replicas` data replicas of work that takes `total` on one, of which
+    `fixed` does not shrink with a split batch (`PipelineProfile.forward_fixed`); arrays too."""
+    return fixed + (total - fixed) / replicas
+
+
 class Prefix(NamedTuple):
     """Cumulative sums with a leading 0, length n + 1: a stage [i, j) costs `x[j] - x[i]`.
 
-    `trainable` counts layers with parameters, for the at-least-one-trainable-layer constraint.
+    `trainable` counts layers with parameters, for the at-least-one-trainable-layer constraint;
+    `fixed` is the part of `compute` a batch split does not shrink (`replicated_seconds`).
     """
 
     forward: np.ndarray
@@ -61,6 +69,7 @@ class Prefix(NamedTuple):
     parameter: np.ndarray
     stash: np.ndarray
     trainable: np.ndarray
+    fixed: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +92,10 @@ class PipelineProfile:
       update_seconds_per_byte: the optimizer update's seconds per step per parameter byte on one
         device (0 when unknown). The update is elementwise over the parameters (Adam), so a stage
         pays this times its parameter bytes once per step, on every replica (`update_time`).
+      forward_fixed, backward_fixed: [n] the part of forward_time and backward_time that does not
+        shrink when the batch is split (reading a weight matrix, writing its gradient:
+        `hlomap.cost.pipeline.batch_split`); None for none. A microbatch 1 / M of the batch on r
+        data replicas takes fixed + (time - fixed) / (M r) on each (`scale_batch`, `on_replicas`).
     """
 
     names: tuple[str, ...]
@@ -93,6 +106,8 @@ class PipelineProfile:
     stash_bytes: np.ndarray | None = None
     source: str = "<profile>"
     update_seconds_per_byte: float = 0.0
+    forward_fixed: np.ndarray | None = None
+    backward_fixed: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -117,6 +132,16 @@ class PipelineProfile:
                 self.stash_bytes, name="stash_bytes", length=n, source=self.source
             )
             object.__setattr__(self, "stash_bytes", vector)
+        for field_name, total in (("forward_fixed", self.forward_time), ("backward_fixed", self.backward_time)):
+            given = getattr(self, field_name)
+            if given is None:
+                vector = np.zeros(n)
+                vector.setflags(write=False)
+            else:  # never more than the whole time (a rounding above it would make the split part negative)
+                checked = _frozen_vector(given, name=field_name, length=n, source=self.source)
+                vector = np.minimum(checked, total)
+                vector.setflags(write=False)
+            object.__setattr__(self, field_name, vector)
 
     @property
     def n_layers(self) -> int:
@@ -131,6 +156,20 @@ class PipelineProfile:
     def compute_time(self) -> np.ndarray:
         """[n] forward + backward seconds per layer (PipeDream's per-layer compute)."""
         return self.forward_time + self.backward_time
+
+    @property
+    def compute_fixed(self) -> np.ndarray:
+        """[n] the part of `compute_time` that a batch split does not shrink."""
+        return self.forward_fixed + self.backward_fixed  # type: ignore[operator]
+
+    def on_replicas(self, layers: slice, replicas: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one microbatch through `layers` on each of `replicas`
+        data replicas: the part that grows with the batch is split over them, the fixed part
+        (`forward_fixed`) is paid by each."""
+        return (replicated_seconds(float(self.forward_time[layers].sum()), float(self.forward_fixed[layers].sum()),
+                                   replicas),
+                replicated_seconds(float(self.backward_time[layers].sum()),
+                                   float(self.backward_fixed[layers].sum()), replicas))
 
     @property
     def update_time(self) -> np.ndarray:
@@ -158,6 +197,7 @@ class PipelineProfile:
             parameter=cumulative(self.parameter_bytes),
             stash=cumulative(stash),
             trainable=cumulative(self.trainable.astype(np.float64)),
+            fixed=cumulative(self.compute_fixed),
         )
 
     def stage_slice(self, start: int, stop: int) -> slice:
@@ -194,15 +234,17 @@ def uniform_profile(
 def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
     """The profile at `factor` times the batch size it was measured at.
 
-    Compute, activations and stash scale linearly with the batch (a first-order model: small
-    batches under-use a GPU, so the true time shrinks less); parameters do not scale.
+    Compute beyond its fixed part (`PipelineProfile.forward_fixed`), activations and stash scale
+    linearly with the batch; parameters and the fixed compute do not scale.
     """
     if not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"{profile.source}: batch scale factor {factor!r} must be > 0")
     return PipelineProfile(
         names=profile.names,
-        forward_time=profile.forward_time * factor,
-        backward_time=profile.backward_time * factor,
+        forward_time=profile.forward_fixed + (profile.forward_time - profile.forward_fixed) * factor,
+        backward_time=profile.backward_fixed + (profile.backward_time - profile.backward_fixed) * factor,
+        forward_fixed=profile.forward_fixed,
+        backward_fixed=profile.backward_fixed,
         activation_bytes=profile.activation_bytes * factor,
         parameter_bytes=profile.parameter_bytes,
         stash_bytes=None if profile.stash_bytes is None else profile.stash_bytes * factor,
@@ -243,6 +285,8 @@ def merge_layers(profile: PipelineProfile, pivots: tuple[int, ...] | list[int]) 
         stash_bytes=None if profile.stash_bytes is None else summed(profile.stash_bytes),
         source=profile.source,
         update_seconds_per_byte=profile.update_seconds_per_byte,
+        forward_fixed=summed(profile.forward_fixed),
+        backward_fixed=summed(profile.backward_fixed),
     )
 
 
@@ -252,4 +296,6 @@ def faster_profile(profile: PipelineProfile, factor: float) -> PipelineProfile:
         return profile
     return dataclasses.replace(profile, forward_time=profile.forward_time / factor,
                                backward_time=profile.backward_time / factor,
+                               forward_fixed=profile.forward_fixed / factor,
+                               backward_fixed=profile.backward_fixed / factor,
                                update_seconds_per_byte=profile.update_seconds_per_byte / factor)

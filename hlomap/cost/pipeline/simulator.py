@@ -2,8 +2,9 @@
 
 Model:
 - Each device stage (group of devices) is one serial compute resource; its r replicas run in
-  lockstep, each on 1/r of every microbatch, so a pass of a logical stage takes (sum of its
-  layers' times) / r. Under interleaved 1F1B a device stage runs V logical stages (chunks).
+  lockstep, each on 1/r of every microbatch, so a pass of a logical stage takes the sum of its
+  layers' times with the part that grows with the batch over r (a weight's read is every
+  replica's: `PipelineProfile.on_replicas`). Under interleaved 1F1B a device stage runs V logical stages (chunks).
 - Each device stage runs its passes in the fixed order of its schedule (`stages.device_order`); a
   pass starts when the group is free and its input has arrived: the activation from the previous
   logical stage (forward) or the gradient from the next one (backward; the last stage's backward
@@ -116,8 +117,8 @@ class SimulationResult:
 
 def pass_times(profile: PipelineProfile, plan: PipelinePlan,
                cluster: Cluster | None = None) -> tuple[list[float], list[float], list[float]]:
-    """(F, B, W) seconds per microbatch of each logical stage: its layers' times over its
-    replicas, on `cluster`'s slowest of them (`compute_slowdown`). Under ZB-H1 the backward
+    """(F, B, W) seconds per microbatch of each logical stage: its layers' times on each of its
+    replicas (`PipelineProfile.on_replicas`), on `cluster`'s slowest of them (`compute_slowdown`). Under ZB-H1 the backward
     splits into B = `INPUT_GRADIENT_SHARE` of it and W = the rest; otherwise W is 0 and B the
     whole backward."""
     split = plan.schedule is Schedule.ZERO_BUBBLE
@@ -125,9 +126,7 @@ def pass_times(profile: PipelineProfile, plan: PipelinePlan,
     for stage in plan.stages:
         layers = profile.stage_slice(stage.start, stage.stop)
         slowdown = 1.0 if cluster is None else compute_slowdown(cluster, stage.devices)
-        per_device = slowdown / stage.replication
-        f = float(profile.forward_time[layers].sum()) * per_device
-        b = float(profile.backward_time[layers].sum()) * per_device
+        f, b = (t * slowdown for t in profile.on_replicas(layers, stage.replication))
         forward.append(f)
         backward.append(b * INPUT_GRADIENT_SHARE if split else b)
         weight.append(b - b * INPUT_GRADIENT_SHARE if split else 0.0)

@@ -10,8 +10,10 @@ like every `PipelineProfile`.
 
 JSON (`pipeline.block_profile`): {"names": [str], "forward_seconds": [float],
 "backward_seconds": [float], "parameter_bytes": [float], "stash_bytes": [float] | null,
-"activation_bytes": [float] (one per boundary between blocks), "stage_bounds": [int]} where stage
-s of the plan is blocks [stage_bounds[s], stage_bounds[s + 1]).
+"activation_bytes": [float] (one per boundary between blocks), "stage_bounds": [int],
+"update_seconds_per_byte": float, "forward_fixed_seconds": [float], "backward_fixed_seconds": [float]}
+where stage s of the plan is blocks [stage_bounds[s], stage_bounds[s + 1]); the last three are
+optional (plans written before them read as 0: no update priced, every second split over replicas).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class PlanProfile(NamedTuple):
             "activation_bytes": p.activation_bytes.tolist(),
             "stage_bounds": list(self.stage_bounds),
             "update_seconds_per_byte": p.update_seconds_per_byte,
+            "forward_fixed_seconds": p.forward_fixed.tolist(),  # type: ignore[union-attr]
+            "backward_fixed_seconds": p.backward_fixed.tolist(),  # type: ignore[union-attr]
         }
 
     @classmethod
@@ -83,7 +87,9 @@ class PlanProfile(NamedTuple):
                 names=tuple(str(n) for n in data["names"]), forward_time=vector("forward_seconds"),
                 backward_time=vector("backward_seconds"), activation_bytes=vector("activation_bytes"),
                 parameter_bytes=vector("parameter_bytes"), stash_bytes=None if stash is None else vector("stash_bytes"),
-                source=where, update_seconds_per_byte=float(update))
+                source=where, update_seconds_per_byte=float(update),
+                forward_fixed=vector("forward_fixed_seconds") if "forward_fixed_seconds" in data else None,
+                backward_fixed=vector("backward_fixed_seconds") if "backward_fixed_seconds" in data else None)
         except ValueError as err:
             raise ProfileError(f"{where}: {err}") from None
         bounds = data["stage_bounds"]

@@ -59,7 +59,7 @@ from hlomap.search.task import EpisodeOutcome
 from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import AffineMax, GroupPrices, group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.profile import PipelineProfile, replicated_seconds
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
@@ -217,6 +217,7 @@ class CutEnv:
         self.end = self.center[-1]  # the device after the last stage's
         prefix = profile.prefix()
         self._compute = np.asarray(prefix.compute)
+        self._fixed = np.asarray(prefix.fixed)
         self._parameter = np.asarray(prefix.parameter)
         self._stash = np.asarray(prefix.stash)
         self._trainable = np.asarray(prefix.trainable)
@@ -377,9 +378,11 @@ class CutEnv:
             pivot_ok &= self._trainable[pivots + 1] - self._trainable[start] > 0.5
             pivot_ok &= self._trainable[n] - self._trainable[pivots + 1] > s - k - 1.5
         compute = self._compute[pivots + 1] - self._compute[start]
+        fixed = self._fixed[pivots + 1] - self._fixed[start]
         params = self._parameter[pivots + 1] - self._parameter[start]
         stash = self._stash[pivots + 1] - self._stash[start]
         remaining_compute = self._compute[n] - self._compute[pivots + 1]
+        remaining_fixed = self._fixed[n] - self._fixed[pivots + 1]
         remaining_params = self._parameter[n] - self._parameter[pivots + 1]
         crossing = self._crossing[pivots]
         decided = self.decided
@@ -392,11 +395,11 @@ class CutEnv:
             r = b - previous
             after = self.center[k + 2] if k + 2 < s else d
             after = max(after, b + 1)
-            own = compute / r
+            own = replicated_seconds(compute, fixed, r)
             allreduce = self._allreduce(previous, b)(params) / m
             time = own + allreduce
             move = self._transfer(previous, b, after)(crossing)
-            rest = remaining_compute / (d - b)
+            rest = replicated_seconds(remaining_compute, remaining_fixed, d - b)
             rest_stage = rest + self._allreduce(b, after)(remaining_params / remaining_stages) / m
             biggest = np.maximum.reduce([
                 np.full(self.slots, max(decided.max_time, decided.max_transfer)),

@@ -102,6 +102,8 @@ class LayerDag:
     source: str = "<dag>"
     tensors: tuple[DagTensor, ...] | None = None
     update_seconds_per_byte: float = 0.0
+    forward_fixed: np.ndarray | None = None
+    backward_fixed: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -129,7 +131,8 @@ class LayerDag:
         object.__setattr__(self, "tensors", self._checked_tensors())
         # The straight order's profile checks (and freezes a copy of) every per-layer array.
         straight = self.linearize(range(n))
-        for name in ("forward_time", "backward_time", "parameter_bytes", "stash_bytes"):
+        for name in ("forward_time", "backward_time", "parameter_bytes", "stash_bytes", "forward_fixed",
+                     "backward_fixed"):
             object.__setattr__(self, name, getattr(straight, name))
         object.__setattr__(self, "_straight", straight)
 
@@ -207,6 +210,8 @@ class LayerDag:
             tensors=tuple(DagTensor(new[t.producer], tuple(new[r] for r in t.readers), t.nbytes)
                           for t in self.tensors or ()),
             update_seconds_per_byte=self.update_seconds_per_byte,
+            forward_fixed=moved(self.forward_fixed),
+            backward_fixed=moved(self.backward_fixed),
         )
 
     def latest_order(self) -> tuple[int, ...]:
@@ -266,6 +271,8 @@ class LayerDag:
             stash_bytes=ordered(self.stash_bytes),
             source=self.source,
             update_seconds_per_byte=self.update_seconds_per_byte,
+            forward_fixed=ordered(self.forward_fixed),
+            backward_fixed=ordered(self.backward_fixed),
         )
 
 
@@ -359,6 +366,7 @@ def downset_states(dag: LayerDag, family: DownsetFamily) -> CutStates:
         parameter=_sequential_sum(members, dag.parameter_bytes),
         stash=_sequential_sum(members, stash),
         trainable=_sequential_sum(members, (dag.parameter_bytes > 0).astype(np.float64)),
+        fixed=_sequential_sum(members, dag.forward_fixed + dag.backward_fixed),  # type: ignore[operator]
     )
     return CutStates(
         totals=totals,

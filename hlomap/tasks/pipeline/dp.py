@@ -60,7 +60,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.costs import CommModel, allreduce_share, evaluate_plan
 from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
+from hlomap.cost.pipeline.profile import PipelineProfile, Prefix, replicated_seconds
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
@@ -662,6 +662,7 @@ class _ReplicationOptions:
     space: PipelineSpace
     prices: GroupPrices  # every pass prices the same device groups
     compute: np.ndarray = field(init=False)  # [a, b] pair tables
+    fixed: np.ndarray = field(init=False)  # the part of compute a batch split leaves on every replica
     parameter: np.ndarray = field(init=False)
     stash: np.ndarray = field(init=False)
     allowed: np.ndarray = field(init=False)  # a is nested in b, and trains something if required
@@ -673,6 +674,7 @@ class _ReplicationOptions:
         if self.space.require_trainable:
             allowed = allowed & (_pair(totals.trainable) > 0.5)
         object.__setattr__(self, "compute", _pair(totals.compute))
+        object.__setattr__(self, "fixed", _pair(totals.fixed))
         object.__setattr__(self, "parameter", _pair(totals.parameter))
         object.__setattr__(self, "stash", _pair(totals.stash))
         object.__setattr__(self, "allowed", allowed)
@@ -701,13 +703,14 @@ class _ReplicationOptions:
         return self.space.cost.comm is CommModel.OVERLAPPED
 
     def stage_seconds(self, device: int, option: int) -> np.ndarray:
-        """compute / r plus the stage's gradient all-reduce amortized over the microbatches, or
+        """Compute on each of r replicas (`replicated_seconds`: its fixed part whole, the rest / r)
+        plus the stage's gradient all-reduce amortized over the microbatches, or
         all of it per microbatch where the executors sync every microbatch
         (`costs.allreduce_share`, `links.allreduce_time`), plus its optimizer update amortized
         (each replica updates all the stage's parameters once per step)."""
         r = self.sizes[option]
         slowdown = compute_slowdown(self.cluster, range(device, device + r))
-        t = self.compute * (slowdown / r)
+        t = replicated_seconds(self.compute, self.fixed, r) * slowdown
         if self.states.update_per_byte:  # every replica updates all of the stage's parameters
             t = t + self.parameter * (self.states.update_per_byte * slowdown / self.space.microbatches)
         if self._comm and r > 1:

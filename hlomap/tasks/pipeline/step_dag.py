@@ -70,8 +70,11 @@ def step_dag(hlo: StepChain, scale: float = 1.0) -> LayerDag:
     stash = profile.stash_bytes
     return LayerDag(
         names=profile.names,
-        forward_time=profile.forward_time * scale,
-        backward_time=profile.backward_time * scale,
+        # the fixed part of each layer's time (`PipelineProfile.forward_fixed`) is the same for any batch
+        forward_time=profile.forward_fixed + (profile.forward_time - profile.forward_fixed) * scale,
+        backward_time=profile.backward_fixed + (profile.backward_time - profile.backward_fixed) * scale,
+        forward_fixed=profile.forward_fixed,
+        backward_fixed=profile.backward_fixed,
         parameter_bytes=profile.parameter_bytes,
         stash_bytes=None if stash is None else stash * scale,
         output_bytes=output,

@@ -34,6 +34,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, GroupCost, collective_group_times
 from hlomap.cost.pipeline.costs import pipeline_latency
+from hlomap.cost.pipeline.profile import replicated_seconds
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
 
@@ -239,7 +240,7 @@ class StageState:
         profile = layout.profile
         # compute per replica, and each stage's optimizer update amortized over the microbatches
         # as the closed form does (`costs.evaluate_plan`; every replica updates all its parameters)
-        self.compute = ((profile.forward_time + profile.backward_time) / np.asarray(layout.replication)
+        self.compute = (replicated_seconds(profile.compute_time, profile.compute_fixed, np.asarray(layout.replication))
                         + profile.update_time / layout.microbatches)
         self.params = profile.parameter_bytes
         self.cut_bytes = profile.activation_bytes

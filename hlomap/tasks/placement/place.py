@@ -22,9 +22,10 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from hlomap.cost.cluster import Cluster, busy_speedup
 from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
-from hlomap.cost.pipeline.profile import faster_profile
+from hlomap.cost.pipeline.costs import lockstep_latency
+from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile
 from hlomap.cost.pipeline.simulator import SimulationResult
-from hlomap.plan import PipelineKind, Placement, Plan
+from hlomap.plan import PipelineKind, Placement, Plan, Recompute
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Budget, Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError
@@ -157,14 +158,29 @@ class PipelineEstimate(NamedTuple):
     identity_model_seconds: float
 
 
-def estimate_pipeline_plan(plan: Plan, cluster: Cluster, *, where: str = "plan") -> PipelineEstimate:
-    """Simulate a pipeline plan on `cluster` on its placement (or identity) and on the identity."""
+def _priced_layout(plan: Plan, cluster: Cluster, where: str) -> tuple[StageLayout, PipelineProfile]:
+    """The plan's stage layout on `cluster`, and its profile at the pace of the devices it keeps busy."""
     problem = problem_from_plan(plan, cluster, where=where)
     layout = problem.layout
     assert isinstance(layout, StageLayout)
-    model = PipelineModel(cluster)
     # the profile's times are the cluster's all-busy rate; a plan on fewer devices computes faster
-    profile = faster_profile(layout.profile, busy_speedup(cluster, len(set(plan.device_order()))))
+    return layout, faster_profile(layout.profile, busy_speedup(cluster, len(set(plan.device_order()))))
+
+
+def lockstep_pipeline_seconds(plan: Plan, cluster: Cluster, *, where: str = "plan") -> float:
+    """A pipeline plan's step as the spmd executor runs it, on its placement (`costs.lockstep_latency`):
+    it rematerializes stage calls when several microbatches are in flight or a stage asks for it."""
+    layout, profile = _priced_layout(plan, cluster, where)
+    section = plan.pipeline
+    assert section is not None
+    remat = section.microbatches > 1 or any(s.recompute is not Recompute.NONE for s in section.stages)
+    return lockstep_latency(profile, cluster, layout.plan(plan.device_order()), remat=remat)
+
+
+def estimate_pipeline_plan(plan: Plan, cluster: Cluster, *, where: str = "plan") -> PipelineEstimate:
+    """Simulate a pipeline plan on `cluster` on its placement (or identity) and on the identity."""
+    layout, profile = _priced_layout(plan, cluster, where)
+    model = PipelineModel(cluster)
     runs = []
     for devices in (plan.device_order(), plan.logical_devices()):
         if max(devices) >= cluster.n_devices:

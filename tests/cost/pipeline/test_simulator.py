@@ -15,7 +15,7 @@ from hlomap.cost.pipeline.simulator import PipelineMemoryError, SpanKind, simula
 from hlomap.cost.pipeline.timeline import COMPUTE
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage
 from hlomap.report.gantt import draw_gantt
-from hlomap.cost.pipeline.costs import gpipe_latency
+from hlomap.cost.pipeline.costs import gpipe_latency, lockstep_latency
 from tests.tasks.pipeline.strategies import clusters as random_clusters
 from tests.tasks.pipeline.strategies import uniform_cluster
 from tests.tasks.pipeline.strategies import profiles
@@ -270,3 +270,58 @@ def test_each_stage_updates_its_parameters_once_after_its_last_pass(profile, clu
             assert stage_update_seconds(profile, cluster, plan, s) == pytest.approx(params * per_byte, rel=1e-9)
             last = max(span.end for span in result.spans if span.stage == s and span.kind in COMPUTE)
             assert mine[0].start >= last - 1e-15
+
+
+def _random_gpipe_plan(profile, cluster, data):
+    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, profile.n_layers - 1), min_size=n_stages - 1,
+                                    max_size=n_stages - 1)))
+    replication = [1] * n_stages
+    for _ in range(cluster.n_devices - n_stages):
+        replication[data.draw(st.integers(0, n_stages - 1))] += 1
+    return PipelinePlan.linear([0, *cuts, profile.n_layers], replication, microbatches=data.draw(st.integers(1, 6)),
+                               schedule=Schedule.GPIPE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(profile=profiles(min_layers=2, max_layers=6), cluster=random_clusters(), data=st.data(),
+       remat=st.booleans())
+def test_lockstep_ticks_are_never_faster_than_the_overlapped_gpipe_schedule(profile, cluster, data, remat):
+    """The spmd executor's lockstep (`costs.lockstep_latency`) waits for the slowest stage every
+    tick and computes in the fill and drain ticks too; on devices that do not share hardware it
+    cannot beat the event simulator's GPipe, whose stages start as soon as their input is there."""
+    plan = _random_gpipe_plan(profile, cluster, data)
+    lockstep = lockstep_latency(profile, cluster, plan, remat=remat)
+    assert lockstep >= gpipe_latency(profile, cluster, plan) * (1 - 1e-9) - 1e-12
+    assert lockstep_latency(profile, cluster, plan, remat=True) >= lockstep_latency(
+        profile, cluster, plan, remat=False) * (1 - 1e-12)
+
+
+def test_lockstep_by_hand():
+    """Two stages of one device each, M = 3: T = 4 ticks each way. A forward tick is the slower
+    stage's forward, a backward tick its backward plus the forward recomputed; links are free
+    and nothing is replicated, so no all-reduce; no parameters, no row passes, no update."""
+    profile = PipelineProfile(names=("a", "b"), forward_time=np.array([1.0, 3.0]),
+                              backward_time=np.array([2.0, 5.0]), activation_bytes=np.array([0.0]),
+                              parameter_bytes=np.array([0.0, 0.0]))
+    cluster = uniform_cluster(2, latency=0.0, bandwidth=float("inf"))
+    plan = PipelinePlan.linear([0, 1, 2], [1, 1], microbatches=3, schedule=Schedule.GPIPE)
+    assert lockstep_latency(profile, cluster, plan, remat=False) == pytest.approx(4 * 3.0 + 4 * 5.0)
+    assert lockstep_latency(profile, cluster, plan, remat=True) == pytest.approx(4 * 3.0 + 4 * (5.0 + 3.0))
+
+
+def test_on_devices_sharing_cores_a_tick_takes_the_devices_mean_work():
+    """Host CPU devices share the cores (`MeasuredCosts.solo_speedup`): a device that finishes
+    its tick early lends its cores to the others, so a tick of unequal stages lasts the mean
+    device's work (priced at the all-busy rate), unless the slowest alone at full speed is longer."""
+    from hlomap.cost.measured import MeasuredCosts
+
+    profile = PipelineProfile(names=("a", "b"), forward_time=np.array([1.0, 3.0]),
+                              backward_time=np.array([2.0, 6.0]), activation_bytes=np.array([0.0]),
+                              parameter_bytes=np.array([0.0, 0.0]))
+    cluster = uniform_cluster(2, latency=0.0, bandwidth=float("inf"))
+    plan = PipelinePlan.linear([0, 1, 2], [1, 1], microbatches=1, schedule=Schedule.GPIPE)
+    shared = replace(cluster, measured=MeasuredCosts(solo_speedup=8.0, n_devices=2))  # alone: up to 2x
+    assert lockstep_latency(profile, shared, plan, remat=False) == pytest.approx(2 * (2.0 + 4.0))
+    slow_alone = replace(cluster, measured=MeasuredCosts(solo_speedup=1.2, n_devices=2))  # alone: 1.2x
+    assert lockstep_latency(profile, slow_alone, plan, remat=False) == pytest.approx(2 * (3.0 + 6.0) / 1.2)

@@ -30,15 +30,33 @@ def profiles(draw: st.DrawFn, *, min_layers: int = 1, max_layers: int = 6) -> Pi
     time = st.integers(0, 3).map(float) if coarse else st.floats(0.0, 2.0)
     nbytes = st.floats(0.0, 2e9)
     params = st.one_of(st.just(0.0), st.floats(1e6, 1e9))
+    forward = np.array(draw(st.lists(time, min_size=n, max_size=n)))
+    backward = np.array(draw(st.lists(time, min_size=n, max_size=n)))
+    forward_fixed, backward_fixed = draw(fixed_parts(forward, backward))
     return PipelineProfile(
         names=tuple(f"l{i}" for i in range(n)),
-        forward_time=np.array(draw(st.lists(time, min_size=n, max_size=n))),
-        backward_time=np.array(draw(st.lists(time, min_size=n, max_size=n))),
+        forward_time=forward,
+        backward_time=backward,
         activation_bytes=np.array(draw(st.lists(nbytes, min_size=n - 1, max_size=n - 1))),
         parameter_bytes=np.array(draw(st.lists(params, min_size=n, max_size=n))),
         stash_bytes=np.array(draw(st.lists(st.floats(0.0, 1e9), min_size=n, max_size=n))),
         source="hypothesis",
+        forward_fixed=forward_fixed,
+        backward_fixed=backward_fixed,
     )
+
+
+@st.composite
+def fixed_parts(draw: st.DrawFn, forward: np.ndarray,
+                backward: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """None (every second shrinks with a split batch), or a random share of each layer's time
+    that does not (`PipelineProfile.forward_fixed`), sometimes all of it."""
+    if not draw(st.booleans()):
+        return None, None
+    share = st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0))
+    n = len(forward)
+    return (forward * np.array(draw(st.lists(share, min_size=n, max_size=n))),
+            backward * np.array(draw(st.lists(share, min_size=n, max_size=n))))
 
 
 @st.composite
@@ -61,15 +79,19 @@ def layer_dags(
     def vector(values: st.SearchStrategy[float]) -> np.ndarray:
         return np.array(draw(st.lists(values, min_size=n, max_size=n)))
 
+    forward, backward = vector(time), vector(time)
+    forward_fixed, backward_fixed = draw(fixed_parts(forward, backward))
     return LayerDag(
         names=tuple(f"v{i}" for i in range(n)),
-        forward_time=vector(time),
-        backward_time=vector(time),
+        forward_time=forward,
+        backward_time=backward,
         parameter_bytes=vector(st.one_of(st.just(0.0), st.floats(1e6, 1e9))),
         stash_bytes=vector(st.floats(0.0, 1e9)),
         output_bytes=vector(st.floats(0.0, 2e9)),
         consumers=tuple(consumers),
         source="hypothesis-dag",
+        forward_fixed=forward_fixed,
+        backward_fixed=backward_fixed,
     )
 
 

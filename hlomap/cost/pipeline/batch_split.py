@@ -1,0 +1,99 @@
+"""How much of each instruction's time does not shrink when its batch is split.
+
+A pipeline profile prices every layer at the captured batch and a stage runs a microbatch of it
+on r data replicas, so the profile's times are scaled by 1 / (M r). That holds for work that
+grows with the batch (the flops, the activations read and written) but not for the rest: a
+layer's matmul reads its whole weight matrix however few examples it multiplies, and its weight
+gradient writes a whole matrix too. On a small model or a small microbatch that part dominates
+(haiku-mlp's first layer at 8 examples per microbatch on 2 replicas: the 1.6 MB weight read is
+six times the share of the layer's time the linear scaling left), and the pipelines were priced
+several times under what they measured.
+
+The split comes from the data-parallel plan the SPMD estimate already prices: each entry
+instruction is costed at the captured batch (t_1) and with the batch split K ways by the
+data-parallel plan (`propagation.plans.data_parallel_plan`, the built-in `dp`; t_K: its flops
+over its split degree, its operand and result bytes as that plan shards them), and the time is
+taken as `fixed + (t_1 - fixed) / k` for a batch split k ways, the line through both points:
+fixed = (K t_K - t_1) / (K - 1), clipped to [0, t_1].
+A model whose batch cannot be split (no data input, a batch K does not divide) keeps fixed = 0:
+the linear scaling of before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hlomap.cost.compute import CostCache, instruction_cost
+from hlomap.cost.devices import DeviceSpec
+from hlomap.hlo.capture import Capture
+
+if TYPE_CHECKING:
+    from hlomap.cost.sharding import ShardedGraph
+
+log = logging.getLogger(__name__)
+
+#: The split the line is fitted through: the largest of these that divides the batch.
+SPLIT_DEGREES = (8, 4, 2)
+
+
+def split_degree(batch: int | None) -> int | None:
+    """The largest of `SPLIT_DEGREES` dividing `batch` (None when none does or it is unknown)."""
+    if not batch:
+        return None
+    return next((k for k in SPLIT_DEGREES if batch % k == 0), None)
+
+
+def fixed_fraction(t_1: float, t_k: float, k: int) -> float:
+    """The share of `t_1` that stays when the batch is split: the intercept of the line through
+    (1, t_1) and (1 / k, t_k) over t_1, clipped to [0, 1]."""
+    if t_1 <= 0.0 or k <= 1:
+        return 0.0
+    fixed = (k * t_k - t_1) / (k - 1)
+    return float(min(max(fixed / t_1, 0.0), 1.0))
+
+
+def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = None) -> dict[str, float]:
+    """Entry instruction name -> the share of its seconds on `device` that does not shrink with a
+    split batch (module docstring); empty when the batch cannot be split."""
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.propagation.conflicts import MeshAxes
+    from hlomap.propagation.graph import FactorGraph
+    from hlomap.propagation.plans import data_parallel_plan
+
+    k = split_degree(cap.batch_size)
+    if k is None:
+        return {}
+    graph = FactorGraph.from_capture(cap)
+    axes = MeshAxes.from_mesh({"data": k})
+    try:
+        plan = data_parallel_plan(graph, "data", axes)
+    except ValueError as err:  # no data input to split
+        log.info("%s: no data-parallel split to price a microbatch's fixed work (%s)", cap.source, err)
+        return {}
+    split = ShardedGraph.build(graph, plan, axes)
+    whole = ShardedGraph.build(graph, np.full(graph.num_groups, -1, dtype=np.int64), axes)
+    module = cap.module
+    entry = module.entry
+    cache = {} if cache is None else cache
+    out: dict[str, float] = {}
+    for n, node in enumerate(graph.nodes):
+        if node.computation != entry.name:
+            continue
+        cost = instruction_cost(node.instruction, entry, module, device, cache)
+        if cost.seconds <= 0.0:
+            continue
+        moved_whole = _moved_bytes(whole, n)
+        ratio = _moved_bytes(split, n) / moved_whole if moved_whole > 0 else 1.0
+        degree = max(int(split.node_degree[n]), 1)
+        t_k = max(cost.compute_seconds / degree, cost.memory_seconds * ratio)
+        out[node.instruction.name] = fixed_fraction(cost.seconds, t_k, k)
+    return out
+
+
+def _moved_bytes(sg: ShardedGraph, node: int) -> float:
+    """Per-device bytes an instruction reads and writes under a sharded graph: its operands' and
+    its own results'."""
+    return sum(sg.node_result_bytes(o) for o in sg.node_operand_nodes(node)) + sg.node_result_bytes(node)
