@@ -262,3 +262,27 @@ def test_explore_measure_of_auto_lists_joint_plans_of_fewer_stages_and_the_spmd_
     assert names[PICK] == "joint" and "joint 1 stage" in names
     assert {"joint", "spmd"} <= set(names.values())
     assert plan.pipeline is not None and plan.search is not None and plan.search["task"] == "auto"
+
+
+CPU8 = ROOT / "tests" / "data" / "clusters" / "cpu8.cluster.json"
+
+
+def test_a_one_stage_auto_pick_takes_the_sharding_search_on_its_mesh_when_that_prices_faster() -> None:
+    """On the CI machine's calibration the joint planner puts haiku-mlp on one stage of data 2 x
+    model 4 with Megatron's sharding; the sharding task's greedy search on that mesh finds a plan
+    the cost model prices faster, which auto returns (recording the joint pick's price), and a
+    measured selection still times the joint pick beside it."""
+    cap = api.load_source(TINY)
+    found = api.explore_auto_detailed(cap, cluster=str(CPU8))
+    assert found.joint is not None and found.joint.pipeline is None and found.plan.pipeline is None
+    assert dict(found.plan.mesh) == dict(found.joint.mesh)
+    refined = found.plan.search["refined"]
+    assert refined["step_seconds"] < refined["joint_pick_step_seconds"]
+    assert api.simulate_plan(cap, found.plan, cluster=str(CPU8)).step_seconds == pytest.approx(refined["step_seconds"])
+    assert api.simulate_plan(cap, found.joint, cluster=str(CPU8)).step_seconds == pytest.approx(
+        refined["joint_pick_step_seconds"])
+    listed = {c.name: c for c in api.explore_candidates(found, cap, str(CPU8))}
+    assert listed[PICK].plan is found.plan and listed[PICK].family is Family.SPMD
+    assert "joint pick" in listed and listed["joint pick"].family is Family.JOINT
+    # where the joint pick is a pipeline nothing is refined
+    assert api.refined_sharding(cap, api.explore(cap, task="auto", cluster="hier:1x8"), "hier:1x8") is None
