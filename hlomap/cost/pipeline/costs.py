@@ -432,9 +432,9 @@ def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
     - a tick lasts as long as the slowest device's work, or, on devices sharing hardware (host
       CPU devices, `busy_speedup`), as long as all devices' work takes the shared hardware when
       that is longer: the devices that finish early lend the others their cores;
-    - then its collectives, stage after stage: the gradient all-reduce over the stage's replicas
-      (XLA's partitioner puts it where each tick's gradient is made) and the send to the next
-      stage.
+    - then its collectives, as long as the slowest stage's: in a backward tick the gradient
+      all-reduce over the stage's replicas (XLA's partitioner puts it where each tick's gradient
+      is made), in every tick the send to the next stage.
 
     Then each device stage updates its parameters (`stage_update_seconds`), all in parallel."""
     check_plan(profile, cluster, plan)

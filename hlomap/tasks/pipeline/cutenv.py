@@ -389,6 +389,7 @@ class CutEnv:
         remaining_stages = s - k - 1
         count = in_flight(space.schedule, k, s, m)
         factor = space.cost.param_memory_factor
+        update = self.task.profile.update_seconds_per_byte
         for j, b in enumerate(options):
             if b < 0:
                 continue
@@ -397,10 +398,11 @@ class CutEnv:
             after = max(after, b + 1)
             own = replicated_seconds(compute, fixed, r)
             allreduce = self._allreduce(previous, b)(params) / m
-            time = own + allreduce
+            time = own + allreduce + params * update / m  # every replica updates the stage's parameters
             move = self._transfer(previous, b, after)(crossing)
             rest = replicated_seconds(remaining_compute, remaining_fixed, d - b)
-            rest_stage = rest + self._allreduce(b, after)(remaining_params / remaining_stages) / m
+            rest_params = remaining_params / remaining_stages
+            rest_stage = rest + self._allreduce(b, after)(rest_params) / m + rest_params * update / m
             biggest = np.maximum.reduce([
                 np.full(self.slots, max(decided.max_time, decided.max_transfer)),
                 time, move, rest_stage,

@@ -103,20 +103,22 @@ def test_two_stages_one_microbatch_by_hand():
     assert kinds.count(SpanKind.ALLREDUCE) == 1
 
 
-@settings(max_examples=60, deadline=None)
-@given(profile=profiles(min_layers=2, max_layers=6), cluster=random_clusters(), data=st.data())
-def test_gpipe_matches_the_flow_shop_closed_form_with_communication(profile, cluster, data):
+def _random_gpipe_plan(profile, cluster, data):
+    """A GPipe plan of random cuts over every device of `cluster`, replicas spread at random."""
     n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
-    cuts = sorted(data.draw(st.sets(
-        st.integers(1, profile.n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1
-    )))
+    cuts = sorted(data.draw(st.sets(st.integers(1, profile.n_layers - 1), min_size=n_stages - 1,
+                                    max_size=n_stages - 1)))
     replication = [1] * n_stages
     for _ in range(cluster.n_devices - n_stages):
         replication[data.draw(st.integers(0, n_stages - 1))] += 1
-    plan = PipelinePlan.linear(
-        [0, *cuts, profile.n_layers], replication,
-        microbatches=data.draw(st.integers(1, 6)), schedule=Schedule.GPIPE,
-    )
+    return PipelinePlan.linear([0, *cuts, profile.n_layers], replication, microbatches=data.draw(st.integers(1, 6)),
+                               schedule=Schedule.GPIPE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(profile=profiles(min_layers=2, max_layers=6), cluster=random_clusters(), data=st.data())
+def test_gpipe_matches_the_flow_shop_closed_form_with_communication(profile, cluster, data):
+    plan = _random_gpipe_plan(profile, cluster, data)
     result = simulate(profile, cluster, plan)
     assert result.length == pytest.approx(gpipe_latency(profile, cluster, plan), rel=1e-9, abs=1e-12)
 
@@ -131,14 +133,8 @@ def test_where_every_microbatch_syncs_the_all_reduce_is_part_of_each_backward(pr
     from hlomap.cost.pipeline.links import allreduce_time
 
     measured = replace(cluster, measured=MeasuredCosts())
-    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
-    cuts = sorted(data.draw(st.sets(st.integers(1, profile.n_layers - 1), min_size=n_stages - 1,
-                                    max_size=n_stages - 1)))
-    replication = [1] * n_stages
-    for _ in range(cluster.n_devices - n_stages):
-        replication[data.draw(st.integers(0, n_stages - 1))] += 1
-    m = data.draw(st.integers(1, 6))
-    plan = PipelinePlan.linear([0, *cuts, profile.n_layers], replication, microbatches=m, schedule=Schedule.GPIPE)
+    plan = _random_gpipe_plan(profile, cluster, data)
+    m = plan.microbatches
     result = simulate(profile, measured, plan)
     assert not any(span.kind is SpanKind.ALLREDUCE for span in result.spans)
     assert result.length == pytest.approx(gpipe_latency(profile, measured, plan), rel=1e-9, abs=1e-12)
@@ -270,17 +266,6 @@ def test_each_stage_updates_its_parameters_once_after_its_last_pass(profile, clu
             assert stage_update_seconds(profile, cluster, plan, s) == pytest.approx(params * per_byte, rel=1e-9)
             last = max(span.end for span in result.spans if span.stage == s and span.kind in COMPUTE)
             assert mine[0].start >= last - 1e-15
-
-
-def _random_gpipe_plan(profile, cluster, data):
-    n_stages = data.draw(st.integers(1, min(profile.n_layers, cluster.n_devices)))
-    cuts = sorted(data.draw(st.sets(st.integers(1, profile.n_layers - 1), min_size=n_stages - 1,
-                                    max_size=n_stages - 1)))
-    replication = [1] * n_stages
-    for _ in range(cluster.n_devices - n_stages):
-        replication[data.draw(st.integers(0, n_stages - 1))] += 1
-    return PipelinePlan.linear([0, *cuts, profile.n_layers], replication, microbatches=data.draw(st.integers(1, 6)),
-                               schedule=Schedule.GPIPE)
 
 
 @settings(max_examples=60, deadline=None)

@@ -15,10 +15,13 @@ from tests.tasks.pipeline.strategies import uniform_cluster
 
 
 def _profile(n: int, seed: int = 0) -> PipelineProfile:
+    """Random layers, each with a random part of its time that a split batch does not shrink."""
     rng = np.random.default_rng(seed)
-    return PipelineProfile(names=tuple(f"l{i}" for i in range(n)), forward_time=rng.uniform(1e-4, 1e-3, n),
-                           backward_time=rng.uniform(2e-4, 2e-3, n), activation_bytes=rng.uniform(1e5, 1e7, n - 1),
-                           parameter_bytes=rng.uniform(0, 1e7, n), stash_bytes=rng.uniform(0, 1e6, n))
+    forward, backward = rng.uniform(1e-4, 1e-3, n), rng.uniform(2e-4, 2e-3, n)
+    return PipelineProfile(names=tuple(f"l{i}" for i in range(n)), forward_time=forward, backward_time=backward,
+                           activation_bytes=rng.uniform(1e5, 1e7, n - 1), parameter_bytes=rng.uniform(0, 1e7, n),
+                           stash_bytes=rng.uniform(0, 1e6, n), forward_fixed=forward * rng.uniform(0, 1, n),
+                           backward_fixed=backward * rng.uniform(0, 1, n))
 
 
 @pytest.mark.parametrize("n, max_blocks", [(40, 64), (300, 64), (300, 8)])
@@ -38,6 +41,12 @@ def test_blocks_keep_the_plans_cost(n, max_blocks):
     again = PlanProfile.from_json(json.loads(json.dumps(blocks.to_json())))
     assert again.stage_bounds == blocks.stage_bounds
     np.testing.assert_allclose(again.blocks.activation_bytes, blocks.blocks.activation_bytes)
+    np.testing.assert_allclose(again.blocks.forward_fixed, blocks.blocks.forward_fixed)
+    np.testing.assert_allclose(again.blocks.backward_fixed, blocks.blocks.backward_fixed)
+    assert again.blocks.forward_fixed.sum() == pytest.approx(profile.forward_fixed.sum())
+    # a plan written before the fixed part existed reads as none: every second split over replicas
+    older = {k: v for k, v in blocks.to_json().items() if not k.endswith("_fixed_seconds")}
+    assert not PlanProfile.from_json(older).blocks.compute_fixed.any()
 
 
 def test_bad_block_profiles_name_the_field():
