@@ -555,3 +555,29 @@ def test_calibrate_checks_the_output_before_measuring(tmp_path: Path, capsys: py
     captured = capsys.readouterr()
     assert "directory does not exist" in captured.err
     assert "calibrate ━" not in captured.err and "matmul dtype" not in captured.out  # nothing was measured
+
+
+def test_simulate_prices_a_pipeline_on_the_executor_asked_for(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`--executor`: the spmd executor's lockstep ticks or the mpmd executor's simulated schedule,
+    each plus its own cost on the cluster (none on a datasheet cluster); an SPMD plan has none."""
+    plan_path = tmp_path / "gpipe.json"
+    assert run(["explore", "zoo:haiku-mlp", "--task", "pipeline", "--stages", "2", "--agent", "dp", "-q",
+                "--microbatches", "4", "--schedule", "gpipe", "--cluster", "hier:1x8", "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    priced = {}
+    for executor in ("spmd", "mpmd"):
+        assert run(["simulate", "zoo:haiku-mlp", "--plan", str(plan_path), "--cluster", "hier:1x8", "--json",
+                    "--executor", executor]) == 0
+        priced[executor] = json.loads(capsys.readouterr().out)
+    spmd, mpmd = priced["spmd"], priced["mpmd"]
+    assert spmd["executor"] == "spmd" and mpmd["executor"] == "mpmd"
+    assert mpmd["lockstep_seconds"] is None
+    assert mpmd["executor_step_seconds"] == pytest.approx(mpmd["step_seconds"] + mpmd["executor_seconds"])
+    assert spmd["executor_step_seconds"] == pytest.approx(spmd["lockstep_seconds"] + spmd["executor_seconds"])
+    assert spmd["lockstep_seconds"] >= spmd["step_seconds"]  # lockstep never beats the overlapped schedule here
+    assert run(["simulate", "zoo:haiku-mlp", "--plan", str(plan_path), "--cluster", "hier:1x8",
+                "--executor", "mpmd"]) == 0
+    assert "on the mpmd executor: step" in capsys.readouterr().out
+    assert run(["simulate", "zoo:haiku-mlp", "--plan", "dp", "--executor", "spmd"]) == 2
+    assert "executor 'spmd'" in capsys.readouterr().err

@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-parameters", action="store_true",
                    help="store the trainable parameters split over the plan's data axes too (FSDP / ZeRO-3: "
                         "implies --shard-optimizer-state) and price that")
+    p.add_argument("--executor", choices=("spmd", "mpmd"),
+                   help="price a pipeline or joint plan on this executor (default: the one the runner would "
+                        "choose: spmd for GPipe on stages alike, else mpmd)")
     p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
@@ -55,7 +58,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cap = common.load_capture(args) if api.needs_module(plan) else None
     simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan,
                                    shard_optimizer_state=args.shard_optimizer_state,
-                                   shard_parameters=args.shard_parameters)
+                                   shard_parameters=args.shard_parameters, executor=args.executor)
     if args.json:
         common.print_json(simulation_json(simulation), indent=2)
     else:
