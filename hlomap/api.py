@@ -1090,7 +1090,7 @@ def refined_sharding(cap: Capture, plan: Any, cluster: Any) -> Any | None:
     task = "hybrid" if len(mesh) == 2 else ("adp" if "data" in mesh else "opp")
     try:
         found = explore_detailed(cap, task, mesh, cluster, "greedy", REFINE_SECONDS, 0, "cost")
-    except (InputError, ValueError) as err:  # a step the sharding task cannot search: keep the pick
+    except ValueError as err:  # a step the sharding task cannot search (InputError among them): keep the pick
         log.info("auto: no sharding search on the pick's mesh %s (%s)", mesh, err)
         return None
     options = [found.plan]

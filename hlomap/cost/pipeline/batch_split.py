@@ -32,6 +32,7 @@ from hlomap.hlo.capture import Capture
 
 if TYPE_CHECKING:
     from hlomap.cost.sharding import ShardedGraph
+    from hlomap.propagation.graph import FactorGraph
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ def fixed_fraction(t_1: float, t_k: float, k: int) -> float:
     return float(min(max(fixed / t_1, 0.0), 1.0))
 
 
-def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = None) -> dict[str, float]:
+def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = None, *,
+                    graph: FactorGraph | None = None) -> dict[str, float]:
     """Entry instruction name -> the share of its seconds on `device` that does not shrink with a
-    split batch (module docstring); empty when the batch cannot be split."""
+    split batch (module docstring); empty when the batch cannot be split. `graph`: the step's
+    factor graph when the caller has it already (building it is most of this function's time)."""
     from hlomap.cost.sharding import ShardedGraph
     from hlomap.propagation.conflicts import MeshAxes
     from hlomap.propagation.graph import FactorGraph
@@ -66,7 +69,7 @@ def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = 
     k = split_degree(cap.batch_size)
     if k is None:
         return {}
-    graph = FactorGraph.from_capture(cap)
+    graph = graph if graph is not None else FactorGraph.from_capture(cap)
     axes = MeshAxes.from_mesh({"data": k})
     try:
         plan = data_parallel_plan(graph, "data", axes)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -64,6 +64,9 @@ from hlomap.hlo.ir import Computation, Instruction
 from hlomap.cost.pipeline.batch_split import fixed_fractions
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
 from hlomap.hlo.source_info import layer_name, nearest_scopes, scope_of, source_location, source_tables
+
+if TYPE_CHECKING:
+    from hlomap.propagation.graph import FactorGraph
 
 __all__ = [
     "kept_bytes",
@@ -374,9 +377,10 @@ def attribute(cap: Capture) -> ChainAttribution:
 
 
 def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
-                 attribution: ChainAttribution | None = None) -> ChainArrays:
+                 attribution: ChainAttribution | None = None, graph: FactorGraph | None = None) -> ChainArrays:
     """Per-chain-instruction forward/backward seconds, crossing bytes, W and stash
-    (`attribution`: `attribute(cap)` when the caller has it already)."""
+    (`attribution`: `attribute(cap)`, `graph`: the step's factor graph, when the caller has them
+    already)."""
     spec = _device(device)
     module = cap.module
     entry = module.entry
@@ -393,7 +397,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
     backward_time = np.zeros(n)
     forward_fixed = np.zeros(n)
     backward_fixed = np.zeros(n)
-    fixed = fixed_fractions(cap, spec, cache)
+    fixed = fixed_fractions(cap, spec, cache, graph=graph)
     for name, p in found.anchor.items():
         forward = name in found.forward
         t = seconds(name)
@@ -551,10 +555,12 @@ def step_chain(
     *,
     options: PivotOptions = PivotOptions(),
     attribution: ChainAttribution | None = None,
+    graph: FactorGraph | None = None,
 ) -> StepChain:
     """The pipeline model of a captured train step on `device` (default: a V100-16GB);
-    `attribution`: `attribute(cap)` when the caller has it already."""
-    chain = chain_arrays(cap, device, attribution=attribution)
+    `attribution`: `attribute(cap)`, `graph`: the step's factor graph, when the caller has them
+    already."""
+    chain = chain_arrays(cap, device, attribution=attribution, graph=graph)
     kept = select_pivots(chain, options)
     profile = merge_layers(chain.profile, kept)
     scopes = nearest_scopes(chain.layers)

@@ -50,7 +50,8 @@ from typing import Any, Sequence
 from hlomap.cost.cluster import Cluster, busy_speedup, compute_slowdown
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
-from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, device_order, held_counts
+from hlomap.cost.pipeline.stages import (INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, Stage, device_order,
+                                         held_counts)
 from hlomap.cost.pipeline.timeline import event_timeline
 
 __all__ = [
@@ -203,16 +204,29 @@ def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches
     return cluster.measured.executor_seconds(executor, stages, microbatches)
 
 
+def stage_passes(profile: PipelineProfile, cluster: Cluster | None, stage: Stage) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch through a logical stage on each of its
+    replicas (`PipelineProfile.on_replicas`), at its slowest device's pace on `cluster`
+    (`compute_slowdown`; None: every device at full speed)."""
+    slowdown = 1.0 if cluster is None else compute_slowdown(cluster, stage.devices)
+    forward, backward = profile.on_replicas(profile.stage_slice(stage.start, stage.stop), stage.replication)
+    return forward * slowdown, backward * slowdown
+
+
+def device_stage_parameter_bytes(profile: PipelineProfile, plan: PipelinePlan, group: int) -> float:
+    """Parameter bytes device stage `group` holds: those of all its chunks (logical stages)."""
+    return sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
+               for stage in plan.stages[group::plan.device_stages])
+
+
 def stage_update_seconds(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan, group: int) -> float:
     """Seconds of device stage `group`'s optimizer update, once per step: its chunks' parameter
     bytes times `PipelineProfile.update_seconds_per_byte`, at its slowest device's pace (every
     replica updates all of the stage's parameters)."""
     if not profile.update_seconds_per_byte:
         return 0.0
-    groups = plan.device_stages
-    params = sum(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
-                 for stage in plan.stages[group::groups])
-    return params * profile.update_seconds_per_byte * compute_slowdown(cluster, plan.stages[group].devices)
+    return (device_stage_parameter_bytes(profile, plan, group) * profile.update_seconds_per_byte
+            * compute_slowdown(cluster, plan.stages[group].devices))
 
 
 def check_plan(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> None:
@@ -313,13 +327,11 @@ def evaluate_plan(
     m, groups = plan.microbatches, plan.device_stages
     compute, forward, backward, params = [], [], [], []
     for stage in plan.stages:
-        layers = profile.stage_slice(stage.start, stage.stop)
-        slowdown = compute_slowdown(cluster, stage.devices)
-        f, b = profile.on_replicas(layers, stage.replication)
-        compute.append((f + b) * slowdown)
-        forward.append(f * slowdown)
-        backward.append(b * slowdown)
-        params.append(float(profile.parameter_bytes[layers].sum()))
+        f, b = stage_passes(profile, cluster, stage)
+        compute.append(f + b)
+        forward.append(f)
+        backward.append(b)
+        params.append(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum()))
     # one all-reduce per device stage, of all its chunks' gradients
     allreduce = [float(prices.allreduce(plan.stages[g].devices)(sum(params[g::groups]))) if comm else 0.0
                  for g in range(groups)]
@@ -382,12 +394,10 @@ def gpipe_latency(
     m, n_stages = plan.microbatches, plan.n_stages
     forward, backward, allreduce = [], [], []
     for stage in plan.stages:
-        layers = profile.stage_slice(stage.start, stage.stop)
-        slowdown = compute_slowdown(cluster, stage.devices)
-        f, b = profile.on_replicas(layers, stage.replication)
-        forward.append(f * slowdown)
-        backward.append(b * slowdown)
-        params = float(profile.parameter_bytes[layers].sum())
+        f, b = stage_passes(profile, cluster, stage)
+        forward.append(f)
+        backward.append(b)
+        params = float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
         allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
     if syncs_each_microbatch(cluster):  # every microbatch's backward ends with its all-reduce
         backward = [b + a for b, a in zip(backward, allreduce)]
@@ -440,16 +450,14 @@ def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
     check_plan(profile, cluster, plan)
     groups = plan.device_stages
     ticks = plan.microbatches * plan.repeats + groups - 1
-    row = max(sum(float(profile.parameter_bytes[profile.stage_slice(s.start, s.stop)].sum())
-                  for s in plan.stages[g::groups]) for g in range(groups))
+    row = max(device_stage_parameter_bytes(profile, plan, g) for g in range(groups))
     forward = [0.0] * groups  # per device stage: the costliest chunk's work in one tick
     backward = [0.0] * groups
     forward_comm = backward_comm = 0.0
     for k, stage in enumerate(plan.stages):
         g = k % groups
-        layers = profile.stage_slice(stage.start, stage.stop)
+        f, b = stage_passes(profile, cluster, stage)
         slowdown = compute_slowdown(cluster, stage.devices)
-        f, b = (t * slowdown for t in profile.on_replicas(layers, stage.replication))
         rows = ROW_PASSES * row / cluster.devices[stage.devices[0]].hbm_bandwidth * slowdown
         forward[g] = max(forward[g], f)
         backward[g] = max(backward[g], b + (f if remat else 0.0) + rows)
@@ -457,7 +465,7 @@ def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
         if k + 1 < len(plan.stages):
             send = transfer_time(cluster, stage.devices, plan.stages[k + 1].devices,
                                  float(profile.activation_bytes[stage.stop - 1]))
-        params = float(profile.parameter_bytes[layers].sum())
+        params = float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
         forward_comm = max(forward_comm, send)
         backward_comm = max(backward_comm, allreduce_time(cluster, stage.devices, params) + send)
     widths = [len(plan.stages[g].devices) for g in range(groups)]

@@ -4,7 +4,8 @@ Model:
 - Each device stage (group of devices) is one serial compute resource; its r replicas run in
   lockstep, each on 1/r of every microbatch, so a pass of a logical stage takes the sum of its
   layers' times with the part that grows with the batch over r (a weight's read is every
-  replica's: `PipelineProfile.on_replicas`). Under interleaved 1F1B a device stage runs V logical stages (chunks).
+  replica's: `PipelineProfile.on_replicas`). Under interleaved 1F1B a device stage runs V
+  logical stages (chunks).
 - Each device stage runs its passes in the fixed order of its schedule (`stages.device_order`); a
   pass starts when the group is free and its input has arrived: the activation from the previous
   logical stage (forward) or the gradient from the next one (backward; the last stage's backward
@@ -37,13 +38,14 @@ from hlomap.cost.pipeline.costs import (
     CostOptions,
     MemoryViolation,
     check_plan,
+    stage_passes,
     stage_update_seconds,
     device_memory_bytes,
     memory_violations,
     peak_counts,
     syncs_each_microbatch,
 )
-from hlomap.cost.cluster import Cluster, compute_slowdown
+from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule
@@ -117,16 +119,14 @@ class SimulationResult:
 
 def pass_times(profile: PipelineProfile, plan: PipelinePlan,
                cluster: Cluster | None = None) -> tuple[list[float], list[float], list[float]]:
-    """(F, B, W) seconds per microbatch of each logical stage: its layers' times on each of its
-    replicas (`PipelineProfile.on_replicas`), on `cluster`'s slowest of them (`compute_slowdown`). Under ZB-H1 the backward
+    """(F, B, W) seconds per microbatch of each logical stage (`costs.stage_passes`: its layers'
+    times on each of its replicas, on `cluster`'s slowest of them). Under ZB-H1 the backward
     splits into B = `INPUT_GRADIENT_SHARE` of it and W = the rest; otherwise W is 0 and B the
     whole backward."""
     split = plan.schedule is Schedule.ZERO_BUBBLE
     forward, backward, weight = [], [], []
     for stage in plan.stages:
-        layers = profile.stage_slice(stage.start, stage.stop)
-        slowdown = 1.0 if cluster is None else compute_slowdown(cluster, stage.devices)
-        f, b = (t * slowdown for t in profile.on_replicas(layers, stage.replication))
+        f, b = stage_passes(profile, cluster, stage)
         forward.append(f)
         backward.append(b * INPUT_GRADIENT_SHARE if split else b)
         weight.append(b - b * INPUT_GRADIENT_SHARE if split else 0.0)

@@ -48,7 +48,7 @@ def joint_model(cap: Capture, cluster: Cluster, *, max_pivots: int = JOINT_PIVOT
     so that Megatron's uniform splits are plans too."""
     probe = JointModel.build(cap, cluster, (), graph=graph)
     chain = step_chain(cap, cluster.devices[0], options=PivotOptions(max_pivots=max_pivots),
-                       attribution=probe.attribution)
+                       attribution=probe.attribution, graph=probe.graph)
     last = probe.attribution.length - 1
     ends = uniform_split_ends(block_ends(probe), cluster.n_devices)
     pivots = sorted({p.position for p in chain.pivots} | {e for e in ends if e < last})

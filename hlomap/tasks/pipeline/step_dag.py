@@ -28,6 +28,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.chain import StepChain
+from hlomap.cost.pipeline.profile import scale_batch
 from hlomap.tasks.pipeline.downsets import DagTensor, DownsetSolution, LayerDag, solve_downsets
 from hlomap.tasks.pipeline.space import PipelineSpace
 
@@ -51,7 +52,8 @@ def segment_of_positions(pivot_positions: tuple[int, ...] | list[int], positions
 
 def step_dag(hlo: StepChain, scale: float = 1.0) -> LayerDag:
     """The DAG of `hlo`'s profile layers (module docstring); `scale` multiplies what grows with
-    the batch (compute, stash, tensor bytes) as `profile.scale_batch` does, to price a microbatch."""
+    the batch (compute beyond its fixed part and stash through `profile.scale_batch`, and the
+    tensor bytes), to price a microbatch."""
     profile = hlo.profile
     n = profile.n_layers
     pivots = [p.position for p in hlo.pivots]
@@ -67,16 +69,15 @@ def step_dag(hlo: StepChain, scale: float = 1.0) -> LayerDag:
     for (producer, readers), nbytes in merged.items():
         consumers[producer].update(readers)
         output[producer] += nbytes
-    stash = profile.stash_bytes
+    scaled = scale_batch(profile, scale)
     return LayerDag(
         names=profile.names,
-        # the fixed part of each layer's time (`PipelineProfile.forward_fixed`) is the same for any batch
-        forward_time=profile.forward_fixed + (profile.forward_time - profile.forward_fixed) * scale,
-        backward_time=profile.backward_fixed + (profile.backward_time - profile.backward_fixed) * scale,
-        forward_fixed=profile.forward_fixed,
-        backward_fixed=profile.backward_fixed,
+        forward_time=scaled.forward_time,
+        backward_time=scaled.backward_time,
+        forward_fixed=scaled.forward_fixed,
+        backward_fixed=scaled.backward_fixed,
         parameter_bytes=profile.parameter_bytes,
-        stash_bytes=None if stash is None else stash * scale,
+        stash_bytes=scaled.stash_bytes,
         output_bytes=output,
         consumers=tuple(tuple(sorted(c)) for c in consumers),
         source=profile.source,
