@@ -153,3 +153,20 @@ def test_the_runner_order_follows_a_placement_of_stages_listed_out_of_order() ->
     order = [int(d.id) for d in ordered_devices(plan)]
     assert [order[i] for i in (2, 3)] == [4, 5] and [order[i] for i in (0, 1, 5)] == [6, 7, 0]
     assert len(set(order)) == len(order)  # id 4, which no stage uses, takes a device no position took
+
+
+def test_mpmd_averages_a_stages_aux_sums_in_one_program() -> None:
+    """The microbatches' aux sums (resnet's batch statistics: a hundred leaves) become means in
+    one compiled call per stage, not an eager multiply per leaf; integer leaves pass through."""
+    import jax.numpy as jnp
+
+    from hlomap.run.pipeline.mpmd_executor import _means
+
+    sums = (jnp.arange(6.0).reshape(2, 3), jnp.asarray([3, 5], dtype=jnp.int32), jnp.float32(8.0))
+    means = _means(sums, 4)
+    np.testing.assert_allclose(np.asarray(means[0]), np.arange(6.0).reshape(2, 3) / 4)
+    assert means[1].dtype == jnp.int32 and np.asarray(means[1]).tolist() == [3, 5]
+    assert float(means[2]) == 2.0
+    traces = _means._cache_size()
+    _means(tuple(x + 1 for x in sums), 4)  # same shapes: the compiled program is reused
+    assert _means._cache_size() == traces
