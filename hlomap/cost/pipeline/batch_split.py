@@ -17,11 +17,24 @@ taken as `fixed + (t_1 - fixed) / k` for a batch split k ways, the line through 
 fixed = (K t_K - t_1) / (K - 1), clipped to [0, t_1].
 A model whose batch cannot be split (no data input, a batch K does not divide) keeps fixed = 0:
 the linear scaling of before.
+
+The same split says which values its replicas must all-reduce inside a pass (`Syncs`): a
+reduction over the batch whose result the pass goes on to use, batch norm's statistics forward
+(mean and mean square) and backward (the sums of the cotangent and of its product with the
+normalized input): those whose result reaches another reduction. A stage on r > 1 replicas runs
+one all-reduce per microbatch for each, on hlomap's executors and any other; resnet50-tiny's
+2-stage pipeline on 4 replicas a stage runs about 100 per step on each device, most of its step
+on 8 CPU devices. A parameter's gradient (a batch sum nothing else in the pass reads) is not one
+of them: the stage's gradient all-reduce prices it; nor is the loss's mean, which nothing waits
+for. Reductions that do not depend on one another are combined into one all-reduce (XLA's
+combiner does so), so a block's syncs are counted by dependency level: the number of such
+reductions on the longest path to it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +42,7 @@ import numpy as np
 from hlomap.cost.compute import CostCache, instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Capture
+from hlomap.hlo.graph import topological_order
 
 if TYPE_CHECKING:
     from hlomap.cost.sharding import ShardedGraph
@@ -56,11 +70,32 @@ def fixed_fraction(t_1: float, t_k: float, k: int) -> float:
     return float(min(max(fixed / t_1, 0.0), 1.0))
 
 
-def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = None, *,
-                    graph: FactorGraph | None = None) -> dict[str, float]:
-    """Entry instruction name -> the share of its seconds on `device` that does not shrink with a
-    split batch (module docstring); empty when the batch cannot be split. `graph`: the step's
-    factor graph when the caller has it already (building it is most of this function's time)."""
+@dataclass(frozen=True)
+class Syncs:
+    """The all-reduces a batch split adds inside the passes (module docstring): entry instruction
+    name -> its dependency level (reductions of one level are combined into one all-reduce) and
+    -> the bytes it all-reduces (its result, which a reduction over the batch makes independent
+    of the batch)."""
+
+    level: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """What splitting the batch does to each entry instruction: `fixed`, the share of its
+    seconds that does not shrink (`fixed_fraction`); `syncs`, the all-reduces it adds inside the
+    pass (`Syncs`). Both empty when the batch cannot be split."""
+
+    fixed: dict[str, float] = field(default_factory=dict)
+    syncs: Syncs = field(default_factory=Syncs)
+
+
+def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None, *,
+                graph: FactorGraph | None = None) -> BatchSplit:
+    """The fixed shares and in-pass all-reduces of a split batch on `device` (module docstring).
+    `graph`: the step's factor graph when the caller has it already (building it is most of this
+    function's time)."""
     from hlomap.cost.sharding import ShardedGraph
     from hlomap.propagation.conflicts import MeshAxes
     from hlomap.propagation.graph import FactorGraph
@@ -68,14 +103,14 @@ def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = 
 
     k = split_degree(cap.batch_size)
     if k is None:
-        return {}
+        return BatchSplit()
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     axes = MeshAxes.from_mesh({"data": k})
     try:
         plan = data_parallel_plan(graph, "data", axes)
     except ValueError as err:  # no data input to split
         log.info("%s: no data-parallel split to price a microbatch's fixed work (%s)", cap.source, err)
-        return {}
+        return BatchSplit()
     split = ShardedGraph.build(graph, plan, axes)
     whole = ShardedGraph.build(graph, np.full(graph.num_groups, -1, dtype=np.int64), axes)
     module = cap.module
@@ -93,7 +128,39 @@ def fixed_fractions(cap: Capture, device: DeviceSpec, cache: CostCache | None = 
         degree = max(int(split.node_degree[n]), 1)
         t_k = max(cost.compute_seconds / degree, cost.memory_seconds * ratio)
         out[node.instruction.name] = fixed_fraction(cost.seconds, t_k, k)
-    return out
+    return BatchSplit(out, _in_pass_syncs(split, entry.name))
+
+
+def _in_pass_syncs(split: ShardedGraph, entry: str) -> Syncs:
+    """The split's partial results (batch reductions) of the entry computation that the pass
+    reads on: those whose result reaches another reduction (a parameter's gradient and the
+    loss's mean reach none). Levels: the most such reductions on a path to each."""
+    graph = split.graph
+    reductions = {graph.nodes[pr.node].instruction.name: pr.node for pr in split.partials
+                  if graph.nodes[pr.node].computation == entry and int(split.node_count[pr.node]) > 0}
+    if not reductions:
+        return Syncs()
+    instructions = topological_order(graph.module.computation(entry))
+    # reaches[name]: a reduction lies downstream of it (the instructions are in a topological order)
+    users: dict[str, list[str]] = {}
+    for inst in instructions:
+        for operand in inst.operands:
+            users.setdefault(operand, []).append(inst.name)
+    reaches: dict[str, bool] = {}
+    for inst in reversed(instructions):
+        reaches[inst.name] = any(user in reductions or reaches.get(user, False)
+                                 for user in users.get(inst.name, ()))
+    kept = {name for name in reductions if reaches[name]}
+    depth: dict[str, int] = {}
+    level: dict[str, int] = {}
+    for inst in instructions:
+        below = max((depth.get(operand, 0) for operand in inst.operands), default=0)
+        if inst.name in kept:
+            level[inst.name] = below
+            depth[inst.name] = below + 1
+        else:
+            depth[inst.name] = below
+    return Syncs(level, {name: split.node_result_bytes(reductions[name]) for name in kept})
 
 
 def _moved_bytes(sg: ShardedGraph, node: int) -> float:

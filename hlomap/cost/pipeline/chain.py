@@ -25,6 +25,10 @@ How the step is read (JAX tags ops with `jvp(` / `transpose(jvp(` in metadata op
 - Fixed part of C. The share of each instruction's time that a split batch does not shrink
   (its weight reads and weight-gradient writes: `hlomap.cost.pipeline.batch_split`), summed per
   position like C (`PipelineProfile.forward_fixed`).
+- In-pass all-reduces. The reductions over the batch a split batch all-reduces inside a pass
+  (batch norm's statistics: `batch_split.Syncs`): one combined all-reduce per dependency level
+  and direction, at the last position one of its reductions is at, with their bytes where
+  they are (`PipelineProfile.forward_syncs`).
 - C, backward. Each BACKWARD instruction is attributed to the forward position it
   differentiates, its anchor: the latest forward position among its direct forward operands
   (residuals: a chain value at its position or, later, where a chain op of the same layer scope
@@ -61,7 +65,7 @@ from hlomap.cost.devices import DeviceSpec, device_preset
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
 from hlomap.hlo.ir import Computation, Instruction
-from hlomap.cost.pipeline.batch_split import fixed_fractions
+from hlomap.cost.pipeline.batch_split import batch_split
 from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
 from hlomap.hlo.source_info import layer_name, nearest_scopes, scope_of, source_location, source_tables
 
@@ -397,12 +401,24 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
     backward_time = np.zeros(n)
     forward_fixed = np.zeros(n)
     backward_fixed = np.zeros(n)
-    fixed = fixed_fractions(cap, spec, cache, graph=graph)
+    split = batch_split(cap, spec, cache, graph=graph)
+    # forward, backward: dependency level -> the last position one of its reductions is at
+    sync_levels: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    sync_bytes = (np.zeros(n), np.zeros(n))
     for name, p in found.anchor.items():
         forward = name in found.forward
         t = seconds(name)
         (forward_time if forward else backward_time)[p] += t
-        (forward_fixed if forward else backward_fixed)[p] += t * fixed.get(name, 0.0)
+        (forward_fixed if forward else backward_fixed)[p] += t * split.fixed.get(name, 0.0)
+        if name in split.syncs.level:
+            at = sync_levels[0 if forward else 1]
+            level = split.syncs.level[name]
+            at[level] = max(at.get(level, p), p)
+            sync_bytes[0 if forward else 1][p] += split.syncs.nbytes[name]
+    sync_counts = (np.zeros(n), np.zeros(n))
+    for counts, at in zip(sync_counts, sync_levels):
+        for p in at.values():  # the reductions of one level are one combined all-reduce
+            counts[p] += 1
     update_seconds = fused_update_seconds(cap, spec)
     unattributed = sum(seconds(name) for name in found.unattributed)
     kept = kept_bytes(cap)
@@ -431,6 +447,10 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
         update_seconds_per_byte=update_seconds / parameter_bytes.sum() if parameter_bytes.sum() > 0 else 0.0,
         forward_fixed=forward_fixed,
         backward_fixed=backward_fixed,
+        forward_syncs=sync_counts[0],
+        backward_syncs=sync_counts[1],
+        forward_sync_bytes=sync_bytes[0],
+        backward_sync_bytes=sync_bytes[1],
     )
     live.setflags(write=False)
     tables = source_tables(module)

@@ -47,8 +47,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from hlomap.cost.cluster import Cluster, busy_speedup, compute_slowdown
-from hlomap.cost.pipeline.links import GroupPrices, allreduce_time, transfer_time
+from hlomap.cost.pipeline.links import GroupPrices, allreduce_cost, allreduce_time, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import (INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, Stage, device_order,
                                          held_counts)
@@ -204,13 +206,41 @@ def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches
     return cluster.measured.executor_seconds(executor, stages, microbatches)
 
 
-def stage_passes(profile: PipelineProfile, cluster: Cluster | None, stage: Stage) -> tuple[float, float]:
+def stage_passes(profile: PipelineProfile, cluster: Cluster | None, stage: Stage, *,
+                 syncs: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch through a logical stage on each of its
     replicas (`PipelineProfile.on_replicas`), at its slowest device's pace on `cluster`
-    (`compute_slowdown`; None: every device at full speed)."""
+    (`compute_slowdown`; None: every device at full speed), with the all-reduces the passes run
+    over its replicas (`stage_sync_seconds`; `syncs` False or no cluster: none)."""
     slowdown = 1.0 if cluster is None else compute_slowdown(cluster, stage.devices)
-    forward, backward = profile.on_replicas(profile.stage_slice(stage.start, stage.stop), stage.replication)
-    return forward * slowdown, backward * slowdown
+    layers = profile.stage_slice(stage.start, stage.stop)
+    forward, backward = profile.on_replicas(layers, stage.replication)
+    if not syncs or cluster is None:
+        return forward * slowdown, backward * slowdown
+    forward_syncs, backward_syncs = stage_sync_seconds(profile, cluster, stage)
+    return forward * slowdown + forward_syncs, backward * slowdown + backward_syncs
+
+
+def sync_seconds(allreduce: Any, count: Any, nbytes: Any) -> Any:
+    """Seconds of `count` all-reduces of `nbytes` in all, each priced by `allreduce` (seconds of
+    one as a function of its bytes, `links.allreduce_cost`), floats or arrays: the bytes shared
+    evenly, which is exact for an affine price."""
+    count = np.asarray(count, dtype=np.float64)
+    each = np.asarray(nbytes, dtype=np.float64) / np.maximum(count, 1.0)
+    out = np.where(count > 0, count * allreduce(each), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
+def stage_sync_seconds(profile: PipelineProfile, cluster: Cluster, stage: Stage) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch of the all-reduces a stage's passes run over
+    its data replicas (`PipelineProfile.forward_syncs`: batch norm's statistics); none on one
+    replica. A replica group is every `model`-th device of the stage."""
+    (forward_count, forward_bytes), (backward_count, backward_bytes) = profile.syncs_on(
+        profile.stage_slice(stage.start, stage.stop))
+    if stage.replication <= 1 or forward_count + backward_count == 0:
+        return 0.0, 0.0  # and no group to price (most profiles have no syncs)
+    price = allreduce_cost(cluster, stage.devices[::stage.model])
+    return sync_seconds(price, forward_count, forward_bytes), sync_seconds(price, backward_count, backward_bytes)
 
 
 def device_stage_parameter_bytes(profile: PipelineProfile, plan: PipelinePlan, group: int) -> float:
@@ -327,7 +357,7 @@ def evaluate_plan(
     m, groups = plan.microbatches, plan.device_stages
     compute, forward, backward, params = [], [], [], []
     for stage in plan.stages:
-        f, b = stage_passes(profile, cluster, stage)
+        f, b = stage_passes(profile, cluster, stage, syncs=comm)
         compute.append(f + b)
         forward.append(f)
         backward.append(b)
@@ -394,7 +424,7 @@ def gpipe_latency(
     m, n_stages = plan.microbatches, plan.n_stages
     forward, backward, allreduce = [], [], []
     for stage in plan.stages:
-        f, b = stage_passes(profile, cluster, stage)
+        f, b = stage_passes(profile, cluster, stage, syncs=comm)
         forward.append(f)
         backward.append(b)
         params = float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())

@@ -60,7 +60,9 @@ class Prefix(NamedTuple):
     """Cumulative sums with a leading 0, length n + 1: a stage [i, j) costs `x[j] - x[i]`.
 
     `trainable` counts layers with parameters, for the at-least-one-trainable-layer constraint;
-    `fixed` is the part of `compute` a batch split does not shrink (`replicated_seconds`).
+    `fixed` is the part of `compute` a batch split does not shrink (`replicated_seconds`);
+    `forward_syncs` ... `backward_sync_bytes` the all-reduces a batch split adds inside the
+    passes (`PipelineProfile.forward_syncs`).
     """
 
     forward: np.ndarray
@@ -70,6 +72,10 @@ class Prefix(NamedTuple):
     stash: np.ndarray
     trainable: np.ndarray
     fixed: np.ndarray
+    forward_syncs: np.ndarray
+    backward_syncs: np.ndarray
+    forward_sync_bytes: np.ndarray
+    backward_sync_bytes: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +102,10 @@ class PipelineProfile:
         shrink when the batch is split (reading a weight matrix, writing its gradient:
         `hlomap.cost.pipeline.batch_split`); None for none. A microbatch 1 / M of the batch on r
         data replicas takes fixed + (time - fixed) / (M r) on each (`scale_batch`, `on_replicas`).
+      forward_syncs, backward_syncs: [n] all-reduces per microbatch a layer's pass adds on r > 1
+        data replicas (batch norm's statistics: `hlomap.cost.pipeline.batch_split.Syncs`), and
+        forward_sync_bytes, backward_sync_bytes: [n] their bytes; None for none. Neither grows
+        with the batch; priced on the stage's devices (`costs.stage_sync_seconds`).
     """
 
     names: tuple[str, ...]
@@ -108,6 +118,10 @@ class PipelineProfile:
     update_seconds_per_byte: float = 0.0
     forward_fixed: np.ndarray | None = None
     backward_fixed: np.ndarray | None = None
+    forward_syncs: np.ndarray | None = None
+    backward_syncs: np.ndarray | None = None
+    forward_sync_bytes: np.ndarray | None = None
+    backward_sync_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -142,6 +156,14 @@ class PipelineProfile:
                 vector = np.minimum(checked, total)
                 vector.setflags(write=False)
             object.__setattr__(self, field_name, vector)
+        for field_name in SYNC_FIELDS:
+            given = getattr(self, field_name)
+            if given is None:
+                vector = np.zeros(n)
+                vector.setflags(write=False)
+            else:
+                vector = _frozen_vector(given, name=field_name, length=n, source=self.source)
+            object.__setattr__(self, field_name, vector)
 
     @property
     def n_layers(self) -> int:
@@ -171,6 +193,12 @@ class PipelineProfile:
                 replicated_seconds(float(self.backward_time[layers].sum()),
                                    float(self.backward_fixed[layers].sum()), replicas))
 
+    def syncs_on(self, layers: slice) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((count, bytes) forward, (count, bytes) backward) of the all-reduces one microbatch
+        through `layers` adds on more than one data replica (`forward_syncs`)."""
+        return ((float(self.forward_syncs[layers].sum()), float(self.forward_sync_bytes[layers].sum())),  # type: ignore[index]
+                (float(self.backward_syncs[layers].sum()), float(self.backward_sync_bytes[layers].sum())))  # type: ignore[index]
+
     @property
     def update_time(self) -> np.ndarray:
         """[n] seconds per step the optimizer update of each layer's parameters takes on one device."""
@@ -198,6 +226,7 @@ class PipelineProfile:
             stash=cumulative(stash),
             trainable=cumulative(self.trainable.astype(np.float64)),
             fixed=cumulative(self.compute_fixed),
+            **{name: cumulative(values) for name, values in sync_fields(self).items()},
         )
 
     def stage_slice(self, start: int, stop: int) -> slice:
@@ -208,6 +237,16 @@ class PipelineProfile:
                 f"{self.n_layers} layers"
             )
         return slice(start, stop)
+
+
+#: The fields of a profile's in-pass all-reduces (`PipelineProfile.forward_syncs`): they do not
+#: scale with the batch or the compute speed, and sum over merged layers.
+SYNC_FIELDS = ("forward_syncs", "backward_syncs", "forward_sync_bytes", "backward_sync_bytes")
+
+
+def sync_fields(profile: PipelineProfile) -> dict[str, np.ndarray]:
+    """`profile`'s `SYNC_FIELDS` by name."""
+    return {name: getattr(profile, name) for name in SYNC_FIELDS}
 
 
 def uniform_profile(
@@ -245,6 +284,7 @@ def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
         backward_time=profile.backward_fixed + (profile.backward_time - profile.backward_fixed) * factor,
         forward_fixed=profile.forward_fixed,
         backward_fixed=profile.backward_fixed,
+        **sync_fields(profile),  # a reduction over the batch all-reduces its result whatever the batch
         activation_bytes=profile.activation_bytes * factor,
         parameter_bytes=profile.parameter_bytes,
         stash_bytes=None if profile.stash_bytes is None else profile.stash_bytes * factor,
@@ -287,6 +327,7 @@ def merge_layers(profile: PipelineProfile, pivots: tuple[int, ...] | list[int]) 
         update_seconds_per_byte=profile.update_seconds_per_byte,
         forward_fixed=summed(profile.forward_fixed),
         backward_fixed=summed(profile.backward_fixed),
+        **{name: summed(values) for name, values in sync_fields(profile).items()},
     )
 
 

@@ -117,16 +117,17 @@ class SimulationResult:
         return 1.0 - busy / (groups * self.length) if self.length > 0 else 0.0
 
 
-def pass_times(profile: PipelineProfile, plan: PipelinePlan,
-               cluster: Cluster | None = None) -> tuple[list[float], list[float], list[float]]:
+def pass_times(profile: PipelineProfile, plan: PipelinePlan, cluster: Cluster | None = None, *,
+               syncs: bool = True) -> tuple[list[float], list[float], list[float]]:
     """(F, B, W) seconds per microbatch of each logical stage (`costs.stage_passes`: its layers'
-    times on each of its replicas, on `cluster`'s slowest of them). Under ZB-H1 the backward
+    times on each of its replicas, on `cluster`'s slowest of them, with the all-reduces its passes
+    run over them unless `syncs` is False). Under ZB-H1 the backward
     splits into B = `INPUT_GRADIENT_SHARE` of it and W = the rest; otherwise W is 0 and B the
     whole backward."""
     split = plan.schedule is Schedule.ZERO_BUBBLE
     forward, backward, weight = [], [], []
     for stage in plan.stages:
-        f, b = stage_passes(profile, cluster, stage)
+        f, b = stage_passes(profile, cluster, stage, syncs=syncs)
         forward.append(f)
         backward.append(b * INPUT_GRADIENT_SHARE if split else b)
         weight.append(b - b * INPUT_GRADIENT_SHARE if split else 0.0)
@@ -143,7 +144,7 @@ def simulate(
     check_plan(profile, cluster, plan)
     comm = options.comm is CommModel.OVERLAPPED
     n_groups, m, v = plan.device_stages, plan.microbatches, plan.repeats
-    forward, backward, weight = pass_times(profile, plan, cluster)
+    forward, backward, weight = pass_times(profile, plan, cluster, syncs=comm)
     params = [float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
               for stage in plan.stages]  # per logical stage (chunk)
     each = syncs_each_microbatch(cluster)

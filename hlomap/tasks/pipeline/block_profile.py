@@ -11,9 +11,12 @@ like every `PipelineProfile`.
 JSON (`pipeline.block_profile`): {"names": [str], "forward_seconds": [float],
 "backward_seconds": [float], "parameter_bytes": [float], "stash_bytes": [float] | null,
 "activation_bytes": [float] (one per boundary between blocks), "stage_bounds": [int],
-"update_seconds_per_byte": float, "forward_fixed_seconds": [float], "backward_fixed_seconds": [float]}
-where stage s of the plan is blocks [stage_bounds[s], stage_bounds[s + 1]); the last three are
-optional (plans written before them read as 0: no update priced, every second split over replicas).
+"update_seconds_per_byte": float, "forward_fixed_seconds": [float], "backward_fixed_seconds": [float],
+"forward_syncs": [float], "backward_syncs": [float], "forward_sync_bytes": [float],
+"backward_sync_bytes": [float]} where stage s of the plan is blocks [stage_bounds[s],
+stage_bounds[s + 1]); the fields from "update_seconds_per_byte" on are optional (plans written
+before them read as 0: no update priced, every second split over replicas, no all-reduces inside
+the passes).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from hlomap.cost.pipeline.profile import PipelineProfile, merge_layers
+from hlomap.cost.pipeline.profile import SYNC_FIELDS, PipelineProfile, merge_layers, sync_fields
 from hlomap.cost.pipeline.stages import PipelinePlan
 
 __all__ = ["MAX_BLOCKS", "PlanProfile", "ProfileError", "plan_profile"]
@@ -58,6 +61,7 @@ class PlanProfile(NamedTuple):
             "update_seconds_per_byte": p.update_seconds_per_byte,
             "forward_fixed_seconds": p.forward_fixed.tolist(),  # type: ignore[union-attr]
             "backward_fixed_seconds": p.backward_fixed.tolist(),  # type: ignore[union-attr]
+            **{name: values.tolist() for name, values in sync_fields(p).items()},
         }
 
     @classmethod
@@ -89,7 +93,9 @@ class PlanProfile(NamedTuple):
                 parameter_bytes=vector("parameter_bytes"), stash_bytes=None if stash is None else vector("stash_bytes"),
                 source=where, update_seconds_per_byte=float(update),
                 forward_fixed=vector("forward_fixed_seconds") if "forward_fixed_seconds" in data else None,
-                backward_fixed=vector("backward_fixed_seconds") if "backward_fixed_seconds" in data else None)
+                backward_fixed=vector("backward_fixed_seconds") if "backward_fixed_seconds" in data else None,
+                # plans written before the in-pass all-reduces were priced have none
+                **{name: vector(name) if name in data else None for name in SYNC_FIELDS})
         except ValueError as err:
             raise ProfileError(f"{where}: {err}") from None
         bounds = data["stage_bounds"]

@@ -56,10 +56,10 @@ import numpy as np
 from hlomap.agents.environment import TimeStep, restart, termination, transition
 from hlomap.search.score import Score
 from hlomap.search.task import EpisodeOutcome
-from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan, sync_seconds
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.links import AffineMax, GroupPrices, group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile, replicated_seconds
+from hlomap.cost.pipeline.profile import SYNC_FIELDS, PipelineProfile, replicated_seconds
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage, in_flight
@@ -218,6 +218,7 @@ class CutEnv:
         prefix = profile.prefix()
         self._compute = np.asarray(prefix.compute)
         self._fixed = np.asarray(prefix.fixed)
+        self._syncs = {name: np.asarray(getattr(prefix, name)) for name in SYNC_FIELDS}
         self._parameter = np.asarray(prefix.parameter)
         self._stash = np.asarray(prefix.stash)
         self._trainable = np.asarray(prefix.trainable)
@@ -259,6 +260,15 @@ class CutEnv:
     def _allreduce(self, a: int, b: int) -> AffineMax:
         """Over devices [a, b)."""
         return self._prices.allreduce(range(a, b))
+
+    def _sync_seconds(self, a: int, b: int, syncs: dict[str, np.ndarray]) -> np.ndarray | float:
+        """The all-reduces a stage's passes run over its replicas on devices [a, b)
+        (`costs.stage_sync_seconds`), per pivot: none on one device."""
+        if b - a <= 1:
+            return 0.0
+        price = self._allreduce(a, b)
+        return (sync_seconds(price, syncs["forward_syncs"], syncs["forward_sync_bytes"])
+                + sync_seconds(price, syncs["backward_syncs"], syncs["backward_sync_bytes"]))
 
     # ---- fixed parts of the observation -------------------------------------------------------
     def _static_features(self) -> np.ndarray:
@@ -379,6 +389,8 @@ class CutEnv:
             pivot_ok &= self._trainable[n] - self._trainable[pivots + 1] > s - k - 1.5
         compute = self._compute[pivots + 1] - self._compute[start]
         fixed = self._fixed[pivots + 1] - self._fixed[start]
+        syncs = {name: values[pivots + 1] - values[start] for name, values in self._syncs.items()}
+        remaining_syncs = {name: values[n] - values[pivots + 1] for name, values in self._syncs.items()}
         params = self._parameter[pivots + 1] - self._parameter[start]
         stash = self._stash[pivots + 1] - self._stash[start]
         remaining_compute = self._compute[n] - self._compute[pivots + 1]
@@ -396,11 +408,11 @@ class CutEnv:
             r = b - previous
             after = self.center[k + 2] if k + 2 < s else d
             after = max(after, b + 1)
-            own = replicated_seconds(compute, fixed, r)
+            own = replicated_seconds(compute, fixed, r) + self._sync_seconds(previous, b, syncs)
             allreduce = self._allreduce(previous, b)(params) / m
             time = own + allreduce + params * update / m  # every replica updates the stage's parameters
             move = self._transfer(previous, b, after)(crossing)
-            rest = replicated_seconds(remaining_compute, remaining_fixed, d - b)
+            rest = replicated_seconds(remaining_compute, remaining_fixed, d - b) + self._sync_seconds(b, after, remaining_syncs)
             rest_params = remaining_params / remaining_stages
             rest_stage = rest + self._allreduce(b, after)(rest_params) / m + rest_params * update / m
             biggest = np.maximum.reduce([

@@ -43,7 +43,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.profile import PipelineProfile, Prefix
+from hlomap.cost.pipeline.profile import SYNC_FIELDS, PipelineProfile, Prefix
 from hlomap.tasks.pipeline.dp import CutStates, solve, solve_states
 from hlomap.tasks.pipeline.solution import Solution
 from hlomap.tasks.pipeline.space import PipelineSpace
@@ -104,6 +104,10 @@ class LayerDag:
     update_seconds_per_byte: float = 0.0
     forward_fixed: np.ndarray | None = None
     backward_fixed: np.ndarray | None = None
+    forward_syncs: np.ndarray | None = None  # the in-pass all-reduces (`PipelineProfile.forward_syncs`)
+    backward_syncs: np.ndarray | None = None
+    forward_sync_bytes: np.ndarray | None = None
+    backward_sync_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -132,7 +136,7 @@ class LayerDag:
         # The straight order's profile checks (and freezes a copy of) every per-layer array.
         straight = self.linearize(range(n))
         for name in ("forward_time", "backward_time", "parameter_bytes", "stash_bytes", "forward_fixed",
-                     "backward_fixed"):
+                     "backward_fixed", *SYNC_FIELDS):
             object.__setattr__(self, name, getattr(straight, name))
         object.__setattr__(self, "_straight", straight)
 
@@ -212,6 +216,7 @@ class LayerDag:
             update_seconds_per_byte=self.update_seconds_per_byte,
             forward_fixed=moved(self.forward_fixed),
             backward_fixed=moved(self.backward_fixed),
+            **{name: moved(getattr(self, name)) for name in SYNC_FIELDS},
         )
 
     def latest_order(self) -> tuple[int, ...]:
@@ -273,6 +278,7 @@ class LayerDag:
             update_seconds_per_byte=self.update_seconds_per_byte,
             forward_fixed=ordered(self.forward_fixed),
             backward_fixed=ordered(self.backward_fixed),
+            **{name: ordered(getattr(self, name)) for name in SYNC_FIELDS},
         )
 
 
@@ -367,6 +373,7 @@ def downset_states(dag: LayerDag, family: DownsetFamily) -> CutStates:
         stash=_sequential_sum(members, stash),
         trainable=_sequential_sum(members, (dag.parameter_bytes > 0).astype(np.float64)),
         fixed=_sequential_sum(members, dag.forward_fixed + dag.backward_fixed),  # type: ignore[operator]
+        **{name: _sequential_sum(members, getattr(dag, name)) for name in SYNC_FIELDS},
     )
     return CutStates(
         totals=totals,

@@ -58,9 +58,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from hlomap.cost.cluster import Cluster, compute_slowdown
-from hlomap.cost.pipeline.costs import CommModel, allreduce_share, evaluate_plan
+from hlomap.cost.pipeline.costs import CommModel, allreduce_share, evaluate_plan, sync_seconds
 from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile, Prefix, replicated_seconds
+from hlomap.cost.pipeline.profile import SYNC_FIELDS, PipelineProfile, Prefix, replicated_seconds
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
@@ -663,6 +663,7 @@ class _ReplicationOptions:
     prices: GroupPrices  # every pass prices the same device groups
     compute: np.ndarray = field(init=False)  # [a, b] pair tables
     fixed: np.ndarray = field(init=False)  # the part of compute a batch split leaves on every replica
+    syncs: dict[str, np.ndarray] = field(init=False)  # the in-pass all-reduces' counts and bytes, by direction
     parameter: np.ndarray = field(init=False)
     stash: np.ndarray = field(init=False)
     allowed: np.ndarray = field(init=False)  # a is nested in b, and trains something if required
@@ -675,6 +676,7 @@ class _ReplicationOptions:
             allowed = allowed & (_pair(totals.trainable) > 0.5)
         object.__setattr__(self, "compute", _pair(totals.compute))
         object.__setattr__(self, "fixed", _pair(totals.fixed))
+        object.__setattr__(self, "syncs", {name: _pair(getattr(totals, name)) for name in SYNC_FIELDS})
         object.__setattr__(self, "parameter", _pair(totals.parameter))
         object.__setattr__(self, "stash", _pair(totals.stash))
         object.__setattr__(self, "allowed", allowed)
@@ -704,7 +706,8 @@ class _ReplicationOptions:
 
     def stage_seconds(self, device: int, option: int) -> np.ndarray:
         """Compute on each of r replicas (`replicated_seconds`: its fixed part whole, the rest / r)
-        plus the stage's gradient all-reduce amortized over the microbatches, or
+        plus the all-reduces its passes run over them (`costs.stage_sync_seconds`), plus the
+        stage's gradient all-reduce amortized over the microbatches, or
         all of it per microbatch where the executors sync every microbatch
         (`costs.allreduce_share`, `links.allreduce_time`), plus its optimizer update amortized
         (each replica updates all the stage's parameters once per step)."""
@@ -716,6 +719,9 @@ class _ReplicationOptions:
         if self._comm and r > 1:
             allreduce = self.prices.allreduce(range(device, device + r))
             t = t + allreduce_share(self.prices.cluster, allreduce(self.parameter), self.space.microbatches)
+            # the passes' own all-reduces, every microbatch (`costs.stage_sync_seconds`)
+            t = t + sync_seconds(allreduce, self.syncs["forward_syncs"], self.syncs["forward_sync_bytes"])
+            t = t + sync_seconds(allreduce, self.syncs["backward_syncs"], self.syncs["backward_sync_bytes"])
         return np.where(self.allowed, t, np.inf)
 
     def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray | None:

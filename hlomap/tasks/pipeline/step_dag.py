@@ -28,7 +28,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.pipeline.chain import StepChain
-from hlomap.cost.pipeline.profile import scale_batch
+from hlomap.cost.pipeline.profile import scale_batch, sync_fields
 from hlomap.tasks.pipeline.downsets import DagTensor, DownsetSolution, LayerDag, solve_downsets
 from hlomap.tasks.pipeline.space import PipelineSpace
 
@@ -76,6 +76,7 @@ def step_dag(hlo: StepChain, scale: float = 1.0) -> LayerDag:
         backward_time=scaled.backward_time,
         forward_fixed=scaled.forward_fixed,
         backward_fixed=scaled.backward_fixed,
+        **sync_fields(scaled),
         parameter_bytes=profile.parameter_bytes,
         stash_bytes=scaled.stash_bytes,
         output_bytes=output,

@@ -243,6 +243,10 @@ class StageState:
         self.compute = (replicated_seconds(profile.compute_time, profile.compute_fixed, np.asarray(layout.replication))
                         + profile.update_time / layout.microbatches)
         self.params = profile.parameter_bytes
+        # the all-reduces each stage's passes run over its replicas, every microbatch: (count, bytes) per direction
+        self.syncs = [((profile.forward_syncs[s], profile.forward_sync_bytes[s]),  # type: ignore[index]
+                       (profile.backward_syncs[s], profile.backward_sync_bytes[s]))  # type: ignore[index]
+                      for s in range(profile.n_layers)]
         self.cut_bytes = profile.activation_bytes
         self.m = layout.microbatches
         self.model = PipelineModel(problem.cluster)
@@ -258,7 +262,9 @@ class StageState:
     def _stage(self, s: int, order: np.ndarray) -> float:
         devices = self._devices(s, order)
         allreduce = self.model.allreduce(devices, float(self.params[s]))
-        return float(self.compute[s]) + allreduce / self.m
+        syncs = sum(count * self.model.allreduce(devices, float(nbytes) / count)
+                    for count, nbytes in self.syncs[s] if count > 0) if len(devices) > 1 else 0.0
+        return float(self.compute[s]) + allreduce / self.m + syncs
 
     def _cut(self, k: int, order: np.ndarray) -> float:
         return self.model.transfer(self._devices(k, order), self._devices(k + 1, order), float(self.cut_bytes[k]))

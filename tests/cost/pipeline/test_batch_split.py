@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hlomap.cost.devices import DeviceSpec
-from hlomap.cost.pipeline.batch_split import fixed_fraction, fixed_fractions, split_degree
+from hlomap.cost.pipeline.batch_split import batch_split, fixed_fraction, split_degree
 from hlomap.cost.pipeline.chain import chain_arrays
 from hlomap.cost.pipeline.profile import replicated_seconds, scale_batch
 from hlomap.hlo.capture import Phase, capture, instruction_phase
@@ -58,14 +58,15 @@ def test_a_memory_bound_matmul_keeps_its_weight_read_on_every_replica():
     batch = 32
     cap = _capture(batch)
     dot = _forward_dot(cap)
-    shares = fixed_fractions(cap, MEMORY_BOUND)
+    shares = batch_split(cap, MEMORY_BOUND).fixed
     weight, activations = WIDTH * WIDTH * 4, 2 * batch * WIDTH * 4
     assert shares[dot.name] == pytest.approx(weight / (weight + activations), rel=1e-6)
-    assert fixed_fractions(cap, COMPUTE_BOUND)[dot.name] == pytest.approx(0.0, abs=1e-9)
+    assert batch_split(cap, COMPUTE_BOUND).fixed[dot.name] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_an_odd_batch_has_no_split_and_keeps_the_linear_scaling():
-    assert fixed_fractions(_capture(7), MEMORY_BOUND) == {}
+    split = batch_split(_capture(7), MEMORY_BOUND)
+    assert split.fixed == {} and split.syncs.level == {}
 
 
 def test_the_profile_prices_a_microbatch_on_replicas_as_the_step_at_that_batch():
@@ -95,3 +96,41 @@ def test_compute_bound_layers_split_over_replicas_as_before():
     forward, _ = profile.on_replicas(slice(dots[0], dots[0] + 1), 4)
     assert forward == pytest.approx(profile.forward_time[dots[0]] / 4)
     assert profile.forward_fixed.sum() < 1e-6 * profile.forward_time.sum()
+
+
+def _normalized_step(params, x):
+    """Two layers, each normalized over the batch as batch norm does (mean and mean square of
+    its output, then a scale): the statistics are reductions over the batch the forward reads on."""
+    def loss_fn(params):
+        h = x
+        for w in (params["w1"], params["w2"]):
+            y = h @ w
+            mean = jnp.mean(y, axis=0)
+            var = jnp.mean(y * y, axis=0) - mean * mean
+            h = jnp.tanh((y - mean) / jnp.sqrt(var + 1e-5))
+        return jnp.mean(h ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def test_the_passes_all_reduce_the_statistics_over_the_batch_but_not_the_weight_gradients():
+    """A split batch all-reduces each layer's statistics in the forward (mean and mean square:
+    independent, one level), and the backward all-reduces the sums that flow on to the input
+    gradient; a weight's gradient (a batch sum nothing else reads) is left to the stage's
+    gradient all-reduce, and the loss's mean is read by nothing. The plain matmul step has none."""
+    cap = capture(_normalized_step, {"w1": jnp.ones((WIDTH, WIDTH)), "w2": jnp.ones((WIDTH, WIDTH))},
+                  jnp.ones((32, WIDTH)))
+    syncs = batch_split(cap, MEMORY_BOUND).syncs
+    entry = {i.name: i for i in cap.module.entry.instructions}
+    forward_levels = {level for name, level in syncs.level.items()
+                      if instruction_phase(entry[name]) is Phase.FORWARD}
+    backward_levels = {level for name, level in syncs.level.items()
+                       if instruction_phase(entry[name]) is Phase.BACKWARD}
+    assert len(forward_levels) == 2  # the two layers' statistics
+    assert len(backward_levels) >= 2  # each layer's normalization, differentiated
+    assert not any(entry[name].opcode == "dot" for name in syncs.level)  # no weight gradient
+    assert all(nbytes <= WIDTH * 4 for nbytes in syncs.nbytes.values())  # a statistic, not a batch
+    profile = chain_arrays(cap, MEMORY_BOUND).profile
+    assert profile.forward_syncs.sum() == 2 and profile.backward_syncs.sum() == len(backward_levels)
+    assert batch_split(_capture(32), MEMORY_BOUND).syncs.level == {}

@@ -26,3 +26,39 @@ def test_the_pipeline_plan_cost_uses_the_one_formula(monkeypatch) -> None:
     assert (cost.latency, cost.bottleneck) == pytest.approx(pipeline_latency(stage_times, cost.cut_transfer, 3))
     monkeypatch.setattr(costs, "pipeline_latency", lambda t, u, m: (7.0, 1.0))
     assert evaluate_plan(profile, cluster, plan).latency == 7.0
+
+
+def test_a_stage_on_replicas_pays_its_passes_all_reduces_every_microbatch() -> None:
+    """Batch norm's statistics: a stage on r > 1 replicas all-reduces them in each pass of each
+    microbatch (`stage_sync_seconds`: count x one all-reduce of the mean bytes); on one device
+    there is nothing to all-reduce. The closed form, the simulator and the DP charge the same."""
+    import dataclasses
+
+    import numpy as np
+
+    from hlomap.cost.pipeline.links import allreduce_time
+    from hlomap.cost.pipeline.simulator import simulate
+    from hlomap.cost.pipeline.stages import Stage
+    from hlomap.tasks.pipeline.dp import solve
+    from hlomap.tasks.pipeline.space import PipelineSpace
+
+    plain = uniform_profile(4, forward_time=1e-3, backward_time=2e-3, activation_bytes=1e6, parameter_bytes=1e7)
+    synced = dataclasses.replace(plain, forward_syncs=np.full(4, 3.0), backward_syncs=np.full(4, 2.0),
+                                 forward_sync_bytes=np.full(4, 3e3), backward_sync_bytes=np.full(4, 4e3))
+    cluster = hierarchical(1, 4)
+    forward, backward = costs.stage_sync_seconds(synced, cluster, Stage(0, 2, (0, 1)))
+    assert forward == pytest.approx(6 * allreduce_time(cluster, (0, 1), 1e3))
+    assert backward == pytest.approx(4 * allreduce_time(cluster, (0, 1), 2e3))
+    assert costs.stage_sync_seconds(synced, cluster, Stage(0, 2, (0,))) == (0.0, 0.0)
+    assert costs.stage_sync_seconds(plain, cluster, Stage(0, 2, (0, 1))) == (0.0, 0.0)
+    plan = PipelinePlan.linear((0, 2, 4), (2, 2), microbatches=3)
+    extra = sum(costs.stage_sync_seconds(synced, cluster, stage)[0] + costs.stage_sync_seconds(synced, cluster, stage)[1]
+                for stage in plan.stages)
+    assert extra > 0
+    before, after = evaluate_plan(plain, cluster, plan), evaluate_plan(synced, cluster, plan)
+    assert sum(after.stage_compute) - sum(before.stage_compute) == pytest.approx(extra)
+    assert simulate(synced, cluster, plan).length > simulate(plain, cluster, plan).length
+    # the DP's optimum is the closed form's price of the plan it returns, syncs included
+    space = PipelineSpace(microbatches=3)
+    best = solve(synced, cluster, space)
+    assert best.value == pytest.approx(evaluate_plan(synced, cluster, best.plan).latency)

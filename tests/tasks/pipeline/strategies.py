@@ -43,6 +43,7 @@ def profiles(draw: st.DrawFn, *, min_layers: int = 1, max_layers: int = 6) -> Pi
         source="hypothesis",
         forward_fixed=forward_fixed,
         backward_fixed=backward_fixed,
+        **draw(sync_parts(n)),
     )
 
 
@@ -57,6 +58,21 @@ def fixed_parts(draw: st.DrawFn, forward: np.ndarray,
     n = len(forward)
     return (forward * np.array(draw(st.lists(share, min_size=n, max_size=n))),
             backward * np.array(draw(st.lists(share, min_size=n, max_size=n))))
+
+
+@st.composite
+def sync_parts(draw: st.DrawFn, n: int) -> dict[str, np.ndarray]:
+    """Nothing (no all-reduces inside the passes), or random counts of them per layer and
+    direction with their bytes (`PipelineProfile.forward_syncs`): at least a byte per layer that
+    has some (an all-reduce of nothing is free, `links.allreduce_cost`; a statistic has bytes)."""
+    if not draw(st.booleans()):
+        return {}
+    counts = st.lists(st.integers(0, 3).map(float), min_size=n, max_size=n)
+    nbytes = st.lists(st.one_of(st.just(1.0), st.floats(1.0, 1e7)), min_size=n, max_size=n)
+    forward, backward = np.array(draw(counts)), np.array(draw(counts))
+    return {"forward_syncs": forward, "backward_syncs": backward,
+            "forward_sync_bytes": np.where(forward > 0, draw(nbytes), 0.0),
+            "backward_sync_bytes": np.where(backward > 0, draw(nbytes), 0.0)}
 
 
 @st.composite
@@ -92,6 +108,7 @@ def layer_dags(
         source="hypothesis-dag",
         forward_fixed=forward_fixed,
         backward_fixed=backward_fixed,
+        **draw(sync_parts(n)),
     )
 
 

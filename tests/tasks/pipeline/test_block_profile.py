@@ -8,20 +8,23 @@ import numpy as np
 import pytest
 
 from hlomap.cost.pipeline.costs import evaluate_plan
-from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.profile import SYNC_FIELDS, PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, Stage
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError, plan_profile
 from tests.tasks.pipeline.strategies import uniform_cluster
 
 
 def _profile(n: int, seed: int = 0) -> PipelineProfile:
-    """Random layers, each with a random part of its time that a split batch does not shrink."""
+    """Random layers, each with a random part of its time that a split batch does not shrink and
+    a few all-reduces inside its passes on replicas."""
     rng = np.random.default_rng(seed)
     forward, backward = rng.uniform(1e-4, 1e-3, n), rng.uniform(2e-4, 2e-3, n)
     return PipelineProfile(names=tuple(f"l{i}" for i in range(n)), forward_time=forward, backward_time=backward,
                            activation_bytes=rng.uniform(1e5, 1e7, n - 1), parameter_bytes=rng.uniform(0, 1e7, n),
                            stash_bytes=rng.uniform(0, 1e6, n), forward_fixed=forward * rng.uniform(0, 1, n),
-                           backward_fixed=backward * rng.uniform(0, 1, n))
+                           backward_fixed=backward * rng.uniform(0, 1, n),
+                           forward_syncs=rng.integers(0, 3, n).astype(float), backward_syncs=rng.integers(0, 3, n).astype(float),
+                           forward_sync_bytes=rng.uniform(0, 1e4, n), backward_sync_bytes=rng.uniform(0, 1e4, n))
 
 
 @pytest.mark.parametrize("n, max_blocks", [(40, 64), (300, 64), (300, 8)])
@@ -47,6 +50,10 @@ def test_blocks_keep_the_plans_cost(n, max_blocks):
     # a plan written before the fixed part existed reads as none: every second split over replicas
     older = {k: v for k, v in blocks.to_json().items() if not k.endswith("_fixed_seconds")}
     assert not PlanProfile.from_json(older).blocks.compute_fixed.any()
+    for name in SYNC_FIELDS:  # the passes' all-reduces too; none in plans written before them
+        np.testing.assert_allclose(getattr(again.blocks, name), getattr(blocks.blocks, name))
+        assert getattr(again.blocks, name).sum() == pytest.approx(getattr(profile, name).sum())
+        assert not getattr(PlanProfile.from_json({k: v for k, v in older.items() if k != name}).blocks, name).any()
 
 
 def test_bad_block_profiles_name_the_field():
