@@ -67,6 +67,9 @@ def format_pipeline_result(result: PipelineResult) -> Any:
              f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)"),
         Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms "
              f"closed form; bottleneck {result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
+        Text(f"on the {result.executor} executor (what `hlomap run` runs): step {result.step_seconds * 1e3:.4g} ms "
+             + ("in lockstep ticks" if result.executor == "spmd" else "as scheduled")
+             + ", with the executor's own cost"),
         Text(f"search: {result.search_seconds:.1f} s"
              + (f", {result.episodes} episodes" if result.episodes else "")),
     ]

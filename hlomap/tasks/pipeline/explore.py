@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan, executor_overhead, lockstep_latency
 from hlomap.plan import Pipeline
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
@@ -47,7 +48,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 from hlomap.tasks.pipeline.step_dag import chain_runs, solve_step_downsets, step_dag
-from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, splits_batch
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, default_executor, splits_batch
 
 __all__ = [
     "CutDescription",
@@ -102,6 +103,9 @@ class PipelineResult:
     `profile` and the plan's layer ranges index); None for the chain's own order.
     straight_value: the chain order's optimum when the downset DP ran beside it (else None);
     downset_states: the cut states that DP searched (0: it did not run).
+    executor: the executor `hlomap run` runs the plan on (`stages.default_executor`);
+    step_seconds: one step as that executor runs it (`executor_step_seconds`), what `hlomap run`
+    measures and the plan file's estimate records.
     """
 
     source: str
@@ -123,6 +127,8 @@ class PipelineResult:
     order: tuple[int, ...] | None = None
     straight_value: float | None = None
     downset_states: int = 0
+    executor: str = "mpmd"
+    step_seconds: float = math.nan
 
     @property
     def latency(self) -> float:
@@ -172,6 +178,8 @@ class PipelineResult:
             "on_node_boundaries": self.on_node_boundaries,
             "latency_seconds": self.latency,
             "model_latency_seconds": self.model_latency,
+            "executor": self.executor,
+            "executor_step_seconds": self.step_seconds,
             "bottleneck_seconds": self.cost.bottleneck,
             "feasible": self.feasible,
             "memory_violations": [str(v) for v in self.simulation.violations],
@@ -358,10 +366,12 @@ def explore_pipeline(
         device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
         used = downsets.profile if downsets is not None and downsets.order is not None else profile
         order = None if downsets is None else downsets.order
+        simulation = simulate(used, cluster, plan, space.cost)
+        executor, step = executor_step_seconds(used, cluster, plan, simulation)
         return PipelineResult(
             source=label, agent=agent, profile=used, plan=plan,
             cost=evaluate_plan(used, cluster, plan, space.cost),
-            simulation=simulate(used, cluster, plan, space.cost),
+            simulation=simulation, executor=executor, step_seconds=step,
             cuts=_describe(hlo, used, plan, order), device_cuts=device_cuts, replication=plan.replication,
             device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
             on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
@@ -466,11 +476,28 @@ def _pipeline_section(result: PipelineResult) -> Pipeline:
     return Pipeline.from_json(section)
 
 
+def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
+                          simulation: SimulationResult) -> tuple[str, float]:
+    """(the executor `hlomap run` runs `plan` on, one step as it runs it): the spmd executor's
+    lockstep ticks (`costs.lockstep_latency`, stage calls rematerialized when several
+    microbatches are in flight, as the runner does) or the mpmd executor's schedule (the event
+    simulator's `simulation`), plus the executor's own cost on a measured cluster
+    (`costs.executor_overhead`). The priced executor is the one `hlomap simulate` prices too."""
+    executor = default_executor(plan.schedule, len(set(plan.replication)) == 1, plan.repeats)
+    if executor == "spmd":
+        length = lockstep_latency(profile, cluster, plan, remat=plan.microbatches > 1)
+    else:
+        length = simulation.length
+    return executor, float(length) + executor_overhead(cluster, executor, len(plan.stages), plan.microbatches)
+
+
 def _estimate_section(result: PipelineResult) -> dict[str, Any]:
     memory = [float(m) for m in result.stage_memory]
     fits = all(m <= c for m, c in zip(memory, result.device_memory))
     return {
-        "step_seconds": float(result.latency),
+        "step_seconds": float(result.step_seconds),
+        "executor": result.executor,
+        "schedule_step_seconds": float(result.latency),
         "model_step_seconds": float(result.model_latency),
         "bottleneck_seconds": float(result.cost.bottleneck),
         "memory": {"per_stage": memory, "total": max(memory, default=0.0), "fits": fits},

@@ -179,3 +179,28 @@ def test_the_space_offers_only_replication_a_microbatch_splits_over():
     assert wide.space.replication == (4,) and wide.space.use_all_devices and wide.center == (0, 4, 8)
     with pytest.raises(NoFeasiblePlan, match="does not split into 3 equal microbatches"):
         pipeline_task(profile, cluster, stages=2, microbatches=3, batch=8)
+
+
+@pytest.mark.parametrize("schedule, executor", [("gpipe", "spmd"), ("1f1b", "mpmd")])
+def test_the_plans_step_is_priced_on_the_executor_that_runs_it(schedule, executor):
+    """What `hlomap run` measures: GPipe over alike stages runs on the spmd executor, in lockstep
+    ticks, 1F1B on the mpmd one, each with its own cost on a measured cluster. The plan file's
+    estimate and the report say that step, and `hlomap simulate` prices the saved plan the same;
+    the schedule's own L (the overlapping simulator) is kept beside it."""
+    from hlomap.api import load_source, simulate_plan
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.tasks.pipeline.explore import pipeline_plan
+    from tests.local_cluster import LOCAL_CLUSTER_FILE
+
+    cap = load_source("zoo:gpt-tiny")
+    cluster = load_cluster(str(LOCAL_CLUSTER_FILE))
+    result = explore_pipeline(cap, stages=2, microbatches=2, cluster=cluster, agent="dp", schedule=schedule)
+    assert result.executor == executor
+    plan = pipeline_plan(cap, result)
+    priced = simulate_plan(None, plan, cluster=cluster)
+    assert priced.executor == executor
+    assert plan.estimate["step_seconds"] == pytest.approx(priced.step_seconds, rel=1e-9)
+    assert plan.estimate["executor"] == executor
+    assert plan.estimate["schedule_step_seconds"] == pytest.approx(result.latency)
+    assert result.step_seconds > result.latency  # the executor's own cost at least, lockstep ticks too
+    assert f"on the {executor} executor" in _text(result)
