@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan, executor_overhead, lockstep_latency
+from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
 from hlomap.plan import Pipeline
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
@@ -39,7 +39,7 @@ from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
-from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, INTERLEAVED_CHUNKS, choose_schedule
+from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, INTERLEAVED_CHUNKS, choose_schedule, executor_step_seconds
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
 from hlomap.cost.cluster import Cluster, load_cluster
@@ -48,7 +48,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 from hlomap.tasks.pipeline.step_dag import chain_runs, solve_step_downsets, step_dag
-from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, default_executor, splits_batch
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, PipelinePlan, Schedule, splits_batch
 
 __all__ = [
     "CutDescription",
@@ -474,21 +474,6 @@ def _pipeline_section(result: PipelineResult) -> Pipeline:
     # What re-pricing the plan on other devices or clusters needs (hlomap place, hlomap replan).
     section["block_profile"] = plan_profile(result.profile, result.plan).to_json()
     return Pipeline.from_json(section)
-
-
-def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
-                          simulation: SimulationResult) -> tuple[str, float]:
-    """(the executor `hlomap run` runs `plan` on, one step as it runs it): the spmd executor's
-    lockstep ticks (`costs.lockstep_latency`, stage calls rematerialized when several
-    microbatches are in flight, as the runner does) or the mpmd executor's schedule (the event
-    simulator's `simulation`), plus the executor's own cost on a measured cluster
-    (`costs.executor_overhead`). The priced executor is the one `hlomap simulate` prices too."""
-    executor = default_executor(plan.schedule, len(set(plan.replication)) == 1, plan.repeats)
-    if executor == "spmd":
-        length = lockstep_latency(profile, cluster, plan, remat=plan.microbatches > 1)
-    else:
-        length = simulation.length
-    return executor, float(length) + executor_overhead(cluster, executor, len(plan.stages), plan.microbatches)
 
 
 def _estimate_section(result: PipelineResult) -> dict[str, Any]:

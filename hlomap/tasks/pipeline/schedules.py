@@ -5,11 +5,14 @@ decompose for interleaved 1F1B or ZB-H1 (`hlomap.cost.pipeline.costs.schedule_la
 schedule is chosen after the cuts: the found stages are priced under every schedule the runner
 runs (`SCHEDULE_CHOICES`), plus interleaved 1F1B with V = 2 model chunks per device stage when
 the stages are alike (the layers cut again into S V pieces of equal compute, chunk k on device
-stage k mod S), and the fastest that fits memory wins. Each price is the event simulator's L
+stage k mod S), and the fastest that fits memory wins. Each price is the step as the executor
+that runs the schedule runs it (`executor_step_seconds`): the event simulator's L
 (`hlomap.cost.pipeline.simulator.simulate`: one model for every schedule; the closed form the cut
-search uses is exact only for equal stages) plus the executor's own cost on a measured cluster
-(`executor_overhead`; ZB-H1 launches a third program, the weight pass, per stage and
-microbatch), so on hosts where dispatch dominates the chooser keeps fewer programs.
+search uses is exact only for equal stages) on the mpmd executor, the lockstep ticks
+(`costs.lockstep_latency`) for GPipe over alike stages on the spmd executor, plus the executor's
+own cost on a measured cluster (`executor_overhead`; ZB-H1 launches a third program, the weight
+pass, per stage and microbatch), so on hosts where dispatch dominates the chooser keeps fewer
+programs.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from typing import Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.costs import CostOptions, executor_overhead
+from hlomap.cost.pipeline.costs import CostOptions, executor_overhead, lockstep_latency
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
 
 __all__ = ["AUTO_SCHEDULE", "INTERLEAVED_CHUNKS", "PROGRAM_SHARE", "SCHEDULE_CHOICES", "ScheduleOption",
-           "choose_schedule", "interleaved_variant", "schedule_options"]
+           "choose_schedule", "executor_step_seconds", "interleaved_variant", "schedule_options"]
 
 #: The value of `schedule` that asks the explorer to choose.
 AUTO_SCHEDULE = "auto"
@@ -40,16 +43,13 @@ PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
 
 @dataclass(frozen=True)
 class ScheduleOption:
-    """One schedule priced on the found stages: the plan, its simulation and the executor's own
-    seconds (0 off a measured cluster); `seconds` is what the chooser compares."""
+    """One schedule priced on the found stages: the plan, its simulation, the executor that runs
+    it and one step as that executor runs it (`executor_step_seconds`), what the chooser compares."""
 
     plan: PipelinePlan
     simulation: SimulationResult
-    executor_seconds: float
-
-    @property
-    def seconds(self) -> float:
-        return self.simulation.length + self.executor_seconds
+    executor: str
+    seconds: float
 
     @property
     def label(self) -> str:
@@ -96,12 +96,23 @@ def _with_schedule(plan: PipelinePlan, schedule: Schedule) -> PipelinePlan | Non
     return PipelinePlan(plan.stages, plan.microbatches, schedule, plan.repeats)
 
 
-def _executor_seconds(cluster: Cluster, plan: PipelinePlan) -> float:
+def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
+                          simulation: SimulationResult) -> tuple[str, float]:
+    """(the executor `hlomap run` runs `plan` on by default, one step as it runs it): the spmd
+    executor's lockstep ticks (`costs.lockstep_latency`, stage calls rematerialized when several
+    microbatches are in flight, as the runner does) or the mpmd executor's schedule (the event
+    simulator's `simulation` of `plan`), plus the executor's own cost on a measured cluster
+    (`costs.executor_overhead`, ZB-H1's third program included). `hlomap simulate` prices a
+    saved plan the same way."""
     groups = plan.stages[:plan.device_stages]
     uniform = len({(len(s.devices), s.model) for s in groups}) == 1
     executor = default_executor(plan.schedule, uniform, plan.repeats)
-    base = executor_overhead(cluster, executor, plan.n_stages, plan.microbatches)
-    return base * PROGRAM_SHARE.get(plan.schedule, 1.0)
+    if executor == "spmd":
+        length = lockstep_latency(profile, cluster, plan, remat=plan.microbatches > 1)
+    else:
+        length = simulation.length
+    overhead = executor_overhead(cluster, executor, plan.n_stages, plan.microbatches)
+    return executor, float(length) + overhead * PROGRAM_SHARE.get(plan.schedule, 1.0)
 
 
 def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
@@ -115,8 +126,8 @@ def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
     out = []
     for variant in variants:
         if variant is not None:
-            out.append(ScheduleOption(variant, simulate(profile, cluster, variant, options),
-                                      _executor_seconds(cluster, variant)))
+            simulation = simulate(profile, cluster, variant, options)
+            out.append(ScheduleOption(variant, simulation, *executor_step_seconds(profile, cluster, variant, simulation)))
     return out
 
 

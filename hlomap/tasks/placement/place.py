@@ -34,7 +34,7 @@ from hlomap.tasks.placement.ppo import PlacementPolicy, load_placement_policy
 from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem, StageLayout
 from hlomap.tasks.placement.task import PlacedOrder, PlacementTask
 
-__all__ = ["PLACEMENT_DRIVERS", "PipelineEstimate", "estimate_pipeline_plan", "place_plan", "plan_profile_of",
+__all__ = ["PLACEMENT_DRIVERS", "PipelineEstimate", "estimate_pipeline_plan", "place_plan", "plan_profile_of", "refuse_chunks",
            "problem_from_plan", "search_placement", "with_placement"]
 
 #: The drivers that search placements (DQN needs an episode per decision vector that placement's
@@ -67,10 +67,6 @@ def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
         raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has tensor-parallel stages, which "
                              "placement and re-planning do not price yet; they take the pipeline plans of hlomap "
                              "explore --task pipeline")
-    if pipeline.repeats > 1:
-        raise PlacementError(f"{where}: the pipeline runs {pipeline.repeats} model chunks per stage (repeats); placement "
-                             "and pricing from the block profile take one chunk per stage so far (the cost model "
-                             "prices chunks: hlomap.cost.pipeline.simulator.simulate of a PipelinePlan with repeats)")
     if pipeline.block_profile is None:
         raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")
@@ -78,17 +74,27 @@ def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
         profile = PlanProfile.from_json(pipeline.block_profile, where=f"{where}: pipeline.block_profile")
     except ProfileError as err:
         raise PlacementError(str(err)) from None
-    if len(profile.stage_bounds) - 1 != pipeline.n_stages:
+    chunks = pipeline.n_stages * pipeline.repeats
+    if len(profile.stage_bounds) - 1 != chunks:
         raise PlacementError(f"{where}: pipeline.block_profile has {len(profile.stage_bounds) - 1} stages, the "
-                             f"pipeline section {pipeline.n_stages}")
+                             f"pipeline section {pipeline.n_stages}" + (f" x {pipeline.repeats} chunks"
+                                                                        if pipeline.repeats > 1 else ""))
     return profile
+
+
+def refuse_chunks(plan: Plan, what: str, where: str = "plan") -> None:
+    """PlacementError when `plan` runs several model chunks per stage: `what` (placement,
+    re-planning) prices one chunk per stage so far; pricing the plan (`hlomap simulate`) takes it."""
+    if plan.pipeline is not None and plan.pipeline.repeats > 1:
+        raise PlacementError(f"{where}: the pipeline runs {plan.pipeline.repeats} model chunks per stage (repeats); "
+                             f"{what} takes one chunk per stage so far (hlomap simulate prices this plan)")
 
 
 def _stage_layout(plan: Plan, where: str) -> StageLayout:
     assert plan.pipeline is not None
     replication = tuple(len(devices) for devices in plan.logical_stage_devices())
     return StageLayout(plan_profile_of(plan, where).stage_profile(), replication, plan.pipeline.microbatches,
-                       plan.pipeline.schedule)
+                       plan.pipeline.schedule, plan.pipeline.repeats)
 
 
 def problem_from_plan(plan: Plan, cluster: Cluster, *, estimate: StepEstimate | None = None,
@@ -143,6 +149,7 @@ def place_plan(plan: Plan, cluster: Cluster, driver: Driver | str = Driver.GREED
                where: str = "plan", **options: Any) -> tuple[Plan, SearchResult]:
     """Place `plan` on `cluster`; returns the placed plan and the search's result (`options`:
     those of `search_placement`)."""
+    refuse_chunks(plan, "placement", where)
     problem = problem_from_plan(plan, cluster, estimate=estimate, where=where)
     result = search_placement(problem, driver, budget, seed, **options)
     return with_placement(plan, problem, result), result

@@ -75,18 +75,21 @@ class MeshLayout:
 
 @dataclass(frozen=True, eq=False)
 class StageLayout:
-    """A pipeline plan's logical side: a profile with one layer per stage (per microbatch), each
-    stage's replication, the microbatches and the schedule."""
+    """A pipeline plan's logical side: a profile with one layer per logical stage (per
+    microbatch), each device stage's replication, the microbatches and the schedule; with
+    `repeats` V > 1 (interleaved 1F1B, a circular GPipe) the profile has S V logical stages and
+    logical stage k runs on device stage k mod S."""
 
     profile: PipelineProfile
     replication: tuple[int, ...]
     microbatches: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
+    repeats: int = 1
 
     def __post_init__(self) -> None:
-        if len(self.replication) != self.profile.n_layers:
-            raise PlacementError(f"{len(self.replication)} stage replications for a stage profile of "
-                                 f"{self.profile.n_layers} stages")
+        if self.repeats < 1 or len(self.replication) * self.repeats != self.profile.n_layers:
+            raise PlacementError(f"{len(self.replication)} stage replications x {self.repeats} chunks for a stage "
+                                 f"profile of {self.profile.n_layers} stages")
         if any(r < 1 for r in self.replication) or self.microbatches < 1:
             raise PlacementError(f"replication {self.replication} and microbatches {self.microbatches} "
                                  "must be >= 1")
@@ -104,10 +107,11 @@ class StageLayout:
         return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
 
     def plan(self, devices: Sequence[int]) -> PipelinePlan:
-        """The stage plan with stage s on the devices of its logical positions."""
-        stages = tuple(Stage(s, s + 1, tuple(int(devices[p]) for p in positions))
-                       for s, positions in enumerate(self.stage_positions()))
-        return PipelinePlan(stages, self.microbatches, self.schedule)
+        """The stage plan with device stage s on the devices of its logical positions (and logical
+        stage k on those of device stage k mod S)."""
+        groups = [tuple(int(devices[p]) for p in positions) for positions in self.stage_positions()]
+        stages = tuple(Stage(k, k + 1, groups[k % len(groups)]) for k in range(self.profile.n_layers))
+        return PipelinePlan(stages, self.microbatches, self.schedule, self.repeats)
 
 
 Layout = MeshLayout | StageLayout

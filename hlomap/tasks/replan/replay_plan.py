@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hlomap.plan import Plan
-from hlomap.tasks.placement.place import plan_profile_of
+from hlomap.tasks.placement.place import plan_profile_of, refuse_chunks
 from hlomap.tasks.placement.problem import PlacementError
 from hlomap.tasks.replan.options import RunningPlan, Workload
 from hlomap.tasks.replan.policies import PolicyRun, ReplanPolicy, Replay, run_policy
@@ -31,6 +31,7 @@ def workload_of(plan: Plan, where: str = "plan") -> tuple[Workload, RunningPlan]
     """The workload and running plan of a saved pipeline plan."""
     if plan.pipeline is None:
         raise PlacementError(f"{where}: re-planning needs a pipeline plan (hlomap explore --task pipeline)")
+    refuse_chunks(plan, "re-planning", where)
     profile = plan_profile_of(plan, where)
     stages = plan.stage_devices()
     replication = tuple(sorted(set(REPLICATION) | {len(s) for s in stages}))

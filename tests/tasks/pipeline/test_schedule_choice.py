@@ -41,6 +41,23 @@ def test_interleaving_cuts_equal_compute_and_shrinks_the_bubble() -> None:
     assert choose_schedule(profile, cluster, plan, FREE).label == "interleaved-1f1b V=2"
 
 
+def test_gpipe_over_alike_stages_is_priced_as_the_spmd_executor_runs_it() -> None:
+    """GPipe over alike stages runs on the spmd executor, whose lockstep ticks run every stage in
+    every tick and the forward again in a backward tick: the chooser compares that, not the
+    schedule's overlapping L, so it keeps 1F1B (the mpmd executor) where the two schedules' L tie."""
+    from hlomap.cost.pipeline.costs import lockstep_latency
+
+    profile = uniform_profile(8, forward_time=1.0, backward_time=2.0)
+    cluster = uniform(4, "V100-16GB", bandwidth=1e30, latency=0.0)
+    options = {o.label: o for o in schedule_options(profile, cluster, _plan(), FREE)}
+    gpipe, one_f_one_b = options["gpipe"], options["1f1b"]
+    assert gpipe.executor == "spmd" and one_f_one_b.executor == "mpmd"
+    assert gpipe.simulation.length == pytest.approx(one_f_one_b.simulation.length)
+    assert gpipe.seconds == pytest.approx(lockstep_latency(profile, cluster, gpipe.plan, remat=True))
+    assert gpipe.seconds > one_f_one_b.seconds == pytest.approx(one_f_one_b.simulation.length)
+    assert choose_schedule(profile, cluster, _plan(), FREE).plan.schedule is not Schedule.GPIPE
+
+
 def test_no_interleaving_where_it_cannot_run() -> None:
     profile = uniform_profile(8, forward_time=1.0, backward_time=2.0)
     assert interleaved_variant(profile, _plan(microbatches=6), 2) is None  # M is no multiple of S
@@ -103,6 +120,18 @@ def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch:
     section = plan.pipeline
     assert section.schedule is Schedule.INTERLEAVED and section.repeats == 2
     assert len(section.stages) == 2 and len(section.cuts) == 3
+    # priced again from the plan file's block profile (its 4 chunks on the 2 stages' devices) as
+    # the explorer priced it; placing and re-planning it are refused by name
+    from hlomap.api import simulate_plan
+
+    priced = simulate_plan(None, plan, cluster="hier:2x4")
+    assert priced.executor == "mpmd" and priced.estimate.placed.plan.repeats == 2
+    assert priced.step_seconds == pytest.approx(plan.estimate["step_seconds"], rel=1e-9)
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.tasks.placement.place import PlacementError, place_plan
+
+    with pytest.raises(PlacementError, match="2 model chunks per stage .*placement takes one chunk"):
+        place_plan(plan, load_cluster("hier:2x4"))
     parallel = hlomap.parallelize(step, plan)
     params, opt_state = parallel.place(args[0], args[1])
     _, _, loss = parallel(params, opt_state, *args[2:])
