@@ -170,3 +170,32 @@ def test_mpmd_averages_a_stages_aux_sums_in_one_program() -> None:
     traces = _means._cache_size()
     _means(tuple(x + 1 for x in sums), 4)  # same shapes: the compiled program is reused
     assert _means._cache_size() == traces
+
+
+def test_a_per_example_input_beside_the_batch_is_named_not_a_shape_error() -> None:
+    """Only the third argument is cut into microbatches: labels passed as a fourth argument
+    would reach the loss at the whole batch, and JAX's broadcasting error says nothing of why.
+    The runner names the argument and the fix."""
+    import jax.numpy as jnp
+    import optax
+
+    optimizer = optax.sgd(0.1)
+
+    def train_step(params, opt_state, x, y):
+        def loss_fn(p):
+            h = jnp.tanh(x @ p["w1"])
+            return jnp.mean((h @ p["w2"] - y[:, None]) ** 2)
+
+        loss, grads = hlomap.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = {"w1": jnp.ones((16, 16)) * 0.1, "w2": jnp.ones((16, 1)) * 0.1}
+    args = (params, optimizer.init(params), jnp.ones((8, 16)), jnp.arange(8.0))
+    cap = hlomap.capture(train_step, *args)
+    plan = hlomap.explore(cap, task="pipeline", stages=2, microbatches=2, agent="dp", cluster="hier:2x4")
+    step = hlomap.parallelize(train_step, plan)
+    placed = step.place(args[0], args[1])
+    with pytest.raises(RunError, match=r"args\[3\] has the batch's leading dim \(8\) but only args\[2\].*"
+                                       r"step\(params, opt_state, \(x, y\)\)"):
+        step(*placed, *args[2:])
