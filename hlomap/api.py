@@ -1163,7 +1163,7 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     import dataclasses
 
     from hlomap.cost.cluster import Cluster
-    from hlomap.tasks.placement.place import problem_from_plan
+    from hlomap.tasks.placement.place import problem_from_plan, refuse_chunks
 
     if agent not in PLACEMENT_AGENTS:
         raise InputError(f"--agent {agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
@@ -1173,6 +1173,7 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     if cap is not None and plan.pipeline is None:
         check_plan_for(plan, cap, where)
         step_estimate = estimate(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
+    refuse_chunks(plan, "placement", where)
     problem = problem_from_plan(plan, cluster, estimate=step_estimate, where=where)
     notes: tuple[str, ...] = ()
     estimated_on = (plan.estimate or {}).get("cluster")

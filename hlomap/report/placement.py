@@ -67,10 +67,12 @@ def format_pipeline_estimate(est: PipelineEstimate, cluster: str, placement: Pla
     """`hlomap simulate` on a pipeline plan: the simulated batch and the closed form, on the
     placement and on the identity order."""
     plan = est.placed.plan
-    lines = [f"pipeline plan on cluster {cluster}: {plan.n_stages} stages, {plan.microbatches} microbatches, "
+    stages = (f"{plan.device_stages} stages x {plan.repeats} model chunks" if plan.repeats > 1
+              else f"{plan.n_stages} stages")
+    lines = [f"pipeline plan on cluster {cluster}: {stages}, {plan.microbatches} microbatches, "
              f"{plan.schedule.value}",
              f"step {human_seconds(est.placed.length)} simulated, {human_seconds(est.placed_model_seconds)} closed form"]
-    for s, stage in enumerate(plan.stages):
+    for s, stage in enumerate(plan.stages[:plan.device_stages]):  # busy: all of a device stage's chunks
         lines.append(f"  stage {s}: devices {_devices(stage.devices)}, busy "
                      f"{human_seconds(est.placed.busy_time(s))}")
     if placement is not None:

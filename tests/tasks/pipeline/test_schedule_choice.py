@@ -98,7 +98,8 @@ def test_explore_with_schedule_auto_runs_with_the_unsharded_loss() -> None:
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
 
 
-def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Where the chooser keeps interleaved 1F1B, the plan lists the S device stages, the S V - 1
     cuts and `repeats` V, and runs with the unsharded step's loss (gpt-tiny's layers are too few
     and uneven for the cost model to choose it, so the choice is forced here)."""
@@ -132,6 +133,15 @@ def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch:
 
     with pytest.raises(PlacementError, match="2 model chunks per stage .*placement takes one chunk"):
         place_plan(plan, load_cluster("hier:2x4"))
+    from hlomap.cli import run
+
+    path = tmp_path / "interleaved.json"
+    plan.save(path)
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(path), "--cluster", "hier:2x4"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages x 2 model chunks" in out and "stage 2:" not in out  # busy per device stage
+    assert run(["place", str(path), "--cluster", "hier:2x4"]) == 2
+    assert "2 model chunks per stage" in capsys.readouterr().err
     parallel = hlomap.parallelize(step, plan)
     params, opt_state = parallel.place(args[0], args[1])
     _, _, loss = parallel(params, opt_state, *args[2:])
