@@ -94,7 +94,7 @@ def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str
     if requested is not None:
         executor = Executor.parse(requested)
         if executor is Executor.SPMD and schedule is not Schedule.GPIPE:
-            raise RunError(f"the spmd executor runs GPipe only; a {schedule.value} plan needs the mpmd executor")
+            raise RunError(f"the spmd executor runs GPipe only; a plan with schedule {schedule.value} needs the mpmd executor")
         if executor is Executor.SPMD and not uniform:
             raise RunError("the spmd executor needs every stage to have the same mesh and parameter specs; this "
                            "plan's stages differ, use the mpmd executor")

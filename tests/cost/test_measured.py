@@ -154,7 +154,7 @@ def test_pipeline_simulation_adds_its_executor(cap_of) -> None:
     assert simulate_plan(cap, plan, cluster=cluster).executor == "spmd"  # GPipe, stages alike: the runner's choice
     one_f_one_b = hlomap.explore(cap, task="pipeline", cluster=cluster, agent="dp", stages=2, microbatches=2,
                                  schedule="1f1b")
-    with pytest.raises(InputError, match="1f1b plan needs the mpmd executor"):
+    with pytest.raises(InputError, match="schedule 1f1b needs the mpmd executor"):
         simulate_plan(cap, one_f_one_b, cluster=cluster, executor="spmd")
 
 

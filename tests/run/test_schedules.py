@@ -76,7 +76,7 @@ def test_schedules_the_executors_cannot_run_are_refused(zoo_case) -> None:
     with pytest.raises(RunError, match="3 microbatches is not a multiple of 2"):
         parallelize(case.model.train_step(), plan)
     plan = _plan(case, "interleaved-1f1b", 2, 4, repeats=2)
-    with pytest.raises(RunError, match="spmd executor runs GPipe only; a interleaved-1f1b plan needs the mpmd"):
+    with pytest.raises(RunError, match="spmd executor runs GPipe only; a plan with schedule interleaved-1f1b needs the mpmd"):
         parallelize(case.model.train_step(), plan, executor="spmd")
     plan = _plan(case, "zb-h1", 2, 4, repeats=2)
     with pytest.raises(RunError, match="runs the gpipe schedule .* or interleaved-1f1b .*, not zb-h1"):
