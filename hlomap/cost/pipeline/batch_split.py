@@ -42,7 +42,7 @@ import numpy as np
 from hlomap.cost.compute import CostCache, instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Capture
-from hlomap.hlo.graph import topological_order
+from hlomap.hlo.graph import topological_order, users
 
 if TYPE_CHECKING:
     from hlomap.cost.sharding import ShardedGraph
@@ -140,16 +140,13 @@ def _in_pass_syncs(split: ShardedGraph, entry: str) -> Syncs:
                   if graph.nodes[pr.node].computation == entry and int(split.node_count[pr.node]) > 0}
     if not reductions:
         return Syncs()
-    instructions = topological_order(graph.module.computation(entry))
-    # reaches[name]: a reduction lies downstream of it (the instructions are in a topological order)
-    users: dict[str, list[str]] = {}
-    for inst in instructions:
-        for operand in inst.operands:
-            users.setdefault(operand, []).append(inst.name)
+    computation = graph.module.computation(entry)
+    instructions = topological_order(computation)
+    used_by = users(computation)
+    # reaches[name]: a reduction lies downstream of it (users come after it in topological order)
     reaches: dict[str, bool] = {}
     for inst in reversed(instructions):
-        reaches[inst.name] = any(user in reductions or reaches.get(user, False)
-                                 for user in users.get(inst.name, ()))
+        reaches[inst.name] = any(user in reductions or reaches[user] for user in used_by[inst.name])
     kept = {name for name in reductions if reaches[name]}
     depth: dict[str, int] = {}
     level: dict[str, int] = {}

@@ -33,8 +33,9 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, GroupCost, collective_group_times
-from hlomap.cost.pipeline.costs import pipeline_latency
+from hlomap.cost.pipeline.costs import pipeline_latency, stage_sync_seconds
 from hlomap.cost.pipeline.profile import replicated_seconds
+from hlomap.cost.pipeline.stages import Stage
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
 
@@ -242,11 +243,8 @@ class StageState:
         # as the closed form does (`costs.evaluate_plan`; every replica updates all its parameters)
         self.compute = (replicated_seconds(profile.compute_time, profile.compute_fixed, np.asarray(layout.replication))
                         + profile.update_time / layout.microbatches)
+        self.profile = profile
         self.params = profile.parameter_bytes
-        # the all-reduces each stage's passes run over its replicas, every microbatch: (count, bytes) per direction
-        self.syncs = [((profile.forward_syncs[s], profile.forward_sync_bytes[s]),  # type: ignore[index]
-                       (profile.backward_syncs[s], profile.backward_sync_bytes[s]))  # type: ignore[index]
-                      for s in range(profile.n_layers)]
         self.cut_bytes = profile.activation_bytes
         self.m = layout.microbatches
         self.model = PipelineModel(problem.cluster)
@@ -262,8 +260,8 @@ class StageState:
     def _stage(self, s: int, order: np.ndarray) -> float:
         devices = self._devices(s, order)
         allreduce = self.model.allreduce(devices, float(self.params[s]))
-        syncs = sum(count * self.model.allreduce(devices, float(nbytes) / count)
-                    for count, nbytes in self.syncs[s] if count > 0) if len(devices) > 1 else 0.0
+        # the all-reduces the stage's passes run over its replicas, every microbatch
+        syncs = sum(stage_sync_seconds(self.profile, self.problem.cluster, Stage(s, s + 1, tuple(devices))))
         return float(self.compute[s]) + allreduce / self.m + syncs
 
     def _cut(self, k: int, order: np.ndarray) -> float:

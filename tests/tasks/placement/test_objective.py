@@ -42,6 +42,20 @@ def test_stage_pricing_is_the_pipeline_cost_models_latency():
     assert plan.stages[1].devices == (3, 1, 4)
     expected = evaluate_plan(layout.profile, pb.cluster, plan).latency
     assert step_seconds(pb, devices) == pytest.approx(expected, rel=1e-12)
+    # with all-reduces inside the stages' passes (batch norm's statistics), on the placed groups
+    import dataclasses
+
+    from hlomap.tasks.placement.problem import StageLayout
+
+    synced = dataclasses.replace(layout.profile, forward_syncs=np.array([2.0, 1.0, 3.0]),
+                                 backward_syncs=np.array([1.0, 0.0, 2.0]),
+                                 forward_sync_bytes=np.array([8e3, 4e3, 1e4]),
+                                 backward_sync_bytes=np.array([4e3, 0.0, 8e3]))
+    layout = StageLayout(synced, layout.replication, layout.microbatches, layout.schedule)
+    pb = problem("random:6:2", layout)
+    expected_synced = evaluate_plan(synced, pb.cluster, layout.plan(devices)).latency
+    assert expected_synced > expected
+    assert new_state(pb, np.array(devices)).value == pytest.approx(expected_synced, rel=1e-12)  # the search's price
 
 
 def test_affinity_swap_delta_is_the_change_of_the_total():
