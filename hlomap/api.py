@@ -935,7 +935,8 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     if category in (PlanCategory.PIPELINE, PlanCategory.JOINT):
         chosen = plan_executor(plan, executor, where)
         section = plan.pipeline
-        overhead = executor_overhead(cluster, chosen, section.n_stages * section.repeats, section.microbatches)
+        overhead = executor_overhead(cluster, chosen, section.n_stages * section.repeats, section.microbatches,
+                                     section.schedule)
     if category is PlanCategory.PIPELINE:
         from hlomap.tasks.placement.place import estimate_pipeline_plan, lockstep_pipeline_seconds
 

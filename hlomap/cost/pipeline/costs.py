@@ -57,6 +57,7 @@ from hlomap.cost.pipeline.stages import (INPUT_GRADIENT_SHARE, Pass, PipelinePla
 from hlomap.cost.pipeline.timeline import event_timeline
 
 __all__ = [
+    "PROGRAM_SHARE",
     "executor_overhead",
     "CommModel",
     "CostOptions",
@@ -196,14 +197,21 @@ def allreduce_share(cluster: Cluster, seconds: Any, microbatches: int) -> Any:
     return seconds if syncs_each_microbatch(cluster) else seconds / microbatches
 
 
-def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int) -> float:
+#: Programs the mpmd executor launches per stage and microbatch, relative to F and B: ZB-H1 adds W.
+PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
+
+
+def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int,
+                      schedule: Schedule | None = None) -> float:
     """Seconds per step the pipeline executor itself costs (dispatches, its loop, device_puts) on
-    a cluster that measured it (`Cluster.measured`, `hlomap.cost.measured`); 0 on a datasheet
-    cluster. Added to L: on a host that runs the executor and the devices on the same cores, the
-    executor's work does not hide behind the stages'."""
+    a cluster that measured it (`Cluster.measured`, `hlomap.cost.measured`), for a plan run under
+    `schedule` (ZB-H1 launches a third program per stage and microbatch: `PROGRAM_SHARE`); 0 on a
+    datasheet cluster. Added to L: on a host that runs the executor and the devices on the same
+    cores, the executor's work does not hide behind the stages'."""
     if cluster.measured is None:
         return 0.0
-    return cluster.measured.executor_seconds(executor, stages, microbatches)
+    share = PROGRAM_SHARE.get(schedule, 1.0) if schedule is not None else 1.0
+    return cluster.measured.executor_seconds(executor, stages, microbatches) * share
 
 
 def stage_passes(profile: PipelineProfile, cluster: Cluster | None, stage: Stage, *,

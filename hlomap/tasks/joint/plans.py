@@ -35,7 +35,6 @@ from hlomap.cost.estimate import dispatch_seconds
 from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency, syncs_each_microbatch
 from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.cost.pipeline.timeline import event_timeline
-from hlomap.tasks.pipeline.schedules import PROGRAM_SHARE
 from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption
 
@@ -223,8 +222,7 @@ def joint_overhead(cluster: Any, plan: JointPlan) -> float:
     that runs as SPMD, else its pipeline executor's cost."""
     if runs_as_spmd(plan):
         return dispatch_seconds(cluster)
-    base = executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches)
-    return base * PROGRAM_SHARE.get(plan.schedule, 1.0)
+    return executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches, plan.schedule)
 
 
 def joint_executor(plan: JointPlan) -> str:

@@ -28,7 +28,7 @@ from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
 
-__all__ = ["AUTO_SCHEDULE", "INTERLEAVED_CHUNKS", "PROGRAM_SHARE", "SCHEDULE_CHOICES", "ScheduleOption",
+__all__ = ["AUTO_SCHEDULE", "INTERLEAVED_CHUNKS", "SCHEDULE_CHOICES", "ScheduleOption",
            "choose_schedule", "executor_step_seconds", "interleaved_variant", "schedule_options"]
 
 #: The value of `schedule` that asks the explorer to choose.
@@ -37,8 +37,6 @@ AUTO_SCHEDULE = "auto"
 SCHEDULE_CHOICES = (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)
 #: Model chunks per device stage tried for interleaved 1F1B.
 INTERLEAVED_CHUNKS = (2,)
-#: Programs the mpmd executor launches per stage and microbatch, relative to F and B: ZB-H1 adds W.
-PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
 
 
 @dataclass(frozen=True)
@@ -111,8 +109,8 @@ def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: Pipe
         length = lockstep_latency(profile, cluster, plan, remat=plan.microbatches > 1)
     else:
         length = simulation.length
-    overhead = executor_overhead(cluster, executor, plan.n_stages, plan.microbatches)
-    return executor, float(length) + overhead * PROGRAM_SHARE.get(plan.schedule, 1.0)
+    return executor, float(length) + executor_overhead(cluster, executor, plan.n_stages, plan.microbatches,
+                                                       plan.schedule)
 
 
 def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,

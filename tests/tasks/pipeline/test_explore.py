@@ -181,7 +181,7 @@ def test_the_space_offers_only_replication_a_microbatch_splits_over():
         pipeline_task(profile, cluster, stages=2, microbatches=3, batch=8)
 
 
-@pytest.mark.parametrize("schedule, executor", [("gpipe", "spmd"), ("1f1b", "mpmd")])
+@pytest.mark.parametrize("schedule, executor", [("gpipe", "spmd"), ("1f1b", "mpmd"), ("zb-h1", "mpmd")])
 def test_the_plans_step_is_priced_on_the_executor_that_runs_it(schedule, executor):
     """What `hlomap run` measures: GPipe over alike stages runs on the spmd executor, in lockstep
     ticks, 1F1B on the mpmd one, each with its own cost on a measured cluster. The plan file's
