@@ -46,7 +46,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import AlphaBeta, Collective
 from hlomap.cost.compute import flop_rate
-from hlomap.cost.devices import DeviceSpec
+from hlomap.cost.devices import DeviceSpec, NarrowCurve
 from hlomap.cost.measured import EXECUTORS, Fit, executor_units, measured_costs
 
 #: The "format" field of a profile file, so that a cluster or plan JSON passed by mistake is
@@ -74,7 +74,7 @@ MIN_EFFICIENCY = 1e-6
 _PROFILE_FIELDS = ("format", "version", "device", "compute_efficiency", "bandwidth_efficiency", "measurements",
                    "backend", "device_kind", "jax_version", "measured_at", "notes")
 _REQUIRED_FIELDS = ("device", "compute_efficiency", "bandwidth_efficiency", "measurements")
-_MEASUREMENT_FIELDS = ("name", "kind", "dtype", "flops", "bytes", "seconds", "fit")
+_MEASUREMENT_FIELDS = ("name", "kind", "dtype", "flops", "bytes", "seconds", "fit", "width")
 
 
 class CalibrationError(ValueError):
@@ -103,6 +103,7 @@ class Measurement:
     bytes_accessed: float
     seconds: float
     fit: bool = True
+    width: int = 0  # a narrow matrix sample's narrowest side (`fit_narrow_curves`); 0: none
 
     def __post_init__(self) -> None:
         for label, value in (("flops", self.flops), ("bytes", self.bytes_accessed)):
@@ -117,13 +118,14 @@ class Measurement:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "flops": self.flops,
-                "bytes": self.bytes_accessed, "seconds": self.seconds, "fit": self.fit}
+                "bytes": self.bytes_accessed, "seconds": self.seconds, "fit": self.fit,
+                **({"width": self.width} if self.width else {})}
 
     @classmethod
     def from_json(cls, data: Any, *, where: str) -> Measurement:
         if not isinstance(data, Mapping):
             raise CalibrationError(f"{where}: expected an object, got {data!r}")
-        missing = [k for k in _MEASUREMENT_FIELDS if k not in data and k != "fit"]
+        missing = [k for k in _MEASUREMENT_FIELDS if k not in data and k not in ("fit", "width")]
         if missing:
             raise CalibrationError(f"{where}: missing field(s) {missing}")
         unknown = sorted(set(data) - set(_MEASUREMENT_FIELDS))
@@ -137,7 +139,8 @@ class Measurement:
                        dtype=_string(data["dtype"], f"{where}.dtype"),
                        flops=_number(data["flops"], f"{where}.flops"),
                        bytes_accessed=_number(data["bytes"], f"{where}.bytes"),
-                       seconds=_number(data["seconds"], f"{where}.seconds"), fit=fit)
+                       seconds=_number(data["seconds"], f"{where}.seconds"), fit=fit,
+                       width=int(_number(data.get("width", 0), f"{where}.width")))
         except CalibrationError as err:
             msg = str(err)
             raise CalibrationError(msg if msg.startswith(where) else f"{where}: {msg}") from None
@@ -507,7 +510,7 @@ def fit_matmul_curves(measurements: Iterable[Measurement]) -> tuple[MatmulCurve,
     """One curve per dtype of the matrix-kind measurements, sorted by dtype."""
     by_dtype: dict[str, list[Measurement]] = {}
     for m in measurements:
-        if m.matrix and m.fit:
+        if m.matrix and m.fit and not m.width:  # narrow samples have a curve of their own
             by_dtype.setdefault(m.dtype, []).append(m)
     curves = []
     for dtype, ms in sorted(by_dtype.items()):
@@ -517,6 +520,61 @@ def fit_matmul_curves(measurements: Iterable[Measurement]) -> tuple[MatmulCurve,
         points = tuple(sorted((m.flops, m.flops / m.seconds) for m in ms))
         curves.append(MatmulCurve(dtype, rate_of(fit, flops, times), fit.alpha, points))
     return tuple(curves)
+
+
+#: A narrow sample whose compute time is within this factor of its memory time is explained by
+#: the roofline's memory side and says nothing about the matrix rate.
+NARROW_MEMORY_MARGIN = 1.5
+
+
+def narrow_shares(measurements: Iterable[Measurement], device: DeviceSpec, overhead: float,
+                  kind: str) -> list[tuple[int, float]]:
+    """(width, share of the matrix rate) of each narrow `kind` sample (`Measurement.width`) the
+    roofline's memory side does not explain: its time less `overhead` (what the program around
+    one kernel costs: the matmul curve's intercept) against `device`'s rate, at most 1."""
+    points = []
+    for m in measurements:
+        if m.kind != kind or not m.width or not m.fit:
+            continue
+        compute = max(m.seconds - overhead, 1e-12)
+        if compute <= NARROW_MEMORY_MARGIN * m.bytes_accessed / device.hbm_bandwidth:
+            continue
+        share = m.flops / (compute * flop_rate(device, m.dtype, True) * device.efficiency)
+        points.append((m.width, min(1.0, share)))
+    return sorted(points)
+
+
+def fit_narrow_curve(points: Sequence[tuple[int, float]]) -> NarrowCurve | None:
+    """The `NarrowCurve` through measured (width, share) points: the geometric mean share per
+    width, made non-decreasing in width (the running maximum: a narrower product is never
+    faster, so a dip is noise). None without points, or when every width ran at full rate."""
+    by_width: dict[int, list[float]] = {}
+    for width, share in points:
+        by_width.setdefault(int(width), []).append(max(share, 1e-9))
+    curve = []
+    best = 0.0
+    for width in sorted(by_width):
+        best = max(best, float(np.exp(np.mean(np.log(by_width[width])))))
+        curve.append((float(width), min(1.0, best)))
+    if not curve or curve[0][1] >= 1.0:
+        return None
+    return NarrowCurve(tuple(curve))
+
+
+def fit_narrow_curves(measurements: Sequence[Measurement], device: DeviceSpec, overhead: float,
+                      reference_width: float) -> dict[str, NarrowCurve]:
+    """The narrow curve of each matrix kind whose narrow samples show one (`fit_narrow_curve`).
+    The dots' curve ends at the square matmul of side `reference_width` that set the matrix
+    rate (share 1 by definition)."""
+    curves = {}
+    for kind in sorted(MATRIX_KINDS):
+        points = narrow_shares(measurements, device, overhead, kind)
+        if kind == "dot" and points and reference_width > max(w for w, _ in points):
+            points.append((int(reference_width), 1.0))
+        curve = fit_narrow_curve(points)
+        if curve is not None:
+            curves[kind] = curve
+    return curves
 
 
 def fit_memory_bandwidth(measurements: Iterable[Measurement]) -> AlphaBeta:
@@ -624,7 +682,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 3: kernel launches timed on a train step of tiny layers, counted as the estimate counts them
 #: (version 2 timed a chain of tiny matmuls; its files still load, and their launch fit is theirs).
 #: 4: each sample is the lower quartile of its timed calls, not the median (less moved by load).
-CLUSTER_VERSION = 4
+#: 5: narrow dots and convolutions timed (`fit_narrow_curves`).
+CLUSTER_VERSION = 5
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).
@@ -707,6 +766,11 @@ class ClusterCalibration:
             out[f"{fit.kind} x{fit.group} latency s"] = fit.latency
             out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
         out["solo speedup"] = solo_speedup(self.kernels)
+        if any(m.width for m in self.kernels):
+            device = roofline_device(self, out["memory bandwidth B/s"])
+            for kind, curve in _narrow_curves(self, device).items():
+                for width, share in curve.points:
+                    out[f"{kind} of width {width:g} share of rate"] = share
         for name, executor in self.executor_fits.items():
             out[f"{name} executor fixed s"] = executor.latency
             out[f"{name} executor per unit s"] = executor.seconds_per_byte
@@ -767,6 +831,28 @@ def _link_fit(fits: Sequence[CommFit]) -> CommFit | None:
     return None
 
 
+def _f32_curve(calibration: ClusterCalibration) -> MatmulCurve:
+    curves = {c.dtype: c for c in calibration.matmul_curves}
+    if "f32" not in curves:
+        raise CalibrationError("a cluster calibration needs f32 matmul samples (the rate of every other type)")
+    return curves["f32"]
+
+
+def _narrow_curves(calibration: ClusterCalibration, device: DeviceSpec) -> dict[str, NarrowCurve]:
+    f32 = _f32_curve(calibration)
+    side = round((max(f for f, _ in f32.points) / 2.0) ** (1.0 / 3.0))  # the largest square matmul's
+    return fit_narrow_curves(calibration.kernels, device, f32.overhead_seconds, side)
+
+
+def roofline_device(calibration: ClusterCalibration, memory_bandwidth: float) -> DeviceSpec:
+    """The device's roofline as `calibrated_cluster` describes it, without its narrow curves."""
+    f32 = _f32_curve(calibration)
+    efficiency = min(1.0, max(MIN_EFFICIENCY, f32.efficiency(max(f for f, _ in f32.points))))
+    peak = {c.dtype: c.rate(max(f for f, _ in c.points)) / efficiency for c in calibration.matmul_curves}
+    return DeviceSpec(name=calibration.device_kind or calibration.backend, peak_flops=peak,
+                      hbm_bandwidth=memory_bandwidth, memory_bytes=calibration.memory_bytes, efficiency=efficiency)
+
+
 def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = None) -> Cluster:
     """The Cluster a calibration describes: `n_devices` identical devices on one node, every pair
     linked at the measured point-to-point latency and bandwidth.
@@ -774,20 +860,14 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     The device's roofline reproduces the measured matmuls: its efficiency is the f32 curve's at
     the largest f32 matmul measured (the dots that dominate a step are the large ones) and each
     dtype's peak is that matmul's achieved rate over this efficiency, so peak x efficiency is
-    what the largest matmul of each dtype achieved. HBM bandwidth is the memory-bound fit's.
+    what the largest matmul of each dtype achieved. HBM bandwidth is the memory-bound fit's. The
+    narrow dots and convolutions measured give its `NarrowCurve`s (`fit_narrow_curves`).
     The collectives, transfer and dispatch as measured go in `Cluster.measured`, which prices
     collectives instead of the links (`hlomap.cost.measured`).
     """
-    curves = {c.dtype: c for c in calibration.matmul_curves}
-    if "f32" not in curves:
-        raise CalibrationError("a cluster calibration needs f32 matmul samples (the rate of every other type)")
-    f32 = curves["f32"]
-    efficiency = min(1.0, max(MIN_EFFICIENCY, f32.efficiency(max(f for f, _ in f32.points))))
-    peak = {dtype: c.rate(max(f for f, _ in c.points)) / efficiency for dtype, c in curves.items()}
     figures = calibration.figures()
-    device = DeviceSpec(name=calibration.device_kind or calibration.backend, peak_flops=peak,
-                        hbm_bandwidth=figures["memory bandwidth B/s"], memory_bytes=calibration.memory_bytes,
-                        efficiency=efficiency)
+    device = roofline_device(calibration, figures["memory bandwidth B/s"])
+    device = replace(device, narrow=_narrow_curves(calibration, device))
     n = calibration.n_devices
     link = _link_fit(calibration.comm_fits)
     if n > 1 and link is None:

@@ -252,7 +252,7 @@ def sped_up(device: DeviceSpec, factor: float) -> DeviceSpec:
     if factor == 1.0:
         return device
     return DeviceSpec(device.name, {k: v * factor for k, v in device.peak_flops.items()}, device.hbm_bandwidth * factor,
-                      device.memory_bytes, device.efficiency)
+                      device.memory_bytes, device.efficiency, device.narrow)
 
 
 def first_devices(cluster: Cluster, count: int) -> Cluster:

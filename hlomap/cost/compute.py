@@ -38,7 +38,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Callable, Mapping, MutableMapping
+from typing import Callable, Mapping, MutableMapping, NamedTuple
 
 import numpy as np
 
@@ -207,6 +207,47 @@ def convolution_flops(inst: Instruction, lhs: ArrayShape, rhs: ArrayShape) -> fl
     in_features = lhs.dims[dn.input_feature] // inst.feature_group_count
     batch = lhs.dims[dn.input_batch] // inst.batch_group_count
     return 2.0 * in_features * out.dims[dn.output_feature] * batch * valid
+
+
+class MatrixSides(NamedTuple):
+    """A dot or convolution as the product of an m x k and a k x n matrix: the result dims whose
+    product is m (`rows`: a dot's left free dims; a convolution's batch and spatial dims) and n
+    (`columns`: a dot's right free dims; a convolution's output features), and k (`inner`: the
+    contracted size; a convolution's input features per group times its window). A dot's batch
+    dims are neither: they count separate products."""
+
+    rows: tuple[int, ...]
+    columns: tuple[int, ...]
+    inner: int
+
+    def width(self, result_dims: tuple[int, ...] | np.ndarray, inner_split: int = 1) -> float:
+        """min(m, k, n) for a result of dims `result_dims` (the whole result or one device's
+        block of it) and the contraction split `inner_split` ways."""
+        rows = math.prod(int(result_dims[d]) for d in self.rows)
+        columns = math.prod(int(result_dims[d]) for d in self.columns)
+        return float(min(rows, columns, self.inner / max(inner_split, 1)))
+
+
+def matrix_sides(inst: Instruction, comp: Computation) -> MatrixSides | None:
+    """The matrix product a dot or convolution computes (`MatrixSides`); None for other ops."""
+    if inst.opcode == "dot":
+        dn = inst.dot_dimension_numbers
+        lhs = _array(_operand(inst, comp, 0).shape, f"dot {inst.name!r} lhs")
+        batch = len(dn.lhs_batch)
+        left = lhs.rank - batch - len(dn.lhs_contracting)
+        rank = _array(inst.shape, f"dot {inst.name!r} result").rank
+        return MatrixSides(tuple(range(batch, batch + left)), tuple(range(batch + left, rank)),
+                           math.prod(lhs.dims[d] for d in dn.lhs_contracting))
+    if inst.opcode == "convolution":
+        dn = inst.conv_dimension_numbers
+        if dn is None:
+            return None
+        lhs = _array(_operand(inst, comp, 0).shape, f"convolution {inst.name!r} input")
+        rhs = _array(_operand(inst, comp, 1).shape, f"convolution {inst.name!r} kernel")
+        window = math.prod(rhs.dims[d] for d in dn.kernel_spatial)
+        return MatrixSides((dn.output_batch, *dn.output_spatial), (dn.output_feature,),
+                           lhs.dims[dn.input_feature] // max(inst.feature_group_count, 1) * window)
+    return None
 
 
 def reduce_window_count(inst: Instruction) -> int:
@@ -427,11 +468,31 @@ def instruction_cost(inst: Instruction, comp: Computation, module: Module,
 Handler = Callable[[Instruction, Computation, Module, DeviceSpec | None, CostCache], InstructionCost]
 
 
+def narrow_factor(inst: Instruction, comp: Computation, device: DeviceSpec | None) -> float:
+    """The share of its matrix rate `inst` (a dot or convolution, whole) achieves on `device`
+    given its narrowest side (`DeviceSpec.narrow`); 1 for other ops and devices without a curve."""
+    if device is None or inst.opcode not in device.narrow:
+        return 1.0
+    sides = matrix_sides(inst, comp)
+    if sides is None:
+        return 1.0
+    return device.narrow_factor(inst.opcode, sides.width(_array(inst.shape, f"{inst.opcode} {inst.name!r}").dims))
+
+
+def _matrix_kernel(flops: float, nbytes: float, dtype: str, device: DeviceSpec | None,
+                   narrow: float) -> InstructionCost:
+    """The roofline of a dot or convolution at `narrow` of the matrix rate (`narrow_factor`)."""
+    if device is None:
+        return _kernel(flops, 0.0, nbytes, dtype, device, matrix=True)
+    return _kernel(flops, 0.0, nbytes, dtype, device, matrix=True,
+                   compute_seconds=flops / (flop_rate(device, dtype, True) * device.efficiency * narrow))
+
+
 def _dot(inst: Instruction, comp: Computation, module: Module, device: DeviceSpec | None,
          cache: CostCache) -> InstructionCost:
     lhs = _array(_operand(inst, comp, 0).shape, f"dot {inst.name!r} lhs")
     nbytes = _operand_bytes(inst, comp) + inst.shape.byte_size
-    return _kernel(dot_flops(inst, lhs), 0.0, nbytes, lhs.dtype, device, matrix=True)
+    return _matrix_kernel(dot_flops(inst, lhs), nbytes, lhs.dtype, device, narrow_factor(inst, comp, device))
 
 
 def _convolution(inst: Instruction, comp: Computation, module: Module, device: DeviceSpec | None,
@@ -439,7 +500,8 @@ def _convolution(inst: Instruction, comp: Computation, module: Module, device: D
     lhs = _array(_operand(inst, comp, 0).shape, f"convolution {inst.name!r} input")
     rhs = _array(_operand(inst, comp, 1).shape, f"convolution {inst.name!r} kernel")
     nbytes = _operand_bytes(inst, comp) + inst.shape.byte_size
-    return _kernel(convolution_flops(inst, lhs, rhs), 0.0, nbytes, lhs.dtype, device, matrix=True)
+    return _matrix_kernel(convolution_flops(inst, lhs, rhs), nbytes, lhs.dtype, device,
+                          narrow_factor(inst, comp, device))
 
 
 def _applied(inst: Instruction, comp: Computation, module: Module, device: DeviceSpec | None,

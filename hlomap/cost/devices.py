@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
+
+import numpy as np
 
 
 TERA = 1e12
@@ -29,12 +31,75 @@ GIB = 2**30
 #: 0.6 sits between the two. Override per device (JSON field "efficiency") when calibrated.
 DEFAULT_EFFICIENCY = 0.6
 
+#: The kernels that run on matrix units, which a `NarrowCurve` may slow down.
+MATRIX_KINDS = ("convolution", "dot")
+
 #: Element type whose rate is used when a dtype has no entry of its own (integers, pred, ...).
 FALLBACK_DTYPE = "f32"
 
 
 class DeviceSpecError(ValueError):
     """A device specification (preset name or JSON object) is malformed."""
+
+
+@dataclass(frozen=True)
+class NarrowCurve:
+    """How much slower a matrix kernel runs when its matrix product is narrow: a dot or
+    convolution as the product of an m x k and a k x n matrix (`hlomap.cost.compute.MatrixSides`)
+    whose narrowest side is w = min(m, k, n) runs at `factor(w)` of the device's matrix rate.
+    Vector units fill only part of their lanes and tiles on a narrow side: measured on 8 host CPU
+    devices, a 3x3 convolution of 8 channels ran at a tenth of the rate of a large matmul, one of
+    1 output channel at 0.3%, one of 32 channels at nearly full rate.
+
+    `points` are measured (width, share of the matrix rate) pairs, widths increasing; between
+    them the share is interpolated in log-log, below the narrowest it falls on along the first
+    segment's slope, beyond the widest it stays. Shares never fall with width (a measured dip is
+    noise) and never exceed 1. A measured device has one curve per matrix kind (`hlomap
+    calibrate` fits them); a datasheet device none (every width at full rate)."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        points = tuple((float(w), float(e)) for w, e in self.points)
+        if not points:
+            raise DeviceSpecError("narrow curve: needs at least one (width, share) point")
+        for w, e in points:
+            if not (math.isfinite(w) and w >= 1 and math.isfinite(e) and 0 < e <= 1):
+                raise DeviceSpecError(f"narrow curve: point ({w!r}, {e!r}) needs width >= 1 and share in (0, 1]")
+        if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+            raise DeviceSpecError(f"narrow curve: widths {[w for w, _ in points]} must increase")
+        if any(b[1] < a[1] for a, b in zip(points, points[1:])):
+            raise DeviceSpecError(f"narrow curve: shares {[e for _, e in points]} must not fall with width")
+        object.__setattr__(self, "points", points)
+
+    def factor(self, width: float) -> float:
+        """The share of the full matrix rate a kernel of narrowest side `width` achieves."""
+        widths = np.log([w for w, _ in self.points])
+        shares = np.log([e for _, e in self.points])
+        x = math.log(max(width, 1.0))
+        if x >= widths[-1]:
+            return float(math.exp(shares[-1]))
+        if x <= widths[0]:
+            slope = (shares[1] - shares[0]) / (widths[1] - widths[0]) if len(widths) > 1 else 0.0
+            return float(math.exp(shares[0] - slope * (widths[0] - x)))
+        return float(math.exp(np.interp(x, widths, shares)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"points": [list(p) for p in self.points]}
+
+    @classmethod
+    def from_json(cls, data: Any, *, where: str) -> NarrowCurve:
+        if not isinstance(data, Mapping) or set(data) != {"points"} or not isinstance(data["points"], list):
+            raise DeviceSpecError(f"{where}: expected an object with a list of [width, share] points, got {data!r}")
+        points = []
+        for i, point in enumerate(data["points"]):
+            if not isinstance(point, list) or len(point) != 2:
+                raise DeviceSpecError(f"{where}.points[{i}]: expected [width, share], got {point!r}")
+            points.append((_number(point[0], f"{where}.points[{i}]"), _number(point[1], f"{where}.points[{i}]")))
+        try:
+            return cls(tuple(points))
+        except DeviceSpecError as err:
+            raise DeviceSpecError(f"{where}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -45,7 +110,9 @@ class DeviceSpec:
     `memory_bytes` the device memory, `math.inf` for memory that never binds (PipeDream's
     optimizer assumes so; JSON writes it as null, having no infinity); `efficiency` the
     achieved/peak factor the roofline applies to compute (memory traffic is assumed to reach the
-    full HBM bandwidth, which copies and elementwise kernels come close to).
+    full HBM bandwidth, which copies and elementwise kernels come close to); `narrow` the
+    measured `NarrowCurve` per matrix kind ("dot", "convolution"; JSON field "narrow", optional):
+    a kind without one runs at full rate whatever its shape.
     """
 
     name: str
@@ -53,15 +120,23 @@ class DeviceSpec:
     hbm_bandwidth: float
     memory_bytes: float
     efficiency: float = DEFAULT_EFFICIENCY
+    narrow: Mapping[str, NarrowCurve] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Freeze the mapping too: a frozen dataclass holding a mutable dict is not frozen.
+        # Freeze the mappings too: a frozen dataclass holding a mutable dict is not frozen.
         object.__setattr__(self, "peak_flops", types.MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "narrow", types.MappingProxyType(dict(sorted(self.narrow.items()))))
         _validate(self)
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.hbm_bandwidth,
-                     self.memory_bytes, self.efficiency))
+                     self.memory_bytes, self.efficiency, tuple(self.narrow.items())))
+
+    def narrow_factor(self, kind: str, width: float) -> float:
+        """The share of the matrix rate a `kind` kernel ("dot", "convolution") of narrowest side
+        `width` achieves (`NarrowCurve`); 1 for a kind without a curve."""
+        curve = self.narrow.get(kind)
+        return 1.0 if curve is None else curve.factor(width)
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back to the f32 rate for types with no entry."""
@@ -77,6 +152,7 @@ class DeviceSpec:
             "hbm_bandwidth": self.hbm_bandwidth,
             "memory_bytes": None if math.isinf(self.memory_bytes) else self.memory_bytes,
             "efficiency": self.efficiency,
+            **({"narrow": {kind: curve.to_json() for kind, curve in self.narrow.items()}} if self.narrow else {}),
         }
 
     @classmethod
@@ -92,7 +168,7 @@ class DeviceSpec:
         missing = [k for k in ("name", "peak_flops", "hbm_bandwidth", "memory_bytes") if k not in data]
         if missing:
             raise DeviceSpecError(f"{where}: missing field(s) {missing}")
-        unknown = sorted(set(data) - {"name", "peak_flops", "hbm_bandwidth", "memory_bytes", "efficiency"})
+        unknown = sorted(set(data) - {"name", "peak_flops", "hbm_bandwidth", "memory_bytes", "efficiency", "narrow"})
         if unknown:
             raise DeviceSpecError(f"{where}: unknown field(s) {unknown}")
         peak = data["peak_flops"]
@@ -105,6 +181,7 @@ class DeviceSpec:
                 hbm_bandwidth=_number(data["hbm_bandwidth"], f"{where}.hbm_bandwidth"),
                 memory_bytes=_memory(data["memory_bytes"], f"{where}.memory_bytes"),
                 efficiency=_number(data.get("efficiency", DEFAULT_EFFICIENCY), f"{where}.efficiency"),
+                narrow=_narrow(data.get("narrow", {}), f"{where}.narrow"),
             )
         except DeviceSpecError as err:
             msg = str(err)
@@ -115,6 +192,12 @@ def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DeviceSpecError(f"{where}: expected a number, got {value!r}")
     return float(value)
+
+
+def _narrow(data: Any, where: str) -> dict[str, NarrowCurve]:
+    if not isinstance(data, Mapping) or not set(data) <= set(MATRIX_KINDS):
+        raise DeviceSpecError(f"{where}: expected an object with keys among {sorted(MATRIX_KINDS)}, got {data!r}")
+    return {str(kind): NarrowCurve.from_json(curve, where=f"{where}.{kind}") for kind, curve in data.items()}
 
 
 def _memory(value: Any, where: str) -> float:
@@ -173,8 +256,7 @@ def measured_device(name: str) -> DeviceSpec:
     import json
 
     device = json.loads(measured_device_path(name).read_text())["devices"][0]
-    return DeviceSpec(name, device["peak_flops"], device["hbm_bandwidth"], device["memory_bytes"],
-                      device["efficiency"])
+    return replace(DeviceSpec.from_json(device, where=f"{measured_device_path(name).name}: devices[0]"), name=name)
 
 
 def measured_device_path(name: str) -> Any:

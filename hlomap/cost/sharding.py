@@ -23,7 +23,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.compute import while_trip_count
+from hlomap.cost.compute import MatrixSides, matrix_sides, while_trip_count
+from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
 from hlomap.hlo.opcodes import CallContext, opcode_names
@@ -170,6 +171,35 @@ class ShardedGraph:
         index = self.facts.instance_index[n.instance]
         return tuple(index[name] for name in n.instruction.operands if name in index)
 
+    def node_block_dims(self, node: int) -> np.ndarray:
+        """The dims of one device's block of `node`'s (first) result."""
+        dims = self.graph.tensor_dims(self.graph.node_tensors[node][0])
+        sizes = np.concatenate([[1], self.axes.option_sizes]).astype(np.int64)
+        return self.graph.dim_size[dims] // sizes[self.dim_option[dims] + 1]
+
+    def groups_split(self, groups: np.ndarray) -> int:
+        """How many ways the plan splits the product of `groups` (each mesh option once)."""
+        options = {int(o) for o in self.plan[groups] if o >= 0}
+        return int(np.prod([self.axes.option_sizes[o] for o in options])) if options else 1
+
+    def narrow_slowdown(self, node: int, device: DeviceSpec, cache: dict[Any, Any]) -> float:
+        """How much slower than its whole-result price per split way `node` (a dot or convolution)
+        runs on each device, its block being a narrower matrix product (`DeviceSpec.narrow`,
+        read at the block's sides and the contraction's split); 1 for other nodes and on devices
+        without a narrow curve. `cache` keeps what does not depend on the plan, per node."""
+        inst = self.graph.nodes[node].instruction
+        if inst.opcode not in device.narrow:
+            return 1.0
+        key = ("narrow", node, inst.name, device)  # node ids are per graph; names guard a shared cache
+        if key not in cache:
+            cache[key] = _matrix_facts(self.graph, node, device)
+        facts = cache[key]
+        if facts is None:
+            return 1.0
+        sides, whole, reduced = facts
+        block = device.narrow_factor(inst.opcode, sides.width(self.node_block_dims(node), self.groups_split(reduced)))
+        return whole / block
+
     def instance_index(self, instance: int) -> Mapping[str, int]:
         """Instruction name -> node id within one computation instance."""
         return self.facts.instance_index[instance]
@@ -177,6 +207,18 @@ class ShardedGraph:
     def parameter_bytes(self, index: int) -> float:
         """Per-device bytes of entry parameter `index`."""
         return float(self.tensor_bytes_all[self.graph.entry_parameter_tensors[index]])
+
+
+def _matrix_facts(graph: FactorGraph, node: int,
+                  device: DeviceSpec) -> tuple[MatrixSides, float, np.ndarray] | None:
+    """A matrix node's sides, its whole result's narrow factor on `device` and the groups of its
+    contracted dims (`ShardedGraph.narrow_slowdown`); None for a product without known sides."""
+    inst = graph.nodes[node].instruction
+    sides = matrix_sides(inst, graph.module.computation(graph.nodes[node].computation))
+    if sides is None:
+        return None
+    whole = device.narrow_factor(inst.opcode, sides.width(graph.dim_size[graph.tensor_dims(graph.node_tensors[node][0])]))
+    return sides, whole, graph.reductions.group[graph.reductions.node == node]
 
 
 def node_phases(graph: FactorGraph) -> tuple[Phase, ...]:

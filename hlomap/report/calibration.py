@@ -17,7 +17,7 @@ def _rate(bytes_per_second: float) -> str:
 
 
 def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> list[Any]:
-    """Rich tables: the device's roofline figures, then latency and bandwidth per
+    """Rich tables: the device's roofline figures (with its narrow curves), then latency and bandwidth per
     communication kind and group size, then the measured overheads (kernel launch, the pipeline
     executors, shared hardware), then what went into the cluster's links."""
     from rich.table import Table
@@ -39,6 +39,10 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
     figures = calibration.figures()
     compute.add_row("memory", _rate(figures["memory bandwidth B/s"]), human_seconds(calibration.memory_fit.alpha),
                     "", _rate(device.hbm_bandwidth))
+    for kind, curve in device.narrow.items():
+        shares = ", ".join(f"{width:g}: {share:.0%}" if share >= 0.01 else f"{width:g}: {share:.1%}"
+                           for width, share in curve.points)
+        compute.add_row(f"narrow {kind}", "", "", f"share by narrowest side {shares}", "")
     comm = Table(show_edge=False)
     comm.add_column("communication")
     comm.add_column("devices", justify="right")

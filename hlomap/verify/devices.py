@@ -59,6 +59,13 @@ class BenchPlan:
     dispatch_repeats: int
     launch_layers: tuple[int, ...] = (2, 16, 64)  # kernel-launch samples: train steps of this many tiny layers
     combined_buffers: tuple[int, ...] = (1, 8, 32)  # one all-reduce of this many small buffers
+    # narrow matrix samples (`hlomap.cost.calibration.fit_narrow_curves`): f32 dots of the largest
+    # matmul side by this many columns, and 3x3 convolutions of this many channels in and out over
+    # `conv_images` images of `conv_side` x `conv_side` pixels per device
+    narrow_dot_widths: tuple[int, ...] = (8, 32, 128)
+    narrow_conv_widths: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
+    conv_images: int = 8
+    conv_side: int = 16
 
 
 #: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
@@ -72,11 +79,13 @@ DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512), dtypes=("f32", "bf16"
 #: 16 MiB). Up to 8192 x 8192 and 512 MiB per device: ~1.4 ms per bf16 matmul on a Hopper GPU.
 ACCELERATOR_PLAN = BenchPlan(matmul_sizes=(128, 256, 512, 1024, 2048, 4096, 8192), dtypes=("f32", "bf16"),
                              memory_sizes=tuple(2**k for k in range(14, 28, 2)) + (2**27,),
-                             message_sizes=tuple(2**k for k in range(8, 27, 2)), repeats=10, dispatch_repeats=200)
+                             message_sizes=tuple(2**k for k in range(8, 27, 2)), repeats=10, dispatch_repeats=200,
+                             narrow_dot_widths=(8, 32, 128, 512), narrow_conv_widths=(8, 16, 32, 64, 128, 256),
+                             conv_images=32, conv_side=64)
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
                        message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_layers=(2, 16),
-                       combined_buffers=(1, 8))
+                       combined_buffers=(1, 8), narrow_dot_widths=(8,), narrow_conv_widths=(4, 32))
 
 _ITEMSIZE = {"f32": 4, "bf16": 2}
 #: The width of the kernel-launch samples' layers: small enough that their compute is nothing.
@@ -217,6 +226,27 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         seconds = _sample_seconds(lambda: _ready(f(a, a)), plan.repeats)
         return Measurement(f"dot_f32_{n}{ALONE_SUFFIX}", "dot", "f32", 2.0 * n**3, 3.0 * n * n * 4, seconds, fit=False)
 
+    def narrow_dot(width: int) -> Measurement:
+        n = max(plan.matmul_sizes)
+        a = _filled((count, n, n), jnp.float32, blocks)
+        b = _filled((count, n, width), jnp.float32, blocks)
+        f = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y))
+        seconds = _sample_seconds(lambda: _ready(f(a, b)), plan.repeats)
+        return Measurement(f"dot_f32_{n}x{n}x{width}", "dot", "f32", 2.0 * n * n * width,
+                           4.0 * (n * n + 2 * n * width), seconds, width=width)
+
+    def narrow_conv(channels: int) -> Measurement:
+        images, side = plan.conv_images, plan.conv_side
+        x = _filled((count * images, side, side, channels), jnp.float32, blocks)
+        w = jax.device_put(jnp.full((3, 3, channels, channels), 0.1, jnp.float32), NamedSharding(everywhere, PartitionSpec()))
+        f = jax.jit(lambda v, k: lax.conv_general_dilated(v, k, (1, 1), "SAME",
+                                                          dimension_numbers=("NHWC", "HWIO", "NHWC")))
+        seconds = _sample_seconds(lambda: _ready(f(x, w)), plan.repeats)
+        valid = (3 * side - 2) ** 2  # (output, kernel) pairs on real input per image, SAME padding
+        return Measurement(f"convolution_f32_3x3_{channels}ch", "convolution", "f32",
+                           2.0 * images * valid * channels * channels,
+                           4.0 * (2 * images * side * side * channels + 9 * channels * channels), seconds, width=channels)
+
     def memory(elements: int) -> Measurement:
         x = _filled((count * elements,), jnp.float32, blocks)
         f = jax.jit(lambda v: v * 2.0 + 1.0)
@@ -270,6 +300,10 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
             tasks.append((f"matmul {dtype} {n}x{n}", lambda d=dtype, n=n: matmul(d, n)))
     if "f32" in plan.dtypes and count > 1:
         tasks.append((f"matmul f32 {max(plan.matmul_sizes)} alone", lambda: matmul_alone(max(plan.matmul_sizes))))
+    for width in plan.narrow_dot_widths:
+        tasks.append((f"matmul f32 {max(plan.matmul_sizes)} by {width}", lambda w=width: narrow_dot(w)))
+    for channels in plan.narrow_conv_widths:
+        tasks.append((f"convolution 3x3 of {channels} channels", lambda c=channels: narrow_conv(c)))
     for elements in plan.memory_sizes:
         tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
     tasks.append(("dispatch", dispatch))

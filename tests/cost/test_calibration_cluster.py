@@ -176,3 +176,53 @@ def test_the_measured_h200_is_a_device_preset_of_its_shipped_calibration() -> No
     cluster = load_cluster("hier:1x8@H200-measured")
     assert cluster.devices[0] == preset
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))).devices == cluster.devices
+
+
+# -- narrow matrix products ---------------------------------------------------------------------
+
+
+def _narrow(kind: str, width: int, share: float, rate: float, overhead: float, flops: float = 1e8,
+            nbytes: float = 1e3) -> Measurement:
+    """A narrow sample that ran at `share` of `rate` after `overhead`."""
+    return Measurement(f"{kind}_{width}", kind, "f32", flops, nbytes, overhead + flops / (rate * share), width=width)
+
+
+def test_narrow_curves_recover_the_measured_shares_of_the_matrix_rate() -> None:
+    """Synthetic narrow samples on the `_calibration` device: each width's share of the largest
+    matmul's rate comes back (the program overhead, the matmul curve's intercept, taken off),
+    a dot curve ends at the reference matmul (share 1), and the cluster's device carries them."""
+    cal = _calibration()
+    rate = 2.0 * 1024**3 / (50e-6 + 2.0 * 1024**3 / 1e11)  # what the largest f32 matmul achieved
+    conv = {1: 0.004, 4: 0.03, 8: 0.1, 16: 0.3, 32: 0.95}
+    dots = {8: 0.3, 32: 0.6, 128: 0.9}
+    kernels = cal.kernels + tuple(_narrow("convolution", w, e, rate, 50e-6) for w, e in conv.items()) \
+        + tuple(_narrow("dot", w, e, rate, 50e-6) for w, e in dots.items())
+    device = calibrated_cluster(ClusterCalibration(**{**cal.__dict__, "kernels": kernels})).devices[0]
+    convolution, dot = device.narrow["convolution"], device.narrow["dot"]
+    assert [w for w, _ in convolution.points] == list(conv)
+    assert [e for _, e in convolution.points] == pytest.approx(list(conv.values()), rel=1e-6)
+    assert dot.points[-1] == (1024.0, 1.0)
+    assert [e for _, e in dot.points[:-1]] == pytest.approx(list(dots.values()), rel=1e-6)
+    # between the points: log-log interpolation; below the narrowest: the first segment's slope
+    assert convolution.factor(2) == pytest.approx(0.004 * (0.03 / 0.004) ** 0.5)  # halfway from 1 to 4 in logs
+    assert dot.factor(4) == pytest.approx(0.3 * (4 / 8) ** (math.log(0.6 / 0.3) / math.log(4)))
+    assert convolution.factor(1000) == pytest.approx(0.95) and dot.factor(4096) == 1.0
+    # the figures name each point, and the cluster file keeps the curves
+    figures = ClusterCalibration(**{**cal.__dict__, "kernels": kernels}).figures()
+    assert figures["convolution of width 8 share of rate"] == pytest.approx(0.1, rel=1e-6)
+
+
+def test_narrow_samples_the_memory_side_explains_or_that_dip_are_not_read_as_slow() -> None:
+    """A sample whose time the roofline's memory side explains says nothing about the matrix
+    rate; a wider product measured slower than a narrower one is noise (the curve never falls);
+    samples at full rate everywhere give no curve."""
+    from hlomap.cost.calibration import fit_narrow_curve, narrow_shares
+    from hlomap.cost.devices import DeviceSpec
+
+    device = DeviceSpec("d", {"f32": 1e11}, 1e9, 2**30, efficiency=1.0)
+    memory_bound = Measurement("dot_8", "dot", "f32", 1e6, 1e6, 1.2e-3, width=8)  # 1.2 ms, 1 ms of memory
+    slow = _narrow("dot", 16, 0.2, 1e11, 0.0)
+    assert narrow_shares([memory_bound, slow], device, 0.0, "dot") == [(16, pytest.approx(0.2))]
+    curve = fit_narrow_curve([(8, 0.2), (16, 0.1), (32, 0.5)])
+    assert curve is not None and [e for _, e in curve.points] == [0.2, 0.2, 0.5]
+    assert fit_narrow_curve([(8, 1.0), (32, 1.0)]) is None and fit_narrow_curve([]) is None

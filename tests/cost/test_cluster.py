@@ -43,6 +43,20 @@ def test_device_spec_is_frozen_and_hashable():
     assert len({spec, device_preset("H100-80GB"), device_preset("A100-80GB")}) == 2
 
 
+def test_a_device_with_narrow_curves_round_trips_and_one_without_writes_none():
+    from dataclasses import replace
+
+    from hlomap.cost.devices import NarrowCurve
+
+    curves = {"dot": NarrowCurve(((8.0, 0.3), (128.0, 1.0))), "convolution": NarrowCurve(((1.0, 0.003), (32.0, 0.9)))}
+    spec = replace(device_preset("V100-16GB"), narrow=curves)
+    data = json.loads(json.dumps(spec.to_json()))
+    assert data["narrow"]["dot"] == {"points": [[8.0, 0.3], [128.0, 1.0]]}
+    assert DeviceSpec.from_json(data) == spec and hash(DeviceSpec.from_json(data)) == hash(spec)
+    assert "narrow" not in device_preset("V100-16GB").to_json()
+    assert spec != device_preset("V100-16GB")
+
+
 def test_unlimited_memory_is_infinity_written_as_null():
     """PipeDream's optimizer never checks memory: a device may say so, and strict JSON keeps it."""
     from dataclasses import replace
@@ -62,6 +76,14 @@ def test_unlimited_memory_is_infinity_written_as_null():
     ({"name": "x", "peak_flops": {"f16": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1}, "'f32'"),
     ({"name": "x", "peak_flops": {"f32": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1, "efficiency": 2}, "efficiency"),
     ({"name": "x", "peak_flops": {"f32": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1, "colour": 1}, "colour"),
+    ({"name": "x", "peak_flops": {"f32": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1,
+      "narrow": {"fft": {"points": [[8, 0.5]]}}}, "narrow"),
+    ({"name": "x", "peak_flops": {"f32": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1,
+      "narrow": {"dot": {"points": [[8, 0.5], [4, 0.9]]}}}, r"narrow\.dot: .*widths \[8.0, 4.0\] must increase"),
+    ({"name": "x", "peak_flops": {"f32": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1,
+      "narrow": {"dot": {"points": [[8, 0.5], [16, 0.2]]}}}, "must not fall"),
+    ({"name": "x", "peak_flops": {"f32": 1e12}, "hbm_bandwidth": 1e12, "memory_bytes": 1,
+      "narrow": {"dot": {"points": [[8, 1.5]]}}}, r"share in \(0, 1\]"),
 ])
 def test_bad_device_json_names_the_field(data, field):
     with pytest.raises(DeviceSpecError, match=field):

@@ -384,3 +384,74 @@ def test_every_corpus_module_gets_a_finite_cost(corpus_dir):
         assert cost.seconds >= cost.memory_seconds - 1e-18 or cost.seconds == 0, path.name
         costed += 1
     assert costed >= 40
+
+
+# -- narrow matrix products (DeviceSpec.narrow) -------------------------------------------------
+
+
+def _narrow_device():
+    from hlomap.cost.devices import DeviceSpec, NarrowCurve
+
+    curves = {"dot": NarrowCurve(((8.0, 0.25), (64.0, 1.0))), "convolution": NarrowCurve(((4.0, 0.1), (32.0, 1.0)))}
+    return DeviceSpec("narrow", {"f32": 1e11}, 1e15, 2**30, efficiency=1.0, narrow=curves)
+
+
+def test_a_narrow_dot_runs_at_its_curves_share_of_the_matrix_rate():
+    m = _module("""
+  a = f32[1024,256] parameter(0)
+  b = f32[256,8] parameter(1)
+  ROOT d = f32[1024,8] dot(a, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}""")
+    device = _narrow_device()
+    flops = 2 * 1024 * 256 * 8
+    assert _cost_of(m, "d", device).compute_seconds == pytest.approx(flops / (1e11 * 0.25))
+    plain = device.__class__("plain", {"f32": 1e11}, 1e15, 2**30, efficiency=1.0)
+    assert _cost_of(m, "d", plain).compute_seconds == pytest.approx(flops / 1e11)  # no curve: full rate
+
+
+def test_matrix_sides_of_a_convolution_and_a_batched_dot():
+    from hlomap.cost.compute import matrix_sides
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    module = parse(jax.jit(conv).lower(jnp.ones((2, 6, 6, 8)), jnp.ones((3, 3, 8, 4))).as_text(dialect="hlo"))
+    inst = next(i for i in module.entry.instructions if i.opcode == "convolution")
+    sides = matrix_sides(inst, module.entry)
+    assert sides.inner == 8 * 9 and sides.width(inst.shape.dims) == 4  # min(2 x 6 x 6, 72, 4 channels)
+    device = _narrow_device()
+    cost = instruction_cost(inst, module.entry, module, device)
+    assert cost.compute_seconds == pytest.approx(cost.flops / (1e11 * 0.1))
+    lhs = Instruction("lhs", "parameter", ArrayShape("f32", (4, 16, 32)), payload="0")
+    rhs = Instruction("rhs", "parameter", ArrayShape("f32", (4, 32, 8)), payload="1")
+    dot = Instruction("dot", "dot", ArrayShape("f32", (4, 16, 8)), ("lhs", "rhs"), (
+        ("lhs_batch_dims", "{0}"), ("lhs_contracting_dims", "{2}"),
+        ("rhs_batch_dims", "{0}"), ("rhs_contracting_dims", "{1}")), is_root=True)
+    sides = matrix_sides(dot, Computation("main", (lhs, rhs, dot)))
+    assert (sides.rows, sides.columns, sides.inner) == ((1,), (2,), 32)  # the batch dim is neither
+    assert sides.width((4, 16, 2), inner_split=8) == 2 and sides.width((4, 16, 8), inner_split=8) == 4
+
+
+def test_a_sharded_dot_is_priced_at_the_width_of_each_devices_block():
+    """Splitting a dot's columns 8 ways leaves each device a product of 8 columns where the whole
+    had 64: it runs at the curve's share for 8, not 64 (`ShardedGraph.narrow_slowdown`)."""
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.propagation.conflicts import MeshAxes
+    from hlomap.propagation.graph import FactorGraph
+
+    module = _module("""
+  a = f32[1024,256] parameter(0)
+  b = f32[256,64] parameter(1)
+  ROOT d = f32[1024,64] dot(a, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}""")
+    graph = FactorGraph.build(module)
+    axes = MeshAxes.from_mesh({"model": 8})
+    node = graph.node_of(module.entry.name, "d")
+    columns, rows = graph.tensor_dims(graph.node_tensors[node][0])[[1, 0]]
+    device = _narrow_device()
+    for dim, width in ((columns, 8), (rows, 64)):
+        plan = np.full(graph.num_groups, -1, dtype=np.int64)
+        plan[graph.group_of_dim[dim]] = 0
+        sg = ShardedGraph.build(graph, plan, axes)
+        assert sg.node_degree[node] == 8
+        expected = 1.0 / device.narrow_factor("dot", width)  # the whole runs at full rate (64 columns)
+        assert sg.narrow_slowdown(node, device, {}) == pytest.approx(expected)
+    assert expected == 1.0  # rows split: 128 x 256 x 64 per device, still full rate

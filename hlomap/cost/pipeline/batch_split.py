@@ -126,7 +126,8 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
         moved_whole = _moved_bytes(whole, n)
         ratio = _moved_bytes(split, n) / moved_whole if moved_whole > 0 else 1.0
         degree = max(int(split.node_degree[n]), 1)
-        t_k = max(cost.compute_seconds / degree, cost.memory_seconds * ratio)
+        compute = cost.compute_seconds / degree * split.narrow_slowdown(n, device, cache)  # type: ignore[arg-type]
+        t_k = max(compute, cost.memory_seconds * ratio)
         out[node.instruction.name] = fixed_fraction(cost.seconds, t_k, k)
     return BatchSplit(out, _in_pass_syncs(split, entry.name))
 

@@ -288,7 +288,7 @@ def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
         activation_bytes=profile.activation_bytes * factor,
         parameter_bytes=profile.parameter_bytes,
         stash_bytes=None if profile.stash_bytes is None else profile.stash_bytes * factor,
-        source=f"{profile.source}*{factor:g}",
+        source=profile.source,  # the step it was measured on, which errors name
         update_seconds_per_byte=profile.update_seconds_per_byte,  # once per step, whatever the batch
     )
 
