@@ -467,6 +467,14 @@ def gpipe_latency(
 ROW_PASSES = 4
 
 
+def lockstep_remat(microbatches: int, recompute: bool) -> bool:
+    """Whether the spmd executor rematerializes its stage calls (`jax.checkpoint`, nothing saved):
+    when several microbatches are in flight, where it saves a stage all but its inputs, or when a
+    stage asks to recompute; with one microbatch it would recompute the forward for nothing. The
+    executor, its price (`lockstep_latency`) and placement's price of it read this one rule."""
+    return microbatches > 1 or recompute
+
+
 def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan, *, remat: bool) -> float:
     """L of a pipeline as the spmd executor runs it (`hlomap.run.pipeline.spmd_executor`): one
     program whose loop moves every device stage in lockstep, one tick per microbatch and stage of

@@ -51,6 +51,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hlomap.cost.pipeline.costs import lockstep_remat
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.layout import (BatchedLayout, FlatLayout, buffer_dtype, buffer_lengths, matched_buffers,
                                         sharded_buffer)
@@ -222,7 +223,7 @@ class SpmdPipeline:
         section = program.section
         # rematerializing a stage call saves memory only when several microbatches are in flight
         # on a stage; with one, it would recompute the forward pass for nothing (unless the plan asks)
-        self.remat = (section.microbatches > 1 or bool(section.recompute)) if remat is None else remat
+        self.remat = lockstep_remat(section.microbatches, bool(section.recompute)) if remat is None else remat
         if not section.uniform:
             raise ValueError("the spmd executor needs every stage to have the same mesh and specs; use the mpmd "
                              "executor")

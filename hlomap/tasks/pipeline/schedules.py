@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.costs import CostOptions, executor_overhead, lockstep_latency
+from hlomap.cost.pipeline.costs import CostOptions, executor_overhead, lockstep_latency, lockstep_remat
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
@@ -106,7 +106,8 @@ def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: Pipe
     uniform = len({(len(s.devices), s.model) for s in groups}) == 1
     executor = default_executor(plan.schedule, uniform, plan.repeats)
     if executor == "spmd":
-        length = lockstep_latency(profile, cluster, plan, remat=plan.microbatches > 1)
+        # a pipeline-task plan never asks a stage to recompute
+        length = lockstep_latency(profile, cluster, plan, remat=lockstep_remat(plan.microbatches, False))
     else:
         length = simulation.length
     return executor, float(length) + executor_overhead(cluster, executor, plan.n_stages, plan.microbatches,

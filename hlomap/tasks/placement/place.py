@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from hlomap.cost.cluster import Cluster, busy_speedup
 from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
-from hlomap.cost.pipeline.costs import lockstep_latency
+from hlomap.cost.pipeline.costs import lockstep_latency, lockstep_remat
 from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile
 from hlomap.cost.pipeline.simulator import SimulationResult
 from hlomap.plan import PipelineKind, Placement, Plan, Recompute
@@ -180,7 +180,7 @@ def lockstep_pipeline_seconds(plan: Plan, cluster: Cluster, *, where: str = "pla
     layout, profile = _priced_layout(plan, cluster, where)
     section = plan.pipeline
     assert section is not None
-    remat = section.microbatches > 1 or any(s.recompute is not Recompute.NONE for s in section.stages)
+    remat = lockstep_remat(section.microbatches, any(s.recompute is not Recompute.NONE for s in section.stages))
     return lockstep_latency(profile, cluster, layout.plan(plan.device_order()), remat=remat)
 
 
