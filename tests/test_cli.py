@@ -518,6 +518,11 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     measured = json.loads(out.read_text())["measured"]
     assert set(measured["executors"]) == {"spmd", "mpmd"} and measured["kernel_seconds"] >= 0
     assert "pipeline executor" in captured.out
+    # the narrow products (--quick: one dot, two convolutions), and the curves shown where fitted
+    widths = sorted((k["kind"], k["width"]) for k in kept["samples"]["kernels"] if "width" in k)
+    assert widths == [("convolution", 4), ("convolution", 32), ("dot", 8)]
+    device = json.loads(out.read_text())["devices"][0]
+    assert ("narrow product" in captured.out) == bool(device.get("narrow"))
 
 
 def test_calibrate_on_a_cpu_only_machine_measures_eight_simulated_devices_by_default(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ def _rate(bytes_per_second: float) -> str:
 
 
 def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> list[Any]:
-    """Rich tables: the device's roofline figures (with its narrow curves), then latency and bandwidth per
+    """Rich tables: the device's roofline figures and its narrow curves, then latency and bandwidth per
     communication kind and group size, then the measured overheads (kernel launch, the pipeline
     executors, shared hardware), then what went into the cluster's links."""
     from rich.table import Table
@@ -39,10 +39,13 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
     figures = calibration.figures()
     compute.add_row("memory", _rate(figures["memory bandwidth B/s"]), human_seconds(calibration.memory_fit.alpha),
                     "", _rate(device.hbm_bandwidth))
+    narrow = Table(show_edge=False)
+    narrow.add_column("narrow product")
+    narrow.add_column("narrowest side", justify="right")
+    narrow.add_column("share of the matrix rate", justify="right")
     for kind, curve in device.narrow.items():
-        shares = ", ".join(f"{width:g}: {share:.0%}" if share >= 0.01 else f"{width:g}: {share:.1%}"
-                           for width, share in curve.points)
-        compute.add_row(f"narrow {kind}", "", "", f"share by narrowest side {shares}", "")
+        for i, (width, share) in enumerate(curve.points):
+            narrow.add_row(kind if i == 0 else "", f"{width:g}", f"{share:.0%}" if share >= 0.01 else f"{share:.1%}")
     comm = Table(show_edge=False)
     comm.add_column("communication")
     comm.add_column("devices", justify="right")
@@ -71,4 +74,4 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
              + (f", links {human_seconds(float(cluster.latency[0, 1]))} + bytes / "
                 f"{_rate(float(cluster.bandwidth[0, 1]))}" if cluster.n_devices > 1 else "")
              + ("; collectives priced by their own fits" if measured is not None and measured.collectives else ""))
-    return [compute, comm, overheads, links]
+    return [compute, *([narrow] if device.narrow else []), comm, overheads, links]
