@@ -328,7 +328,7 @@ def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mappi
                 reads *= mesh[axis]
             nbytes = reads + (0.0 if n in fused else sg.node_result_bytes(n))
         compute = full.compute_seconds / degree
-        if device.narrow and degree > 1:
+        if degree > 1 and inst.opcode in device.narrow:  # a dot or convolution on a measured device
             compute *= sg.narrow_slowdown(n, device, cache)  # type: ignore[arg-type]
         memory = nbytes / device.hbm_bandwidth
         launch = 0.0 if n in fused else kernel_seconds
