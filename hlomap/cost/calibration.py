@@ -46,7 +46,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import AlphaBeta, Collective
 from hlomap.cost.compute import flop_rate
-from hlomap.cost.devices import DeviceSpec, NarrowCurve
+from hlomap.cost.devices import MATRIX_KINDS, DeviceSpec, NarrowCurve
 from hlomap.cost.measured import EXECUTORS, Fit, executor_units, measured_costs
 
 #: The "format" field of a profile file, so that a cluster or plan JSON passed by mistake is
@@ -54,9 +54,6 @@ from hlomap.cost.measured import EXECUTORS, Fit, executor_units, measured_costs
 FORMAT = "hlomap-calibration"
 VERSION = 1
 
-#: Kinds whose flops run on matrix units (tensor cores) at the dtype's own peak; see
-#: `hlomap.cost.compute.flop_rate`.
-MATRIX_KINDS = frozenset({"dot", "convolution"})
 
 #: A kernel counts as compute- (memory-) bound when its roofline compute time is at least this
 #: many times its memory time (or the reverse). Kernels near the ridge point are limited by both
@@ -567,7 +564,7 @@ def fit_narrow_curves(measurements: Sequence[Measurement], device: DeviceSpec, o
     The dots' curve ends at the square matmul of side `reference_width` that set the matrix
     rate (share 1 by definition)."""
     curves = {}
-    for kind in sorted(MATRIX_KINDS):
+    for kind in MATRIX_KINDS:
         points = narrow_shares(measurements, device, overhead, kind)
         if kind == "dot" and points and reference_width > max(w for w, _ in points):
             points.append((int(reference_width), 1.0))

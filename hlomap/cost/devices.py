@@ -31,7 +31,8 @@ GIB = 2**30
 #: 0.6 sits between the two. Override per device (JSON field "efficiency") when calibrated.
 DEFAULT_EFFICIENCY = 0.6
 
-#: The kernels that run on matrix units, which a `NarrowCurve` may slow down.
+#: The kernels that run on matrix units (tensor cores) at their dtype's own peak
+#: (`hlomap.cost.compute.flop_rate`), and which a `NarrowCurve` may slow down.
 MATRIX_KINDS = ("convolution", "dot")
 
 #: Element type whose rate is used when a dtype has no entry of its own (integers, pred, ...).

@@ -23,7 +23,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.compute import MatrixSides, matrix_sides, while_trip_count
+from hlomap.cost.compute import MatrixSides, matrix_sides, narrow_factor, while_trip_count
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
@@ -214,11 +214,12 @@ def _matrix_facts(graph: FactorGraph, node: int,
     """A matrix node's sides, its whole result's narrow factor on `device` and the groups of its
     contracted dims (`ShardedGraph.narrow_slowdown`); None for a product without known sides."""
     inst = graph.nodes[node].instruction
-    sides = matrix_sides(inst, graph.module.computation(graph.nodes[node].computation))
+    comp = graph.module.computation(graph.nodes[node].computation)
+    sides = matrix_sides(inst, comp)
     if sides is None:
         return None
-    whole = device.narrow_factor(inst.opcode, sides.width(graph.dim_size[graph.tensor_dims(graph.node_tensors[node][0])]))
-    return sides, whole, graph.reductions.group[graph.reductions.node == node]
+    # the factor the whole result's price already carries (`compute.narrow_factor`)
+    return sides, narrow_factor(inst, comp, device), graph.reductions.group[graph.reductions.node == node]
 
 
 def node_phases(graph: FactorGraph) -> tuple[Phase, ...]:
