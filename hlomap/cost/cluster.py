@@ -161,6 +161,32 @@ class Cluster:
     def devices_on(self, node: int) -> tuple[int, ...]:
         return tuple(i for i, n in enumerate(self.node_of) if n == node)
 
+    def shift_period(self) -> int:
+        """The least T > 0 such that device i + T is to every cost what device i is: the same
+        kind and speed, the same links to j + T as i's to j, and the server after i's server
+        (servers of T devices in id order, all alike, as `hierarchical` builds them); 0 when
+        there is none or no second server. Then any device groups shifted by a multiple of T
+        communicate as they do unshifted, so a planner prices one of them (memoized)."""
+        key = ("shift period",)
+        if key not in self.collective_memo:
+            self.collective_memo[key] = self._shift_period()
+        return int(self.collective_memo[key])
+
+    def _shift_period(self) -> int:
+        if self.network is not None or self.n_nodes < 2:
+            return 0
+        period = len(self.devices_on(self.node_of[0]))
+        count = self.n_devices
+        if count % period:
+            return 0
+        nodes = self.node_array
+        same = (np.array_equal(nodes[period:], nodes[:-period] + 1)
+                and self.devices[period:] == self.devices[:-period]
+                and (self.slowdown is None or self.slowdown[period:] == self.slowdown[:-period])
+                and np.array_equal(self.bandwidth[period:, period:], self.bandwidth[:-period, :-period])
+                and np.array_equal(self.latency[period:, period:], self.latency[:-period, :-period]))
+        return period if same else 0
+
     def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
         """Seconds to send `nbytes` from device `src` to `dst`: alpha + nbytes / beta."""
         self._check_device(src)

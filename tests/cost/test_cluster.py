@@ -331,3 +331,20 @@ def test_first_devices_keeps_their_links_and_is_one_server_of_a_preset():
     assert twelve.n_nodes == 2 and twelve.p2p_time(0, 11, 1e6) == a.p2p_time(0, 11, 1e6)
     with pytest.raises(ClusterSpecError, match="has 16 devices; cannot take the first 17"):
         first_devices(a, 17)
+
+
+def test_shift_period_is_a_server_of_alike_servers() -> None:
+    """Servers alike in id order repeat every server; anything that tells two servers apart
+    (a slowed device, other links, blocks of other sizes, a single server) leaves no period."""
+    import dataclasses
+
+    cluster = hierarchical(4, 8, "A100-80GB")
+    assert cluster.shift_period() == 8
+    assert hierarchical(1, 8, "A100-80GB").shift_period() == 0
+    slowed = dataclasses.replace(cluster, slowdown=(1.0,) * 31 + (2.0,))
+    assert slowed.shift_period() == 0
+    bandwidth = cluster.bandwidth.copy()
+    bandwidth[0, 8] = bandwidth[8, 0] = bandwidth[0, 8] / 2  # one slower link between servers 0 and 1
+    assert dataclasses.replace(cluster, bandwidth=bandwidth).shift_period() == 0
+    assert random_block(32, 4, "V100-16GB", 150e9, (5e9, 25e9), 3e-6, (5e-6, 2e-5), seed=1).shift_period() == 0
+    assert mesh_topology((4, 4), "V100-16GB", 25e9, 1e-6).shift_period() == 0

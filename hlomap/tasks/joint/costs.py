@@ -377,6 +377,12 @@ class JointModel:
         """`transfer_seconds_of` on this model's cluster, with the same kept terms."""
         return transfer_seconds_of(self.cluster, option, first_device, receiver_first, nbytes, self._cache)
 
+    def transfer_key(self, option: StageOption, first_device: int, receiver_first: int) -> tuple[int, bytes, bytes]:
+        """What a cut's price from these groups depends on (`transfer_terms`): cuts of the same
+        key cost the same, which on a cluster of equal servers most groups share."""
+        shards, alpha, beta = transfer_terms(self.cluster, option, first_device, receiver_first, self._cache)
+        return shards, alpha.tobytes(), beta.tobytes()
+
     def group_capacity(self, first_device: int, size: int) -> float:
         """The least memory of devices [first_device, first_device + size) (memoized: plans
         priced by the thousand ask for the same groups)."""
@@ -505,22 +511,33 @@ def transfer_seconds(cluster: Cluster, option: StageOption, first_device: int, r
     return float(transfer_seconds_of(cluster, option, first_device, receiver_first, np.asarray([nbytes]), cache)[0])
 
 
-def transfer_seconds_of(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
-                        nbytes: np.ndarray, cache: dict[Any, Any] | None = None) -> np.ndarray:
-    """`transfer_seconds` of every entry of `nbytes` at once: the pairs and their terms depend on
-    the devices only, so they are built once (a planner's table prices every cut of a stage), and
+def transfer_terms(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
+                   cache: dict[Any, Any] | None = None) -> tuple[int, np.ndarray, np.ndarray]:
+    """The shards of a cut from a stage of `option` on devices from `first_device` to the next
+    stage from `receiver_first`, and the distinct (latency, seconds per byte) terms of their
+    sends (`transfer_seconds_of` takes the slowest): they depend on the devices only, so they are
     kept in `cache` when given (the expert grid and the DP price the same groups many times)."""
-    nbytes = np.asarray(nbytes, dtype=float)
     shards = max(1, min(option.data, cluster.n_devices - receiver_first))
-    key = ("permute terms", option.data, option.model, first_device, receiver_first)
+    period = cluster.shift_period()
+    shift = first_device - first_device % period if period else 0  # groups a server apart cost the same
+    first_device, receiver_first = first_device - shift, receiver_first - shift
+    key = ("permute terms", option.data, option.model, first_device, receiver_first, shards)
     terms = None if cache is None else cache.get(key)
     if terms is None:
         pairs = [(first_device + c * option.model, receiver_first + c) for c in range(shards)]
         found = collective_permute_terms(cluster, pairs)
-        terms = (np.asarray([t.alpha for t in found]), np.asarray([t.beta for t in found]))
+        distinct = np.unique(np.asarray([(t.alpha, t.beta) for t in found], dtype=float).reshape(-1, 2), axis=0)
+        terms = (shards, distinct[:, 0], distinct[:, 1])
         if cache is not None:
             cache[key] = terms
-    alpha, beta = terms
+    return terms
+
+
+def transfer_seconds_of(cluster: Cluster, option: StageOption, first_device: int, receiver_first: int,
+                        nbytes: np.ndarray, cache: dict[Any, Any] | None = None) -> np.ndarray:
+    """`transfer_seconds` of every entry of `nbytes` at once (`transfer_terms`)."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    shards, alpha, beta = transfer_terms(cluster, option, first_device, receiver_first, cache)
     if not len(alpha):
         return np.zeros_like(nbytes)
     per_shard = nbytes / shards

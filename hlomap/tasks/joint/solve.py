@@ -36,7 +36,7 @@ from hlomap.tasks.joint.plans import (
     stage_memory,
     stage_seconds,
 )
-from hlomap.tasks.pipeline.dp import StageChain, least_latency, stage_width
+from hlomap.tasks.pipeline.dp import StageChain, least_latency
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 
 __all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "holds_parameters", "in_space",
@@ -73,6 +73,16 @@ def aligned(per_node: int, device: int, size: int) -> bool:
     if size < per_node:
         return device % per_node + size <= per_node and device % size == 0
     return device % per_node == 0 and size % per_node == 0
+
+
+def aligned_starts(per_node: int, devices: int, size: int) -> Sequence[int]:
+    """The first devices of the `aligned` groups of `size` among `devices` (the same as testing
+    each device, without visiting the devices no group may start on)."""
+    if per_node <= 1:
+        return range(devices - size + 1)
+    if size < per_node:
+        return tuple(d for d in range(0, devices - size + 1, size) if aligned(per_node, d, size))
+    return range(0, devices - size + 1, per_node) if size % per_node == 0 else ()
 
 
 def _per_node(model: JointModel) -> int:
@@ -123,6 +133,21 @@ class HeldMemory(Mapping[int, np.ndarray]):
         counts = np.asarray(held)[:, None, None]
         need = stage_memory(self._arrays, i[None], j[None], counts, self._m)
         return (j > i)[None] & (need <= capacity)
+
+    def most_held(self, held: Sequence[int], capacity: float) -> np.ndarray:
+        """[i, j]: the last index q of `held` (non-decreasing) at which the stage still fits
+        `capacity` holding held[q] (-1: not even held[0]); `fit` summed over q, found by a
+        bisection per cell with the same arithmetic, without the [len(held), i, j] table."""
+        i, j = _pairs(len(self._arrays.params))
+        counts = np.asarray(held)
+        lo = np.full(i.shape, -1)  # fits at lo (or lo = -1), not at hi (or hi = len)
+        hi = np.full(i.shape, len(counts))
+        while (open_ := hi - lo > 1).any():
+            mid = np.where(open_, (lo + hi) // 2, 0)
+            fits = stage_memory(self._arrays, i, j, counts[mid], self._m) <= capacity
+            lo = np.where(open_ & fits, mid, lo)
+            hi = np.where(open_ & ~fits, mid, hi)
+        return np.where(j > i, lo, -1)
 
 
 def _pairs(states: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,14 +207,17 @@ class JointProblem:
                          stage_seconds(a, i, j, m, sync_each_microbatch=each_microbatch), np.inf)
             stage.append(t)
             memory.append(HeldMemory(a, self.held_counts, m))
-            per_device = {}
-            for d in range(self.devices):
+            per_device, by_terms = {}, {}
+            for d in aligned_starts(self.per_node, self.devices, option.devices):
                 e = d + option.devices
-                if e >= self.devices or not aligned(self.per_node, d, option.devices):
+                if e >= self.devices:
                     continue
-                u = np.zeros(n + 1)
-                u[1:n] = self.model.transfer_seconds_of(option, d, e, a.crossing[:n - 1] * option.data / m)
-                per_device[d] = u
+                key = self.model.transfer_key(option, d, e)  # groups of equal sends share one table
+                if key not in by_terms:
+                    u = np.zeros(n + 1)
+                    u[1:n] = self.model.transfer_seconds_of(option, d, e, a.crossing[:n - 1] * option.data / m)
+                    by_terms[key] = u
+                per_device[d] = by_terms[key]
             transfer.append(per_device)
         return StageTables(stage, memory, transfer)
 
@@ -215,21 +243,24 @@ class _JointOptions:
     bound: float = math.inf
     sizes: tuple[int, ...] = field(init=False)
     _fits: dict[tuple[int, float], np.ndarray] = field(init=False)  # by (option, capacity)
+    _cuts: dict[tuple[int, int], np.ndarray] = field(init=False)  # by (option, its transfer table)
+    _most: dict[tuple[int, float], np.ndarray] = field(init=False)  # by (option, capacity)
     _stage: list[np.ndarray | None] = field(init=False)  # per option, None when no stage is left
-    _widths: list[int] = field(init=False)  # per option, `stage_width` of its table
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes", tuple(option.devices for option in self.problem.options))
         object.__setattr__(self, "_fits", {})
+        object.__setattr__(self, "_cuts", {})
+        object.__setattr__(self, "_most", {})
         m = self.problem.microbatches
         stage = [t if not math.isfinite(self.bound) else np.where(t * m < self.bound, t, np.inf)
                  for t in self.tables.stage]
         object.__setattr__(self, "_stage", [t if np.isfinite(t).any() else None for t in stage])
-        object.__setattr__(self, "_widths", [0 if t is None else stage_width(t) for t in self._stage])
 
-    def stage_width(self, device: int, option: int) -> int:
-        """The most layers a stage of `option` takes (the same table on every device)."""
-        return self._widths[option]
+    def table_key(self, device: int, option: int) -> tuple[int, float]:
+        """The option's stage table is the same on every device and its memory check depends on
+        the group's capacity only: the DP gathers each distinct pair once."""
+        return option, self.problem.capacity(device, self.sizes[option])
 
     @property
     def saturated_stages(self) -> int:
@@ -287,6 +318,17 @@ class _JointOptions:
             return table[:len(behind)]  # a view: the shared pass asks for every count at once
         return table[behind]
 
+    def most_after(self, device: int, option: int) -> np.ndarray | None:
+        """[K, K]: the most stages after a stage of `option` on the group from `device` with which
+        it fits (-1: none); None when memory is not checked (`fits` summed over the counts)."""
+        problem = self.problem
+        if not problem.space.check_memory:
+            return None
+        key = (option, problem.capacity(device, self.sizes[option]))
+        if key not in self._most:
+            self._most[key] = self.tables.memory[option].most_held(problem.held_counts, key[1])
+        return self._most[key]
+
     #: A cut is priced from its sending side (`transfer_seconds`), whatever the next option.
     cut_depends_on_next = False
 
@@ -294,9 +336,19 @@ class _JointOptions:
         u = self.tables.transfer[option].get(device)
         if u is None:
             return None
-        if math.isfinite(self.bound):
-            u = np.where(u * (self.problem.microbatches + 1) < self.bound, u, np.inf)
-        return np.broadcast_to(u[:, None], (len(u), len(self.sizes)))
+        key = (option, id(u))  # groups of equal sends share one table (`JointProblem.tables`)
+        if key not in self._cuts:
+            if math.isfinite(self.bound):
+                u = np.where(u * (self.problem.microbatches + 1) < self.bound, u, np.inf)
+            self._cuts[key] = np.broadcast_to(u[:, None], (len(u), len(self.sizes)))
+        return self._cuts[key]
+
+    def group_starts(self, option: int) -> Sequence[int]:
+        """The devices a group of `option` may start on (`aligned`; none when the bound leaves
+        the option no stage)."""
+        if self._stage[option] is None:
+            return ()
+        return aligned_starts(self.problem.per_node, self.problem.devices, self.sizes[option])
 
 
 def _plan(problem: JointProblem, chain: StageChain) -> JointPlan:

@@ -35,15 +35,19 @@ candidate, so the least L(tau) is the optimum. Only candidates in
 [tau*, (best L - unconstrained least sum) / (M - 1)) can win, and since SUM(tau) only falls as
 tau grows, a range [a, b] of candidates is pruned whole once SUM(b) + (M - 1) a reaches the
 best L found (branch and bound on sorted candidates); L >= M tau* skips a microbatch count
-after its MAX pass alone, and a bounded problem with no plan left skips it before any pass
-(`any_plan`).
+after its MAX pass alone, and a bounded problem whose stages cannot cover the layers with the
+devices there are skips it before any pass (`device_budgets`).
 
 Cuts priced from the sending side (the joint task: `cut_depends_on_next` False) need no option
 axis: `_run_shared` keeps per (q, a, d) the best suffix over the first stage's option, merges
 the stage counts whose stages hold alike (`stage_counts`: under 1F1B every count from M on), and
-computes only the cells a plan from device 0 can reach (a stage on device d starts at a state
-no smaller than the fewest stages that reach d; a stage with q more after it ends q layers
-before the last). Each is exact: the tests compare it with enumeration and with `_run`.
+computes only the cells a plan from device 0 can reach: a stage on device d starts at a state
+no smaller than the fewest stages that reach d, and its prefix and suffix need no more devices
+than there are before and after d (`device_budgets`, the fewest devices any stages of the tables
+take to cover them, where groups may start and which cut is whose ignored); on a large cluster
+this leaves a narrow band of states per device. The options that may start on a device are
+combined at once, on the band of layers their stages take (`SharedTables`, gathered once per
+search). Each is exact: the tests compare it with enumeration and with `_run`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -73,7 +77,13 @@ log = logging.getLogger(__name__)
 
 class StageOptions(Protocol):
     """A problem as the stage DP sees it (module docstring). Times are per microbatch; every
-    array is indexed by cut states, K = `n_states`, and by option, O = len(`sizes`)."""
+    array is indexed by cut states, K = `n_states`, and by option, O = len(`sizes`).
+
+    A problem whose cuts are priced from the sending side may also say, to make its passes
+    cheap on many devices (`shared_tables` reads them when present): `table_key(d, k)`, which
+    (device, option) pairs share their stage table and memory check; `group_starts(k)`, the
+    devices a group of option k may start on; `most_after(d, k)`, [K, K] the most stages after
+    with which a stage fits (what `fits` says for every count at once)."""
 
     @property
     def n_states(self) -> int: ...
@@ -180,28 +190,28 @@ def stage_counts(problem: StageOptions) -> tuple[int, bool]:
     return (stages, False) if needed >= stages else (needed, True)
 
 
-#: Stage counts one step of the shared pass takes at once: its [counts, a, b] block is cut to the
-#: states the smallest count leaves room for (b <= last - q), so small chunks waste few cells.
-_COUNTS_PER_STEP = 16
-
-
 def fewest_stages_before(problem: StageOptions) -> list[float]:
     """Per device d, the fewest stages (of sizes some group may start with) whose devices
     cover exactly [0, d): inf where no sequence of stages ends there."""
-    devices, sizes = problem.n_devices, problem.sizes
+    devices = problem.n_devices
+    sizes_at: list[set[int]] = [set() for _ in range(devices)]
+    for k, size in enumerate(problem.sizes):
+        for d in _starts(problem, k):
+            if d + size <= devices and problem.stage_seconds(d, k) is not None:
+                sizes_at[d].add(size)
     fewest = [0.0] + [math.inf] * devices
     for d in range(devices):
-        if math.isinf(fewest[d]):
-            continue
-        for k, size in enumerate(sizes):
-            if d + size <= devices and fewest[d] + 1 < fewest[d + size] and problem.stage_seconds(d, k) is not None:
-                fewest[d + size] = fewest[d] + 1
+        if not math.isinf(fewest[d]):
+            for size in sizes_at[d]:
+                fewest[d + size] = min(fewest[d + size], fewest[d] + 1)
     return fewest
 
 
-#: The shared pass takes a stage table's band (b - a up to its width) instead of the whole
-#: [a, b] block when the block is this many times wider.
-_BAND_SHARE = 3
+def _starts(problem: StageOptions, option: int) -> Iterable[int]:
+    """The devices a group of `option` may start on: the problem's `group_starts` when it knows
+    them (skipping the devices it would refuse), else every device."""
+    starts_of = getattr(problem, "group_starts", None)
+    return range(problem.n_devices - problem.sizes[option] + 1) if starts_of is None else starts_of(option)
 
 
 def stage_width(stage: np.ndarray) -> int:
@@ -214,104 +224,249 @@ def stage_width(stage: np.ndarray) -> int:
     return max(1, int((b - a).max()))
 
 
-def _run_shared(problem: StageOptions, mode: _Mode, tau: float = math.inf, *, chains: bool = True,
-                reach: Sequence[float] | None = None) -> _SharedPass:
+#: Cells of the [options, counts, a, width] block one step of the shared pass combines at once.
+_SHARED_CELLS = 1 << 21
+
+
+def _table_key(problem: StageOptions, device: int, option: int) -> Hashable:
+    """Which (device, option) pairs share their stage table and memory check: a problem whose
+    tables depend on the option and the group's capacity only says so (`table_key`), so each
+    distinct table is gathered once; others get one per pair."""
+    key = getattr(problem, "table_key", None)
+    return (device, option) if key is None else key(device, option)
+
+
+@dataclass(frozen=True)
+class SharedTables:
+    """A shared-cut problem gathered once per search for its passes (`shared_tables`).
+
+    stage: [U, K, K] the stage seconds of each distinct table; most_after: [U, K, K] the most
+    stages after a stage with which it fits in memory (-1: none; the problem's `fits` is
+    monotone, so one count says it all); sizes: [U] the devices of its option; widths: [U] the
+    most layers its stages take; least_cut: [U, K] the least time of the cut after state b over
+    the groups that use the table. groups: per device d that a plan may reach (right to left),
+    the options that may start there, their tables, the devices after their groups, their cut
+    seconds [options, K] (inf where no cut may follow) and whether each may be the last stage.
+    reach: `fewest_stages_before`; counts, merged: `stage_counts`."""
+
+    stage: np.ndarray
+    most_after: np.ndarray
+    sizes: np.ndarray
+    widths: np.ndarray
+    least_cut: np.ndarray
+    groups: tuple[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    reach: tuple[float, ...]
+    counts: int
+    merged: bool
+
+
+def _most_after(problem: StageOptions, device: int, option: int, counts: int) -> np.ndarray:
+    """[K, K]: the most stages after (of `counts`) with which the stage fits, -1 for none: the
+    problem's `most_after` when it has one, else its monotone `fits` summed over the counts."""
+    own = getattr(problem, "most_after", None)
+    most = own(device, option) if own is not None else None
+    if most is not None:
+        return np.minimum(np.asarray(most, dtype=np.int32), counts - 1)
+    count = problem.n_states
+    fits = None if own is not None else problem.fits(device, option, np.arange(counts))
+    if fits is None:
+        return np.full((count, count), counts - 1, dtype=np.int32)
+    return np.asarray(fits).sum(axis=0).astype(np.int32) - 1
+
+
+def shared_tables(problem: StageOptions, *, groups: bool = True) -> SharedTables:
+    """`problem`'s `SharedTables` (its `fits` must be monotone in the count of stages after).
+    Without `groups`, only the distinct tables, every cut taken as free (least_cut 0): enough for
+    `device_budgets` to rule a problem out (a looser relaxation) without visiting its cuts."""
+    count, devices = problem.n_states, problem.n_devices
+    last = count - 1
+    counts, merged = stage_counts(problem)
+    reach = fewest_stages_before(problem) if groups else [0.0] * (devices + 1)
+    index: dict[Hashable, int] = {}
+    stage, most_after, sizes, widths, cuts_of = [], [], [], [], []
+    at_device: dict[int, list[tuple[int, int, int, np.ndarray, bool]]] = {}
+    for k, size in enumerate(problem.sizes):
+        for d in _starts(problem, k):
+            table = problem.stage_seconds(d, k) if reach[d] < last else None
+            if table is None:
+                continue
+            key = _table_key(problem, d, k)
+            if key not in index:
+                index[key] = len(stage)
+                stage.append(np.asarray(table, dtype=float))
+                most_after.append(_most_after(problem, d, k, counts))
+                sizes.append(size)
+                widths.append(stage_width(table))
+                cuts_of.append([])
+            if not groups:
+                continue
+            end = d + size
+            u = problem.cut_seconds(d, k) if end < devices else None
+            u = np.full(count, np.inf) if u is None else np.asarray(u, dtype=float)[:, 0]
+            cuts_of[index[key]].append(u)
+            at_device.setdefault(d, []).append((k, index[key], end, u, end == devices or not problem.use_all_devices))
+    grouped = []
+    for d in sorted(at_device, reverse=True):
+        options, ids, ends, cuts, closing = zip(*at_device[d])
+        grouped.append((d, np.asarray(options), np.asarray(ids), np.asarray(ends), np.stack(cuts), np.asarray(closing)))
+    if not stage:
+        none = np.zeros((0, count, count))
+        return SharedTables(none, none.astype(np.int32), np.zeros(0, dtype=int), np.zeros(0, dtype=int),
+                            np.zeros((0, count)), (), tuple(reach), counts, merged)
+    least_cut = (np.stack([np.min(np.stack(rows), axis=0) for rows in cuts_of]) if groups
+                 else np.zeros((len(stage), count)))
+    return SharedTables(np.stack(stage), np.stack(most_after), np.asarray(sizes), np.asarray(widths), least_cut,
+                        tuple(grouped), tuple(reach), counts, merged)
+
+
+def device_budgets(tables: SharedTables, mode: _Mode, tau: float = math.inf) -> tuple[np.ndarray, np.ndarray]:
+    """The fewest devices a part of a plan can take, from the tables alone (where a group may
+    start and which device's cut it is are ignored: every stage of some option's table that
+    fits somewhere, every cut finite after it somewhere): [Q, K] for a suffix from state a whose
+    first stage has q stages after it, and [K] for a prefix ending at state a (its stages' memory
+    checked with none after, the most permissive). Under SUM, stages and cuts above `tau` are
+    left out. A relaxation: no plan takes fewer, so a cell (q, a, d) with suffix[q, a] > D - d or
+    prefix[a] > d is in no plan from (0, 0) (`_run_shared` skips it), and min suffix[:, 0] > D
+    means there is no plan at all."""
+    count = tables.stage.shape[1]
+    last = count - 1
+    usable = np.isfinite(tables.stage) & (tables.stage <= tau)
+    cut_ok = np.isfinite(tables.least_cut) & (tables.least_cut <= tau)
+    cut_ok[:, last] = False
+    sizes = tables.sizes.astype(float)[:, None, None]
+    states = np.arange(count)[:, None]
+    suffix = np.full((tables.counts, count), np.inf)
+    fits_alone = usable & (tables.most_after >= 0)
+    suffix[0] = np.where(fits_alone[:, :, last], sizes[:, :, 0], np.inf).min(axis=0, initial=np.inf)
+    # the band b = a + 1 + j (j < the widest table's width): no stage of the tables is longer
+    span = np.arange(count)[:, None] + 1 + np.arange(max(1, int(tables.widths.max(initial=1))))[None, :]
+    inside = span <= last
+    span = np.minimum(span, last)
+    through = usable[:, states, span] & inside[None] & cut_ok[:, span]  # [U, a, j]: a stage, then a cut
+    most = tables.most_after[:, states, span]
+    for q in range(1, tables.counts):
+        held = through & (most >= q)
+        tail = suffix[q - 1]
+        while True:  # once, or to the fixed point where the top count stands for more too
+            suffix[q] = np.minimum(suffix[q], np.where(held, sizes + tail[span][None], np.inf).min(
+                axis=(0, 2), initial=np.inf))
+            if not (tables.merged and q == tables.counts - 1):
+                break
+            top = np.minimum(suffix[q - 1], suffix[q])
+            if np.array_equal(top, tail):
+                break
+            tail = top
+    prefix = np.full(count, np.inf)
+    prefix[0] = 0.0
+    entering = fits_alone & cut_ok[:, None, :]
+    for b in range(1, last):
+        prefix[b] = np.where(entering[:, :b, b], sizes[:, :, 0] + prefix[None, :b], np.inf).min(initial=np.inf)
+    return suffix, prefix
+
+
+def fits_devices(problem: StageOptions, tables: SharedTables) -> bool:
+    """Whether the stages of `tables` can cover the layers with the problem's devices at all
+    (`device_budgets`; False means no plan exists)."""
+    return bool((device_budgets(tables, _Mode.MAX)[0][:, 0] <= problem.n_devices).any())
+
+
+def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: float = math.inf, *,
+                chains: bool = True) -> _SharedPass:
     """`_run` for a problem whose cut times do not depend on the next stage's option: the
     suffix after a cut into device e is the best over its first option, T[q - 1, b, e], so per
-    (q, a, d) only the best over d's options is stored: no option axis, and each (device,
-    option) is combined with one tail (under SUM, u + min(T) = min(u + T); under MAX,
+    (q, a, d) only the best over d's options is stored: no option axis, and each option is
+    combined with one tail (under SUM, u + min(T) = min(u + T); under MAX,
     max(u, min(T)) = min(max(u, T))). With merged stage counts (`stage_counts`) the top index
     Q - 1 takes its suffix from Q - 2 or Q - 1 alike.
 
-    Only cells some plan from (state 0, device 0) can use are computed: a stage that starts on
-    device d follows at least `fewest_stages_before(d)` stages of a layer each, so it starts at
-    a state a >= that; a stage followed by q more ends at b <= last - q (each of them takes a
-    layer). The others stay inf, which no reachable cell reads. A table whose stages take few
-    layers is combined on its band b - a <= width only (`stage_width`). `reach`: the problem's
-    `fewest_stages_before`, when the caller has it (every pass of one problem needs the same)."""
+    Only cells some plan from (state 0, device 0) can use are computed: a stage on device d
+    starts at a state a >= `fewest_stages_before(d)` (a layer per stage) with
+    prefix[a] <= d <= D - suffix[q, a] (`device_budgets`); a stage takes at most its table's
+    width of layers. The other cells stay inf, which no computed cell reads. All options that
+    may start on a device are combined at once, on the band b - a <= width of their tables."""
     count, devices = problem.n_states, problem.n_devices
-    n_counts, merged = stage_counts(problem)
-    last = count - 1
-    shape = (n_counts, count, devices + 1)
-    value = np.full(shape, np.inf)
-    kept = shape if chains else (1, 1, 1)
+    last, counts, merged = count - 1, tables.counts, tables.merged
+    value = np.full((devices + 1, counts, count), np.inf)  # [d, q, a]; `_SharedPass` holds it as [q, a, d]
+    kept = (devices + 1, counts, count) if chains else (1, 1, 1)
     option_of = np.full(kept, -1, dtype=np.int16)
     next_state = np.full(kept, -1, dtype=np.int32)
-    first = np.zeros(1, dtype=np.int64)
-    every_count = np.arange(n_counts)
-    per_step = max(1, min(_COUNTS_PER_STEP, _CHUNK_CELLS // (count * count)))
-    reach = fewest_stages_before(problem) if reach is None else reach
-    tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def keep(q: slice | int, rows: slice, d: int, k: int, best: np.ndarray, j: np.ndarray) -> None:
-        """Fold option k's best values (and the states its stage ends at) into T[q, rows, d]."""
-        better = best < value[q, rows, d]
-        value[q, rows, d] = np.where(better, best, value[q, rows, d])
-        if chains:
-            option_of[q, rows, d] = np.where(better, k, option_of[q, rows, d])
-            next_state[q, rows, d] = np.where(better, j, next_state[q, rows, d])
-
-    # a stage on device d starts no earlier than the fewest stages that reach d (a layer each)
-    reachable = [d for d in range(devices - 1, -1, -1) if reach[d] < last]
-    for d, k, end, stage in _stages(problem, mode, tau, reachable):
-        a0 = int(reach[d])
-        from_a0 = slice(a0, count)
-        if end == devices or not problem.use_all_devices:  # a last stage: q = 0
-            fits = problem.fits(d, k, first)
-            alone = stage[from_a0, last]
-            if fits is not None:
-                alone = np.where(fits[0][from_a0, last], alone, np.inf)
-            keep(0, from_a0, d, k, alone, np.full(len(alone), last))
-        if n_counts < 2 or end >= devices:
+    # per device e done: its tail rows q - 1 that are finite ([lo, hi)), and its merged top row
+    live = np.zeros((devices + 1, 2), dtype=np.int64)
+    top_tail = np.full((devices + 1, count), np.inf) if merged and counts > 1 else None
+    suffix, prefix = device_budgets(tables, mode, tau)
+    fewest = suffix.min(axis=0)
+    stage = tables.stage if mode is _Mode.MAX else np.where(tables.stage <= tau, tables.stage, np.inf)
+    states = np.arange(count)
+    done = devices + 1  # devices from here on have their tails summarized
+    for d, options, ids, ends, cuts, closing in tables.groups:
+        for e in range(done - 1, d, -1):
+            rows = np.flatnonzero(np.isfinite(value[e, :-1]).any(axis=1))
+            live[e] = (rows[0], rows[-1] + 1) if len(rows) else (0, 0)
+            if top_tail is not None:
+                top_tail[e] = np.minimum(value[e, -2], value[e, -1])
+                if np.isfinite(top_tail[e]).any():
+                    live[e] = (min(live[e, 0], counts - 2) if live[e, 1] else counts - 2, counts - 1)
+        done = d + 1
+        rows = states[(states >= tables.reach[d]) & (states < last) & (prefix <= d) & (fewest <= devices - d)]
+        if not len(rows):
             continue
-        if end not in tails:
-            after = value[:-1, :, end].copy()  # [Q - 1, b]: suffixes for q = 1 .. Q - 1
-            if merged:
-                after[-1] = np.minimum(after[-1], value[-1, :, end])
-            tails[end] = (after, np.flatnonzero(np.isfinite(after).any(axis=1)))
-        after, live = tails[end]
-        if not len(live):
+        if closing.any():  # a last stage: q = 0
+            ids_c = ids[closing]
+            alone = np.where(tables.most_after[ids_c[:, None], rows[None, :], last] >= 0,
+                             stage[ids_c[:, None], rows[None, :], last], np.inf)  # [options, A]
+            k = np.argmin(alone, axis=0)
+            best = alone[k, np.arange(len(rows))]
+            better = best < value[d, 0, rows]
+            value[d, 0, rows] = np.where(better, best, value[d, 0, rows])
+            if chains:
+                option_of[d, 0, rows] = np.where(better, options[closing][k], option_of[d, 0, rows])
+                next_state[d, 0, rows] = np.where(better, last, next_state[d, 0, rows])
+        go = ends < devices
+        if counts < 2 or not go.any():
             continue
-        u = problem.cut_seconds(d, k)
-        if u is None:
+        options, ids, ends, cuts = options[go], ids[go], ends[go], cuts[go]
+        q_lo, q_hi = int(live[ends, 0].min()), int(live[ends, 1].max())  # tail rows; the stage has row + 1 after
+        if q_lo >= q_hi:
             continue
-        u = u[:, 0]
+        width = int(tables.widths[ids].max())
+        span = states[:width, None] + 1 + rows[None, :]  # [W, A]: b = a + 1 + j (W first: short reductions)
+        inside = span <= last
+        span = np.minimum(span, last)
         if mode is _Mode.SUM:
-            u = np.where(u <= tau, 2 * u, np.inf)
-        fits_all = problem.fits(d, k, every_count)
-        # the most layers a stage of this table takes (a problem whose tables do not change
-        # with the device knows it once per option)
-        width = problem.stage_width(d, k) if hasattr(problem, "stage_width") else stage_width(stage)
-        for lo in range(int(live[0]), int(live[-1]) + 1, per_step):
-            hi = min(lo + per_step, int(live[-1]) + 1)  # tail rows [lo, hi): counts lo + 1 .. hi
-            b_hi = last - (lo + 1)  # the fewest counts of the chunk leave the most layers
-            if b_hi <= a0:
-                break
-            a_rows = slice(a0, b_hi)
-            if width * _BAND_SHARE < b_hi - a0:
-                # few layers fit a stage of this option: only the band b in (a, a + width]
-                starts = np.arange(a0, b_hi)
-                ends = starts[:, None] + 1 + np.arange(width)[None, :]  # [a, j]: b = a + 1 + j
-                inside = ends <= b_hi
-                ends = np.minimum(ends, b_hi)
-                cost = np.where(inside, stage[starts[:, None], ends], np.inf)[None]  # [1, a, j]
-                if fits_all is not None:
-                    cost = np.where(fits_all[lo + 1:hi + 1][:, starts[:, None], ends], cost, np.inf)
-                total = _combine(mode, cost, _combine(mode, u[ends][None], after[lo:hi][:, ends]))
-                j = np.argmin(total, axis=-1)
-                best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
-                keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + starts[None, :] + 1)
-                continue
-            b_cols = slice(a0 + 1, b_hi + 1)
-            best_next = _combine(mode, u[None, b_cols], after[lo:hi, b_cols])  # [L, b]
-            cost = stage[None, a_rows, b_cols]
-            if fits_all is not None:
-                cost = np.where(fits_all[lo + 1:hi + 1, a_rows, b_cols], cost, np.inf)
-            total = _combine(mode, cost, best_next[:, None, :])  # [L, a, b]
-            j = np.argmin(total, axis=-1)
-            best = np.take_along_axis(total, j[..., None], axis=-1)[..., 0]
-            keep(slice(lo + 1, hi + 1), a_rows, d, k, best, j + a0 + 1)
-    return _SharedPass(value, option_of, next_state, merged)
+            cuts = np.where(cuts <= tau, 2 * cuts, np.inf)
+        cells = len(rows) * width
+        q_step = max(1, min(q_hi - q_lo, _SHARED_CELLS // cells))
+        k_step = max(1, _SHARED_CELLS // (cells * q_step))
+        for q0 in range(q_lo, q_hi, q_step):
+            q1 = min(q0 + q_step, q_hi)
+            tail_rows = np.arange(q0, q1)
+            for k0 in range(0, len(options), k_step):
+                pick = slice(k0, k0 + k_step)
+                at = ids[pick][:, None, None], rows[None, None, :], span[None]
+                head = np.where(inside[None], stage[at], np.inf)  # [options, W, A]
+                head = _combine(mode, head, cuts[pick][:, span])
+                tails = value[ends[pick], q0:q1]  # [options, Qs, K]
+                if top_tail is not None and q1 == counts - 1:
+                    tails[:, -1] = top_tail[ends[pick]]
+                total = np.take(tails, span, axis=2)  # [options, Qs, W, A]
+                if mode is _Mode.SUM:
+                    np.add(total, head[:, None], out=total)
+                else:
+                    np.maximum(total, head[:, None], out=total)
+                # the stage must fit with q = row + 1 stages after it
+                np.copyto(total, np.inf, where=tables.most_after[at][:, None] <= tail_rows[None, :, None, None])
+                per_option = total.min(axis=2)  # [options, Qs, A]
+                best = per_option.min(axis=0)  # [Qs, A]
+                block = value[d, q0 + 1:q1 + 1]
+                better = best < block[:, rows]
+                block[:, rows] = np.where(better, best, block[:, rows])
+                if chains:  # the first option and end state reaching the best, as argmin picks
+                    k = np.argmin(per_option, axis=0)
+                    j = np.argmin(np.take_along_axis(total, k[None, :, None, :], axis=0)[0], axis=1)
+                    chosen, after = option_of[d, q0 + 1:q1 + 1], next_state[d, q0 + 1:q1 + 1]
+                    chosen[:, rows] = np.where(better, options[pick][k], chosen[:, rows])
+                    after[:, rows] = np.where(better, rows[None, :] + 1 + j, after[:, rows])
+    return _SharedPass(np.moveaxis(value, 0, 2), np.moveaxis(option_of, 0, 2), np.moveaxis(next_state, 0, 2), merged)
 
 
 def holds_monotonically(problem: StageOptions) -> bool:
@@ -319,44 +474,6 @@ def holds_monotonically(problem: StageOptions) -> bool:
     in the count: stages hold no fewer microbatches with more after them), as under 1F1B and
     GPipe; problems that do not say so are not assumed to."""
     return bool(getattr(problem, "monotone_in_stages", False))
-
-
-def any_plan(problem: StageOptions, reach: Sequence[float] | None = None) -> bool:
-    """Whether any plan of the shared-cut problem exists (a plan from device 0 whose stages and
-    cuts are all finite and fit), without a stage-count axis: with memory monotone in the count
-    after a stage (`holds_monotonically`), the suffix of fewest stages from a cut is the easiest
-    for every stage before it, so H[a, d], the fewest stages of a plan's suffix from state a on
-    device d, decides. A fraction of a pass's work; a bounded problem with none left is ruled
-    out without one. `reach` as for `_run_shared`."""
-    count, devices = problem.n_states, problem.n_devices
-    n_counts, _ = stage_counts(problem)
-    last = count - 1
-    fewest = np.full((count, devices + 1), np.inf)  # H[a, d]
-    reach = fewest_stages_before(problem) if reach is None else reach
-    reachable = [d for d in range(devices - 1, -1, -1) if reach[d] < last]
-    first = np.zeros(1, dtype=np.int64)
-    every_count = np.arange(n_counts)
-    for d, k, end, stage in _stages(problem, _Mode.MAX, math.inf, reachable):
-        a0 = int(reach[d])
-        if end == devices or not problem.use_all_devices:  # a last stage
-            fits = problem.fits(d, k, first)
-            alone = np.isfinite(stage[a0:, last]) & (True if fits is None else fits[0][a0:, last])
-            fewest[a0:, d] = np.where(alone, np.minimum(fewest[a0:, d], 1.0), fewest[a0:, d])
-        if end >= devices:
-            continue
-        after = fewest[:, end]  # [b]: the fewest stages from a cut at b
-        u = problem.cut_seconds(d, k)
-        if u is None or not np.isfinite(after).any():
-            continue
-        usable = np.isfinite(after) & np.isfinite(u[:, 0])
-        counts = np.minimum(np.where(usable, after, 0), n_counts - 1).astype(np.int64)  # stages after this one
-        ok = np.isfinite(stage[a0:, :]) & usable[None, :]
-        fits = problem.fits(d, k, every_count)
-        if fits is not None:
-            ok &= fits[counts[None, :], np.arange(a0, count)[:, None], np.arange(count)[None, :]]
-        through = np.where(ok, 1.0 + after[None, :], np.inf).min(axis=1)
-        fewest[a0:, d] = np.minimum(fewest[a0:, d], through)
-    return bool(np.isfinite(fewest[0, 0]))
 
 
 def _best_shared_chain(problem: StageOptions, result: _SharedPass) -> tuple[float, StageChain | None]:
@@ -455,10 +572,20 @@ def _best_chain(problem: StageOptions, result: _Pass) -> tuple[float, StageChain
     return best, StageChain(tuple(states), tuple(options))
 
 
-def _candidates(problem: StageOptions, floor: float) -> np.ndarray:
-    """Every stage or cut time >= floor that some admissible plan can contain, ascending."""
+def _candidates(problem: StageOptions, floor: float, tables: SharedTables | None = None) -> np.ndarray:
+    """Every stage or cut time >= floor that some admissible plan can contain, ascending (from
+    `tables` when the problem has them: the same values, gathered once)."""
+    inner = slice(1, problem.n_states - 1)  # cuts happen after neither the empty nor the full state
     values = []
-    devices, inner = problem.n_devices, slice(1, problem.n_states - 1)
+    if tables is not None:
+        # No stages behind stashes the fewest microbatches: the most permissive memory mask.
+        stage = np.where(tables.most_after >= 0, tables.stage, np.inf)
+        values.append(stage[np.isfinite(stage) & (stage >= floor)])
+        for _, _, _, _, cuts, _ in tables.groups:
+            u = cuts[:, inner]
+            values.append(u[np.isfinite(u) & (u >= floor)])
+        return np.unique(np.concatenate(values))
+    devices = problem.n_devices
     first = np.zeros(1, dtype=np.int64)
     for d in range(devices):
         for k, size in enumerate(problem.sizes):
@@ -467,51 +594,51 @@ def _candidates(problem: StageOptions, floor: float) -> np.ndarray:
             stage = problem.stage_seconds(d, k)
             if stage is None:
                 continue
-            # No stages behind stashes the fewest microbatches: the most permissive memory mask.
             fits = problem.fits(d, k, first)
             mask = np.isfinite(stage) if fits is None else np.isfinite(stage) & fits[0]
             values.append(stage[mask & (stage >= floor)])
             u = problem.cut_seconds(d, k) if d + size < devices else None
             if u is not None:
-                u = u[inner]  # cuts happen after neither the empty nor the full state
+                u = u[inner]
                 values.append(u[np.isfinite(u) & (u >= floor)])
     return np.unique(np.concatenate(values)) if values else np.zeros(0)
 
 
 def _shares_cuts(problem: StageOptions) -> bool:
-    """The problem prices a cut from its sending side, whatever the next stage's option."""
-    return not getattr(problem, "cut_depends_on_next", True)
+    """The problem prices a cut from its sending side, whatever the next stage's option, and its
+    memory check is monotone in the stages after (`_run_shared` needs both)."""
+    return not getattr(problem, "cut_depends_on_next", True) and holds_monotonically(problem)
 
 
-def _reach(problem: StageOptions) -> list[float] | None:
-    """What every shared pass of `problem` needs alike (`fewest_stages_before`), worked out once
-    per search; None for the general pass, which does not use it."""
-    return fewest_stages_before(problem) if _shares_cuts(problem) else None
+def _prepare(problem: StageOptions) -> SharedTables | None:
+    """What every shared pass of `problem` needs alike (`shared_tables`), gathered once per
+    search; None for the general pass, which does not use it."""
+    return shared_tables(problem) if _shares_cuts(problem) else None
 
 
-def _least_max(problem: StageOptions, reach: Sequence[float] | None = None) -> float:
-    if _shares_cuts(problem):
-        start = _run_shared(problem, _Mode.MAX, chains=False, reach=reach).value[:, 0, 0]
+def _least_max(problem: StageOptions, tables: SharedTables | None = None) -> float:
+    if tables is not None:
+        start = _run_shared(problem, tables, _Mode.MAX, chains=False).value[:, 0, 0]
     else:
         start = _run(problem, _Mode.MAX, chains=False).value[:, 0, 0]
     return float(start.min()) if np.isfinite(start).any() else math.inf
 
 
 def _least_sum(problem: StageOptions, tau: float = math.inf,
-               reach: Sequence[float] | None = None) -> tuple[float, StageChain | None]:
-    if _shares_cuts(problem):
-        return _best_shared_chain(problem, _run_shared(problem, _Mode.SUM, tau, reach=reach))
+               tables: SharedTables | None = None) -> tuple[float, StageChain | None]:
+    if tables is not None:
+        return _best_shared_chain(problem, _run_shared(problem, tables, _Mode.SUM, tau))
     return _best_chain(problem, _run(problem, _Mode.SUM, tau))
 
 
 def least_bottleneck(problem: StageOptions) -> tuple[float, StageChain] | None:
     """The least bottleneck tau* and, among plans within it, the one of least sum (None when no
     plan exists)."""
-    reach = _reach(problem)
-    tau_star = _least_max(problem, reach)
+    tables = _prepare(problem)
+    tau_star = _least_max(problem, tables)
     if not math.isfinite(tau_star):
         return None
-    _, chain = _least_sum(problem, tau_star * (1 + TIE_RTOL), reach)
+    _, chain = _least_sum(problem, tau_star * (1 + TIE_RTOL), tables)
     assert chain is not None, "the SUM pass at tau* must reach the plan the MAX pass found"
     return tau_star, chain
 
@@ -527,16 +654,22 @@ def least_latency(
 ) -> StageChain | None:
     """The chain of least L = sum + (M - 1) max (module docstring); `latency` prices a chain
     (inf for one the caller rejects). None when no plan exists or none beats `bound`."""
-    reach = _reach(problem)
-    if reach is not None and holds_monotonically(problem) and not any_plan(problem, reach):
-        return None  # nothing left (a bounded problem leaves out what cannot beat the bound)
-    tau_star = _least_max(problem, reach)
+    tables = None
+    if _shares_cuts(problem):
+        # no plan fits the devices (a bounded problem leaves out what cannot beat the bound):
+        # first from the tables alone, then with the cuts
+        if not fits_devices(problem, shared_tables(problem, groups=False)):
+            return None
+        tables = shared_tables(problem)
+        if not fits_devices(problem, tables):
+            return None
+    tau_star = _least_max(problem, tables)
     if not math.isfinite(tau_star):
         return None
     m = microbatches
     if m * tau_star >= bound:  # L >= sum + (M - 1) max >= M max >= M tau*
         return None
-    least_sum, unconstrained = _least_sum(problem, reach=reach)
+    least_sum, unconstrained = _least_sum(problem, tables=tables)
     if least_sum + (m - 1) * tau_star >= bound:
         return None
     best: StageChain | None = None
@@ -549,11 +682,11 @@ def least_latency(
             if value < best_value:
                 best, best_value = chain, value
 
-    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL), reach)[1])
+    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL), tables)[1])
     consider(unconstrained)
     if m == 1:  # L is the plain sum: the unconstrained pass is the optimum.
         return best
-    taus = _candidates(problem, tau_star)
+    taus = _candidates(problem, tau_star, tables)
     # Only thresholds with (M - 1) tau + least_sum < best can win.
     taus = taus[(m - 1) * taus + least_sum < best_value]
     sums: dict[int, float] = {}
@@ -562,7 +695,7 @@ def least_latency(
         """SUM(taus[index]), memoized; every evaluation may improve the best plan."""
         if index not in sums:
             tau = float(taus[index])
-            total, chain = _least_sum(problem, tau, reach)
+            total, chain = _least_sum(problem, tau, tables)
             sums[index] = total
             if total + (m - 1) * tau < best_value:
                 consider(chain)

@@ -14,7 +14,7 @@ from hlomap.plan import Recompute
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
 from hlomap.tasks.joint.grid import expert_grid
 from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
-from hlomap.tasks.joint.solve import JointSpace, microbatch_choices, solve
+from hlomap.tasks.joint.solve import JointSpace, aligned, aligned_starts, microbatch_choices, solve
 from tests.tasks.oracle import joint_brute_force, joint_plans
 
 
@@ -490,3 +490,46 @@ def test_dominated_options_are_dropped_and_the_optimum_kept(gpt_tiny) -> None:
     assert all(o.kind is PlanKind.EXPERT for o in pruned.options) and len(tables.stage) == len(pruned.options)
     plan, cost = solve(model, space)
     assert cost.latency == pytest.approx(joint_brute_force(model, space)[1].latency, rel=1e-9)
+
+
+@pytest.mark.parametrize("per_node", [1, 4, 6, 8])
+def test_aligned_starts_are_the_devices_aligned_groups_start_on(per_node) -> None:
+    for devices in (8, 24, 48):
+        for size in range(1, devices + 1):
+            expected = [d for d in range(devices - size + 1) if aligned(per_node, d, size)]
+            assert list(aligned_starts(per_node, devices, size)) == expected, (per_node, devices, size)
+
+
+def test_cuts_between_groups_a_server_apart_are_priced_once_and_alike() -> None:
+    """On servers alike (`Cluster.shift_period`) a cut's terms are kept once per offset in a
+    server; the price is the one from the pairs' own links, wherever the groups are."""
+    from hlomap.cost.collectives import collective_permute_terms
+    from hlomap.tasks.joint.costs import transfer_seconds
+
+    cluster = hierarchical(6, 8, "A100-80GB", inter_bw=25e9, nics_per_node=2)
+    cache: dict = {}
+    for option in (StageOption(8, 8, 1), StageOption(16, 4, 4), StageOption(4, 2, 2), StageOption(2, 1, 2)):
+        for first in range(0, 48 - 2 * option.devices + 1, option.devices):
+            receiver = first + option.devices
+            shards = min(option.data, 48 - receiver)
+            pairs = [(first + c * option.model, receiver + c) for c in range(shards)]
+            expected = max(t.alpha + t.beta * 1e6 / shards for t in collective_permute_terms(cluster, pairs))
+            assert transfer_seconds(cluster, option, first, receiver, 1e6, cache) == pytest.approx(expected, rel=1e-12)
+    kept = [key for key in cache if key[0] == "permute terms"]
+    assert kept and all(key[3] < 8 for key in kept)
+
+
+@pytest.mark.parametrize("recompute", list(Recompute))
+def test_the_most_microbatches_held_is_the_memory_check_summed(gpt_tiny, recompute) -> None:
+    """`HeldMemory.most_held` (a bisection per stage) is the last count at which `fit` (the
+    table over every count) still fits, on capacities from roomy to none."""
+    from hlomap.tasks.joint.solve import HeldMemory
+
+    model = _model(gpt_tiny, CLUSTERS["2 servers x 4"](), layers=5)
+    arrays = model.arrays(StageOption(4, 2, 2, recompute=recompute))
+    held = (1, 2, 2, 3, 5, 8, 8, 8)
+    memory = HeldMemory(arrays, held, 8)
+    full = float(memory[8][np.isfinite(memory[8])].max())
+    for capacity in (0.0, full / 7, full / 3, full / 2, full, 2 * full):
+        fits = memory.fit(held, capacity)
+        assert np.array_equal(memory.most_held(held, capacity), fits.sum(axis=0) - 1)

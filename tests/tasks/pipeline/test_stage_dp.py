@@ -233,16 +233,17 @@ def test_the_shared_cut_pass_merges_stage_counts() -> None:
 @pytest.mark.parametrize("held_cap", [2, 6])
 @pytest.mark.parametrize("use_all_devices", [True, False])
 @pytest.mark.parametrize("seed", range(10))
-def test_the_shared_cut_pass_on_the_band_of_short_stages_is_the_same(seed, use_all_devices, held_cap,
-                                                                      monkeypatch) -> None:
+def test_the_shared_cut_pass_on_short_stages_a_piece_at_a_time_is_the_same(seed, use_all_devices, held_cap,
+                                                                          monkeypatch) -> None:
     """Where no stage of a table takes more than a few layers, the shared pass works on the band
-    b - a <= width only; forced onto every table, it finds the enumerated optima."""
+    b - a <= width only; made to combine one option and one stage count at a time, it still
+    finds the enumerated optima."""
     toy = _shared_toy(seed, use_all_devices, held_cap)
     upper = np.triu(np.ones_like(toy.need, dtype=bool), k=1)
     short = np.where(upper & ~np.triu(upper, k=3), 1.0, np.inf)[None]  # stages of one or two layers only
     toy = dataclasses.replace(toy, stage=toy.stage * short)
     plans = {chain: times for chain, times in _plans(toy) if np.isfinite(times[0]).all()}
-    monkeypatch.setattr(dp, "_BAND_SHARE", 0)  # always the band
+    monkeypatch.setattr(dp, "_SHARED_CELLS", 1)
     for microbatches in (1, 3, 16):
         chain = least_latency(toy, microbatches, lambda c: _latency(plans[c], microbatches))
         if not plans:
@@ -252,12 +253,45 @@ def test_the_shared_cut_pass_on_the_band_of_short_stages_is_the_same(seed, use_a
         assert _latency(plans[chain], microbatches) == pytest.approx(best, rel=1e-12)
 
 
+@dataclass(frozen=True)
+class _UniformToy(_SharedToy):
+    """A shared toy whose groups may start anywhere and cut after every state, with the same
+    tables on every device: nothing the device budgets leave out."""
+
+    def cut_seconds(self, device: int, option: int) -> np.ndarray | None:
+        return self.cut[device, option]
+
+
 @pytest.mark.parametrize("capacity", [0.3, 0.8, 1.5])
 @pytest.mark.parametrize("use_all_devices", [True, False])
 @pytest.mark.parametrize("seed", range(10))
-def test_any_plan_says_whether_a_plan_exists(seed, use_all_devices, capacity) -> None:
-    """The feasibility pass without a stage-count axis (the suffix of fewest stages is the
-    easiest for the stages before it) agrees with enumeration, on devices roomy and tight."""
+def test_device_budgets_bound_every_plan(seed, use_all_devices, capacity) -> None:
+    """The fewest devices of a plan's suffix and prefix, from the tables alone, are at most what
+    every enumerated plan's take (so the pass may skip cells beyond them, and no plan exists where
+    the suffix from state 0 needs more than the devices); with the same tables on every device
+    and every group free to start anywhere, the least of them is the enumerated least."""
     toy = dataclasses.replace(_shared_toy(seed, use_all_devices, held_cap=6), capacity=capacity)
     plans = dict(_plans(toy))
-    assert dp.any_plan(toy) == bool(plans)
+    tables = dp.shared_tables(toy)
+    suffix, prefix = dp.device_budgets(tables, dp._Mode.MAX)
+    for chain in plans:
+        sizes = [toy.sizes[k] for k in chain.options]
+        for s, start in enumerate(chain.states[:-1]):
+            after = len(sizes) - 1 - s
+            assert suffix[min(after, tables.counts - 1), start] <= sum(sizes[s:])
+            assert prefix[start] <= sum(sizes[:s])
+    if not np.isfinite(suffix[:, 0]).any():
+        assert not plans
+    # from the tables alone, every cut free: looser still, never tighter
+    loose = dp.device_budgets(dp.shared_tables(toy, groups=False), dp._Mode.MAX)[0]
+    assert np.all(loose <= suffix)
+    assert dp.fits_devices(toy, tables) == (suffix[:, 0] <= toy.n_devices).any()
+    uniform = _UniformToy(**{f.name: getattr(toy, f.name) for f in dataclasses.fields(toy)})
+    uniform = dataclasses.replace(uniform, stage=np.broadcast_to(toy.stage[:1], toy.stage.shape).copy(),
+                                  placeable=np.ones_like(toy.placeable), use_all_devices=False)
+    least = dp.device_budgets(dp.shared_tables(uniform), dp._Mode.MAX)[0][:, 0].min()
+    enumerated = [sum(uniform.sizes[k] for k in chain.options) for chain in dict(_plans(uniform))]
+    if least <= uniform.n_devices:
+        assert least == min(enumerated)
+    else:
+        assert not enumerated
