@@ -643,6 +643,22 @@ def least_bottleneck(problem: StageOptions) -> tuple[float, StageChain] | None:
     return tau_star, chain
 
 
+def chain_bottleneck(problem: StageOptions, chain: StageChain) -> float:
+    """The largest stage or cut time of `chain` (per microbatch, as the passes mask them)."""
+    worst, device = 0.0, 0
+    last = len(chain.options) - 1
+    for s, (a, b, k) in enumerate(zip(chain.states, chain.states[1:], chain.options)):
+        stage = problem.stage_seconds(device, k)
+        assert stage is not None, "a chain's stage starts where its group may"
+        worst = max(worst, float(stage[a, b]))
+        if s < last:
+            cut = problem.cut_seconds(device, k)
+            assert cut is not None, "a chain's cut follows a group that allows one"
+            worst = max(worst, float(cut[b, chain.options[s + 1]]))
+        device += problem.sizes[k]
+    return worst
+
+
 def least_latency(
     problem: StageOptions,
     microbatches: int,
@@ -689,27 +705,41 @@ def least_latency(
     taus = _candidates(problem, tau_star, tables)
     # Only thresholds with (M - 1) tau + least_sum < best can win.
     taus = taus[(m - 1) * taus + least_sum < best_value]
-    sums: dict[int, float] = {}
+    known: list[tuple[int, int, float]] = []  # (first, last, SUM): SUM is that on taus[first..last]
+    if unconstrained is not None and len(taus):  # from its own bottleneck up, SUM is the least sum
+        known.append((int(np.searchsorted(taus, chain_bottleneck(problem, unconstrained), side="left")),
+                      len(taus) - 1, least_sum))
+    passes = 0
 
     def least_sum_at(index: int) -> float:
-        """SUM(taus[index]), memoized; every evaluation may improve the best plan."""
-        if index not in sums:
-            tau = float(taus[index])
-            total, chain = _least_sum(problem, tau, tables)
-            sums[index] = total
-            if total + (m - 1) * tau < best_value:
+        """SUM(taus[index]); every pass may improve the best plan. A pass at tau whose chain's own
+        bottleneck is tau' <= tau gives SUM on all of [tau', tau] at once: that chain is admissible
+        there, so SUM <= its sum, and SUM only falls as tau grows (none under tau: none below)."""
+        nonlocal passes
+        for first, last, value in known:
+            if first <= index <= last:
+                return value
+        tau = float(taus[index])
+        total, chain = _least_sum(problem, tau, tables)
+        passes += 1
+        first = 0
+        if chain is not None:
+            own = chain_bottleneck(problem, chain)
+            first = int(np.searchsorted(taus, own, side="left"))
+            if total + (m - 1) * own < best_value:
                 consider(chain)
-        return sums[index]
+        known.append((min(first, index), index, total))
+        return total
 
     # Branch and bound over ranges of thresholds: SUM only falls as tau grows, so every tau in
     # [taus[lo], taus[hi]] has L(tau) >= SUM(taus[hi]) + (M - 1) taus[lo].
     pending = [(0, len(taus) - 1)] if len(taus) else []
     while pending:
         lo, hi = pending.pop()
-        if max_thresholds is not None and len(sums) >= max_thresholds:
+        if max_thresholds is not None and passes >= max_thresholds:
             log.warning(
                 "%s: stopped after %d bottleneck thresholds; the plan is the best found, not "
-                "proven optimal", source, len(sums),
+                "proven optimal", source, passes,
             )
             break
         if least_sum_at(hi) + (m - 1) * float(taus[lo]) >= best_value or lo == hi:
@@ -717,7 +747,7 @@ def least_latency(
         mid = (lo + hi) // 2
         pending.append((mid + 1, hi))
         pending.append((lo, mid))  # popped first: small thresholds first
-    log.debug("%s: latency DP, M = %d: tried %d of %d thresholds", source, m, len(sums), len(taus))
+    log.debug("%s: latency DP, M = %d: %d passes for %d thresholds", source, m, passes, len(taus))
     return best
 
 
