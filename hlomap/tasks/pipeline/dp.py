@@ -34,7 +34,8 @@ time that can occur), L(tau) = SUM(tau) + (M - 1) tau; the optimal plan's own ma
 candidate, so the least L(tau) is the optimum. Only candidates in
 [tau*, (best L - unconstrained least sum) / (M - 1)) can win, and since SUM(tau) only falls as
 tau grows, a range [a, b] of candidates is pruned whole once SUM(b) + (M - 1) a reaches the
-best L found (branch and bound on sorted candidates); L >= M tau* skips a microbatch count
+best L found (branch and bound on sorted candidates; a pass at tau whose plan's own max is
+tau' gives SUM on every candidate in [tau', tau] at once); L >= M tau* skips a microbatch count
 after its MAX pass alone, and a bounded problem whose stages cannot cover the layers with the
 devices there are skips it before any pass (`device_budgets`).
 
