@@ -259,6 +259,8 @@ class SharedTables:
     reach: tuple[float, ...]
     counts: int
     merged: bool
+    # `device_budgets` per threshold: every pass asks, and MAX passes and the feasibility check alike
+    budgets: dict[float, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _most_after(problem: StageOptions, device: int, option: int, counts: int) -> np.ndarray:
@@ -320,15 +322,21 @@ def shared_tables(problem: StageOptions, *, groups: bool = True) -> SharedTables
                         tuple(grouped), tuple(reach), counts, merged)
 
 
-def device_budgets(tables: SharedTables, mode: _Mode, tau: float = math.inf) -> tuple[np.ndarray, np.ndarray]:
+def device_budgets(tables: SharedTables, tau: float = math.inf) -> tuple[np.ndarray, np.ndarray]:
     """The fewest devices a part of a plan can take, from the tables alone (where a group may
     start and which device's cut it is are ignored: every stage of some option's table that
     fits somewhere, every cut finite after it somewhere): [Q, K] for a suffix from state a whose
     first stage has q stages after it, and [K] for a prefix ending at state a (its stages' memory
-    checked with none after, the most permissive). Under SUM, stages and cuts above `tau` are
-    left out. A relaxation: no plan takes fewer, so a cell (q, a, d) with suffix[q, a] > D - d or
-    prefix[a] > d is in no plan from (0, 0) (`_run_shared` skips it), and min suffix[:, 0] > D
-    means there is no plan at all."""
+    checked with none after, the most permissive). Stages and cuts above `tau` are left out (a
+    SUM pass's threshold; inf for a MAX pass). A relaxation: no plan takes fewer, so a cell
+    (q, a, d) with suffix[q, a] > D - d or prefix[a] > d is in no plan from (0, 0) (`_run_shared`
+    skips it), and min suffix[:, 0] > D means there is no plan at all. Memoized per threshold."""
+    if tau not in tables.budgets:
+        tables.budgets[tau] = _device_budgets(tables, tau)
+    return tables.budgets[tau]
+
+
+def _device_budgets(tables: SharedTables, tau: float) -> tuple[np.ndarray, np.ndarray]:
     count = tables.stage.shape[1]
     last = count - 1
     usable = np.isfinite(tables.stage) & (tables.stage <= tau)
@@ -368,7 +376,7 @@ def device_budgets(tables: SharedTables, mode: _Mode, tau: float = math.inf) -> 
 def fits_devices(problem: StageOptions, tables: SharedTables) -> bool:
     """Whether the stages of `tables` can cover the layers with the problem's devices at all
     (`device_budgets`; False means no plan exists)."""
-    return bool((device_budgets(tables, _Mode.MAX)[0][:, 0] <= problem.n_devices).any())
+    return bool((device_budgets(tables)[0][:, 0] <= problem.n_devices).any())
 
 
 def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: float = math.inf, *,
@@ -394,15 +402,15 @@ def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: f
     # per device e done: its tail rows q - 1 that are finite ([lo, hi)), and its merged top row
     live = np.zeros((devices + 1, 2), dtype=np.int64)
     top_tail = np.full((devices + 1, count), np.inf) if merged and counts > 1 else None
-    suffix, prefix = device_budgets(tables, mode, tau)
+    suffix, prefix = device_budgets(tables, tau)
     fewest = suffix.min(axis=0)
     stage = tables.stage if mode is _Mode.MAX else np.where(tables.stage <= tau, tables.stage, np.inf)
     states = np.arange(count)
     done = devices + 1  # devices from here on have their tails summarized
     for d, options, ids, ends, cuts, closing in tables.groups:
         for e in range(done - 1, d, -1):
-            rows = np.flatnonzero(np.isfinite(value[e, :-1]).any(axis=1))
-            live[e] = (rows[0], rows[-1] + 1) if len(rows) else (0, 0)
+            finite = np.flatnonzero(np.isfinite(value[e, :-1]).any(axis=1))
+            live[e] = (finite[0], finite[-1] + 1) if len(finite) else (0, 0)
             if top_tail is not None:
                 top_tail[e] = np.minimum(value[e, -2], value[e, -1])
                 if np.isfinite(top_tail[e]).any():

@@ -273,7 +273,7 @@ def test_device_budgets_bound_every_plan(seed, use_all_devices, capacity) -> Non
     toy = dataclasses.replace(_shared_toy(seed, use_all_devices, held_cap=6), capacity=capacity)
     plans = dict(_plans(toy))
     tables = dp.shared_tables(toy)
-    suffix, prefix = dp.device_budgets(tables, dp._Mode.MAX)
+    suffix, prefix = dp.device_budgets(tables)
     for chain in plans:
         sizes = [toy.sizes[k] for k in chain.options]
         for s, start in enumerate(chain.states[:-1]):
@@ -283,13 +283,13 @@ def test_device_budgets_bound_every_plan(seed, use_all_devices, capacity) -> Non
     if not np.isfinite(suffix[:, 0]).any():
         assert not plans
     # from the tables alone, every cut free: looser still, never tighter
-    loose = dp.device_budgets(dp.shared_tables(toy, groups=False), dp._Mode.MAX)[0]
+    loose = dp.device_budgets(dp.shared_tables(toy, groups=False))[0]
     assert np.all(loose <= suffix)
     assert dp.fits_devices(toy, tables) == (suffix[:, 0] <= toy.n_devices).any()
     uniform = _UniformToy(**{f.name: getattr(toy, f.name) for f in dataclasses.fields(toy)})
     uniform = dataclasses.replace(uniform, stage=np.broadcast_to(toy.stage[:1], toy.stage.shape).copy(),
                                   placeable=np.ones_like(toy.placeable), use_all_devices=False)
-    least = dp.device_budgets(dp.shared_tables(uniform), dp._Mode.MAX)[0][:, 0].min()
+    least = dp.device_budgets(dp.shared_tables(uniform))[0][:, 0].min()
     enumerated = [sum(uniform.sizes[k] for k in chain.options) for chain in dict(_plans(uniform))]
     if least <= uniform.n_devices:
         assert least == min(enumerated)
