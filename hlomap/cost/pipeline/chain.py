@@ -219,26 +219,34 @@ def forward_chain(entry: Computation) -> tuple[Instruction, ...]:
         )
     names = {inst.name for inst in forward}
     by_name = {inst.name: inst for inst in forward}
-    has_forward_user: set[str] = set()
+    users: dict[str, list[str]] = {}
     for inst in forward:
-        has_forward_user.update(o for o in inst.operands if o in names)
-    sinks = [inst.name for inst in forward if inst.name not in has_forward_user]
-
-    def ancestors(sink: str) -> set[str]:
-        seen, stack = {sink}, [sink]
-        while stack:
-            for operand in by_name[stack.pop()].operands:
-                if operand in names and operand not in seen:
-                    seen.add(operand)
-                    stack.append(operand)
-        return seen
-
-    # The loss reads (almost) the whole forward pass; residual side ops read one layer.
-    best: set[str] = set()
-    for sink in sinks:
-        found = ancestors(sink)
-        if len(found) > len(best):
-            best = found
+        for operand in inst.operands:
+            if operand in names:
+                users.setdefault(operand, []).append(inst.name)
+    sinks = [inst.name for inst in forward if inst.name not in users]
+    # The loss reads (almost) the whole forward pass; residual side ops read one layer. The
+    # first sink (in order) with the most ancestors wins. A large step has a thousand sinks
+    # near its end, each with most of the graph behind it: one walk per sink is quadratic, so
+    # every instruction gets the set of sinks it reaches (a bit per sink, from the users back)
+    # and a sink's ancestors are the instructions whose set holds its bit.
+    bit = {sink: 1 << k for k, sink in enumerate(sinks)}
+    reaches: dict[str, int] = {}
+    for inst in reversed(forward):  # topological order: users first
+        found = bit.get(inst.name, 0)
+        for user in users.get(inst.name, ()):
+            found |= reaches[user]
+        reaches[inst.name] = found
+    width = (len(sinks) + 7) // 8
+    packed = np.frombuffer(b"".join(r.to_bytes(width, "little") for r in reaches.values()), dtype=np.uint8)
+    counts = np.unpackbits(packed.reshape(len(reaches), width), axis=1, bitorder="little")[:, :len(sinks)].sum(axis=0)
+    best_sink = sinks[int(np.argmax(counts))]  # the first of the most
+    best, stack = {best_sink}, [best_sink]
+    while stack:
+        for operand in by_name[stack.pop()].operands:
+            if operand in names and operand not in best:
+                best.add(operand)
+                stack.append(operand)
     return tuple(inst for inst in forward if inst.name in best)
 
 

@@ -383,6 +383,27 @@ class JointModel:
         shards, alpha, beta = transfer_terms(self.cluster, option, first_device, receiver_first, self._cache)
         return shards, alpha.tobytes(), beta.tobytes()
 
+    def send_groups(self, option: StageOption, starts: Sequence[int],
+                    ) -> tuple[tuple[int, tuple[int, bytes, bytes]], ...]:
+        """(first device, `transfer_key`) of each group of `option` from `starts` that a next
+        stage follows (the last device's group sends nothing); memoized per mesh and starts:
+        every microbatch count's tables ask again."""
+        key = ("send groups", option.data, option.model, tuple(starts))
+        if key not in self._cache:
+            n = self.cluster.n_devices
+            self._cache[key] = tuple((d, self.transfer_key(option, d, d + option.devices)) for d in starts
+                                     if d + option.devices < n)
+        return self._cache[key]
+
+    def group_capacities(self, size: int) -> np.ndarray:
+        """[first device]: `group_capacity` of every group of `size` devices that fits the
+        cluster (memoized per size)."""
+        key = ("capacities", size)
+        if key not in self._cache:
+            memory = np.asarray([d.memory_bytes for d in self.cluster.devices], dtype=float)
+            self._cache[key] = np.lib.stride_tricks.sliding_window_view(memory, size).min(axis=1)
+        return self._cache[key]
+
     def group_capacity(self, first_device: int, size: int) -> float:
         """The least memory of devices [first_device, first_device + size) (memoized: plans
         priced by the thousand ask for the same groups)."""

@@ -15,6 +15,7 @@ its data shards go to the next devices in order), whatever the next stage's opti
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -36,7 +37,7 @@ from hlomap.tasks.joint.plans import (
     stage_memory,
     stage_seconds,
 )
-from hlomap.tasks.pipeline.dp import StageChain, least_latency
+from hlomap.tasks.pipeline.dp import StageChain, least_latency, too_few_devices
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 
 __all__ = ["JointProblem", "JointSpace", "StageTables", "aligned", "holds_parameters", "in_space",
@@ -86,8 +87,7 @@ def aligned_starts(per_node: int, devices: int, size: int) -> Sequence[int]:
 
 
 def _per_node(model: JointModel) -> int:
-    cluster = model.cluster
-    return max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    return max(collections.Counter(model.cluster.node_of).values())  # the most devices of a server
 
 
 def _valid(model: JointModel, option: StageOption, microbatches: int) -> bool:
@@ -111,6 +111,7 @@ class HeldMemory(Mapping[int, np.ndarray]):
     def __init__(self, arrays: StageArrays, held: Sequence[int], microbatches: int) -> None:
         self._arrays, self._held, self._m = arrays, tuple(sorted(set(held))), microbatches
         self._tables: dict[int, np.ndarray] = {}
+        self._most: dict[tuple[tuple[int, ...], float], np.ndarray] = {}
 
     def __getitem__(self, held: int) -> np.ndarray:
         if held not in self._held:
@@ -136,18 +137,35 @@ class HeldMemory(Mapping[int, np.ndarray]):
 
     def most_held(self, held: Sequence[int], capacity: float) -> np.ndarray:
         """[i, j]: the last index q of `held` (non-decreasing) at which the stage still fits
-        `capacity` holding held[q] (-1: not even held[0]); `fit` summed over q, found by a
-        bisection per cell with the same arithmetic, without the [len(held), i, j] table."""
+        `capacity` holding held[q] (-1: not even held[0]); `fit` summed over q, without the
+        [len(held), i, j] table. Memory is linear in the count held, so the line through the
+        fewest and the most held places q; then steps of one, with `stage_memory`'s own
+        arithmetic, settle the cells that rounding put a count off (plans at the edge agree with
+        `evaluate`). Memoized per counts and capacity: the devices check of a microbatch count
+        and its search ask alike."""
+        key = (tuple(held), float(capacity))
+        if key not in self._most:
+            self._most[key] = self._most_held(np.asarray(held), capacity)
+        return self._most[key]
+
+    def _most_held(self, counts: np.ndarray, capacity: float) -> np.ndarray:
         i, j = _pairs(len(self._arrays.params))
-        counts = np.asarray(held)
-        lo = np.full(i.shape, -1)  # fits at lo (or lo = -1), not at hi (or hi = len)
-        hi = np.full(i.shape, len(counts))
-        while (open_ := hi - lo > 1).any():
-            mid = np.where(open_, (lo + hi) // 2, 0)
-            fits = stage_memory(self._arrays, i, j, counts[mid], self._m) <= capacity
-            lo = np.where(open_ & fits, mid, lo)
-            hi = np.where(open_ & ~fits, mid, hi)
-        return np.where(j > i, lo, -1)
+        last = len(counts) - 1
+
+        def fits(q: np.ndarray) -> np.ndarray:
+            return stage_memory(self._arrays, i, j, counts[np.clip(q, 0, last)], self._m) <= capacity
+
+        low = stage_memory(self._arrays, i, j, counts[0], self._m)
+        high = stage_memory(self._arrays, i, j, counts[-1], self._m)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = counts[0] + (capacity - low) * (counts[-1] - counts[0]) / (high - low)
+        guess = np.searchsorted(counts, np.where(np.isfinite(most), most, counts[0]), side="right") - 1
+        q = np.where(high <= capacity, last, np.where(low <= capacity, np.clip(guess, 0, last), -1))
+        while (down := (q >= 0) & ~fits(q)).any():  # rounding put it above the last count that fits
+            q = np.where(down, q - 1, q)
+        while (up := (q < last) & fits(q + 1)).any():  # ... or below it
+            q = np.where(up, q + 1, q)
+        return np.where(j > i, q, -1)
 
 
 def _pairs(states: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,11 +174,45 @@ def _pairs(states: int) -> tuple[np.ndarray, np.ndarray]:
 
 class StageTables(NamedTuple):
     """Per option: [i, j] stage seconds (inf where j <= i), per held count the [i, j] memory,
-    per first device the [j] transfer seconds after layer j - 1."""
+    per first device the [j] transfer seconds after layer j - 1 (`CutTables`)."""
 
     stage: list[np.ndarray]
     memory: list[HeldMemory]
-    transfer: list[dict[int, np.ndarray]]
+    transfer: Sequence[dict[int, np.ndarray]]
+
+
+class CutTables(Sequence[dict[int, np.ndarray]]):
+    """Per option, the [j] seconds of the transfer after layer j - 1 from each aligned group that
+    a next stage follows, by the group's first device; built when first read: most microbatch
+    counts of a large cluster are ruled out by the devices their stages need before any cut is
+    looked at. Groups of equal sends (`JointModel.transfer_key`) share one array."""
+
+    def __init__(self, problem: JointProblem) -> None:
+        self._problem = problem
+        self._built: dict[int, dict[int, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self._problem.options)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(len(self))[k]]
+        if k not in self._built:
+            self._built[k] = self._build(self._problem.options[k])
+        return self._built[k]
+
+    def _build(self, option: StageOption) -> dict[int, np.ndarray]:
+        problem = self._problem
+        model, n, m = problem.model, problem.layers, problem.microbatches
+        crossing = model.arrays(option).crossing[:n - 1] * option.data / m
+        per_device, by_terms = {}, {}
+        for d, key in model.send_groups(option, aligned_starts(problem.per_node, problem.devices, option.devices)):
+            if key not in by_terms:
+                u = np.zeros(n + 1)
+                u[1:n] = model.transfer_seconds_of(option, d, d + option.devices, crossing)
+                by_terms[key] = u
+            per_device[d] = by_terms[key]
+        return per_device
 
 
 @dataclass(eq=False)
@@ -199,7 +251,7 @@ class JointProblem:
         n, m = self.layers, self.microbatches
         i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
         upper = j > i
-        stage, memory, transfer = [], [], []
+        stage, memory = [], []
         each_microbatch = syncs_each_microbatch(self.model.cluster)
         for option in self.options:
             a = self.model.arrays(option)
@@ -207,19 +259,7 @@ class JointProblem:
                          stage_seconds(a, i, j, m, sync_each_microbatch=each_microbatch), np.inf)
             stage.append(t)
             memory.append(HeldMemory(a, self.held_counts, m))
-            per_device, by_terms = {}, {}
-            for d in aligned_starts(self.per_node, self.devices, option.devices):
-                e = d + option.devices
-                if e >= self.devices:
-                    continue
-                key = self.model.transfer_key(option, d, e)  # groups of equal sends share one table
-                if key not in by_terms:
-                    u = np.zeros(n + 1)
-                    u[1:n] = self.model.transfer_seconds_of(option, d, e, a.crossing[:n - 1] * option.data / m)
-                    by_terms[key] = u
-                per_device[d] = by_terms[key]
-            transfer.append(per_device)
-        return StageTables(stage, memory, transfer)
+        return StageTables(stage, memory, CutTables(self))
 
     def capacity(self, device: int, size: int) -> float:
         return self.model.group_capacity(device, size)
@@ -257,10 +297,13 @@ class _JointOptions:
                  for t in self.tables.stage]
         object.__setattr__(self, "_stage", [t if np.isfinite(t).any() else None for t in stage])
 
-    def table_key(self, device: int, option: int) -> tuple[int, float]:
+    def table_groups(self, option: int, starts: Sequence[int]) -> list[tuple[tuple[int, float], list[int]]]:
         """The option's stage table is the same on every device and its memory check depends on
         the group's capacity only: the DP gathers each distinct pair once."""
-        return option, self.problem.capacity(device, self.sizes[option])
+        starts = np.asarray(starts, dtype=np.int64)
+        capacities = self.problem.model.group_capacities(self.sizes[option])[starts]
+        distinct, which = np.unique(capacities, return_inverse=True)
+        return [((option, float(c)), starts[which == n].tolist()) for n, c in enumerate(distinct)]
 
     @property
     def saturated_stages(self) -> int:
@@ -405,8 +448,7 @@ def _twin_always_fits(model: JointModel, twin_option: StageOption, microbatches:
     n = model.n_layers
     # parameters and stash are prefix sums of non-negative terms: [0, n) bounds every stage
     need = float(stage_memory(twin, 0, n, microbatches, microbatches))
-    capacity = min(d.memory_bytes for d in model.cluster.devices)
-    return need <= capacity
+    return need <= model.group_capacity(0, model.cluster.n_devices)  # the least device's memory
 
 
 def _solve_for(model: JointModel, space: JointSpace, microbatches: int,
@@ -425,7 +467,10 @@ def _solve_for(model: JointModel, space: JointSpace, microbatches: int,
         priced[chain] = (plan, cost)
         return cost.latency
 
-    problem, tables = without_dominated(problem, problem.tables())
+    tables = problem.tables()
+    if too_few_devices(_JointOptions(problem, tables, bound)):
+        return None  # before the cuts are priced and dominated options found: most counts stop here
+    problem, tables = without_dominated(problem, tables)
     chain = least_latency(_JointOptions(problem, tables, bound), microbatches, latency,
                           bound=bound, source=f"{model.cap.source} (joint)")
     return None if chain is None or chain not in priced else priced[chain]

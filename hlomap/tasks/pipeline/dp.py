@@ -71,7 +71,7 @@ from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 
 __all__ = ["CutStates", "Realize", "StageChain", "StageOptions", "StateSolution", "chain_states",
-           "least_bottleneck", "least_latency", "solve", "solve_states"]
+           "least_bottleneck", "least_latency", "solve", "solve_states", "too_few_devices"]
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,11 @@ class StageOptions(Protocol):
     array is indexed by cut states, K = `n_states`, and by option, O = len(`sizes`).
 
     A problem whose cuts are priced from the sending side may also say, to make its passes
-    cheap on many devices (`shared_tables` reads them when present): `table_key(d, k)`, which
-    (device, option) pairs share their stage table and memory check; `group_starts(k)`, the
-    devices a group of option k may start on; `most_after(d, k)`, [K, K] the most stages after
-    with which a stage fits (what `fits` says for every count at once)."""
+    cheap on many devices (`shared_tables` reads them when present): `table_groups(k, starts)`,
+    option k's group starts sorted by what they share, as (key, starts) with one key per stage
+    table (None included) and memory check; `group_starts(k)`, the devices a group of option k
+    may start on; `most_after(d, k)`, [K, K] the most stages after with which a stage fits (what `fits`
+    says for every count at once)."""
 
     @property
     def n_states(self) -> int: ...
@@ -225,16 +226,16 @@ def stage_width(stage: np.ndarray) -> int:
     return max(1, int((b - a).max()))
 
 
-#: Cells of the [options, counts, a, width] block one step of the shared pass combines at once.
-_SHARED_CELLS = 1 << 21
 
 
-def _table_key(problem: StageOptions, device: int, option: int) -> Hashable:
-    """Which (device, option) pairs share their stage table and memory check: a problem whose
-    tables depend on the option and the group's capacity only says so (`table_key`), so each
-    distinct table is gathered once; others get one per pair."""
-    key = getattr(problem, "table_key", None)
-    return (device, option) if key is None else key(device, option)
+def _table_groups(problem: StageOptions, option: int,
+                  starts: Sequence[int]) -> Iterable[tuple[Hashable, Sequence[int]]]:
+    """The groups of `option` from `starts` by the stage table and memory check they share, as
+    (key, starts in order): a problem whose tables depend on the option and the group's capacity
+    only says so (`table_groups`), so each distinct table is gathered once; others get one per
+    group."""
+    grouped = getattr(problem, "table_groups", None)
+    return [((device, option), (device,)) for device in starts] if grouped is None else grouped(option, starts)
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,17 @@ def _most_after(problem: StageOptions, device: int, option: int, counts: int) ->
     return np.asarray(fits).sum(axis=0).astype(np.int32) - 1
 
 
+def _add_group(problem: StageOptions, d: int, k: int, table: int, cuts_of: list[list[np.ndarray]],
+               at_device: dict[int, list[tuple[int, int, int, np.ndarray, bool]]]) -> None:
+    """Records the group of option k from device d (its table's index `table`) for the pass:
+    its cut seconds after each state (inf where no cut may follow) and whether it may close."""
+    end = d + problem.sizes[k]
+    u = problem.cut_seconds(d, k) if end < problem.n_devices else None
+    u = np.full(problem.n_states, np.inf) if u is None else np.asarray(u, dtype=float)[:, 0]
+    cuts_of[table].append(u)
+    at_device.setdefault(d, []).append((k, table, end, u, end == problem.n_devices or not problem.use_all_devices))
+
+
 def shared_tables(problem: StageOptions, *, groups: bool = True) -> SharedTables:
     """`problem`'s `SharedTables` (its `fits` must be monotone in the count of stages after).
     Without `groups`, only the distinct tables, every cut taken as free (least_cut 0): enough for
@@ -289,25 +301,24 @@ def shared_tables(problem: StageOptions, *, groups: bool = True) -> SharedTables
     stage, most_after, sizes, widths, cuts_of = [], [], [], [], []
     at_device: dict[int, list[tuple[int, int, int, np.ndarray, bool]]] = {}
     for k, size in enumerate(problem.sizes):
-        for d in _starts(problem, k):
-            table = problem.stage_seconds(d, k) if reach[d] < last else None
-            if table is None:
+        for key, members in _table_groups(problem, k, _starts(problem, k)):
+            members = [d for d in members if reach[d] < last]
+            if not members:
                 continue
-            key = _table_key(problem, d, k)
-            if key not in index:
-                index[key] = len(stage)
+            at = index.get(key)
+            if at is None:
+                table = problem.stage_seconds(members[0], k)
+                if table is None:
+                    continue
+                at = index[key] = len(stage)
                 stage.append(np.asarray(table, dtype=float))
-                most_after.append(_most_after(problem, d, k, counts))
+                most_after.append(_most_after(problem, members[0], k, counts))
                 sizes.append(size)
                 widths.append(stage_width(table))
                 cuts_of.append([])
-            if not groups:
-                continue
-            end = d + size
-            u = problem.cut_seconds(d, k) if end < devices else None
-            u = np.full(count, np.inf) if u is None else np.asarray(u, dtype=float)[:, 0]
-            cuts_of[index[key]].append(u)
-            at_device.setdefault(d, []).append((k, index[key], end, u, end == devices or not problem.use_all_devices))
+            if groups:
+                for d in members:
+                    _add_group(problem, d, k, at, cuts_of, at_device)
     grouped = []
     for d in sorted(at_device, reverse=True):
         options, ids, ends, cuts, closing = zip(*at_device[d])
@@ -352,13 +363,17 @@ def _device_budgets(tables: SharedTables, tau: float) -> tuple[np.ndarray, np.nd
     inside = span <= last
     span = np.minimum(span, last)
     through = usable[:, states, span] & inside[None] & cut_ok[:, span]  # [U, a, j]: a stage, then a cut
-    most = tables.most_after[:, states, span]
+    # least[q, a, j]: the fewest devices of a stage from a to span[a, j] that fits with q stages
+    # after it (the tail does not depend on the table, so the tables reduce first): the least
+    # size at each most_after value, then the least over the values >= q
+    least = np.full((tables.counts, count, span.shape[1]), np.inf)
+    u, a, j = np.nonzero(through & (tables.most_after[:, states, span] >= 0))
+    np.minimum.at(least, (tables.most_after[u, a, span[a, j]], a, j), sizes[u, 0, 0])
+    least = np.minimum.accumulate(least[::-1], axis=0)[::-1]
     for q in range(1, tables.counts):
-        held = through & (most >= q)
         tail = suffix[q - 1]
         while True:  # once, or to the fixed point where the top count stands for more too
-            suffix[q] = np.minimum(suffix[q], np.where(held, sizes + tail[span][None], np.inf).min(
-                axis=(0, 2), initial=np.inf))
+            suffix[q] = np.minimum(suffix[q], (least[q] + tail[span]).min(axis=1, initial=np.inf))
             if not (tables.merged and q == tables.counts - 1):
                 break
             top = np.minimum(suffix[q - 1], suffix[q])
@@ -377,6 +392,13 @@ def fits_devices(problem: StageOptions, tables: SharedTables) -> bool:
     """Whether the stages of `tables` can cover the layers with the problem's devices at all
     (`device_budgets`; False means no plan exists)."""
     return bool((device_budgets(tables)[0][:, 0] <= problem.n_devices).any())
+
+
+def too_few_devices(problem: StageOptions) -> bool:
+    """No plan of a shared-cut problem fits its devices, from its stage tables alone, every cut
+    taken as free (`device_budgets` of `shared_tables(groups=False)`): a caller can rule a
+    problem out this way before it prices a single cut. False for other problems (not checked)."""
+    return _shares_cuts(problem) and not fits_devices(problem, shared_tables(problem, groups=False))
 
 
 def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: float = math.inf, *,
@@ -434,48 +456,58 @@ def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: f
         if counts < 2 or not go.any():
             continue
         options, ids, ends, cuts = options[go], ids[go], ends[go], cuts[go]
-        q_lo, q_hi = int(live[ends, 0].min()), int(live[ends, 1].max())  # tail rows; the stage has row + 1 after
-        if q_lo >= q_hi:
-            continue
         width = int(tables.widths[ids].max())
-        span = states[:width, None] + 1 + rows[None, :]  # [W, A]: b = a + 1 + j (W first: short reductions)
+        span = states[:width, None] + 1 + rows[None, :]  # [W, A]: b = a + 1 + j
         inside = span <= last
         span = np.minimum(span, last)
         if mode is _Mode.SUM:
             cuts = np.where(cuts <= tau, 2 * cuts, np.inf)
-        cells = len(rows) * width
-        q_step = max(1, min(q_hi - q_lo, _SHARED_CELLS // cells))
-        k_step = max(1, _SHARED_CELLS // (cells * q_step))
-        for q0 in range(q_lo, q_hi, q_step):
-            q1 = min(q0 + q_step, q_hi)
-            tail_rows = np.arange(q0, q1)
-            for k0 in range(0, len(options), k_step):
-                pick = slice(k0, k0 + k_step)
-                at = ids[pick][:, None, None], rows[None, None, :], span[None]
-                head = np.where(inside[None], stage[at], np.inf)  # [options, W, A]
-                head = _combine(mode, head, cuts[pick][:, span])
-                tails = value[ends[pick], q0:q1]  # [options, Qs, K]
-                if top_tail is not None and q1 == counts - 1:
-                    tails[:, -1] = top_tail[ends[pick]]
-                total = np.take(tails, span, axis=2)  # [options, Qs, W, A]
-                if mode is _Mode.SUM:
-                    np.add(total, head[:, None], out=total)
-                else:
-                    np.maximum(total, head[:, None], out=total)
-                # the stage must fit with q = row + 1 stages after it
-                np.copyto(total, np.inf, where=tables.most_after[at][:, None] <= tail_rows[None, :, None, None])
-                per_option = total.min(axis=2)  # [options, Qs, A]
-                best = per_option.min(axis=0)  # [Qs, A]
-                block = value[d, q0 + 1:q1 + 1]
-                better = best < block[:, rows]
-                block[:, rows] = np.where(better, best, block[:, rows])
-                if chains:  # the first option and end state reaching the best, as argmin picks
-                    k = np.argmin(per_option, axis=0)
-                    j = np.argmin(np.take_along_axis(total, k[None, :, None, :], axis=0)[0], axis=1)
-                    chosen, after = option_of[d, q0 + 1:q1 + 1], next_state[d, q0 + 1:q1 + 1]
-                    chosen[:, rows] = np.where(better, options[pick][k], chosen[:, rows])
-                    after[:, rows] = np.where(better, rows[None, :] + 1 + j, after[:, rows])
+        at = ids[:, None, None], rows[None, None, :], span[None]
+        head = _combine(mode, np.where(inside[None], stage[at], np.inf), cuts[:, span])  # [options, W, A]
+        most = tables.most_after[at]
+        columns = np.arange(len(rows))
+        for end in np.unique(ends):  # the options of one size share the tail after them
+            q_lo, q_hi = (int(x) for x in live[end])  # tail rows; the stage has row + 1 after
+            if q_lo >= q_hi:
+                continue
+            group = np.flatnonzero(ends == end)
+            least = _least_heads(head[group], most[group], q_lo, q_hi)  # [Qs, W, A]
+            tails = value[end, q_lo:q_hi]  # [Qs, K]
+            if top_tail is not None and q_hi == counts - 1:
+                tails = tails.copy()
+                tails[-1] = top_tail[end]
+            total = _combine(mode, tails[:, span], least)  # [Qs, W, A]
+            best = total.min(axis=1)  # [Qs, A]
+            block = value[d, q_lo + 1:q_hi + 1]
+            better = best < block[:, rows]
+            if not better.any():
+                continue
+            block[:, rows] = np.where(better, best, block[:, rows])
+            if chains:  # the end state reaching the best, as argmin picks, and the first option there
+                j = np.argmin(total, axis=1)  # [Qs, A]
+                cell = (slice(None), j, columns[None, :])
+                reached = least[np.arange(q_hi - q_lo)[:, None], j, columns[None, :]]
+                fits = most[group][cell] > np.arange(q_lo, q_hi)[None, :, None]
+                picked = group[np.argmax((head[group][cell] == reached[None]) & fits, axis=0)]  # [Qs, A]
+                chosen, after = option_of[d, q_lo + 1:q_hi + 1], next_state[d, q_lo + 1:q_hi + 1]
+                chosen[:, rows] = np.where(better, options[picked], chosen[:, rows])
+                after[:, rows] = np.where(better, rows[None, :] + 1 + j, after[:, rows])
     return _SharedPass(np.moveaxis(value, 0, 2), np.moveaxis(option_of, 0, 2), np.moveaxis(next_state, 0, 2), merged)
+
+
+def _least_heads(head: np.ndarray, most: np.ndarray, q_lo: int, q_hi: int) -> np.ndarray:
+    """[Qs, W, A]: per tail row q in [q_lo, q_hi) and cell [w, a], the least head over the
+    options ([O, W, A], inf where none) whose stage fits with q + 1 stages after it (most >=
+    q + 1). The tail after the stage is the same for all of them, so under SUM (t + h) and MAX
+    (max(t, h)) alike the least head gives the least total: the options reduce before the tail
+    rows are added, one [O, W, A] pass instead of [O, Qs, W, A]. Each option goes to the level
+    min(most, q_hi) - q_lo - 1 (the last row it may serve), then a running minimum from the top
+    level down serves each row with every option at or above it."""
+    level = np.minimum(most, q_hi) - (q_lo + 1)
+    o, w, a = np.nonzero((level >= 0) & np.isfinite(head))
+    least = np.full((q_hi - q_lo, *head.shape[1:]), np.inf)
+    np.minimum.at(least, (level[o, w, a], w, a), head[o, w, a])
+    return np.minimum.accumulate(least[::-1], axis=0)[::-1]
 
 
 def holds_monotonically(problem: StageOptions) -> bool:
@@ -683,7 +715,7 @@ def least_latency(
     if _shares_cuts(problem):
         # no plan fits the devices (a bounded problem leaves out what cannot beat the bound):
         # first from the tables alone, then with the cuts
-        if not fits_devices(problem, shared_tables(problem, groups=False)):
+        if too_few_devices(problem):
             return None
         tables = shared_tables(problem)
         if not fits_devices(problem, tables):

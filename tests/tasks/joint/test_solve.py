@@ -521,8 +521,9 @@ def test_cuts_between_groups_a_server_apart_are_priced_once_and_alike() -> None:
 
 @pytest.mark.parametrize("recompute", list(Recompute))
 def test_the_most_microbatches_held_is_the_memory_check_summed(gpt_tiny, recompute) -> None:
-    """`HeldMemory.most_held` (a bisection per stage) is the last count at which `fit` (the
-    table over every count) still fits, on capacities from roomy to none."""
+    """`HeldMemory.most_held` (a line through the fewest and most held, then steps of one) is
+    the last count at which `fit` (the table over every count) still fits, on capacities from
+    roomy to none and on capacities exactly at some stage's need (where rounding decides)."""
     from hlomap.tasks.joint.solve import HeldMemory
 
     model = _model(gpt_tiny, CLUSTERS["2 servers x 4"](), layers=5)
@@ -530,6 +531,35 @@ def test_the_most_microbatches_held_is_the_memory_check_summed(gpt_tiny, recompu
     held = (1, 2, 2, 3, 5, 8, 8, 8)
     memory = HeldMemory(arrays, held, 8)
     full = float(memory[8][np.isfinite(memory[8])].max())
-    for capacity in (0.0, full / 7, full / 3, full / 2, full, 2 * full):
+    # a stage's own need holding 2, 5 or 8 microbatches: it fits there exactly
+    edges = [float(np.sort(values)[len(values) * k // 4])
+             for values in (memory[h][np.isfinite(memory[h])] for h in (2, 5, 8)) for k in (1, 2, 3)]
+    for capacity in (0.0, full / 7, full / 3, full / 2, full, 2 * full, *edges):
         fits = memory.fit(held, capacity)
         assert np.array_equal(memory.most_held(held, capacity), fits.sum(axis=0) - 1)
+
+
+def test_the_dp_on_servers_of_unequal_memory_finds_the_enumerated_optimum(gpt_tiny) -> None:
+    """Groups of one option on servers of different memory share a stage table but check memory
+    apart (`table_groups`: one group per capacity); the DP finds what enumeration finds, with the
+    second server's devices too small for any plan on them alone (0.9 of the leanest plan's)."""
+    import dataclasses
+
+    from hlomap.cost.devices import device_preset
+    from hlomap.tasks.joint.solve import _JointOptions, problem_for
+
+    cluster = hierarchical(2, 4, "V100-16GB")
+    space = JointSpace(stage_options(cluster), (2, 4))
+    model = _model(gpt_tiny, cluster, layers=4)
+    least = min(max(evaluate(model, plan).stage_memory) for plan in joint_plans(model, space))
+    big, small = (dataclasses.replace(device_preset("V100-16GB"), memory_bytes=least * f) for f in (4.0, 0.9))
+    mixed = dataclasses.replace(cluster, devices=(big,) * 4 + (small,) * 4)
+    model = _model(gpt_tiny, mixed, layers=4)
+    problem = problem_for(model, space, 4)
+    options = _JointOptions(problem, problem.tables())
+    one = options.sizes.index(1)
+    assert [(key, members) for key, members in options.table_groups(one, range(8))] == [
+        ((one, small.memory_bytes), [4, 5, 6, 7]), ((one, big.memory_bytes), [0, 1, 2, 3])]
+    plan, cost = solve(model, space)
+    _, best = joint_brute_force(model, space)
+    assert cost.fits and cost.latency == pytest.approx(best.latency, rel=1e-9)

@@ -233,17 +233,14 @@ def test_the_shared_cut_pass_merges_stage_counts() -> None:
 @pytest.mark.parametrize("held_cap", [2, 6])
 @pytest.mark.parametrize("use_all_devices", [True, False])
 @pytest.mark.parametrize("seed", range(10))
-def test_the_shared_cut_pass_on_short_stages_a_piece_at_a_time_is_the_same(seed, use_all_devices, held_cap,
-                                                                          monkeypatch) -> None:
+def test_the_shared_cut_pass_on_short_stages_is_the_same(seed, use_all_devices, held_cap) -> None:
     """Where no stage of a table takes more than a few layers, the shared pass works on the band
-    b - a <= width only; made to combine one option and one stage count at a time, it still
-    finds the enumerated optima."""
+    b - a <= width only, and still finds the enumerated optima."""
     toy = _shared_toy(seed, use_all_devices, held_cap)
     upper = np.triu(np.ones_like(toy.need, dtype=bool), k=1)
     short = np.where(upper & ~np.triu(upper, k=3), 1.0, np.inf)[None]  # stages of one or two layers only
     toy = dataclasses.replace(toy, stage=toy.stage * short)
     plans = {chain: times for chain, times in _plans(toy) if np.isfinite(times[0]).all()}
-    monkeypatch.setattr(dp, "_SHARED_CELLS", 1)
     for microbatches in (1, 3, 16):
         chain = least_latency(toy, microbatches, lambda c: _latency(plans[c], microbatches))
         if not plans:
