@@ -169,7 +169,9 @@ class HeldMemory(Mapping[int, np.ndarray]):
 
 
 def _pairs(states: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.meshgrid(np.arange(states), np.arange(states), indexing="ij")
+    """[K, 1] and [1, K] state indices: a table's [i, j] by broadcasting (each prefix-sum array
+    is read K times instead of K^2, with the same arithmetic per cell)."""
+    return np.arange(states)[:, None], np.arange(states)[None, :]
 
 
 class StageTables(NamedTuple):
@@ -249,7 +251,7 @@ class JointProblem:
 
     def tables(self) -> StageTables:
         n, m = self.layers, self.microbatches
-        i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+        i, j = _pairs(n + 1)
         upper = j > i
         stage, memory = [], []
         each_microbatch = syncs_each_microbatch(self.model.cluster)

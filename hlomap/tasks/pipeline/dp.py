@@ -429,8 +429,11 @@ def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: f
     stage = tables.stage if mode is _Mode.MAX else np.where(tables.stage <= tau, tables.stage, np.inf)
     states = np.arange(count)
     done = devices + 1  # devices from here on have their tails summarized
+    written: set[int] = set()  # devices whose rows a stage may have set (the others stay inf)
     for d, options, ids, ends, cuts, closing in tables.groups:
         for e in range(done - 1, d, -1):
+            if e not in written:
+                continue  # live (0, 0), top tail inf
             finite = np.flatnonzero(np.isfinite(value[e, :-1]).any(axis=1))
             live[e] = (finite[0], finite[-1] + 1) if len(finite) else (0, 0)
             if top_tail is not None:
@@ -441,6 +444,7 @@ def _run_shared(problem: StageOptions, tables: SharedTables, mode: _Mode, tau: f
         rows = states[(states >= tables.reach[d]) & (states < last) & (prefix <= d) & (fewest <= devices - d)]
         if not len(rows):
             continue
+        written.add(d)
         if closing.any():  # a last stage: q = 0
             ids_c = ids[closing]
             alone = np.where(tables.most_after[ids_c[:, None], rows[None, :], last] >= 0,
