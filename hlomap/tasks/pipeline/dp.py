@@ -84,8 +84,8 @@ class StageOptions(Protocol):
     cheap on many devices (`shared_tables` reads them when present): `table_groups(k, starts)`,
     option k's group starts sorted by what they share, as (key, starts) with one key per stage
     table (None included) and memory check; `group_starts(k)`, the devices a group of option k
-    may start on; `most_after(d, k)`, [K, K] the most stages after with which a stage fits (what `fits`
-    says for every count at once)."""
+    may start on; `most_after(d, k)`, [K, K] the most stages after with which a stage fits
+    (what `fits` says for every count at once)."""
 
     @property
     def n_states(self) -> int: ...
@@ -224,8 +224,6 @@ def stage_width(stage: np.ndarray) -> int:
         return 1
     a, b = np.nonzero(finite)
     return max(1, int((b - a).max()))
-
-
 
 
 def _table_groups(problem: StageOptions, option: int,
@@ -743,17 +741,27 @@ def least_latency(
             if value < best_value:
                 best, best_value = chain, value
 
-    consider(_least_sum(problem, tau_star * (1 + TIE_RTOL), tables)[1])
+    tau_tied = tau_star * (1 + TIE_RTOL)
+    sum_star, at_star = _least_sum(problem, tau_tied, tables)
+    consider(at_star)
     consider(unconstrained)
     if m == 1:  # L is the plain sum: the unconstrained pass is the optimum.
         return best
     taus = _candidates(problem, tau_star, tables)
     # Only thresholds with (M - 1) tau + least_sum < best can win.
     taus = taus[(m - 1) * taus + least_sum < best_value]
+    # Times equal but for rounding (one stage priced in two tables) share one pass, at the largest
+    # of them; the bound below takes the least, so a plan of any of them is still counted.
+    first_of = np.flatnonzero(np.r_[True, taus[1:] > taus[:-1] * (1 + TIE_RTOL)]) if len(taus) else []
+    floors = taus[first_of]
+    taus = taus[np.r_[first_of[1:] - 1, len(taus) - 1]] if len(taus) else taus
     known: list[tuple[int, int, float]] = []  # (first, last, SUM): SUM is that on taus[first..last]
     if unconstrained is not None and len(taus):  # from its own bottleneck up, SUM is the least sum
         known.append((int(np.searchsorted(taus, chain_bottleneck(problem, unconstrained), side="left")),
                       len(taus) - 1, least_sum))
+    if at_star is not None and len(taus):  # the pass at tau*, likewise on [its bottleneck, tau*]
+        known.append((int(np.searchsorted(taus, chain_bottleneck(problem, at_star), side="left")),
+                      int(np.searchsorted(taus, tau_tied, side="right")) - 1, sum_star))
     passes = 0
 
     def least_sum_at(index: int) -> float:
@@ -777,7 +785,7 @@ def least_latency(
         return total
 
     # Branch and bound over ranges of thresholds: SUM only falls as tau grows, so every tau in
-    # [taus[lo], taus[hi]] has L(tau) >= SUM(taus[hi]) + (M - 1) taus[lo].
+    # [floors[lo], taus[hi]] has L(tau) >= SUM(taus[hi]) + (M - 1) floors[lo].
     pending = [(0, len(taus) - 1)] if len(taus) else []
     while pending:
         lo, hi = pending.pop()
@@ -787,7 +795,7 @@ def least_latency(
                 "proven optimal", source, passes,
             )
             break
-        if least_sum_at(hi) + (m - 1) * float(taus[lo]) >= best_value or lo == hi:
+        if least_sum_at(hi) + (m - 1) * float(floors[lo]) >= best_value or lo == hi:
             continue
         mid = (lo + hi) // 2
         pending.append((mid + 1, hi))

@@ -223,6 +223,29 @@ def test_the_shared_cut_pass_is_the_enumerated_optimum(seed, use_all_devices, he
         assert found is not None and found[0] == pytest.approx(tau, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_thresholds_equal_but_for_rounding_share_a_pass(seed) -> None:
+    """Stage times that differ only by rounding (one stage priced in two tables) are one candidate
+    threshold: the pass runs at the largest, the branch and bound's lower bound takes the least,
+    so the latency found is the enumerated optimum to within that rounding (TIE_RTOL)."""
+    toy = _shared_toy(seed, False, 6)
+    rng = np.random.default_rng(seed)
+    coarse = np.round(toy.stage, 1) + 0.1  # few distinct times, each repeated across tables
+    noise = 1.0 + rng.integers(0, 5, coarse.shape) * 1e-13  # then apart by a few ulps
+    toy = dataclasses.replace(toy, stage=np.where(np.isfinite(coarse), coarse * noise, np.inf))
+    plans = dict(_plans(toy))
+    for microbatches in (3, 16):
+        def latency(chain: StageChain) -> float:
+            return _latency(plans[chain], microbatches)
+
+        chain = least_latency(toy, microbatches, latency)
+        if not plans:
+            assert chain is None
+            continue
+        best = min(_latency(times, microbatches) for times in plans.values())
+        assert latency(chain) == pytest.approx(best, rel=1e-9)
+
+
 def test_the_shared_cut_pass_merges_stage_counts() -> None:
     toy = _shared_toy(0, False, held_cap=2)
     assert dp.stage_counts(toy) == (2, True)
