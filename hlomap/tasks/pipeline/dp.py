@@ -35,7 +35,9 @@ candidate, so the least L(tau) is the optimum. Only candidates in
 [tau*, (best L - unconstrained least sum) / (M - 1)) can win, and since SUM(tau) only falls as
 tau grows, a range [a, b] of candidates is pruned whole once SUM(b) + (M - 1) a reaches the
 best L found (branch and bound on sorted candidates; a pass at tau whose plan's own max is
-tau' gives SUM on every candidate in [tau', tau] at once); L >= M tau* skips a microbatch count
+tau' gives SUM on every candidate in [tau', tau] at once; candidates equal but for rounding,
+within TIE_RTOL, share one pass at the largest, the bound taking the least, so the latency
+found is the optimum to within that rounding); L >= M tau* skips a microbatch count
 after its MAX pass alone, and a bounded problem whose stages cannot cover the layers with the
 devices there are skips it before any pass (`device_budgets`).
 
@@ -48,7 +50,9 @@ than there are before and after d (`device_budgets`, the fewest devices any stag
 take to cover them, where groups may start and which cut is whose ignored); on a large cluster
 this leaves a narrow band of states per device. The options that may start on a device are
 combined at once, on the band of layers their stages take (`SharedTables`, gathered once per
-search). Each is exact: the tests compare it with enumeration and with `_run`.
+search), the options of one size reduced first to the least time per count of stages after
+(`_least_heads`: they share the tail after them, so under SUM and MAX alike the least head
+gives the least total). Each is exact: the tests compare it with enumeration and with `_run`.
 """
 
 from __future__ import annotations
