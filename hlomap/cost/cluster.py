@@ -565,7 +565,7 @@ def _seed(text: str, part: str) -> int:
 
 def _shape(text: str, part: str, rank: int | None = None) -> tuple[int, ...]:
     if not _SHAPE.match(part):
-        raise _topology_error(text, f"shape {part!r} is not sizes joined by 'x' (like 8x8x8)")
+        raise _topology_error(text, f"shape {part!r} is not positive sizes joined by 'x' (like 8x8x8)")
     shape = tuple(int(s) for s in part.split("x"))
     if rank is not None and len(shape) != rank:
         raise _topology_error(text, f"shape {part!r} needs {rank} sizes (NODESxGPUS)")

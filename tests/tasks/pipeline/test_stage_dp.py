@@ -231,7 +231,7 @@ def test_thresholds_equal_but_for_rounding_share_a_pass(seed) -> None:
     toy = _shared_toy(seed, False, 6)
     rng = np.random.default_rng(seed)
     coarse = np.round(toy.stage, 1) + 0.1  # few distinct times, each repeated across tables
-    noise = 1.0 + rng.integers(0, 5, coarse.shape) * 1e-13  # then apart by a few ulps
+    noise = 1.0 + rng.integers(0, 5, coarse.shape) * 1e-13  # then 1e-13 apart, far inside TIE_RTOL
     toy = dataclasses.replace(toy, stage=np.where(np.isfinite(coarse), coarse * noise, np.inf))
     plans = dict(_plans(toy))
     for microbatches in (3, 16):
