@@ -45,6 +45,7 @@ devices, which the cost model does not).
 
 from __future__ import annotations
 
+import collections
 import enum
 import json
 import math
@@ -146,6 +147,11 @@ class Cluster:
     @property
     def n_nodes(self) -> int:
         return len(set(self.node_of))
+
+    @property
+    def most_per_node(self) -> int:
+        """The most devices one node holds (a server's GPUs; 1 on a torus or mesh)."""
+        return max(collections.Counter(self.node_of).values())
 
     @property
     def coordinates(self) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Device specs, topology builders, JSON round trips and their error messages."""
 
+import dataclasses
 import json
 import math
 import re
@@ -348,3 +349,11 @@ def test_shift_period_is_a_server_of_alike_servers() -> None:
     assert dataclasses.replace(cluster, bandwidth=bandwidth).shift_period() == 0
     assert random_block(32, 4, "V100-16GB", 150e9, (5e9, 25e9), 3e-6, (5e-6, 2e-5), seed=1).shift_period() == 0
     assert mesh_topology((4, 4), "V100-16GB", 25e9, 1e-6).shift_period() == 0
+
+
+def test_most_per_node_counts_the_largest_node() -> None:
+    """Servers of four, a torus of one device per node, and nodes of unequal size (the largest)."""
+    assert hierarchical(3, 4).most_per_node == 4
+    assert mesh_topology((2, 2), "V100-16GB", 1e9, 1e-6, torus=True).most_per_node == 1
+    cluster = hierarchical(2, 4)
+    assert dataclasses.replace(cluster, node_of=(0, 0, 0, 1, 1, 1, 1, 1)).most_per_node == 5

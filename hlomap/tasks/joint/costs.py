@@ -109,7 +109,7 @@ def group_sizes(cluster: Cluster) -> tuple[int, ...]:
     """Device-group sizes a stage may take: slices of a server (powers of two up to its size)
     and whole servers (multiples of its size), on a cluster with servers of equal size; on one
     device per node (a torus, a mesh), powers of two."""
-    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    per_node = cluster.most_per_node
     sizes = {1 << k for k in range(int(math.log2(cluster.n_devices)) + 1) if (1 << k) <= per_node}
     if per_node > 1:
         sizes |= {per_node * m for m in range(1, cluster.n_devices // per_node + 1)}
@@ -124,7 +124,7 @@ def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXP
     """Every (group size, data x model, kind, recompute, split state): tensor parallelism stays
     inside a server (its all-reduces are on the critical path of every layer) unless a node holds
     one device; the optimizer state is split only where there are data replicas (data > 1)."""
-    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    per_node = cluster.most_per_node
     limit = max_model or (per_node if per_node > 1 else 8)
     out = []
     for n in group_sizes(cluster):

@@ -173,7 +173,7 @@ def joint_plan(result: JointResult) -> Any:
             "device_memory_bytes": cost.device_memory[s],
         })
     first = [st.first_device for st in plan.stages[1:]]
-    per_node = max(len(model.cluster.devices_on(n)) for n in set(model.cluster.node_of))
+    per_node = model.cluster.most_per_node
     pipeline = {
         "kind": "joint", "stages": stages, "microbatches": plan.microbatches, "schedule": plan.schedule.value,
         "cuts": [_cut(model, st.start) for st in plan.stages[1:]], "device_cuts": first,

@@ -98,7 +98,7 @@ def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
     optimizer state split over them (a point of its own)."""
     cluster = model.cluster
     devices = cluster.n_devices
-    per_node = max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
+    per_node = cluster.most_per_node
     choices = tuple(microbatches) if microbatches else microbatch_choices(model.batch)
     out = []
     tp_limit = per_node if per_node > 1 else 8  # as `costs.stage_options`: inside a server, or 8 on a torus

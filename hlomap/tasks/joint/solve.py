@@ -15,7 +15,6 @@ its data shards go to the next devices in order), whatever the next stage's opti
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -84,10 +83,6 @@ def aligned_starts(per_node: int, devices: int, size: int) -> Sequence[int]:
     if size < per_node:
         return tuple(d for d in range(0, devices - size + 1, size) if aligned(per_node, d, size))
     return range(0, devices - size + 1, per_node) if size % per_node == 0 else ()
-
-
-def _per_node(model: JointModel) -> int:
-    return max(collections.Counter(model.cluster.node_of).values())  # the most devices of a server
 
 
 def _valid(model: JointModel, option: StageOption, microbatches: int) -> bool:
@@ -419,7 +414,7 @@ def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> Join
     that fits)."""
     valid = [o for o in space.options if _valid(model, o, microbatches)]
     options = tuple(o for o in valid if not _dominated(model, o, microbatches, space))
-    return JointProblem(model, space, microbatches, options, _per_node(model)) if options else None
+    return JointProblem(model, space, microbatches, options, model.cluster.most_per_node) if options else None
 
 
 #: Recomputation from the least time it costs to the most (selective runs part of what full does).

@@ -52,11 +52,6 @@ _CLIP = 10.0
 _MAX_STEPS = 17
 
 
-def _per_node(model: JointModel) -> int:
-    cluster = model.cluster
-    return max(len(cluster.devices_on(node)) for node in set(cluster.node_of))
-
-
 @dataclass(eq=False)
 class JointEnv:
     """The `hlomap.agents.Environment` of one joint problem (module docstring)."""
@@ -70,7 +65,7 @@ class JointEnv:
     def __post_init__(self) -> None:
         self.devices = self.model.cluster.n_devices
         self.layers = self.model.n_layers
-        self.per_node = _per_node(self.model)
+        self.per_node = self.model.cluster.most_per_node
         self.choices = tuple(self.space.microbatches)
         self._one = self.model.arrays(StageOption(1, 1, 1))
         self.unit = max(float(self._one.compute[-1]) / self.devices, 1e-30)  # a perfectly parallel step

@@ -366,12 +366,9 @@ def _device_budgets(tables: SharedTables, tau: float) -> tuple[np.ndarray, np.nd
     span = np.minimum(span, last)
     through = usable[:, states, span] & inside[None] & cut_ok[:, span]  # [U, a, j]: a stage, then a cut
     # least[q, a, j]: the fewest devices of a stage from a to span[a, j] that fits with q stages
-    # after it (the tail does not depend on the table, so the tables reduce first): the least
-    # size at each most_after value, then the least over the values >= q
-    least = np.full((tables.counts, count, span.shape[1]), np.inf)
-    u, a, j = np.nonzero(through & (tables.most_after[:, states, span] >= 0))
-    np.minimum.at(least, (tables.most_after[u, a, span[a, j]], a, j), sizes[u, 0, 0])
-    least = np.minimum.accumulate(least[::-1], axis=0)[::-1]
+    # after it (the tail does not depend on the table, so the tables reduce first, as the pass
+    # reduces its options: row r of `_least_heads` from tail row -1 serves most_after >= r)
+    least = _least_heads(np.where(through, sizes, np.inf), tables.most_after[:, states, span], -1, tables.counts - 1)
     for q in range(1, tables.counts):
         tail = suffix[q - 1]
         while True:  # once, or to the fixed point where the top count stands for more too
