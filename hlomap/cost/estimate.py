@@ -294,62 +294,114 @@ def launched_kernels(cap: Capture, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
     return kernel_count(ShardedGraph.build(graph, np.full(graph.num_groups, REPLICATED, dtype=np.intp), axes), fusion)
 
 
-def _instruction_estimates(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
-                           fused: frozenset[int], cache: CostCache,
-                           kernel_seconds: float = 0.0) -> list[InstructionEstimate]:
-    """Each instruction's cost on `device`; every kernel launched (an instruction not fused into
-    its consumer) also costs `kernel_seconds`, a measured cluster's launch overhead."""
+class InstructionArrays(NamedTuple):
+    """The `InstructionEstimate`s of one plan as arrays, one entry per executed instruction in
+    graph order (`node`: its graph node): what `step_arrays` returns for planners that sum
+    instructions by the ten thousand, without building a row per instruction."""
+
+    node: np.ndarray
+    degree: np.ndarray
+    count: np.ndarray
+    flops: np.ndarray
+    transcendentals: np.ndarray
+    bytes_accessed: np.ndarray
+    compute_seconds: np.ndarray
+    memory_seconds: np.ndarray
+    seconds: np.ndarray
+
+
+class _Unsplit(NamedTuple):
+    """Plan-independent facts of the executed nodes (graph order) on one device."""
+
+    node: np.ndarray
+    count: np.ndarray
+    compute_seconds: np.ndarray
+    flops: np.ndarray
+    transcendentals: np.ndarray
+    moves_bytes: np.ndarray  # the instruction reads or writes memory at all
+    narrow: np.ndarray  # a matrix kind the device has a narrow curve for
+
+
+def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit:
+    """Each executed node's cost unsplit on `device`, once per graph and device (`GraphFacts.memo`).
+    The per-node costs also go through `cache`, as callers that estimate many plans of one module
+    with one cache (and a fresh graph each time) expect."""
+    key = ("unsplit", device)
+    found = sg.facts.memo.get(key)
+    if found is not None:
+        return found
     g = sg.graph
     module = g.module
-    mesh = sg.axes.mesh_shape
-    phases = sg.facts.phases
-    out: list[InstructionEstimate] = []
+    nodes, rows = [], []
     for n, node in enumerate(g.nodes):
         inst = node.instruction
         count = int(sg.node_count[n])
         if not _runs(inst, count):
             continue
-        # an instruction's unsplit cost does not depend on the plan: memoized per graph node for
-        # callers that estimate many plans of one module with one cache
-        key = ("node", inst.name, node.computation, device.name)
-        full = cache.get(key)  # type: ignore[call-overload]
+        cost_key = ("node", inst.name, node.computation, device)  # the device, not its name: a sped-up
+        # copy of a measured device (`busy_speedup`) keeps the name
+        full = cache.get(cost_key)  # type: ignore[call-overload]
         if full is None:
             full = instruction_cost(inst, module.computation(node.computation), module, device, cache)
-            cache[key] = full  # type: ignore[index]
-        degree = int(sg.node_degree[n])
-        for axis in gathered.get(n, ()):  # runs unsplit along the axes its operands were gathered on
-            degree //= mesh[axis]
-        degree = max(degree, 1)
-        nbytes = 0.0
-        if full.bytes_accessed:
-            # a fused kernel reads what its inputs left in memory and writes what it materializes
-            reads = sum(sg.node_result_bytes(o) for o in sg.node_operand_nodes(n) if o not in fused)
-            for axis in gathered.get(n, ()):
-                reads *= mesh[axis]
-            nbytes = reads + (0.0 if n in fused else sg.node_result_bytes(n))
-        compute = full.compute_seconds / degree
-        if degree > 1 and inst.opcode in device.narrow:  # a dot or convolution on a measured device
-            compute *= sg.narrow_slowdown(n, device, cache)  # type: ignore[arg-type]
-        memory = nbytes / device.hbm_bandwidth
-        launch = 0.0 if n in fused else kernel_seconds
-        out.append(InstructionEstimate(
-            inst.name, node.computation, inst.opcode, phases[n], degree, count,
-            full.flops / degree * count, full.transcendentals / degree * count, nbytes * count,
-            compute * count, memory * count, (max(compute, memory) + launch) * count, node.instance))
-    return out
+            cache[cost_key] = full  # type: ignore[index]
+        nodes.append(n)
+        rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
+                     inst.opcode in device.narrow))
+    columns = list(zip(*rows)) if rows else [()] * 6
+    found = _Unsplit(np.asarray(nodes, dtype=np.int64), np.asarray(columns[0], dtype=np.int64),
+                     *(np.asarray(c, dtype=np.float64) for c in columns[1:4]),
+                     np.asarray(columns[4], dtype=bool), np.asarray(columns[5], dtype=bool))
+    sg.facts.memo[key] = found
+    return found
+
+
+def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
+                       fused: frozenset[int], cache: CostCache, kernel_seconds: float = 0.0) -> InstructionArrays:
+    """Each executed instruction's cost on `device`; every kernel launched (an instruction not
+    fused into its consumer) also costs `kernel_seconds`, a measured cluster's launch overhead."""
+    base = _unsplit(sg, device, cache)
+    n_nodes = len(sg.graph.nodes)
+    mesh = sg.axes.mesh_shape
+    is_fused = np.zeros(n_nodes, dtype=bool)
+    if fused:
+        is_fused[np.fromiter(fused, dtype=np.int64, count=len(fused))] = True
+    # an instruction runs unsplit along the axes its operands were gathered on
+    gather = np.ones(n_nodes, dtype=np.int64)
+    for n, axes in gathered.items():
+        gather[n] = math.prod(mesh[a] for a in axes)
+    node = base.node
+    degree = np.maximum(sg.node_degree[node] // gather[node], 1)
+    # a fused kernel reads what its inputs left in memory and writes what it materializes
+    result = sg.node_bytes_all
+    source, operand = sg.facts.operand_edges(sg.graph)
+    reads = np.bincount(source, weights=np.where(is_fused, 0.0, result)[operand], minlength=n_nodes)
+    nbytes = np.where(base.moves_bytes,
+                      reads[node] * gather[node] + np.where(is_fused[node], 0.0, result[node]), 0.0)
+    compute = base.compute_seconds / degree
+    for k in np.flatnonzero(base.narrow & (degree > 1)):  # a dot or convolution on a measured device
+        compute[k] *= sg.narrow_slowdown(int(node[k]), device, cache)  # type: ignore[arg-type]
+    memory = nbytes / device.hbm_bandwidth
+    launch = np.where(is_fused[node], 0.0, kernel_seconds)
+    count = base.count
+    return InstructionArrays(node, degree, count, base.flops / degree * count, base.transcendentals / degree * count,
+                             nbytes * count, compute * count, memory * count,
+                             (np.maximum(compute, memory) + launch) * count)
+
+
+def instruction_estimates(sg: ShardedGraph, arrays: InstructionArrays) -> list[InstructionEstimate]:
+    """`arrays` as one `InstructionEstimate` per instruction (what reports list)."""
+    nodes, phases = sg.graph.nodes, sg.facts.phases
+    return [InstructionEstimate(nodes[n].instruction.name, nodes[n].computation, nodes[n].instruction.opcode,
+                                phases[n], *row, nodes[n].instance)
+            for n, *row in zip(arrays.node.tolist(), arrays.degree.tolist(), arrays.count.tolist(),
+                               arrays.flops.tolist(), arrays.transcendentals.tolist(),
+                               arrays.bytes_accessed.tolist(), arrays.compute_seconds.tolist(),
+                               arrays.memory_seconds.tolist(), arrays.seconds.tolist())]
 
 
 # ---------------------------------------------------------------------------------------------
 # Collectives
 # ---------------------------------------------------------------------------------------------
-
-
-def _element_count(sg: ShardedGraph, node: int) -> float:
-    """Per-device elements of a node's result (all leaves)."""
-    g = sg.graph
-    first, count = g.node_tensors[node]
-    leaves = list(g.nodes[node].instruction.shape.leaves())
-    return float(sum(leaves[k].num_elements / sg.tensor_degree[first + k] for k in range(min(count, len(leaves)))))
 
 
 def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
@@ -367,6 +419,16 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
         if axes not in groups_cache:
             groups_cache[axes] = mapping.groups(axes if len(axes) > 1 else axes[0])
         return groups_cache[axes]
+
+    times: dict[tuple[Collective, tuple[str, ...], float], float] = {}
+
+    def seconds_of(kind: Collective, axes: tuple[str, ...], nbytes: float) -> float:
+        """`collective_time` of one collective, once per kind, axes and size (a layer's partial
+        sums repeat in every layer)."""
+        key = (kind, axes, nbytes)
+        if key not in times:
+            times[key] = collective_time(kind, cluster, groups(axes), nbytes)
+        return times[key]
 
     for pr in sg.partials:
         node = g.nodes[pr.node]
@@ -386,7 +448,7 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
             remaining = max(1, int(sg.node_degree[pr.node]) // size)
             for k, operand in enumerate(inst.operands[: len(inst.operands) // 2]):
                 nbytes = comp[operand].shape.byte_size / remaining
-                seconds = collective_time(Collective.ALL_GATHER, cluster, groups(pr.axes), nbytes)
+                seconds = seconds_of(Collective.ALL_GATHER, pr.axes, nbytes)
                 out.append(CollectiveEstimate(
                     Collective.ALL_GATHER, pr.axes, size, nbytes, seconds, inst.name, node.computation,
                     Reason.RESHARD,
@@ -394,8 +456,8 @@ def _collectives(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping,
                     f"so partial results cannot be all-reduced", phase, count))
             continue
         nbytes = sg.node_result_bytes(pr.node)
-        seconds = collective_time(Collective.ALL_REDUCE, cluster, groups(pr.axes), nbytes)
-        reduce_flops += _element_count(sg, pr.node) * count
+        seconds = seconds_of(Collective.ALL_REDUCE, pr.axes, nbytes)
+        reduce_flops += float(sg.node_elements_all[pr.node]) * count
         out.append(CollectiveEstimate(
             Collective.ALL_REDUCE, pr.axes, size, nbytes, seconds, inst.name, node.computation,
             Reason.GRADIENT_SYNC if pr.gradient_sync else Reason.PARTIAL,
@@ -575,8 +637,17 @@ class StepWork(NamedTuple):
     reduce_flops: float
 
 
-def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusion: Fusion = Fusion.ELEMENTWISE,
-              cache: CostCache | None = None, busy: int | None = None) -> StepWork:
+class StepArrays(NamedTuple):
+    """`StepWork` with its instructions as arrays (`InstructionArrays`)."""
+
+    device: DeviceSpec
+    instructions: InstructionArrays
+    collectives: list[CollectiveEstimate]
+    reduce_flops: float
+
+
+def step_arrays(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusion: Fusion = Fusion.ELEMENTWISE,
+                cache: CostCache | None = None, busy: int | None = None) -> StepArrays:
     """Per-instruction compute and the collectives of a plan already applied to a graph, on
     `cluster` with the mesh axes mapped to devices by `mapping`. `busy`: how many of the
     cluster's devices compute at once (default the mesh's; a pipeline stage's mesh computes
@@ -590,10 +661,17 @@ def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusio
         log.warning("mesh spans devices of kinds %s; compute is costed on %s", sorted(kinds), device.name)
     gathered = _gathered_axes(sg)
     launch = cluster.measured.kernel_seconds / speedup if cluster.measured is not None else 0.0
-    instructions = _instruction_estimates(sg, device, gathered, fused_nodes(sg, fusion),
-                                          {} if cache is None else cache, launch)
+    instructions = instruction_arrays(sg, device, gathered, fused_nodes(sg, fusion), {} if cache is None else cache,
+                                      launch)
     collectives, reduce_flops = _collectives(sg, cluster, mapping, gathered)
-    return StepWork(device, instructions, collectives, reduce_flops)
+    return StepArrays(device, instructions, collectives, reduce_flops)
+
+
+def step_work(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fusion: Fusion = Fusion.ELEMENTWISE,
+              cache: CostCache | None = None, busy: int | None = None) -> StepWork:
+    """`step_arrays` with one `InstructionEstimate` per instruction."""
+    device, arrays, collectives, reduce_flops = step_arrays(sg, cluster, mapping, fusion=fusion, cache=cache, busy=busy)
+    return StepWork(device, instruction_estimates(sg, arrays), collectives, reduce_flops)
 
 
 def estimate_sharded(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, plan_name: str = "plan",

@@ -59,6 +59,7 @@ class GraphFacts:
     phases: tuple[Phase, ...]  # per node, see `node_phases`
     data_groups: frozenset[int]  # groups holding a dim of a DATA entry parameter
     tensor_full_bytes: np.ndarray  # unsharded bytes of every tensor
+    tensor_full_elements: np.ndarray  # unsharded elements of every tensor
     instance_index: tuple[Mapping[str, int], ...]  # per instance: instruction name -> node id
     # plan-independent results memoized by their readers (`cost.memory.fused_nodes` per fusion mode)
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -66,6 +67,7 @@ class GraphFacts:
     @classmethod
     def of(cls, graph: FactorGraph) -> GraphFacts:
         full = np.zeros(graph.num_tensors, dtype=np.float64)
+        elements = np.zeros(graph.num_tensors, dtype=np.float64)
         index: list[dict[str, int]] = [{} for _ in graph.instances]
         for n, node in enumerate(graph.nodes):
             index[node.instance][node.instruction.name] = n
@@ -73,8 +75,26 @@ class GraphFacts:
             for k, leaf in enumerate(node.instruction.shape.leaves()):
                 if k < count:
                     full[first + k] = leaf.byte_size
-        return cls(node_run_counts(graph), node_phases(graph), frozenset(_data_groups(graph)), full,
+                    elements[first + k] = leaf.num_elements
+        return cls(node_run_counts(graph), node_phases(graph), frozenset(_data_groups(graph)), full, elements,
                    tuple(index))
+
+    def operand_edges(self, graph: FactorGraph) -> tuple[np.ndarray, np.ndarray]:
+        """(node, operand node) of every operand read within one instance, by node then operand
+        order (`ShardedGraph.node_operand_nodes` of every node at once; memoized)."""
+        key = ("operand edges",)
+        if key not in self.memo:
+            source: list[int] = []
+            operand: list[int] = []
+            for n, node in enumerate(graph.nodes):
+                index = self.instance_index[node.instance]
+                for name in node.instruction.operands:
+                    o = index.get(name)
+                    if o is not None:
+                        source.append(n)
+                        operand.append(o)
+            self.memo[key] = (np.asarray(source, dtype=np.int64), np.asarray(operand, dtype=np.int64))
+        return self.memo[key]
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,7 +117,7 @@ class ShardedGraph:
     tensor_degree: np.ndarray
     node_degree: np.ndarray
     node_count: np.ndarray
-    node_axes: tuple[tuple[str, ...], ...]
+    split_pairs: np.ndarray  # [k, 2]: (node, option) pairs splitting a node's work
     partials: tuple[PartialResult, ...]
     facts: GraphFacts
 
@@ -136,11 +156,6 @@ class ShardedGraph:
             if sum(len(p) for p in pair_node) else np.zeros((0, 2), dtype=np.int64)
         node_degree = np.ones(n_nodes, dtype=np.int64)
         np.multiply.at(node_degree, pairs[:, 0], sizes[pairs[:, 1] + 1])
-        node_axes_sets: list[set[str]] = [set() for _ in range(n_nodes)]
-        for node, opt in pairs:
-            node_axes_sets[int(node)].update(axes.options[int(opt)])
-        node_axes = tuple(_in_mesh_order(s, axes) for s in node_axes_sets)
-
         by_node: dict[int, tuple[set[str], set[int]]] = {}
         for i in np.flatnonzero(hit):
             node = int(red.node[i])
@@ -151,14 +166,33 @@ class ShardedGraph:
             PartialResult(n, _in_mesh_order(a, axes), tuple(sorted(gs)),
                           bool(gs & facts.data_groups) and facts.phases[n] is Phase.BACKWARD)
             for n, (a, gs) in sorted(by_node.items()))
-        return cls(graph, axes, plan, dim_option, tensor_degree, node_degree,
-                   facts.node_count, node_axes, partials, facts)
+        return cls(graph, axes, plan, dim_option, tensor_degree, node_degree, facts.node_count, pairs, partials,
+                   facts)
+
+    @cached_property
+    def node_axes(self) -> tuple[tuple[str, ...], ...]:
+        """Per node, the mesh axes splitting its work (mesh order)."""
+        sets: list[set[str]] = [set() for _ in self.graph.nodes]
+        for node, opt in self.split_pairs.tolist():
+            sets[node].update(self.axes.options[opt])
+        return tuple(_in_mesh_order(s, self.axes) for s in sets)
 
     # -- per tensor and node ----------------------------------------------------------------------
     @cached_property
     def tensor_bytes_all(self) -> np.ndarray:
         """Per-device bytes of every tensor (float64 [T])."""
         return self.facts.tensor_full_bytes / self.tensor_degree
+
+    @cached_property
+    def node_bytes_all(self) -> np.ndarray:
+        """Per-device bytes of all result leaves of every node (float64 [N])."""
+        return np.bincount(self.graph.tensor_node, weights=self.tensor_bytes_all, minlength=len(self.graph.nodes))
+
+    @cached_property
+    def node_elements_all(self) -> np.ndarray:
+        """Per-device elements of all result leaves of every node (float64 [N])."""
+        return np.bincount(self.graph.tensor_node, weights=self.facts.tensor_full_elements / self.tensor_degree,
+                           minlength=len(self.graph.nodes))
 
     def node_result_bytes(self, node: int) -> float:
         """Per-device bytes of all result leaves of `node`."""
@@ -252,7 +286,8 @@ def _data_groups(graph: FactorGraph) -> set[int]:
 
 
 def _in_mesh_order(names: set[str] | Sequence[str], axes: MeshAxes) -> tuple[str, ...]:
-    return tuple(a for a in axes.names if a in set(names))
+    wanted = set(names)
+    return tuple(a for a in axes.names if a in wanted)
 
 
 def node_run_counts(graph: FactorGraph) -> np.ndarray:

@@ -273,3 +273,87 @@ def test_reference_plans_need_roles_and_default_to_eight_devices(gpt) -> None:  
     for plan in ("dp", "megatron"):
         with pytest.raises(EstimateError, match=plan):
             estimate(bare, plan)
+
+
+def _reference_rows(sg, device, gathered, fused, kernel_seconds):  # type: ignore[no-untyped-def]
+    """Each executed instruction's (node, degree, flops, bytes, compute, memory, seconds), one
+    instruction at a time by the rules `instruction_arrays` computes with arrays."""
+    from hlomap.cost.compute import instruction_cost
+    from hlomap.cost.estimate import _runs
+
+    g, mesh, rows = sg.graph, sg.axes.mesh_shape, []
+    for n, node in enumerate(g.nodes):
+        inst, count = node.instruction, int(sg.node_count[n])
+        if not _runs(inst, count):
+            continue
+        full = instruction_cost(inst, g.module.computation(node.computation), g.module, device, {})
+        degree = int(sg.node_degree[n])
+        for axis in gathered.get(n, ()):
+            degree //= mesh[axis]
+        degree = max(degree, 1)
+        nbytes = 0.0
+        if full.bytes_accessed:
+            reads = sum(sg.node_result_bytes(o) for o in sg.node_operand_nodes(n) if o not in fused)
+            for axis in gathered.get(n, ()):
+                reads *= mesh[axis]
+            nbytes = reads + (0.0 if n in fused else sg.node_result_bytes(n))
+        compute = full.compute_seconds / degree
+        if degree > 1 and inst.opcode in device.narrow:
+            compute *= sg.narrow_slowdown(n, device, {})
+        memory = nbytes / device.hbm_bandwidth
+        launch = 0.0 if n in fused else kernel_seconds
+        rows.append((n, degree, full.flops / degree * count, nbytes * count, compute * count, memory * count,
+                     (max(compute, memory) + launch) * count))
+    return rows
+
+
+@pytest.mark.parametrize("plan", ["dp", "megatron", "dp+megatron"])
+def test_instruction_arrays_equal_the_per_instruction_rules(gpt, plan: str) -> None:  # type: ignore[no-untyped-def]
+    """The vectorized per-instruction costs equal a loop over the instructions, on a device with
+    a narrow-matrix curve (so the narrow slowdown applies) and a kernel launch cost, with and
+    without fusion, and with a node whose operands are gathered."""
+    from hlomap.cost.devices import NarrowCurve
+    from hlomap.cost.estimate import _gathered_axes, instruction_arrays, instruction_estimates
+    from hlomap.cost.memory import Fusion, fused_nodes
+    from hlomap.cost.sharding import ShardedGraph
+
+    cap, graph = gpt
+    mesh = {"data": 2, "model": 4} if plan == "dp+megatron" else ({"data": 8} if plan == "dp" else {"model": 8})
+    array, axes = reference_plan(graph, plan, mesh)
+    device = DeviceSpec("narrow", {"f32": 1e13}, 1e12, 2**34, narrow={"dot": NarrowCurve(((1.0, 0.05), (512.0, 1.0)))})
+    sg = ShardedGraph.build(graph, array, axes)
+    gathered = dict(_gathered_axes(sg))
+    some_dot = next(n for n, node in enumerate(graph.nodes)
+                    if node.instruction.opcode == "dot" and sg.node_degree[n] > 1 and sg.node_count[n] > 0)
+    gathered.setdefault(some_dot, axes.names[:1])  # exercise the gathered rule on a split matmul
+    for fusion in (Fusion.NONE, Fusion.ELEMENTWISE):
+        fused = fused_nodes(sg, fusion)
+        found = instruction_arrays(sg, device, gathered, fused, {}, kernel_seconds=3e-6)
+        expected = _reference_rows(sg, device, gathered, fused, 3e-6)
+        assert found.node.tolist() == [r[0] for r in expected]
+        assert found.degree.tolist() == [r[1] for r in expected]
+        for k, column in enumerate((found.flops, found.bytes_accessed, found.compute_seconds, found.memory_seconds,
+                                    found.seconds), start=2):
+            np.testing.assert_allclose(column, [r[k] for r in expected], rtol=1e-12, atol=0)
+        assert any(r[1] > 1 and graph.nodes[r[0]].instruction.opcode == "dot" for r in expected)
+        rows = instruction_estimates(sg, found)
+        assert [(r.name, r.computation) for r in rows] == [
+            (graph.nodes[n].instruction.name, graph.nodes[n].computation) for n in found.node.tolist()]
+
+
+def test_costs_of_one_module_on_sped_up_devices_do_not_share_a_cache(gpt) -> None:  # type: ignore[no-untyped-def]
+    """A measured device sped up for a smaller busy set keeps its name; one cache must still
+    price it at its own speed."""
+    from hlomap.cost.cluster import sped_up
+    from hlomap.cost.estimate import instruction_arrays
+    from hlomap.cost.sharding import GraphFacts, ShardedGraph
+
+    cap, graph = gpt
+    array, axes = reference_plan(graph, "dp", {"data": 8})
+    facts = GraphFacts.of(graph)
+    sg = ShardedGraph.build(graph, array, axes, facts=facts)
+    device = DeviceSpec("cpu", {"f32": 1e11}, 1e10, 2**34)
+    cache: dict = {}
+    slow = instruction_arrays(sg, device, {}, frozenset(), cache)
+    fast = instruction_arrays(ShardedGraph.build(graph, array, axes), sped_up(device, 2.0), {}, frozenset(), cache)
+    np.testing.assert_allclose(fast.seconds, slow.seconds / 2, rtol=1e-12)

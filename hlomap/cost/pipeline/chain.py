@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -290,6 +291,11 @@ class ChainAttribution:
     def length(self) -> int:
         return len(self.chain)
 
+    @cached_property
+    def span_bounds(self) -> np.ndarray:
+        """[2 * spans]: each span's start and end position, in span order."""
+        return np.asarray([(start, end) for _, start, end in self.spans], dtype=np.int64).reshape(-1)
+
 
 def attribute(cap: Capture) -> ChainAttribution:
     """Attribute the entry computation's instructions to forward-chain positions (module
@@ -497,14 +503,19 @@ def kept_bytes(cap: Capture) -> dict[str, float]:
 def crossing_bytes(found: ChainAttribution, nbytes: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:
     """([n - 1] bytes crossing each pivot, [n - 1] values crossing it) when value v weighs
     `nbytes[v]` (its full size, or its shard on one device under a sharding plan)."""
+    return crossing_of(found, np.asarray([nbytes[name] for name, _, _ in found.spans], dtype=np.float64))
+
+
+def crossing_of(found: ChainAttribution, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`crossing_bytes` with each span's bytes as an array in `found.spans` order."""
     n = found.length
+    # each span adds at its start and takes away at its end; np.add.at is unbuffered and goes in
+    # order, so the sums are those of a loop over the spans
+    signed = np.stack([weights, -weights], axis=1).reshape(-1)
     delta = np.zeros(n + 1)
+    np.add.at(delta, found.span_bounds, signed)
     count = np.zeros(n + 1)
-    for name, start, end in found.spans:
-        delta[start] += nbytes[name]
-        delta[end] -= nbytes[name]
-        count[start] += 1
-        count[end] -= 1
+    np.add.at(count, found.span_bounds, np.tile([1.0, -1.0], len(found.spans)))
     crossing = np.maximum(np.cumsum(delta)[: n - 1], 0.0)
     live = np.rint(np.cumsum(count)[: n - 1]).astype(np.int64)
     return crossing, live

@@ -30,7 +30,8 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
-from hlomap.cost.estimate import CollectiveEstimate, InstructionEstimate, Reason, per_buffer_seconds, step_work
+from hlomap.cost.estimate import (CollectiveEstimate, InstructionArrays, InstructionEstimate, Reason,
+                                  per_buffer_seconds, step_arrays)
 from hlomap.cost.mapping import AxisMapping, axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.cost.zero import state_axes
@@ -39,7 +40,7 @@ from hlomap.plan.sections import Recompute
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
-from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_bytes, kept_bytes
+from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_of, kept_bytes
 from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, MATMUL_OPCODES, UPDATE, DataScaling, PositionedCollective,
                                         StageWork, fit_data_scaling)
 
@@ -201,7 +202,6 @@ class JointModel:
     _arrays: dict[StageOption, StageArrays] = field(default_factory=dict)
     _cache: dict[Any, Any] = field(default_factory=dict)
     _facts: GraphFacts | None = None
-    _kept: dict[str, float] | None = None
 
     @classmethod
     def build(cls, cap: Capture, cluster: Cluster, pivots: Sequence[int], *, graph: FactorGraph | None = None,
@@ -283,8 +283,19 @@ class JointModel:
             except ValueError:  # no data inputs known: nothing to split on `data`
                 pass
         if option.model > 1:
-            parts.append(megatron_plan(self.graph, "model", axes))
+            parts.append(self._megatron_part(axes))
         return (combine(*parts) if parts else empty_plan(self.graph)), axes
+
+    def _megatron_part(self, axes: MeshAxes) -> np.ndarray:
+        """`megatron_plan` on the model axis of `axes`, memoized per model width: its greedy only
+        ever assigns the model option, and whether such a trial is conflict-free depends on that
+        option's size (divisibility) and on which options share an axis, not on the data width
+        (`ConflictChecker`), so the data widths of one model width share the array."""
+        model = axes.mesh_shape["model"]
+        key = ("megatron part", model, axes.names, axes.options)
+        if key not in self._cache:
+            self._cache[key] = megatron_plan(self.graph, "model", axes)
+        return self._cache[key]
 
     def _price(self, option: StageOption) -> StageArrays:
         plan, axes = self.plan_for(option)
@@ -306,27 +317,24 @@ class JointModel:
         """The option's work per chain position, from the cost model's estimate of the step."""
         sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
         # every stage computes while the others do: the cluster's devices are all busy
-        work = step_work(sg, self.cluster, self._mapping(option), cache=self._cache, busy=self.cluster.n_devices)
+        work = step_arrays(sg, self.cluster, self._mapping(option), cache=self._cache, busy=self.cluster.n_devices)
         return self._gathered_work(work.instructions, work.collectives, sg)
 
-    def _gathered_work(self, instructions: Sequence[InstructionEstimate], collectives: Sequence[CollectiveEstimate],
+    def _gathered_work(self, instructions: InstructionArrays, collectives: Sequence[CollectiveEstimate],
                        sg: ShardedGraph) -> StageWork:
         """Instructions and collectives summed per chain position (`StageWork`)."""
         n = self.attribution.length
         where = self._where()
-        compute, forward, redo, update_total = np.zeros(n), np.zeros(n), np.zeros(n), 0.0
-        for inst in instructions:
-            p = self.position_of(inst, where)
-            if p is None:
-                continue
-            if p == UPDATE:
-                update_total += inst.seconds
-            elif p >= 0:
-                compute[p] += inst.seconds
-                if inst.phase is Phase.FORWARD:
-                    forward[p] += inst.seconds
-                    if inst.opcode not in MATMUL_OPCODES:
-                        redo[p] += inst.seconds
+        position = self.node_positions()[instructions.node]
+        forward_node, matmul_node = self._node_kinds()
+        seconds = instructions.seconds
+        charged = position >= 0
+        ahead = charged & forward_node[instructions.node]
+        again = ahead & ~matmul_node[instructions.node]
+        compute = np.bincount(position[charged], weights=seconds[charged], minlength=n)
+        forward = np.bincount(position[ahead], weights=seconds[ahead], minlength=n)
+        redo = np.bincount(position[again], weights=seconds[again], minlength=n)
+        update_total = float(seconds[position == UPDATE].sum())
         grads, buffers = np.zeros(n), np.zeros(n)
         priced = []
         for c in collectives:
@@ -346,12 +354,35 @@ class JointModel:
         of a called computation goes with its own call site's entry instruction: a computation
         that every layer calls (`jnp.where`'s) is charged to each layer once, not all to the
         first."""
-        where = self._where() if where is None else where
-        if inst.instance > 0:
-            site = self._entry_sites().get(inst.instance)
+        return self._position(inst.instance, inst.computation, inst.name, self._where() if where is None else where)
+
+    def _position(self, instance: int, computation: str, name: str, where: dict[tuple[str, str], int]) -> int | None:
+        if instance > 0:
+            site = self._entry_sites().get(instance)
             if site is not None:
                 return where.get((self.cap.module.entry.name, site))
-        return where.get((inst.computation, inst.name))
+        return where.get((computation, name))
+
+    def node_positions(self) -> np.ndarray:
+        """`position_of` of every graph node (-1 where nothing is charged; memoized)."""
+        key = ("node positions",)
+        if key not in self._cache:
+            where = self._where()
+            found = [self._position(node.instance, node.computation, node.instruction.name, where)
+                     for node in self.graph.nodes]
+            self._cache[key] = np.asarray([-1 if p is None else p for p in found], dtype=np.int64)
+        return self._cache[key]
+
+    def _node_kinds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per graph node: whether it is forward work, and whether it is a matmul
+        (`MATMUL_OPCODES`: what selective recomputation keeps); memoized."""
+        key = ("node kinds",)
+        if key not in self._cache:
+            phases = self._facts.phases if self._facts is not None else GraphFacts.of(self.graph).phases
+            self._cache[key] = (np.asarray([p is Phase.FORWARD for p in phases], dtype=bool),
+                                np.asarray([node.instruction.opcode in MATMUL_OPCODES for node in self.graph.nodes],
+                                           dtype=bool))
+        return self._cache[key]
 
     def _entry_sites(self) -> dict[int, str]:
         """Per instance of a called computation, the entry instruction whose call it runs under."""
@@ -446,7 +477,7 @@ class JointModel:
             alpha[c.position] += empty * c.count
             beta[c.position] += rest * c.count
         update = work.params / max(work.params.sum(), 1.0) * work.update_total
-        crossing, _ = crossing_bytes(self.attribution, work.values)
+        crossing, _ = crossing_of(self.attribution, work.values)
         zero, slope = self._data_terms(Collective.ALL_REDUCE, option)
         bounds = self.boundaries
         layer = lambda values: np.concatenate([[0.0], np.cumsum(np.add.reduceat(values, bounds[:-1]))])  # noqa: E731
@@ -458,32 +489,45 @@ class JointModel:
                            per_buffer, layer(work.forward), inputs, layer(work.redo), layer(work.saved),
                            data=option.data)
 
-    def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, dict[str, float], np.ndarray]:
+    def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per chain position: parameter and stash bytes on one device; every crossing value's
-        bytes on one device; and the bytes of the forward's matmul outputs (`_forward_matmuls`)."""
+        bytes on one device (in `attribution.spans` order); and the bytes of the forward's matmul outputs (`_forward_matmuls`)."""
         n = self.attribution.length
-        entry = self.cap.module.entry
-        if self._kept is None:  # plan-independent: once per model
-            self._kept = kept_bytes(self.cap)
-        kept = self._kept
-        degree_of = {}
-        matmuls = self._forward_matmuls()
-        for name in {*self.attribution.parameters, *self.attribution.stashed, *(s[0] for s in self.attribution.spans),
-                     *matmuls}:
-            node = self.graph.node_of(entry.name, name)
-            first = self.graph.node_tensors[node][0]
-            degree_of[name] = float(sg.tensor_degree[first])
-        nbytes = {inst.name: float(inst.shape.byte_size) for inst in entry.instructions}
-        params, stash = np.zeros(n), np.zeros(n)
-        for name, p in self.attribution.parameters.items():
-            params[p] += nbytes[name] / degree_of[name]
-        for name, p in self.attribution.stashed.items():  # constants are rebuilt, not kept (`kept_bytes`)
-            stash[p] += kept[name] / degree_of[name]
-        saved = np.zeros(n)
-        for name, p in matmuls.items():
-            saved[p] += kept[name] / degree_of[name]
-        values = {name: kept[name] / degree_of[name] for name, _, _ in self.attribution.spans}
-        return params, stash, values, saved
+        degree = sg.tensor_degree
+        (params, stash, saved), (value_tensor, value_bytes) = self._byte_terms()
+        per_position = [np.bincount(position, weights=nbytes / degree[tensor], minlength=n)
+                        for tensor, position, nbytes in (params, stash, saved)]
+        return per_position[0], per_position[1], value_bytes / degree[value_tensor], per_position[2]
+
+    def _byte_terms(self) -> tuple[tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...],
+                                   tuple[np.ndarray, np.ndarray]]:
+        """What `_bytes` divides by each plan's split (memoized, plan-independent): for the
+        parameters (their bytes), the stashed values and the forward's matmul outputs (the bytes
+        a step keeps of them, `kept_bytes`: constants are rebuilt, not kept), each one's first
+        tensor, chain position and bytes; and each crossing value's first tensor and kept bytes
+        (`attribution.spans` order)."""
+        key = ("byte terms",)
+        if key not in self._cache:
+            entry = self.cap.module.entry
+            kept = kept_bytes(self.cap)
+            full = {inst.name: float(inst.shape.byte_size) for inst in entry.instructions}
+
+            def tensor(name: str) -> int:
+                return self.graph.node_tensors[self.graph.node_of(entry.name, name)][0]
+
+            def terms(where: Mapping[str, int], nbytes: Mapping[str, float]) -> tuple[np.ndarray, ...]:
+                names = list(where)
+                return (np.asarray([tensor(x) for x in names], dtype=np.int64),
+                        np.asarray([where[x] for x in names], dtype=np.int64),
+                        np.asarray([nbytes[x] for x in names], dtype=np.float64))
+
+            found = self.attribution
+            names = tuple(name for name, _, _ in found.spans)
+            self._cache[key] = (
+                (terms(found.parameters, full), terms(found.stashed, kept), terms(self._forward_matmuls(), kept)),
+                (np.asarray([tensor(x) for x in names], dtype=np.int64),
+                 np.asarray([kept[x] for x in names], dtype=np.float64)))
+        return self._cache[key]
 
     def _forward_matmuls(self) -> dict[str, int]:
         """The forward pass's matmuls (`MATMUL_OPCODES`) -> their chain positions (memoized): the

@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from hlomap.cost.collectives import Collective
-from hlomap.cost.estimate import Reason, step_work
+from hlomap.cost.estimate import Reason, step_arrays
 from hlomap.cost.sharding import ShardedGraph
-from hlomap.hlo.capture import Phase
 from hlomap.plan.sections import Recompute
 
 if TYPE_CHECKING:
@@ -83,7 +82,7 @@ class StageWork(NamedTuple):
     buffers: np.ndarray
     params: np.ndarray
     stash: np.ndarray
-    values: dict[str, float]
+    values: np.ndarray  # per crossing value, in `ChainAttribution.spans` order
     redo: np.ndarray
     saved: np.ndarray
 
@@ -107,8 +106,7 @@ class DataScaling:
     buffers: np.ndarray
     params: np.ndarray
     stash: np.ndarray  # [2, n]: coefficients of 1 / d and 1
-    value_names: tuple[str, ...]
-    values: np.ndarray  # [2, V]
+    values: np.ndarray  # [2, V]: each crossing value's (`ChainAttribution.spans` order)
     matmul: np.ndarray  # per instruction: a matmul (what selective recomputation keeps)
     saved: np.ndarray  # [2, n]: coefficients of 1 / d and 1
 
@@ -127,7 +125,7 @@ class DataScaling:
         redo = np.bincount(self.position[again], weights=seconds[again], minlength=n)
         update_total = float(seconds[self.position == UPDATE].sum())
         collectives = tuple(c._replace(nbytes=c.nbytes * (base / d) ** e) for c, e in self.collectives)
-        values = dict(zip(self.value_names, self.values[0] / d + self.values[1]))
+        values = self.values[0] / d + self.values[1]
         return StageWork(total, forward, update_total, collectives, self.grads.copy(), self.buffers.copy(),
                          self.params.copy(), self.stash[0] / d + self.stash[1], values, redo,
                          self.saved[0] / d + self.saved[1])
@@ -152,20 +150,18 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
         return None
     facts = model._facts if model._facts is not None else GraphFacts.of(model.graph)
     sgs = [ShardedGraph.build(model.graph, plan, axes, facts=facts) for plan, axes in plans]
-    works = [step_work(sg, model.cluster, model._mapping(o), cache=model._cache, busy=model.cluster.n_devices)
+    works = [step_arrays(sg, model.cluster, model._mapping(o), cache=model._cache, busy=model.cluster.n_devices)
              for sg, o in zip(sgs, options)]
-    names = [[(i.computation, i.name) for i in w.instructions] for w in works]
-    if any(n != names[0] for n in names[1:]):
+    runs = [w.instructions for w in works]
+    if any(not np.array_equal(r.node, runs[0].node) for r in runs[1:]):
         return None
-    where = model._where()
-    first = works[0].instructions
-    located = [model.position_of(i, where) for i in first]
-    position = np.asarray([-1 if p is None else p for p in located], dtype=np.int64)
-    forward = np.asarray([i.phase is Phase.FORWARD for i in first])
-    matmul = np.asarray([i.opcode in MATMUL_OPCODES for i in first], dtype=bool)
-    compute = np.asarray([[i.compute_seconds for i in w.instructions] for w in works])  # [3, I]
-    memory = np.asarray([[i.memory_seconds for i in w.instructions] for w in works])
-    seconds = np.asarray([[i.seconds for i in w.instructions] for w in works])
+    node = runs[0].node
+    position = model.node_positions()[node]
+    forward_node, matmul_node = model._node_kinds()
+    forward, matmul = forward_node[node], matmul_node[node]
+    compute = np.stack([r.compute_seconds for r in runs])  # [3, I]
+    memory = np.stack([r.memory_seconds for r in runs])
+    seconds = np.stack([r.seconds for r in runs])
     split = compute[1] < 0.75 * compute[0]
     expected = np.where(split, compute[0] * widths[0] / widths[2], compute[0])
     if not (_close(compute[1], np.where(split, compute[0] / 2, compute[0])) and _close(compute[2], expected)):
@@ -187,12 +183,11 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
         return None
     stash = _one_over_d(widths, [x.stash for x in summed])
     saved = _one_over_d(widths, [x.saved for x in summed])
-    value_names = tuple(first_sum.values)
-    values = _one_over_d(widths, [np.asarray([x.values[k] for k in value_names]) for x in summed])
+    values = _one_over_d(widths, [x.values for x in summed])
     if stash is None or values is None or saved is None:
         return None
     return DataScaling(plans[0][0], position, forward, compute[0], split, coefficients, launch[0], collectives,
-                       first_sum.grads, first_sum.buffers, first_sum.params, stash, value_names, values, matmul,
+                       first_sum.grads, first_sum.buffers, first_sum.params, stash, values, matmul,
                        saved)
 
 

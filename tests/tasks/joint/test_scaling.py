@@ -79,3 +79,19 @@ def test_a_family_is_not_fitted_where_the_cluster_is_too_small(cap_of) -> None:
     assert model._family(StageOption(4, 2, 2)) is None  # 8 x 2 devices needed to fit it
     option = StageOption(8, 4, 2)
     _same(model.arrays(option), _full(model, option))
+
+
+def test_the_megatron_part_kept_per_model_width_is_the_plan_at_every_data_width(wide_batch) -> None:
+    """`JointModel` keeps one Megatron plan per model width; computed afresh for each mesh it is
+    the same array, data widths that divide the batch or not."""
+    from hlomap.propagation.conflicts import MeshAxes
+    from hlomap.propagation.plans import combine, data_parallel_plan, megatron_plan
+
+    model = _model(wide_batch, hierarchical(16, 8, "V100-16GB"))
+    for model_width in (2, 4, 8):
+        for data in (2, 3, 4, 6, 8, 16):
+            plan, axes = model.plan_for(StageOption(data * model_width, data, model_width, PlanKind.EXPERT))
+            fresh = MeshAxes.from_mesh({"data": data, "model": model_width})
+            expected = combine(data_parallel_plan(model.graph, "data", fresh), megatron_plan(model.graph, "model", fresh))
+            assert np.array_equal(plan, expected), (data, model_width)
+            assert (plan == axes.index("model")).any()
