@@ -465,6 +465,20 @@ def instruction_cost(inst: Instruction, comp: Computation, module: Module,
     return _kernel(0.0, 0.0, nbytes, dtype, device)
 
 
+def kept_instruction_cost(inst: Instruction, comp: Computation, module: Module, device: DeviceSpec,
+                          cache: CostCache) -> InstructionCost:
+    """`instruction_cost`, kept in `cache` per instruction and device: for callers that price one
+    module's instructions more than once (each plan of a planner, a step's chain and its batch
+    split). Keyed by the device itself, not its name: a sped-up copy of a measured device
+    (`hlomap.cost.cluster.sped_up`) keeps the name."""
+    key = ("node", inst.name, comp.name, device)
+    found = cache.get(key)  # type: ignore[call-overload]
+    if found is None:
+        found = instruction_cost(inst, comp, module, device, cache)
+        cache[key] = found  # type: ignore[index]
+    return found
+
+
 Handler = Callable[[Instruction, Computation, Module, DeviceSpec | None, CostCache], InstructionCost]
 
 

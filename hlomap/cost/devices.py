@@ -130,8 +130,12 @@ class DeviceSpec:
         _validate(self)
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.hbm_bandwidth,
-                     self.memory_bytes, self.efficiency, tuple(self.narrow.items())))
+        found = self.__dict__.get("_hash")
+        if found is None:  # kept: cost caches key every instruction's price by its device
+            found = hash((self.name, tuple(sorted(self.peak_flops.items())), self.hbm_bandwidth,
+                          self.memory_bytes, self.efficiency, tuple(self.narrow.items())))
+            object.__setattr__(self, "_hash", found)
+        return found
 
     def narrow_factor(self, kind: str, width: float) -> float:
         """The share of the matrix rate a `kind` kernel ("dot", "convolution") of narrowest side

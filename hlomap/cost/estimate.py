@@ -44,7 +44,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
-from hlomap.cost.compute import FREE_OPCODES, CostCache, instruction_cost
+from hlomap.cost.compute import FREE_OPCODES, CostCache, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
@@ -338,12 +338,7 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
         count = int(sg.node_count[n])
         if not _runs(inst, count):
             continue
-        cost_key = ("node", inst.name, node.computation, device)  # the device, not its name: a sped-up
-        # copy of a measured device (`busy_speedup`) keeps the name
-        full = cache.get(cost_key)  # type: ignore[call-overload]
-        if full is None:
-            full = instruction_cost(inst, module.computation(node.computation), module, device, cache)
-            cache[cost_key] = full  # type: ignore[index]
+        full = kept_instruction_cost(inst, module.computation(node.computation), module, device, cache)
         nodes.append(n)
         rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
                      inst.opcode in device.narrow))

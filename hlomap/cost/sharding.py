@@ -17,6 +17,7 @@ a result dim. Constant-derived operands are the exception (they are not linked, 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -66,6 +67,15 @@ class GraphFacts:
 
     @classmethod
     def of(cls, graph: FactorGraph) -> GraphFacts:
+        """The graph's facts, computed once per graph (kept while the graph lives): every caller
+        building plans on one graph shares them and what their `memo` keeps."""
+        found = _FACTS.get(graph)
+        if found is None:
+            found = _FACTS[graph] = cls._of(graph)
+        return found
+
+    @classmethod
+    def _of(cls, graph: FactorGraph) -> GraphFacts:
         full = np.zeros(graph.num_tensors, dtype=np.float64)
         elements = np.zeros(graph.num_tensors, dtype=np.float64)
         index: list[dict[str, int]] = [{} for _ in graph.instances]
@@ -95,6 +105,9 @@ class GraphFacts:
                         operand.append(o)
             self.memo[key] = (np.asarray(source, dtype=np.int64), np.asarray(operand, dtype=np.int64))
         return self.memo[key]
+
+
+_FACTS: weakref.WeakKeyDictionary[FactorGraph, GraphFacts] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, eq=False)

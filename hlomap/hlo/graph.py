@@ -59,7 +59,17 @@ def topological_order(computation: Computation) -> tuple[Instruction, ...]:
 
     Among instructions that are ready at the same time, program order wins, so text that is
     already in definition-before-use order comes back unchanged. Raises HloGraphError on a cycle.
+    Kept on the computation (as a `cached_property` would keep it): a pipeline attribution, its
+    batch split and its forward chain each ask for the order of one step's entry.
     """
+    found = computation.__dict__.get("_topological_order")
+    if found is None:
+        found = _topological_order(computation)
+        object.__setattr__(computation, "_topological_order", found)  # a frozen dataclass, as cached_property does
+    return found
+
+
+def _topological_order(computation: Computation) -> tuple[Instruction, ...]:
     instructions = computation.instructions
     index = {inst.name: i for i, inst in enumerate(instructions)}
     pending = [0] * len(instructions)

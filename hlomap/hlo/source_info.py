@@ -11,6 +11,8 @@ FileLocations / StackFrames tables to the module text; the parser keeps them ver
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -119,12 +121,18 @@ def layer_name(metadata: Metadata | None, fallback: str = "") -> str:
     `jit(train_step)/jvp(layers_0)/dot_general` -> `layers_0/dot_general`."""
     if metadata is None or not metadata.op_name:
         return fallback
+    return _layer_path(metadata.op_name) or fallback
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layer_path(op_name: str) -> str:
+    """`layer_name` of an op_name (kept: a pipeline attribution asks for each op's scope in
+    several passes over a step of tens of thousands of ops)."""
     # Fused ops list several names separated by ';': the first is representative.
-    components = _split_top_level(metadata.op_name.split(";")[0])
+    components = _split_top_level(op_name.split(";")[0])
     if components and components[0].startswith(("jit(", "pjit(")):
         components = components[1:]  # the step function itself
-    parts = [part for component in components for part in _unwrap(component)]
-    return "/".join(parts) or fallback
+    return "/".join(part for component in components for part in _unwrap(component))
 
 
 def scope_of(layer: str) -> str:

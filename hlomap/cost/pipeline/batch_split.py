@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hlomap.cost.compute import CostCache, instruction_cost
+from hlomap.cost.compute import CostCache, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.graph import topological_order, users
@@ -96,7 +96,7 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
     """The fixed shares and in-pass all-reduces of a split batch on `device` (module docstring).
     `graph`: the step's factor graph when the caller has it already (building it is most of this
     function's time)."""
-    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.cost.sharding import GraphFacts, ShardedGraph
     from hlomap.propagation.conflicts import MeshAxes
     from hlomap.propagation.graph import FactorGraph
     from hlomap.propagation.plans import data_parallel_plan
@@ -111,8 +111,10 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
     except ValueError as err:  # no data input to split
         log.info("%s: no data-parallel split to price a microbatch's fixed work (%s)", cap.source, err)
         return BatchSplit()
-    split = ShardedGraph.build(graph, plan, axes)
-    whole = ShardedGraph.build(graph, np.full(graph.num_groups, -1, dtype=np.int64), axes)
+    facts = GraphFacts.of(graph)
+    split = ShardedGraph.build(graph, plan, axes, facts=facts)
+    whole = ShardedGraph.build(graph, np.full(graph.num_groups, -1, dtype=np.int64), axes, facts=facts)
+    moved_split, moved_whole = _moved_bytes(split), _moved_bytes(whole)
     module = cap.module
     entry = module.entry
     cache = {} if cache is None else cache
@@ -120,11 +122,10 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
     for n, node in enumerate(graph.nodes):
         if node.computation != entry.name:
             continue
-        cost = instruction_cost(node.instruction, entry, module, device, cache)
+        cost = kept_instruction_cost(node.instruction, entry, module, device, cache)
         if cost.seconds <= 0.0:
             continue
-        moved_whole = _moved_bytes(whole, n)
-        ratio = _moved_bytes(split, n) / moved_whole if moved_whole > 0 else 1.0
+        ratio = float(moved_split[n] / moved_whole[n]) if moved_whole[n] > 0 else 1.0
         degree = max(int(split.node_degree[n]), 1)
         compute = cost.compute_seconds / degree * split.narrow_slowdown(n, device, cache)  # type: ignore[arg-type]
         t_k = max(compute, cost.memory_seconds * ratio)
@@ -161,7 +162,9 @@ def _in_pass_syncs(split: ShardedGraph, entry: str) -> Syncs:
     return Syncs(level, {name: split.node_result_bytes(reductions[name]) for name in kept})
 
 
-def _moved_bytes(sg: ShardedGraph, node: int) -> float:
-    """Per-device bytes an instruction reads and writes under a sharded graph: its operands' and
-    its own results'."""
-    return sum(sg.node_result_bytes(o) for o in sg.node_operand_nodes(node)) + sg.node_result_bytes(node)
+def _moved_bytes(sg: ShardedGraph) -> np.ndarray:
+    """Per node, the per-device bytes it reads and writes under a sharded graph: its operands'
+    and its own results'."""
+    source, operand = sg.facts.operand_edges(sg.graph)
+    result = sg.node_bytes_all
+    return np.bincount(source, weights=result[operand], minlength=len(result)) + result

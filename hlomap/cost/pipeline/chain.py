@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.compute import CostCache, instruction_cost
+from hlomap.cost.compute import CostCache, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec, device_preset
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
@@ -409,7 +409,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
     by_name = {inst.name: inst for inst in entry.instructions}
 
     def seconds(name: str) -> float:
-        return instruction_cost(by_name[name], entry, module, spec, cache).seconds
+        return kept_instruction_cost(by_name[name], entry, module, spec, cache).seconds
 
     forward_time = np.zeros(n)
     backward_time = np.zeros(n)
