@@ -491,7 +491,8 @@ class JointModel:
 
     def _bytes(self, sg: ShardedGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per chain position: parameter and stash bytes on one device; every crossing value's
-        bytes on one device (in `attribution.spans` order); and the bytes of the forward's matmul outputs (`_forward_matmuls`)."""
+        bytes on one device (in `attribution.spans` order); and the bytes of the forward's matmul
+        outputs (`_forward_matmuls`)."""
         n = self.attribution.length
         degree = sg.tensor_degree
         (params, stash, saved), (value_tensor, value_bytes) = self._byte_terms()

@@ -92,6 +92,7 @@ def test_the_megatron_part_kept_per_model_width_is_the_plan_at_every_data_width(
         for data in (2, 3, 4, 6, 8, 16):
             plan, axes = model.plan_for(StageOption(data * model_width, data, model_width, PlanKind.EXPERT))
             fresh = MeshAxes.from_mesh({"data": data, "model": model_width})
-            expected = combine(data_parallel_plan(model.graph, "data", fresh), megatron_plan(model.graph, "model", fresh))
+            expected = combine(data_parallel_plan(model.graph, "data", fresh),
+                               megatron_plan(model.graph, "model", fresh))
             assert np.array_equal(plan, expected), (data, model_width)
             assert (plan == axes.index("model")).any()
