@@ -12,7 +12,6 @@ FileLocations / StackFrames tables to the module text; the parser keeps them ver
 from __future__ import annotations
 
 import functools
-
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
