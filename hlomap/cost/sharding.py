@@ -137,8 +137,8 @@ class ShardedGraph:
     @classmethod
     def build(cls, graph: FactorGraph, plan: np.ndarray, axes: MeshAxes,
               facts: GraphFacts | None = None) -> ShardedGraph:
-        """Apply `plan` to `graph`. Pass `facts` (from `GraphFacts.of(graph)`) when building
-        many plans on one graph."""
+        """Apply `plan` to `graph`. `facts`: the graph's `GraphFacts` (default `GraphFacts.of(graph)`,
+        kept per graph, so plans built on one graph share them either way)."""
         facts = facts if facts is not None else GraphFacts.of(graph)
         plan = np.asarray(plan).astype(np.int64)
         if plan.shape != (graph.num_groups,):

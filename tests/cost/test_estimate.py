@@ -346,12 +346,11 @@ def test_costs_of_one_module_on_sped_up_devices_do_not_share_a_cache(gpt) -> Non
     price it at its own speed."""
     from hlomap.cost.cluster import sped_up
     from hlomap.cost.estimate import instruction_arrays
-    from hlomap.cost.sharding import GraphFacts, ShardedGraph
+    from hlomap.cost.sharding import ShardedGraph
 
     cap, graph = gpt
     array, axes = reference_plan(graph, "dp", {"data": 8})
-    facts = GraphFacts.of(graph)
-    sg = ShardedGraph.build(graph, array, axes, facts=facts)
+    sg = ShardedGraph.build(graph, array, axes)
     device = DeviceSpec("cpu", {"f32": 1e11}, 1e10, 2**34)
     cache: dict = {}
     slow = instruction_arrays(sg, device, {}, frozenset(), cache)

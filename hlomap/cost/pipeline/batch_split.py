@@ -96,7 +96,7 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
     """The fixed shares and in-pass all-reduces of a split batch on `device` (module docstring).
     `graph`: the step's factor graph when the caller has it already (building it is most of this
     function's time)."""
-    from hlomap.cost.sharding import GraphFacts, ShardedGraph
+    from hlomap.cost.sharding import ShardedGraph
     from hlomap.propagation.conflicts import MeshAxes
     from hlomap.propagation.graph import FactorGraph
     from hlomap.propagation.plans import data_parallel_plan
@@ -111,9 +111,8 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
     except ValueError as err:  # no data input to split
         log.info("%s: no data-parallel split to price a microbatch's fixed work (%s)", cap.source, err)
         return BatchSplit()
-    facts = GraphFacts.of(graph)
-    split = ShardedGraph.build(graph, plan, axes, facts=facts)
-    whole = ShardedGraph.build(graph, np.full(graph.num_groups, -1, dtype=np.int64), axes, facts=facts)
+    split = ShardedGraph.build(graph, plan, axes)
+    whole = ShardedGraph.build(graph, np.full(graph.num_groups, -1, dtype=np.int64), axes)
     moved_split, moved_whole = _moved_bytes(split), _moved_bytes(whole)
     module = cap.module
     entry = module.entry

@@ -42,7 +42,7 @@ from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
 from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_of, kept_bytes
 from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, MATMUL_OPCODES, UPDATE, DataScaling, PositionedCollective,
-                                        StageWork, fit_data_scaling)
+                                        StageWork, fit_data_scaling, per_position)
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,6 @@ class JointModel:
     searched_plans: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
     _arrays: dict[StageOption, StageArrays] = field(default_factory=dict)
     _cache: dict[Any, Any] = field(default_factory=dict)
-    _facts: GraphFacts | None = None
 
     @classmethod
     def build(cls, cap: Capture, cluster: Cluster, pivots: Sequence[int], *, graph: FactorGraph | None = None,
@@ -247,7 +246,7 @@ class JointModel:
         plan, axes = self.plan_for(option)
         key = ("split state", option.model, plan.tobytes())  # data widths with one plan array answer alike
         if key not in self._cache:
-            sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
+            sg = ShardedGraph.build(self.graph, plan, axes)
             self._cache[key] = "data" in state_axes(sg)
         return bool(self._cache[key])
 
@@ -299,8 +298,6 @@ class JointModel:
 
     def _price(self, option: StageOption) -> StageArrays:
         plan, axes = self.plan_for(option)
-        if self._facts is None:  # what the cost model reads off the graph, whatever the plan: once
-            self._facts = GraphFacts.of(self.graph)
         work = None
         if option.data > 1:  # one family per tensor-parallel width prices every data width
             family = self._family(option)
@@ -315,7 +312,7 @@ class JointModel:
 
     def _work(self, option: StageOption, plan: np.ndarray, axes: MeshAxes) -> StageWork:
         """The option's work per chain position, from the cost model's estimate of the step."""
-        sg = ShardedGraph.build(self.graph, plan, axes, facts=self._facts)
+        sg = ShardedGraph.build(self.graph, plan, axes)
         # every stage computes while the others do: the cluster's devices are all busy
         work = step_arrays(sg, self.cluster, self._mapping(option), cache=self._cache, busy=self.cluster.n_devices)
         return self._gathered_work(work.instructions, work.collectives, sg)
@@ -325,16 +322,10 @@ class JointModel:
         """Instructions and collectives summed per chain position (`StageWork`)."""
         n = self.attribution.length
         where = self._where()
-        position = self.node_positions()[instructions.node]
+        node = instructions.node
         forward_node, matmul_node = self._node_kinds()
-        seconds = instructions.seconds
-        charged = position >= 0
-        ahead = charged & forward_node[instructions.node]
-        again = ahead & ~matmul_node[instructions.node]
-        compute = np.bincount(position[charged], weights=seconds[charged], minlength=n)
-        forward = np.bincount(position[ahead], weights=seconds[ahead], minlength=n)
-        redo = np.bincount(position[again], weights=seconds[again], minlength=n)
-        update_total = float(seconds[position == UPDATE].sum())
+        compute, forward, redo, update_total = per_position(instructions.seconds, self.node_positions()[node],
+                                                            forward_node[node], matmul_node[node], n)
         grads, buffers = np.zeros(n), np.zeros(n)
         priced = []
         for c in collectives:
@@ -378,7 +369,7 @@ class JointModel:
         (`MATMUL_OPCODES`: what selective recomputation keeps); memoized."""
         key = ("node kinds",)
         if key not in self._cache:
-            phases = self._facts.phases if self._facts is not None else GraphFacts.of(self.graph).phases
+            phases = GraphFacts.of(self.graph).phases
             self._cache[key] = (np.asarray([p is Phase.FORWARD for p in phases], dtype=bool),
                                 np.asarray([node.instruction.opcode in MATMUL_OPCODES for node in self.graph.nodes],
                                            dtype=bool))

@@ -41,7 +41,7 @@ from hlomap.plan.sections import Recompute
 if TYPE_CHECKING:
     from hlomap.tasks.joint.costs import JointModel, StageOption
 
-__all__ = ["FAMILY_WIDTHS", "DataScaling", "PositionedCollective", "StageWork", "fit_data_scaling"]
+__all__ = ["FAMILY_WIDTHS", "DataScaling", "PositionedCollective", "StageWork", "fit_data_scaling", "per_position"]
 
 #: The data widths a family is fitted at: three points fix m_-1 / d + m_0 + m_1 d; the third also
 #: checks the two-point forms.
@@ -116,19 +116,27 @@ class DataScaling:
         compute = np.where(self.compute_split, self.compute * (base / d), self.compute)
         memory = self.memory[0] / d + self.memory[1] + self.memory[2] * d
         seconds = np.maximum(compute, memory) + self.launch
-        n = len(self.params)
-        charged = self.position >= 0
-        total = np.bincount(self.position[charged], weights=seconds[charged], minlength=n)
-        ahead = charged & self.forward
-        forward = np.bincount(self.position[ahead], weights=seconds[ahead], minlength=n)
-        again = ahead & ~self.matmul
-        redo = np.bincount(self.position[again], weights=seconds[again], minlength=n)
-        update_total = float(seconds[self.position == UPDATE].sum())
+        total, forward, redo, update_total = per_position(seconds, self.position, self.forward, self.matmul,
+                                                          len(self.params))
         collectives = tuple(c._replace(nbytes=c.nbytes * (base / d) ** e) for c, e in self.collectives)
         values = self.values[0] / d + self.values[1]
         return StageWork(total, forward, update_total, collectives, self.grads.copy(), self.buffers.copy(),
                          self.params.copy(), self.stash[0] / d + self.stash[1], values, redo,
                          self.saved[0] / d + self.saved[1])
+
+
+def per_position(seconds: np.ndarray, position: np.ndarray, forward: np.ndarray, matmul: np.ndarray,
+                 n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Instructions' seconds summed per chain position (`position`: UPDATE, -1 or a position):
+    all of them, the forward ones, the forward ones other than matmuls (what selective
+    recomputation runs again), and the optimizer update's in all."""
+    charged = position >= 0
+    ahead = charged & forward
+    again = ahead & ~matmul
+    return (np.bincount(position[charged], weights=seconds[charged], minlength=n),
+            np.bincount(position[ahead], weights=seconds[ahead], minlength=n),
+            np.bincount(position[again], weights=seconds[again], minlength=n),
+            float(seconds[position == UPDATE].sum()))
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
@@ -140,16 +148,13 @@ def fit_data_scaling(model: JointModel, option: StageOption) -> DataScaling | No
     changes between them or a form does not hold (the caller then prices each width in full)."""
     import dataclasses
 
-    from hlomap.cost.sharding import GraphFacts
-
     widths = FAMILY_WIDTHS
     options = [dataclasses.replace(option, devices=d * option.model, data=d, recompute=Recompute.NONE,
                                    split_state=False) for d in widths]
     plans = [model.plan_for(o) for o in options]
     if any(not np.array_equal(plans[0][0], p) for p, _ in plans[1:]):
         return None
-    facts = model._facts if model._facts is not None else GraphFacts.of(model.graph)
-    sgs = [ShardedGraph.build(model.graph, plan, axes, facts=facts) for plan, axes in plans]
+    sgs = [ShardedGraph.build(model.graph, plan, axes) for plan, axes in plans]
     works = [step_arrays(sg, model.cluster, model._mapping(o), cache=model._cache, busy=model.cluster.n_devices)
              for sg, o in zip(sgs, options)]
     runs = [w.instructions for w in works]

@@ -97,22 +97,31 @@ def _latency(times: tuple[list[float], list[float]], microbatches: int) -> float
     return sum(stages) + 2 * sum(cuts) + (microbatches - 1) * max(stages + cuts)
 
 
+def _priced(plans: dict, microbatches: int):  # type: ignore[no-untyped-def]
+    """The latency the DP asks for, refusing a chain that is not one of the problem's plans."""
+    def latency(chain: StageChain) -> float:
+        assert chain in plans, f"the DP returned {chain}, not a plan of the problem"
+        return _latency(plans[chain], microbatches)
+
+    return latency
+
+
+def _enumerated_best(plans: dict, microbatches: int) -> float:
+    return min(_latency(times, microbatches) for times in plans.values())
+
+
 @pytest.mark.parametrize("use_all_devices", [True, False])
 @pytest.mark.parametrize("microbatches", [1, 4])
 @pytest.mark.parametrize("seed", range(12))
 def test_least_latency_is_the_enumerated_optimum(seed, microbatches, use_all_devices) -> None:
     toy = _toy(seed, use_all_devices)
     plans = dict(_plans(toy))
-
-    def latency(chain: StageChain) -> float:
-        assert chain in plans, f"the DP returned {chain}, not a plan of the problem"
-        return _latency(plans[chain], microbatches)
-
+    latency = _priced(plans, microbatches)
     chain = least_latency(toy, microbatches, latency)
     if not plans:
         assert chain is None
         return
-    best = min(_latency(times, microbatches) for times in plans.values())
+    best = _enumerated_best(plans, microbatches)
     assert latency(chain) == pytest.approx(best, rel=1e-12)
     assert least_latency(toy, microbatches, latency, bound=best * (1 - 1e-9)) is None
 
@@ -204,16 +213,13 @@ def test_the_shared_cut_pass_is_the_enumerated_optimum(seed, use_all_devices, he
     toy = _shared_toy(seed, use_all_devices, held_cap)
     plans = dict(_plans(toy))
     for microbatches in (1, 3, 16):
-        def latency(chain: StageChain) -> float:
-            assert chain in plans, f"the DP returned {chain}, not a plan of the problem"
-            return _latency(plans[chain], microbatches)
-
+        latency = _priced(plans, microbatches)
         chain = least_latency(toy, microbatches, latency)
         general = least_latency(dataclasses.replace(toy, cut_depends_on_next=True), microbatches, latency)
         if not plans:
             assert chain is None and general is None
             continue
-        best = min(_latency(times, microbatches) for times in plans.values())
+        best = _enumerated_best(plans, microbatches)
         assert latency(chain) == pytest.approx(best, rel=1e-12)
         assert latency(general) == pytest.approx(best, rel=1e-12)
         assert least_latency(toy, microbatches, latency, bound=best * (1 - 1e-9)) is None
@@ -235,14 +241,12 @@ def test_thresholds_equal_but_for_rounding_share_a_pass(seed) -> None:
     toy = dataclasses.replace(toy, stage=np.where(np.isfinite(coarse), coarse * noise, np.inf))
     plans = dict(_plans(toy))
     for microbatches in (3, 16):
-        def latency(chain: StageChain) -> float:
-            return _latency(plans[chain], microbatches)
-
+        latency = _priced(plans, microbatches)
         chain = least_latency(toy, microbatches, latency)
         if not plans:
             assert chain is None
             continue
-        best = min(_latency(times, microbatches) for times in plans.values())
+        best = _enumerated_best(plans, microbatches)
         assert latency(chain) == pytest.approx(best, rel=1e-9)
 
 
@@ -265,12 +269,12 @@ def test_the_shared_cut_pass_on_short_stages_is_the_same(seed, use_all_devices, 
     toy = dataclasses.replace(toy, stage=toy.stage * short)
     plans = {chain: times for chain, times in _plans(toy) if np.isfinite(times[0]).all()}
     for microbatches in (1, 3, 16):
-        chain = least_latency(toy, microbatches, lambda c: _latency(plans[c], microbatches))
+        latency = _priced(plans, microbatches)
+        chain = least_latency(toy, microbatches, latency)
         if not plans:
             assert chain is None
             continue
-        best = min(_latency(t, microbatches) for t in plans.values())
-        assert _latency(plans[chain], microbatches) == pytest.approx(best, rel=1e-12)
+        assert latency(chain) == pytest.approx(_enumerated_best(plans, microbatches), rel=1e-12)
 
 
 @dataclass(frozen=True)
