@@ -859,6 +859,8 @@ class JointSimulation:
     result: Any
     executor: str = ""
     executor_seconds: float = 0.0
+    placement: Any = None  # the plan's placement section, when it has one (`result` is priced on it)
+    identity_seconds: float | None = None  # a placed plan's L on its own device ids
 
     @property
     def fits(self) -> bool:
@@ -947,12 +949,22 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
         raise InputError(f"{where}: a {category.value} plan is priced from the step's module: name its SOURCE")
     if category is PlanCategory.JOINT:
         from hlomap.tasks.joint.explore import reprice_joint_plan
+        from hlomap.tasks.joint.layout import priced_on
 
         check_plan_for(plan, cap, where)
         try:
-            return JointSimulation(reprice_joint_plan(cap, cluster, plan.pipeline), chosen, overhead)
+            result = reprice_joint_plan(cap, cluster, plan.pipeline)
         except ValueError as err:
             raise InputError(f"--plan {where}: {err}") from None
+        order = plan.device_order()
+        if max(order) >= cluster.n_devices:
+            raise InputError(f"--plan {where}: its placement uses device {max(order)} but cluster {cluster.name!r} "
+                             f"has {cluster.n_devices} devices")
+        # each stage's collectives and cuts on the devices it runs on (its placement's, if any)
+        placed = dataclasses.replace(result, cost=priced_on(result.model, result.plan, order))
+        identity = (priced_on(result.model, result.plan, plan.logical_devices()).latency
+                    if plan.placement is not None else None)
+        return JointSimulation(placed, chosen, overhead, plan.placement, identity)
     placed = category is PlanCategory.SPMD and plan.placement is not None
     if category is PlanCategory.SPMD:
         check_plan_for(plan, cap, where)
@@ -1164,7 +1176,7 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     import dataclasses
 
     from hlomap.cost.cluster import Cluster
-    from hlomap.tasks.placement.place import problem_from_plan, refuse_chunks
+    from hlomap.tasks.placement.place import problem_from_plan
 
     if agent not in PLACEMENT_AGENTS:
         raise InputError(f"--agent {agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
@@ -1174,8 +1186,11 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     if cap is not None and plan.pipeline is None:
         check_plan_for(plan, cap, where)
         step_estimate = estimate(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
-    refuse_chunks(plan, "placement", where)
-    problem = problem_from_plan(plan, cluster, estimate=step_estimate, where=where)
+    if plan_category(plan) is PlanCategory.JOINT:
+        if cap is None:
+            raise InputError(f"{where}: a joint plan is priced from its step's module: name its SOURCE (--source)")
+        check_plan_for(plan, cap, where)
+    problem = problem_from_plan(plan, cluster, estimate=step_estimate, cap=cap, where=where)
     notes: tuple[str, ...] = ()
     estimated_on = (plan.estimate or {}).get("cluster")
     if plan.pipeline is None and step_estimate is None and estimated_on not in (None, cluster.name):

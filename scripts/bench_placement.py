@@ -9,13 +9,14 @@ random and greedy search at equal budget.
 
 Problems (`hlomap.tasks.placement.generate`): for every topology family and size, an SPMD
 transformer step on a data x model mesh (tensor-parallel all-reduces along `model`, the gradient
-all-reduce along `data`) and a pipeline of S stages replicated r ways, priced by the cost model.
+all-reduce along `data`), a pipeline of S stages replicated r ways, and a joint plan of S stages
+each with its own data x model mesh, priced by the cost model.
 
 Tables:
 0. starts: scrambled torus:8x8 (device ids a random permutation of its nodes), torus:4x4x4,
    torus:8x8x8, mesh:16x16, hier:8x8, random:64 and random:512 (and a scrambled torus:2x4 where
    exact enumeration fits, without --quick), each with a tensor-parallel workload (n / 8 groups
-   of 8 all-reducing 100 MB at once) and the pipeline workload: the step time of the identity,
+   of 8 all-reducing 100 MB at once), the pipeline and the joint workload: the step time of the identity,
    random search, every structured start (walks over the topology coordinates: row-major,
    snake, Hilbert, and the mesh-axis nestings over them; recursive bisection; the constructive
    placement), greedy (`place`'s default), PPO and exact, priced by the cost model (tori and
@@ -55,7 +56,7 @@ from hlomap.search.tracker import Budget, Driver, SearchResult  # noqa: E402
 from hlomap.cost.cluster import load_cluster  # noqa: E402
 from hlomap.tasks.placement.construct import named_starts  # noqa: E402
 from hlomap.tasks.placement.generate import (BENCHMARK_SIZES, BenchmarkWorkload, TopologyFamily,  # noqa: E402
-                                             benchmark_problem, model_for, pipeline_layout, random_problem,
+                                             benchmark_problem, joint_layout, model_for, pipeline_layout, random_problem,
                                              scrambled, tensor_parallel_layout)
 from hlomap.tasks.placement.place import search_placement  # noqa: E402
 from hlomap.tasks.placement.ppo import DEFAULT_POLICY, load_placement_policy  # noqa: E402
@@ -73,7 +74,7 @@ START_CLUSTERS = (("torus:8x8", True), ("torus:4x4x4", False), ("torus:8x8x8", F
                   ("hier:8x8", False), ("random:64:0", False), ("random:512:0", False))
 #: Where exact enumeration fits (8 devices), without --quick.
 EXACT_CLUSTERS = (("torus:2x4", True),)
-START_WORKLOADS = ("tp", "pipeline")
+START_WORKLOADS = ("tp", "pipeline", "joint")
 #: Seconds per solver in the starts table, by device count (x --budget-scale); --quick: QUICK_BUDGET.
 START_BUDGET = {8: 2.0, 64: 8.0, 256: 20.0, 512: 30.0}
 QUICK_BUDGET = {8: 1.0, 64: 2.0, 256: 4.0, 512: 6.0}
@@ -93,8 +94,10 @@ def _starts_problem(topology: str, scramble: bool, workload: str) -> PlacementPr
     cluster = load_cluster(topology)
     cluster = scrambled(cluster, seed=0) if scramble else cluster
     n = cluster.n_devices
+    stages = 4 if n <= 8 else None
     layout = (tensor_parallel_layout(n, group=min(8, n // 2)) if workload == "tp"
-              else pipeline_layout(cluster, n, model_for(n), stages=4 if n <= 8 else None))
+              else joint_layout(cluster, n, model_for(n), stages=stages) if workload == "joint"
+              else pipeline_layout(cluster, n, model_for(n), stages=stages))
     return PlacementProblem(cluster, layout, name=f"{workload} on {cluster.name}")
 
 

@@ -11,11 +11,13 @@ from hlomap import api
 from hlomap.cli import common
 
 DESCRIPTION = ("Topology-aware device placement: choose which device of the cluster takes each logical position of "
-               "a plan (the mesh's positions, or each pipeline stage's replicas) to minimize the estimated step "
-               "time: collectives along the mesh axes, stage all-reduces and the transfers between stages. Writes "
-               "the plan with a placement section; hlomap simulate then prices it on that order.")
+               "a plan (the mesh's positions, each pipeline stage's replicas, or each joint stage's mesh) to "
+               "minimize the estimated step time: collectives along the mesh axes, stage all-reduces and the "
+               "transfers between stages. Writes the plan with a placement section; hlomap simulate then prices "
+               "it on that order.")
 EPILOG = ("examples:\n  hlomap place plan.json --cluster torus:8x8x8\n"
-          "  hlomap place pipeline.json --cluster random:64:3 --agent ppo -o placed.json")
+          "  hlomap place pipeline.json --cluster random:64:3 --agent ppo -o placed.json\n"
+          "  hlomap place auto.json --cluster torus:4x4 --source zoo:gpt-tiny    # a joint plan (--task auto)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,8 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                               "a quarter of it passes without a better placement)",
                               evaluations_help="also stop after N evaluations (a swap tried, or a placement priced)")
     p.add_argument("--source", metavar="SOURCE",
-                   help="an SPMD plan's step (zoo:NAME, FILE.py:FUNCTION or HLO file) to estimate its collectives on "
-                        "this cluster, instead of the estimate saved in the plan")
+                   help="the plan's step (zoo:NAME, FILE.py:FUNCTION or HLO file): an SPMD plan's collectives are "
+                        "estimated again on this cluster instead of taken from the estimate saved in the plan; a "
+                        "joint plan (hlomap explore --task auto) needs it")
     common.add_role_options(p)
     p.add_argument("--policy", metavar="POLICY.npz", help="ppo: a placement policy file (default: the shipped one)")
     p.add_argument("--finetune-seconds", type=common.seconds, default=0.0, metavar="N",
@@ -54,7 +57,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     cluster = common.cluster_argument(args.cluster, None)
     output = Path(args.output) if args.output else common.beside(Path(args.plan), "placed.json")
     common.check_outputs(output)
-    cap = common.load_capture(args) if args.source and plan.pipeline is None else None
+    cap = common.load_capture(args) if args.source and api.needs_module(plan) else None
     job = api.prepare_placement(plan, cluster, agent=args.agent, cap=cap, policy=args.policy,
                                 finetune_seconds=args.finetune_seconds, where=args.plan)
     if not args.quiet:

@@ -3,7 +3,7 @@ time per microbatch, memory) and L, beside the expert grid's configurations pric
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from hlomap.report.units import human_bytes, human_seconds
 from hlomap.tasks.joint.costs import RECOMPUTED_WORDS
@@ -12,13 +12,31 @@ from hlomap.tasks.joint.explore import JointResult
 __all__ = ["format_joint_result"]
 
 
-def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | None = None) -> Any:
+def stage_devices(plan: Any, order: Sequence[int]) -> list[list[int]]:
+    """Each stage's devices when the plan's positions, stage by stage, are on `order` (a
+    placement's device order)."""
+    found, start = [], 0
+    for stage in plan.stages:
+        found.append([int(d) for d in order[start:start + len(stage.devices)]])
+        start += len(stage.devices)
+    return found
+
+
+def device_list(devices: Sequence[int], shown: int = 8) -> str:
+    return "[" + ", ".join(str(d) for d in devices[:shown]) + (", ...]" if len(devices) > shown else "]")
+
+
+def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | None = None,
+                        devices: Sequence[int] | None = None) -> Any:
+    """The stages, L and the search; `devices`: a placement's device order (the stages' positions
+    in order), shown instead of each stage's own device range."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     model, plan, cost = result.model, result.plan, result.cost
     names = model.layer_names
+    held = [device_list(group) for group in stage_devices(plan, devices)] if devices is not None else []
     stages = Table(title=f"{name or model.cap.source} on {model.cluster.name}: {plan.n_stages} stages, "
                          f"{plan.microbatches} microbatches, {plan.schedule.value}", show_edge=False)
     for column in ("stage", "layers", "devices", "mesh", "plan", "time / microbatch", "memory / device", "capacity"):
@@ -27,8 +45,9 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
     for s, stage in enumerate(plan.stages):
         option = stage.option
         over = cost.stage_memory[s] > cost.device_memory[s]
-        stages.add_row(str(s), f"{names[stage.start]} .. {names[stage.stop - 1]}",
-                       f"{stage.first_device}-{stage.first_device + option.devices - 1}",
+        layers = names[stage.start] if stage.stop - stage.start == 1 else f"{names[stage.start]} .. {names[stage.stop - 1]}"
+        stages.add_row(str(s), layers,
+                       held[s] if held else f"{stage.first_device}-{stage.first_device + option.devices - 1}",
                        f"data={option.data} x model={option.model}",
                        option.kind.value + RECOMPUTED_WORDS[option.recompute],
                        human_seconds(cost.stage_seconds[s]),

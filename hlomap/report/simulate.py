@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hlomap.report.estimate import format_estimate
-from hlomap.report.joint import format_joint_result
+from hlomap.report.joint import format_joint_result, stage_devices
 from hlomap.report.placement import format_pipeline_estimate, placement_line
 from hlomap.report.units import human_seconds
 
@@ -16,7 +16,12 @@ __all__ = ["format_simulation", "simulation_json"]
 def format_simulation(simulation: Any, *, top: int = 10, name: str | None = None) -> list[Any]:
     """Report items, in order: plain-text strings and rich renderables."""
     if hasattr(simulation, "result"):  # a joint plan
-        return [format_joint_result(simulation.result, name=name)]
+        placement = simulation.placement
+        out = [format_joint_result(simulation.result, name=name,
+                                   devices=None if placement is None else placement.devices)]
+        if placement is not None:
+            out.append(placement_line(placement, simulation.result.cost.latency, simulation.identity_seconds))
+        return out
     if hasattr(simulation, "cluster_name"):  # a pipeline plan
         return [format_pipeline_estimate(simulation.estimate, simulation.cluster_name, simulation.placement),
                 executor_line(simulation)]
@@ -42,9 +47,13 @@ def simulation_json(simulation: Any) -> dict[str, Any]:
     """The simulation as JSON-ready data (`hlomap simulate --json`)."""
     if hasattr(simulation, "result"):
         cost = simulation.result.cost
-        return {"step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
+        data = {"step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
                 "stage_seconds": list(cost.stage_seconds), "stage_memory_bytes": list(cost.stage_memory),
                 "transfer_seconds": list(cost.transfer_seconds), "fits": cost.fits}
+        if simulation.placement is not None:
+            data |= {"stages": [list(devices) for devices in stage_devices(simulation.result.plan, simulation.placement.devices)],
+                     "identity_order_step_seconds": simulation.identity_seconds}
+        return data
     if hasattr(simulation, "cluster_name"):
         est = simulation.estimate
         return {"cluster": simulation.cluster_name, "step_seconds": est.placed.length,

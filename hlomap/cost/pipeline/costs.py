@@ -69,6 +69,7 @@ __all__ = [
     "peak_counts",
     "pipeline_latency",
     "schedule_latency",
+    "stage_time_latency",
 ]
 
 
@@ -138,6 +139,30 @@ def pipeline_latency(stage_seconds: Sequence[float], transfer_seconds: Sequence[
     return sum(stage_seconds) + 2 * sum(transfer_seconds) + (microbatches - 1) * bottleneck, bottleneck
 
 
+#: Schedules the closed form `pipeline_latency` prices exactly; the others take the event timeline.
+CLOSED_FORM_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+
+def stage_time_latency(stage_seconds: Sequence[float], forward_share: Sequence[float],
+                       transfer_seconds: Sequence[float], schedule: Schedule, microbatches: int, *,
+                       timeline: bool = False) -> tuple[float, float]:
+    """(L, tau) of a pipeline of one chunk per stage from each stage's whole time per microbatch
+    (its gradient sync included) and the forward's share of it: the closed form under GPipe and
+    1F1B, else (or with `timeline`) the event timeline with each stage's time split into its
+    forward and backward by `forward_share` (under ZB-H1 the backward into input and weight
+    passes by `INPUT_GRADIENT_SHARE`). The joint planner and the placement of its plans price
+    stages this way."""
+    if schedule in CLOSED_FORM_SCHEDULES and not timeline:
+        return pipeline_latency(stage_seconds, transfer_seconds, microbatches)
+    forward = [t * f for t, f in zip(stage_seconds, forward_share)]
+    backward = [t - f for t, f in zip(stage_seconds, forward)]
+    split = schedule is Schedule.ZERO_BUBBLE
+    inputs = [b * INPUT_GRADIENT_SHARE for b in backward] if split else backward
+    weights = [b - i for b, i in zip(backward, inputs)] if split else [0.0] * len(backward)
+    spans, group_free = event_timeline(forward, inputs, weights, transfer_seconds, schedule, microbatches)
+    return max([*group_free, *(span.end for span in spans)]), max([*stage_seconds, *transfer_seconds])
+
+
 def schedule_latency(forward: Sequence[float], backward: Sequence[float], transfer: Sequence[float],
                      allreduce: Sequence[float], microbatches: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
                      repeats: int = 1, *, sync_each_microbatch: bool = False) -> tuple[float, float]:
@@ -159,7 +184,7 @@ def schedule_latency(forward: Sequence[float], backward: Sequence[float], transf
         raise ValueError(f"{n_logical} logical stages with repeats {repeats} need as many backward times, "
                          f"{n_logical - 1} transfers and {groups} all-reduces; got {len(backward)}, "
                          f"{len(transfer)} and {len(allreduce)}")
-    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and repeats == 1:
+    if schedule in CLOSED_FORM_SCHEDULES and repeats == 1:
         share = 1 if sync_each_microbatch else microbatches
         times = [f + b + a / share for f, b, a in zip(forward, backward, allreduce)]
         return pipeline_latency(times, transfer, microbatches)
@@ -378,7 +403,7 @@ def evaluate_plan(
         nbytes = float(profile.activation_bytes[a.stop - 1])
         transfers.append(float(prices.transfer(a.devices, b.devices)(nbytes)) if comm else 0.0)
     update = [stage_update_seconds(profile, cluster, plan, g) for g in range(groups)]
-    if plan.repeats == 1 and plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+    if plan.repeats == 1 and plan.schedule in CLOSED_FORM_SCHEDULES:
         # the closed form over t_s = c_s + a_s / M, or + a_s on a cluster whose executors sync
         # every microbatch (compute is the profile's, as the DP's tables), + the stage's
         # optimizer update / M (once per step, amortized as the joint planner does)

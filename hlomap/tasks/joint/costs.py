@@ -298,14 +298,18 @@ class JointModel:
 
     def _price(self, option: StageOption) -> StageArrays:
         plan, axes = self.plan_for(option)
-        work = None
+        return self._arrays_of(option, plan, axes, self.work(option))
+
+    def work(self, option: StageOption) -> StageWork:
+        """The work per chain position of `option`'s plan, its collectives not yet priced on
+        devices (not memoized: `arrays` keeps what the planner needs of it; placement asks once
+        per stage for the collectives)."""
+        plan, axes = self.plan_for(option)
         if option.data > 1:  # one family per tensor-parallel width prices every data width
             family = self._family(option)
             if family is not None and np.array_equal(family.plan, plan):
-                work = family.at(option.data)
-        if work is None:
-            work = self._work(option, plan, axes)
-        return self._arrays_of(option, plan, axes, work)
+                return family.at(option.data)
+        return self._work(option, plan, axes)
 
     def _mapping(self, option: StageOption) -> AxisMapping:
         return axis_devices(self.cluster, option.mesh, order=("data", "model"))

@@ -247,17 +247,21 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
 def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Pipeline, *,
                        graph: FactorGraph | None = None) -> JointResult:
     """A saved joint plan priced again by the cost model on `cluster` (no search): what `hlomap
-    simulate` shows. The plan's layers must be this cluster's layers (the planner cuts the step
-    where the cluster's uniform splits cut), which holds for the cluster it was made for."""
+    simulate` shows. On the cluster it was made for, the step is cut into that cluster's layers
+    (the planner cuts where the cluster's uniform splits cut); elsewhere into one layer per stage
+    (`layout.staged_model`: the same stage prices, since a stage costs the sum over its chain
+    positions)."""
+    from hlomap.tasks.joint.layout import staged_model
+
     start = time.perf_counter()
     # priced at the rate of the devices the plan keeps busy (faster when it leaves some idle and
     # the measured cluster's devices share hardware)
     busy = len({d for stage in section.stages for d in stage.devices})
     model = joint_model(cap, with_busy_devices(cluster, busy), graph=graph)
     saved = section.layer_names
-    if saved and saved != model.layer_names:
-        raise ValueError(f"the plan's layers ({len(saved)}) were cut for another cluster than {cluster.name} "
-                         f"({model.n_layers} layers); simulate it on the cluster it was made for")
+    if saved and saved != model.layer_names:  # cut for another cluster
+        model, plan = staged_model(cap, cluster, section, graph=model.graph)
+        return JointResult(model, plan, evaluate(model, plan), (), time.perf_counter() - start, "saved", 0)
     plan = saved_joint_plan(section)
     if plan.stages[-1].stop != model.n_layers or plan.stages[-1].first_device + plan.stages[-1].option.devices > \
             cluster.n_devices:

@@ -32,17 +32,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from hlomap.cost.estimate import dispatch_seconds
-from hlomap.cost.pipeline.costs import executor_overhead, pipeline_latency, syncs_each_microbatch
-from hlomap.cost.pipeline.stages import INPUT_GRADIENT_SHARE, PipelinePlan, Schedule, Stage, default_executor, in_flight
-from hlomap.cost.pipeline.timeline import event_timeline
+from hlomap.cost.pipeline.costs import executor_overhead, stage_time_latency, syncs_each_microbatch
+from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption
 
-__all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "stage_seconds"]
-
-#: Schedules the closed form prices exactly; the others are priced by the event timeline.
-CLOSED_FORM_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-
+__all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "forward_share", "stage_seconds"]
 
 @dataclass(frozen=True)
 class JointStage(Stage):
@@ -153,12 +148,12 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
     input and weight passes by `INPUT_GRADIENT_SHARE`)."""
     cluster = model.cluster
     m, n = plan.microbatches, plan.n_stages
-    times, transfers, memory, capacity, forward_share = [], [], [], [], []
+    times, transfers, memory, capacity, shares = [], [], [], [], []
     for s, stage in enumerate(plan.stages):
         a = model.arrays(stage.option)
         times.append(float(stage_seconds(a, stage.start, stage.stop, m,
                                          sync_each_microbatch=syncs_each_microbatch(cluster))))
-        forward_share.append(_forward_share(a, stage.start, stage.stop))
+        shares.append(forward_share(a, stage.start, stage.stop))
         held = in_flight(plan.schedule, s, n, m)
         memory.append(float(stage_memory(a, stage.start, stage.stop, held, m)))
         capacity.append(model.group_capacity(stage.first_device, len(stage.devices)))
@@ -166,32 +161,20 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
             nbytes = float(a.crossing[stage.stop - 1]) * stage.option.data / m
             transfers.append(model.transfer_seconds(stage.option, stage.first_device,
                                                     plan.stages[s + 1].first_device, nbytes))
-    if plan.schedule in CLOSED_FORM_SCHEDULES and not timeline:
-        latency, bottleneck = pipeline_latency(times, transfers, m)
-    else:
-        latency, bottleneck = _timeline_latency(times, forward_share, transfers, plan.schedule, m)
+    latency, bottleneck = stage_time_latency(times, shares, transfers, plan.schedule, m, timeline=timeline)
     overhead = joint_overhead(cluster, plan)
     return JointCost(latency + overhead, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity),
                      overhead)
 
 
-def _forward_share(a: StageArrays, i: int, j: int) -> float:
+def forward_share(a: StageArrays, i: int, j: int) -> float:
+    """The forward pass's share of layers [i, j)'s compute under the option of `a` (a
+    recomputation counts as backward work)."""
     forward = float(a.forward[j] - a.forward[i])
     compute = float(a.compute[j] - a.compute[i] + _recomputed_seconds(a, i, j))  # the recomputation is backward's
     if compute <= 0:
         return 1.0 / 3.0  # the rule of thumb: a backward is two forwards
     return forward / compute
-
-
-def _timeline_latency(times: Sequence[float], forward_share: Sequence[float], transfers: Sequence[float],
-                      schedule: Schedule, microbatches: int) -> tuple[float, float]:
-    forward = [t * f for t, f in zip(times, forward_share)]
-    backward = [t - f for t, f in zip(times, forward)]
-    split = schedule is Schedule.ZERO_BUBBLE
-    inputs = [b * INPUT_GRADIENT_SHARE for b in backward] if split else backward
-    weights = [b - i for b, i in zip(backward, inputs)] if split else [0.0] * len(backward)
-    spans, group_free = event_timeline(forward, inputs, weights, transfers, schedule, microbatches)
-    return max([*group_free, *(span.end for span in spans)]), max([*times, *transfers])
 
 
 def choose_schedule(model: JointModel, plan: JointPlan,

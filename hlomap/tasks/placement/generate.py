@@ -14,6 +14,10 @@ per sample and `microbatch` samples per data-parallel replica, 2-byte values, tr
 - pipeline: S stages of `layers / S` layers, each replicated r ways (data parallel inside the
   stage), M = 2 S microbatches: per stage its forward and backward compute, its parameter bytes
   (all-reduced once per batch), and the [b, s, h] activation crossing each cut.
+- joint: the pipeline's stages, each a data x model mesh (Megatron tensor parallelism on
+  `model`, at most 4 wide, inside the stage): per microbatch 4 all-reduces of the [b, s, h]
+  activations per layer along `model`, the stage's gradient all-reduce along `data` once per
+  batch, and each data replica's activations crossing each cut.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.estimate import CommunicationTerm
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import Schedule
-from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
+from hlomap.tasks.placement.problem import (JointLayout, Layout, MeshLayout, MeshStage, PlacementProblem,
+                                            StageLayout, StageTerm)
 
-__all__ = ["BENCHMARK_SIZES", "BenchmarkWorkload", "ModelSize", "TopologyFamily", "benchmark_problem", "model_for",
-           "pipeline_layout", "random_problem", "scrambled", "spmd_layout", "tensor_parallel_layout", "topology"]
+__all__ = ["BENCHMARK_SIZES", "BenchmarkWorkload", "ModelSize", "TopologyFamily", "benchmark_problem", "joint_layout",
+           "model_for", "pipeline_layout", "random_problem", "scrambled", "spmd_layout", "tensor_parallel_layout", "topology"]
 
 BENCHMARK_SIZES = (8, 16, 64, 128, 512)
 #: Values are 2 bytes (bf16 activations and gradients).
@@ -58,6 +63,7 @@ class TopologyFamily(str, enum.Enum):
 class BenchmarkWorkload(str, enum.Enum):
     SPMD = "spmd"
     PIPELINE = "pipeline"
+    JOINT = "joint"
 
     def __str__(self) -> str:
         return self.value
@@ -141,7 +147,7 @@ def spmd_layout(cluster: Cluster, n: int, model: ModelSize, model_axis: int | No
 
 def pipeline_layout(cluster: Cluster, n: int, model: ModelSize, stages: int | None = None) -> StageLayout:
     """The pipeline workload on n devices (module docstring)."""
-    s = stages or max(2, min(16, int(2 ** round(math.log2(n) / 2))))
+    s = stages or _stage_count(n)
     r = n // s
     if r * s != n or model.layers % s:
         raise ValueError(f"{s} stages do not split {n} devices and {model.layers} layers evenly")
@@ -156,6 +162,28 @@ def pipeline_layout(cluster: Cluster, n: int, model: ModelSize, stages: int | No
         source=f"transformer h={model.hidden} L={model.layers}",
     )
     return StageLayout(profile, (r,) * s, 2 * s, Schedule.ONE_F_ONE_B)
+
+
+def _stage_count(n: int) -> int:
+    return max(2, min(16, int(2 ** round(math.log2(n) / 2))))
+
+
+def joint_layout(cluster: Cluster, n: int, model: ModelSize, stages: int | None = None) -> JointLayout:
+    """The joint workload on n devices (module docstring)."""
+    s = stages or _stage_count(n)
+    group = n // s
+    if group * s != n or model.layers % s:
+        raise ValueError(f"{s} stages do not split {n} devices and {model.layers} layers evenly")
+    tp = min(4, group)
+    dp = group // tp
+    m = 2 * s
+    per_stage = model.parameters / s
+    compute = 6 * per_stage * model.microbatch * model.seq / tp / _flops_per_second(cluster.devices[0])
+    terms = (StageTerm(Collective.ALL_REDUCE, ("model",), model.activation_bytes, 4.0 * model.layers / s, 1.0, 1.0),
+             StageTerm(Collective.ALL_REDUCE, ("data",), per_stage / tp * VALUE_BYTES, 1.0, 1.0 / m, 1.0 / m))
+    return JointLayout(tuple(MeshStage((("data", dp), ("model", tp)), compute, terms,
+                                       model.activation_bytes * dp if k + 1 < s else 0.0) for k in range(s)),
+                       m, Schedule.ONE_F_ONE_B)
 
 
 def tensor_parallel_layout(n: int, group: int = 8, nbytes: float = 1e8, count: int = 1) -> MeshLayout:
@@ -191,8 +219,10 @@ def benchmark_problem(family: TopologyFamily | str, n: int, workload: BenchmarkW
     name = topology(family, n, seed)
     cluster = load_cluster(name)
     model = model_for(n)
-    spmd = BenchmarkWorkload(workload) is BenchmarkWorkload.SPMD
-    layout = spmd_layout(cluster, n, model) if spmd else pipeline_layout(cluster, n, model)
+    kind = BenchmarkWorkload(workload)
+    layout: Layout = (spmd_layout(cluster, n, model) if kind is BenchmarkWorkload.SPMD else
+                      joint_layout(cluster, n, model) if kind is BenchmarkWorkload.JOINT else
+                      pipeline_layout(cluster, n, model))
     return PlacementProblem(cluster, layout, name=f"{BenchmarkWorkload(workload).value} on {name}")
 
 

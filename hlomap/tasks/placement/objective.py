@@ -15,7 +15,12 @@ second:
   a swap that touches a term re-prices all of its groups at once (`collective_group_times`);
 - stage layouts: the (at most two) stages holding a or b and the cuts next to them, priced by the
   pipeline cost model through `PipelineModel`; L is recombined from the per-stage and per-cut
-  times exactly as `cost.pipeline.costs.evaluate_plan` combines them (a test holds them equal).
+  times exactly as `cost.pipeline.costs.evaluate_plan` combines them (a test holds them equal);
+- joint layouts: the same, each stage priced by its mesh's collectives on its placed groups
+  (`MeshStage.time`), L combined by `JointLayout.latency`;
+- stage layouts of several model chunks per stage (interleaved 1F1B, a circular GPipe): no closed
+  form combines per-stage times there, so every trial prices the whole plan (`step_seconds`; the
+  event timeline over S V logical stages), with its communication seconds as the tie-break.
 
 The value is the step time. Many moves leave it unchanged (a max over groups or ring edges only
 moves when its argmax does), so the tiebreak - the mean over groups, or the sum of every stage and
@@ -33,11 +38,12 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, GroupCost, collective_group_times
+from hlomap.cost.mapping import AxisMapping
 from hlomap.cost.pipeline.costs import pipeline_latency, stage_sync_seconds
 from hlomap.cost.pipeline.profile import replicated_seconds
 from hlomap.cost.pipeline.stages import Stage
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
-from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem, StageLayout
+from hlomap.tasks.placement.problem import JointLayout, MeshLayout, PlacementProblem, StageLayout
 
 __all__ = ["Affinity", "SearchState", "affinity", "new_state"]
 
@@ -225,52 +231,35 @@ class MeshState:
 # ---------------------------------------------------------------------------------------------
 
 
-class StageState:
-    """Incremental pricing of a pipeline layout (module docstring)."""
+class _StagedState:
+    """Incremental pricing of stages in a row (module docstring): a swap re-prices the stages
+    holding its two slots and the cuts beside them; subclasses price one stage (`_stage`), one
+    cut (`_cut`) and combine them (`_price`)."""
 
-    def __init__(self, problem: PlacementProblem, order: Sequence[int]):
-        layout = problem.layout
-        assert isinstance(layout, StageLayout)
+    def __init__(self, problem: PlacementProblem, order: Sequence[int], positions: tuple[range, ...]):
         self.problem = problem
-        self.layout = layout
         self.order = np.array(order, dtype=np.int64)
-        self.positions = layout.stage_positions()
+        self.positions = positions
         self.stage_of = np.full(problem.n_devices, -1, dtype=np.int64)
-        for s, positions in enumerate(self.positions):
-            self.stage_of[list(positions)] = s
-        profile = layout.profile
-        # compute per replica, and each stage's optimizer update amortized over the microbatches
-        # as the closed form does (`costs.evaluate_plan`; every replica updates all its parameters)
-        self.compute = (replicated_seconds(profile.compute_time, profile.compute_fixed, np.asarray(layout.replication))
-                        + profile.update_time / layout.microbatches)
-        self.profile = profile
-        self.params = profile.parameter_bytes
-        self.cut_bytes = profile.activation_bytes
-        self.m = layout.microbatches
-        self.model = PipelineModel(problem.cluster)
-        n = layout.n_stages
+        for s, members in enumerate(positions):
+            self.stage_of[list(members)] = s
+        n = len(positions)
         self.t = np.array([self._stage(s, self.order) for s in range(n)])
         self.u = np.array([self._cut(k, self.order) for k in range(n - 1)])
         self.value, self.tiebreak = self._price(self.t, self.u)
         self._pending: tuple[tuple[int, int], np.ndarray, np.ndarray, tuple[float, float]] | None = None
 
-    def _devices(self, s: int, order: np.ndarray) -> list[int]:
-        return order[list(self.positions[s])].tolist()
-
     def _stage(self, s: int, order: np.ndarray) -> float:
-        devices = self._devices(s, order)
-        allreduce = self.model.allreduce(devices, float(self.params[s]))
-        # the all-reduces the stage's passes run over its replicas, every microbatch
-        syncs = sum(stage_sync_seconds(self.profile, self.problem.cluster, Stage(s, s + 1, tuple(devices))))
-        return float(self.compute[s]) + allreduce / self.m + syncs
+        raise NotImplementedError
 
     def _cut(self, k: int, order: np.ndarray) -> float:
-        return self.model.transfer(self._devices(k, order), self._devices(k + 1, order), float(self.cut_bytes[k]))
+        raise NotImplementedError
 
     def _price(self, t: np.ndarray, u: np.ndarray) -> tuple[float, float]:
-        """(L, the fill-and-drain part of L as the tie-break), from the one closed form."""
-        latency, _ = pipeline_latency(t.tolist(), u.tolist(), self.m)
-        return latency, float(t.sum()) + 2 * float(u.sum())
+        raise NotImplementedError
+
+    def _devices(self, s: int, order: np.ndarray) -> list[int]:
+        return order[list(self.positions[s])].tolist()
 
     def try_swap(self, a: int, b: int) -> tuple[float, float]:
         stages = sorted({int(s) for s in (self.stage_of[a], self.stage_of[b]) if s >= 0})
@@ -300,7 +289,100 @@ class StageState:
         self._pending = None
 
 
-def new_state(problem: PlacementProblem, order: Sequence[int] | None = None) -> MeshState | StageState:
+class StageState(_StagedState):
+    """Incremental pricing of a pipeline layout (module docstring)."""
+
+    def __init__(self, problem: PlacementProblem, order: Sequence[int]):
+        layout = problem.layout
+        assert isinstance(layout, StageLayout)
+        self.layout = layout
+        profile = layout.profile
+        # compute per replica, and each stage's optimizer update amortized over the microbatches
+        # as the closed form does (`costs.evaluate_plan`; every replica updates all its parameters)
+        self.compute = (replicated_seconds(profile.compute_time, profile.compute_fixed, np.asarray(layout.replication))
+                        + profile.update_time / layout.microbatches)
+        self.profile = profile
+        self.params = profile.parameter_bytes
+        self.cut_bytes = profile.activation_bytes
+        self.m = layout.microbatches
+        self.model = PipelineModel(problem.cluster)
+        super().__init__(problem, order, layout.stage_positions())
+
+    def _stage(self, s: int, order: np.ndarray) -> float:
+        devices = self._devices(s, order)
+        allreduce = self.model.allreduce(devices, float(self.params[s]))
+        # the all-reduces the stage's passes run over its replicas, every microbatch
+        syncs = sum(stage_sync_seconds(self.profile, self.problem.cluster, Stage(s, s + 1, tuple(devices))))
+        return float(self.compute[s]) + allreduce / self.m + syncs
+
+    def _cut(self, k: int, order: np.ndarray) -> float:
+        return self.model.transfer(self._devices(k, order), self._devices(k + 1, order), float(self.cut_bytes[k]))
+
+    def _price(self, t: np.ndarray, u: np.ndarray) -> tuple[float, float]:
+        """(L, the fill-and-drain part of L as the tie-break), from the one closed form."""
+        latency, _ = pipeline_latency(t.tolist(), u.tolist(), self.m)
+        return latency, float(t.sum()) + 2 * float(u.sum())
+
+
+class JointState(_StagedState):
+    """Incremental pricing of a joint plan's layout: each stage priced on its mesh (module
+    docstring)."""
+
+    def __init__(self, problem: PlacementProblem, order: Sequence[int]):
+        layout = problem.layout
+        assert isinstance(layout, JointLayout)
+        self.joint = layout
+        super().__init__(problem, order, layout.stage_positions())
+
+    def _stage(self, s: int, order: np.ndarray) -> float:
+        return self.joint.stages[s].time(self.problem.cluster, self._devices(s, order))
+
+    def _cut(self, k: int, order: np.ndarray) -> float:
+        return self.joint.stages[k].send_time(self.problem.cluster, self._devices(k, order), self._devices(k + 1, order))
+
+    def _price(self, t: np.ndarray, u: np.ndarray) -> tuple[float, float]:
+        return self.joint.latency(t.tolist(), u.tolist()), float(t.sum()) + 2 * float(u.sum())
+
+
+class ChunkedState:
+    """Pricing of a pipeline layout with several model chunks per stage: each trial re-prices the
+    whole plan (module docstring)."""
+
+    def __init__(self, problem: PlacementProblem, order: Sequence[int]):
+        layout = problem.layout
+        assert isinstance(layout, StageLayout) and layout.repeats > 1
+        self.problem = problem
+        self.layout = layout
+        self.model = PipelineModel(problem.cluster)
+        self.order = np.array(order, dtype=np.int64)
+        self.value, self.tiebreak = self._priced(self.order)
+        self._pending: tuple[tuple[int, int], tuple[float, float]] | None = None
+
+    def _priced(self, order: np.ndarray) -> tuple[float, float]:
+        cost = self.model.plan_cost(self.layout.profile, self.layout.plan(order[:self.layout.n_positions].tolist()))
+        return cost.latency, float(sum(cost.stage_allreduce)) + 2 * float(sum(cost.cut_transfer))
+
+    def try_swap(self, a: int, b: int) -> tuple[float, float]:
+        n = self.layout.n_positions
+        if a >= n and b >= n:  # two unused devices: nothing moves
+            priced = (self.value, self.tiebreak)
+        else:
+            swapped = self.order.copy()
+            swapped[a], swapped[b] = self.order[b], self.order[a]
+            priced = self._priced(swapped)
+        self._pending = ((a, b), priced)
+        return priced
+
+    def swap(self, a: int, b: int) -> None:
+        if self._pending is None or self._pending[0] != (a, b):
+            self.try_swap(a, b)
+        assert self._pending is not None
+        self.value, self.tiebreak = self._pending[1]
+        self.order[a], self.order[b] = self.order[b], self.order[a]
+        self._pending = None
+
+
+def new_state(problem: PlacementProblem, order: Sequence[int] | None = None) -> SearchState:
     """A search state at `order` (a permutation of all devices; default: the identity placement
     followed by the unused devices)."""
     full = problem.full_order(problem.identity) if order is None else np.asarray(order, dtype=np.int64)
@@ -308,6 +390,10 @@ def new_state(problem: PlacementProblem, order: Sequence[int] | None = None) -> 
         raise ValueError(f"order must be a permutation of the {problem.n_devices} devices")
     if isinstance(problem.layout, MeshLayout):
         return MeshState(problem, full)
+    if isinstance(problem.layout, JointLayout):
+        return JointState(problem, full)
+    if problem.layout.repeats > 1:
+        return ChunkedState(problem, full)
     return StageState(problem, full)
 
 
@@ -391,6 +477,41 @@ def _collective_weights(kind: Collective, k: int, nbytes: float) -> tuple[float,
     return k - 1, (k - 1) / k * nbytes
 
 
+def _term_edges(slots: AxisMapping, kind: Collective, axes: tuple[str, ...], nbytes: float,
+                count: float) -> list[tuple[int, int, float, float]]:
+    """The edges of a collective run `count` times over every group of `axes` in `slots`."""
+    edges: list[tuple[int, int, float, float]] = []
+    for group in slots.groups(axes):
+        k = len(group)
+        if k < 2:
+            continue
+        steps, volume = _collective_weights(kind, k, nbytes)
+        edges += _edges_of_group(list(group), count * steps, count * volume, k <= ALL_PAIRS_LIMIT)
+    return edges
+
+
+def _joint_edges(layout: JointLayout) -> list[tuple[int, int, float, float]]:
+    """A joint layout's edges: each stage's collectives over its mesh (latency and bytes weighted
+    per microbatch as the stage pays them), and each cut between the sending replicas' first
+    devices and the receivers, weighted like a pipeline's cuts."""
+    edges: list[tuple[int, int, float, float]] = []
+    positions = layout.stage_positions()
+    m = layout.microbatches
+    for s, (stage, members) in enumerate(zip(layout.stages, positions)):
+        slots = stage.mapping(list(members))
+        for term in stage.terms:
+            per_latency, per_byte = term.count * term.latency_weight, term.count * term.bytes_weight
+            edges += [(p, q, wl * per_latency, wb * per_byte)
+                      for p, q, wl, wb in _term_edges(slots, term.kind, term.axes, term.nbytes, 1.0)]
+        if s + 1 < len(positions) and stage.send_bytes > 0:
+            receivers = positions[s + 1]
+            weight = m + 1  # 2 u_k in the sum, and u_k is often the bottleneck of M - 1 periods
+            for c in range(stage.data):
+                edges.append((members[c * stage.model], receivers[c % len(receivers)], weight / stage.data,
+                              weight * stage.send_bytes / stage.data / stage.data))
+    return edges
+
+
 def affinity(problem: PlacementProblem) -> Affinity:
     """The affinity of a problem's layout (weights from its terms, stages and cuts)."""
     layout = problem.layout
@@ -398,22 +519,22 @@ def affinity(problem: PlacementProblem) -> Affinity:
     if isinstance(layout, MeshLayout):
         slots = layout.mapping(np.arange(layout.n_positions))
         for term in layout.terms:
-            for group in slots.groups(term.axes):
-                k = len(group)
-                if k < 2:
-                    continue
-                steps, volume = _collective_weights(term.kind, k, term.nbytes)
-                edges += _edges_of_group(group, term.count * steps, term.count * volume, k <= ALL_PAIRS_LIMIT)
+            edges += _term_edges(slots, term.kind, term.axes, term.nbytes, term.count)
+    elif isinstance(layout, JointLayout):
+        edges = _joint_edges(layout)
     else:
         m = layout.microbatches
         positions = layout.stage_positions()
         profile = layout.profile
+        n_stages = len(positions)
         for s, members in enumerate(positions):
             r = len(members)
-            if r > 1 and profile.parameter_bytes[s] > 0:
-                steps, volume = 2 * (r - 1), 2 * (r - 1) / r * float(profile.parameter_bytes[s])
+            params = float(profile.parameter_bytes[s::n_stages].sum())  # every chunk the stage runs
+            if r > 1 and params > 0:
+                steps, volume = 2 * (r - 1), 2 * (r - 1) / r * params
                 edges += _edges_of_group(list(members), steps / m, volume / m, False)
-        for k, (src, dst) in enumerate(zip(positions[:-1], positions[1:])):
+        for k in range(profile.n_layers - 1):  # logical stage k runs on device stage k mod S
+            src, dst = positions[k % n_stages], positions[(k + 1) % n_stages]
             chunks = max(len(src), len(dst))
             weight = m + 1  # 2 u_k in the sum, and u_k is often the bottleneck of M - 1 periods
             for c in range(chunks):

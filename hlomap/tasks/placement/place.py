@@ -11,7 +11,9 @@ An SPMD plan is placed from its estimate: the collectives it records (kind, mesh
 count) are re-priced on the target cluster for each candidate device order (`MeshLayout`), its
 compute time is the estimate's (placement does not change it). A pipeline plan is placed from the
 block profile its pipeline section carries (`tasks.pipeline.block_profile`), merged per stage, with
-each stage's replicas as its logical positions (`StageLayout`).
+each stage's replicas as its logical positions (`StageLayout`). A joint plan is placed from its
+step's module (`hlomap.tasks.joint.layout`): each stage's mesh positions, its collectives re-priced
+on the devices it is given and its cut on the devices of both sides (`JointLayout`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication
 from hlomap.cost.pipeline.costs import lockstep_latency, lockstep_remat
 from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile
 from hlomap.cost.pipeline.simulator import SimulationResult
+from hlomap.hlo.capture import Capture
 from hlomap.plan import PipelineKind, Placement, Plan, Recompute
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Budget, Driver, Progress, SearchResult
 from hlomap.tasks.pipeline.block_profile import PlanProfile, ProfileError
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.placement.ppo import PlacementPolicy, load_placement_policy
-from hlomap.tasks.placement.problem import MeshLayout, PlacementError, PlacementProblem, StageLayout
+from hlomap.tasks.placement.problem import (JointLayout, Layout, MeshLayout, PlacementError, PlacementProblem,
+                                            StageLayout)
 from hlomap.tasks.placement.task import PlacedOrder, PlacementTask
 
 __all__ = ["PLACEMENT_DRIVERS", "PipelineEstimate", "estimate_pipeline_plan", "place_plan", "plan_profile_of", "refuse_chunks",
@@ -65,8 +69,8 @@ def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
         raise PlacementError(f"{where}: the plan has no pipeline section")
     if pipeline.kind is PipelineKind.JOINT:
         raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has tensor-parallel stages, which "
-                             "placement and re-planning do not price yet; they take the pipeline plans of hlomap "
-                             "explore --task pipeline")
+                             "re-planning does not price yet; it takes the pipeline plans of hlomap explore --task "
+                             "pipeline")
     if pipeline.block_profile is None:
         raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")
@@ -83,8 +87,8 @@ def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
 
 
 def refuse_chunks(plan: Plan, what: str, where: str = "plan") -> None:
-    """PlacementError when `plan` runs several model chunks per stage: `what` (placement,
-    re-planning) prices one chunk per stage so far; pricing the plan (`hlomap simulate`) takes it."""
+    """PlacementError when `plan` runs several model chunks per stage: `what` (re-planning)
+    prices one chunk per stage so far; pricing (`hlomap simulate`) and placing the plan take it."""
     if plan.pipeline is not None and plan.pipeline.repeats > 1:
         raise PlacementError(f"{where}: the pipeline runs {plan.pipeline.repeats} model chunks per stage (repeats); "
                              f"{what} takes one chunk per stage so far (hlomap simulate prices this plan)")
@@ -97,12 +101,29 @@ def _stage_layout(plan: Plan, where: str) -> StageLayout:
                        plan.pipeline.schedule, plan.pipeline.repeats)
 
 
+def _joint_layout(plan: Plan, cluster: Cluster, cap: Capture | None, where: str) -> JointLayout:
+    from hlomap.tasks.joint.layout import joint_layout, staged_model
+
+    if cap is None:
+        raise PlacementError(f"{where}: a joint plan is priced from its step's module: give its SOURCE "
+                             "(hlomap place --source)")
+    assert plan.pipeline is not None
+    try:
+        return joint_layout(*staged_model(cap, cluster, plan.pipeline))
+    except ValueError as err:
+        raise PlacementError(f"{where}: {err}") from None
+
+
 def problem_from_plan(plan: Plan, cluster: Cluster, *, estimate: StepEstimate | None = None,
-                      where: str = "plan") -> PlacementProblem:
+                      cap: Capture | None = None, where: str = "plan") -> PlacementProblem:
     """The placement problem of `plan` on `cluster`; `estimate` (an SPMD plan's StepEstimate on
-    its identity order) replaces the plan's saved one."""
-    if plan.pipeline is not None:
-        layout: MeshLayout | StageLayout = _stage_layout(plan, where)
+    its identity order) replaces the plan's saved one; a joint plan is priced from `cap`, its
+    step."""
+    layout: Layout
+    if plan.pipeline is not None and plan.pipeline.kind is PipelineKind.JOINT:
+        layout = _joint_layout(plan, cluster, cap, where)
+    elif plan.pipeline is not None:
+        layout = _stage_layout(plan, where)
     else:
         if plan.n_positions < 2:
             raise PlacementError(f"{where}: a plan on one device has nothing to place (mesh {plan.mesh_shape})")
@@ -146,11 +167,10 @@ def with_placement(plan: Plan, problem: PlacementProblem, result: SearchResult) 
 
 def place_plan(plan: Plan, cluster: Cluster, driver: Driver | str = Driver.GREEDY,
                budget: Budget = Budget(60.0, None), seed: int = 0, *, estimate: StepEstimate | None = None,
-               where: str = "plan", **options: Any) -> tuple[Plan, SearchResult]:
-    """Place `plan` on `cluster`; returns the placed plan and the search's result (`options`:
-    those of `search_placement`)."""
-    refuse_chunks(plan, "placement", where)
-    problem = problem_from_plan(plan, cluster, estimate=estimate, where=where)
+               cap: Capture | None = None, where: str = "plan", **options: Any) -> tuple[Plan, SearchResult]:
+    """Place `plan` on `cluster` (a joint plan needs `cap`, its step); returns the placed plan and
+    the search's result (`options`: those of `search_placement`)."""
+    problem = problem_from_plan(plan, cluster, estimate=estimate, cap=cap, where=where)
     result = search_placement(problem, driver, budget, seed, **options)
     return with_placement(plan, problem, result), result
 

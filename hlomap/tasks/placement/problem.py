@@ -12,6 +12,10 @@ topology-aware device mapping; DRL-PP places pipeline stages the same way):
 - `StageLayout`: step = the pipeline cost model's closed-form latency L of the plan with each
   stage on its placed devices (`PipelineModel.plan_cost`): stage all-reduces, the transfers
   between consecutive stages, and M - 1 periods of the slowest of them.
+- `JointLayout`: a joint plan's stages, each a data x model mesh (`MeshStage`): its time per
+  microbatch is its compute plus its collectives priced on its placed device groups, the cuts
+  move each data replica's shard to the next stage's devices, and L combines them as the joint
+  planner does (`hlomap.cost.pipeline.costs.stage_time_latency`).
 
 Compute does not depend on the placement (every device of a cluster is costed like the first), so
 the search is over communication only; memory per device does not change either.
@@ -25,19 +29,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.collectives import collective_time
+from hlomap.cost.collectives import Collective, collective_permute_time, collective_time
 from hlomap.cost.estimate import CommunicationTerm
 from hlomap.cost.mapping import AxisMapping
+from hlomap.cost.pipeline.costs import stage_time_latency
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 
-__all__ = ["Layout", "MeshLayout", "PlacementError", "PlacementProblem", "StageLayout", "step_seconds"]
+__all__ = ["JointLayout", "Layout", "MeshLayout", "MeshStage", "PlacementError", "PlacementProblem", "StageLayout",
+           "StageTerm", "step_seconds"]
 
 
 class PlacementError(ValueError):
@@ -114,7 +120,120 @@ class StageLayout:
         return PipelinePlan(stages, self.microbatches, self.schedule, self.repeats)
 
 
-Layout = MeshLayout | StageLayout
+class StageTerm(NamedTuple):
+    """A collective a joint stage runs over every device group of its mesh `axes`, priced per
+    microbatch as `count * (latency_weight * T(0) + bytes_weight * (T(nbytes) - T(0)))` with T
+    the collective's time on the placed groups: a tensor-parallel collective pays its latency
+    every microbatch and its bytes over the M microbatches (weights 1 and 1 / M); the gradient
+    all-reduce and the updated parameters' all-gather run once per step (1 / M and 1 / M, or 1
+    and 1 where the executor syncs every microbatch: `syncs_each_microbatch`)."""
+
+    kind: Collective
+    axes: tuple[str, ...]
+    nbytes: float
+    count: float
+    latency_weight: float
+    bytes_weight: float
+
+
+@dataclass(frozen=True)
+class MeshStage:
+    """One stage of a joint plan: its data x model mesh (positions row-major, `model`
+    innermost, as the runner builds it), its seconds per microbatch that placement does not
+    change (compute, update, recomputation), its collectives, and the bytes per microbatch of
+    the cut it sends to the next stage (0 for the last), one shard per data replica; and its
+    forward share of the stage time (the timeline schedules split the passes by it)."""
+
+    axes: tuple[tuple[str, int], ...]
+    seconds: float
+    terms: tuple[StageTerm, ...]
+    send_bytes: float = 0.0
+    forward_share: float = 1.0 / 3.0
+
+    @property
+    def n_positions(self) -> int:
+        return math.prod(size for _, size in self.axes)
+
+    @property
+    def data(self) -> int:
+        return dict(self.axes).get("data", 1)
+
+    @property
+    def model(self) -> int:
+        return dict(self.axes).get("model", 1)
+
+    def mapping(self, devices: Sequence[int]) -> AxisMapping:
+        return AxisMapping(self.axes, np.asarray(devices, dtype=np.int64).reshape([size for _, size in self.axes]))
+
+    def time(self, cluster: Cluster, devices: Sequence[int]) -> float:
+        """Seconds per microbatch with the stage's positions on `devices` (row-major)."""
+        mapping = self.mapping(devices)
+        total = self.seconds
+        for term in self.terms:
+            groups = mapping.groups(term.axes)
+            if len(groups[0]) < 2:
+                continue
+            empty = collective_time(term.kind, cluster, groups, 0.0)
+            full = collective_time(term.kind, cluster, groups, term.nbytes)
+            total += term.count * (term.latency_weight * empty + term.bytes_weight * (full - empty))
+        return total
+
+    def send_time(self, cluster: Cluster, devices: Sequence[int], receivers: Sequence[int]) -> float:
+        """Moving the cut to the next stage on `receivers`: data replica c's first device sends its
+        shard to the receiving stage's c-th device (wrapping), all at once."""
+        if self.send_bytes <= 0:
+            return 0.0
+        shards = self.data
+        pairs = [(int(devices[c * self.model]), int(receivers[c % len(receivers)])) for c in range(shards)]
+        return collective_permute_time(cluster, pairs, self.send_bytes / shards)
+
+
+@dataclass(frozen=True, eq=False)
+class JointLayout:
+    """A joint plan's logical side: its stages (positions stage by stage), the microbatches, the
+    schedule and what its executor costs besides the stages (placement does not change it)."""
+
+    stages: tuple[MeshStage, ...]
+    microbatches: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.stages or self.microbatches < 1:
+            raise PlacementError(f"a joint layout needs stages and microbatches >= 1 (got {len(self.stages)} stages, "
+                                 f"{self.microbatches} microbatches)")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def n_positions(self) -> int:
+        return sum(stage.n_positions for stage in self.stages)
+
+    def stage_positions(self) -> tuple[range, ...]:
+        starts = np.concatenate([[0], np.cumsum([stage.n_positions for stage in self.stages])]).tolist()
+        return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
+
+    def latency(self, times: Sequence[float], transfers: Sequence[float]) -> float:
+        """The step from each stage's and cut's seconds per microbatch."""
+        return self.latency_and_bottleneck(times, transfers)[0]
+
+    def latency_and_bottleneck(self, times: Sequence[float], transfers: Sequence[float]) -> tuple[float, float]:
+        """(the step, the slowest stage or cut per microbatch) from each stage's and cut's seconds."""
+        shares = [stage.forward_share for stage in self.stages]
+        found, bottleneck = stage_time_latency(list(times), shares, list(transfers), self.schedule, self.microbatches)
+        return found + self.overhead, bottleneck
+
+    def times(self, cluster: Cluster, devices: Sequence[int]) -> tuple[list[float], list[float]]:
+        """(stage seconds, cut seconds) per microbatch with position i on `devices[i]`."""
+        groups = [[int(devices[p]) for p in positions] for positions in self.stage_positions()]
+        times = [stage.time(cluster, group) for stage, group in zip(self.stages, groups)]
+        cuts = [stage.send_time(cluster, group, nxt) for stage, group, nxt in zip(self.stages, groups, groups[1:])]
+        return times, cuts
+
+
+Layout = MeshLayout | StageLayout | JointLayout
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,4 +293,6 @@ def step_seconds(problem: PlacementProblem, devices: Sequence[int]) -> float:
         return layout.compute_seconds + sum(
             term.count * collective_time(term.kind, problem.cluster, mapping.groups(term.axes), term.nbytes)
             for term in layout.terms)
+    if isinstance(layout, JointLayout):
+        return layout.latency(*layout.times(problem.cluster, devices))
     return PipelineModel(problem.cluster).plan_cost(layout.profile, layout.plan(devices)).latency

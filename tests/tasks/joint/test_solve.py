@@ -204,8 +204,9 @@ def test_the_dqn_over_the_outer_level_finds_the_exact_optimum(gpt_tiny, servers,
 
 def test_joint_plans_are_priced_by_the_one_pipeline_formula(gpt_tiny, monkeypatch) -> None:
     """The joint task's cost combines its stage and transfer times with the pipeline task's
-    closed form (`cost.pipeline.costs.pipeline_latency`), not a copy of it."""
-    import hlomap.tasks.joint.plans as plans
+    closed form (`cost.pipeline.costs.pipeline_latency`, through `stage_time_latency`, which
+    placement's joint layouts share), not a copy of it."""
+    import hlomap.cost.pipeline.costs as plans
     from hlomap.cost.pipeline.costs import pipeline_latency
 
     model = _model(gpt_tiny, CLUSTERS["2 servers x 4"](), layers=4)

@@ -5,6 +5,7 @@ plan it writes runs with the unsharded step's loss."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -122,17 +123,13 @@ def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch:
     assert section.schedule is Schedule.INTERLEAVED and section.repeats == 2
     assert len(section.stages) == 2 and len(section.cuts) == 3
     # priced again from the plan file's block profile (its 4 chunks on the 2 stages' devices) as
-    # the explorer priced it; placing and re-planning it are refused by name
+    # the explorer priced it; placed with its chunks (the plan priced whole per trial) and priced
+    # on its placement; re-planning it is refused by name
     from hlomap.api import simulate_plan
 
     priced = simulate_plan(None, plan, cluster="hier:2x4")
     assert priced.executor == "mpmd" and priced.estimate.placed.plan.repeats == 2
     assert priced.step_seconds == pytest.approx(plan.estimate["step_seconds"], rel=1e-9)
-    from hlomap.cost.cluster import load_cluster
-    from hlomap.tasks.placement.place import PlacementError, place_plan
-
-    with pytest.raises(PlacementError, match="2 model chunks per stage .*placement takes one chunk"):
-        place_plan(plan, load_cluster("hier:2x4"))
     from hlomap.cli import run
 
     path = tmp_path / "interleaved.json"
@@ -140,8 +137,17 @@ def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch:
     assert run(["simulate", "zoo:gpt-tiny", "--plan", str(path), "--cluster", "hier:2x4"]) == 0
     out = capsys.readouterr().out
     assert "2 stages x 2 model chunks" in out and "stage 2:" not in out  # busy per device stage
-    assert run(["place", str(path), "--cluster", "hier:2x4"]) == 2
-    assert "2 model chunks per stage" in capsys.readouterr().err
+    assert run(["place", str(path), "--cluster", "random:8:1", "--agent", "exact", "--budget-evaluations", "50000",
+                "--json", "-q"]) == 0
+    placed = json.loads(capsys.readouterr().out)
+    again = simulate_plan(None, hlomap.Plan.load(tmp_path / "interleaved.placed.json"), cluster="random:8:1")
+    assert again.estimate.placed_model_seconds == pytest.approx(placed["step_seconds"], rel=1e-9)
+    assert placed["step_seconds"] <= placed["identity_step_seconds"]
+    from hlomap.tasks.placement.problem import PlacementError
+    from hlomap.tasks.replan.replay_plan import workload_of
+
+    with pytest.raises(PlacementError, match="2 model chunks per stage .*re-planning takes one chunk"):
+        workload_of(plan)
     parallel = hlomap.parallelize(step, plan)
     params, opt_state = parallel.place(args[0], args[1])
     _, _, loss = parallel(params, opt_state, *args[2:])

@@ -15,10 +15,12 @@ TOPOLOGIES = ["hier:3x4", "random:12:5", "torus:2x2x3", "mesh:3x4", "uniform:12:
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("kind", ["mesh", "stages", "mesh-on-part", "stages-on-part"])
+@pytest.mark.parametrize("kind", ["mesh", "stages", "mesh-on-part", "stages-on-part", "chunks-on-part"])
 def test_incremental_pricing_agrees_with_the_cost_model(topology, kind):
+    """Chunks: two model chunks per stage (interleaved 1F1B), every trial priced whole."""
     layout = {"mesh": mesh_layout((3, 4)), "stages": stage_layout((4, 2, 3, 3)),
-              "mesh-on-part": mesh_layout((2, 4)), "stages-on-part": stage_layout((2, 3, 2))}[kind]
+              "mesh-on-part": mesh_layout((2, 4)), "stages-on-part": stage_layout((2, 3, 2)),
+              "chunks-on-part": stage_layout((2, 3, 2), microbatches=6, repeats=2)}[kind]
     pb = problem(topology, layout)  # "-on-part": fewer positions than devices, free slots to swap into
     rng = np.random.default_rng(0)
     state = new_state(pb, rng.permutation(pb.n_devices))
