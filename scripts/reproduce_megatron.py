@@ -128,8 +128,8 @@ def describe(result: JointResult) -> str:
     parts = []
     for stage in result.plan.stages:
         option = stage.option
-        parts.append(f"{option.devices}:d{option.data}xt{option.model}{_RECOMPUTE_MARK[option.recompute]}"
-                     f"{'z' if option.split_state else ''}")
+        state = "f" if option.shard_parameters else "z" if option.split_state else ""  # FSDP, ZeRO-1
+        parts.append(f"{option.devices}:d{option.data}xt{option.model}{_RECOMPUTE_MARK[option.recompute]}{state}")
     return f"{len(parts)} stages " + " ".join(parts)
 
 

@@ -69,11 +69,14 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                    help="where the plan is saved, and kept up to date while searching (default plan.json)")
     p.add_argument("--shard-optimizer-state", choices=("off", "on", "auto"), default="auto",
                    help="split the optimizer state over the plan's data axes (ZeRO-1): on; off; auto (default): "
-                        "only when the plan does not fit device memory otherwise and does with it")
+                        "only when the plan does not fit device memory otherwise and does with it (--task auto: "
+                        "each stage may split it where the planner finds that it fits or pays; off: none)")
     p.add_argument("--shard-parameters", choices=("off", "on", "auto"), default="auto",
                    help="store the trainable parameters split over the plan's data axes too (FSDP / ZeRO-3; XLA "
                         "gathers each before its use): on (splits the optimizer state as well); off; auto (default): "
-                        "only when the plan with its optimizer state split still does not fit and does with it")
+                        "only when the plan with its optimizer state split still does not fit and does with it "
+                        "(--task auto: on searches stages that split their parameters, auto only when no plan "
+                        "fits without them)")
     p.add_argument("--curve", metavar="FILE.png",
                    help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
 
@@ -282,9 +285,13 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
     interrupts.check()
     if not args.quiet:
         common.say(f"planning {cap.source} on {cluster.name} ({cluster.n_devices} devices): stages x data x model ...")
+    # a joint stage may split its state where the DP finds it fits or pays (ZeRO-1), and its
+    # parameters too (FSDP): searched with "on", only when no plan fits without with "auto"
     found = api.explore_auto_detailed(cap, cluster=cluster, schedule=args.schedule, output=output,
                                       microbatches=[args.microbatches] if args.microbatches else None,
-                                      max_stages=args.stages)
+                                      max_stages=args.stages,
+                                      split_state=args.shard_optimizer_state != "off" or args.shard_parameters == "on",
+                                      shard_parameters={"off": False, "on": True, "auto": None}[args.shard_parameters])
     if not args.json:
         common.console().print(format_joint_result(found.result, name=args.source))
     plan = _measure(args, found, cap, cluster, runnable, output) if runnable is not None else found.plan

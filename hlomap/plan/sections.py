@@ -386,10 +386,15 @@ class PipelineStage:
     recompute: Recompute = Recompute.NONE
     #: Mesh axes splitting the stage's optimizer state (ZeRO-1; its `specs` split those leaves so)
     state_axes: tuple[str, ...] = ()
+    #: The stage's trainable parameters stay split over `state_axes` too (FSDP; its `specs` say so)
+    shard_parameters: bool = False
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise PlanError("a stage lists no devices")
+        if self.shard_parameters and not self.state_axes:
+            raise PlanError("the stage splits its parameters (shard_parameters) but names no state_axes to split "
+                            "them over")
         unknown = [a for a in self.state_axes if a not in dict(self.mesh)]
         if unknown:
             raise PlanError(f"the stage splits its optimizer state over {unknown}, which its mesh "
@@ -421,6 +426,8 @@ class PipelineStage:
             out["recompute"] = self.recompute.value
         if self.state_axes:
             out["state_axes"] = list(self.state_axes)
+        if self.shard_parameters:
+            out["shard_parameters"] = True
         if self.specs is not None:
             out["specs"] = [spec_to_json(s) for s in self.specs]
         for key in ("seconds_per_microbatch", "memory_bytes", "device_memory_bytes"):
@@ -459,12 +466,15 @@ class PipelineStage:
         if not isinstance(state_axes, Sequence) or isinstance(state_axes, str) or not all(
                 isinstance(a, str) for a in state_axes):
             raise PlanError(f"{where}: state_axes is a list of mesh axis names, got {state_axes!r}")
+        shard_parameters = data.get("shard_parameters", False)
+        if not isinstance(shard_parameters, bool):
+            raise PlanError(f"{where}: shard_parameters is true or false, got {shard_parameters!r}")
         try:
             stage = cls(devices, layers, mesh, specs, None if data.get("plan") is None else str(data["plan"]),
                         _number(data.get("seconds_per_microbatch"), f"{where}: seconds_per_microbatch"),
                         _number(data.get("memory_bytes"), f"{where}: memory_bytes"),
                         _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"), recompute,
-                        tuple(state_axes))
+                        tuple(state_axes), shard_parameters)
         except PlanError as err:
             raise PlanError(f"{where}: {err}") from None
         given = data.get("replication")

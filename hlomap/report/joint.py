@@ -12,6 +12,10 @@ from hlomap.tasks.joint.explore import JointResult
 __all__ = ["format_joint_result"]
 
 
+#: How the plan column reads a stage's split state: ZeRO-1, FSDP.
+STATE_WORDS = {(False, False): "", (True, False): ", ZeRO-1", (True, True): ", FSDP"}
+
+
 def stage_devices(plan: Any, order: Sequence[int]) -> list[list[int]]:
     """Each stage's devices when the plan's positions, stage by stage, are on `order` (a
     placement's device order)."""
@@ -49,7 +53,8 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
         stages.add_row(str(s), layers,
                        held[s] if held else f"{stage.first_device}-{stage.first_device + option.devices - 1}",
                        f"data={option.data} x model={option.model}",
-                       option.kind.value + RECOMPUTED_WORDS[option.recompute],
+                       option.kind.value + RECOMPUTED_WORDS[option.recompute] + STATE_WORDS[
+                           (option.split_state, option.shard_parameters)],
                        human_seconds(cost.stage_seconds[s]),
                        Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
                        human_bytes(cost.device_memory[s]))

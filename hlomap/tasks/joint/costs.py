@@ -75,9 +75,12 @@ class StageOption:
     shape, the plan kind, what the stage recomputes of its forward pass in its backward
     (`hlomap.plan.Recompute`: FULL, one more forward per microbatch, its inputs kept instead of
     its activations; SELECTIVE, the forward's work other than its matmuls again, its inputs and
-    matmul outputs kept), and whether it splits its optimizer state over its `data` replicas
+    matmul outputs kept), whether it splits its optimizer state over its `data` replicas
     (`split_state`, ZeRO-1: Adam's moments at 1 / data, each replica updates its slice and the
-    updated parameters are all-gathered once per step)."""
+    updated parameters are all-gathered once per step), and whether its parameters stay split
+    there too (`shard_parameters`, FSDP / ZeRO-3, which implies `split_state`: weights, gradients
+    and moments at 1 / data; each pass of each microbatch all-gathers the weights and the
+    backward reduce-scatters the gradients instead of all-reducing them)."""
 
     devices: int
     data: int
@@ -85,16 +88,24 @@ class StageOption:
     kind: PlanKind = PlanKind.EXPERT
     recompute: Recompute = Recompute.NONE
     split_state: bool = False
+    shard_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shard_parameters and not self.split_state:
+            raise ValueError("a stage whose parameters are split over its data replicas splits its optimizer state "
+                             "too (shard_parameters needs split_state)")
 
     def __str__(self) -> str:
-        extra = RECOMPUTED_WORDS[self.recompute] + (", optimizer state split" if self.split_state else "")
-        return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}{extra})"
+        split = (", parameters and optimizer state split" if self.shard_parameters else
+                 ", optimizer state split" if self.split_state else "")
+        return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}" \
+               f"{RECOMPUTED_WORDS[self.recompute]}{split})"
 
     @property
     def plain(self) -> StageOption:
-        """The same devices, mesh and plan without recomputation or a split optimizer state: what
-        the cost model prices (`JointModel.arrays` derives the others from its arrays)."""
-        return dataclasses.replace(self, recompute=Recompute.NONE, split_state=False)
+        """The same devices, mesh and plan without recomputation or a split state: what the cost
+        model prices (`JointModel.arrays` derives the others from its arrays)."""
+        return dataclasses.replace(self, recompute=Recompute.NONE, split_state=False, shard_parameters=False)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -121,10 +132,12 @@ def group_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXPERT,),
                   max_model: int | None = None, recompute: Sequence[Recompute] = (Recompute.NONE,),
-                  split_state: Sequence[bool] = (False,)) -> tuple[StageOption, ...]:
-    """Every (group size, data x model, kind, recompute, split state): tensor parallelism stays
-    inside a server (its all-reduces are on the critical path of every layer) unless a node holds
-    one device; the optimizer state is split only where there are data replicas (data > 1)."""
+                  split_state: Sequence[bool] = (False,),
+                  shard_parameters: Sequence[bool] = (False,)) -> tuple[StageOption, ...]:
+    """Every (group size, data x model, kind, recompute, split state, split parameters): tensor
+    parallelism stays inside a server (its all-reduces are on the critical path of every layer)
+    unless a node holds one device; the optimizer state and the parameters are split only where
+    there are data replicas (data > 1), the parameters only with the optimizer state."""
     per_node = cluster.most_per_node
     limit = max_model or (per_node if per_node > 1 else 8)
     out = []
@@ -135,7 +148,8 @@ def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXP
                     for split in split_state:
                         if split and n // model == 1:
                             continue
-                        out.append(StageOption(n, n // model, model, kind, again, split))
+                        for shard in (z for z in shard_parameters if split or not z):
+                            out.append(StageOption(n, n // model, model, kind, again, split, shard))
     return tuple(out)
 
 
@@ -160,6 +174,9 @@ class StageArrays(NamedTuple):
     split_state: the option's stages split their optimizer state over their `data` replicas
     (`StageOption.split_state`); gather_alpha/gather_beta: the combined all-gather of their
     updated parameters over the data groups, affine in the gathered bytes (`params`).
+    shard_parameters: the option's parameters stay split over `data` too (FSDP,
+    `StageOption.shard_parameters`); scatter_alpha/scatter_beta: the reduce-scatter of their
+    gradients over the data groups, affine in the gradient bytes (`grads`).
     """
 
     compute: np.ndarray
@@ -185,6 +202,9 @@ class StageArrays(NamedTuple):
     data: int = 1  # the option's data replicas
     gather_alpha: float = 0.0
     gather_beta: float = 0.0
+    shard_parameters: bool = False  # the option's parameters stay split over `data` (FSDP)
+    scatter_alpha: float = 0.0
+    scatter_beta: float = 0.0
 
 
 @dataclass(eq=False)
@@ -234,7 +254,10 @@ class JointModel:
             if option != option.plain:  # the same work and bytes; `plans` prices what these change
                 base = self.arrays(option.plain)
                 gather = self._gather_prices(option) if option.split_state else (0.0, 0.0)
+                scatter = self._data_terms(Collective.REDUCE_SCATTER, option) if option.shard_parameters else (0.0, 0.0)
                 self._arrays[option] = base._replace(recompute=option.recompute, split_state=option.split_state,
+                                                     shard_parameters=option.shard_parameters,
+                                                     scatter_alpha=scatter[0], scatter_beta=scatter[1],
                                                      gather_alpha=gather[0], gather_beta=gather[1])
             else:
                 self._arrays[option] = self._price(option)

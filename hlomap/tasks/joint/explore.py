@@ -29,6 +29,7 @@ from hlomap.search.tracker import Driver, Progress, SearchResult
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, choose_schedule, evaluate, runs_as_spmd
 from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
+from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.joint.task import JointSearchTask
 from hlomap.cost.pipeline.chain import PivotOptions, step_chain
 
@@ -78,7 +79,7 @@ class JointResult:
 def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = DEFAULT_SCHEDULE,
                   microbatches: Sequence[int] | None = None, max_stages: int | None = None,
                   kinds: Sequence[PlanKind] = (PlanKind.EXPERT,), agent: str = "exact",
-                  recompute: bool = True, split_state: bool = True,
+                  recompute: bool = True, split_state: bool = True, shard_parameters: bool | None = None,
                   budget: Budget | None = None, seed: int = 0, with_grid: bool = True,
                   graph: FactorGraph | None = None, model: JointModel | None = None,
                   on_best: Callable[[SearchResult], None] | None = None,
@@ -91,15 +92,33 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     the option where the stage fits with less recomputation). split_state:
     stages with data replicas may also split their optimizer state over them
     (`StageOption.split_state`, ZeRO-1), kept only where it fits what would not or is faster.
+    shard_parameters: stages with their optimizer state split may also split their parameters
+    (`StageOption.shard_parameters`, FSDP): True searches those options too, False never; None
+    (auto, the default) searches them only when no plan fits without them, as `--shard-parameters
+    auto` does for SPMD plans (they add collectives to every microbatch, so they win only where
+    memory binds, and a third of the options more slows the largest searches by a third).
     With `with_grid`, Megatron-LM's grid is priced first and its best configuration (also with the
     optimizer state split) bounds the exact DP, which then skips whatever cannot beat it."""
+    if shard_parameters is None and split_state:
+        model = model or joint_model(cap, cluster, graph=graph)  # one model (and its memo) for both searches
+        settings = dict(schedule=schedule, microbatches=microbatches, max_stages=max_stages, kinds=kinds,
+                        agent=agent, recompute=recompute, budget=budget, seed=seed, with_grid=with_grid,
+                        graph=graph, model=model, on_best=on_best, on_progress=on_progress)
+        try:
+            found = explore_joint(cap, cluster, split_state=True, shard_parameters=False, **settings)  # type: ignore[arg-type]
+            if found.cost.fits:
+                return found
+        except NoFeasiblePlan:
+            pass
+        return explore_joint(cap, cluster, split_state=True, shard_parameters=True, **settings)  # type: ignore[arg-type]
     start = time.perf_counter()
     choose = schedule == AUTO_SCHEDULE
     # the DP needs the closed form: it plans under 1F1B, then every schedule is priced on its plan
     schedule = DEFAULT_SCHEDULE if choose else Schedule(schedule)
     model = model or joint_model(cap, cluster, graph=graph)
     options = stage_options(cluster, kinds=kinds, recompute=tuple(Recompute) if recompute else (Recompute.NONE,),
-                            split_state=(False, True) if split_state else (False,))
+                            split_state=(False, True) if split_state else (False,),
+                            shard_parameters=(False, True) if split_state and shard_parameters else (False,))
     space = JointSpace(options, tuple(microbatches) if microbatches else microbatch_choices(model.batch),
                        schedule, max_stages)
     # The grid first: its best configuration bounds the exact DP from the start (`solve.solve`),
@@ -168,6 +187,7 @@ def joint_plan(result: JointResult) -> Any:
             "replication": stage.option.data, "mesh": stage.option.mesh, "plan": stage.option.kind.value,
             **({"recompute": stage.recompute.value} if stage.recompute is not Recompute.NONE else {}),
             **({"state_axes": list(state.axes)} if state is not None else {}),
+            **({"shard_parameters": True} if stage.shard_parameters else {}),
             "specs": [spec_to_json(state.spec_of(p) if state is not None else p.spec) for p in inner.parameters],
             "seconds_per_microbatch": cost.stage_seconds[s], "memory_bytes": cost.stage_memory[s],
             "device_memory_bytes": cost.device_memory[s],
@@ -206,7 +226,7 @@ def _inner_plan(model: JointModel, option: StageOption) -> Any:
 
     array, axes = model.plan_for(option)
     inner = Plan.from_groups(model.cap, model.graph, array, axes, check=False)
-    return inner.with_sharded_state(model.graph) if option.split_state else inner
+    return inner.with_sharded_state(model.graph, parameters=option.shard_parameters) if option.split_state else inner
 
 
 def _spmd_plan(result: JointResult) -> Any:
@@ -239,7 +259,8 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
         except ValueError:
             raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
                              f"expected {' or '.join(k.value for k in PlanKind)}") from None
-        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute, bool(st.state_axes))
+        option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute, bool(st.state_axes),
+                             st.shard_parameters)
         stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
 

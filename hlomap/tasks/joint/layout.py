@@ -10,7 +10,8 @@ time per microbatch (`plans.stage_seconds`) into what no device order changes (c
 update, recomputation, the per-buffer cost of a measured cluster) and its collectives as
 `StageTerm`s over its mesh axes: each tensor-parallel collective of the stage's layers, the
 gradient all-reduce over `data`, and, where the stage splits its optimizer state, the
-all-gather of its updated parameters. On the identity order the layout's step equals
+all-gather of its updated parameters (where it splits its parameters too, the weights'
+all-gathers and the gradients' reduce-scatter of every microbatch instead). On the identity order the layout's step equals
 `plans.evaluate`'s wherever the two price the same groups (a test holds them equal).
 """
 
@@ -40,7 +41,8 @@ def _unpriced(a: StageArrays) -> StageArrays:
     """`a` without any collective's price: what `stage_seconds` gives then does not depend on
     which devices the stage runs on."""
     zeros = np.zeros_like(a.alpha)
-    return a._replace(alpha=zeros, beta=zeros, sync_alpha=0.0, sync_beta=0.0, gather_alpha=0.0, gather_beta=0.0)
+    return a._replace(alpha=zeros, beta=zeros, sync_alpha=0.0, sync_beta=0.0, gather_alpha=0.0, gather_beta=0.0,
+                      scatter_alpha=0.0, scatter_beta=0.0)
 
 
 def _stage_terms(model: JointModel, stage: JointStage, microbatches: int, each: bool) -> tuple[StageTerm, ...]:
@@ -57,10 +59,16 @@ def _stage_terms(model: JointModel, stage: JointStage, microbatches: int, each: 
     a = model.arrays(option)
     if option.data > 1:
         grads = float(a.grads[stage.stop] - a.grads[stage.start])
+        params = float(a.params[stage.stop] - a.params[stage.start])
+        if option.shard_parameters:  # FSDP: both passes gather the weights, the backward scatters, every microbatch
+            if params > 0:
+                terms.append(StageTerm(Collective.ALL_GATHER, ("data",), params, 2.0, 1.0, 1.0))
+            if grads > 0:
+                terms.append(StageTerm(Collective.REDUCE_SCATTER, ("data",), grads, 1.0, 1.0, 1.0))
+            return tuple(terms)
         once = 1.0 if each else 1.0 / microbatches
         if grads > 0:
             terms.append(StageTerm(Collective.ALL_REDUCE, ("data",), grads, 1.0, once, once))
-        params = float(a.params[stage.stop] - a.params[stage.start])
         if option.split_state and params > 0:
             per_step = 1.0 / microbatches
             terms.append(StageTerm(Collective.ALL_GATHER, ("data",), params, 1.0, per_step, per_step))

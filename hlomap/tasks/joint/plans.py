@@ -7,7 +7,9 @@ M microbatches (`costs.StageArrays` are per step, on one device of the stage):
         (+ the stage's forward compute / M again when it recomputes, its non-matmul forward
         compute when it recomputes selectively; a stage that splits its
         optimizer state over its data replicas updates 1 / data of it and all-gathers its
-        updated parameters once per step)
+        updated parameters once per step; one whose parameters stay split there too (FSDP)
+        updates 1 / data, all-gathers its weights in each pass of each microbatch and
+        reduce-scatters its gradients every microbatch instead of all-reducing them)
   u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
   L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
 by the one pipeline closed form, `hlomap.cost.pipeline.costs.pipeline_latency` (Alpa's; fill
@@ -16,7 +18,8 @@ sharded step; plus, on a measured cluster, the executor's own cost (`executor_ov
 is what makes many microbatches or stages dear on a host-bound machine. Memory per device: 4 x
 the stage's parameters (weights, gradients, Adam's moments) + the microbatches in flight
 (1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch (with the optimizer state
-split, the moments count 1 / data); a stage that recomputes
+split, the moments count 1 / data; with the parameters split too, weights, gradients and moments
+count 1 / data, plus one whole copy of the weights that a pass gathers); a stage that recomputes
 (`StageOption.recompute`, `hlomap.plan.Recompute.FULL`) holds its input per microbatch in flight
 instead, plus one microbatch's stash while it recomputes it; one that recomputes selectively
 (`Recompute.SELECTIVE`, JAX's `dots_saveable`) holds its input and its forward's matmul outputs
@@ -47,12 +50,13 @@ class JointStage(Stage):
     kind: PlanKind = PlanKind.EXPERT
     recompute: Recompute = Recompute.NONE
     split_state: bool = False
+    shard_parameters: bool = False
 
     @classmethod
     def of(cls, start: int, stop: int, first_device: int, option: StageOption) -> JointStage:
         """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
         return cls(int(start), int(stop), tuple(range(first_device, first_device + option.devices)), option.model,
-                   option.kind, option.recompute, option.split_state)
+                   option.kind, option.recompute, option.split_state, option.shard_parameters)
 
     @property
     def first_device(self) -> int:
@@ -61,7 +65,7 @@ class JointStage(Stage):
     @property
     def option(self) -> StageOption:
         return StageOption(len(self.devices), self.replication, self.model, self.kind, self.recompute,
-                           self.split_state)
+                           self.split_state, self.shard_parameters)
 
 
 @dataclass(frozen=True)
@@ -98,9 +102,16 @@ class JointCost:
 def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_each_microbatch: bool = False) -> Any:
     """Per-microbatch time of layers [i, j) under the option of `a` (scalars or arrays); the
     gradient all-reduce counts once per step, or in full every microbatch with
-    `sync_each_microbatch` (`syncs_each_microbatch`)."""
+    `sync_each_microbatch` (`syncs_each_microbatch`); a stage whose parameters stay split (FSDP)
+    gathers and reduce-scatters every microbatch."""
     grads = a.grads[j] - a.grads[i]
     extra_buffers = np.maximum(a.buffers[j] - a.buffers[i] - 1, 0)
+    if a.shard_parameters:
+        params = a.params[j] - a.params[i]
+        own = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + (a.update[j] - a.update[i]) / a.data
+        gathers = np.where(params > 0, 2.0 * (a.gather_alpha + a.gather_beta * params), 0.0)  # forward, backward
+        scatter = np.where(grads > 0, a.scatter_alpha + a.scatter_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
+        return (own + _recomputed_seconds(a, i, j)) / microbatches + gathers + scatter + (a.alpha[j] - a.alpha[i])
     sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
     per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + (a.update[j] - a.update[i])
     if a.split_state:  # each replica updates its slice, then the updated parameters are all-gathered
@@ -115,12 +126,15 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_eac
 
 def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -> Any:
     """Bytes per device of layers [i, j) with `held` microbatches in flight: parameters, gradients
-    and Adam's moments (split over the data replicas when the stage splits its optimizer state),
+    and Adam's moments (split over the data replicas when the stage splits its optimizer state;
+    all of them, plus the weights a pass gathers whole, when it splits its parameters),
     and each held microbatch's stash (a recomputing stage: its input, plus one microbatch's stash
     while the backward recomputes it; selectively, its input and its matmuls' outputs, plus the
     rest of one microbatch's stash while the backward recomputes it)."""
     moments = PARAM_MEMORY_FACTOR - 2.0  # Adam's two moments; the weights and gradients stay whole
     factor = PARAM_MEMORY_FACTOR - moments * (1.0 - 1.0 / a.data) if a.split_state else PARAM_MEMORY_FACTOR
+    if a.shard_parameters:  # everything split, and the weights a pass gathers whole
+        factor = PARAM_MEMORY_FACTOR / a.data + 1.0
     params = factor * (a.params[j] - a.params[i])
     stash = a.stash[j] - a.stash[i]
     if a.recompute is Recompute.FULL:

@@ -408,12 +408,14 @@ def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> Join
     could run, the whole model with every microbatch in flight, and is never slower: recomputing
     always costs time, selectively less than in full (its work is part of the forward's);
     splitting the state costs an all-gather and saves part of the update, so it is never faster
-    when, layer by layer, the gather's bandwidth time is at least the update time it saves. Then
+    when, layer by layer, the gather's bandwidth time is at least the update time it saves;
+    splitting the parameters too (FSDP) is checked on every range of layers a stage may take. Then
     in any plan the twin can replace it on the same devices with the same cuts, transfers and no
     more time, so the optimum never needs it (exact pruning; it halves the options of a step
     that fits)."""
     valid = [o for o in space.options if _valid(model, o, microbatches)]
-    options = tuple(o for o in valid if not _dominated(model, o, microbatches, space))
+    offered = set(valid)
+    options = tuple(o for o in valid if not _dominated(model, o, microbatches, space, offered))
     return JointProblem(model, space, microbatches, options, model.cluster.most_per_node) if options else None
 
 
@@ -421,21 +423,41 @@ def problem_for(model: JointModel, space: JointSpace, microbatches: int) -> Join
 _RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
-def _dominated(model: JointModel, option: StageOption, microbatches: int, space: JointSpace) -> bool:
-    """A twin of `option` with fewer extras always fits and is never slower (`problem_for`)."""
-    twins = {dataclasses.replace(option, recompute=r, split_state=z)
+#: How a stage keeps its state, from the fewest collectives to the most: (split_state,
+#: shard_parameters) of nothing split, the optimizer state split (ZeRO-1), everything split (FSDP).
+_STATE_ORDER = ((False, False), (True, False), (True, True))
+
+
+def _dominated(model: JointModel, option: StageOption, microbatches: int, space: JointSpace,
+               offered: set[StageOption]) -> bool:
+    """A twin of `option` among the `offered` ones, with fewer extras, always fits and is never
+    slower (`problem_for`)."""
+    level = _STATE_ORDER.index((option.split_state, option.shard_parameters))
+    twins = {dataclasses.replace(option, recompute=r, split_state=z, shard_parameters=f)
              for r in _RECOMPUTE_ORDER[:_RECOMPUTE_ORDER.index(option.recompute) + 1]
-             for z in {False, option.split_state}} - {option}
-    return any(_twin_always_fits(model, twin, microbatches, space) and _never_slower(model, twin, option)
+             for z, f in _STATE_ORDER[:level + 1]} - {option}
+    twins &= offered
+    return any(_twin_always_fits(model, twin, microbatches, space) and _never_slower(model, twin, option, microbatches)
                for twin in twins)
 
 
-def _never_slower(model: JointModel, twin: StageOption, option: StageOption) -> bool:
+def _never_slower(model: JointModel, twin: StageOption, option: StageOption, microbatches: int) -> bool:
+    if option.shard_parameters and not twin.shard_parameters:
+        return _nowhere_slower(model, twin, option, microbatches)
     if not option.split_state or twin.split_state:
         return True  # recomputing less only saves time
     a = model.arrays(option)
     params, update = np.diff(a.params), np.diff(a.update)
     return bool(np.all(a.gather_beta * params >= update * (1.0 - 1.0 / a.data)))
+
+
+def _nowhere_slower(model: JointModel, twin: StageOption, option: StageOption, microbatches: int) -> bool:
+    """`twin` takes no longer than `option` on every range of layers a stage may run."""
+    i, j = np.triu_indices(model.n_layers + 1, 1)
+    each = syncs_each_microbatch(model.cluster)
+    mine = stage_seconds(model.arrays(option), i, j, microbatches, sync_each_microbatch=each)
+    theirs = stage_seconds(model.arrays(twin), i, j, microbatches, sync_each_microbatch=each)
+    return bool(np.all(theirs <= mine))
 
 
 def _twin_always_fits(model: JointModel, twin_option: StageOption, microbatches: int, space: JointSpace) -> bool:

@@ -453,6 +453,66 @@ def test_a_split_state_stage_pays_an_all_gather_and_keeps_its_moments_at_one_ove
     assert not any(o.split_state and o.data == 1 for o in offered)  # no data replicas, nothing to split over
 
 
+def test_a_stage_with_split_parameters_gathers_each_microbatch_and_keeps_a_data_th_of_its_state(gpt_tiny) -> None:
+    """`StageOption.shard_parameters` (FSDP) priced: weights, gradients and moments at 1 / data plus
+    one gathered copy of the weights (4 x params -> (4 / data + 1) x params), 1 / data of the
+    update, and every microbatch two all-gathers of the weights (forward, backward) and a
+    reduce-scatter of the gradients over the data groups instead of the all-reduce."""
+    from hlomap.cost.collectives import Collective, collective_time
+    from hlomap.cost.mapping import axis_devices
+    from hlomap.tasks.joint.plans import stage_memory, stage_seconds
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
+    whole = model.arrays(StageOption(4, 4, 1))
+    fsdp = model.arrays(StageOption(4, 4, 1, split_state=True, shard_parameters=True))
+    i, j, m, held = 1, 4, 4, 2
+    params, grads = whole.params[j] - whole.params[i], whole.grads[j] - whole.grads[i]
+    assert params > 0 and grads > 0
+    groups = axis_devices(model.cluster, {"data": 4, "model": 1}, order=("data", "model")).groups("data")
+    gather = collective_time(Collective.ALL_GATHER, model.cluster, groups, float(params))
+    scatter = collective_time(Collective.REDUCE_SCATTER, model.cluster, groups, float(grads))
+    reduce = collective_time(Collective.ALL_REDUCE, model.cluster, groups, float(grads))
+    own = (whole.compute[j] - whole.compute[i]) + (whole.beta[j] - whole.beta[i])
+    update = whole.update[j] - whole.update[i]
+    assert float(stage_seconds(whole, i, j, m)) == pytest.approx((own + update + reduce) / m
+                                                                 + whole.alpha[j] - whole.alpha[i], rel=1e-9)
+    assert float(stage_seconds(fsdp, i, j, m)) == pytest.approx((own + update / 4) / m + 2 * gather + scatter
+                                                                + whole.alpha[j] - whole.alpha[i], rel=1e-9)
+    assert float(stage_memory(fsdp, i, j, held, m)) == pytest.approx(
+        float(stage_memory(whole, i, j, held, m)) - 4.0 * params + (4.0 / 4 + 1.0) * params, rel=1e-12)
+    offered = stage_options(model.cluster, split_state=(False, True), shard_parameters=(False, True))
+    assert any(o.shard_parameters for o in offered)
+    assert all(o.split_state and o.data > 1 for o in offered if o.shard_parameters)
+    with pytest.raises(ValueError, match="shard_parameters needs split_state"):
+        StageOption(4, 4, 1, shard_parameters=True)
+
+
+def test_the_dp_splits_the_parameters_where_only_that_fits_and_finds_the_enumerated_optimum(cap_of) -> None:  # type: ignore[no-untyped-def]
+    """haiku-mlp (its parameters outweigh its activations) in data-parallel stages only (model = 1),
+    on devices with 90% of the memory the leanest plan with the optimizer state split needs: only
+    stages whose parameters are split (FSDP) fit, the DP takes them, and its optimum (exact pruning
+    included) is the enumerated one."""
+    import dataclasses
+
+    from hlomap.cost.devices import device_preset
+    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+
+    mlp = cap_of("haiku-mlp")
+    cluster = hierarchical(2, 4, "V100-16GB")
+    model = _model(mlp, cluster, layers=4)
+    zero1 = JointSpace(stage_options(cluster, max_model=1, split_state=(False, True)), (2, 4))
+    least = min(max(evaluate(model, plan).stage_memory) for plan in joint_plans(model, zero1))
+    device = dataclasses.replace(device_preset("V100-16GB"), memory_bytes=least * 0.9)
+    model = _model(mlp, hierarchical(2, 4, device), layers=4)
+    with pytest.raises(NoFeasiblePlan):
+        solve(model, JointSpace(stage_options(model.cluster, max_model=1, split_state=(False, True)), (2, 4)))
+    space = JointSpace(stage_options(model.cluster, max_model=1, split_state=(False, True),
+                                     shard_parameters=(False, True)), (2, 4))
+    plan, cost = solve(model, space)
+    assert cost.fits and any(stage.shard_parameters for stage in plan.stages)
+    assert cost.latency == pytest.approx(joint_brute_force(model, space)[1].latency, rel=1e-9)
+
+
 @pytest.mark.parametrize("capacity", [pytest.param(None, marks=pytest.mark.slow), 0.85])
 def test_the_dp_with_split_state_finds_the_enumerated_optimum(gpt_tiny, capacity) -> None:
     """With split-state (and recomputing) options the DP, its exact pruning included, finds what
@@ -564,3 +624,31 @@ def test_the_dp_on_servers_of_unequal_memory_finds_the_enumerated_optimum(gpt_ti
     plan, cost = solve(model, space)
     _, best = joint_brute_force(model, space)
     assert cost.fits and cost.latency == pytest.approx(best.latency, rel=1e-9)
+
+
+def test_the_planner_splits_parameters_only_when_no_plan_fits_without(cap_of, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`explore_joint`'s default (`shard_parameters=None`, auto): haiku-mlp in data-parallel stages
+    only on devices of 3.2 MiB, where no plan fits unless some stage splits its parameters: auto
+    finds the plan that forcing the FSDP options in finds, and on roomy devices it returns the
+    plan searched without them."""
+    import dataclasses
+    import functools
+
+    import hlomap.tasks.joint.explore as explore_module
+    from hlomap.cost.devices import device_preset
+    from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+
+    monkeypatch.setattr(explore_module, "stage_options", functools.partial(stage_options, max_model=1))
+    mlp = cap_of("haiku-mlp")
+    tight = hierarchical(2, 4, dataclasses.replace(device_preset("V100-16GB"), memory_bytes=int(3.2 * 2**20)))
+    with pytest.raises(NoFeasiblePlan):
+        explore_module.explore_joint(mlp, tight, shard_parameters=False, with_grid=False)
+    forced = explore_module.explore_joint(mlp, tight, shard_parameters=True, with_grid=False)
+    auto = explore_module.explore_joint(mlp, tight, with_grid=False)
+    assert auto.cost.fits and any(stage.shard_parameters for stage in auto.plan.stages)
+    assert auto.cost.latency == pytest.approx(forced.cost.latency, rel=1e-12)
+    roomy = hierarchical(2, 4, "V100-16GB")
+    plain = explore_module.explore_joint(mlp, roomy, with_grid=False)
+    assert not any(stage.shard_parameters for stage in plain.plan.stages)
+    assert plain.cost.latency == pytest.approx(
+        explore_module.explore_joint(mlp, roomy, shard_parameters=False, with_grid=False).cost.latency, rel=1e-12)

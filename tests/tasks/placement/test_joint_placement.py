@@ -31,6 +31,7 @@ from hlomap.tasks.placement.problem import (JointLayout, MeshStage, PlacementErr
 from tests.tasks.placement.helpers import placed_joint_plan
 
 CASES = [(StageOption(4, 2, 2), Schedule.GPIPE), (StageOption(4, 2, 2, split_state=True), Schedule.ONE_F_ONE_B),
+         (StageOption(4, 4, 1, split_state=True, shard_parameters=True), Schedule.GPIPE),
          (StageOption(2, 1, 2), Schedule.ZERO_BUBBLE), (StageOption(2, 2, 1), Schedule.ONE_F_ONE_B)]
 
 
@@ -53,7 +54,7 @@ def test_the_layout_prices_the_planners_plans_on_their_own_devices(cap_of, where
     """On clusters of equal servers, where the planner's groups (the first devices of each size)
     cost what the stage's own do, the layout's step on the identity order equals the planner's L
     to rounding, for every schedule (the closed form and the event timeline), a split optimizer
-    state and a measured cluster's per-microbatch sync; and the plan saved and cut again at its
+    state, split parameters (FSDP) and a measured cluster's per-microbatch sync; and the plan saved and cut again at its
     stage boundaries only prices as in the cluster's own layers."""
     cap = cap_of("gpt-tiny")
     cluster = _cluster(where)
