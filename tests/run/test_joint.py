@@ -111,8 +111,10 @@ def _two_tensor_parallel_stages(cap: Any) -> Plan:
     return joint_plan(JointResult(model, plan, cost, (), 0.0, "exact", 1))
 
 
+# the spmd executor with tensor-parallel stages stays in the fast run through
+# tests/run/test_pipeline.py::test_mlp_two_stages_tensor_parallel_both_executors
 @pytest.mark.parametrize("name,executor", [
-    ("gpt-tiny", "spmd"), ("gpt-tiny", "mpmd"),
+    pytest.param("gpt-tiny", "spmd", marks=pytest.mark.slow), ("gpt-tiny", "mpmd"),
     pytest.param("t5-tiny", "spmd", marks=pytest.mark.slow), pytest.param("t5-tiny", "mpmd", marks=pytest.mark.slow),
 ])
 def test_two_stages_with_tensor_parallelism_inside(zoo_case, name: str, executor: str) -> None:

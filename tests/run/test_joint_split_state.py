@@ -57,6 +57,7 @@ def test_split_state_is_priced_and_written_per_stage(zoo_case) -> None:  # type:
     assert evaluate(model, again).latency == pytest.approx(split_cost.latency, rel=1e-9)
 
 
+@pytest.mark.slow  # 17 s; the fast run runs split stages (their parameters too) in the next test but one
 def test_split_state_stages_run_with_unsharded_numerics(zoo_case) -> None:  # type: ignore[no-untyped-def]
     """The GPipe plan's stages are alike, yet it runs on the mpmd executor (the spmd one cannot
     keep the state split and says so); loss, gradients and updates equal the unsharded step's and
@@ -120,6 +121,10 @@ def test_split_parameter_stages_are_written_and_run_with_unsharded_numerics(zoo_
     trainable = [p.index for p in case.cap.parameters if p.role is Role.TRAINABLE and p.shape.rank]
     specs = plan.pipeline.stages[0].specs
     assert sum(any(s is not None and "data" in s for s in specs[i]) for i in trainable) >= len(trainable) // 2
+    from hlomap.run.errors import RunError
+
+    with pytest.raises(RunError, match="spmd executor cannot keep a stage's optimizer state split"):
+        hlomap.parallelize(case.model.train_step(), plan, executor="spmd")
     step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
     assert step.executor is Executor.MPMD
     check = check_pipeline(step, case.args)
