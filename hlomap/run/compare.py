@@ -197,7 +197,7 @@ def _marked_gradients(step: Callable[..., Any], args: Sequence[Any], microbatche
     from jax.extend import core as jcore
 
     from hlomap.run.errors import RunError
-    from hlomap.run.trace import InputKind, trace_step
+    from hlomap.run.trace import InputKind, microbatch_args, trace_step
 
     args = tuple(args)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
@@ -208,8 +208,7 @@ def _marked_gradients(step: Callable[..., Any], args: Sequence[Any], microbatche
     mb = whole.batch_size // microbatches
     traced = whole
     if microbatches > 1:  # traced again at the microbatch's shapes
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb,) + tuple(x.shape[1:]), x.dtype), abstract[2])
-        traced = trace_step(step, (*abstract[:2], batch, *abstract[3:]))
+        traced = trace_step(step, microbatch_args(abstract, mb, whole.batch_size))
     flat = jax.tree_util.tree_leaves(args)
     positions = [p for p in traced.grads]
     run = jcore.jaxpr_as_fun(traced.loss)

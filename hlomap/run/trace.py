@@ -10,13 +10,16 @@ gradients, flat. That equation is never lowered: the runner replaces it by its p
 
 The step must look like `train_step(params, opt_state, batch, *rest) -> (params, opt_state,
 *rest_out)`: arguments 0 and 1 are the state the runner keeps per stage (returned with the same
-structure), argument 2 is the batch (every leaf split on its leading dim into microbatches),
-later arguments are passed whole to every microbatch.
+structure), argument 2 is the batch (every leaf split on its leading dim into microbatches);
+a leaf of a later argument whose leading dim is the batch's is split the same way (the labels of
+`train_step(params, opt_state, x, y)`), and the other later leaves are passed whole to every
+microbatch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from hlomap.run.errors import SplitError
 from hlomap.run.grad import GradCall, intercept
 from hlomap.run.program import describe_eqn, is_literal
 
-__all__ = ["InputKind", "LossInput", "MARKER", "TracedStep", "trace_step"]
+__all__ = ["InputKind", "LossInput", "MARKER", "TracedStep", "microbatch_args", "trace_step"]
 
 STATE_ARGS = 2  # params, opt_state
 BATCH_ARG = 2
@@ -52,8 +55,8 @@ class InputKind(enum.Enum):
 
     PARAM = "param"  # a state leaf the gradient is taken of: lives with the stages reading it
     STATE = "state"  # a state leaf read but not differentiated (batch-norm statistics)
-    DATA = "data"  # a leaf of the batch argument: split into microbatches
-    BROADCAST = "broadcast"  # a leaf of a later argument: the same for every microbatch
+    DATA = "data"  # a leaf of the batch argument, or a later one of the batch's leading dim: split into microbatches
+    BROADCAST = "broadcast"  # any other leaf of a later argument: the same for every microbatch
     CONST = "const"  # a constant of the step
 
 
@@ -207,6 +210,7 @@ def trace_step(step: Callable[..., Any], args: Sequence[Any], paths: Sequence[st
     inputs = _classify(closed, eqn, arg_sizes, paths, n_consts, grad_positions)
     opened = _with_consts_as_vars(loss)
     batch_size = _batch_size(inputs, opened)
+    inputs = _per_example_later_leaves(inputs, opened, batch_size)
     grads = tuple(n_consts + g for g in grad_positions)
     return TracedStep(step=closed, marker=marker, loss=opened, loss_inputs=inputs,
                       grads=grads, n_aux=len(loss.out_avals) - 1, arg_tree=arg_tree, arg_sizes=arg_sizes,
@@ -334,6 +338,34 @@ def _classify(closed: Any, eqn: Any, arg_sizes: tuple[int, ...], paths: tuple[st
         else:
             kind = InputKind.BROADCAST
         out.append(LossInput(kind, leaf, paths[leaf]))
+    return tuple(out)
+
+
+def microbatch_args(args: Sequence[Any], size: int, batch_size: int) -> tuple[Any, ...]:
+    """Abstract step arguments at one microbatch: every batch leaf cut to `size` examples, the
+    batch's and those of later arguments whose leading dim is the batch's (`InputKind.DATA`)."""
+
+    def cut(x: Any) -> Any:
+        return jax.ShapeDtypeStruct((size,) + tuple(x.shape[1:]), x.dtype)
+
+    def cut_per_example(x: Any) -> Any:
+        return cut(x) if tuple(getattr(x, "shape", ()))[:1] == (batch_size,) else x
+
+    batch = jax.tree.map(cut, args[2])
+    return (*args[:2], batch, *(jax.tree.map(cut_per_example, a) for a in args[3:]))
+
+
+def _per_example_later_leaves(inputs: tuple[LossInput, ...], loss: Any, batch_size: int) -> tuple[LossInput, ...]:
+    """`inputs` with every leaf of a later argument whose leading dim is the batch's read as part of
+    the batch (split into the same microbatches): per-example inputs passed beside the batch, such
+    as labels. Passed whole, they would pair each microbatch with the whole batch's labels, which
+    broadcasting can let through unnoticed."""
+    out = []
+    for item, var in zip(inputs, loss.jaxpr.invars):
+        shape = getattr(var.aval, "shape", ())
+        if item.kind is InputKind.BROADCAST and shape and int(shape[0]) == batch_size:
+            item = dataclasses.replace(item, kind=InputKind.DATA)
+        out.append(item)
     return tuple(out)
 
 

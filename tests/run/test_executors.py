@@ -172,30 +172,42 @@ def test_mpmd_averages_a_stages_aux_sums_in_one_program() -> None:
     assert _means._cache_size() == traces
 
 
-def test_a_per_example_input_beside_the_batch_is_named_not_a_shape_error() -> None:
-    """Only the third argument is cut into microbatches: labels passed as a fourth argument
-    would reach the loss at the whole batch, and JAX's broadcasting error says nothing of why.
-    The runner names the argument and the fix."""
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_per_example_inputs_beside_the_batch_are_split_with_it(executor: str) -> None:
+    """`train_step(params, opt_state, x, y, shift)`: the labels `y` have the batch's leading dim, so
+    they are cut into the same microbatches as the batch (before, they reached every microbatch
+    whole: a broadcasting error here, and with logits of one example against a batch of integer
+    labels, a wrong loss that no error flagged); `shift`, of another leading dim, is passed whole.
+    Loss and gradients equal the unsharded step's on both executors, also at microbatches of one
+    example."""
     import jax.numpy as jnp
     import optax
 
+    from hlomap.run.compare import check_pipeline
+
     optimizer = optax.sgd(0.1)
 
-    def train_step(params, opt_state, x, y):
+    def train_step(params, opt_state, x, y, shift):
         def loss_fn(p):
-            h = jnp.tanh(x @ p["w1"])
+            h = jnp.tanh(x @ p["w1"] + shift)
             return jnp.mean((h @ p["w2"] - y[:, None]) ** 2)
 
         loss, grads = hlomap.value_and_grad(loss_fn)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    params = {"w1": jnp.ones((16, 16)) * 0.1, "w2": jnp.ones((16, 1)) * 0.1}
-    args = (params, optimizer.init(params), jnp.ones((8, 16)), jnp.arange(8.0))
+    params = {"w1": jnp.ones((16, 16)) * 0.1, "w2": jnp.linspace(-1.0, 1.0, 16).reshape(16, 1)}
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), dtype=jnp.float32)
+    args = (params, optimizer.init(params), x, jnp.arange(8.0), jnp.linspace(0.0, 1.0, 16))
     cap = hlomap.capture(train_step, *args)
-    plan = hlomap.explore(cap, task="pipeline", stages=2, microbatches=2, agent="dp", cluster="hier:2x4")
-    step = hlomap.parallelize(train_step, plan)
-    placed = step.place(args[0], args[1])
-    with pytest.raises(RunError, match=r"args\[3\] has the batch's leading dim \(8\) but only args\[2\].*"
-                                       r"step\(params, opt_state, \(x, y\)\)"):
-        step(*placed, *args[2:])
+    schedule = "gpipe" if executor == "spmd" else "1f1b"
+    _, _, want = jax.jit(train_step)(*args)
+    for microbatches in (2, 8):
+        plan = hlomap.explore(cap, task="pipeline", stages=2, microbatches=microbatches, agent="dp",
+                              cluster="hier:1x2", schedule=schedule)
+        step = hlomap.parallelize(train_step, plan, executor=executor, example_args=args)
+        check = check_pipeline(step, args)
+        assert check.exact, "\n".join(c.words() for c in check.comparisons)
+        placed = step.place(args[0], args[1])
+        _, _, loss = step(*placed, *args[2:])
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from hlomap.cost.pipeline.stages import splits_batch
-from hlomap.run.errors import RunError, SplitError
+from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import StageAssignment, assign_stages
 from hlomap.run.pipeline.loss_split import LossSplit, split_loss
 from hlomap.run.pipeline.section import DATA_AXIS, PipelineSection
 from hlomap.run.pipeline.stage_update import UpdatePlan, plan_update
-from hlomap.run.trace import InputKind, TracedStep, trace_step
+from hlomap.run.trace import InputKind, TracedStep, microbatch_args, trace_step
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
@@ -90,43 +90,12 @@ def prepare(step: Any, args: Sequence[Any], cap: Capture, section: PipelineSecti
         raise RunError(f"the batch of {traced.batch_size} examples cannot be split into {m} equal microbatches "
                        f"({traced.batch_size} is not a multiple of {m})")
     microbatch = traced.batch_size // m
-    try:
-        micro = traced if m == 1 else trace_step(step, _with_batch(args, microbatch), paths)
-    except (TypeError, ValueError) as err:  # a shape error deep in the user's code: say why, if we can
-        unsplit = _unsplit_batch_leaves(args, traced.batch_size)
-        if not unsplit:
-            raise
-        raise SplitError(f"{', '.join(unsplit)} {'has' if len(unsplit) == 1 else 'have'} the batch's leading dim "
-                         f"({traced.batch_size}) but only args[2] of the step, the batch, is split into "
-                         f"microbatches of {microbatch}; tracing the step at one microbatch failed ({err}). Pass "
-                         "every per-example input inside the batch argument, e.g. step(params, opt_state, (x, y))"
-                         ) from err
+    micro = traced if m == 1 else trace_step(step, microbatch_args(args, microbatch, traced.batch_size), paths)
     _check_same_loss(traced, micro)
     assignment = assign_stages(cap, traced, section.cuts)
     split = split_loss(micro, assignment.stage_of_eqn, section.logical_stages)
     update = plan_update(traced, split, widen=widen)
     return PipelineProgram(traced, micro, assignment, split, update, section, microbatch)
-
-
-def _unsplit_batch_leaves(args: Sequence[Any], batch_size: int) -> list[str]:
-    """Leaves of the arguments after the batch whose leading dim is the batch size: per-example
-    inputs passed beside the batch, which the pipeline does not split (named `args[k]` and the path)."""
-    import jax
-
-    out = []
-    for k, arg in enumerate(args[3:], start=3):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if tuple(np.shape(leaf))[:1] == (batch_size,):
-                out.append(f"args[{k}]{jax.tree_util.keystr(path)}")
-    return out
-
-
-def _with_batch(args: Sequence[Any], size: int) -> tuple[Any, ...]:
-    """Abstract arguments with every batch leaf cut to `size` examples."""
-    import jax
-
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(x.shape[1:]), x.dtype), args[2])
-    return (*args[:2], batch, *args[3:])
 
 
 def _check_same_loss(whole: TracedStep, micro: TracedStep) -> None:
