@@ -35,6 +35,22 @@ def _plan(cap: Any, split: bool) -> tuple[Plan, Any]:
     return joint_plan(JointResult(model, plan, cost, (), 0.0, "exact", 1)), cost
 
 
+def _stepped_on_mpmd(case: Any, plan: Plan) -> Any:
+    """The spmd executor refuses `plan` (its stages split their state); the mpmd executor runs it
+    with the unsharded step's loss and gradients. Returns one step's outputs."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.runner import Executor
+
+    with pytest.raises(RunError, match="spmd executor cannot keep a stage's optimizer state split"):
+        hlomap.parallelize(case.model.train_step(), plan, executor="spmd")
+    step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
+    assert step.executor is Executor.MPMD
+    check = check_pipeline(step, case.args)
+    assert check.exact, "\n".join(c.words() for c in check.comparisons)
+    params, opt_state = step.place(case.args[0], case.args[1])
+    return step(params, opt_state, *case.args[2:])
+
+
 def test_split_state_is_priced_and_written_per_stage(zoo_case) -> None:  # type: ignore[no-untyped-def]
     case = zoo_case("gpt-tiny")
     whole, whole_cost = _plan(case.cap, False)
@@ -62,19 +78,9 @@ def test_split_state_stages_run_with_unsharded_numerics(zoo_case) -> None:  # ty
     """The GPipe plan's stages are alike, yet it runs on the mpmd executor (the spmd one cannot
     keep the state split and says so); loss, gradients and updates equal the unsharded step's and
     the moments stay split over `data` after a step."""
-    from hlomap.run.errors import RunError
-    from hlomap.run.runner import Executor
-
     case = zoo_case("gpt-tiny")
     plan, _ = _plan(case.cap, True)
-    with pytest.raises(RunError, match="spmd executor cannot keep a stage's optimizer state split"):
-        hlomap.parallelize(case.model.train_step(), plan, executor="spmd")
-    step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
-    assert step.executor is Executor.MPMD
-    check = check_pipeline(step, case.args)
-    assert check.exact, "\n".join(c.words() for c in check.comparisons)
-    params, opt_state = step.place(case.args[0], case.args[1])
-    _, new_state, _ = step(params, opt_state, *case.args[2:])
+    _, new_state, _ = _stepped_on_mpmd(case, plan)
     specs = plan.pipeline.stages[0].specs
     offset = len(jax.tree_util.tree_leaves(case.args[0]))
     split = 0
@@ -107,7 +113,6 @@ def test_split_parameter_stages_are_written_and_run_with_unsharded_numerics(zoo_
     """A joint plan whose stages keep their parameters split over `data` (FSDP) says so per stage,
     prices again from its file to the planner's figure, runs on the mpmd executor with the
     unsharded step's loss and gradients, and its updated parameters stay split over `data`."""
-    from hlomap.run.runner import Executor
 
     case = zoo_case("gpt-tiny")
     model = joint_model(case.cap, CLUSTER)
@@ -121,16 +126,7 @@ def test_split_parameter_stages_are_written_and_run_with_unsharded_numerics(zoo_
     trainable = [p.index for p in case.cap.parameters if p.role is Role.TRAINABLE and p.shape.rank]
     specs = plan.pipeline.stages[0].specs
     assert sum(any(s is not None and "data" in s for s in specs[i]) for i in trainable) >= len(trainable) // 2
-    from hlomap.run.errors import RunError
-
-    with pytest.raises(RunError, match="spmd executor cannot keep a stage's optimizer state split"):
-        hlomap.parallelize(case.model.train_step(), plan, executor="spmd")
-    step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
-    assert step.executor is Executor.MPMD
-    check = check_pipeline(step, case.args)
-    assert check.exact, "\n".join(c.words() for c in check.comparisons)
-    params, opt_state = step.place(case.args[0], case.args[1])
-    new_params, _, _ = step(params, opt_state, *case.args[2:])
+    new_params, _, _ = _stepped_on_mpmd(case, plan)
     split = [leaf for k, leaf in enumerate(jax.tree_util.tree_leaves(new_params))
              if any(s is not None and "data" in s for s in specs[k])]
     assert split and all("data" in jax.tree_util.tree_leaves(tuple(leaf.sharding.spec)) for leaf in split)
