@@ -45,6 +45,7 @@ def _run(case, plan, executor, *, microbatches_reference=1, update=True):
 # -- the default subset ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 19 s; the spmd executor's data-parallel stages run in the fast run on the mlp and one stage
 def test_gpt_two_stages_data_parallel_spmd_executor(zoo_case) -> None:
     """The spmd executor, GPipe, 2 stages x data-parallel 4, M = 2: the tied embedding is read by both
     stages (its gradient is summed over them)."""
