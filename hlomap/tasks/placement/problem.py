@@ -50,6 +50,12 @@ class PlacementError(ValueError):
     """A placement problem or placement that does not fit together (the message says why)."""
 
 
+def consecutive_ranges(sizes: Sequence[int]) -> tuple[range, ...]:
+    """Positions stage by stage: one range per size, each starting where the last ended."""
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist()
+    return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """An SPMD plan's logical side: mesh axes, its communication terms, its compute per step."""
@@ -109,8 +115,7 @@ class StageLayout:
         return sum(self.replication)
 
     def stage_positions(self) -> tuple[range, ...]:
-        starts = np.concatenate([[0], np.cumsum(self.replication)]).tolist()
-        return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
+        return consecutive_ranges(self.replication)
 
     def plan(self, devices: Sequence[int]) -> PipelinePlan:
         """The stage plan with device stage s on the devices of its logical positions (and logical
@@ -212,8 +217,7 @@ class JointLayout:
         return sum(stage.n_positions for stage in self.stages)
 
     def stage_positions(self) -> tuple[range, ...]:
-        starts = np.concatenate([[0], np.cumsum([stage.n_positions for stage in self.stages])]).tolist()
-        return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
+        return consecutive_ranges([stage.n_positions for stage in self.stages])
 
     def latency(self, times: Sequence[float], transfers: Sequence[float]) -> float:
         """The step from each stage's and cut's seconds per microbatch."""
