@@ -403,11 +403,14 @@ def measure_found(found: Any, cap: Capture, cluster: Any, settings: Any,
 
     import jax
 
-    from hlomap.run.measure import MeasureError, measure_candidates, step_preparer
+    from hlomap.run.measure import MeasuredSelection, MeasureError, measure_candidates, step_preparer
     from hlomap.tasks.candidates import PICK, select_candidates
 
     listed = explore_candidates(found, cap, cluster)
     selected = select_candidates(listed, settings.count)
+    if len(selected) == 1:  # one program to run whatever is chosen (one device's plans are all one)
+        log.info("measure: one distinct candidate plan, %s: nothing to choose, not timed", selected[0].name)
+        return MeasuredSelection(selected[0].plan, selected[0], None)
     if on_candidates is not None:
         on_candidates(selected)
     prepare = settings.prepare or step_preparer(runnable[0], runnable[1])

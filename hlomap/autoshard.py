@@ -54,6 +54,7 @@ from hlomap.tasks import Task
 # Plans are cached where the `local` cluster is (unless `cache_dir` says otherwise):
 # $HLOMAP_CACHE_DIR, default ~/.cache/hlomap.
 from hlomap.run.local import CACHE_ENV, default_cache_dir, folder_problem
+from hlomap.run.spmd import ReturnedState
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,8 @@ class AutoShardedStep:
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._current: _Entry | None = None
         self._file_step: Any = None  # plan=PATH, built before the first call so that place() can lay out
+        self._returned = ReturnedState()  # the state's signature, when it is what the last call returned
+        self._keeps_state: dict[tuple[Any, ...], bool] = {}  # signature -> its step returns the state alike
 
     # -- what the last call ran ---------------------------------------------------------------------
     def _last(self) -> _Entry:
@@ -372,14 +375,31 @@ class AutoShardedStep:
 
     # -- the call -------------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        sig = signature(args)
+        known = self._returned.lookup(args)  # (signature, entry) of the call that returned this state
+        if known is not None:
+            rest = signature(args[STATE_ARGS:])
+            if known[0][STATE_ARGS:] == rest and known[1] is self._current:  # a train loop's next step
+                out = known[1].step(*args)
+                self._returned.remember(out, known)
+                return out
+            sig = known[0][:STATE_ARGS] + rest
+        else:
+            sig = signature(args)
         entry = self._entries.get(sig)
         if entry is None:
-            return self._first_call(args, sig)
-        if entry is not self._current:  # back to an earlier signature: the state follows its plan
-            args = self._relocate(args, entry)
-            self._current = entry
-        return entry.step(*args)
+            out = self._first_call(args, sig)
+            entry = self._current
+            self._keeps_state[sig] = signature(out[:STATE_ARGS]) == sig[:STATE_ARGS] if isinstance(out, tuple) else False
+        else:
+            if entry is not self._current:  # back to an earlier signature: the state follows its plan
+                args = self._relocate(args, entry)
+                self._current = entry
+            out = entry.step(*args)
+        if self._keeps_state[sig]:  # the state handed back has the signature it got: not flattened again
+            self._returned.remember(out, (sig, entry))
+        else:
+            self._returned.forget()
+        return out
 
     def _first_call(self, args: tuple[Any, ...], sig: tuple[Any, ...]) -> Any:
         entry = self._build(args)

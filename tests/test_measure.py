@@ -79,6 +79,32 @@ def test_select_keeps_the_pick_and_each_familys_best_then_the_fastest_predicted(
         select_candidates(found, 0)
 
 
+def test_plans_over_axes_of_one_device_are_one_candidate() -> None:
+    """On one device dp (data=1), megatron (model=1) and a search's plan on {model: 1} run one
+    program: they are timed once (each was compiled and timed on a lent H200)."""
+    from hlomap.propagation.graph import FactorGraph
+    from hlomap.tasks.candidates import distinct_candidates, spmd_reference_candidates, structure_key
+
+    cap = api.load_source(TINY)
+    graph = FactorGraph.from_capture(cap)
+    one = spmd_reference_candidates(cap, graph, 1, api.load_cluster("uniform:1"))
+    assert [c.name for c in one] == ["dp", "megatron"] and len({c.plan.mesh for c in one}) == 2
+    assert [c.name for c in distinct_candidates(one)] == ["dp"]
+    eight = spmd_reference_candidates(cap, graph, 8, api.load_cluster("uniform:8"))
+    assert len({structure_key(c.plan) for c in eight}) == 2  # axes of 8 devices still differ
+
+
+def test_one_distinct_candidate_is_not_timed() -> None:
+    """On one device the auto task's pick, dp and megatron are one program: nothing is compiled
+    or timed (on an H200 timing gpt-small's one candidate cost 14 s of its first call) and the
+    plan has no measured section."""
+    prepared: list[Plan] = []
+    settings, _ = fake_settings(3, lambda plan: 1.0)
+    settings = dataclasses.replace(settings, prepare=lambda plan: prepared.append(plan) or (lambda: None))
+    plan = api.explore(TINY, task="auto", cluster="uniform:1", measure=settings)
+    assert prepared == [] and plan.measured is None and plan.pipeline is None
+
+
 def test_measure_candidates_chooses_the_measured_fastest_and_records_a_failure() -> None:
     found = [_candidate(PICK, Family.SPMD, 1.0, "model"), _candidate("dp", Family.SPMD, 2.0, "data"),
              _candidate("megatron", Family.SPMD, 3.0, "other")]

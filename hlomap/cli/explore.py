@@ -137,6 +137,9 @@ def _measure(args: argparse.Namespace, found: Any, cap: Any, cluster: Any, runna
         common.say(f"measuring up to {args.measure} candidate plans on this machine's devices (compiling first) ...")
     with measure_bar(not args.quiet) as on_round:
         selection = api.measure_found(found, cap, cluster, settings, runnable, on_round=on_round)
+    if selection.measurement is None and not args.quiet:
+        common.say(f"one distinct candidate plan ({selection.chosen.name}; on one device every SPMD plan is the "
+                   "same program): nothing to choose, not timed")
     selection.plan.save(output)
     return selection.plan
 

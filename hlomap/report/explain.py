@@ -156,8 +156,30 @@ def format_explanation(rows: Sequence[VariableExplanation], plan: Plan, *, origi
         why = "\n".join(f"{d.dim}: {d.why}" for d in row.dims if d.size > 1) or "scalar"
         table.add_row(row.path, row.role, "x".join(map(str, row.shape)) or "()",
                       Text(row.spec, style="green" if row.sharded else "dim"), why)
-    sharded = sum(r.sharded for r in rows)
-    return Group(table, Text(f"{sharded} of {len(rows)} variables sharded"), Text(_origin_line(plan, origin, path)))
+    return Group(table, Text(_sharded_line(rows, plan)), Text(_origin_line(plan, origin, path)))
+
+
+def _axis_sizes(plan: Plan) -> dict[str, int]:
+    """Each mesh axis's largest size in the plan (its mesh, or any stage's for a pipeline)."""
+    sizes = dict(plan.mesh)
+    for stage in plan.pipeline.stages if plan.pipeline is not None else ():
+        for axis, size in stage.mesh:
+            sizes[axis] = max(size, sizes.get(axis, 1))
+    return sizes
+
+
+def _sharded_line(rows: Sequence[VariableExplanation], plan: Plan) -> str:
+    """How many variables are split: an axis of one device splits nothing (one device's plans
+    name axes of size 1, and every variable on them is whole)."""
+    from hlomap.report.sharding import spec_splits
+
+    sizes = _axis_sizes(plan)
+    count = sum(spec_splits([d.axes for d in row.dims], sizes) for row in rows)
+    named = sum(r.sharded for r in rows)
+    if named > count:
+        return (f"{count} of {len(rows)} variables sharded ({named - count} more name mesh axes of one device, "
+                "which split nothing)")
+    return f"{count} of {len(rows)} variables sharded"
 
 
 def print_explanation(plan: Plan, cap: Capture, *, origin: str = "", path: Path | None = None,

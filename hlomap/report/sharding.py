@@ -9,9 +9,10 @@ Rich and matplotlib are imported inside the functions that draw, so the library 
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from os import PathLike
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -93,6 +94,16 @@ def _spec_text(spec: Sequence[Any]) -> str:
                            for s in spec) + ")"
 
 
+def spec_splits(spec: Sequence[Any], sizes: Mapping[str, int]) -> bool:
+    """Whether a spec splits its variable: some entry names mesh axes of more than one device in
+    all (an axis of size 1, as every axis of a one-device plan, splits nothing)."""
+    def devices(entry: Any) -> int:
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        return math.prod(sizes.get(name, 1) for name in names)
+
+    return any(devices(entry) > 1 for entry in spec if entry is not None)
+
+
 def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> Any:
     """A rich renderable: each variable's spec, grouped by layer.
 
@@ -118,11 +129,12 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     table.add_column("spec")
     sharded_vars = 0
     total_vars = 0
+    sizes = dict(plan.mesh)
     for layer, params in rows.items():
         for i, p in enumerate(params):
             # as placed: an FSDP plan stores its parameters split over the data axes too
             spec = plan.state_sharding.spec_of(p) if getattr(plan, "state_sharding", None) is not None else p.spec
-            sharded = any(s is not None for s in spec)
+            sharded = spec_splits(spec, sizes)
             sharded_vars += sharded
             total_vars += 1
             name = p.path.split("/", 1)[1] if "/" in p.path else p.path

@@ -68,11 +68,12 @@ DEFAULT_MEASURE = MeasureSettings()
 
 @dataclass(frozen=True)
 class MeasuredSelection:
-    """The measured fastest candidate's plan (its `measured` section filled in) and the record."""
+    """The measured fastest candidate's plan (its `measured` section filled in) and the record;
+    `measurement` None when there was one distinct candidate: nothing to choose, nothing timed."""
 
     plan: Plan
     chosen: Candidate
-    measurement: Measurement
+    measurement: Measurement | None
 
 
 def step_preparer(step: Callable[..., Any], example_args: Sequence[Any]) -> Prepare:

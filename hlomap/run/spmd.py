@@ -18,9 +18,39 @@ from hlomap.run.errors import RunError
 from hlomap.run.transfer import put, to_host
 from hlomap.verify.mesh import plan_mesh
 
-__all__ = ["SpmdStep"]
+__all__ = ["ReturnedState", "SpmdStep"]
 
 STATE_ARGS = 2
+
+
+class ReturnedState:
+    """The state a step last returned (its params and opt_state containers) and what the caller
+    derived from it, so that a call handed that same state back need not flatten it again: a
+    train loop passes each step's state to the next, and flattening gpt-small's 303 leaves twice
+    per call cost 0.4 ms, 7% of its step on an H200. Holds the containers until the next call
+    (their arrays are donated to it). A container changed in place after it was returned (a key
+    added to the params dict) is taken as returned: JAX's steps take new pytrees, not edited ones."""
+
+    def __init__(self) -> None:
+        self._objects: tuple[Any, ...] | None = None
+        self._value: Any = None
+
+    def lookup(self, args: Sequence[Any]) -> Any | None:
+        """What was remembered for the state in `args`, if it is the state last returned; else None."""
+        objects = self._objects
+        if objects is None or len(args) < STATE_ARGS or any(a is not b for a, b in zip(args, objects)):
+            return None
+        return self._value
+
+    def remember(self, out: Any, value: Any) -> None:
+        """`out` is a step's result: remember its state (the first STATE_ARGS items) with `value`."""
+        if isinstance(out, tuple) and len(out) >= STATE_ARGS:
+            self._objects, self._value = tuple(out[:STATE_ARGS]), value
+        else:
+            self.forget()
+
+    def forget(self) -> None:
+        self._objects = self._value = None
 
 
 class SpmdStep:
@@ -34,6 +64,7 @@ class SpmdStep:
         self._specs = {p.index: plan.leaf_spec(p) for p in plan.parameters}
         self._jitted: dict[Any, Any] = {}
         self._options = dict(compiler_options or {})
+        self._returned = ReturnedState()  # the state's structures, when it is what the last call returned
 
     def _shardings(self, flat_start: int, tree: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -61,9 +92,9 @@ class SpmdStep:
     def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         return jax.tree.map(to_host, params), jax.tree.map(to_host, opt_state)
 
-    def compiled_for(self, args: Sequence[Any]) -> Any:
-        """The jitted step for arguments of this structure (built once per structure)."""
-        key = jax.tree_util.tree_structure(tuple(args))
+    def _compiled(self, key: tuple[Any, ...], args: Sequence[Any]) -> tuple[Any, Any, bool]:
+        """The jitted step for arguments of structure `key` (built once per structure), the
+        arguments' shardings, and whether it returns the state in the structure it was given."""
         if key not in self._jitted:
             shardings = self.arg_shardings(args)
             donate = tuple(range(min(STATE_ARGS, len(args))))
@@ -76,11 +107,23 @@ class SpmdStep:
             out_shardings = shardings[:STATE_ARGS] + (None,) * (len(out) - STATE_ARGS) if keeps_state else None
             self._jitted[key] = (jax.jit(self.step, in_shardings=shardings, out_shardings=out_shardings,
                                          donate_argnums=donate, compiler_options=self._options or None),
-                                 shardings)
+                                 shardings, keeps_state)
         return self._jitted[key]
 
     def __call__(self, *args: Any) -> Any:
-        jitted, shardings = self.compiled_for(args)
+        rest = tuple(jax.tree_util.tree_structure(a) for a in args[STATE_ARGS:])
+        known = self._returned.lookup(args)  # (key, compiled) of the call that returned this state
+        if known is not None and known[0][STATE_ARGS:] == rest:
+            key, compiled = known
+        else:
+            key = tuple(jax.tree_util.tree_structure(a) for a in args[:STATE_ARGS]) + rest
+            compiled = self._compiled(key, args)
+        jitted, shardings, keeps_state = compiled
         if jax.process_count() > 1:  # host values must become global arrays first
             args = jax.tree.map(put, tuple(args), shardings)
-        return jitted(*args)
+        out = jitted(*args)
+        if keeps_state:  # the state it returns has the structure it was given
+            self._returned.remember(out, (key, compiled))
+        else:
+            self._returned.forget()
+        return out

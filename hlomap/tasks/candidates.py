@@ -66,9 +66,29 @@ class Candidate:
 
 
 def structure_key(plan: Plan) -> str:
-    """What a plan runs, as text: its JSON without `NOT_STRUCTURE`."""
+    """What a plan runs, as text: its JSON without `NOT_STRUCTURE`, and without the mesh axes of
+    one device (they split nothing: on one device dp, megatron and the search's plan are one
+    program, and timing it three times would only cost compiles)."""
     data = {k: v for k, v in plan.to_json().items() if k not in NOT_STRUCTURE}
-    return json.dumps(data, sort_keys=True)
+    return json.dumps(_without_unit_axes(data), sort_keys=True)
+
+
+def _without_unit_axes(data: dict[str, Any]) -> dict[str, Any]:
+    """A plan's JSON with the mesh axes of size 1 taken out of its mesh, specs and groups."""
+    axes = data["mesh"]["axes"]
+    unit = {axis for axis, size in axes.items() if size == 1}
+    if not unit:
+        return data
+
+    def entry(value: Any) -> Any:
+        names = [value] if isinstance(value, str) else list(value or ())
+        kept = [name for name in names if name not in unit]
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    parameters = [{**p, "spec": [entry(e) for e in p["spec"]]} for p in data["parameters"]]
+    groups = [{**g, "axes": kept} for g in data["groups"] if (kept := [a for a in g["axes"] if a not in unit])]
+    return {**data, "mesh": {"axes": {a: n for a, n in axes.items() if a not in unit}}, "parameters": parameters,
+            "groups": groups}
 
 
 def _predicted_order(candidate: Candidate) -> float:

@@ -99,3 +99,21 @@ def test_a_calibration_too_large_for_host_memory_is_refused_before_measuring(mon
     with pytest.raises(CalibrationError, match=r"calibrating 4 host CPU devices needs about .* GiB are free"):
         measure_devices(4, plan=DEFAULT_PLAN, on_progress=seen.append)
     assert not seen  # nothing was measured
+
+
+def test_one_device_times_its_pipeline_executors_on_one_stage() -> None:
+    """One device runs joint plans of one stage and several microbatches on the mpmd executor, so
+    a calibration of one device times the executors on one stage (it timed nothing: such a plan
+    was priced as free of dispatches, and on an H200 one of 256 microbatches ran 600x its price).
+    The samples are real runs of the near-empty model; their values are not asserted."""
+    import jax
+
+    from hlomap.cost.calibration import fit_executors
+    from hlomap.run.calibrate import executor_tasks
+
+    tasks = executor_tasks(jax.devices()[:1], quick=True, median_seconds=lambda call, repeats: (call(), 1e-3)[1])
+    assert [label for label, _ in tasks] == ["spmd executor 1x2", "mpmd executor 1x2", "spmd executor 1x4",
+                                             "mpmd executor 1x4"]
+    samples = [sample for _, measure in tasks if (sample := measure()) is not None]
+    assert {(s.executor, s.stages, s.microbatches) for s in samples} >= {("mpmd", 1, 2), ("mpmd", 1, 4)}
+    assert "mpmd" in fit_executors(samples)

@@ -540,6 +540,10 @@ def in_space(space: JointSpace, plan: JointPlan) -> bool:
             and (space.max_stages is None or plan.n_stages <= space.max_stages))
 
 
+#: Relative difference in L below which two plans tie (`solve` then keeps fewer microbatches).
+TIE_TOLERANCE = 1e-9
+
+
 def solve(model: JointModel, space: JointSpace, incumbent: JointPlan | None = None) -> tuple[JointPlan, JointCost]:
     """The joint plan of least L over `space` (every microbatch count); raises NoFeasiblePlan.
 
@@ -554,8 +558,10 @@ def solve(model: JointModel, space: JointSpace, incumbent: JointPlan | None = No
         if cost.fits or not space.check_memory:
             best = (incumbent, cost)
     for m in sorted(space.microbatches, reverse=True):  # many microbatches usually win: a good bound early
-        found = _solve_for(model, space, m, best[1].latency if best else math.inf)
-        if found is not None and (best is None or found[1].latency < best[1].latency):
+        # Ties go to fewer microbatches: each costs the executor a dispatch per stage that a
+        # datasheet cluster does not price (one stage of 256 microbatches tied the plain step).
+        found = _solve_for(model, space, m, best[1].latency * (1 + TIE_TOLERANCE) if best else math.inf)
+        if found is not None and (best is None or found[1].latency <= best[1].latency * (1 + TIE_TOLERANCE)):
             best = found
     if best is None:
         raise NoFeasiblePlan(f"{model.cap.source}: no joint plan of {model.n_layers} layers fits on "

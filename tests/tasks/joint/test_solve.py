@@ -652,3 +652,15 @@ def test_the_planner_splits_parameters_only_when_no_plan_fits_without(cap_of, mo
     assert not any(stage.shard_parameters for stage in plain.plan.stages)
     assert plain.cost.latency == pytest.approx(
         explore_module.explore_joint(mlp, roomy, shard_parameters=False, with_grid=False).cost.latency, rel=1e-12)
+
+
+def test_ties_go_to_fewer_microbatches() -> None:
+    """One stage on one device costs the same L for every microbatch count on a datasheet cluster
+    (one microbatch's time times M); the executor's dispatches, which such a cluster does not
+    price, make more microbatches slower in fact. haiku-mlp got 32 microbatches; now one, which
+    is an ordinary SPMD plan."""
+    from hlomap import api
+
+    for cluster in ("uniform:1", "hier:1x1"):
+        plan = api.explore("zoo:haiku-mlp", task="auto", cluster=cluster)
+        assert plan.pipeline is None and all(size == 1 for _, size in plan.mesh)

@@ -143,3 +143,32 @@ def test_the_plan_summary_tells_zero_1_from_fsdp_and_shows_the_stored_split(cap_
         assert "(ZeRO-1)" in zero and "FSDP" not in zero
         assert "(FSDP / ZeRO-3)" in fsdp and "ZeRO-1" not in fsdp
         assert "8 of 8 variables sharded" in fsdp and "2 of 8 variables sharded" in zero
+
+
+def test_axes_of_one_device_split_nothing_in_the_summaries(cap_of, graph_of) -> None:
+    """A one-device plan names mesh axes of size 1 (hlomap found {model: 1} on an H200 and said
+    "61 of 102 variables sharded"); neither summary counts those as split."""
+    from rich.console import Console
+
+    from hlomap.plan import resolve_plan
+    from hlomap.report.explain import explain_plan, format_explanation
+
+    cap, graph = cap_of("haiku-mlp"), graph_of("haiku-mlp")
+    roles = {p.path: p.role.value for p in cap.parameters}
+
+    def texts(mesh: dict[str, int]) -> tuple[str, str]:
+        array, axes, _ = resolve_plan(graph, "megatron", mesh)
+        plan = Plan.from_groups(cap, graph, array, axes)
+        out = []
+        for renderable in (format_plan_summary(plan, roles=roles),
+                           format_explanation(explain_plan(plan, cap, graph), plan)):
+            console = Console(record=True, width=160)
+            console.print(renderable)
+            out.append(console.export_text())
+        return out[0], out[1]
+
+    summary, explanation = texts({"model": 1})
+    assert "0 of 8 variables sharded" in summary
+    assert "0 of 8 variables sharded (" in explanation and "mesh axes of one device" in explanation
+    summary, explanation = texts({"model": 8})
+    assert "0 of 8" not in summary and "mesh axes of one device" not in explanation
