@@ -21,7 +21,8 @@ model uses it instead of the links wherever a cluster carries one:
   per_unit x units` seconds per step, where units are what each executor does per microbatch
   (`executor_units`): the mpmd executor dispatches programs per stage and microbatch (S x M), the
   spmd executor runs one loop tick per microbatch and stage of fill (M + S - 1). A `Fit` holds
-  them as latency = fixed and bandwidth = 1 / per_unit;
+  them as latency = fixed and bandwidth = 1 / per_unit; an executor not timed costs a dispatch
+  per program it launches (`dispatch_programs`);
 - `solo_speedup` is how much faster one device computes alone than while all of the cluster's
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
@@ -59,6 +60,16 @@ def executor_units(executor: str, stages: int, microbatches: int) -> int:
         return stages * microbatches
     if executor == "spmd":
         return microbatches + stages - 1
+    raise MeasuredCostsError(f"executor {executor!r}: expected one of {sorted(EXECUTORS)}")
+
+
+def dispatch_programs(executor: str, stages: int, microbatches: int) -> int:
+    """Programs an executor launches per step: mpmd a forward and a backward per stage and
+    microbatch and an update per stage, spmd one."""
+    if executor == "mpmd":
+        return 2 * stages * microbatches + stages
+    if executor == "spmd":
+        return 1
     raise MeasuredCostsError(f"executor {executor!r}: expected one of {sorted(EXECUTORS)}")
 
 
@@ -112,10 +123,14 @@ class MeasuredCosts:
         return max(1.0, min(self.solo_speedup, self.n_devices / max(1, busy)))
 
     def executor_seconds(self, executor: str, stages: int, microbatches: int) -> float:
-        """The executor's own seconds per step for S stages and M microbatches (0 when it was not
-        measured)."""
+        """The executor's own seconds per step for S stages and M microbatches: its fit, or where
+        it was not timed (a calibration of one device before this version timed none) one
+        dispatch per program it launches, so that a pipeline never looks cheaper to launch than
+        the one program of an SPMD step (`dispatch_programs`)."""
         fit = self.executors.get(executor)
-        return 0.0 if fit is None else fit.seconds(executor_units(executor, stages, microbatches))
+        if fit is not None:
+            return fit.seconds(executor_units(executor, stages, microbatches))
+        return self.dispatch_seconds * dispatch_programs(executor, stages, microbatches)
 
     def groups(self, kind: str) -> tuple[int, ...]:
         return tuple(sorted(g for k, g in self.collectives if k == kind))

@@ -87,6 +87,17 @@ def test_executor_overhead_grows_with_its_units() -> None:
     assert executor_overhead(_cluster(None), "mpmd", 2, 4) == 0.0
 
 
+def test_an_executor_not_timed_costs_a_dispatch_per_program() -> None:
+    """A calibration that timed no executor (one device, before one stage was timed there) still
+    charges the programs a pipeline launches: without it a one-stage plan of two microbatches
+    priced one dispatch below the same step as one SPMD program, and the planner chose it on an
+    H200 (8.5 ms measured against 5.6)."""
+    untimed = dataclasses.replace(TABLE, executors={})
+    assert untimed.executor_seconds("mpmd", 1, 2) == pytest.approx(5 * 20e-6)  # F and B per microbatch, one update
+    assert untimed.executor_seconds("spmd", 4, 8) == pytest.approx(20e-6)  # one program
+    assert untimed.executor_seconds("mpmd", 1, 2) > TABLE.dispatch_seconds  # above one SPMD dispatch
+
+
 def test_fit_executors_recovers_fixed_and_per_unit_cost() -> None:
     samples = [ExecutorSample("mpmd", s, m, 2e-3 + 1.5e-3 * s * m) for s, m in ((2, 1), (2, 4), (4, 4))]
     samples += [ExecutorSample("spmd", s, m, 5e-3 + 0.5e-3 * (m + s - 1)) for s, m in ((2, 1), (2, 4), (4, 4))]

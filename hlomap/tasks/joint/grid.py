@@ -21,7 +21,7 @@ from hlomap.hlo.source_info import layer_name
 from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
-from hlomap.tasks.joint.solve import aligned, microbatch_choices
+from hlomap.tasks.joint.solve import TIE_TOLERANCE, aligned, microbatch_choices
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,13 @@ def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
                 best: tuple[JointPlan, JointCost] | None = None
                 for again in recompute:
                     option = StageOption(group, dp, tp, PlanKind.EXPERT, again, split)
-                    for m in choices:
+                    for m in sorted(choices):  # near-ties keep the fewest microbatches, as the joint DP does
                         if not splits_batch(model.batch, m, dp):
                             continue
                         plan = JointPlan(tuple(JointStage.of(bounds[s], bounds[s + 1], s * group, option)
                                                for s in range(pp)), m, schedule)
                         cost = evaluate(model, plan)
-                        if cost.fits and (best is None or cost.latency < best[1].latency):
+                        if cost.fits and (best is None or cost.latency < best[1].latency * (1 - TIE_TOLERANCE)):
                             best = (plan, cost)
                 out.append(GridPoint(pp, tp, dp, *(best or (None, None)),
                                      "" if best else "out of memory at every microbatch count", split))
