@@ -1239,13 +1239,15 @@ def replan_policies() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ReplanJob:
-    """A pipeline plan, a resource trace and the meta policy's network (None: left out)."""
+    """A pipeline or joint plan, a resource trace, the meta policy's network (None: left out) and,
+    for a joint plan, its step."""
 
     plan: Any
     trace: Any
     network: Any
     where: str
     notes: tuple[str, ...] = ()
+    cap: Capture | None = None
 
     @property
     def policies(self) -> int:
@@ -1253,15 +1255,26 @@ class ReplanJob:
 
 
 def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None = None, use_meta: bool = True,
-                   where: str = "plan") -> ReplanJob:
+                   where: str = "plan", source: Capture | str | None = None) -> ReplanJob:
     """Check that `plan` can be re-planned before the trace is read; read the trace and the
     meta policy's gain network (the shipped one when `network` is None; when that is missing the
-    meta policy is left out, with a note). `plan` may be a plan file's path."""
-    from hlomap.tasks.replan.replay_plan import workload_of
+    meta policy is left out, with a note). `plan` may be a plan file's path. A joint plan
+    (`--task auto` with stages) is re-planned in the joint planner's space and needs `source`,
+    its step (a Capture or what `load_source` reads); the plan is checked against it."""
+    from hlomap.tasks.replan.replay_plan import is_joint, workload_of
     from hlomap.tasks.replan.trace import load_trace
 
     plan = _plan_of(plan)
-    workload_of(plan, where)  # a plan that cannot be re-planned fails before the trace is read
+    cap = None
+    if is_joint(plan):  # a plan that cannot be re-planned fails before the trace is read
+        if source is None:
+            raise InputError(f"{where}: a joint plan is re-planned from its step's module: give its SOURCE "
+                             "(hlomap replan --source, source=)")
+        cap = _capture_of(source)
+        assert cap is not None
+        check_plan_for(plan, cap, where)
+    else:
+        workload_of(plan, where)
     loaded_trace = load_trace(trace)
     loaded_network, notes = None, ()
     if use_meta:
@@ -1275,14 +1288,14 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
             notes = (f"{err}; the meta policy is left out",)
         except ValueError as err:
             raise InputError(str(err)) from None
-    return ReplanJob(plan, loaded_trace, loaded_network, where, notes)
+    return ReplanJob(plan, loaded_trace, loaded_network, where, notes, cap)
 
 
 def replan(job: ReplanJob) -> Any:
     """Play every re-planning policy over the job's trace -> `ReplanReport`."""
     from hlomap.tasks.replan.replay_plan import replan_plan
 
-    return replan_plan(job.plan, job.trace, network=job.network, where=job.where)
+    return replan_plan(job.plan, job.trace, network=job.network, where=job.where, cap=job.cap)
 
 
 def replan_run(report: Any, policy: str) -> Any:

@@ -375,11 +375,11 @@ class AutoShardedStep:
 
     # -- the call -------------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        known = self._returned.lookup(args)  # (signature, entry) of the call that returned this state
+        known = self._returned.lookup(args)  # (signature, entry, program) of the call that returned this state
         if known is not None:
             rest = signature(args[STATE_ARGS:])
             if known[0][STATE_ARGS:] == rest and known[1] is self._current:  # a train loop's next step
-                out = known[1].step(*args)
+                out = known[2](*args)
                 self._returned.remember(out, known)
                 return out
             sig = known[0][:STATE_ARGS] + rest
@@ -396,7 +396,7 @@ class AutoShardedStep:
                 self._current = entry
             out = entry.step(*args)
         if self._keeps_state[sig]:  # the state handed back has the signature it got: not flattened again
-            self._returned.remember(out, (sig, entry))
+            self._returned.remember(out, (sig, entry, entry.step.direct() or entry.step))
         else:
             self._returned.forget()
         return out

@@ -142,14 +142,20 @@ def test_the_state_the_last_call_returned_is_not_flattened_again(example: dict[s
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A train loop hands each step's state to the next: the decorated step then reads the
     signature of the batch alone (flattening gpt-small's state twice per call cost 7% of its
-    H200 step). State it did not return, even with the same leaves, is read again; the steps'
-    losses equal plain `jax.jit`'s."""
+    H200 step) and calls the jitted program straight, not through the runner's layers. State it
+    did not return, even with the same leaves, is read again; the steps' losses equal plain
+    `jax.jit`'s."""
     import jax
+
+    from hlomap.run.spmd import SpmdStep
 
     step, batch = example["train_step"], example["batch"]
     read: list[int] = []
     real = autoshard.signature
     monkeypatch.setattr(autoshard, "signature", lambda args: read.append(len(args)) or real(args))
+    layered: list[int] = []
+    through = SpmdStep.__call__
+    monkeypatch.setattr(SpmdStep, "__call__", lambda self, *args: layered.append(1) or through(self, *args))
     params, opt_state = step.place(*example["init"](jax.random.key(0)))
     plain = jax.jit(step.__wrapped__)
     host = jax.tree.map(np.asarray, step.gather(params, opt_state))
@@ -161,10 +167,11 @@ def test_the_state_the_last_call_returned_is_not_flattened_again(example: dict[s
         expected.append(float(host[2]))
         host = host[:2]
     assert read == [3, 1, 1]  # placed state is new to it; then each call's returned state comes back
+    assert len(layered) == 1  # the first call through the SPMD step, the next two to its program
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     read.clear()
     step(dict(params), opt_state, batch)  # a new container of the same leaves
-    assert read == [3]
+    assert read == [3] and len(layered) == 2
 
 
 def test_plan_path_skips_the_search(example: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

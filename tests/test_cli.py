@@ -449,6 +449,29 @@ def test_replan_prints_decisions_and_totals_and_draws_the_plot(tmp_path: Path,
     assert data["policies"]["static"]["decisions"][2]["option"] == "re-solve"  # forced: its devices left
 
 
+def test_replan_takes_a_joint_plan_with_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A joint plan (hlomap explore --task auto with stages) is re-planned in the joint planner's
+    space; without its SOURCE it is one line and exit 2."""
+    from hlomap.tasks.replan.trace import Event, Trace
+    from hlomap.cost.cluster import load_cluster
+
+    assert run(["explore", "zoo:gpt-tiny", "--task", "auto", "--cluster", "hier:2x4", "-o",
+                str(tmp_path / "auto.json")]) == 0
+    assert json.loads((tmp_path / "auto.json").read_text())["pipeline"]["kind"] == "joint"
+    Trace("demo", load_cluster("hier:2x4"), 10_000.0, (Event(4000.0, gpus=(1, 0)), Event(7000.0, gpus=(4, 4)))).save(
+        tmp_path / "trace.json")
+    capsys.readouterr()
+    argv = ["replan", str(tmp_path / "auto.json"), "--trace", str(tmp_path / "trace.json"), "--no-meta", "-q"]
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert "give its SOURCE" in err and "Traceback" not in err
+    assert run([*argv, "--source", "zoo:gpt-tiny", "--show", "static", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    static = data["policies"]["static"]["decisions"]
+    assert static[1]["option"] == "re-solve" and static[1]["plan"].startswith("[0,")  # one device left: forced
+    assert "M=" in static[1]["plan"]
+
+
 @pytest.mark.parametrize("trace_text, message", [
     ('{"version": 1, "cluster": "hier:4x2", "horizon_seconds": 10, "events": [{"time": 1, "gpus": [2, 2]}]}',
      "gpus lists 2 servers"),
@@ -525,6 +548,7 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     assert ("narrow product" in captured.out) == bool(device.get("narrow"))
 
 
+@pytest.mark.slow  # 24 s in a new process; `calibrate --quick` is checked in the fast set
 def test_calibrate_on_a_cpu_only_machine_measures_eight_simulated_devices_by_default(tmp_path: Path) -> None:
     """A CPU backend shows one device unless XLA_FLAGS asks for more: without --devices,
     `hlomap calibrate` simulates the 8 host devices the examples and `hlomap run` plan for."""

@@ -10,7 +10,8 @@ from hlomap import api
 from hlomap.cli import common
 
 DESCRIPTION = ("Play re-planning policies over a resource trace (per-link bandwidth and available GPUs per server "
-               "over time) from a pipeline plan: static (planned once), re-solve at every change, AutoPipe's switch "
+               "over time) from a pipeline plan, or from a joint plan (stages with their own data x model meshes, "
+               "re-solved in the joint planner's space): static (planned once), re-solve at every change, AutoPipe's switch "
                "arbiter (keep / move layers between two neighbouring stages / re-solve, priced by migration against "
                "the time saved), the learned meta policy, and an oracle that knows the future. Prints the decisions "
                "over time and every policy's total training time; draws the estimated throughput of each.")
@@ -20,10 +21,15 @@ EPILOG = ("the trace format is described in docs/placement-and-replanning.md (Re
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     policies = api.replan_policies()
-    p = sub.add_parser("replan", help="re-plan a pipeline over a trace of changing bandwidth and GPUs",
+    p = sub.add_parser("replan", help="re-plan a pipeline or joint plan over a trace of changing bandwidth and GPUs",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", metavar="PLAN.json", help="a pipeline plan (hlomap explore --task pipeline)")
+    p.add_argument("plan", metavar="PLAN.json", help="a pipeline plan (hlomap explore --task pipeline) or a plan of "
+                                                   "hlomap explore --task auto (needs --source)")
     p.add_argument("--trace", required=True, metavar="TRACE.json", help="the resource trace")
+    p.add_argument("--source", metavar="SOURCE",
+                   help="the plan's step (zoo:NAME, FILE.py:FUNCTION or HLO file): a joint plan is re-planned in the "
+                        "joint planner's space (stage meshes, stage count, microbatches) and needs it")
+    common.add_role_options(p)
     p.add_argument("--show", default="arbiter", metavar="|".join(policies),
                    help="whose decisions to list (default arbiter)")
     p.add_argument("--network", metavar="GAIN.npz", help="the meta policy's gain network (default: the shipped one)")
@@ -42,7 +48,9 @@ def cmd_replan(args: argparse.Namespace) -> int:
         raise common.CliError(f"--show {args.show}: choose one of {', '.join(policies)}")
     plan = api.load_plan_file(args.plan)
     plot = Path(args.plot) if args.plot else common.beside(Path(args.plan), "replan.png")
-    job = api.prepare_replan(plan, args.trace, network=args.network, use_meta=not args.no_meta, where=args.plan)
+    cap = common.load_capture(args) if args.source and api.needs_module(plan) else None
+    job = api.prepare_replan(plan, args.trace, network=args.network, use_meta=not args.no_meta, where=args.plan,
+                             source=cap)
     common.check_outputs(plot)
     for text in job.notes:
         common.note(text)

@@ -220,6 +220,11 @@ class ParallelStep:
         self._ready(params, opt_state, rest)
         return self._runner(params, opt_state, *rest)
 
+    def direct(self) -> Callable[..., Any] | None:
+        """What the last call ran when it is the whole step (an SPMD plan: `SpmdStep.direct`);
+        None for a pipeline plan, whose executor is the step."""
+        return self._spmd.direct() if self._spmd is not None else None
+
     def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """The user's pytrees of params and opt_state, as numpy arrays on the host."""
         if self._spmd is not None:

@@ -65,6 +65,7 @@ class SpmdStep:
         self._jitted: dict[Any, Any] = {}
         self._options = dict(compiler_options or {})
         self._returned = ReturnedState()  # the state's structures, when it is what the last call returned
+        self._direct: Callable[..., Any] | None = None  # what the last call ran, when that is the whole step
 
     def _shardings(self, flat_start: int, tree: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -83,6 +84,13 @@ class SpmdStep:
         if self._specs and start != len(self._specs):
             raise RunError(f"the plan has {len(self._specs)} parameters; the step's arguments have {start} leaves")
         return tuple(out)
+
+    def direct(self) -> Callable[..., Any] | None:
+        """The jitted program the last call ran, when calling it on arguments of the same
+        structures is the whole step (one process; the step returns the state as it got it);
+        else None. `auto_shard` calls it straight when handed back the state it returned: each
+        layer between it and the program cost a few microseconds per call."""
+        return self._direct
 
     def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         s_params = self._shardings(0, params)
@@ -119,9 +127,11 @@ class SpmdStep:
             key = tuple(jax.tree_util.tree_structure(a) for a in args[:STATE_ARGS]) + rest
             compiled = self._compiled(key, args)
         jitted, shardings, keeps_state = compiled
-        if jax.process_count() > 1:  # host values must become global arrays first
+        single = jax.process_count() == 1
+        if not single:  # host values must become global arrays first
             args = jax.tree.map(put, tuple(args), shardings)
         out = jitted(*args)
+        self._direct = jitted if single and keeps_state else None
         if keeps_state:  # the state it returns has the structure it was given
             self._returned.remember(out, (key, compiled))
         else:

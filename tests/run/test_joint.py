@@ -167,6 +167,7 @@ def test_stage_specs_are_read_and_checked() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 20 s: the joint plan's run and pricing are tested through the API above
 def test_cli_explores_runs_and_simulates_a_joint_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hlomap.cli import run
 

@@ -65,7 +65,10 @@ def test_loss_decreases_over_three_steps(name: str) -> None:
     assert losses[1] < losses[0], losses
 
 
-@pytest.mark.parametrize("name", TINY)
+# resnet50-tiny's step takes 20+ s to compile here: it runs in the slow set, with its pipelines
+# (tests/run/test_pipeline.py) and float64 plans (tests/tasks/sharding/test_acceptance.py)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "resnet50-tiny" else n
+                                  for n in TINY])
 def test_step_returns_updated_params_and_state(name: str) -> None:
     run = run_steps(name)
     (params, opt_state, _), (new_params, new_opt_state, loss) = run.args, run.final

@@ -68,9 +68,8 @@ def plan_profile_of(plan: Plan, where: str = "plan") -> PlanProfile:
     if pipeline is None:
         raise PlacementError(f"{where}: the plan has no pipeline section")
     if pipeline.kind is PipelineKind.JOINT:
-        raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has tensor-parallel stages, which "
-                             "re-planning does not price yet; it takes the pipeline plans of hlomap explore --task "
-                             "pipeline")
+        raise PlacementError(f"{where}: a joint plan (hlomap explore --task auto) has no block profile: it is priced "
+                             "from its step's module (give its SOURCE)")
     if pipeline.block_profile is None:
         raise PlacementError(f"{where}: the pipeline section has no block_profile (plans explored before placement "
                              "existed lack it); explore the pipeline again")

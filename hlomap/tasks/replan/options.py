@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -33,8 +33,8 @@ from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.trace import ResourceState
 
-__all__ = ["CHECKPOINT_BANDWIDTH", "STATE_FACTOR", "Candidate", "Option", "RunningPlan", "Workload",
-           "best_move", "candidates", "initial_plan", "migration", "plan_step_seconds", "resolve",
+__all__ = ["CHECKPOINT_BANDWIDTH", "STATE_FACTOR", "Candidate", "Migration", "Option", "RunningPlan", "Workload",
+           "ReplannedPlan", "best_move", "initial_plan", "migration", "plan_step_seconds", "resolve",
            "transformer_workload"]
 
 #: Bytes of state per parameter byte that move with a layer: the weights and Adam's two moments.
@@ -223,25 +223,22 @@ def migration(workload: Workload, old: RunningPlan, new: RunningPlan, state: Res
     return Migration(max([*receive.values(), *send.values()], default=0.0), moved)
 
 
+class ReplannedPlan(Protocol):
+    """What the policies need of a plan: equality (a re-solve to the running plan is keeping it),
+    a hash (the oracle's pool) and a one-line description. `RunningPlan` for the pipeline planner,
+    `joint.RunningJoint` for the joint planner."""
+
+    def describe(self) -> str: ...
+
+    def __hash__(self) -> int: ...
+
+
 class Candidate(NamedTuple):
     option: Option
-    plan: RunningPlan
+    plan: ReplannedPlan
     step_seconds: float
     migration_seconds: float
     moved_bytes: float
-
-
-def candidates(workload: Workload, plan: RunningPlan, state: ResourceState, model: PipelineModel | None,
-               solved: tuple[RunningPlan, float] | None) -> tuple[Candidate, ...]:
-    """Keep (always listed, inf when it cannot run), the best move and the re-solve `solved`
-    (`resolve`'s answer for the state, which does not depend on the running plan), priced."""
-    out = [Candidate(Option.KEEP, plan, plan_step_seconds(workload, plan, state, model), 0.0, 0.0)]
-    move = best_move(workload, plan, state, model)
-    if move is not None:
-        out.append(Candidate(Option.MOVE, move[0], move[1], *migration(workload, plan, move[0], state)))
-    if solved is not None and solved[0] != plan:  # re-solving to the running plan is keeping it
-        out.append(Candidate(Option.RESOLVE, solved[0], solved[1], *migration(workload, plan, solved[0], state)))
-    return tuple(out)
 
 
 def initial_plan(workload: Workload, state: ResourceState) -> RunningPlan:

@@ -26,14 +26,14 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from hlomap.tasks.replan.options import (Candidate, Option, RunningPlan, Workload, best_move, candidates,
-                                        migration, plan_step_seconds, resolve)
+from hlomap.tasks.replan.options import (Candidate, Migration, Option, ReplannedPlan, RunningPlan, Workload,
+                                        best_move, migration, plan_step_seconds, resolve)
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
-__all__ = ["Decision", "PolicyRun", "Replay", "ReplanPolicy", "Segment", "arbiter_choice", "oracle_pool", "play",
-           "run_policy"]
+__all__ = ["Decision", "PlanReplay", "PolicyRun", "Replay", "ReplanPolicy", "Segment", "arbiter_choice", "oracle_pool",
+           "play", "run_policy"]
 
 
 #: The workload: the iterations the initial plan trains in this share of the horizon, unchanged.
@@ -57,7 +57,7 @@ class Decision:
 
     time: float
     option: Option
-    plan: RunningPlan
+    plan: ReplannedPlan
     step_seconds: float
     migration_seconds: float
     moved_bytes: float
@@ -126,8 +126,43 @@ def _resolve(index: int, now: float, state: ResourceState, options: Sequence[Can
     return solved[0] if solved and solved[0].step_seconds < keep.step_seconds else keep
 
 
-class Replay:
-    """A trace's states with what every policy shares: a cost model per state and the state's
+class PlanReplay:
+    """A trace's states and what every policy asks of a plan space at change i: the re-solved
+    plan (computed once), a plan's step time, the best move from a plan, the migration between
+    two plans, and the options offered. `Replay` is the pipeline planner's space (stages of
+    replicas); `tasks.replan.joint.JointReplay` the joint planner's (stages with their own data x
+    model meshes)."""
+
+    trace: Trace
+    states: list[tuple[float, ResourceState]]
+
+    def solved(self, i: int) -> tuple[ReplannedPlan, float] | None:
+        raise NotImplementedError
+
+    def step_seconds(self, i: int, plan: Any) -> float:
+        raise NotImplementedError
+
+    def best_move(self, i: int, plan: Any) -> tuple[ReplannedPlan, float] | None:
+        raise NotImplementedError
+
+    def migration(self, i: int, old: Any, new: Any) -> Migration:
+        raise NotImplementedError
+
+    def candidates(self, i: int, plan: ReplannedPlan) -> tuple[Candidate, ...]:
+        """Keep (always listed, inf when it cannot run), the best move and the re-solve (which
+        does not depend on the running plan), priced."""
+        out = [Candidate(Option.KEEP, plan, self.step_seconds(i, plan), 0.0, 0.0)]
+        move = self.best_move(i, plan)
+        if move is not None:
+            out.append(Candidate(Option.MOVE, move[0], move[1], *self.migration(i, plan, move[0])))
+        solved = self.solved(i)
+        if solved is not None and solved[0] != plan:  # re-solving to the running plan is keeping it
+            out.append(Candidate(Option.RESOLVE, solved[0], solved[1], *self.migration(i, plan, solved[0])))
+        return tuple(out)
+
+
+class Replay(PlanReplay):
+    """The pipeline planner's space over a trace: a cost model per state and the state's
     re-solved plan (computed once)."""
 
     def __init__(self, trace: Trace, workload: Workload):
@@ -143,14 +178,17 @@ class Replay:
             self._solved[i] = resolve(self.workload, self.states[i][1], self.models[i])
         return self._solved[i]
 
-    def candidates(self, i: int, plan: RunningPlan) -> tuple[Candidate, ...]:
-        return candidates(self.workload, plan, self.states[i][1], self.models[i], self.solved(i))
-
     def step_seconds(self, i: int, plan: RunningPlan) -> float:
         return plan_step_seconds(self.workload, plan, self.states[i][1], self.models[i])
 
+    def best_move(self, i: int, plan: RunningPlan) -> tuple[RunningPlan, float] | None:
+        return best_move(self.workload, plan, self.states[i][1], self.models[i])
 
-def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: ReplanPolicy) -> PolicyRun:
+    def migration(self, i: int, old: RunningPlan, new: RunningPlan) -> Migration:
+        return migration(self.workload, old, new, self.states[i][1])
+
+
+def _simulate(replay: PlanReplay, initial: ReplannedPlan, decide: Chooser, policy: ReplanPolicy) -> PolicyRun:
     """Play `decide` over the replay's states from the running plan `initial`."""
     states = replay.states
     plan = initial
@@ -170,7 +208,7 @@ def _simulate(replay: Replay, initial: RunningPlan, decide: Chooser, policy: Rep
     return _account(policy, replay, initial, decisions, segments)
 
 
-def _account(policy: ReplanPolicy, replay: Replay, initial: RunningPlan, decisions: list[Decision],
+def _account(policy: ReplanPolicy, replay: PlanReplay, initial: ReplannedPlan, decisions: list[Decision],
              segments: list[Segment]) -> PolicyRun:
     horizon = replay.trace.horizon
     reference = replay.step_seconds(0, initial)
@@ -190,7 +228,7 @@ def _account(policy: ReplanPolicy, replay: Replay, initial: RunningPlan, decisio
     return PolicyRun(policy, tuple(decisions), tuple(segments), target, finish, by_horizon)
 
 
-def run_policy(replay: Replay, initial: RunningPlan, policy: ReplanPolicy | str, *,
+def run_policy(replay: PlanReplay, initial: ReplannedPlan, policy: ReplanPolicy | str, *,
                chooser: Chooser | None = None) -> PolicyRun:
     """Play `policy` over the replay's trace from the running plan `initial`; `chooser` decides
     for META."""
@@ -210,42 +248,42 @@ def run_policy(replay: Replay, initial: RunningPlan, policy: ReplanPolicy | str,
     return _simulate(replay, initial, decide, policy)
 
 
-def oracle_pool(replay: Replay, initial: RunningPlan) -> list[RunningPlan]:
+def oracle_pool(replay: PlanReplay, initial: ReplannedPlan) -> list[ReplannedPlan]:
     """The plans the oracle chooses among: the initial plan, each change's re-solve, and the best
     move from the initial plan and from each re-solve at each change."""
-    pool: list[RunningPlan] = [initial]
-    for i, (_, state) in enumerate(replay.states):
+    pool: list[ReplannedPlan] = [initial]
+    for i in range(len(replay.states)):
         solved = replay.solved(i)
         if solved and solved[0] not in pool:
             pool.append(solved[0])
         for base in [initial] + ([solved[0]] if solved else []):
-            moved = best_move(replay.workload, base, state, replay.models[i])
+            moved = replay.best_move(i, base)
             if moved is not None and moved[0] not in pool:
                 pool.append(moved[0])
     return pool
 
 
-def play(replay: Replay, initial: RunningPlan, sequence: Sequence[RunningPlan],
+def play(replay: PlanReplay, initial: ReplannedPlan, sequence: Sequence[ReplannedPlan],
          policy: ReplanPolicy = ReplanPolicy.ORACLE) -> PolicyRun:
     """Hold `sequence[i]` from change i on (migrating to it when it differs from the running plan)."""
     def decide(i: int, now: float, state: ResourceState, options: Sequence[Candidate]) -> Candidate:
         plan, current = sequence[i], options[0]
         if plan == current.plan:
             return current
-        moved = migration(replay.workload, current.plan, plan, state)
+        moved = replay.migration(i, current.plan, plan)
         kind = next((c.option for c in options if c.plan == plan), Option.RESOLVE)
         return Candidate(kind, plan, replay.step_seconds(i, plan), moved.seconds, moved.nbytes)
 
     return _simulate(replay, initial, decide, policy)
 
 
-def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
+def _oracle(replay: PlanReplay, initial: ReplannedPlan) -> PolicyRun:
     """Dynamic programming over (change, plan) with every plan an option offered at any change
     (each change's re-solve, and the best move from the initial plan and from each re-solve),
     maximizing the iterations trained by the horizon. A migration longer than its interval is
     charged to that interval only, inside the DP; the chosen sequence is then played by the same
     accounting as every policy."""
-    states, workload = replay.states, replay.workload
+    states = replay.states
     pool = oracle_pool(replay, initial)
     step = [[replay.step_seconds(i, p) for p in pool] for i in range(len(states))]
     ends = [t for t, _ in states[1:]] + [replay.trace.horizon]
@@ -260,7 +298,7 @@ def _oracle(replay: Replay, initial: RunningPlan) -> PolicyRun:
             for q in range(k):
                 if not math.isfinite(step[i][q]):
                     continue
-                cost = 0.0 if q == p else migration(workload, pool[p], pool[q], state).seconds
+                cost = 0.0 if q == p else replay.migration(i, pool[p], pool[q]).seconds
                 gained = max(length - cost, 0.0) / step[i][q] + value[i + 1][q]
                 if gained > best + 1e-9:
                     best, best_q = gained, q

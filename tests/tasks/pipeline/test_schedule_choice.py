@@ -99,6 +99,7 @@ def test_explore_with_schedule_auto_runs_with_the_unsharded_loss() -> None:
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
 
 
+@pytest.mark.slow  # 30-45 s; interleaved plans run in the fast set: tests/run/test_schedules.py
 def test_an_interleaved_choice_is_written_as_a_plan_the_runner_runs(monkeypatch: pytest.MonkeyPatch, tmp_path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Where the chooser keeps interleaved 1F1B, the plan lists the S device stages, the S V - 1

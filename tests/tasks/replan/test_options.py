@@ -15,8 +15,9 @@ from hlomap.cost.pipeline.stages import PipelinePlan, Schedule
 from tests.tasks.oracle import pipeline_brute_force
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Option, RunningPlan, Workload, best_move,
-                                         candidates, migration, plan_step_seconds, resolve)
+                                         migration, plan_step_seconds, resolve)
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
+from hlomap.tasks.replan.policies import Replay
 from hlomap.tasks.replan.trace import Event, Trace
 
 from tests.tasks.replan.helpers import small_workload
@@ -133,5 +134,5 @@ def test_the_best_move_shifts_one_boundary_and_is_the_fastest_such():
                 every.append(plan_step_seconds(workload, RunningPlan(tuple(bounds), running.devices), state, model))
     assert moved is not None and moved[1] == pytest.approx(min(every)) and moved[1] < keep
     assert sum(a != b for a, b in zip(moved[0].bounds, running.bounds)) == 1
-    offered = candidates(workload, running, state, model, resolve(workload, state, model))
+    offered = Replay(trace, workload).candidates(1, running)
     assert [c.option for c in offered][:2] == [Option.KEEP, Option.MOVE]
