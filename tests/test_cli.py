@@ -369,6 +369,7 @@ def test_place_a_pipeline_plan_on_a_torus_and_simulate_it(tmp_path: Path, capsys
     assert "identity order" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 20 s; a placed SPMD plan's run: tests/run/test_executors.py
 def test_place_an_spmd_plan_then_simulate_and_run_it_on_its_placement(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_path, placed_path = tmp_path / "hybrid.json", tmp_path / "placed.json"

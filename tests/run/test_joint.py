@@ -91,6 +91,8 @@ def test_the_joint_optimum_runs_with_unsharded_numerics(zoo_case, name: str) -> 
     assert plan.pipeline.kind is PipelineKind.JOINT and len(stages) >= 2 and plan.mesh == ()
     used = sorted(d for s in stages for d in s.devices)
     assert used == list(range(len(used)))  # a prefix of the devices: the rest may stay idle
+    slowest = max(s.seconds_per_microbatch for s in stages)  # no stage holds only the loss
+    assert all(s.seconds_per_microbatch > 1e-3 * slowest for s in stages)
     step, _ = _run_and_check(case, plan)
     assert step.executor is (Executor.MPMD if plan.pipeline.schedule is Schedule.ONE_F_ONE_B else Executor.SPMD)
     for s, stage in enumerate(stages):  # the batch splits over each stage's own data axis
