@@ -169,7 +169,8 @@ def _holdings(plan: JointPlan) -> dict[int, dict[int, tuple[object, ...]]]:
 
 def joint_migration(model: JointModel, old: JointPlan, new: JointPlan, state: ResourceState) -> Migration:
     """Time and bytes to go from `old` to `new` (global device ids) on the state's links (module
-    docstring); `model` is the state's."""
+    docstring); `model` gives a layer's bytes per device under an option (any model of the step:
+    they do not depend on the links)."""
     if old == new:
         return Migration(0.0, 0.0)
     held, wanted = _holdings(old), _holdings(new)
