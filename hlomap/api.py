@@ -1268,8 +1268,8 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
     cap = None
     if is_joint(plan):  # a plan that cannot be re-planned fails before the trace is read
         if source is None:
-            raise InputError(f"{where}: a joint plan is re-planned from its step's module: give its SOURCE "
-                             "(hlomap replan --source, source=)")
+            raise InputError(f"{where}: a joint plan is re-planned from its step's module: give its step as source= "
+                             "(a Capture or a SOURCE string)")
         cap = _capture_of(source)
         assert cap is not None
         check_plan_for(plan, cap, where)
@@ -1289,6 +1289,13 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
         except ValueError as err:
             raise InputError(str(err)) from None
     return ReplanJob(plan, loaded_trace, loaded_network, where, notes, cap)
+
+
+def replans_from_module(plan: Any) -> bool:
+    """Whether re-planning `plan` needs its step's module (a joint plan of `--task auto`)."""
+    from hlomap.tasks.replan.replay_plan import is_joint
+
+    return is_joint(_plan_of(plan))
 
 
 def replan(job: ReplanJob) -> Any:

@@ -465,7 +465,7 @@ def test_replan_takes_a_joint_plan_with_its_source(tmp_path: Path, capsys: pytes
     argv = ["replan", str(tmp_path / "auto.json"), "--trace", str(tmp_path / "trace.json"), "--no-meta", "-q"]
     assert run(argv) == 2
     err = capsys.readouterr().err
-    assert "give its SOURCE" in err and "Traceback" not in err
+    assert "give its SOURCE with --source" in err and "Traceback" not in err
     assert run([*argv, "--source", "zoo:gpt-tiny", "--show", "static", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     static = data["policies"]["static"]["decisions"]

@@ -48,6 +48,9 @@ def cmd_replan(args: argparse.Namespace) -> int:
         raise common.CliError(f"--show {args.show}: choose one of {', '.join(policies)}")
     plan = api.load_plan_file(args.plan)
     plot = Path(args.plot) if args.plot else common.beside(Path(args.plan), "replan.png")
+    if args.source is None and api.replans_from_module(plan):
+        raise common.CliError(f"{args.plan}: a joint plan is re-planned from its step's module: give its SOURCE "
+                              "with --source (zoo:NAME, FILE.py:FUNCTION or HLO file)")
     cap = common.load_capture(args) if args.source and api.needs_module(plan) else None
     job = api.prepare_replan(plan, args.trace, network=args.network, use_meta=not args.no_meta, where=args.plan,
                              source=cap)

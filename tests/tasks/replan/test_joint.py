@@ -182,9 +182,18 @@ def test_no_policy_trains_more_than_the_oracle_on_a_joint_plan(tensor_parallel: 
     assert run_policy(replay, replay.initial, ReplanPolicy.ORACLE).horizon_iterations == pytest.approx(oracle)
 
 
-def test_a_joint_plan_needs_its_step_and_a_trace_that_holds_it(tensor_parallel: tuple[Any, Plan]) -> None:
+def test_a_joint_plan_needs_its_step_and_a_trace_that_holds_it(tensor_parallel: tuple[Any, Plan],
+                                                               tmp_path: Any) -> None:
+    from hlomap import api
+
     cap, saved = tensor_parallel
     with pytest.raises(PlacementError, match="give its SOURCE"):
         replan_plan(saved, _trace(), cap=None)
+    _trace().save(tmp_path / "trace.json")
+    assert api.replans_from_module(saved)
+    with pytest.raises(api.InputError, match="give its step as source="):
+        api.prepare_replan(saved, tmp_path / "trace.json", use_meta=False)
+    job = api.prepare_replan(saved, tmp_path / "trace.json", use_meta=False, source=cap)
+    assert job.cap is cap and job.network is None
     with pytest.raises(PlacementError, match="has a cluster of 4 devices"):
         JointReplay.of_plan(cap, saved, _trace(topology="hier:1x4"))
