@@ -47,7 +47,7 @@ from hlomap.tasks.joint.costs import JointModel, StageOption
 from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.placement.problem import JointLayout, PlacementError
-from hlomap.tasks.replan.options import CHECKPOINT_BANDWIDTH, MAX_SHIFT, STATE_FACTOR, Migration
+from hlomap.tasks.replan.options import CHECKPOINT_BANDWIDTH, MAX_SHIFT, STATE_FACTOR, Migration, busiest_queue
 from hlomap.tasks.replan.policies import PlanReplay
 from hlomap.tasks.replan.trace import ResourceState, Trace
 
@@ -61,10 +61,6 @@ class RunningJoint:
     on global device ids, each stage's in its mesh's row-major order (`model` innermost)."""
 
     plan: JointPlan
-
-    @property
-    def n_stages(self) -> int:
-        return self.plan.n_stages
 
     def devices(self) -> tuple[int, ...]:
         return tuple(d for stage in self.plan.stages for d in stage.devices)
@@ -202,16 +198,10 @@ def joint_migration(model: JointModel, old: JointPlan, new: JointPlan, state: Re
                 source = min(sources, key=lambda h: cluster.p2p_time(int(state.local(h)), dst, nbytes),  # type: ignore[arg-type]
                              default=None)
                 pairs[(source, device)] = pairs.get((source, device), 0.0) + nbytes
-    receive: dict[int, float] = {}
-    send: dict[int, float] = {}
-    for (source, device), nbytes in pairs.items():  # one message per pair of devices
-        if source is None:
-            seconds = nbytes / CHECKPOINT_BANDWIDTH
-        else:
-            seconds = cluster.p2p_time(int(state.local(source)), int(state.local(device)), nbytes)  # type: ignore[arg-type]
-            send[source] = send.get(source, 0.0) + seconds
-        receive[device] = receive.get(device, 0.0) + seconds
-    return Migration(max([*receive.values(), *send.values()], default=0.0), moved)
+    transfers = [(source, device, nbytes / CHECKPOINT_BANDWIDTH if source is None else  # one message per pair
+                  cluster.p2p_time(int(state.local(source)), int(state.local(device)), nbytes))  # type: ignore[arg-type]
+                 for (source, device), nbytes in pairs.items()]
+    return Migration(busiest_queue(transfers), moved)
 
 
 def _sub_cluster(cluster: Cluster, keep: Sequence[int]) -> Cluster:
@@ -248,12 +238,11 @@ class JointReplay(PlanReplay):
     the trace starts from."""
 
     def __init__(self, trace: Trace, cap: Capture, pivots: Sequence[int], initial: RunningJoint | None, *,
-                 layer_names: Sequence[str] = (), graph: FactorGraph | None = None,
+                 graph: FactorGraph | None = None,
                  schedule: Schedule = DEFAULT_SCHEDULE):
         """`initial` None: the joint DP's optimum on the trace's first state."""
         self.trace, self.cap = trace, cap
         self.pivots = tuple(int(p) for p in pivots)
-        self.layer_names = tuple(layer_names)
         self.schedule = initial.plan.schedule if initial is not None else schedule
         self.graph = graph
         self.states = trace.states()
@@ -281,7 +270,7 @@ class JointReplay(PlanReplay):
         from hlomap.tasks.joint.explore import joint_model
 
         base = joint_model(cap, trace.cluster, graph=graph)
-        return cls(trace, cap, base.pivots, None, layer_names=base.layer_names, graph=base.graph, schedule=schedule)
+        return cls(trace, cap, base.pivots, None, graph=base.graph, schedule=schedule)
 
     @classmethod
     def of_plan(cls, cap: Capture, plan: Plan, trace: Trace, *, where: str = "plan",
@@ -308,8 +297,7 @@ class JointReplay(PlanReplay):
             running = RunningJoint(_one_stage(cap, plan, len(pivots) + 1, where))
         else:
             running = RunningJoint(_saved_stages(section, pivots, plan.stage_devices()))
-        names = base.layer_names if tuple(pivots) == tuple(base.pivots) else ()
-        return cls(trace, cap, pivots, running, layer_names=names, graph=base.graph)
+        return cls(trace, cap, pivots, running, graph=base.graph)
 
     # -- models ----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Iterable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from hlomap.tasks.placement.pipeline_costs import PipelineModel
 from hlomap.tasks.replan.trace import ResourceState
 
 __all__ = ["CHECKPOINT_BANDWIDTH", "STATE_FACTOR", "Candidate", "Migration", "Option", "RunningPlan", "Workload",
-           "ReplannedPlan", "best_move", "initial_plan", "migration", "plan_step_seconds", "resolve",
+           "ReplannedPlan", "best_move", "busiest_queue", "initial_plan", "migration", "plan_step_seconds", "resolve",
            "transformer_workload"]
 
 #: Bytes of state per parameter byte that move with a layer: the weights and Adam's two moments.
@@ -197,8 +197,7 @@ def migration(workload: Workload, old: RunningPlan, new: RunningPlan, state: Res
     if new.on(state) is None:
         raise ValueError(f"cannot migrate to {new.describe()}: some of its devices are not available")
     state_bytes = STATE_FACTOR * workload.profile.parameter_bytes
-    receive: dict[int, float] = {}
-    send: dict[int, float] = {}
+    transfers: list[tuple[int | None, int, float]] = []
     moved = 0.0
     cluster = state.cluster
     for (a, b), group in zip(zip(new.bounds[:-1], new.bounds[1:]), new.devices):
@@ -212,15 +211,27 @@ def migration(workload: Workload, old: RunningPlan, new: RunningPlan, state: Res
                     continue
                 moved += nbytes
                 if not holders:
-                    receive[device] = receive.get(device, 0.0) + nbytes / CHECKPOINT_BANDWIDTH
+                    transfers.append((None, device, nbytes / CHECKPOINT_BANDWIDTH))
                     continue
                 dst = state.local(device)
                 assert dst is not None
                 times = [cluster.p2p_time(int(state.local(h)), dst, nbytes) for h in holders]  # type: ignore[arg-type]
                 k = int(np.argmin(times))
-                receive[device] = receive.get(device, 0.0) + times[k]
-                send[holders[k]] = send.get(holders[k], 0.0) + times[k]
-    return Migration(max([*receive.values(), *send.values()], default=0.0), moved)
+                transfers.append((holders[k], device, times[k]))
+    return Migration(busiest_queue(transfers), moved)
+
+
+def busiest_queue(transfers: Iterable[tuple[int | None, int, float]]) -> float:
+    """Seconds until the last of `transfers` (source, or None for the checkpoint; destination;
+    seconds) is done when they all start at once and each device receives, and sends, one after
+    another: the busiest device's queue."""
+    receive: dict[int, float] = {}
+    send: dict[int, float] = {}
+    for source, device, seconds in transfers:
+        receive[device] = receive.get(device, 0.0) + seconds
+        if source is not None:
+            send[source] = send.get(source, 0.0) + seconds
+    return max([*receive.values(), *send.values()], default=0.0)
 
 
 class ReplannedPlan(Protocol):
