@@ -886,7 +886,7 @@ def plan_executor(plan: Any, requested: str | None = None, where: str = "plan") 
     try:
         section = pipeline_section(plan, where)
         return choose_executor(section.schedule, section.uniform, requested, section.repeats,
-                               section.splits_state).value
+                               section.splits_state, bool(section.recompute), section.layered_recompute).value
     except RunError as err:
         raise InputError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from None
 

@@ -128,7 +128,8 @@ def describe(result: JointResult) -> str:
     parts = []
     for stage in result.plan.stages:
         option = stage.option
-        state = "f" if option.shard_parameters else "z" if option.split_state else ""  # FSDP, ZeRO-1
+        # FSDP, ZeRO-2, ZeRO-1
+        state = "f" if option.shard_parameters else "g" if option.shard_gradients else "z" if option.split_state else ""
         parts.append(f"{option.devices}:d{option.data}xt{option.model}{_RECOMPUTE_MARK[option.recompute]}{state}")
     return f"{len(parts)} stages " + " ".join(parts)
 
@@ -138,6 +139,9 @@ def main() -> int:
     parser.add_argument("--rows", nargs="*", default=[r.name for r in ROWS[:7]],
                         help=f"rows of Table 1 (default the first seven; all: {' '.join(r.name for r in ROWS)})")
     parser.add_argument("--csv", help="also write the table here")
+    parser.add_argument("--shard-parameters", choices=("auto", "on", "off"), default="auto",
+                        help="stages whose gradients (ZeRO-2) or parameters (FSDP) are split: searched only when "
+                             "nothing fits without (auto, the planner's default), always (on) or never (off)")
     args = parser.parse_args()
     console = Console(width=220)
     by_name = {r.name: r for r in ROWS}
@@ -158,7 +162,8 @@ def main() -> int:
         cluster = dgx_a100_cluster(row.gpus)
         start = time.perf_counter()
         try:
-            result = explore_joint(cap, cluster, model=joint_model(cap, cluster))
+            shard = {"auto": None, "on": True, "off": False}[args.shard_parameters]
+            result = explore_joint(cap, cluster, model=joint_model(cap, cluster), shard_parameters=shard)
         except NoFeasiblePlan as err:
             planning = time.perf_counter() - start
             table.add_row(row.name, str(row.gpus), f"NoFeasiblePlan: {err}", *[""] * 8, f"{planning:.0f}", "")

@@ -50,6 +50,8 @@ class AcceptanceRow:
     parameters: float
     outputs: float
     captured_outputs: float
+    call_outputs: float  # the captured module's call results that are not built from constants alone
+    call_outputs_count: int
     intermediates: float
     intermediates_count: int
     numerics: OutputComparison | None
@@ -95,7 +97,10 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
             rows.append(AcceptanceRow(
                 model, mesh_name, label, int((array >= 0).sum()),
                 report.agreement(ShardingCategory.PARAMETER), report.agreement(ShardingCategory.OUTPUT),
-                report.agreement(ShardingCategory.CAPTURED_OUTPUT), report.agreement(ShardingCategory.INTERMEDIATE),
+                report.agreement(ShardingCategory.CAPTURED_OUTPUT),
+                report.agreement(ShardingCategory.CALL_OUTPUT, include_free=False),
+                len(report.of(ShardingCategory.CALL_OUTPUT, include_free=False)),
+                report.agreement(ShardingCategory.INTERMEDIATE),
                 len(report.of(ShardingCategory.INTERMEDIATE)),
                 numerics, tuple(report.kinds().most_common()), tuple(report.notes)))
     return rows
@@ -103,7 +108,7 @@ def acceptance_rows(model: str, workdir: str, *, random_per_mesh: int = 10, seed
 
 def format_rows(rows: Sequence[AcceptanceRow]) -> str:
     lines = [f"{'model':12} {'mesh':4} {'plan':26} {'groups':>6} {'params':>7} {'outputs':>7} {'out/cap':>7} "
-             f"{'interm.':>7} {'of':>5} numerics"]
+             f"{'calls':>7} {'of':>4} {'interm.':>7} {'of':>5} numerics"]
     for r in rows:
         num = "-" if r.numerics is None else ("ok" if r.numerics.ok else
                                               ("isolated" if r.numerics.isolated_only else "FAIL")
@@ -111,7 +116,8 @@ def format_rows(rows: Sequence[AcceptanceRow]) -> str:
         if r.numerics is not None:
             num += f" (max err {r.numerics.max_abs_error:.1e})"
         lines.append(f"{r.model:12} {r.mesh:4} {r.plan:26} {r.groups_sharded:6d} {r.parameters:7.1%} "
-                     f"{r.outputs:7.1%} {r.captured_outputs:7.1%} {r.intermediates:7.1%} {r.intermediates_count:5d} {num}")
+                     f"{r.outputs:7.1%} {r.captured_outputs:7.1%} {r.call_outputs:7.1%} {r.call_outputs_count:4d} "
+                     f"{r.intermediates:7.1%} {r.intermediates_count:5d} {num}")
         for (cat, verdict, opcode), n in r.disagreements:
             lines.append(f"{'':14}{n} x {cat} {opcode}: {verdict}")
     return "\n".join(lines)

@@ -75,8 +75,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                    help="store the trainable parameters split over the plan's data axes too (FSDP / ZeRO-3; XLA "
                         "gathers each before its use): on (splits the optimizer state as well); off; auto (default): "
                         "only when the plan with its optimizer state split still does not fit and does with it "
-                        "(--task auto: on searches stages that split their parameters, auto only when no plan "
-                        "fits without them)")
+                        "(--task auto: on searches stages that split their parameters, or only their gradients "
+                        "(ZeRO-2), auto only when no plan fits without them)")
     p.add_argument("--curve", metavar="FILE.png",
                    help="convergence curve, score per episode (default: next to the plan, *.convergence.png)")
 

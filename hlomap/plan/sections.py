@@ -39,6 +39,9 @@ class Recompute(str, enum.Enum):
     (the elementwise work, cheap next to the matmuls). FULL: only the stage's inputs; the backward
     pass runs the stage's forward again first (`jax.checkpoint` with nothing saveable): one more
     forward per microbatch, and of the stage's activations only one microbatch's at a time.
+    A stage that lists `recompute_cuts` is checkpointed layer by layer instead of as a whole: it
+    keeps every layer's input (and matmul outputs), and the backward runs one layer's forward
+    again at a time.
     """
 
     NONE = "none"
@@ -388,10 +391,29 @@ class PipelineStage:
     state_axes: tuple[str, ...] = ()
     #: The stage's trainable parameters stay split over `state_axes` too (FSDP; its `specs` say so)
     shard_parameters: bool = False
+    #: Where a recomputing stage is checkpointed layer by layer: the cuts between its layers (in
+    #: forward order, inside the stage); empty: it is checkpointed as a whole
+    recompute_cuts: tuple[PipelineCut, ...] = ()
+    #: The stage's gradients are split over `state_axes` (ZeRO-2; its parameters stay as `specs`
+    #: says): `gradient_specs` gives each plan parameter's gradient spec (the split added)
+    shard_gradients: bool = False
+    gradient_specs: tuple[Spec, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise PlanError("a stage lists no devices")
+        if self.shard_gradients and (not self.state_axes or self.gradient_specs is None):
+            raise PlanError("the stage splits its gradients (shard_gradients) but names no state_axes to split them "
+                            "over or no gradient_specs")
+        if self.gradient_specs is not None and not self.shard_gradients:
+            raise PlanError("the stage lists gradient_specs but does not split its gradients (shard_gradients)")
+        if self.shard_gradients and self.shard_parameters:
+            raise PlanError("shard_parameters splits the stage's gradients already; shard_gradients is for a stage "
+                            "that keeps its parameters whole")
+        if self.gradient_specs is not None and self.specs is not None and len(self.gradient_specs) != len(self.specs):
+            raise PlanError(f"the stage has {len(self.gradient_specs)} gradient_specs for {len(self.specs)} specs")
+        if self.recompute_cuts and self.recompute is Recompute.NONE:
+            raise PlanError("the stage lists recompute_cuts but does not recompute (no \"recompute\")")
         if self.shard_parameters and not self.state_axes:
             raise PlanError("the stage splits its parameters (shard_parameters) but names no state_axes to split "
                             "them over")
@@ -424,12 +446,18 @@ class PipelineStage:
             out["plan"] = self.inner_plan
         if self.recompute is not Recompute.NONE:
             out["recompute"] = self.recompute.value
+        if self.recompute_cuts:
+            out["recompute_cuts"] = [c.to_json() for c in self.recompute_cuts]
         if self.state_axes:
             out["state_axes"] = list(self.state_axes)
         if self.shard_parameters:
             out["shard_parameters"] = True
+        if self.shard_gradients:
+            out["shard_gradients"] = True
         if self.specs is not None:
             out["specs"] = [spec_to_json(s) for s in self.specs]
+        if self.gradient_specs is not None:
+            out["gradient_specs"] = [spec_to_json(s) for s in self.gradient_specs]
         for key in ("seconds_per_microbatch", "memory_bytes", "device_memory_bytes"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -452,11 +480,17 @@ class PipelineStage:
         if not isinstance(mesh_json, Mapping):
             raise PlanError(f"{where}: mesh is an object {{axis: size}}, got {mesh_json!r}")
         mesh = tuple((str(k), _int(v, f"{where}: mesh axis {k!r}", least=1)) for k, v in mesh_json.items())
-        specs = data.get("specs")
+        specs, gradient_specs = data.get("specs"), data.get("gradient_specs")
         if specs is not None:
             if not isinstance(specs, Sequence) or isinstance(specs, str):
                 raise PlanError(f"{where}: specs is a list with one spec per plan parameter, got {specs!r}")
             specs = tuple(spec_from_json(s, f"{where}: specs[{i}]") for i, s in enumerate(specs))
+        if gradient_specs is not None:
+            if not isinstance(gradient_specs, Sequence) or isinstance(gradient_specs, str):
+                raise PlanError(f"{where}: gradient_specs is a list with one spec per plan parameter, got "
+                                f"{gradient_specs!r}")
+            gradient_specs = tuple(spec_from_json(s, f"{where}: gradient_specs[{i}]")
+                                   for i, s in enumerate(gradient_specs))
         try:
             recompute = Recompute(data.get("recompute", Recompute.NONE.value))
         except ValueError:
@@ -466,15 +500,21 @@ class PipelineStage:
         if not isinstance(state_axes, Sequence) or isinstance(state_axes, str) or not all(
                 isinstance(a, str) for a in state_axes):
             raise PlanError(f"{where}: state_axes is a list of mesh axis names, got {state_axes!r}")
-        shard_parameters = data.get("shard_parameters", False)
-        if not isinstance(shard_parameters, bool):
-            raise PlanError(f"{where}: shard_parameters is true or false, got {shard_parameters!r}")
+        shard_parameters, shard_gradients = data.get("shard_parameters", False), data.get("shard_gradients", False)
+        for key, flag in (("shard_parameters", shard_parameters), ("shard_gradients", shard_gradients)):
+            if not isinstance(flag, bool):
+                raise PlanError(f"{where}: {key} is true or false, got {flag!r}")
+        recompute_cuts = data.get("recompute_cuts", ())
+        if not isinstance(recompute_cuts, Sequence) or isinstance(recompute_cuts, str):
+            raise PlanError(f"{where}: recompute_cuts is a list of cuts, got {recompute_cuts!r}")
         try:
             stage = cls(devices, layers, mesh, specs, None if data.get("plan") is None else str(data["plan"]),
                         _number(data.get("seconds_per_microbatch"), f"{where}: seconds_per_microbatch"),
                         _number(data.get("memory_bytes"), f"{where}: memory_bytes"),
                         _number(data.get("device_memory_bytes"), f"{where}: device_memory_bytes"), recompute,
-                        tuple(state_axes), shard_parameters)
+                        tuple(state_axes), shard_parameters,
+                        tuple(PipelineCut.from_json(c, f"{where}: recompute cut {i}")
+                              for i, c in enumerate(recompute_cuts)), shard_gradients, gradient_specs)
         except PlanError as err:
             raise PlanError(f"{where}: {err}") from None
         given = data.get("replication")

@@ -438,6 +438,7 @@ class _Builder:
         self.compound: list[tuple[int, int, int]] = []  # (node, rep dim of minor factor, dim where minor)
         self.reduction: list[tuple[int, int, int]] = []  # (node, rep dim, size)
         self.rule_cache: dict[tuple[object, ...], OpRule] = {}
+        self.constant_memo: dict[str, dict[str, list[bool]]] = {}  # `constant_derived` per computation
         self.unknown: dict[str, int] = {}
 
     def run(self, cls: type[FactorGraph], parameters: Sequence[EntryParameter]) -> FactorGraph:
@@ -527,11 +528,21 @@ class _Builder:
             node = len(self.nodes)
             self.nodes.append(Node(instance, comp.name, inst))
             node_of[inst.name] = node
-            free[inst.name] = _free_leaves(inst, free)
+            free[inst.name] = self._call_free_leaves(inst) if inst.opcode == "call" else _free_leaves(inst, free)
             dims[inst.name] = self.new_tensors(node, inst.shape, free[inst.name])
         for inst in comp.instructions:
             self.apply(comp, inst, node_of[inst.name], dims)
         return dims
+
+    def _call_free_leaves(self, inst: Instruction) -> list[bool]:
+        """A `call`'s result leaves read as inlined, as XLA inlines it (`constant_derived`): a
+        leaf its callee builds from constants alone (the broadcast fill value a nested
+        `jnp.where` returns for its derivative) is free, whatever else the call reads."""
+        callee = inst.called_computations[0] if inst.called_computations else None
+        if callee is None or callee not in self.module.by_name:
+            return _free_leaves(inst, {})
+        comp = self.module.computation(callee)
+        return list(constant_derived(self.module, comp, self.constant_memo)[comp.root.name])
 
     def apply(self, comp: Computation, inst: Instruction, node: int, dims: dict[str, list[list[int]]]) -> None:
         self.current_node = node

@@ -13,7 +13,8 @@ __all__ = ["format_joint_result"]
 
 
 #: How the plan column reads a stage's split state: ZeRO-1, FSDP.
-STATE_WORDS = {(False, False): "", (True, False): ", ZeRO-1", (True, True): ", FSDP"}
+STATE_WORDS = {(False, False, False): "", (True, False, False): ", ZeRO-1", (True, True, False): ", ZeRO-2",
+               (True, False, True): ", FSDP"}
 
 
 def stage_devices(plan: Any, order: Sequence[int]) -> list[list[int]]:
@@ -54,7 +55,7 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
                        held[s] if held else f"{stage.first_device}-{stage.first_device + option.devices - 1}",
                        f"data={option.data} x model={option.model}",
                        option.kind.value + RECOMPUTED_WORDS[option.recompute] + STATE_WORDS[
-                           (option.split_state, option.shard_parameters)],
+                           (option.split_state, option.shard_gradients, option.shard_parameters)],
                        human_seconds(cost.stage_seconds[s]),
                        Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
                        human_bytes(cost.device_memory[s]))

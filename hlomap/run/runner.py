@@ -69,12 +69,20 @@ class Executor(enum.Enum):
 
 
 def choose_executor(schedule: Schedule, uniform: bool, requested: Executor | str | None,
-                    repeats: int = 1, splits_state: bool = False) -> Executor:
+                    repeats: int = 1, splits_state: bool = False, recomputes: bool = False,
+                    layered_recompute: bool = False) -> Executor:
     """GPipe runs on the spmd executor unless the stages' meshes differ, a stage splits its
     optimizer state over its data axis (`splits_state`: inside the spmd executor's one program
-    XLA would reshard it between stages) or the mpmd one is asked for; 1F1B, interleaved 1F1B
-    and ZB-H1 need the mpmd executor; a circular pipeline (gpipe with `repeats` > 1) runs on the
-    spmd executor only."""
+    XLA would reshard it between stages), a stage recomputes (`recomputes`: the joint planner
+    prices recomputing stages on the mpmd executor; `layered_recompute`, a stage checkpointed
+    layer by layer, runs there only, as the spmd executor rematerializes whole stage calls) or
+    the mpmd one is asked for; 1F1B, interleaved 1F1B and ZB-H1 need the mpmd executor; a
+    circular pipeline (gpipe with `repeats` > 1) runs on the spmd executor only."""
+    if layered_recompute and requested is not None and Executor.parse(requested) is Executor.SPMD:
+        raise RunError("the spmd executor recomputes a stage as a whole; this plan checkpoints stages layer by layer "
+                       "(their recompute_cuts): use the mpmd executor")
+    if (recomputes or layered_recompute) and requested is None and repeats == 1:
+        return Executor.MPMD
     if splits_state:
         if repeats > 1 and schedule is Schedule.GPIPE:
             raise RunError("a circular pipeline runs on the spmd executor, which cannot keep a stage's optimizer "
@@ -159,7 +167,8 @@ class ParallelStep:
         self.executor: Executor | None = None
         if self.section is not None:
             self.executor = choose_executor(self.section.schedule, self.section.uniform, executor,
-                                            self.section.repeats, self.section.splits_state)
+                                            self.section.repeats, self.section.splits_state,
+                                            bool(self.section.recompute), self.section.layered_recompute)
             if self.executor is Executor.MPMD and jax.process_count() > 1:
                 raise RunError(f"the mpmd executor is single-controller: one Python process drives every stage, but "
                                f"{jax.process_count()} processes run; use the spmd executor (GPipe) across hosts")

@@ -144,6 +144,9 @@ class ShardingCategory(enum.Enum):
     INTERMEDIATE = "intermediate"
     #: outputs as derived on the *captured* module's graph (not XLA's), against XLA's root
     CAPTURED_OUTPUT = "output (captured module)"
+    #: the results of the captured module's `call`s (nested jits), derived on its graph, against
+    #: the instructions XLA inlined them into
+    CALL_OUTPUT = "call output (captured module)"
 
 
 class Verdict(enum.Enum):
@@ -315,6 +318,84 @@ def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: Fa
             tuple(int(x) for x in graph.dim_size[dims]), spec, text, _verdict(ours, xla), bool(graph.tensor_free[t])))
 
 
+def _joined(prefix: str, op_name: str) -> str:
+    return f"{prefix}/{op_name}" if prefix and op_name else prefix or op_name
+
+
+def _call_prefixes(graph: FactorGraph) -> list[str | None]:
+    """Per instance of a computation: the op_name path its instructions' op_names continue (the
+    full op_names of the `call`s that reached it: a called computation's metadata is relative to
+    its call site, and XLA's inliner joins the two); "" for the entry, None for an instance
+    reached through another kind of call (a loop body, a reduction's combiner)."""
+    prefixes: list[str | None] = []
+    for instance in graph.instances:
+        if instance.parent < 0:
+            prefixes.append("")
+            continue
+        parent = prefixes[instance.parent]
+        site = graph.nodes[graph.node_of(graph.instances[instance.parent].computation, instance.call_site,
+                                         instance.parent)].instruction
+        md = site.metadata
+        prefixes.append(None if parent is None or site.opcode != "call" or md is None or not md.op_name
+                        else _joined(parent, md.op_name))
+    return prefixes
+
+
+def compare_call_outputs(report: OracleReport, xla_module: Module, graph: FactorGraph, plan_array: np.ndarray,
+                         axes: MeshAxes, mesh_names: Sequence[str], mesh_devices: np.ndarray) -> None:
+    """Add the captured module's derived shardings of the results of every `call` (a nested jit:
+    `jnp.where`, `one_hot`, `log_softmax`), each compared with XLA's sharding of the instruction
+    it became when XLA inlined the call: those whose op_name is the result's full op_name (the
+    call sites' and the callee's root's) and whose shape is the result's (several where XLA kept
+    copies, such as a broadcast per use). A result with no such instruction, or several that XLA
+    sharded differently, is left out; a note counts them."""
+    from hlomap.propagation.plans import tensor_options
+
+    options = tensor_options(graph, plan_array)
+    xla_by_name: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for _, inst in xla_module.instructions():
+        if inst.metadata is not None and inst.metadata.op_name and not inst.shape.is_tuple:
+            xla_by_name.setdefault((inst.metadata.op_name, tuple(inst.shape.dims)), []).append(inst)
+    prefixes = _call_prefixes(graph)
+    unmatched = 0
+    for node_id, node in enumerate(graph.nodes):
+        call = node.instruction
+        prefix = prefixes[node.instance]
+        if call.opcode != "call" or prefix is None or call.metadata is None or not call.metadata.op_name:
+            continue
+        callee = graph.module.computation(call.called_computations[0])
+        root = callee.root
+        results = ([callee.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root])
+        tensors = graph.result_tensors(node_id)
+        if len(results) != len(tensors):
+            unmatched += len(tensors)
+            continue
+        for k, (t, result) in enumerate(zip(tensors, results)):
+            rank = int(graph.tensor_rank[t])
+            if rank == 0:
+                continue
+            full = _joined(_joined(prefix, call.metadata.op_name), result.metadata.op_name if result.metadata else "")
+            found = xla_by_name.get((full, tuple(int(x) for x in graph.dim_size[graph.tensor_dims(t)])), [])
+            tiles = [tile_coordinates(inst.sharding, rank, mesh_devices.size) if inst.sharding else None
+                     for inst in found]
+            if not found or any(x is None for x in tiles) or any(not np.array_equal(x, tiles[0]) for x in tiles[1:]):
+                unmatched += 1  # none, or several that XLA sharded differently
+                continue
+            dims = graph.tensor_dims(t)
+            spec = tuple(None if o < 0 else axes.options[int(o)] for o in options[dims])
+            text = found[0].sharding
+            ours = spec_coordinates(spec, mesh_names, mesh_devices)
+            xla = tiles[0]
+            report.comparisons.append(ShardingComparison(
+                ShardingCategory.CALL_OUTPUT, f"{call.name}#{k} ({', '.join(i.name for i in found)})", node.computation,
+                k, "call",
+                tuple(int(x) for x in graph.dim_size[dims]), spec, text, _verdict(ours, xla), bool(graph.tensor_free[t]),
+                full))
+    if unmatched:
+        report.notes.append(f"{unmatched} call result(s) have no instruction of their op_name and shape in XLA's "
+                            "module, or several sharded differently; not compared")
+
+
 # ---------------------------------------------------------------------------------------------
 # Checking a plan
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +441,9 @@ def check_plan_shardings(cap: Capture, plan: Plan, mesh: Mesh | None, workdir: s
         report = compare_module(module, specs, names, devices)
         if graph is not None:
             axes = MeshAxes.from_mesh(plan.mesh_shape, extra=[g.axes for g in plan.groups])
-            compare_captured_outputs(report, module, graph, plan.group_array(graph, axes), axes, names, devices)
+            array = plan.group_array(graph, axes)
+            compare_captured_outputs(report, module, graph, array, axes, names, devices)
+            compare_call_outputs(report, module, graph, array, axes, names, devices)
         numerics = None
         if example_args is not None and reference is not None:
             numerics = compare_outputs(compiled.compiled(*compiled.place(example_args)), reference)

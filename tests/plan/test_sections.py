@@ -112,6 +112,17 @@ def test_a_stage_s_recompute_round_trips_and_defaults_to_none() -> None:
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).pipeline == plan.pipeline
 
 
+def test_a_stage_s_recompute_cuts_and_gradient_specs_round_trip() -> None:
+    data = _json("pipeline_v1.json")
+    section = copy.deepcopy(data["pipeline"])
+    cut = copy.deepcopy(section["cuts"][0])
+    section["stages"][0].update(recompute="selective", recompute_cuts=[cut])
+    plan = Plan.from_json({**data, "pipeline": section}, where="p.json")
+    assert plan.pipeline.stages[0].recompute_cuts[0].instruction == cut["instruction"]
+    assert not plan.pipeline.stages[1].recompute_cuts
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).pipeline == plan.pipeline
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda s: s.update(schedule="zigzag"), r"pipeline: unknown pipeline schedule 'zigzag'"),
     (lambda s: s.update(stages=[]), r"pipeline: the pipeline section has no stages"),
@@ -125,6 +136,14 @@ def test_a_stage_s_recompute_round_trips_and_defaults_to_none() -> None:
     (lambda s: s["cuts"][0].update(downset=[["a"]]), r"cut 0: downset is a non-empty list of \[first, last\]"),
     (lambda s: s["cuts"][0].update(downset=[]), r"cut 0: downset is a non-empty list"),
     (lambda s: s["stages"][1].update(recompute="some"), r"stage 1: recompute 'some': expected none or selective or full"),
+    (lambda s: s["stages"][1].update(recompute_cuts=[{"instruction": "add.1"}]),
+     r"stage 1: the stage lists recompute_cuts but does not recompute"),
+    (lambda s: s["stages"][1].update(recompute="full", recompute_cuts="add.1"), r"stage 1: recompute_cuts is a list"),
+    (lambda s: s["stages"][1].update(recompute="full", recompute_cuts=[{}]),
+     r"stage 1: recompute cut 0: a cut is an object with an 'instruction'"),
+    (lambda s: s["stages"][1].update(shard_gradients=True), r"stage 1: the stage splits its gradients"),
+    (lambda s: s["stages"][1].update(shard_gradients="yes"), r"stage 1: shard_gradients is true or false"),
+    (lambda s: s["stages"][1].update(gradient_specs=[]), r"stage 1: the stage lists gradient_specs but does not"),
 ])
 def test_malformed_pipeline_sections_are_refused_naming_the_field(change: Any, message: str) -> None:
     data = _json("pipeline_v1.json")

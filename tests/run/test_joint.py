@@ -222,23 +222,48 @@ def _two_stages(cap: Any, recompute: Recompute, schedule: Schedule = Schedule.ON
     return joint_plan(JointResult(model, plan, evaluate(model, plan), (), 0.0, "exact", 1))
 
 
+def _whole(plan: Plan) -> Plan:
+    """`plan` with its recomputing stages checkpointed whole (no recompute cuts)."""
+    section = plan.pipeline
+    stages = tuple(dataclasses.replace(s, recompute_cuts=()) for s in section.stages)
+    return dataclasses.replace(plan, pipeline=dataclasses.replace(section, stages=stages))
+
+
+def _stage_memory(step: Any, s: int) -> tuple[int, int]:
+    """(the residual bytes stage s's forward kept at most, the temporary bytes XLA's compiled
+    backward program of stage s needs on a device): what holding activations and recomputing
+    them cost the stage."""
+    backward = step._runner._backward[s]._executables
+    assert len(backward) == 1
+    return step._runner.stats.peak_residual_bytes[s], next(iter(backward.values())).memory_analysis().temp_size_in_bytes
+
+
 # selective differs from full by the checkpoint policy only: in the slow run with the spmd executor
 @pytest.mark.parametrize("executor, recompute", [("mpmd", Recompute.FULL),
                                                  pytest.param("mpmd", Recompute.SELECTIVE, marks=pytest.mark.slow),
                                                  pytest.param("spmd", Recompute.FULL, marks=pytest.mark.slow)])
 def test_recomputing_stages_run_with_unsharded_numerics(zoo_case, executor: str, recompute: Recompute) -> None:
-    """The plan file says which stages recompute (`"recompute": "full"` or `"selective"`); the mpmd
-    executor checkpoints those stages, so their forward keeps only the stage's inputs (full) or
-    its inputs and matmul outputs (selective) for the backward: fewer residual bytes than the same
-    stages keeping everything, and selective between the two, as the cost model prices their
-    memory. The spmd executor rematerializes every stage call; either way loss and gradients equal
-    the unsharded step's, and `simulate` prices the saved plan as the planner did."""
+    """The plan file says which stages recompute (`"recompute": "full"` or `"selective"`) and, for
+    a stage checkpointed one transformer block at a time, the cuts between its blocks
+    (`"recompute_cuts"`: the planner writes them where that holds less than checkpointing the stage
+    whole, as here). The mpmd executor checkpoints each block, so the forward keeps only the
+    blocks' inputs (full) or those and the matmul outputs (selective) for the backward: fewer
+    residual bytes than the same stages keeping everything, and selective between the two, as the
+    cost model prices their memory. The spmd executor recomputes stages whole (it refuses the
+    grouped plan, naming the mpmd executor); either way loss and gradients equal the unsharded
+    step's, and `simulate` prices the saved plan as the planner did."""
     case = zoo_case("gpt-tiny")
     schedule = Schedule.ONE_F_ONE_B if executor == "mpmd" else Schedule.GPIPE
     plan = _two_stages(case.cap, recompute, schedule)
     saved = plan.to_json()
     assert [s.get("recompute") for s in saved["pipeline"]["stages"]] == [recompute.value] * 2
+    assert all(len(s["recompute_cuts"]) == 1 for s in saved["pipeline"]["stages"])  # layers_0 | layers_1
     assert Plan.from_json(saved).pipeline.stages[0].recompute is recompute
+    assert Plan.from_json(saved).pipeline.stages[0].recompute_cuts == plan.pipeline.stages[0].recompute_cuts
+    if executor == "spmd":
+        with pytest.raises(RunError, match="mpmd executor"):
+            hlomap.parallelize(case.model.train_step(), plan, executor="spmd")
+        plan = _whole(plan)
     step, _ = _run_and_check(case, plan, executor)
     if executor == "mpmd":
         others = {r: _two_stages(case.cap, r) for r in Recompute if r is not recompute}
@@ -255,3 +280,42 @@ def test_recomputing_stages_run_with_unsharded_numerics(zoo_case, executor: str,
         assert step._runner.remat
     simulated = hlomap.estimate(case.cap, plan, cluster=CLUSTER)
     assert simulated.step_seconds == pytest.approx(plan.estimate["step_seconds"], rel=1e-9)
+
+
+def test_checkpointing_block_by_block_keeps_the_blocks_inputs_and_recomputes_one_block_at_a_time(zoo_case) -> None:
+    """XLA as the oracle of what a grouped checkpoint buys: the same fully recomputing stages run
+    checkpointed block by block (the planner's recompute cuts) and whole. Block by block, the
+    forward keeps more (each block's input, not just the stage's) and the compiled backward needs
+    less temporary memory (it runs one block's forward again at a time), the trade the planner
+    priced when it wrote the cuts. Both give the unsharded step's loss and gradients."""
+    case = zoo_case("gpt-tiny")
+    grouped = _two_stages(case.cap, Recompute.FULL)
+    steps = {}
+    for name, plan in (("grouped", grouped), ("whole", _whole(grouped))):
+        steps[name], _ = _run_and_check(case, plan, "mpmd")
+        steps[name](*steps[name].place(case.args[0], case.args[1]), *case.args[2:])
+    (kept_g, temp_g), (kept_w, temp_w) = _stage_memory(steps["grouped"], 0), _stage_memory(steps["whole"], 0)
+    assert kept_g > kept_w and temp_g < temp_w, (kept_g, temp_g, kept_w, temp_w)
+
+
+def test_one_recomputing_stage_is_the_spmd_plan_checkpointed_block_by_block(zoo_case) -> None:
+    """A joint plan of one stage and one microbatch that recomputes stays a pipeline plan (an
+    SPMD plan keeps every activation): its blocks checkpointed one by one on the mpmd executor,
+    with the unsharded step's loss and gradients, and priced below the same mesh keeping its
+    activations."""
+    from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
+
+    case = zoo_case("gpt-tiny")
+    model = joint_model(case.cap, CLUSTER)
+    plans = {}
+    for recompute in (Recompute.NONE, Recompute.FULL):
+        option = StageOption(8, 4, 2, recompute=recompute)
+        plan = JointPlan((JointStage.of(0, model.n_layers, 0, option),), 1, Schedule.ONE_F_ONE_B)
+        plans[recompute] = joint_plan(JointResult(model, plan, evaluate(model, plan), (), 0.0, "exact", 1))
+    assert plans[Recompute.NONE].pipeline is None and dict(plans[Recompute.NONE].mesh) == {"data": 4, "model": 2}
+    recomputing = plans[Recompute.FULL]
+    (stage,) = recomputing.pipeline.stages
+    assert stage.recompute is Recompute.FULL and len(stage.recompute_cuts) == 2  # 3 groups: 2 blocks and the head
+    assert stage.memory_bytes < plans[Recompute.NONE].estimate["memory"]["total"]
+    step, _ = _run_and_check(case, recomputing)
+    assert step.executor is Executor.MPMD

@@ -62,6 +62,12 @@ def test_isolated_mismatches() -> None:
     big = want.copy()
     big[7] = 1e-3
     assert not compare_outputs(big, want).isolated_only
+    # in a small leaf a single element is isolated too (more than 1e-4 of 4,096 elements), two are not
+    small = np.zeros(4096)
+    small[9] = 5e-5
+    assert compare_outputs(small, np.zeros(4096)).isolated_only
+    small[10] = 5e-5
+    assert not compare_outputs(small, np.zeros(4096)).isolated_only
 
 
 def test_structure_mismatch_is_an_error() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hlomap.plan import Plan
-from hlomap.propagation import MeshAxes, megatron_plan
+from hlomap.propagation import MeshAxes, data_parallel_plan, megatron_plan
 from hlomap.verify.shardings import (
     ShardingCategory,
     Verdict,
@@ -60,12 +60,39 @@ def test_gpt_megatron_matches_xla_propagation(gpt_megatron):
     # our derivation on the captured module (not XLA's) gives XLA's output shardings too
     assert len(report.of(ShardingCategory.CAPTURED_OUTPUT)) > 100
     assert report.agreement(ShardingCategory.CAPTURED_OUTPUT) == 1.0
+    # the results of the step's nested jits (`jnp.where`, `one_hot`, `log_softmax`), derived on
+    # the captured module through its `call`s, against what XLA made of them after inlining
+    _check_call_outputs(report, least=8)
     intermediates = report.of(ShardingCategory.INTERMEDIATE)
     assert len(intermediates) > 500
     assert report.agreement(ShardingCategory.INTERMEDIATE) >= 0.95, report.kinds().most_common(10)
     # the comparison is not vacuous: many intermediates are sharded, by us and by XLA
     sharded = [c for c in intermediates if any(s is not None for s in c.ours) and c.verdict is Verdict.MATCH]
     assert len(sharded) > 200
+
+
+def _check_call_outputs(report, least: int) -> None:
+    """XLA shards every compared call result as we derive it, bar those built from constants
+    alone (free to materialize in any sharding; XLA shards such a broadcast like its user), and
+    the comparison is not vacuous: at least `least` of them are split."""
+    calls = report.of(ShardingCategory.CALL_OUTPUT, include_free=False)
+    assert report.agreement(ShardingCategory.CALL_OUTPUT, include_free=False) == 1.0, [
+        c for c in calls if c.verdict is not Verdict.MATCH]
+    assert sum(any(s is not None for s in c.ours) for c in calls) >= least, calls
+
+
+def test_gpt_data_parallel_call_outputs_match_xla(zoo_capture, zoo_graph, tmp_path):
+    """The data-parallel plan of the zoo GPT splits the results of its nested jits over the
+    batch as XLA does (they were left whole, and counted at the full batch, before calls were
+    followed); a `call` result built from constants alone is free, as the cost model reads it."""
+    cap, graph = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
+    axes = MeshAxes.from_mesh({"data": 8})
+    plan = Plan.from_groups(cap, graph, data_parallel_plan(graph, "data", axes), axes)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    report, _ = check_plan_shardings(cap, plan, mesh, str(tmp_path), graph=graph)
+    _check_call_outputs(report, least=10)
+    free = [c for c in report.of(ShardingCategory.CALL_OUTPUT) if c.free]
+    assert free and all("broadcast_in_dim" in (c.op_name or "") for c in free)
 
 
 def test_comparison_detects_a_different_plan(gpt_megatron, zoo_graph):
@@ -104,6 +131,7 @@ def test_acceptance_matrix(model, tmp_path, capsys):
         assert row.parameters == 1.0, row
         assert row.outputs == 1.0, row
         assert row.captured_outputs == 1.0, row
+        assert row.call_outputs == 1.0, row
         assert row.intermediates >= 0.95, row
         # strict allclose, except isolated elements of Adam's first update where the gradient is
         # of the order of Adam's eps (see OutputComparison.isolated_only; reported in the table)

@@ -15,6 +15,7 @@ as the encoder output of an encoder-decoder does). Three kinds of values never c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -22,7 +23,7 @@ from hlomap.run.errors import SplitError
 from hlomap.run.program import describe_eqn, free_vars, is_literal, jaxpr_function, needed_eqns
 from hlomap.run.trace import InputKind, TracedStep
 
-__all__ = ["AuxSource", "LossSplit", "StageProgram", "split_loss"]
+__all__ = ["AuxSource", "LossSplit", "StageProgram", "checkpointed_layers", "split_loss"]
 
 #: Loss inputs every stage can be given (not state the stage keeps).
 _SHARED_KINDS = frozenset({InputKind.DATA, InputKind.BROADCAST, InputKind.CONST})
@@ -48,6 +49,9 @@ class StageProgram:
     computes_loss: bool
     own: tuple[int, ...]  # the stage's own loss equations (indices)
     run: Callable[..., tuple[tuple[Any, ...], tuple[Any, ...], Any]]
+    #: `run` checkpoints the stage's layers one by one (`checkpointed_layers`): the executor
+    #: must not checkpoint the stage again as a whole
+    checkpointed: bool = False
 
     @property
     def first(self) -> int | None:
@@ -187,3 +191,36 @@ def _stage_function(fn: Callable[..., list[Any]], n_sends: int, n_aux: int,
         return sent, aux, out[-1] if computes_loss else None
 
     return run
+
+
+def checkpointed_layers(stage: StageProgram, layers: Sequence[StageProgram], policy: Any) -> StageProgram:
+    """`stage` run as `layers`, the programs of its equations split at the cuts between its layers
+    (`split_loss` of a finer assignment), each under `jax.checkpoint` with `policy`: the backward
+    keeps every layer's inputs (and what the policy saves) and runs one layer's forward again at a
+    time, where checkpointing the stage whole runs all of it again at once. Raises SplitError when
+    the layers do not run exactly the stage's equations."""
+    import jax
+
+    own = sorted(i for layer in layers for i in layer.own)
+    if own != sorted(stage.own):
+        raise SplitError(f"the layers of stage {stage.index} run {len(own)} loss equations, the stage {len(stage.own)}: "
+                         "its recompute cuts do not split the stage's equations")
+    runs = [jax.checkpoint(layer.run, policy=policy) for layer in layers]
+
+    def run(params: Sequence[Any], state: Sequence[Any], data: Sequence[Any],
+            received: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
+        inputs = dict(zip(stage.params, params)) | dict(zip(stage.state, state)) | dict(zip(stage.data, data))
+        values = dict(zip(stage.receives, received))
+        aux: dict[int, Any] = {}
+        loss = None
+        for layer, layer_run in zip(layers, runs):
+            sent, layer_aux, layer_loss = layer_run(tuple(inputs[p] for p in layer.params),
+                                                    tuple(inputs[p] for p in layer.state),
+                                                    tuple(inputs[p] for p in layer.data),
+                                                    tuple(values[v] for v in layer.receives))
+            values = dict(zip(layer.sends, sent))
+            aux |= dict(zip(layer.aux, layer_aux))
+            loss = layer_loss if layer.computes_loss else loss
+        return tuple(values[v] for v in stage.sends), tuple(aux[j] for j in stage.aux), loss
+
+    return dataclasses.replace(stage, run=run, checkpointed=True)

@@ -44,9 +44,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlomap.cost.pipeline.stages import Pass
-from hlomap.plan.sections import Recompute
 from hlomap.run.pipeline.dispatch import Event, RecordedEvent, dispatch_order, fusable_passes
-from hlomap.run.pipeline.prepare import PipelineProgram, batch_axes, leaf_specs
+from hlomap.run.pipeline.prepare import CHECKPOINT_POLICIES, PipelineProgram, batch_axes, leaf_specs
 from hlomap.run.pipeline.shared_compile import ExecutableCache, SharedProgram
 from hlomap.run.pipeline.stage_state import Staged, state_leaves
 from hlomap.run.pipeline.stage_update import Source
@@ -57,10 +56,6 @@ from hlomap.verify.mesh import devices_at, mesh_of
 __all__ = ["MpmdPipeline", "StageLeaves", "StepStats"]
 
 log = logging.getLogger(__name__)
-
-#: The `jax.checkpoint` policy of each recomputation a plan's stage may ask for.
-_CHECKPOINT_POLICIES = {Recompute.SELECTIVE: jax.checkpoint_policies.dots_saveable,
-                        Recompute.FULL: jax.checkpoint_policies.nothing_saveable}
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +131,13 @@ class MpmdPipeline:
             {leaf: NamedSharding(mesh, spec if _fits(spec, mesh) else P())
              for leaf, spec in leaf_specs(section.parameters[s % self.n_groups], traced.state_leaves).items()}
             for s, mesh in enumerate(self.meshes)]
+        # ZeRO-2 stages: each parameter gradient constrained to its split spec as the backward
+        # returns it, so XLA reduce-scatters it and the accumulated gradients stay split
+        self.gradient_sharding = [
+            {} if not section.gradients or section.gradients[s % self.n_groups] is None else
+            {leaf: NamedSharding(mesh, spec) for leaf, spec in
+             leaf_specs(section.gradients[s % self.n_groups], traced.state_leaves).items() if _fits(spec, mesh)}
+            for s, mesh in enumerate(self.meshes)]
         n0, n1 = traced.arg_sizes[0], traced.arg_sizes[1]
         trees = traced.arg_tree.children()
         residence = program.update.residence
@@ -194,14 +196,16 @@ class MpmdPipeline:
         """Stage s as a function of (params, received, state, data); a stage the plan marks to
         recompute is checkpointed: with nothing saved (`Recompute.FULL`), its backward keeps only
         the stage's inputs and runs its forward again; with its matmuls' outputs saved
-        (`Recompute.SELECTIVE`, `dots_saveable`), it runs the rest of the forward again."""
+        (`Recompute.SELECTIVE`, `dots_saveable`), it runs the rest of the forward again. A stage
+        whose program checkpoints its layers one by one (`StageProgram.checkpointed`, the plan's
+        recompute cuts) is not checkpointed again as a whole."""
         stage = self.program.split.stages[s]
 
         def f(params: Any, received: Any, state: Any, data: Any) -> Any:
             sent, aux, loss = stage.run(params, state, data, received)
             return (tuple(sent) + ((loss,) if stage.computes_loss else ())), tuple(aux)
 
-        policy = _CHECKPOINT_POLICIES.get(self.program.section.recomputes(s))
+        policy = None if stage.checkpointed else CHECKPOINT_POLICIES.get(self.program.section.recomputes(s))
         return f if policy is None else jax.checkpoint(f, policy=policy)
 
     def _make_forward(self, s: int) -> Any:
@@ -213,10 +217,27 @@ class MpmdPipeline:
         with `part` 0 only the parameter cotangents (ZB-H1's W pass), 1 only the input
         cotangents (its B pass): one backward, of which the compiler drops what the part does
         not return, so each part computes what the whole backward would."""
-        _, bwd = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+        _, whole = jax.fwd_and_bwd(self._stage_function(s), argnums=(0, 1), has_aux=True, jitted=False)
+
+        def bwd(residuals: Any, cotangents: Any) -> Any:
+            g_params, g_received = whole(residuals, cotangents)
+            return self._split_gradients(s, g_params), g_received
+
         if part is None:
             return bwd
         return lambda residuals, cotangents: bwd(residuals, cotangents)[part]
+
+    def _split_gradients(self, s: int, g_params: Sequence[Any]) -> tuple[Any, ...]:
+        """Stage s's parameter gradients, each constrained to its split spec where the stage
+        splits its gradients (ZeRO-2); unchanged elsewhere."""
+        shardings = self.gradient_sharding[s]
+        if not shardings:
+            return tuple(g_params)
+        traced = self.program.micro
+        leaves = [traced.loss_inputs[p].leaf for p in self.program.split.stages[s].params]
+        return tuple(jax.lax.with_sharding_constraint(g, shardings[leaf])
+                     if leaf in shardings and g.dtype != jax.dtypes.float0 else g
+                     for g, leaf in zip(g_params, leaves))
 
     def _make_backward(self, s: int, part: int | None = None) -> Any:
         kind = {None: "backward", 1: "input_gradient", 0: "weight_gradient"}[part]
@@ -235,7 +256,7 @@ class MpmdPipeline:
         def forward_backward(params: Any, received: Any, state: Any, data: Any, cotangents: Any) -> Any:
             out, vjp, aux = jax.vjp(lambda p, r: f(p, r, state, data), params, received, has_aux=True)
             g_params, g_received = vjp(cotangents)
-            return out, aux, g_params, g_received
+            return out, aux, self._split_gradients(s, g_params), g_received
 
         return forward_backward
 

@@ -19,16 +19,19 @@ without a pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from hlomap.cost.pipeline.stages import splits_batch
+from hlomap.plan.sections import Recompute
 from hlomap.run.errors import RunError
 from hlomap.run.pipeline.cuts import StageAssignment, assign_stages
-from hlomap.run.pipeline.loss_split import LossSplit, split_loss
+from hlomap.run.pipeline.loss_split import LossSplit, checkpointed_layers, split_loss
 from hlomap.run.pipeline.section import DATA_AXIS, PipelineSection
 from hlomap.run.pipeline.stage_update import UpdatePlan, plan_update
 from hlomap.run.trace import InputKind, TracedStep, microbatch_args, trace_step
@@ -94,8 +97,41 @@ def prepare(step: Any, args: Sequence[Any], cap: Capture, section: PipelineSecti
     _check_same_loss(traced, micro)
     assignment = assign_stages(cap, traced, section.cuts)
     split = split_loss(micro, assignment.stage_of_eqn, section.logical_stages)
+    if section.layered_recompute:
+        split = _checkpointed_by_layer(cap, traced, micro, assignment, section, split)
     update = plan_update(traced, split, widen=widen)
     return PipelineProgram(traced, micro, assignment, split, update, section, microbatch)
+
+
+#: The `jax.checkpoint` policy of each recomputation a plan's stage may ask for.
+CHECKPOINT_POLICIES = {Recompute.SELECTIVE: jax.checkpoint_policies.dots_saveable,
+                       Recompute.FULL: jax.checkpoint_policies.nothing_saveable}
+
+
+def _checkpointed_by_layer(cap: Capture, traced: TracedStep, micro: TracedStep, assignment: StageAssignment,
+                           section: PipelineSection, split: LossSplit) -> LossSplit:
+    """`split` with each stage that lists recompute cuts run layer by layer, each layer
+    checkpointed with the stage's policy (`loss_split.checkpointed_layers`). The layers are the
+    stages of the loss cut at every stage cut and recompute cut together; since both cut the same
+    forward chain in order, their stages group into the plan's (checked)."""
+    cuts: list[Any] = []
+    owner: list[int] = []  # the plan's stage of each layer
+    for s, inner in enumerate(section.recompute_cuts):
+        cuts += inner
+        owner += [s] * (len(inner) + 1)
+        if s + 1 < section.n_stages:
+            cuts.append(section.cuts[s])
+    fine = assign_stages(cap, traced, cuts)
+    if [owner[k] for k in fine.stage_of_eqn] != list(assignment.stage_of_eqn):
+        raise RunError("the plan's recompute cuts move loss equations across its stage cuts; are they the cuts "
+                       "between each stage's layers, in forward order?")
+    layers = split_loss(micro, fine.stage_of_eqn, len(owner))
+    stages = list(split.stages)
+    for s, inner in enumerate(section.recompute_cuts):
+        if inner:
+            own = [layer for k, layer in enumerate(layers.stages) if owner[k] == s]
+            stages[s] = checkpointed_layers(stages[s], own, CHECKPOINT_POLICIES[section.recomputes(s)])
+    return dataclasses.replace(split, stages=tuple(stages))
 
 
 def _check_same_loss(whole: TracedStep, micro: TracedStep) -> None:

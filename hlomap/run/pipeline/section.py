@@ -53,6 +53,16 @@ class PipelineSection:
     repeats: int = 1  # circular or interleaved: each stage's devices run this many of the model's stages
     recompute: tuple[Recompute, ...] = ()  # per device stage: what its backward runs again (empty: nothing)
     splits_state: bool = False  # some stage splits its optimizer state over its data axis (ZeRO-1)
+    #: per device stage: the cuts between the layers it checkpoints one by one (empty: none does)
+    recompute_cuts: tuple[tuple[PipelineCut, ...], ...] = ()
+    #: per device stage: the plan's parameters with their gradients' specs where the stage splits
+    #: its gradients (ZeRO-2), else None (empty: no stage does)
+    gradients: tuple[tuple[ParameterSpec, ...] | None, ...] = ()
+
+    @property
+    def layered_recompute(self) -> bool:
+        """Some stage is checkpointed layer by layer (which the mpmd executor runs)."""
+        return any(self.recompute_cuts)
 
     def recomputes(self, stage: int) -> Recompute:
         """What logical stage `stage` (on device stage `stage` mod S) recomputes of its forward."""
@@ -92,7 +102,7 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
                        f"comes back to stage 0 after {section.n_stages} ticks); it has {microbatches} microbatches "
                        f"and {section.n_stages} stages")
     top = tuple((str(k), int(v)) for k, v in plan.mesh)
-    devices, inner, parameters = [], [], []
+    devices, inner, parameters, gradients = [], [], [], []
     for s, stage in enumerate(section.stages):
         ids = stage.devices
         mesh = stage.mesh or top or ((DATA_AXIS, len(ids)),)
@@ -104,11 +114,18 @@ def pipeline_section(plan: Any, where: str = "plan") -> PipelineSection:
         devices.append(ids)
         inner.append(mesh)
         parameters.append(stage_parameters(plan, stage.specs, mesh, f"{where}: stage {s}"))
+        gradients.append(stage_parameters(plan, stage.gradient_specs, mesh, f"{where}: stage {s}'s gradients")
+                         if stage.shard_gradients else None)
     recompute = tuple(stage.recompute for stage in section.stages)
+    layered = tuple(stage.recompute_cuts for stage in section.stages)
+    if any(layered) and repeats > 1:
+        raise RunError(f"{where}: stages checkpointed layer by layer (recompute_cuts) run one chunk per stage; this "
+                       f"plan has repeats {repeats}")
     return PipelineSection(tuple(devices), tuple(inner), cut_records(section, where), microbatches, schedule,
                            tuple(parameters), repeats,
                            recompute if any(r is not Recompute.NONE for r in recompute) else (),
-                           any(stage.state_axes for stage in section.stages))
+                           any(stage.state_axes for stage in section.stages), layered if any(layered) else (),
+                           tuple(gradients) if any(g is not None for g in gradients) else ())
 
 
 def stage_parameters(plan: Any, specs: Sequence[Spec] | None, mesh: tuple[tuple[str, int], ...],

@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -36,6 +37,7 @@ from hlomap.cost.mapping import AxisMapping, axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.cost.zero import state_axes
 from hlomap.hlo.capture import Capture, Phase, Role
+from hlomap.hlo.source_info import layer_name
 from hlomap.plan.sections import Recompute
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 RECOMPUTED_WORDS = {Recompute.NONE: "", Recompute.SELECTIVE: ", recomputed except its matmuls",
                     Recompute.FULL: ", recomputed"}
 
-__all__ = ["JointModel", "PlanKind", "StageArrays", "StageOption", "stage_options", "step_batch"]
+__all__ = ["JointModel", "PlanKind", "StageArrays", "StageOption", "block_ends", "stage_options", "step_batch"]
 
 #: Bytes kept per parameter byte: weights, gradients and Adam's two moments (as the pipeline
 #: cost model's `CostOptions.param_memory_factor`).
@@ -77,10 +79,13 @@ class StageOption:
     its activations; SELECTIVE, the forward's work other than its matmuls again, its inputs and
     matmul outputs kept), whether it splits its optimizer state over its `data` replicas
     (`split_state`, ZeRO-1: Adam's moments at 1 / data, each replica updates its slice and the
-    updated parameters are all-gathered once per step), and whether its parameters stay split
-    there too (`shard_parameters`, FSDP / ZeRO-3, which implies `split_state`: weights, gradients
-    and moments at 1 / data; each pass of each microbatch all-gathers the weights and the
-    backward reduce-scatters the gradients instead of all-reducing them)."""
+    updated parameters are all-gathered once per step), whether its gradients are split there
+    too (`shard_gradients`, ZeRO-2, which implies `split_state`: each microbatch's gradients are
+    reduce-scattered instead of all-reduced, and gradients and moments kept at 1 / data), and
+    whether its parameters stay split there too (`shard_parameters`, FSDP / ZeRO-3, which
+    implies `split_state` and splits the gradients as well: weights, gradients and moments at 1 /
+    data; each pass of each microbatch all-gathers the weights and the backward reduce-scatters
+    the gradients instead of all-reducing them)."""
 
     devices: int
     data: int
@@ -89,14 +94,19 @@ class StageOption:
     recompute: Recompute = Recompute.NONE
     split_state: bool = False
     shard_parameters: bool = False
+    shard_gradients: bool = False
 
     def __post_init__(self) -> None:
-        if self.shard_parameters and not self.split_state:
-            raise ValueError("a stage whose parameters are split over its data replicas splits its optimizer state "
-                             "too (shard_parameters needs split_state)")
+        if (self.shard_parameters or self.shard_gradients) and not self.split_state:
+            raise ValueError("a stage whose parameters or gradients are split over its data replicas splits its "
+                             "optimizer state too (shard_parameters and shard_gradients need split_state)")
+        if self.shard_parameters and self.shard_gradients:
+            raise ValueError("shard_parameters splits the gradients already; shard_gradients is the ZeRO-2 option "
+                             "that keeps the parameters whole")
 
     def __str__(self) -> str:
         split = (", parameters and optimizer state split" if self.shard_parameters else
+                 ", gradients and optimizer state split" if self.shard_gradients else
                  ", optimizer state split" if self.split_state else "")
         return f"{self.devices} devices, data={self.data} x model={self.model} ({self.kind.value}" \
                f"{RECOMPUTED_WORDS[self.recompute]}{split})"
@@ -105,7 +115,8 @@ class StageOption:
     def plain(self) -> StageOption:
         """The same devices, mesh and plan without recomputation or a split state: what the cost
         model prices (`JointModel.arrays` derives the others from its arrays)."""
-        return dataclasses.replace(self, recompute=Recompute.NONE, split_state=False, shard_parameters=False)
+        return dataclasses.replace(self, recompute=Recompute.NONE, split_state=False, shard_parameters=False,
+                                   shard_gradients=False)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -137,7 +148,8 @@ def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXP
     """Every (group size, data x model, kind, recompute, split state, split parameters): tensor
     parallelism stays inside a server (its all-reduces are on the critical path of every layer)
     unless a node holds one device; the optimizer state and the parameters are split only where
-    there are data replicas (data > 1), the parameters only with the optimizer state."""
+    there are data replicas (data > 1), the parameters only with the optimizer state. Where the
+    parameters may be split, the gradients may be split alone too (ZeRO-2)."""
     per_node = cluster.most_per_node
     limit = max_model or (per_node if per_node > 1 else 8)
     out = []
@@ -150,6 +162,8 @@ def stage_options(cluster: Cluster, *, kinds: Sequence[PlanKind] = (PlanKind.EXP
                             continue
                         for shard in (z for z in shard_parameters if split or not z):
                             out.append(StageOption(n, n // model, model, kind, again, split, shard))
+                            if shard:  # the gradients split and the parameters whole: ZeRO-2
+                                out.append(StageOption(n, n // model, model, kind, again, split, False, True))
     return tuple(out)
 
 
@@ -175,7 +189,8 @@ class StageArrays(NamedTuple):
     (`StageOption.split_state`); gather_alpha/gather_beta: the combined all-gather of their
     updated parameters over the data groups, affine in the gathered bytes (`params`).
     shard_parameters: the option's parameters stay split over `data` too (FSDP,
-    `StageOption.shard_parameters`); scatter_alpha/scatter_beta: the reduce-scatter of their
+    `StageOption.shard_parameters`); shard_gradients: its gradients are split there (ZeRO-2,
+    `StageOption.shard_gradients`); scatter_alpha/scatter_beta: the reduce-scatter of their
     gradients over the data groups, affine in the gradient bytes (`grads`).
     """
 
@@ -205,6 +220,50 @@ class StageArrays(NamedTuple):
     shard_parameters: bool = False  # the option's parameters stay split over `data` (FSDP)
     scatter_alpha: float = 0.0
     scatter_beta: float = 0.0
+    shard_gradients: bool = False  # the option's gradients are split over `data` (ZeRO-2)
+    #: With `recompute`, [n_layers + 1, n_layers + 1] tables over stages [i, j) (i < j) checkpointed
+    #: group by group (`JointModel.checkpoint_groups`, `recompute_tables`): the bytes of the
+    #: groups' inputs, and the most one group keeps while the backward recomputes it (its stash,
+    #: selectively all but its matmul outputs)
+    group_inputs: np.ndarray | None = None
+    group_peak: np.ndarray | None = None
+
+
+def recompute_tables(a: StageArrays, recompute: Recompute, groups: np.ndarray) -> dict[str, np.ndarray | None]:
+    """`StageArrays.group_inputs` and `group_peak` of `a` for a stage recomputing as `recompute`,
+    its layers checkpointed in `groups` (a group id per layer, non-decreasing). For stage [i, j)
+    the groups are the runs of one id inside the range, the first starting at i."""
+    if recompute is Recompute.NONE:
+        return {"group_inputs": None, "group_peak": None}
+    stash = np.diff(a.stash)
+    kept = stash if recompute is Recompute.FULL else np.maximum(stash - np.diff(a.saved), 0.0)
+    k = len(kept)
+    rows, cols = np.arange(k)[:, None], np.arange(k)[None, :]
+    ahead = cols >= rows
+    starts = ahead & ((cols == rows) | np.concatenate([[True], groups[1:] != groups[:-1]])[None, :])
+    prefix = np.concatenate([[0.0], np.cumsum(kept)])
+    through = prefix[None, 1:] - prefix[:k, None]  # [i, c]: layers i..c
+    before_group = np.maximum.accumulate(np.where(starts, through - kept[None, :], -np.inf), axis=1)
+    running_peak = np.maximum.accumulate(np.where(ahead, through - before_group, -np.inf), axis=1)
+    running_inputs = np.cumsum(np.where(starts, a.inputs[None, :k], 0.0), axis=1)
+    inputs, peak = np.zeros((k + 1, k + 1)), np.zeros((k + 1, k + 1))
+    inputs[:k, 1:] = np.where(ahead, running_inputs, 0.0)  # [i, j] reads column j - 1
+    peak[:k, 1:] = np.where(ahead, running_peak, 0.0)
+    return {"group_inputs": inputs, "group_peak": peak}
+
+
+#: A repeated block's scope (`.../layers_k`: a transformer layer, an encoder or decoder layer).
+BLOCK_SCOPE = re.compile(r"^(.*?layers_\d+)(/|$)")
+
+
+def block_ends(model: JointModel) -> tuple[int, ...]:
+    """The chain position where each repeated block (`.../layers_k`) ends, in chain order."""
+    ends: dict[str, int] = {}
+    for p, inst in enumerate(model.attribution.chain):
+        match = BLOCK_SCOPE.match(layer_name(inst.metadata))
+        if match:
+            ends[match.group(1)] = p
+    return tuple(sorted(ends.values()))
 
 
 @dataclass(eq=False)
@@ -241,6 +300,26 @@ class JointModel:
         return np.asarray([0, *(p + 1 for p in self.pivots), self.attribution.length], dtype=np.int64)
 
     @property
+    def checkpoint_groups(self) -> np.ndarray:
+        """A group id per layer: the layers a recomputing stage checkpoints together (Megatron-LM
+        recomputes a transformer layer at a time): those starting in one repeated block
+        (`block_ends`; the stretch before the first block joins it, the one after the last is a
+        group of its own); each layer on its own in a step without repeated blocks."""
+        key = ("checkpoint groups",)
+        if key not in self._cache:
+            ends = np.asarray(block_ends(self), dtype=np.int64)
+            starts = self.boundaries[:-1]
+            self._cache[key] = (np.searchsorted(ends, starts, side="left") if len(ends)
+                                else np.arange(self.n_layers))
+        return self._cache[key]
+
+    def checkpoint_starts(self, start: int, stop: int) -> tuple[int, ...]:
+        """The layers in (start, stop) where a group checkpointed on its own begins: the cuts a
+        stage of layers [start, stop) that recomputes group by group lists."""
+        groups = self.checkpoint_groups
+        return tuple(k for k in range(start + 1, stop) if groups[k] != groups[k - 1])
+
+    @property
     def batch(self) -> int:
         """The step's batch: the leading dim of its data inputs (what microbatches split)."""
         key = ("batch",)
@@ -254,11 +333,15 @@ class JointModel:
             if option != option.plain:  # the same work and bytes; `plans` prices what these change
                 base = self.arrays(option.plain)
                 gather = self._gather_prices(option) if option.split_state else (0.0, 0.0)
-                scatter = self._data_terms(Collective.REDUCE_SCATTER, option) if option.shard_parameters else (0.0, 0.0)
+                scatter = (self._data_terms(Collective.REDUCE_SCATTER, option)
+                           if option.shard_parameters or option.shard_gradients else (0.0, 0.0))
                 self._arrays[option] = base._replace(recompute=option.recompute, split_state=option.split_state,
                                                      shard_parameters=option.shard_parameters,
+                                                     shard_gradients=option.shard_gradients,
                                                      scatter_alpha=scatter[0], scatter_beta=scatter[1],
-                                                     gather_alpha=gather[0], gather_beta=gather[1])
+                                                     gather_alpha=gather[0], gather_beta=gather[1],
+                                                     **recompute_tables(base, option.recompute,
+                                                                        self.checkpoint_groups))
             else:
                 self._arrays[option] = self._price(option)
         return self._arrays[option]

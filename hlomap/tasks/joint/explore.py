@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hlomap.cost.cluster import Cluster, with_busy_devices
-from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
+from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, in_flight
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.source_info import nearest_scopes
 from hlomap.plan import Pipeline, Recompute
@@ -26,7 +26,15 @@ from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult
-from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, choose_schedule, evaluate, runs_as_spmd
+from hlomap.tasks.joint.plans import (
+    JointCost,
+    JointPlan,
+    JointStage,
+    checkpoints_groups,
+    choose_schedule,
+    evaluate,
+    runs_as_spmd,
+)
 from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE
 from hlomap.tasks.joint.solve import JointSpace, microbatch_choices
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
@@ -93,10 +101,11 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     stages with data replicas may also split their optimizer state over them
     (`StageOption.split_state`, ZeRO-1), kept only where it fits what would not or is faster.
     shard_parameters: stages with their optimizer state split may also split their parameters
-    (`StageOption.shard_parameters`, FSDP): True searches those options too, False never; None
-    (auto, the default) searches them only when no plan fits without them, as `--shard-parameters
-    auto` does for SPMD plans (they add collectives to every microbatch, so they win only where
-    memory binds, and a third of the options more slows the largest searches by a third).
+    (`StageOption.shard_parameters`, FSDP) or only their gradients (`StageOption.shard_gradients`,
+    ZeRO-2): True searches those options too, False never; None (auto, the default) searches them
+    only when no plan fits without them, as `--shard-parameters auto` does for SPMD plans (they
+    add collectives to every microbatch, so they win only where memory binds, and more options
+    slow the largest searches).
     With `with_grid`, Megatron-LM's grid is priced first and its best configuration (also with the
     optimizer state split) bounds the exact DP, which then skips whatever cannot beat it."""
     if shard_parameters is None and split_state:
@@ -182,13 +191,19 @@ def joint_plan(result: JointResult) -> Any:
     for s, stage in enumerate(plan.stages):
         inner = _inner_plan(model, stage.option)
         state = inner.state_sharding
+        held = in_flight(plan.schedule, s, plan.n_stages, plan.microbatches)
+        grouped = checkpoints_groups(model.arrays(stage.option), stage.start, stage.stop, held)
+        inner_cuts = [_cut(model, k) for k in model.checkpoint_starts(stage.start, stage.stop)] if grouped else []
         stages.append({
             "layers": [stage.start, stage.stop], "devices": list(stage.devices),
             "replication": stage.option.data, "mesh": stage.option.mesh, "plan": stage.option.kind.value,
             **({"recompute": stage.recompute.value} if stage.recompute is not Recompute.NONE else {}),
+            **({"recompute_cuts": inner_cuts} if inner_cuts else {}),
             **({"state_axes": list(state.axes)} if state is not None else {}),
             **({"shard_parameters": True} if stage.shard_parameters else {}),
+            **({"shard_gradients": True} if stage.shard_gradients else {}),
             "specs": [spec_to_json(state.spec_of(p) if state is not None else p.spec) for p in inner.parameters],
+            **({"gradient_specs": _gradient_specs(model, stage.option)} if stage.shard_gradients else {}),
             "seconds_per_microbatch": cost.stage_seconds[s], "memory_bytes": cost.stage_memory[s],
             "device_memory_bytes": cost.device_memory[s],
         })
@@ -229,6 +244,13 @@ def _inner_plan(model: JointModel, option: StageOption) -> Any:
     return inner.with_sharded_state(model.graph, parameters=option.shard_parameters) if option.split_state else inner
 
 
+def _gradient_specs(model: JointModel, option: StageOption) -> list[Any]:
+    """The specs of a ZeRO-2 stage's gradients, one per plan parameter: each trainable
+    parameter's as FSDP would store it (split over `data`), every other leaf's as the stage's."""
+    fsdp = _inner_plan(model, dataclasses.replace(option, shard_gradients=False, shard_parameters=True))
+    return [spec_to_json(fsdp.state_sharding.spec_of(p)) for p in fsdp.parameters]
+
+
 def _spmd_plan(result: JointResult) -> Any:
     """The one-stage joint result as an SPMD plan (`joint_plan`), with its estimate and search."""
     model, plan, cost = result.model, result.plan, result.cost
@@ -260,7 +282,7 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
             raise ValueError(f"stage {s} of the joint plan's pipeline section: unknown plan {st.inner_plan!r}; "
                              f"expected {' or '.join(k.value for k in PlanKind)}") from None
         option = StageOption(len(st.devices), mesh["data"], mesh["model"], kind, st.recompute, bool(st.state_axes),
-                             st.shard_parameters)
+                             st.shard_parameters, st.shard_gradients)
         stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
 

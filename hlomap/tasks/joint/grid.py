@@ -12,33 +12,18 @@ recomputation) as fits and is faster. Each configuration is priced by the same c
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Sequence
 
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule, splits_batch
-from hlomap.hlo.source_info import layer_name
 from hlomap.plan.sections import Recompute
-from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption
+from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, block_ends
 from hlomap.tasks.joint.plans import JointCost, JointPlan, JointStage, evaluate
 from hlomap.tasks.joint.solve import TIE_TOLERANCE, aligned, microbatch_choices
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GridPoint", "block_ends", "expert_grid"]
-
-_BLOCK = re.compile(r"^(.*?layers_\d+)(/|$)")
-
-
-def block_ends(model: JointModel) -> tuple[int, ...]:
-    """The chain position where each repeated block (`.../layers_k`) ends, in chain order."""
-    ends: dict[str, int] = {}
-    for p, inst in enumerate(model.attribution.chain):
-        match = _BLOCK.match(layer_name(inst.metadata))
-        if match:
-            ends[match.group(1)] = p
-    return tuple(sorted(ends.values()))
-
 
 @dataclass(frozen=True)
 class GridPoint:

@@ -67,7 +67,9 @@ def _stage_terms(model: JointModel, stage: JointStage, microbatches: int, each: 
                 terms.append(StageTerm(Collective.REDUCE_SCATTER, ("data",), grads, 1.0, 1.0, 1.0))
             return tuple(terms)
         once = 1.0 if each else 1.0 / microbatches
-        if grads > 0:
+        if option.shard_gradients and grads > 0:  # ZeRO-2: every microbatch's gradients reduce-scattered
+            terms.append(StageTerm(Collective.REDUCE_SCATTER, ("data",), grads, 1.0, 1.0, 1.0))
+        elif grads > 0:
             terms.append(StageTerm(Collective.ALL_REDUCE, ("data",), grads, 1.0, once, once))
         if option.split_state and params > 0:
             per_step = 1.0 / microbatches

@@ -9,7 +9,9 @@ M microbatches (`costs.StageArrays` are per step, on one device of the stage):
         optimizer state over its data replicas updates 1 / data of it and all-gathers its
         updated parameters once per step; one whose parameters stay split there too (FSDP)
         updates 1 / data, all-gathers its weights in each pass of each microbatch and
-        reduce-scatters its gradients every microbatch instead of all-reducing them)
+        reduce-scatters its gradients every microbatch instead of all-reducing them; one that
+        splits its gradients (ZeRO-2) updates 1 / data, all-gathers its updated parameters once
+        per step and reduce-scatters its gradients every microbatch)
   u_s = moving the cut's activations (all data shards) from stage s to s + 1, per microbatch
   L   = sum_s t_s + 2 sum_s u_s + (M - 1) max(t_s, u_s)
 by the one pipeline closed form, `hlomap.cost.pipeline.costs.pipeline_latency` (Alpa's; fill
@@ -18,13 +20,19 @@ sharded step; plus, on a measured cluster, the executor's own cost (`executor_ov
 is what makes many microbatches or stages dear on a host-bound machine. Memory per device: 4 x
 the stage's parameters (weights, gradients, Adam's moments) + the microbatches in flight
 (1F1B: min(S - s, M); GPipe: M) x the stage's stash per microbatch (with the optimizer state
-split, the moments count 1 / data; with the parameters split too, weights, gradients and moments
-count 1 / data, plus one whole copy of the weights that a pass gathers); a stage that recomputes
-(`StageOption.recompute`, `hlomap.plan.Recompute.FULL`) holds its input per microbatch in flight
-instead, plus one microbatch's stash while it recomputes it; one that recomputes selectively
-(`Recompute.SELECTIVE`, JAX's `dots_saveable`) holds its input and its forward's matmul outputs
-per microbatch, runs the rest of its forward again, and holds the rest of one microbatch's stash
-while it does.
+split, the moments count 1 / data; with the gradients split too, gradients and moments count
+1 / data; with the parameters split too, weights, gradients and moments count 1 / data, plus one
+whole copy of the weights that a pass gathers); a stage that recomputes
+(`StageOption.recompute`, `hlomap.plan.Recompute.FULL`) is checkpointed as a whole or group by
+group (`JointModel.checkpoint_groups`: the layers of one transformer block), whichever holds less
+at its count of microbatches in flight (both run the forward once more): whole, it holds its
+input per microbatch in flight instead of its stash, plus one microbatch's stash while it
+recomputes it; group by group (Megatron-LM's full recomputation), every group's input per
+microbatch in flight, plus the largest stash of one group of one microbatch. One that recomputes
+selectively (`Recompute.SELECTIVE`, JAX's `dots_saveable`) holds its forward's matmul outputs per
+microbatch besides, runs the rest of its forward again, and holds the rest of one microbatch's
+(or one group's) stash while it does. A stage checkpointed group by group lists the cuts between
+its groups in the plan file (`"recompute_cuts"`), where the runner checkpoints it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_e
 from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption
 
-__all__ = ["JointCost", "JointPlan", "JointStage", "evaluate", "forward_share", "stage_seconds"]
+__all__ = ["JointCost", "JointPlan", "JointStage", "checkpoints_groups", "evaluate", "forward_share", "stage_seconds"]
 
 @dataclass(frozen=True)
 class JointStage(Stage):
@@ -51,12 +59,13 @@ class JointStage(Stage):
     recompute: Recompute = Recompute.NONE
     split_state: bool = False
     shard_parameters: bool = False
+    shard_gradients: bool = False
 
     @classmethod
     def of(cls, start: int, stop: int, first_device: int, option: StageOption) -> JointStage:
         """Layers [start, stop) on devices [first_device, first_device + option.devices)."""
         return cls(int(start), int(stop), tuple(range(first_device, first_device + option.devices)), option.model,
-                   option.kind, option.recompute, option.split_state, option.shard_parameters)
+                   option.kind, option.recompute, option.split_state, option.shard_parameters, option.shard_gradients)
 
     @property
     def first_device(self) -> int:
@@ -65,7 +74,7 @@ class JointStage(Stage):
     @property
     def option(self) -> StageOption:
         return StageOption(len(self.devices), self.replication, self.model, self.kind, self.recompute,
-                           self.split_state, self.shard_parameters)
+                           self.split_state, self.shard_parameters, self.shard_gradients)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,12 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_eac
         gathers = np.where(params > 0, 2.0 * (a.gather_alpha + a.gather_beta * params), 0.0)  # forward, backward
         scatter = np.where(grads > 0, a.scatter_alpha + a.scatter_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
         return (own + _recomputed_seconds(a, i, j)) / microbatches + gathers + scatter + (a.alpha[j] - a.alpha[i])
+    if a.shard_gradients:  # ZeRO-2: ZeRO-1's update and gather, each microbatch's gradients reduce-scattered
+        params = a.params[j] - a.params[i]
+        own = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + (a.update[j] - a.update[i]) / a.data
+        gather = np.where(params > 0, a.gather_alpha + a.gather_beta * params + a.sync_per_buffer * extra_buffers, 0.0)
+        scatter = np.where(grads > 0, a.scatter_alpha + a.scatter_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
+        return (own + gather + _recomputed_seconds(a, i, j)) / microbatches + scatter + (a.alpha[j] - a.alpha[i])
     sync = np.where(grads > 0, a.sync_alpha + a.sync_beta * grads + a.sync_per_buffer * extra_buffers, 0.0)
     per_step = (a.compute[j] - a.compute[i]) + (a.beta[j] - a.beta[i]) + (a.update[j] - a.update[i])
     if a.split_state:  # each replica updates its slice, then the updated parameters are all-gathered
@@ -128,21 +143,42 @@ def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -
     """Bytes per device of layers [i, j) with `held` microbatches in flight: parameters, gradients
     and Adam's moments (split over the data replicas when the stage splits its optimizer state;
     all of them, plus the weights a pass gathers whole, when it splits its parameters),
-    and each held microbatch's stash (a recomputing stage: its input, plus one microbatch's stash
-    while the backward recomputes it; selectively, its input and its matmuls' outputs, plus the
-    rest of one microbatch's stash while the backward recomputes it)."""
+    and each held microbatch's stash; a recomputing stage holds what `_recomputed_bytes` says
+    of checkpointing it whole or group by group, whichever is less (`checkpoints_groups`)."""
     moments = PARAM_MEMORY_FACTOR - 2.0  # Adam's two moments; the weights and gradients stay whole
     factor = PARAM_MEMORY_FACTOR - moments * (1.0 - 1.0 / a.data) if a.split_state else PARAM_MEMORY_FACTOR
+    if a.shard_gradients:  # the weights whole; gradients and moments split
+        factor = 1.0 + (PARAM_MEMORY_FACTOR - 1.0) / a.data
     if a.shard_parameters:  # everything split, and the weights a pass gathers whole
         factor = PARAM_MEMORY_FACTOR / a.data + 1.0
     params = factor * (a.params[j] - a.params[i])
+    if a.recompute is Recompute.NONE:
+        return params + held * (a.stash[j] - a.stash[i]) / microbatches
+    whole, grouped = _recomputed_bytes(a, i, j, held)
+    return params + np.minimum(whole, grouped) / microbatches
+
+
+def _recomputed_bytes(a: StageArrays, i: Any, j: Any, held: Any) -> tuple[Any, Any]:
+    """The activation bytes (per step, as `stash`) a recomputing stage of layers [i, j) holds at
+    its peak with `held` microbatches in flight: checkpointed whole (its input per microbatch,
+    selectively with its matmuls' outputs, plus one microbatch's stash but those outputs while
+    the backward runs the forward again) and checkpointed group by group (every group's input,
+    selectively with the matmuls' outputs, plus the most one group holds while it runs again)."""
     stash = a.stash[j] - a.stash[i]
-    if a.recompute is Recompute.FULL:
-        return params + (held * a.inputs[i] + stash) / microbatches
-    if a.recompute is Recompute.SELECTIVE:
-        saved = a.saved[j] - a.saved[i]
-        return params + (held * (a.inputs[i] + saved) + np.maximum(stash - saved, 0.0)) / microbatches
-    return params + held * stash / microbatches
+    saved = a.saved[j] - a.saved[i] if a.recompute is Recompute.SELECTIVE else 0.0
+    whole = held * (a.inputs[i] + saved) + (np.maximum(stash - saved, 0.0) if a.recompute is Recompute.SELECTIVE
+                                            else stash)
+    return whole, held * (a.group_inputs[i, j] + saved) + a.group_peak[i, j]
+
+
+def checkpoints_groups(a: StageArrays, i: int, j: int, held: int) -> bool:
+    """Whether a stage of layers [i, j) recomputing as `a` says, `held` microbatches in flight,
+    holds less checkpointed group by group (`JointModel.checkpoint_groups`) than checkpointed
+    whole (both run the same forward again, so only memory tells them apart)."""
+    if a.recompute is Recompute.NONE:
+        return False
+    whole, grouped = _recomputed_bytes(a, i, j, held)
+    return bool(grouped < whole)
 
 
 def _recomputed_seconds(a: StageArrays, i: Any, j: Any) -> Any:
@@ -210,8 +246,10 @@ def choose_schedule(model: JointModel, plan: JointPlan,
 
 def runs_as_spmd(plan: JointPlan) -> bool:
     """A plan of one stage, one microbatch, on the cluster's first devices is an ordinary SPMD
-    plan (`joint.explore.joint_plan` writes it as one): one program, no pipeline executor."""
-    return plan.n_stages == 1 and plan.microbatches == 1 and plan.stages[0].first_device == 0
+    plan (`joint.explore.joint_plan` writes it as one): one program, no pipeline executor; unless
+    it recomputes, which the pipeline executors run (an SPMD plan keeps every activation)."""
+    return (plan.n_stages == 1 and plan.microbatches == 1 and plan.stages[0].first_device == 0
+            and plan.stages[0].recompute is Recompute.NONE)
 
 
 def joint_overhead(cluster: Any, plan: JointPlan) -> float:
@@ -224,8 +262,9 @@ def joint_overhead(cluster: Any, plan: JointPlan) -> float:
 
 def joint_executor(plan: JointPlan) -> str:
     """The executor the runner picks for a joint plan (`hlomap.run.runner.choose_executor`):
-    stages alike (one mesh option) or not; a stage that splits its optimizer state runs on mpmd."""
-    if any(stage.split_state for stage in plan.stages):
+    stages alike (one mesh option) or not; a stage that splits its optimizer state or recomputes
+    runs on mpmd."""
+    if any(stage.split_state or stage.recompute is not Recompute.NONE for stage in plan.stages):
         return "mpmd"
     uniform = len({stage.option for stage in plan.stages}) == 1
     return default_executor(plan.schedule, uniform)

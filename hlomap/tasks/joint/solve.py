@@ -424,25 +424,26 @@ _RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
 #: How a stage keeps its state, from the fewest collectives to the most: (split_state,
-#: shard_parameters) of nothing split, the optimizer state split (ZeRO-1), everything split (FSDP).
-_STATE_ORDER = ((False, False), (True, False), (True, True))
+#: shard_gradients, shard_parameters) of nothing split, the optimizer state split (ZeRO-1), the
+#: gradients too (ZeRO-2), everything split (FSDP).
+_STATE_ORDER = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
 
 
 def _dominated(model: JointModel, option: StageOption, microbatches: int, space: JointSpace,
                offered: set[StageOption]) -> bool:
     """A twin of `option` among the `offered` ones, with fewer extras, always fits and is never
     slower (`problem_for`)."""
-    level = _STATE_ORDER.index((option.split_state, option.shard_parameters))
-    twins = {dataclasses.replace(option, recompute=r, split_state=z, shard_parameters=f)
+    level = _STATE_ORDER.index((option.split_state, option.shard_gradients, option.shard_parameters))
+    twins = {dataclasses.replace(option, recompute=r, split_state=z, shard_gradients=g, shard_parameters=f)
              for r in _RECOMPUTE_ORDER[:_RECOMPUTE_ORDER.index(option.recompute) + 1]
-             for z, f in _STATE_ORDER[:level + 1]} - {option}
+             for z, g, f in _STATE_ORDER[:level + 1]} - {option}
     twins &= offered
     return any(_twin_always_fits(model, twin, microbatches, space) and _never_slower(model, twin, option, microbatches)
                for twin in twins)
 
 
 def _never_slower(model: JointModel, twin: StageOption, option: StageOption, microbatches: int) -> bool:
-    if option.shard_parameters and not twin.shard_parameters:
+    if (option.shard_parameters and not twin.shard_parameters) or (option.shard_gradients and not twin.shard_gradients):
         return _nowhere_slower(model, twin, option, microbatches)
     if not option.split_state or twin.split_state:
         return True  # recomputing less only saves time

@@ -71,7 +71,8 @@ class RunningJoint:
         parts = []
         for st in self.plan.stages:
             extras = "".join([f" {st.recompute.value} recompute" if st.recompute is not Recompute.NONE else "",
-                              " zero" if st.split_state and not st.shard_parameters else "",
+                              " zero" if st.split_state and not (st.shard_parameters or st.shard_gradients) else "",
+                              " zero2" if st.shard_gradients else "",
                               " fsdp" if st.shard_parameters else ""])
             parts.append(f"[{st.start},{st.stop})@{_span(st.devices)} {st.replication}x{st.model}{extras}")
         return " ".join(parts) + f" M={self.plan.microbatches}"
@@ -158,7 +159,8 @@ def _holdings(plan: JointPlan) -> dict[int, dict[int, tuple[object, ...]]]:
         for p, device in enumerate(st.devices):
             data_index, model_index = divmod(p, option.model)
             split = (option.data, data_index) if option.split_state or option.shard_parameters else ()
-            form = (option.model, model_index, option.kind, option.split_state, option.shard_parameters, *split)
+            form = (option.model, model_index, option.kind, option.split_state, option.shard_parameters,
+                    option.shard_gradients, *split)
             out[int(device)] = {layer: form for layer in range(st.start, st.stop)}
     return out
 

@@ -3,6 +3,8 @@ model's own estimate, and the expert grid inside its space."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -274,32 +276,79 @@ def test_a_measured_cluster_prices_the_executors_gradient_all_reduce_in_every_mi
         float(stage_seconds(b, 0, 2, m, sync_each_microbatch=True)))
 
 
-def test_a_recomputing_stage_pays_one_more_forward_and_keeps_only_its_inputs(gpt_tiny) -> None:
-    """`Recompute.FULL` priced: the stage's forward compute once more per step, and per microbatch
-    in flight its input (the cut before it) instead of its stash, plus one microbatch's stash."""
-    from hlomap.tasks.joint.plans import stage_memory, stage_seconds
+def _recomputed_oracle(model: JointModel, keep, i: int, j: int, held: int, selective: bool) -> float:
+    """Activation bytes (per step) a recomputing stage of layers [i, j) holds at its peak, by a
+    loop over its checkpoint groups: the lesser of checkpointing it whole and group by group."""
+    groups = model.checkpoint_groups
+    stash, saved = np.diff(keep.stash), np.diff(keep.saved) if selective else np.zeros(model.n_layers)
+    rest = np.maximum(stash - saved, 0.0) if selective else stash
+    runs, first = [], i
+    for k in range(i + 1, j + 1):
+        if k == j or groups[k] != groups[k - 1]:
+            runs.append((first, k))
+            first = k
+    kept_matmuls = float(saved[i:j].sum())
+    whole = held * (keep.inputs[i] + kept_matmuls) + (max(float(stash[i:j].sum()) - kept_matmuls, 0.0)
+                                                      if selective else float(stash[i:j].sum()))
+    grouped = held * (sum(keep.inputs[a] for a, _ in runs) + kept_matmuls) + max(float(rest[a:b].sum())
+                                                                                for a, b in runs)
+    return min(whole, grouped)
 
-    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
+
+def test_checkpoint_groups_are_the_transformer_blocks(gpt_tiny) -> None:
+    """A recomputing stage checkpoints the joint layers of one transformer block together (the
+    stretch before the first block joins it; the one after the last is its own group)."""
+    from hlomap.tasks.joint.explore import joint_model
+
+    model = joint_model(gpt_tiny, hierarchical(2, 4, "V100-16GB"))
+    groups, names = model.checkpoint_groups, model.layer_names
+    assert list(groups) == sorted(groups) and len(set(groups.tolist())) == 3
+    for name, group in zip(names, groups):
+        expected = 0 if "layers_0" in name and not name.startswith("after") else (1 if "layers_1" in name and not
+                                                                                     name.startswith("after") else 2)
+        if name.startswith("before"):
+            expected = 0
+        assert group == expected, (name, group)
+    first_of_1 = names.index("layers_1")
+    assert model.checkpoint_starts(0, model.n_layers) == (first_of_1, int(np.argmax(groups == 2)))
+    assert model.checkpoint_starts(first_of_1, first_of_1 + 2) == ()
+
+
+def test_a_recomputing_stage_pays_one_more_forward_and_keeps_only_its_groups_inputs(gpt_tiny) -> None:
+    """`Recompute.FULL` priced: the stage's forward compute once more per step; per microbatch in
+    flight its input (checkpointed whole) or each checkpoint group's input (group by group)
+    instead of its stash, plus what one microbatch's recomputation holds (the stage's stash, or
+    one group's), whichever is less, against a loop over the groups; both cases occur."""
+    from hlomap.tasks.joint.explore import joint_model
+    from hlomap.tasks.joint.plans import checkpoints_groups, stage_memory, stage_seconds
+
+    model = joint_model(gpt_tiny, hierarchical(2, 4, "V100-16GB"))
     keep = model.arrays(StageOption(2, 2, 1))
     again = model.arrays(StageOption(2, 2, 1, recompute=Recompute.FULL))
-    i, j, m, held = 1, 4, 4, 3
-    forward = keep.forward[j] - keep.forward[i]
+    m, n = 4, model.n_layers
+    forward = keep.forward[n] - keep.forward[1]
     assert forward > 0
-    assert stage_seconds(again, i, j, m) == pytest.approx(stage_seconds(keep, i, j, m) + forward / m, rel=1e-12)
-    params = 4.0 * (keep.params[j] - keep.params[i])
-    stash = keep.stash[j] - keep.stash[i]
-    assert keep.inputs[i] == keep.crossing[i - 1] > 0 and keep.inputs[0] == 0.0
-    assert stage_memory(keep, i, j, held, m) == pytest.approx(params + held * stash / m, rel=1e-12)
-    assert stage_memory(again, i, j, held, m) == pytest.approx(params + (held * keep.inputs[i] + stash) / m,
-                                                               rel=1e-12)
-    assert stage_memory(again, i, j, held, m) < stage_memory(keep, i, j, held, m)
+    assert stage_seconds(again, 1, n, m) == pytest.approx(stage_seconds(keep, 1, n, m) + forward / m, rel=1e-12)
+    assert keep.inputs[1] == keep.crossing[0] > 0 and keep.inputs[0] == 0.0
+    chosen = set()
+    for i, j in [(0, n), (1, n), (0, 19), (3, n - 3), (5, 6), (14, 24)]:
+        params = 4.0 * (keep.params[j] - keep.params[i])
+        for held in (1, 3, 8):
+            assert stage_memory(keep, i, j, held, m) == pytest.approx(
+                params + held * (keep.stash[j] - keep.stash[i]) / m, rel=1e-12)
+            oracle = _recomputed_oracle(model, keep, i, j, held, selective=False)
+            assert stage_memory(again, i, j, held, m) == pytest.approx(params + oracle / m, rel=1e-12)
+            chosen.add(checkpoints_groups(again, i, j, held))
+    assert chosen == {True, False}
+    assert stage_memory(again, 0, n, 8, m) < stage_memory(keep, 0, n, 8, m)
 
 
 def test_a_selectively_recomputing_stage_redoes_all_but_its_matmuls_and_keeps_their_outputs(gpt_tiny) -> None:
     """`Recompute.SELECTIVE` priced (JAX's `dots_saveable`): the forward's non-matmul compute once
-    more per step, and per microbatch in flight its input and its forward's matmul outputs, plus
-    the rest of one microbatch's stash while it recomputes. Its time sits between keeping everything and full
-    recomputation; the saved bytes are those of the forward's dots on the stage's layers."""
+    more per step, and per microbatch in flight its input (or its groups' inputs) and its
+    forward's matmul outputs, plus the rest of one microbatch's stash (or one group's) while it
+    recomputes. Its time sits between keeping everything and full recomputation; the saved
+    bytes are those of the forward's dots on the stage's layers."""
     from hlomap.tasks.joint.plans import stage_memory, stage_seconds
 
     model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
@@ -310,10 +359,14 @@ def test_a_selectively_recomputing_stage_redoes_all_but_its_matmuls_and_keeps_th
     redo, forward = selective.redo[j] - selective.redo[i], keep.forward[j] - keep.forward[i]
     assert 0 < redo < forward
     assert stage_seconds(selective, i, j, m) == pytest.approx(stage_seconds(keep, i, j, m) + redo / m, rel=1e-12)
-    saved, stash = selective.saved[j] - selective.saved[i], keep.stash[j] - keep.stash[i]
+    saved = selective.saved[j] - selective.saved[i]
     params = 4.0 * (keep.params[j] - keep.params[i])
-    assert stage_memory(selective, i, j, held, m) == pytest.approx(
-        params + (held * (keep.inputs[i] + saved) + max(stash - saved, 0.0)) / m, rel=1e-12)
+    for a, b, h in [(i, j, held), (0, 5, 1), (0, 5, 8), (2, 3, 2)]:
+        oracle = _recomputed_oracle(model, keep, a, b, h, selective=True)
+        assert stage_memory(selective, a, b, h, m) == pytest.approx(
+            4.0 * (keep.params[b] - keep.params[a]) + oracle / m, rel=1e-12)
+    assert stage_memory(selective, i, j, held, m) <= params + (held * (keep.inputs[i] + saved) + max(
+        keep.stash[j] - keep.stash[i] - saved, 0.0)) / m * (1 + 1e-12)
     times = [float(stage_seconds(a, i, j, m)) for a in (keep, selective, full)]
     assert times[0] < times[1] < times[2]
     assert stage_memory(full, i, j, held, m) < stage_memory(selective, i, j, held, m)
@@ -483,15 +536,51 @@ def test_a_stage_with_split_parameters_gathers_each_microbatch_and_keeps_a_data_
     offered = stage_options(model.cluster, split_state=(False, True), shard_parameters=(False, True))
     assert any(o.shard_parameters for o in offered)
     assert all(o.split_state and o.data > 1 for o in offered if o.shard_parameters)
-    with pytest.raises(ValueError, match="shard_parameters needs split_state"):
+    with pytest.raises(ValueError, match="need split_state"):
         StageOption(4, 4, 1, shard_parameters=True)
+
+
+def test_a_stage_with_split_gradients_reduce_scatters_each_microbatch_and_keeps_its_weights_whole(gpt_tiny) -> None:
+    """`StageOption.shard_gradients` (ZeRO-2) priced: the weights whole, gradients and moments at
+    1 / data (4 x params -> (1 + 3 / data) x params), 1 / data of the update and ZeRO-1's all-gather
+    of the updated parameters once per step, and every microbatch a reduce-scatter of the
+    gradients over the data groups instead of the all-reduce. Offered wherever split parameters
+    are; it never goes with them."""
+    from hlomap.cost.collectives import Collective, collective_time
+    from hlomap.cost.mapping import axis_devices
+    from hlomap.tasks.joint.plans import stage_memory, stage_seconds
+
+    model = _model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), layers=5)
+    whole = model.arrays(StageOption(4, 4, 1))
+    zero2 = model.arrays(StageOption(4, 4, 1, split_state=True, shard_gradients=True))
+    i, j, m, held = 1, 4, 4, 2
+    params, grads = whole.params[j] - whole.params[i], whole.grads[j] - whole.grads[i]
+    groups = axis_devices(model.cluster, {"data": 4, "model": 1}, order=("data", "model")).groups("data")
+    gather = collective_time(Collective.ALL_GATHER, model.cluster, groups, float(params))
+    scatter = collective_time(Collective.REDUCE_SCATTER, model.cluster, groups, float(grads))
+    own = (whole.compute[j] - whole.compute[i]) + (whole.beta[j] - whole.beta[i])
+    update = whole.update[j] - whole.update[i]
+    assert float(stage_seconds(zero2, i, j, m)) == pytest.approx((own + update / 4 + gather) / m + scatter
+                                                                 + whole.alpha[j] - whole.alpha[i], rel=1e-9)
+    assert float(stage_memory(zero2, i, j, held, m)) == pytest.approx(
+        float(stage_memory(whole, i, j, held, m)) - 4.0 * params + (1.0 + 3.0 / 4) * params, rel=1e-12)
+    offered = stage_options(model.cluster, split_state=(False, True), shard_parameters=(False, True))
+    zero2_offered = {dataclasses.replace(o, shard_gradients=False, shard_parameters=True) for o in offered
+                     if o.shard_gradients}
+    assert zero2_offered == {o for o in offered if o.shard_parameters}
+    assert not any(o.shard_gradients for o in stage_options(model.cluster, split_state=(False, True)))
+    with pytest.raises(ValueError, match="need split_state"):
+        StageOption(4, 4, 1, shard_gradients=True)
+    with pytest.raises(ValueError, match="splits the gradients already"):
+        StageOption(4, 4, 1, split_state=True, shard_parameters=True, shard_gradients=True)
 
 
 def test_the_dp_splits_the_parameters_where_only_that_fits_and_finds_the_enumerated_optimum(cap_of) -> None:  # type: ignore[no-untyped-def]
     """haiku-mlp (its parameters outweigh its activations) in data-parallel stages only (model = 1),
     on devices with 90% of the memory the leanest plan with the optimizer state split needs: only
-    stages whose parameters are split (FSDP) fit, the DP takes them, and its optimum (exact pruning
-    included) is the enumerated one."""
+    stages whose gradients are split too fit (ZeRO-2, or FSDP, which the model prices at the same
+    memory with more collectives), the DP takes them, and its optimum (exact pruning included) is
+    the enumerated one; without ZeRO-2 among the options it takes FSDP."""
     import dataclasses
 
     from hlomap.cost.devices import device_preset
@@ -509,8 +598,14 @@ def test_the_dp_splits_the_parameters_where_only_that_fits_and_finds_the_enumera
     space = JointSpace(stage_options(model.cluster, max_model=1, split_state=(False, True),
                                      shard_parameters=(False, True)), (2, 4))
     plan, cost = solve(model, space)
-    assert cost.fits and any(stage.shard_parameters for stage in plan.stages)
+    assert cost.fits and any(stage.shard_gradients for stage in plan.stages)
+    assert not any(stage.shard_parameters for stage in plan.stages)
     assert cost.latency == pytest.approx(joint_brute_force(model, space)[1].latency, rel=1e-9)
+    fsdp_only = JointSpace(tuple(o for o in space.options if not o.shard_gradients), (2, 4))
+    plan, fsdp_cost = solve(model, fsdp_only)
+    assert fsdp_cost.fits and any(stage.shard_parameters for stage in plan.stages)
+    assert fsdp_cost.latency >= cost.latency
+    assert fsdp_cost.latency == pytest.approx(joint_brute_force(model, fsdp_only)[1].latency, rel=1e-9)
 
 
 @pytest.mark.parametrize("capacity", [pytest.param(None, marks=pytest.mark.slow), 0.85])
@@ -628,9 +723,9 @@ def test_the_dp_on_servers_of_unequal_memory_finds_the_enumerated_optimum(gpt_ti
 
 def test_the_planner_splits_parameters_only_when_no_plan_fits_without(cap_of, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`explore_joint`'s default (`shard_parameters=None`, auto): haiku-mlp in data-parallel stages
-    only on devices of 3.2 MiB, where no plan fits unless some stage splits its parameters: auto
-    finds the plan that forcing the FSDP options in finds, and on roomy devices it returns the
-    plan searched without them."""
+    only on devices of 3.2 MiB, where no plan fits unless some stage splits its gradients (ZeRO-2)
+    or parameters (FSDP): auto finds the plan that forcing those options in finds, and on roomy
+    devices it returns the plan searched without them."""
     import dataclasses
     import functools
 
@@ -645,11 +740,11 @@ def test_the_planner_splits_parameters_only_when_no_plan_fits_without(cap_of, mo
         explore_module.explore_joint(mlp, tight, shard_parameters=False, with_grid=False)
     forced = explore_module.explore_joint(mlp, tight, shard_parameters=True, with_grid=False)
     auto = explore_module.explore_joint(mlp, tight, with_grid=False)
-    assert auto.cost.fits and any(stage.shard_parameters for stage in auto.plan.stages)
+    assert auto.cost.fits and any(stage.shard_parameters or stage.shard_gradients for stage in auto.plan.stages)
     assert auto.cost.latency == pytest.approx(forced.cost.latency, rel=1e-12)
     roomy = hierarchical(2, 4, "V100-16GB")
     plain = explore_module.explore_joint(mlp, roomy, with_grid=False)
-    assert not any(stage.shard_parameters for stage in plain.plan.stages)
+    assert not any(stage.shard_parameters or stage.shard_gradients for stage in plain.plan.stages)
     assert plain.cost.latency == pytest.approx(
         explore_module.explore_joint(mlp, roomy, shard_parameters=False, with_grid=False).cost.latency, rel=1e-12)
 
