@@ -39,9 +39,9 @@ class Recompute(str, enum.Enum):
     (the elementwise work, cheap next to the matmuls). FULL: only the stage's inputs; the backward
     pass runs the stage's forward again first (`jax.checkpoint` with nothing saveable): one more
     forward per microbatch, and of the stage's activations only one microbatch's at a time.
-    A stage that lists `recompute_cuts` is checkpointed layer by layer instead of as a whole: it
-    keeps every layer's input (and matmul outputs), and the backward runs one layer's forward
-    again at a time.
+    A stage that lists `recompute_cuts` is checkpointed piece by piece between them instead of as
+    a whole (the joint planner cuts between transformer blocks): it keeps every piece's input (and
+    matmul outputs), and the backward runs one piece's forward again at a time.
     """
 
     NONE = "none"
@@ -391,7 +391,7 @@ class PipelineStage:
     state_axes: tuple[str, ...] = ()
     #: The stage's trainable parameters stay split over `state_axes` too (FSDP; its `specs` say so)
     shard_parameters: bool = False
-    #: Where a recomputing stage is checkpointed layer by layer: the cuts between its layers (in
+    #: Where a recomputing stage is checkpointed piece by piece: the cuts between its pieces (in
     #: forward order, inside the stage); empty: it is checkpointed as a whole
     recompute_cuts: tuple[PipelineCut, ...] = ()
     #: The stage's gradients are split over `state_axes` (ZeRO-2; its parameters stay as `specs`

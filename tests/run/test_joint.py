@@ -238,8 +238,9 @@ def _stage_memory(step: Any, s: int) -> tuple[int, int]:
     return step._runner.stats.peak_residual_bytes[s], next(iter(backward.values())).memory_analysis().temp_size_in_bytes
 
 
-# selective differs from full by the checkpoint policy only: in the slow run with the spmd executor
-@pytest.mark.parametrize("executor, recompute", [("mpmd", Recompute.FULL),
+# selective differs from full by the checkpoint policy only: in the slow run with the spmd executor;
+# the fast run checkpoints full recomputation block by block in the test after this one
+@pytest.mark.parametrize("executor, recompute", [pytest.param("mpmd", Recompute.FULL, marks=pytest.mark.slow),
                                                  pytest.param("mpmd", Recompute.SELECTIVE, marks=pytest.mark.slow),
                                                  pytest.param("spmd", Recompute.FULL, marks=pytest.mark.slow)])
 def test_recomputing_stages_run_with_unsharded_numerics(zoo_case, executor: str, recompute: Recompute) -> None:
@@ -287,13 +288,14 @@ def test_checkpointing_block_by_block_keeps_the_blocks_inputs_and_recomputes_one
     checkpointed block by block (the planner's recompute cuts) and whole. Block by block, the
     forward keeps more (each block's input, not just the stage's) and the compiled backward needs
     less temporary memory (it runs one block's forward again at a time), the trade the planner
-    priced when it wrote the cuts. Both give the unsharded step's loss and gradients."""
+    priced when it wrote the cuts. The grouped one gives the unsharded step's loss and gradients."""
     case = zoo_case("gpt-tiny")
     grouped = _two_stages(case.cap, Recompute.FULL)
-    steps = {}
-    for name, plan in (("grouped", grouped), ("whole", _whole(grouped))):
-        steps[name], _ = _run_and_check(case, plan, "mpmd")
-        steps[name](*steps[name].place(case.args[0], case.args[1]), *case.args[2:])
+    steps = {"grouped": _run_and_check(case, grouped, "mpmd")[0],  # checkpointed whole: checked in the slow run
+             "whole": hlomap.parallelize(case.model.train_step(), _whole(grouped), executor="mpmd",
+                                         example_args=case.args, compiler_options=FAST_COMPILE)}
+    for step in steps.values():
+        step(*step.place(case.args[0], case.args[1]), *case.args[2:])
     (kept_g, temp_g), (kept_w, temp_w) = _stage_memory(steps["grouped"], 0), _stage_memory(steps["whole"], 0)
     assert kept_g > kept_w and temp_g < temp_w, (kept_g, temp_g, kept_w, temp_w)
 
@@ -319,3 +321,18 @@ def test_one_recomputing_stage_is_the_spmd_plan_checkpointed_block_by_block(zoo_
     assert stage.memory_bytes < plans[Recompute.NONE].estimate["memory"]["total"]
     step, _ = _run_and_check(case, recomputing)
     assert step.executor is Executor.MPMD
+
+
+def test_a_recompute_cut_the_step_does_not_have_is_refused_naming_the_recompute_cuts(zoo_case) -> None:
+    """A recompute cut after an instruction the step does not have, or out of forward order, is
+    a RunError that names the recompute cuts (not a traceback from deep in the split)."""
+    case = zoo_case("gpt-tiny")
+    data = _two_stages(case.cap, Recompute.FULL).to_json()
+    cuts = data["pipeline"]["stages"][0]["recompute_cuts"]
+    for change in (lambda c: c[0].update(instruction="no_such.7"),
+                   lambda c: c.append(data["pipeline"]["cuts"][0])):
+        changed = json.loads(json.dumps(data))
+        change(changed["pipeline"]["stages"][0]["recompute_cuts"])
+        with pytest.raises(RunError, match="recompute_cuts"):
+            hlomap.parallelize(case.model.train_step(), Plan.from_json(changed), example_args=case.args)
+    assert cuts  # the plan had one to change

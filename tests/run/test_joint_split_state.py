@@ -150,7 +150,8 @@ def _gradient_bytes(step: Any, specs: Any, mesh_shape: dict[str, int]) -> int:
 
 def test_split_gradient_stages_keep_their_gradients_split_as_xla_compiles_them(zoo_case) -> None:  # type: ignore[no-untyped-def]
     """A joint plan whose stages split their gradients over `data` (ZeRO-2, `"shard_gradients"`
-    with each gradient's spec) runs with the unsharded step's loss and gradients, prices again
+    with each gradient's spec) runs with the unsharded step's loss and gradients (on the mpmd
+    executor, as every plan that splits its state; ZeRO-1's numerics: the slow test above), prices again
     from its file to the planner's figure, and below the same stages splitting only their
     optimizer state (ZeRO-1) in memory. XLA as the oracle of the layout: the compiled backward
     program of the first stage returns exactly the bytes of its gradients under their split
@@ -162,7 +163,7 @@ def test_split_gradient_stages_keep_their_gradients_split_as_xla_compiles_them(z
                          ("zero2", StageOption(4, 2, 2, split_state=True, shard_gradients=True))):
         found, costs[name] = solve(model, JointSpace((option,), (2,), Schedule.GPIPE, max_stages=2))
         plans[name] = Plan.from_json(joint_plan(JointResult(model, found, costs[name], (), 0.0, "exact", 1)).to_json())
-        steps[name] = _stepped_on_mpmd_step(case, plans[name])
+        steps[name] = _stepped_on_mpmd_step(case, plans[name], check=name == "zero2")  # ZeRO-1's: in the slow run
     stages = plans["zero2"].pipeline.stages
     assert all(st.shard_gradients and st.gradient_specs is not None for st in stages)
     assert not any(st.shard_gradients for st in plans["zero1"].pipeline.stages)
@@ -183,11 +184,13 @@ def test_split_gradient_stages_keep_their_gradients_split_as_xla_compiles_them(z
     assert returned["zero2"] < returned["zero1"] / 2
 
 
-def _stepped_on_mpmd_step(case: Any, plan: Plan) -> Any:
-    """`_stepped_on_mpmd`'s checks; returns the step after one call."""
+def _stepped_on_mpmd_step(case: Any, plan: Plan, check: bool) -> Any:
+    """The step of `plan` after one call, its loss and gradients checked against the unsharded
+    step's with `check`."""
     step = hlomap.parallelize(case.model.train_step(), plan, example_args=case.args, compiler_options=FAST_COMPILE)
-    check = check_pipeline(step, case.args)
-    assert check.exact, "\n".join(c.words() for c in check.comparisons)
+    if check:
+        compared = check_pipeline(step, case.args)
+        assert compared.exact, "\n".join(c.words() for c in compared.comparisons)
     params, opt_state = step.place(case.args[0], case.args[1])
     step(params, opt_state, *case.args[2:])
     return step

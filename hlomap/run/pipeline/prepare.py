@@ -121,7 +121,11 @@ def _checkpointed_by_layer(cap: Capture, traced: TracedStep, micro: TracedStep, 
         owner += [s] * (len(inner) + 1)
         if s + 1 < section.n_stages:
             cuts.append(section.cuts[s])
-    fine = assign_stages(cap, traced, cuts)
+    try:
+        fine = assign_stages(cap, traced, cuts)
+    except RunError as err:  # its cut numbers count the recompute cuts and stage cuts together
+        raise RunError(f"the stages' recompute_cuts, taken in forward order with the stage cuts between them: "
+                       f"{err}") from None
     if [owner[k] for k in fine.stage_of_eqn] != list(assignment.stage_of_eqn):
         raise RunError("the plan's recompute cuts move loss equations across its stage cuts; are they the cuts "
                        "between each stage's layers, in forward order?")

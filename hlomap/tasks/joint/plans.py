@@ -142,7 +142,8 @@ def stage_seconds(a: StageArrays, i: Any, j: Any, microbatches: int, *, sync_eac
 def stage_memory(a: StageArrays, i: Any, j: Any, held: int, microbatches: int) -> Any:
     """Bytes per device of layers [i, j) with `held` microbatches in flight: parameters, gradients
     and Adam's moments (split over the data replicas when the stage splits its optimizer state;
-    all of them, plus the weights a pass gathers whole, when it splits its parameters),
+    the gradients too when it splits them; all of them, plus the weights a pass gathers whole,
+    when it splits its parameters),
     and each held microbatch's stash; a recomputing stage holds what `_recomputed_bytes` says
     of checkpointing it whole or group by group, whichever is less (`checkpoints_groups`)."""
     moments = PARAM_MEMORY_FACTOR - 2.0  # Adam's two moments; the weights and gradients stay whole
