@@ -303,11 +303,8 @@ def test_checkpoint_groups_are_the_transformer_blocks(gpt_tiny) -> None:
     model = joint_model(gpt_tiny, hierarchical(2, 4, "V100-16GB"))
     groups, names = model.checkpoint_groups, model.layer_names
     assert list(groups) == sorted(groups) and len(set(groups.tolist())) == 3
-    for name, group in zip(names, groups):
-        expected = 0 if "layers_0" in name and not name.startswith("after") else (1 if "layers_1" in name and not
-                                                                                     name.startswith("after") else 2)
-        if name.startswith("before"):
-            expected = 0
+    for name, group in zip(names, groups):  # a layer's name is its last instruction's scope
+        expected = 0 if name.startswith(("before", "layers_0")) else 1 if name.startswith("layers_1") else 2
         assert group == expected, (name, group)
     first_of_1 = names.index("layers_1")
     assert model.checkpoint_starts(0, model.n_layers) == (first_of_1, int(np.argmax(groups == 2)))
