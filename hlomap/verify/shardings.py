@@ -30,6 +30,7 @@ import numpy as np
 from hlomap.hlo.ir import Module
 from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
+from hlomap.propagation.plans import dims_spec
 from hlomap.verify.compile import compile_plan
 from hlomap.verify.numerics import OutputComparison, compare_outputs
 
@@ -263,7 +264,7 @@ def compare_module(xla_module: Module, parameter_specs: Sequence[Sequence[tuple[
             if rank == 0:
                 continue
             dims = graph.tensor_dims(t)
-            spec = tuple(None if plan[g] < 0 else axes.options[plan[g]] for g in graph.sharding_group_of_dim[dims])
+            spec = dims_spec(plan[graph.sharding_group_of_dim[dims]], axes)
             key = spec
             ours = cache.get(key)
             if ours is None:
@@ -309,7 +310,7 @@ def compare_captured_outputs(report: OracleReport, xla_module: Module, graph: Fa
         if rank == 0:
             continue
         dims = graph.tensor_dims(t)
-        spec = tuple(None if o < 0 else axes.options[int(o)] for o in options[dims])
+        spec = dims_spec(options[dims], axes)
         text = "{replicated}" if texts is None else texts[min(k, len(texts) - 1)]
         ours = spec_coordinates(spec, mesh_names, mesh_devices)
         xla = tile_coordinates(text, rank, mesh_devices.size)
@@ -382,7 +383,7 @@ def compare_call_outputs(report: OracleReport, xla_module: Module, graph: Factor
                 unmatched += 1  # none, or several that XLA sharded differently
                 continue
             dims = graph.tensor_dims(t)
-            spec = tuple(None if o < 0 else axes.options[int(o)] for o in options[dims])
+            spec = dims_spec(options[dims], axes)
             text = found[0].sharding
             ours = spec_coordinates(spec, mesh_names, mesh_devices)
             xla = tiles[0]

@@ -305,7 +305,7 @@ class JointModel:
         recomputes a transformer layer at a time): those starting in one repeated block
         (`block_ends`; the stretch before the first block joins it, the one after the last is a
         group of its own); each layer on its own in a step without repeated blocks."""
-        key = ("checkpoint groups",)
+        key = ("checkpoint groups", self.pivots)  # `_cache` outlives a `dataclasses.replace` of the pivots
         if key not in self._cache:
             ends = np.asarray(block_ends(self), dtype=np.int64)
             starts = self.boundaries[:-1]

@@ -21,8 +21,8 @@ from hlomap.hlo.source_info import nearest_scopes
 from hlomap.plan import Pipeline, Recompute
 from hlomap.plan.sections import spec_to_json
 from hlomap.propagation.graph import FactorGraph
-from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, stage_options
-from hlomap.tasks.joint.grid import GridPoint, block_ends, expert_grid, uniform_split_ends
+from hlomap.tasks.joint.costs import JointModel, PlanKind, StageOption, block_ends, stage_options
+from hlomap.tasks.joint.grid import GridPoint, expert_grid, uniform_split_ends
 from hlomap.search.budget import Budget
 from hlomap.search.drivers import run_driver
 from hlomap.search.tracker import Driver, Progress, SearchResult

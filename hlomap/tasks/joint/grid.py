@@ -23,7 +23,7 @@ from hlomap.tasks.joint.solve import TIE_TOLERANCE, aligned, microbatch_choices
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GridPoint", "block_ends", "expert_grid"]
+__all__ = ["GridPoint", "expert_grid"]
 
 @dataclass(frozen=True)
 class GridPoint:

@@ -79,7 +79,7 @@ def test_a_computation_every_layer_calls_is_charged_to_each_layer() -> None:
 
     from hlomap import zoo
     from hlomap.hlo.capture import capture
-    from hlomap.tasks.joint.grid import block_ends
+    from hlomap.tasks.joint.costs import block_ends
 
     tiny = zoo.get("gpt-tiny")
     four = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, num_layers=4))
