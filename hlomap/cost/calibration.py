@@ -632,12 +632,16 @@ def solo_speedup(kernels: Iterable[Measurement]) -> float:
 @dataclass(frozen=True)
 class ExecutorSample:
     """One timed pipeline step of a near-empty model (`hlomap.run.calibrate`): `executor` ("spmd"
-    or "mpmd") over `stages` stages and `microbatches` microbatches took `seconds`."""
+    or "mpmd") over `stages` stages and `microbatches` microbatches took `seconds`; the model's
+    passes move `buffers` per microbatch (`hlomap.cost.estimate.pass_buffers`) on stages of
+    `stage_devices` devices."""
 
     executor: str
     stages: int
     microbatches: int
     seconds: float
+    buffers: float = 0.0
+    stage_devices: float = 1.0  # devices per stage, on average
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -647,27 +651,72 @@ class ExecutorSample:
                                    f"{self.microbatches!r} must be >= 1")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
             raise CalibrationError(f"{self.executor} executor sample: seconds = {self.seconds!r} must be positive")
+        if not (math.isfinite(self.buffers) and self.buffers >= 0):
+            raise CalibrationError(f"{self.executor} executor sample: buffers = {self.buffers!r} must be >= 0")
+        if not (math.isfinite(self.stage_devices) and self.stage_devices >= 1):
+            raise CalibrationError(f"{self.executor} executor sample: stage_devices = {self.stage_devices!r} must be "
+                                   ">= 1")
 
     @property
     def units(self) -> int:
         return executor_units(self.executor, self.stages, self.microbatches)
 
+    @property
+    def moved(self) -> float:
+        """Buffers the step's passes moved, one per device of a stage: `buffers` per microbatch
+        on each of `stage_devices` devices."""
+        return self.microbatches * self.buffers * self.stage_devices
+
     def to_json(self) -> dict[str, Any]:
         return {"executor": self.executor, "stages": self.stages, "microbatches": self.microbatches,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "buffers": self.buffers, "stage_devices": self.stage_devices}
 
 
-def fit_executors(samples: Iterable[ExecutorSample]) -> dict[str, Fit]:
-    """`fixed + per_unit x units` per executor (`hlomap.cost.measured.executor_units`), by the
-    relative-error alpha-beta fit; an executor with one sample gets no per-unit term."""
+@dataclass(frozen=True)
+class ExecutorFit:
+    """An executor's cost per step: `fixed + per_unit x units + per_buffer x buffers moved`."""
+
+    step: Fit  # latency = fixed, bandwidth = 1 / per_unit
+    per_buffer: float
+
+
+def fit_executor_terms(samples: Iterable[ExecutorSample]) -> dict[str, ExecutorFit]:
+    """`fixed + per_unit x units + per_buffer x moved` per executor
+    (`hlomap.cost.measured.executor_units`, `ExecutorSample.moved`). An executor timed on models
+    of one buffer count only gets no per-buffer term: the relative-error alpha-beta fit of
+    `fixed + per_unit x units` (one sample: no per-unit term either). With two or more counts,
+    least squares on all three terms weighted by 1 / seconds; a term that comes out negative is
+    dropped and the rest fitted again (the model's terms are non-negative)."""
     by_executor: dict[str, list[ExecutorSample]] = {}
     for s in samples:
         by_executor.setdefault(s.executor, []).append(s)
     fits = {}
     for name, ss in sorted(by_executor.items()):
-        fit = fit_alpha_beta([float(s.units) for s in ss], [s.seconds for s in ss])
-        fits[name] = Fit(fit.alpha, math.inf if fit.beta <= 0 else 1.0 / fit.beta)
+        if len({s.buffers for s in ss}) < 2:
+            fit = fit_alpha_beta([float(s.units) for s in ss], [s.seconds for s in ss])
+            fits[name] = ExecutorFit(Fit(fit.alpha, math.inf if fit.beta <= 0 else 1.0 / fit.beta), 0.0)
+            continue
+        fits[name] = _three_term_fit(ss)
     return fits
+
+
+def _three_term_fit(samples: Sequence[ExecutorSample]) -> ExecutorFit:
+    t = np.asarray([s.seconds for s in samples])
+    columns = np.stack([np.ones_like(t), [float(s.units) for s in samples], [s.moved for s in samples]], axis=1)
+    kept = [0, 1, 2]
+    while True:
+        design = columns[:, kept] / t[:, None]
+        coefficients, *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+        if np.all(coefficients >= 0) or len(kept) == 1:
+            break
+        kept.pop(int(np.argmin(coefficients)))
+    terms = dict.fromkeys(range(3), 0.0) | {k: max(0.0, float(c)) for k, c in zip(kept, coefficients)}
+    return ExecutorFit(Fit(terms[0], math.inf if terms[1] <= 0 else 1.0 / terms[1]), terms[2])
+
+
+def fit_executors(samples: Iterable[ExecutorSample]) -> dict[str, Fit]:
+    """`fixed + per_unit x units` per executor (`fit_executor_terms`, without the per-buffer term)."""
+    return {name: fit.step for name, fit in fit_executor_terms(samples).items()}
 
 
 #: The key of a calibrated cluster file that holds the fits and the raw samples; `load_cluster`
@@ -680,7 +729,9 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: (version 2 timed a chain of tiny matmuls; its files still load, and their launch fit is theirs).
 #: 4: each sample is the lower quartile of its timed calls, not the median (less moved by load).
 #: 5: narrow dots and convolutions timed (`fit_narrow_curves`).
-CLUSTER_VERSION = 5
+#: 6: the combined all-reduce timed over every group size, not only all devices; the mpmd
+#: executor also on a model of many buffers; host devices' solo speedup at most devices / cores.
+CLUSTER_VERSION = 6
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).
@@ -732,6 +783,21 @@ class ClusterCalibration:
                 "prices every plan slower than the devices are; calibrate again on an idle machine")
 
     @property
+    def solo_speedup(self) -> float:
+        """How much faster one device computes alone than with all busy, as the cluster prices it:
+        the largest matmul's ratio (`solo_speedup`), on host CPU devices at most devices / cores.
+        A host device runs a step's kernels on about one thread, so n devices on c cores each get
+        c / n of a core when all work and one core alone; only a large matmul spreads over every
+        core. On 8 devices of a 2-core machine two calibrations timed the matmul 4.7x and 10.2x
+        faster alone, while whole train steps on one device (bert-tiny, resnet50-tiny at batches of 2
+        and 8) measured what a speedup of 3.9-4.4 prices: the matmul's figure priced a one-device
+        stage up to twice too fast."""
+        measured = solo_speedup(self.kernels)
+        if self.backend != "cpu" or self.cores < 1:
+            return measured
+        return max(1.0, min(measured, self.n_devices / self.cores))
+
+    @property
     def memory_fit(self) -> AlphaBeta:
         return fit_memory_bandwidth(self.kernels)
 
@@ -757,20 +823,25 @@ class ClusterCalibration:
                 out["dispatch s"] = fit.latency
                 continue
             if fit.kind in (LAUNCH, COMBINED):
-                label = "kernel launch s" if fit.kind == LAUNCH else "combined all-reduce per buffer s"
+                # the launch step runs on every device; the combined all-reduce over each group size
+                label = ("kernel launch s" if fit.kind == LAUNCH
+                         else f"combined all-reduce x{fit.group} per buffer s")
                 out[label] = 1.0 / fit.bandwidth if math.isfinite(fit.bandwidth) else 0.0
                 continue
             out[f"{fit.kind} x{fit.group} latency s"] = fit.latency
             out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
-        out["solo speedup"] = solo_speedup(self.kernels)
+        out["solo speedup"] = self.solo_speedup
+        out["solo speedup of the largest matmul"] = solo_speedup(self.kernels)
         if any(m.width for m in self.kernels):
             device = roofline_device(self, out["memory bandwidth B/s"])
             for kind, curve in _narrow_curves(self, device).items():
                 for width, share in curve.points:
                     out[f"{kind} of width {width:g} share of rate"] = share
-        for name, executor in self.executor_fits.items():
-            out[f"{name} executor fixed s"] = executor.latency
-            out[f"{name} executor per unit s"] = executor.seconds_per_byte
+        for name, executor in fit_executor_terms(self.executors).items():
+            out[f"{name} executor fixed s"] = executor.step.latency
+            out[f"{name} executor per unit s"] = executor.step.seconds_per_byte
+            if executor.per_buffer:
+                out[f"{name} executor per buffer s"] = executor.per_buffer
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -806,7 +877,9 @@ class ClusterCalibration:
             comm = tuple(CommSample(s["kind"], int(s["group"]), float(s["bytes"]), float(s["seconds"]))
                          for s in samples.get("comm", ()))
             executors = tuple(ExecutorSample(s["executor"], int(s["stages"]), int(s["microbatches"]),
-                                             float(s["seconds"])) for s in samples.get("executors", ()))
+                                             float(s["seconds"]), float(s.get("buffers", 0.0)),
+                                             float(s.get("stage_devices", 1.0)))
+                              for s in samples.get("executors", ()))
             return cls(str(data["backend"]), str(data["device_kind"]), int(data["n_devices"]),
                        float(data["memory_bytes"]), kernels, comm, jax_version=str(data.get("jax_version", "")),
                        hlomap_version=str(data.get("hlomap_version", "")),
@@ -874,16 +947,24 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     label = name or f"calibrated-{calibration.backend}-{n}"
     fits = calibration.comm_fits
     measured = replace(measured_costs(fits, DISPATCH, TRANSFER, calibration.executor_fits),
-                       solo_speedup=solo_speedup(calibration.kernels), n_devices=n,
-                       kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED))
+                       solo_speedup=calibration.solo_speedup, n_devices=n,
+                       kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED),
+                       combined_operands=_per_count_by_group(fits, COMBINED),
+                       executor_buffers={name: fit.per_buffer for name, fit in
+                                         fit_executor_terms(calibration.executors).items() if fit.per_buffer})
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 
 def _per_count(fits: Sequence[CommFit], kind: str) -> float:
     """Seconds per counted item of a LAUNCH or COMBINED fit (whose "bytes" count kernels or
-    buffers); 0 when it was not measured."""
-    fit = next((f for f in fits if f.kind == kind and math.isfinite(f.bandwidth)), None)
-    return 0.0 if fit is None else 1.0 / fit.bandwidth
+    buffers), over the largest group measured; 0 when it was not measured."""
+    ours = [f for f in fits if f.kind == kind and math.isfinite(f.bandwidth)]
+    return 0.0 if not ours else 1.0 / max(ours, key=lambda f: f.group).bandwidth
+
+
+def _per_count_by_group(fits: Sequence[CommFit], kind: str) -> dict[int, float]:
+    """`_per_count` of every group size measured (of two devices or more)."""
+    return {f.group: 1.0 / f.bandwidth for f in fits if f.kind == kind and f.group >= 2 and math.isfinite(f.bandwidth)}
 
 
 def calibrated_cluster_json(calibration: ClusterCalibration, *, name: str | None = None) -> dict[str, Any]:

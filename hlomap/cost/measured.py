@@ -22,7 +22,12 @@ model uses it instead of the links wherever a cluster carries one:
   (`executor_units`): the mpmd executor dispatches programs per stage and microbatch (S x M), the
   spmd executor runs one loop tick per microbatch and stage of fill (M + S - 1). A `Fit` holds
   them as latency = fixed and bandwidth = 1 / per_unit; an executor not timed costs a dispatch
-  per program it launches (`dispatch_programs`);
+  per program it launches (`dispatch_programs`), plus `executor_buffers`, what each buffer
+  its programs take or return costs the host (seconds per buffer and device of its stage, an
+  array holding one buffer per device): the mpmd executor hands
+  every stage program its parameters and residuals, M x `hlomap.cost.estimate.pass_buffers` of
+  them per step, each costing the host time on every call (on 8 CPU devices a step of
+  resnet50-tiny's three one-device stages spent 30-40 ms of its 55 ms there);
 - `solo_speedup` is how much faster one device computes alone than while all of the cluster's
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
@@ -32,13 +37,17 @@ model uses it instead of the links wherever a cluster carries one:
   small-kernel cost that dominates small models on a host and on a GPU;
 - `combined_operand_seconds` is what each buffer adds to one all-reduce of many (XLA combines the
   gradients' all-reduces into one): on host CPU devices the buffers are reduced one after
-  another, so 38 gradients cost 38 latencies, not one.
+  another, so 38 gradients cost 38 latencies, not one. It is the figure over all the cluster's
+  devices; `combined_operands` holds it per group size where the calibration timed several
+  (`per_buffer`): on 8 CPU devices of 2 cores a buffer cost 19 / 66 / 137 us over 2 / 4 / 8
+  devices, about (g - 1) x 19 us, far from the all-reduce latency's ratios (0.4 / 0.8 / 1).
 
 JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
     {"dispatch_seconds": 2.6e-05, "transfer": {"latency": 2e-04, "bandwidth": 1.1e10},
      "collectives": [{"kind": "all-reduce", "group": 8, "latency": 4.9e-04, "bandwidth": 1.2e9}, ...],
      "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
-     "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04}
+     "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04,
+     "combined_operands": [{"group": 2, "seconds": 2e-05}, {"group": 8, "seconds": 3e-04}]}
 """
 
 from __future__ import annotations
@@ -107,30 +116,59 @@ class MeasuredCosts:
     n_devices: int = 1  # how many devices were busy when the roofline was measured
     kernel_seconds: float = 0.0  # launching one kernel inside a running program (all devices busy)
     combined_operand_seconds: float = 0.0  # each buffer of a combined all-reduce adds this
+    combined_operands: Mapping[int, float] = field(default_factory=dict)  # the same per group size
+    executor_buffers: Mapping[str, float] = field(default_factory=dict)  # per executor: s per buffer and device
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", dict(sorted(self.collectives.items())))
         object.__setattr__(self, "executors", dict(sorted(self.executors.items())))
+        object.__setattr__(self, "combined_operands", dict(sorted(self.combined_operands.items())))
+        object.__setattr__(self, "executor_buffers", dict(sorted(self.executor_buffers.items())))
         _check(self)
 
     def __hash__(self) -> int:
         return hash((self.dispatch_seconds, self.transfer, tuple(self.collectives.items()),
                      tuple(self.executors.items()), self.solo_speedup, self.n_devices, self.kernel_seconds,
-                     self.combined_operand_seconds))
+                     self.combined_operand_seconds, tuple(self.combined_operands.items()),
+                     tuple(self.executor_buffers.items())))
+
+    def per_buffer(self, group: int) -> float | None:
+        """What each buffer adds to a combined all-reduce over `group` devices, from
+        `combined_operands`: the figure of that group size, else interpolated linearly in g - 1
+        between the two measured sizes around it (beyond the largest, scaled by g - 1 from it:
+        a buffer is reduced with each other device in turn); None when none was measured."""
+        table = self.combined_operands
+        if not table:
+            return None
+        if group in table:
+            return table[group]
+        below = [g for g in table if g < group]
+        above = [g for g in table if g > group]
+        if below and above:
+            lo, hi = max(below), min(above)
+            share = (group - lo) / (hi - lo)
+            return table[lo] + share * (table[hi] - table[lo])
+        nearest = max(below) if below else min(above)
+        return table[nearest] * (group - 1) / max(1, nearest - 1)
 
     def busy_speedup(self, busy: int) -> float:
         """How much faster each device computes when only `busy` devices work (module docstring)."""
         return max(1.0, min(self.solo_speedup, self.n_devices / max(1, busy)))
 
-    def executor_seconds(self, executor: str, stages: int, microbatches: int) -> float:
-        """The executor's own seconds per step for S stages and M microbatches: its fit, or where
-        it was not timed (a calibration of one device before this version timed none) one
-        dispatch per program it launches, so that a pipeline never looks cheaper to launch than
-        the one program of an SPMD step (`dispatch_programs`)."""
+    def executor_seconds(self, executor: str, stages: int, microbatches: int, buffers: float = 0.0,
+                         stage_devices: float = 1.0) -> float:
+        """The executor's own seconds per step for S stages and M microbatches of a model whose
+        passes move `buffers` per microbatch (`hlomap.cost.estimate.pass_buffers`) on stages of
+        `stage_devices` devices on average: its fit plus M x buffers x stage devices x its cost
+        per buffer and device (an array spans one buffer per device of its stage), or where it
+        was not timed (a calibration of one device before this version timed none) one dispatch
+        per program it launches, so that a pipeline never looks cheaper to launch than the one
+        program of an SPMD step (`dispatch_programs`)."""
         fit = self.executors.get(executor)
+        moved = microbatches * buffers * stage_devices * self.executor_buffers.get(executor, 0.0)
         if fit is not None:
-            return fit.seconds(executor_units(executor, stages, microbatches))
-        return self.dispatch_seconds * dispatch_programs(executor, stages, microbatches)
+            return fit.seconds(executor_units(executor, stages, microbatches)) + moved
+        return self.dispatch_seconds * dispatch_programs(executor, stages, microbatches) + moved
 
     def groups(self, kind: str) -> tuple[int, ...]:
         return tuple(sorted(g for k, g in self.collectives if k == kind))
@@ -152,14 +190,17 @@ class MeasuredCosts:
                 "collectives": [{"kind": k, "group": g, **fit.to_json()} for (k, g), fit in self.collectives.items()],
                 "executors": {name: fit.to_json() for name, fit in self.executors.items()},
                 "solo_speedup": self.solo_speedup, "n_devices": self.n_devices,
-                "kernel_seconds": self.kernel_seconds, "combined_operand_seconds": self.combined_operand_seconds}
+                "kernel_seconds": self.kernel_seconds, "combined_operand_seconds": self.combined_operand_seconds,
+                "combined_operands": [{"group": g, "seconds": t} for g, t in self.combined_operands.items()],
+                "executor_buffers": dict(self.executor_buffers)}
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "measured") -> MeasuredCosts:
         if not isinstance(data, Mapping):
             raise MeasuredCostsError(f"{where}: expected an object, got {data!r}")
         unknown = sorted(set(data) - {"dispatch_seconds", "transfer", "collectives", "executors", "solo_speedup",
-                                      "n_devices", "kernel_seconds", "combined_operand_seconds"})
+                                      "n_devices", "kernel_seconds", "combined_operand_seconds", "combined_operands",
+                                      "executor_buffers"})
         if unknown:
             raise MeasuredCostsError(f"{where}: unknown field(s) {unknown}")
         transfer = data.get("transfer")
@@ -175,6 +216,18 @@ class MeasuredCosts:
         executors = data.get("executors", {})
         if not isinstance(executors, Mapping):
             raise MeasuredCostsError(f"{where}.executors: expected an object, got {executors!r}")
+        operands = data.get("combined_operands", [])
+        if not isinstance(operands, list):
+            raise MeasuredCostsError(f"{where}.combined_operands: expected a list, got {operands!r}")
+        buffers = data.get("executor_buffers", {})
+        if not isinstance(buffers, Mapping):
+            raise MeasuredCostsError(f"{where}.executor_buffers: expected an object, got {buffers!r}")
+        per_group: dict[int, float] = {}
+        for i, row in enumerate(operands):
+            here = f"{where}.combined_operands[{i}]"
+            if not isinstance(row, Mapping) or set(row) != {"group", "seconds"}:
+                raise MeasuredCostsError(f"{here}: expected an object with group and seconds; got {row!r}")
+            per_group[_int(row["group"], f"{here}.group")] = _number(row["seconds"], f"{here}.seconds")
         try:
             return cls(_number(data.get("dispatch_seconds", 0.0), f"{where}.dispatch_seconds"),
                        None if transfer is None else _fit(transfer, f"{where}.transfer"), table,
@@ -182,7 +235,8 @@ class MeasuredCosts:
                        _number(data.get("solo_speedup", 1.0), f"{where}.solo_speedup"),
                        _int(data.get("n_devices", 1), f"{where}.n_devices"),
                        _number(data.get("kernel_seconds", 0.0), f"{where}.kernel_seconds"),
-                       _number(data.get("combined_operand_seconds", 0.0), f"{where}.combined_operand_seconds"))
+                       _number(data.get("combined_operand_seconds", 0.0), f"{where}.combined_operand_seconds"),
+                       per_group, {str(k): _number(v, f"{where}.executor_buffers.{k}") for k, v in buffers.items()})
         except MeasuredCostsError as err:
             raise MeasuredCostsError(f"{where}: {err}") from None
 
@@ -209,6 +263,14 @@ def _check(costs: MeasuredCosts) -> None:
         value = getattr(costs, label)
         if not (math.isfinite(value) and value >= 0):
             raise MeasuredCostsError(f"{label} = {value!r} must be finite and >= 0")
+    for name, seconds in costs.executor_buffers.items():
+        if name not in EXECUTORS or not (math.isfinite(seconds) and seconds >= 0):
+            raise MeasuredCostsError(f"executor_buffers: {name!r} at {seconds!r} s per buffer: expected an executor of "
+                                     f"{sorted(EXECUTORS)} and seconds finite and >= 0")
+    for group, seconds in costs.combined_operands.items():
+        if group < 2 or not (math.isfinite(seconds) and seconds >= 0):
+            raise MeasuredCostsError(f"combined_operands: group {group!r} at {seconds!r} s: the group must be >= 2 "
+                                     "and the seconds finite and >= 0")
     if costs.n_devices < 1:
         raise MeasuredCostsError(f"n_devices = {costs.n_devices!r} must be >= 1")
     if not (math.isfinite(costs.dispatch_seconds) and costs.dispatch_seconds >= 0):

@@ -64,7 +64,11 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
     measured = cluster.measured
     if measured is not None:
         overheads.add_row("kernel launch (per kernel, all devices busy)", "", human_seconds(measured.kernel_seconds))
-        overheads.add_row("combined all-reduce (per buffer)", "", human_seconds(measured.combined_operand_seconds))
+        if measured.combined_operands:
+            for group, seconds in measured.combined_operands.items():
+                overheads.add_row(f"combined all-reduce over {group} devices (per buffer)", "", human_seconds(seconds))
+        else:
+            overheads.add_row("combined all-reduce (per buffer)", "", human_seconds(measured.combined_operand_seconds))
         for name, fit in measured.executors.items():
             unit = "stage x microbatch" if name == "mpmd" else "tick (M + S - 1)"
             overheads.add_row(f"{name} pipeline executor (per {unit})", human_seconds(fit.latency),

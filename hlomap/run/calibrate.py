@@ -30,25 +30,36 @@ TINY_WIDTH = 8
 TINY_BATCH = 64
 
 
+#: Parameters each layer of the many-buffer variant multiplies its output by: each adds a
+#: parameter and its residuals to every pass (`hlomap.cost.estimate.pass_buffers`), so the mpmd
+#: executor's cost per buffer moved separates from its cost per pass (a convolutional network's
+#: passes move hundreds of buffers, the plain tiny model's a few dozen).
+MANY_BUFFER_LEAVES = 16
+
+
 @dataclass(frozen=True)
 class ExecutorBench:
-    """Which (stages, microbatches) to time, and how many timed calls each sample is the median of."""
+    """Which (stages, microbatches) to time, how many timed calls each sample is the median of,
+    and the shapes the mpmd executor is timed at again on the many-buffer variant."""
 
     shapes: tuple[tuple[int, int], ...]
     repeats: int
+    many_buffer_shapes: tuple[tuple[int, int], ...] = ()
 
 
-DEFAULT_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 4), (4, 4)), repeats=10)
-QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3)
+DEFAULT_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 4), (4, 4)), repeats=10,
+                                       many_buffer_shapes=((2, 1), (2, 4)))
+QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3, many_buffer_shapes=((2, 2),))
 #: One device runs pipelines too (a joint plan of one stage and several microbatches): the
 #: executor's cost per microbatch is what keeps such a plan from looking free (on an H200 a
 #: one-stage plan of 256 microbatches, priced without it at 0.24 ms, ran in 141 ms).
-ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 8)), repeats=10)
-QUICK_ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 4)), repeats=3)
+ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 8)), repeats=10, many_buffer_shapes=((1, 4),))
+QUICK_ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 4)), repeats=3, many_buffer_shapes=((1, 2),))
 
 
-def _tiny_step() -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """A train step of TINY_LAYERS small tanh layers (SGD): all overhead, no work."""
+def _tiny_step(extra_leaves: int = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """A train step of TINY_LAYERS small tanh layers (SGD): all overhead, no work. With
+    `extra_leaves`, each layer's output is also multiplied by that many parameter vectors."""
     import jax.numpy as jnp
     import optax
 
@@ -60,6 +71,8 @@ def _tiny_step() -> tuple[Callable[..., Any], tuple[Any, ...]]:
         h = batch
         for i in range(TINY_LAYERS):
             h = jnp.tanh(h @ params[f"w{i}"])
+            for k in range(extra_leaves):
+                h = h * params[f"s{i}_{k}"]
         return jnp.mean(h**2)
 
     def step(params: Any, opt_state: Any, batch: Any) -> Any:
@@ -68,6 +81,7 @@ def _tiny_step() -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return optax.apply_updates(params, updates), opt_state, loss
 
     params = {f"w{i}": jnp.eye(TINY_WIDTH) for i in range(TINY_LAYERS)}
+    params |= {f"s{i}_{k}": jnp.ones(TINY_WIDTH) for i in range(TINY_LAYERS) for k in range(extra_leaves)}
     return step, (params, optimizer.init(params), jnp.ones((TINY_BATCH, TINY_WIDTH)))
 
 
@@ -86,18 +100,19 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
                  (QUICK_EXECUTOR_BENCH if quick else DEFAULT_EXECUTOR_BENCH))
     if count < 1:
         return []
-    prepared: dict[str, Any] = {}
+    prepared: dict[int, dict[str, Any]] = {}
 
-    def measure(executor: str, schedule: str, stages: int, microbatches: int, label: str) -> ExecutorSample | None:
+    def measure(executor: str, schedule: str, stages: int, microbatches: int, label: str,
+                extra_leaves: int = 0) -> ExecutorSample | None:
         import jax
 
         from hlomap.run.runner import parallelize
         from hlomap.tasks.pipeline.explore import explore_pipeline_plan
         from hlomap.verify.timing import stateful_step
 
-        if not prepared:
-            prepared.update(_prepared_tiny_step())
-        step, cap, host = prepared["step"], prepared["cap"], prepared["host"]
+        if extra_leaves not in prepared:
+            prepared[extra_leaves] = _prepared_tiny_step(extra_leaves)
+        step, cap, host, buffers = (prepared[extra_leaves][k] for k in ("step", "cap", "host", "buffers"))
         try:
             plan = explore_pipeline_plan(cap, cluster=f"uniform:{count}", agent="dp", stages=stages,
                                          microbatches=microbatches, schedule=schedule)
@@ -107,7 +122,8 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
         except (RunError, ValueError) as err:
             log.info("calibrate: %s left out (%s)", label, err)
             return None
-        return ExecutorSample(executor, stages, microbatches, seconds)
+        stage_devices = sum(len(stage.devices) for stage in plan.pipeline.stages) / len(plan.pipeline.stages)
+        return ExecutorSample(executor, stages, microbatches, seconds, float(buffers), stage_devices)
 
     tasks: list[ExecutorTask] = []
     for stages, microbatches in bench.shapes:
@@ -116,17 +132,25 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
         for executor, schedule in (("spmd", "gpipe"), ("mpmd", "1f1b")):
             label = f"{executor} executor {stages}x{microbatches}"
             tasks.append((label, lambda e=executor, s=schedule, n=stages, m=microbatches, lb=label: measure(e, s, n, m, lb)))
+    for stages, microbatches in bench.many_buffer_shapes:
+        if stages > count:
+            continue
+        label = f"mpmd executor {stages}x{microbatches}, {MANY_BUFFER_LEAVES} more parameters per layer"
+        tasks.append((label, lambda n=stages, m=microbatches, lb=label: measure("mpmd", "1f1b", n, m, lb,
+                                                                                MANY_BUFFER_LEAVES)))
     return tasks
 
 
-def _prepared_tiny_step() -> dict[str, Any]:
+def _prepared_tiny_step(extra_leaves: int = 0) -> dict[str, Any]:
     import jax
     import numpy as np
 
+    from hlomap.cost.estimate import pass_buffers
     from hlomap.hlo.capture import capture
 
-    step, example = _tiny_step()
-    return {"step": step, "cap": capture(step, *example), "host": jax.tree.map(np.asarray, example)}
+    step, example = _tiny_step(extra_leaves)
+    cap = capture(step, *example)
+    return {"step": step, "cap": cap, "host": jax.tree.map(np.asarray, example), "buffers": pass_buffers(cap)}
 
 
 def measure_present_devices(devices: int | None = None, *, quick: bool = False,

@@ -106,6 +106,57 @@ def test_fit_executors_recovers_fixed_and_per_unit_cost() -> None:
     assert fits["spmd"].latency == pytest.approx(5e-3) and fits["spmd"].seconds_per_byte == pytest.approx(0.5e-3)
 
 
+def test_the_mpmd_executor_pays_for_each_buffer_its_passes_move() -> None:
+    moving = dataclasses.replace(TABLE, executor_buffers={"mpmd": 2e-6})
+    cluster = _cluster(moving)
+    # M x buffers x cost per buffer on top of the fit; the spmd executor's program moves none here
+    assert executor_overhead(cluster, "mpmd", 2, 4, buffers=1000.0) == pytest.approx(2e-3 + 8 * 1.5e-3 + 4 * 1000 * 2e-6)
+    assert executor_overhead(cluster, "spmd", 2, 4, buffers=1000.0) == pytest.approx(5e-3 + 5 * 0.5e-3)
+    assert executor_overhead(cluster, "mpmd", 2, 4) == pytest.approx(2e-3 + 8 * 1.5e-3)
+    assert MeasuredCosts.from_json(moving.to_json()) == moving
+    with pytest.raises(MeasuredCostsError, match="executor_buffers"):
+        MeasuredCosts.from_json(moving.to_json() | {"executor_buffers": {"gpu-magic": 1e-6}})
+
+
+def test_fit_executor_terms_separates_the_cost_per_buffer_from_the_cost_per_pass() -> None:
+    from hlomap.cost.calibration import fit_executor_terms
+
+    def seconds(s: int, m: int, buffers: float) -> float:
+        return 1e-3 + 0.8e-3 * s * m + 2.5e-6 * m * buffers
+
+    samples = [ExecutorSample("mpmd", s, m, seconds(s, m, 90.0), 90.0) for s, m in ((2, 1), (2, 4), (4, 4))]
+    samples += [ExecutorSample("mpmd", s, m, seconds(s, m, 1240.0), 1240.0) for s, m in ((2, 1), (2, 4))]
+    samples += [ExecutorSample("spmd", s, m, 5e-3 + 0.5e-3 * (m + s - 1), 90.0) for s, m in ((2, 1), (2, 4))]
+    fits = fit_executor_terms(samples)
+    assert fits["mpmd"].step.latency == pytest.approx(1e-3)
+    assert fits["mpmd"].step.seconds_per_byte == pytest.approx(0.8e-3)
+    assert fits["mpmd"].per_buffer == pytest.approx(2.5e-6)
+    assert fits["spmd"].per_buffer == 0.0  # one buffer count: no term to fit
+    assert fits["spmd"].step.latency == pytest.approx(5e-3)
+    # a term the samples make negative is dropped and the rest refitted (never below zero)
+    flat = [ExecutorSample("mpmd", 2, m, 1e-3 + 1e-3 * m, b) for m, b in ((1, 10.0), (4, 1000.0), (2, 500.0))]
+    assert fit_executor_terms(flat)["mpmd"].per_buffer >= 0.0
+
+
+def test_pass_buffers_follow_jaxs_residuals(cap_of) -> None:
+    """The residual count read off the HLO against the residuals `jax.vjp` keeps (the oracle)."""
+    import jax
+
+    from hlomap import zoo
+    from hlomap.cost.estimate import pass_buffers, residual_buffers
+    from hlomap.zoo.model import split_other
+
+    for name in ("gpt-tiny", "haiku-mlp"):
+        model = zoo.get(name)
+        params, _, batch = model.example_args(0)
+        trainable, other = split_other(params)
+        _, vjp, _ = jax.vjp(lambda p: model.config.make_loss()(p, other, batch), trainable, has_aux=True)
+        kept = len(jax.tree.leaves(vjp))
+        cap = cap_of(name)
+        assert 0.8 * kept <= residual_buffers(cap.module) <= 1.1 * kept, name
+        assert pass_buffers(cap) == 5 * len(jax.tree.leaves(trainable)) + 2 * residual_buffers(cap.module)
+
+
 def test_solo_speedup_and_busy_devices() -> None:
     pair = [Measurement("dot_f32_512", "dot", "f32", 1e9, 1e6, 0.08),
             Measurement("dot_f32_512_alone", "dot", "f32", 1e9, 1e6, 0.01, fit=False)]
@@ -217,3 +268,34 @@ def test_the_per_buffer_cost_scales_with_the_groups_all_reduce_latency() -> None
     assert per_buffer_seconds(cluster, 2) == pytest.approx(300e-6 * 100e-6 / 400e-6)  # the 2-device latency
     assert per_buffer_seconds(cluster, 1) == 0.0
     assert per_buffer_seconds(_cluster(None), 8) == 0.0
+
+
+def test_the_per_buffer_cost_timed_per_group_size_is_read_and_interpolated_in_group_minus_one() -> None:
+    from hlomap.cost.estimate import per_buffer_seconds
+
+    timed = dataclasses.replace(TABLE, combined_operand_seconds=140e-6,
+                                combined_operands={2: 20e-6, 4: 60e-6, 8: 140e-6})
+    cluster = _cluster(timed)
+    assert per_buffer_seconds(cluster, 2) == pytest.approx(20e-6)  # as timed, not the latency ratio
+    assert per_buffer_seconds(cluster, 4) == pytest.approx(60e-6)
+    assert per_buffer_seconds(cluster, 6) == pytest.approx(100e-6)  # between 4 and 8
+    assert per_buffer_seconds(cluster, 16) == pytest.approx(140e-6 * 15 / 7)  # beyond: (g - 1) from 8
+    assert dataclasses.replace(timed, combined_operands={8: 140e-6}).per_buffer(2) == pytest.approx(20e-6)
+    assert per_buffer_seconds(cluster, 1) == 0.0
+    assert MeasuredCosts.from_json(timed.to_json()) == timed
+    with pytest.raises(MeasuredCostsError, match=r"combined_operands\[0\]"):
+        MeasuredCosts.from_json(timed.to_json() | {"combined_operands": [{"group": 2}]})
+    with pytest.raises(MeasuredCostsError, match="group must be >= 2"):
+        MeasuredCosts.from_json(timed.to_json() | {"combined_operands": [{"group": 1, "seconds": 1e-6}]})
+
+
+def test_the_calibration_fits_the_combined_all_reduce_per_group_size() -> None:
+    from hlomap.cost.calibration import COMBINED, CommSample
+
+    cal = _calibration(8)
+    per_buffer = {2: 20e-6, 4: 60e-6, 8: 140e-6}
+    samples = [CommSample(COMBINED, g, float(n), 100e-6 + n * t) for g, t in per_buffer.items() for n in (1, 8, 32)]
+    cluster = calibrated_cluster(dataclasses.replace(cal, comm=tuple(cal.comm) + tuple(samples)))
+    assert cluster.measured is not None
+    assert cluster.measured.combined_operands == pytest.approx(per_buffer)
+    assert cluster.measured.combined_operand_seconds == pytest.approx(140e-6)  # over all the devices

@@ -47,8 +47,9 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
     k2, k16, k64 = sorted(s.nbytes for s in cal.comm if s.kind == "launch")
     assert k2 > 0 and (k16 - k2) / 14 == (k64 - k16) / 48 >= 4
     assert {s.group for s in cal.comm if s.kind == "launch"} == {4}
-    # one all-reduce of 1, 8 and 32 buffers: their "bytes" count buffers
-    assert sorted(s.nbytes for s in cal.comm if s.kind == "combined-all-reduce") == [1.0, 8.0, 32.0]
+    # one all-reduce of 1, 8 and 32 buffers over 2 and over 4 devices: their "bytes" count buffers
+    assert sorted((s.group, s.nbytes) for s in cal.comm if s.kind == "combined-all-reduce") == [
+        (g, n) for g in (2, 4) for n in (1.0, 8.0, 32.0)]
     groups = {(s.kind, s.group) for s in cal.comm}
     for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
         assert {(kind, 2), (kind, 4)} <= groups
@@ -113,7 +114,12 @@ def test_one_device_times_its_pipeline_executors_on_one_stage() -> None:
 
     tasks = executor_tasks(jax.devices()[:1], quick=True, median_seconds=lambda call, repeats: (call(), 1e-3)[1])
     assert [label for label, _ in tasks] == ["spmd executor 1x2", "mpmd executor 1x2", "spmd executor 1x4",
-                                             "mpmd executor 1x4"]
+                                             "mpmd executor 1x4",
+                                             "mpmd executor 1x2, 16 more parameters per layer"]
     samples = [sample for _, measure in tasks if (sample := measure()) is not None]
     assert {(s.executor, s.stages, s.microbatches) for s in samples} >= {("mpmd", 1, 2), ("mpmd", 1, 4)}
     assert "mpmd" in fit_executors(samples)
+    # the many-buffer variant moves more buffers per microbatch, counted as the model counts them
+    counts = sorted({s.buffers for s in samples if s.executor == "mpmd"})
+    assert len(counts) == 2 and counts[1] > 5 * counts[0]
+    assert all(s.stage_devices == 1.0 for s in samples)

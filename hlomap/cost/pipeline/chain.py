@@ -63,6 +63,7 @@ import numpy as np
 
 from hlomap.cost.compute import CostCache, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec, device_preset
+from hlomap.cost.estimate import pass_buffers
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
 from hlomap.hlo.ir import Computation, Instruction
@@ -465,6 +466,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
         backward_syncs=sync_counts[1],
         forward_sync_bytes=sync_bytes[0],
         backward_sync_bytes=sync_bytes[1],
+        pass_buffers=float(pass_buffers(cap)),
     )
     live.setflags(write=False)
     tables = source_tables(module)

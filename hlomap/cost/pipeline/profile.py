@@ -106,6 +106,9 @@ class PipelineProfile:
         data replicas (batch norm's statistics: `hlomap.cost.pipeline.batch_split.Syncs`), and
         forward_sync_bytes, backward_sync_bytes: [n] their bytes; None for none. Neither grows
         with the batch; priced on the stage's devices (`costs.stage_sync_seconds`).
+      pass_buffers: buffers the mpmd executor's passes move per microbatch, all stages together
+        (`hlomap.cost.estimate.pass_buffers`; 0 when unknown): the step's, whatever the cuts,
+        which the executor's cost on a measured cluster grows with (`costs.executor_overhead`).
     """
 
     names: tuple[str, ...]
@@ -122,9 +125,13 @@ class PipelineProfile:
     backward_syncs: np.ndarray | None = None
     forward_sync_bytes: np.ndarray | None = None
     backward_sync_bytes: np.ndarray | None = None
+    pass_buffers: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        if not (math.isfinite(self.pass_buffers) and self.pass_buffers >= 0):
+            raise ValueError(f"{self.source}: PipelineProfile.pass_buffers = {self.pass_buffers!r} is not a "
+                             "finite value >= 0")
         if not (math.isfinite(self.update_seconds_per_byte) and self.update_seconds_per_byte >= 0):
             raise ValueError(f"{self.source}: PipelineProfile.update_seconds_per_byte = "
                              f"{self.update_seconds_per_byte!r} is not a finite value >= 0")
@@ -290,6 +297,7 @@ def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
         stash_bytes=None if profile.stash_bytes is None else profile.stash_bytes * factor,
         source=profile.source,  # the step it was measured on, which errors name
         update_seconds_per_byte=profile.update_seconds_per_byte,  # once per step, whatever the batch
+        pass_buffers=profile.pass_buffers,  # the same leaves whatever the batch
     )
 
 
@@ -328,6 +336,7 @@ def merge_layers(profile: PipelineProfile, pivots: tuple[int, ...] | list[int]) 
         forward_fixed=summed(profile.forward_fixed),
         backward_fixed=summed(profile.backward_fixed),
         **{name: summed(values) for name, values in sync_fields(profile).items()},
+        pass_buffers=profile.pass_buffers,
     )
 
 

@@ -164,6 +164,8 @@ class MpmdPipeline:
         # not built and transferred on every step
         self._loss_ct = (put(np.asarray(1.0 / self.microbatches, loss_dtype), NamedSharding(self.meshes[-1], P())),)
         self._residual_bytes: int | None = None  # of the last stage's forward, for the fused passes' bookkeeping
+        # stage -> (its forward's lowerings when counted, the bytes its residuals hold per microbatch)
+        self._residual_bytes_of: dict[int, tuple[int, int]] = {}
         self._accumulate = [self._shared(s, jax.jit(_accumulate, donate_argnums=0, compiler_options=self.options))
                             for s in range(self.n_stages)]
         self._update = [self._make_update(s) for s in range(self.n_stages)]
@@ -370,6 +372,18 @@ class MpmdPipeline:
         where.update({traced.loss_inputs[p].leaf: (1, k) for k, p in enumerate(stage.state)})
         return {n: where[item.index] for n, item in enumerate(self.program.update.programs[s].inputs)
                 if item.source is Source.STATE and item.index in where}
+
+    def _stage_residual_bytes(self, s: int, residuals: Any) -> int:
+        """The bytes of stage s's residuals of one microbatch. Their shapes are fixed by the
+        forward program, so they are summed once per program lowered rather than per pass: over
+        a convolutional network's hundreds of residual leaves the sum took 9 ms of a 50 ms step
+        (resnet50-tiny on three 1-device stages, 4 microbatches, on 8 CPU devices)."""
+        lowered = self._forward[s].lowerings
+        known = self._residual_bytes_of.get(s)
+        if known is None or known[0] != lowered:
+            known = (lowered, _nbytes(residuals))
+            self._residual_bytes_of[s] = known
+        return known[1]
 
     def _last_residual_bytes(self, *args: Any) -> int:
         """What the last stage's forward would keep for its backward (bytes), had it run apart."""
@@ -585,7 +599,7 @@ class MpmdPipeline:
                     residuals[(s, i)] = (None, self._last_residual_bytes(params_s, inbound, state_s, micro))
                 else:
                     out, res, aux = self._forward[s](params_s, inbound, state_s, micro)
-                    residuals[(s, i)] = (res, _nbytes(res))
+                    residuals[(s, i)] = (res, self._stage_residual_bytes(s, res))
                 in_flight[s] += 1
                 live_bytes[s] += residuals[(s, i)][1]
                 peak[s], peak_bytes[s] = max(peak[s], in_flight[s]), max(peak_bytes[s], live_bytes[s])

@@ -32,7 +32,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
 from hlomap.cost.estimate import (CollectiveEstimate, InstructionArrays, InstructionEstimate, Reason,
-                                  per_buffer_seconds, step_arrays)
+                                  pass_buffers, per_buffer_seconds, step_arrays)
 from hlomap.cost.mapping import AxisMapping, axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.cost.zero import state_axes
@@ -293,6 +293,14 @@ class JointModel:
     @property
     def n_layers(self) -> int:
         return len(self.pivots) + 1
+
+    @property
+    def pass_buffers(self) -> int:
+        """Buffers the mpmd executor's passes move per microbatch (`estimate.pass_buffers`): a
+        property of the step, not of its cuts."""
+        if "pass buffers" not in self._cache:
+            self._cache["pass buffers"] = pass_buffers(self.cap)
+        return self._cache["pass buffers"]
 
     @property
     def boundaries(self) -> np.ndarray:

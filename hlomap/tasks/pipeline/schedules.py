@@ -111,7 +111,8 @@ def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: Pipe
     else:
         length = simulation.length
     return executor, float(length) + executor_overhead(cluster, executor, plan.n_stages, plan.microbatches,
-                                                       plan.schedule)
+                                                       plan.schedule, profile.pass_buffers,
+                                                       sum(len(s.devices) for s in groups) / len(groups))
 
 
 def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
