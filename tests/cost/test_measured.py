@@ -171,6 +171,24 @@ def test_solo_speedup_and_busy_devices() -> None:
     assert with_busy_devices(cluster, 8) is cluster
 
 
+def test_host_devices_solo_speedup_is_at_most_devices_per_core() -> None:
+    """A host device runs a step on about one thread: 8 devices on 2 cores are priced at most 4x
+    faster alone, whatever the largest matmul (which spreads over every core) measured; an
+    accelerator keeps its measured figure."""
+    cal = _calibration(8)
+    largest = max((k for k in cal.kernels if k.kind == "dot" and k.dtype == "f32"), key=lambda k: k.flops)
+    alone = Measurement(f"{largest.name}_alone", "dot", "f32", largest.flops, largest.bytes_accessed,
+                        largest.seconds / 10, fit=False)
+    timed = dataclasses.replace(cal, kernels=tuple(cal.kernels) + (alone,), cores=2)
+    assert solo_speedup(timed.kernels) == pytest.approx(10.0)
+    assert timed.solo_speedup == pytest.approx(4.0)
+    assert calibrated_cluster(timed).measured.solo_speedup == pytest.approx(4.0)
+    assert timed.figures()["solo speedup of the largest matmul"] == pytest.approx(10.0)
+    assert dataclasses.replace(timed, backend="gpu").solo_speedup == pytest.approx(10.0)
+    assert dataclasses.replace(timed, cores=0).solo_speedup == pytest.approx(10.0)  # cores unknown
+    assert dataclasses.replace(timed, cores=16).solo_speedup == 1.0  # a core or more per device
+
+
 def test_the_estimate_adds_dispatch_and_kernel_launches(cap_of) -> None:
     import hlomap
     from hlomap.cost.estimate import launched_kernels
