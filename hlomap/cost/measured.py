@@ -27,7 +27,7 @@ model uses it instead of the links wherever a cluster carries one:
   array holding one buffer per device): the mpmd executor hands
   every stage program its parameters and residuals, M x `hlomap.cost.estimate.pass_buffers` of
   them per step, each costing the host time on every call (on 8 CPU devices a step of
-  resnet50-tiny's three one-device stages spent 30-40 ms of its 55 ms there);
+  resnet50-tiny's three one-device stages spent about 30 ms of its 55 ms there);
 - `solo_speedup` is how much faster one device computes alone than while all of the cluster's
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
@@ -39,15 +39,16 @@ model uses it instead of the links wherever a cluster carries one:
   gradients' all-reduces into one): on host CPU devices the buffers are reduced one after
   another, so 38 gradients cost 38 latencies, not one. It is the figure over all the cluster's
   devices; `combined_operands` holds it per group size where the calibration timed several
-  (`per_buffer`): on 8 CPU devices of 2 cores a buffer cost 19 / 66 / 137 us over 2 / 4 / 8
-  devices, about (g - 1) x 19 us, far from the all-reduce latency's ratios (0.4 / 0.8 / 1).
+  (`per_buffer`): on 8 CPU devices of 2 cores a buffer cost 19-28 / 61-66 / 133-182 us over
+  2 / 4 / 8 devices in three runs, far from the all-reduce latency's ratios (0.4 / 0.8 / 1).
 
 JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
     {"dispatch_seconds": 2.6e-05, "transfer": {"latency": 2e-04, "bandwidth": 1.1e10},
      "collectives": [{"kind": "all-reduce", "group": 8, "latency": 4.9e-04, "bandwidth": 1.2e9}, ...],
      "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
      "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04,
-     "combined_operands": [{"group": 2, "seconds": 2e-05}, {"group": 8, "seconds": 3e-04}]}
+     "combined_operands": [{"group": 2, "seconds": 2e-05}, {"group": 8, "seconds": 3e-04}],
+     "executor_buffers": {"mpmd": 2e-06}}
 """
 
 from __future__ import annotations

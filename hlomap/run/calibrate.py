@@ -7,7 +7,9 @@ stage, each with a `ppermute` over the stage axis. On 8 CPU devices that is abou
 stage and microbatch, more than a tiny model's whole step. These costs are timed here on a model
 with next to no compute (a chain of `TINY_LAYERS` 8x8 matmuls), over a few stage and microbatch
 counts, and fitted as `fixed + per_unit x units` per executor (`executor_units`): the term
-`hlomap.cost.pipeline.costs.executor_overhead` adds to a pipeline's price.
+`hlomap.cost.pipeline.costs.executor_overhead` adds to a pipeline's price. The mpmd executor is
+timed again on the same model with `MANY_BUFFER_LEAVES` more parameters per layer, so that its fit
+also separates what each buffer its passes move costs (`hlomap.cost.estimate.pass_buffers`).
 
 It lives in `run` because it runs the executors; `hlomap.api.calibrate` calls it beside the
 device microbenchmarks of `hlomap.verify.devices`.
