@@ -946,12 +946,12 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     latency = np.full((n, n), link.latency if link else 0.0)
     label = name or f"calibrated-{calibration.backend}-{n}"
     fits = calibration.comm_fits
-    measured = replace(measured_costs(fits, DISPATCH, TRANSFER, calibration.executor_fits),
+    executors = fit_executor_terms(calibration.executors)
+    measured = replace(measured_costs(fits, DISPATCH, TRANSFER, {name: fit.step for name, fit in executors.items()}),
                        solo_speedup=calibration.solo_speedup, n_devices=n,
                        kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED),
                        combined_operands=_per_count_by_group(fits, COMBINED),
-                       executor_buffers={name: fit.per_buffer for name, fit in
-                                         fit_executor_terms(calibration.executors).items() if fit.per_buffer})
+                       executor_buffers={name: fit.per_buffer for name, fit in executors.items() if fit.per_buffer})
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 

@@ -254,12 +254,16 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         return Measurement(f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements,
                            8.0 * elements, seconds)
 
-    def collective(kind: Collective, group: int, elements: int) -> CommSample:
+    def on_group(group: int) -> tuple[Any, Any]:
+        """(the first `group` devices as mesh axis "x", a buffer's sharding over it: a block each)."""
         mesh = Mesh(np.asarray(devices[:group]), ("x",))
-        spec = PartitionSpec("x")
+        return mesh, NamedSharding(mesh, PartitionSpec("x"))
+
+    def collective(kind: Collective, group: int, elements: int) -> CommSample:
+        mesh, split = on_group(group)
         body = _collective_program(kind, group)
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-        x = jax.device_put(jnp.ones((group * elements,), jnp.float32), NamedSharding(mesh, spec))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=split.spec, out_specs=split.spec))
+        x = jax.device_put(jnp.ones((group * elements,), jnp.float32), split)
         seconds = _sample_seconds(lambda: _ready(f(x)), plan.repeats)
         return CommSample(kind.value, group, _message_bytes(kind, group, elements), seconds)
 
@@ -287,12 +291,11 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         # step's gradient all-reduces over a data axis of that size (one group timed, as every
         # collective here: timing every group of the axis at once priced bert-tiny's data x
         # model meshes worse against what they measured, Spearman 0.70 against 0.93)
-        mesh = Mesh(np.asarray(devices[:group]), ("x",))
-        spec = PartitionSpec("x")
-        body = jax.shard_map(lambda *xs: tuple(lax.psum(x, "x") for x in xs), mesh=mesh, in_specs=spec, out_specs=spec)
+        mesh, split = on_group(group)
+        body = jax.shard_map(lambda *xs: tuple(lax.psum(x, "x") for x in xs), mesh=mesh, in_specs=split.spec,
+                             out_specs=split.spec)
         f = jax.jit(body)
-        xs = [jax.device_put(jnp.ones((group * COMBINED_ELEMENTS,), jnp.float32), NamedSharding(mesh, spec))
-              for _ in range(buffers)]
+        xs = [jax.device_put(jnp.ones((group * COMBINED_ELEMENTS,), jnp.float32), split) for _ in range(buffers)]
         return CommSample(COMBINED, group, float(buffers), _sample_seconds(lambda: _ready(f(*xs)), plan.repeats))
 
     def dispatch() -> CommSample:

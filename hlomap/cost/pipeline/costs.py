@@ -226,11 +226,17 @@ def allreduce_share(cluster: Cluster, seconds: Any, microbatches: int) -> Any:
 PROGRAM_SHARE = {Schedule.ZERO_BUBBLE: 1.5}
 
 
+def mean_stage_devices(stages: Sequence[Any]) -> float:
+    """The devices per stage, on average, of stages that each name their `devices` (the
+    executor's cost per buffer grows with them: `executor_overhead`)."""
+    return sum(len(stage.devices) for stage in stages) / len(stages)
+
+
 def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int,
                       schedule: Schedule | None = None, buffers: float = 0.0, stage_devices: float = 1.0) -> float:
     """Seconds per step the pipeline executor itself costs (dispatches, its loop, device_puts,
     the buffers its programs take and return: `buffers` per microbatch,
-    `hlomap.cost.estimate.pass_buffers`, on stages of `stage_devices` devices on average) on a
+    `hlomap.cost.estimate.pass_buffers`, on stages of `stage_devices` devices on average, `mean_stage_devices`) on a
     cluster that measured it (`Cluster.measured`, `hlomap.cost.measured`), for a plan run under
     `schedule` (ZB-H1 launches a third program per stage and microbatch: `PROGRAM_SHARE`); 0 on
     a datasheet cluster. Added to L: on a host that runs the executor and the devices on the

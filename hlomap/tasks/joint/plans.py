@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hlomap.cost.estimate import dispatch_seconds
-from hlomap.cost.pipeline.costs import executor_overhead, stage_time_latency, syncs_each_microbatch
+from hlomap.cost.pipeline.costs import executor_overhead, mean_stage_devices, stage_time_latency, syncs_each_microbatch
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, in_flight
 from hlomap.plan.sections import Recompute
 from hlomap.tasks.joint.costs import PARAM_MEMORY_FACTOR, JointModel, PlanKind, StageArrays, StageOption
@@ -259,9 +259,8 @@ def joint_overhead(cluster: Any, plan: JointPlan, buffers: float = 0.0) -> float
     microbatch included (`JointModel.pass_buffers`)."""
     if runs_as_spmd(plan):
         return dispatch_seconds(cluster)
-    stage_devices = sum(len(stage.devices) for stage in plan.stages) / plan.n_stages
     return executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches, plan.schedule,
-                             buffers, stage_devices)
+                             buffers, mean_stage_devices(plan.stages))
 
 
 def joint_executor(plan: JointPlan) -> str:

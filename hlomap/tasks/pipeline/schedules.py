@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
-from hlomap.cost.pipeline.costs import CostOptions, executor_overhead, lockstep_latency, lockstep_remat
+from hlomap.cost.pipeline.costs import CostOptions, executor_overhead, lockstep_latency, lockstep_remat, mean_stage_devices
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage, default_executor, schedule_problem
@@ -112,7 +112,7 @@ def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: Pipe
         length = simulation.length
     return executor, float(length) + executor_overhead(cluster, executor, plan.n_stages, plan.microbatches,
                                                        plan.schedule, profile.pass_buffers,
-                                                       sum(len(s.devices) for s in groups) / len(groups))
+                                                       mean_stage_devices(groups))
 
 
 def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,
