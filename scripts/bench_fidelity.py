@@ -14,6 +14,8 @@ medians, with their interquartile range). The set:
 - the explorer's picks on `--cluster`: opp (model=8), adp (data=8), hybrid (data=2 x model=4),
   all with the cost reward, and the joint `auto` plan; none measured (`measure=0`): they are the
   cost model's choices;
+- the `auto` plan of `explore(measure=K)` (`--measure`, default 4; 0 leaves it out): the best K
+  candidates timed on these devices during the search and the fastest kept, timed again here;
 - two random valid hybrid plans (2x4 and 4x2), drawn uniformly position by position.
 
 A plan that cannot be built for a model (no Megatron layout, a pipeline the model cannot be cut
@@ -26,7 +28,7 @@ predicted against measured time per model to DIR/fidelity.png.
 
     python scripts/bench_fidelity.py [--models gpt-tiny,haiku-mlp,bert-tiny,t5-tiny,resnet50-tiny]
         [--rounds 20] [--repeats 3] [--cluster local] [--out bench_fidelity] [--budget-seconds 20]
-        [--compile-cache DIR]
+        [--compile-cache DIR] [--measure 4]
 
 `--cluster` should describe the devices the plans run on: `local` (calibrated on the devices JAX
 sees), or a file written by `hlomap calibrate -o FILE`. On a machine without an accelerator the
@@ -186,7 +188,11 @@ def sharding_pick(cap: Any, task: str, mesh: dict[str, int], cluster: Any, agent
     return Candidate(f"{task} pick {mesh_text(mesh)}", "pick", plan, pick=True, note=note)
 
 
-def pick_candidates(cap: Any, cluster: Any, agent: str, budget_seconds: float, seed: int) -> list[Candidate | Skipped]:
+def pick_candidates(cap: Any, cluster: Any, agent: str, budget_seconds: float, seed: int, measure: int = 0,
+                    runnable: tuple[Any, Sequence[Any]] | None = None) -> list[Candidate | Skipped]:
+    """The opp, adp and hybrid picks, the auto pick, and with `measure` > 0 the auto pick that
+    timed its best `measure` candidates on these devices (`explore(measure=K)`, running
+    `runnable`: the train step and its example arguments)."""
     out: list[Candidate | Skipped] = []
     for task, mesh in (("opp", {"model": DEVICES}), ("adp", {"data": DEVICES}), ("hybrid", {"data": 2, "model": 4})):
         try:
@@ -195,16 +201,27 @@ def pick_candidates(cap: Any, cluster: Any, agent: str, budget_seconds: float, s
             out.append(Skipped(f"{task} pick {mesh_text(mesh)}", reason_of(err)))
     try:
         plan = api.explore(cap, task="auto", cluster=cluster)
-        if plan.pipeline is None:  # one stage, one microbatch: written as an SPMD plan
-            note = f"1 stage, mesh {mesh_text(plan.mesh_shape)}"
-        else:
-            stages = plan.pipeline.stages
-            note = (f"{len(stages)} stage{'s' if len(stages) > 1 else ''}, "
-                    f"devices {'+'.join(str(len(s.devices)) for s in stages)}")
-        out.append(Candidate("auto pick", "pick", plan, pick=True, note=note))
+        out.append(Candidate("auto pick", "pick", plan, pick=True, note=auto_note(plan)))
     except Exception as err:
         out.append(Skipped("auto pick", reason_of(err)))
+    if measure > 0:
+        name = f"auto pick measure={measure}"
+        try:
+            plan = api.explore(cap, task="auto", cluster=cluster, measure=measure, runnable=runnable, seed=seed)
+            timed = len(plan.measured.candidates) if plan.measured is not None else 0
+            out.append(Candidate(name, "pick", plan, pick=True,
+                                 note=f"{auto_note(plan)}; fastest of {timed} timed"))
+        except Exception as err:
+            out.append(Skipped(name, reason_of(err)))
     return out
+
+
+def auto_note(plan: Plan) -> str:
+    """An auto plan's shape: its stages and their devices, or its one mesh."""
+    if plan.pipeline is None:  # one stage, one microbatch: written as an SPMD plan
+        return f"1 stage, mesh {mesh_text(plan.mesh_shape)}"
+    stages = plan.pipeline.stages
+    return f"{len(stages)} stage{'s' if len(stages) > 1 else ''}, devices {'+'.join(str(len(s.devices)) for s in stages)}"
 
 
 def random_candidates(cap: Any, graph: FactorGraph, seed: int) -> list[Candidate | Skipped]:
@@ -222,10 +239,12 @@ def random_candidates(cap: Any, graph: FactorGraph, seed: int) -> list[Candidate
 
 
 def plan_set(cap: Any, cluster: Any, *, agent: str, budget_seconds: float, seed: int,
-             microbatches: int) -> list[Candidate | Skipped]:
+             microbatches: int, measure: int = 0, runnable: tuple[Any, Sequence[Any]] | None = None
+             ) -> list[Candidate | Skipped]:
     graph = FactorGraph.from_capture(cap)
     return [*built_in_candidates(cap, graph), replicated_candidate(cap, graph),
-            *pipeline_candidates(cap, cluster, microbatches), *pick_candidates(cap, cluster, agent, budget_seconds, seed),
+            *pipeline_candidates(cap, cluster, microbatches),
+            *pick_candidates(cap, cluster, agent, budget_seconds, seed, measure, runnable),
             *random_candidates(cap, graph, seed)]
 
 
@@ -310,7 +329,7 @@ def bench_model(name: str, cluster: Any, args: argparse.Namespace, console: Cons
     cap = api.load_source(f"zoo:{name}")
     host_args = tuple(jax.tree.map(np.asarray, tuple(model.example_args(args.seed))))
     built = plan_set(cap, cluster, agent=args.agent, budget_seconds=args.budget_seconds, seed=args.seed,
-                     microbatches=args.microbatches)
+                     microbatches=args.microbatches, measure=args.measure, runnable=(model.train_step(), host_args))
     skipped = [b for b in built if isinstance(b, Skipped)]
     prepared: list[Prepared] = []
     console.print(f"  plan set built in {time.perf_counter() - start:.0f} s", style="dim")
@@ -470,6 +489,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "space is too large to enumerate (default exact)")
     parser.add_argument("--microbatches", type=positive_int, default=4,
                         help="most microbatches of the pipeline plans (default 4)")
+    parser.add_argument("--measure", type=int, default=4, metavar="K",
+                        help="also time the auto pick of explore(measure=K), which times its best K candidates "
+                             "on these devices and keeps the fastest (default 4; 0: no such row)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the example batch, searches and random plans")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled steps in JAX's persistent cache in DIR, so that a second run compiles "

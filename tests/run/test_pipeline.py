@@ -266,3 +266,29 @@ def test_resnet_batch_norm(zoo_case, schedule: str) -> None:
         four = dataclasses.replace(one, pipeline=dataclasses.replace(
             one.pipeline, microbatches=4, stages=(PipelineStage((0, 1)), PipelineStage((2, 3)))))
         _run(wide_case, four, executor, microbatches_reference=4, update=False)
+
+
+def test_the_profiles_gradient_buffers_are_the_operands_of_each_stages_all_reduce(zoo_case) -> None:
+    """Oracle for `PipelineProfile.gradient_buffers`: the spmd executor's compiled program
+    all-reduces each stage's gradient in one all-reduce in its backward branch (XLA's combiner),
+    with one operand per trainable array of the stage, as many as the profile counts."""
+    import re
+
+    case = zoo_case("haiku-mlp")
+    pivots = pivots_at(case.chain, [0.25])  # three of its six arrays on each side
+    plan = pipeline_plan(case.cap, case.chain, pivots, microbatches=2, devices_per_stage=4)
+    step = parallelize(case.model.train_step(), plan, executor="spmd", example_args=case.args,
+                       compiler_options=FAST_COMPILE)
+    params, opt_state = step.place(*case.args[:2])
+    jax.block_until_ready(step(params, opt_state, *case.args[2:]))
+    (compiled,) = step._runner._step_jit.compiled.values()
+    operands: dict[int, int] = {}
+    for line in compiled.as_text().splitlines():
+        found = re.search(r" all-reduce\(([^)]*)\).*transpose\(jvp\(\)\).*branch_(\d+)_fun", line)
+        if found:
+            stage = int(found.group(2))
+            operands[stage] = operands.get(stage, 0) + found.group(1).count("%")
+    profile = case.chain.profile
+    bounds = [0, pivots[0] + 1, profile.n_layers]
+    expected = {k: profile.gradient_buffers_of(slice(bounds[k], bounds[k + 1])) for k in range(2)}
+    assert all(expected.values()) and operands == expected

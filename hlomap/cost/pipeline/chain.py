@@ -441,8 +441,10 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
     for name, p in found.stashed.items():
         stash_bytes[p] += kept.get(name, 0.0)
     parameter_bytes = np.zeros(n)
+    gradient_buffers = np.zeros(n)  # one array per parameter: a buffer of the stage's gradient all-reduce
     for name, p in found.parameters.items():
         parameter_bytes[p] += float(by_name[name].shape.byte_size)
+        gradient_buffers[p] += 1
     crossing, live = crossing_bytes(found, {name: kept.get(name, 0.0) for name, _, _ in found.spans})
     layers = []
     previous = ""
@@ -466,6 +468,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
         backward_syncs=sync_counts[1],
         forward_sync_bytes=sync_bytes[0],
         backward_sync_bytes=sync_bytes[1],
+        gradient_buffers=gradient_buffers,
         pass_buffers=float(pass_buffers(cap)),
     )
     live.setflags(write=False)

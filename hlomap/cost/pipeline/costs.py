@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, compute_slowdown
-from hlomap.cost.pipeline.links import GroupPrices, allreduce_cost, allreduce_time, transfer_time
+from hlomap.cost.pipeline.links import GroupPrices, allreduce_cost, allreduce_time, gradient_buffer_seconds, transfer_time
 from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.stages import (INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, Stage, device_order,
                                          held_counts)
@@ -396,15 +396,19 @@ def evaluate_plan(
                          f"cluster {cluster.name!r}")
     comm = options.comm is CommModel.OVERLAPPED
     m, groups = plan.microbatches, plan.device_stages
-    compute, forward, backward, params = [], [], [], []
+    compute, forward, backward, params, buffers = [], [], [], [], []
     for stage in plan.stages:
         f, b = stage_passes(profile, cluster, stage, syncs=comm)
         compute.append(f + b)
         forward.append(f)
         backward.append(b)
-        params.append(float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum()))
+        layers = profile.stage_slice(stage.start, stage.stop)
+        params.append(float(profile.parameter_bytes[layers].sum()))
+        buffers.append(profile.gradient_buffers_of(layers))
     # one all-reduce per device stage, of all its chunks' gradients
-    allreduce = [float(prices.allreduce(plan.stages[g].devices)(sum(params[g::groups]))) if comm else 0.0
+    allreduce = [float(prices.allreduce(plan.stages[g].devices)(sum(params[g::groups])))
+                 + gradient_buffer_seconds(cluster, len(plan.stages[g].devices), sum(buffers[g::groups]))
+                 if comm else 0.0
                  for g in range(groups)]
     transfers = []
     for a, b in zip(plan.stages[:-1], plan.stages[1:]):
@@ -468,8 +472,10 @@ def gpipe_latency(
         f, b = stage_passes(profile, cluster, stage, syncs=comm)
         forward.append(f)
         backward.append(b)
-        params = float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
-        allreduce.append(allreduce_time(cluster, stage.devices, params) if comm else 0.0)
+        layers = profile.stage_slice(stage.start, stage.stop)
+        params = float(profile.parameter_bytes[layers].sum())
+        allreduce.append(allreduce_time(cluster, stage.devices, params, profile.gradient_buffers_of(layers))
+                         if comm else 0.0)
     if syncs_each_microbatch(cluster):  # every microbatch's backward ends with its all-reduce
         backward = [b + a for b, a in zip(backward, allreduce)]
         allreduce = [0.0] * n_stages
@@ -523,7 +529,8 @@ def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
       that is longer: the devices that finish early lend the others their cores;
     - then its collectives, as long as the slowest stage's: in a backward tick the gradient
       all-reduce over the stage's replicas (XLA's partitioner puts it where each tick's gradient
-      is made), in every tick the send to the next stage.
+      is made: one all-reduce combining every gradient array of the stage, each priced,
+      `links.allreduce_time`), in every tick the send to the next stage.
 
     Then each device stage updates its parameters (`stage_update_seconds`), all in parallel."""
     check_plan(profile, cluster, plan)
@@ -544,9 +551,11 @@ def lockstep_latency(profile: PipelineProfile, cluster: Cluster, plan: PipelineP
         if k + 1 < len(plan.stages):
             send = transfer_time(cluster, stage.devices, plan.stages[k + 1].devices,
                                  float(profile.activation_bytes[stage.stop - 1]))
-        params = float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
+        layers = profile.stage_slice(stage.start, stage.stop)
+        params = float(profile.parameter_bytes[layers].sum())
         forward_comm = max(forward_comm, send)
-        backward_comm = max(backward_comm, allreduce_time(cluster, stage.devices, params) + send)
+        backward_comm = max(backward_comm,
+                            allreduce_time(cluster, stage.devices, params, profile.gradient_buffers_of(layers)) + send)
     widths = [len(plan.stages[g].devices) for g in range(groups)]
     shared = busy_speedup(cluster, 1)
 

@@ -31,18 +31,20 @@ the same groups many times keep a `GroupPrices`: an explicit memo of one cluster
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import all_reduce_terms, collective_permute_terms
+from hlomap.cost.estimate import per_buffer_seconds
 
 __all__ = [
     "AffineMax",
     "GroupPrices",
     "allreduce_cost",
     "allreduce_time",
+    "gradient_buffer_seconds",
     "group_memory",
     "is_node_boundary",
     "transfer_cost",
@@ -98,9 +100,22 @@ def transfer_time(cluster: Cluster, src: Group, dst: Group, nbytes: float) -> fl
     return float(transfer_cost(cluster, src, dst)(nbytes))
 
 
-def allreduce_time(cluster: Cluster, group: Group, nbytes: float) -> float:
-    """Seconds to all-reduce `nbytes` of gradients over a stage's devices `group`."""
-    return float(allreduce_cost(cluster, group)(nbytes))
+def gradient_buffer_seconds(cluster: Cluster, group_size: int, buffers: Any) -> Any:
+    """What the `buffers` arrays of a gradient all-reduce over `group_size` devices add to the
+    all-reduce of their bytes (a float, or an array of them for an array of counts): XLA combines
+    a stage's gradient all-reduces into one (as it does an SPMD step's), whose every buffer after
+    the first costs a measured cluster what its calibration timed
+    (`hlomap.cost.estimate.per_buffer_seconds`: host devices reduce the operands one after
+    another); nothing on a datasheet cluster or one device."""
+    per_buffer = per_buffer_seconds(cluster, group_size)
+    extra = per_buffer * np.maximum(np.asarray(buffers, dtype=np.float64) - 1.0, 0.0)
+    return float(extra) if extra.ndim == 0 else extra
+
+
+def allreduce_time(cluster: Cluster, group: Group, nbytes: float, buffers: float = 1.0) -> float:
+    """Seconds to all-reduce `nbytes` of gradients in `buffers` arrays over a stage's devices
+    `group` (`gradient_buffer_seconds`)."""
+    return float(allreduce_cost(cluster, group)(nbytes)) + gradient_buffer_seconds(cluster, len(group), buffers)
 
 
 class GroupPrices:

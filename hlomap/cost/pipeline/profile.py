@@ -62,7 +62,8 @@ class Prefix(NamedTuple):
     `trainable` counts layers with parameters, for the at-least-one-trainable-layer constraint;
     `fixed` is the part of `compute` a batch split does not shrink (`replicated_seconds`);
     `forward_syncs` ... `backward_sync_bytes` the all-reduces a batch split adds inside the
-    passes (`PipelineProfile.forward_syncs`).
+    passes (`PipelineProfile.forward_syncs`); `gradient_buffers` the arrays of a stage's gradient
+    all-reduce.
     """
 
     forward: np.ndarray
@@ -76,6 +77,7 @@ class Prefix(NamedTuple):
     backward_syncs: np.ndarray
     forward_sync_bytes: np.ndarray
     backward_sync_bytes: np.ndarray
+    gradient_buffers: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,6 +108,11 @@ class PipelineProfile:
         data replicas (batch norm's statistics: `hlomap.cost.pipeline.batch_split.Syncs`), and
         forward_sync_bytes, backward_sync_bytes: [n] their bytes; None for none. Neither grows
         with the batch; priced on the stage's devices (`costs.stage_sync_seconds`).
+      gradient_buffers: [n] trainable parameter arrays each layer owns (None: none known): a
+        replicated stage's gradient all-reduce combines one buffer per array, and on a measured
+        cluster each buffer after the first costs what the calibration timed
+        (`hlomap.cost.pipeline.links.gradient_buffer_seconds`). Sums over merged layers and does
+        not scale with the batch, like the syncs.
       pass_buffers: buffers the mpmd executor's passes move per microbatch, all stages together
         (`hlomap.cost.estimate.pass_buffers`; 0 when unknown): the step's, whatever the cuts,
         which the executor's cost on a measured cluster grows with (`costs.executor_overhead`).
@@ -125,6 +132,7 @@ class PipelineProfile:
     backward_syncs: np.ndarray | None = None
     forward_sync_bytes: np.ndarray | None = None
     backward_sync_bytes: np.ndarray | None = None
+    gradient_buffers: np.ndarray | None = None
     pass_buffers: float = 0.0
 
     def __post_init__(self) -> None:
@@ -206,6 +214,10 @@ class PipelineProfile:
         return ((float(self.forward_syncs[layers].sum()), float(self.forward_sync_bytes[layers].sum())),  # type: ignore[index]
                 (float(self.backward_syncs[layers].sum()), float(self.backward_sync_bytes[layers].sum())))  # type: ignore[index]
 
+    def gradient_buffers_of(self, layers: slice) -> float:
+        """Arrays the gradient all-reduce of `layers` combines (`gradient_buffers`)."""
+        return float(self.gradient_buffers[layers].sum())  # type: ignore[index]
+
     @property
     def update_time(self) -> np.ndarray:
         """[n] seconds per step the optimizer update of each layer's parameters takes on one device."""
@@ -246,9 +258,10 @@ class PipelineProfile:
         return slice(start, stop)
 
 
-#: The fields of a profile's in-pass all-reduces (`PipelineProfile.forward_syncs`): they do not
-#: scale with the batch or the compute speed, and sum over merged layers.
-SYNC_FIELDS = ("forward_syncs", "backward_syncs", "forward_sync_bytes", "backward_sync_bytes")
+#: The fields that count a profile's all-reduces and their buffers: the in-pass all-reduces
+#: (`PipelineProfile.forward_syncs`) and the gradient all-reduce's arrays (`gradient_buffers`).
+#: They do not scale with the batch or the compute speed, and sum over merged layers.
+SYNC_FIELDS = ("forward_syncs", "backward_syncs", "forward_sync_bytes", "backward_sync_bytes", "gradient_buffers")
 
 
 def sync_fields(profile: PipelineProfile) -> dict[str, np.ndarray]:

@@ -147,9 +147,10 @@ def simulate(
     forward, backward, weight = pass_times(profile, plan, cluster, syncs=comm)
     params = [float(profile.parameter_bytes[profile.stage_slice(stage.start, stage.stop)].sum())
               for stage in plan.stages]  # per logical stage (chunk)
+    buffers = [profile.gradient_buffers_of(profile.stage_slice(stage.start, stage.stop)) for stage in plan.stages]
     each = syncs_each_microbatch(cluster)
     if each and comm:  # each chunk's backward (weight pass under ZB-H1) all-reduces its gradients
-        synced = [allreduce_time(cluster, stage.devices, p) for stage, p in zip(plan.stages, params)]
+        synced = [allreduce_time(cluster, stage.devices, p, n) for stage, p, n in zip(plan.stages, params, buffers)]
         if plan.schedule is Schedule.ZERO_BUBBLE:
             weight = [w + a for w, a in zip(weight, synced)]
         else:
@@ -166,7 +167,8 @@ def simulate(
     for g in range(n_groups):
         free = group_free[g]
         if not each:  # one all-reduce per device stage after its last pass
-            duration = allreduce_time(cluster, plan.stages[g].devices, sum(params[g::n_groups])) if comm else 0.0
+            duration = (allreduce_time(cluster, plan.stages[g].devices, sum(params[g::n_groups]),
+                                       sum(buffers[g::n_groups])) if comm else 0.0)
             if duration > 0:
                 spans.append(Span(SpanKind.ALLREDUCE, g, -1, free, free + duration))
                 free += duration

@@ -108,6 +108,7 @@ class LayerDag:
     backward_syncs: np.ndarray | None = None
     forward_sync_bytes: np.ndarray | None = None
     backward_sync_bytes: np.ndarray | None = None
+    gradient_buffers: np.ndarray | None = None  # each layer's trainable arrays (`PipelineProfile.gradient_buffers`)
 
     def __post_init__(self) -> None:
         n = len(self.names)

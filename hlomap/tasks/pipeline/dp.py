@@ -68,7 +68,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.costs import CommModel, allreduce_share, evaluate_plan, sync_seconds
-from hlomap.cost.pipeline.links import GroupPrices, group_memory, is_node_boundary
+from hlomap.cost.pipeline.links import GroupPrices, gradient_buffer_seconds, group_memory, is_node_boundary
 from hlomap.cost.pipeline.profile import SYNC_FIELDS, PipelineProfile, Prefix, replicated_seconds
 from hlomap.cost.pipeline.stages import PipelinePlan, in_flight
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan, Solution
@@ -926,7 +926,8 @@ class _ReplicationOptions:
         plus the all-reduces its passes run over them (`costs.stage_sync_seconds`), plus the
         stage's gradient all-reduce amortized over the microbatches, or
         all of it per microbatch where the executors sync every microbatch
-        (`costs.allreduce_share`, `links.allreduce_time`), plus its optimizer update amortized
+        (`costs.allreduce_share`, `links.allreduce_time`: its bytes and each of its arrays' buffers),
+        plus its optimizer update amortized
         (each replica updates all the stage's parameters once per step)."""
         r = self.sizes[option]
         slowdown = compute_slowdown(self.cluster, range(device, device + r))
@@ -935,7 +936,9 @@ class _ReplicationOptions:
             t = t + self.parameter * (self.states.update_per_byte * slowdown / self.space.microbatches)
         if self._comm and r > 1:
             allreduce = self.prices.allreduce(range(device, device + r))
-            t = t + allreduce_share(self.prices.cluster, allreduce(self.parameter), self.space.microbatches)
+            gradients = allreduce(self.parameter) + gradient_buffer_seconds(self.prices.cluster, r,
+                                                                            self.syncs["gradient_buffers"])
+            t = t + allreduce_share(self.prices.cluster, gradients, self.space.microbatches)
             # the passes' own all-reduces, every microbatch (`costs.stage_sync_seconds`)
             t = t + sync_seconds(allreduce, self.syncs["forward_syncs"], self.syncs["forward_sync_bytes"])
             t = t + sync_seconds(allreduce, self.syncs["backward_syncs"], self.syncs["backward_sync_bytes"])

@@ -303,6 +303,7 @@ class StageState(_StagedState):
                         + profile.update_time / layout.microbatches)
         self.profile = profile
         self.params = profile.parameter_bytes
+        self.buffers = profile.gradient_buffers
         self.cut_bytes = profile.activation_bytes
         self.m = layout.microbatches
         self.model = PipelineModel(problem.cluster)
@@ -310,7 +311,7 @@ class StageState(_StagedState):
 
     def _stage(self, s: int, order: np.ndarray) -> float:
         devices = self._devices(s, order)
-        allreduce = self.model.allreduce(devices, float(self.params[s]))
+        allreduce = self.model.allreduce(devices, float(self.params[s]), float(self.buffers[s]))
         # the all-reduces the stage's passes run over its replicas, every microbatch
         syncs = sum(stage_sync_seconds(self.profile, self.problem.cluster, Stage(s, s + 1, tuple(devices))))
         return float(self.compute[s]) + allreduce / self.m + syncs

@@ -29,9 +29,10 @@ class PipelineModel:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
 
-    def allreduce(self, devices: Sequence[int], nbytes: float) -> float:
-        """A stage's gradient all-reduce of `nbytes` over its replicas `devices`, in that order."""
-        return allreduce_time(self.cluster, devices, nbytes)
+    def allreduce(self, devices: Sequence[int], nbytes: float, buffers: float = 1.0) -> float:
+        """A stage's gradient all-reduce of `nbytes` in `buffers` arrays over its replicas
+        `devices`, in that order."""
+        return allreduce_time(self.cluster, devices, nbytes, buffers)
 
     def transfer(self, src: Sequence[int], dst: Sequence[int], nbytes: float) -> float:
         """A tensor of `nbytes` from a stage on `src` to the next stage on `dst`, per direction."""

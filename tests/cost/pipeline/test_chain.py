@@ -118,6 +118,17 @@ def test_each_weight_is_charged_at_its_first_use_with_its_gradient(mlp):
         assert chain.profile.backward_time[first] > 0
 
 
+def test_each_parameter_array_is_one_buffer_of_its_layers_gradient_all_reduce(mlp):
+    """A stage's gradient all-reduce combines one buffer per trainable array: the profile counts
+    each weight and bias once, at the layer that owns its bytes, and merging keeps the count."""
+    profile = chain_arrays(mlp, DEVICE).profile
+    assert profile.gradient_buffers.sum() == 2 * DEPTH
+    np.testing.assert_array_equal(profile.gradient_buffers > 0, profile.parameter_bytes > 0)
+    merged = merge_layers(profile, [profile.n_pivots // 2])
+    assert merged.gradient_buffers.sum() == 2 * DEPTH
+    assert merged.gradient_buffers_of(slice(0, 1)) == profile.gradient_buffers_of(slice(0, profile.n_pivots // 2 + 1))
+
+
 def test_pivots_between_layers_carry_one_activation(mlp):
     hlo = step_chain(mlp, DEVICE)
     activation = BATCH * WIDTH * 4

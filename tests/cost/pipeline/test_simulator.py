@@ -310,3 +310,25 @@ def test_on_devices_sharing_cores_a_tick_takes_the_devices_mean_work():
     assert lockstep_latency(profile, shared, plan, remat=False) == pytest.approx(2 * (2.0 + 4.0))
     slow_alone = replace(cluster, measured=MeasuredCosts(solo_speedup=1.2, n_devices=2))  # alone: 1.2x
     assert lockstep_latency(profile, slow_alone, plan, remat=False) == pytest.approx(2 * (3.0 + 6.0) / 1.2)
+
+
+def test_each_gradient_array_after_the_first_adds_its_measured_cost_to_every_all_reduce():
+    """Two stages on two devices each, one microbatch, free links: the all-reduce of each
+    stage's gradient costs only its buffers, (arrays - 1) x the measured cost per buffer, in every
+    backward (the mpmd executor's timeline) and in every backward tick of the lockstep (the spmd
+    executor's, as long as the costlier stage's); nothing on a datasheet cluster."""
+    from hlomap.cost.measured import MeasuredCosts
+
+    counted = PipelineProfile(names=("a", "b"), forward_time=np.array([1.0, 3.0]),
+                              backward_time=np.array([2.0, 5.0]), activation_bytes=np.array([0.0]),
+                              parameter_bytes=np.array([4.0, 4.0]), gradient_buffers=np.array([5.0, 3.0]))
+    uncounted = replace(counted, gradient_buffers=None)
+    cluster = uniform_cluster(4, latency=0.0, bandwidth=float("inf"))
+    measured = replace(cluster, measured=MeasuredCosts(combined_operand_seconds=1e-3))
+    plan = PipelinePlan.linear([0, 1, 2], [2, 2], microbatches=1, schedule=Schedule.GPIPE)
+    added = simulate(counted, measured, plan).length - simulate(uncounted, measured, plan).length
+    assert added == pytest.approx((5 - 1) * 1e-3 + (3 - 1) * 1e-3)
+    ticks = lockstep_latency(counted, measured, plan, remat=False) - lockstep_latency(uncounted, measured, plan,
+                                                                                       remat=False)
+    assert ticks == pytest.approx(2 * (5 - 1) * 1e-3)  # T = M + S - 1 = 2 backward ticks
+    assert simulate(counted, cluster, plan).length == simulate(uncounted, cluster, plan).length

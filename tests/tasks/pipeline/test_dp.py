@@ -58,8 +58,9 @@ def test_dp_finds_the_brute_force_optimum(profile, cluster, space):
 def test_dp_finds_the_brute_force_optimum_where_every_microbatch_syncs(profile, cluster, space):
     """On a measured cluster a replicated stage pays its gradient all-reduce every microbatch
     (`costs.syncs_each_microbatch`, as hlomap's executors run it): the DP's tables and the plan
-    pricing the brute force enumerates follow the same rule, so the optimum still agrees."""
-    measured = dataclasses.replace(cluster, measured=MeasuredCosts())
+    pricing the brute force enumerates follow the same rule, so the optimum still agrees; each
+    array of the gradient after the first adds its measured cost to the all-reduce in both."""
+    measured = dataclasses.replace(cluster, measured=MeasuredCosts(combined_operand_seconds=0.05))
     found, _ = _dp_and_brute_force(profile, measured, space)
     if found is not None:
         assert found.cost == evaluate_plan(profile, measured, found.plan, space.cost)
