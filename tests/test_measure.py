@@ -312,3 +312,23 @@ def test_a_one_stage_auto_pick_takes_the_sharding_search_on_its_mesh_when_that_p
     assert "joint pick" in listed and listed["joint pick"].family is Family.JOINT
     # where the joint pick is a pipeline nothing is refined
     assert api.refined_sharding(cap, api.explore(cap, task="auto", cluster="hier:1x8"), "hier:1x8") is None
+
+
+def test_auto_lists_the_best_megatron_grid_meshes_so_measuring_can_find_a_runner_up_mesh() -> None:
+    """The auto task's candidates hold each of the `GRID_CANDIDATES` best points of the joint
+    planner's Megatron grid: its one-stage points are data x model meshes the cost model ranks
+    just behind the pick's, which a measured selection then times too."""
+    from hlomap.tasks.candidates import GRID_CANDIDATES, best_grid_points
+
+    cap = api.load_source("zoo:bert-tiny")
+    found = api.explore_auto_detailed(cap, cluster=str(CPU8))
+    listed = api.explore_candidates(found, cap, str(CPU8))
+    meshes = {frozenset((a, n) for a, n in c.plan.mesh_shape.items() if n > 1) for c in listed
+              if c.plan.pipeline is None}
+    points = best_grid_points(found.result.grid, GRID_CANDIDATES)
+    assert len(points) == GRID_CANDIDATES
+    assert [float(p.cost.latency) for p in points] == sorted(float(p.cost.latency) for p in points)
+    one_stage = [p for p in points if p.pp == 1]
+    assert one_stage  # bert-tiny's best grid points include single-stage meshes
+    for point in one_stage:
+        assert frozenset((a, n) for a, n in (("data", point.dp), ("model", point.tp)) if n > 1) in meshes
