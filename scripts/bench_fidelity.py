@@ -460,6 +460,12 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 or a positive integer")
+    return int(text)
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -489,7 +495,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "space is too large to enumerate (default exact)")
     parser.add_argument("--microbatches", type=positive_int, default=4,
                         help="most microbatches of the pipeline plans (default 4)")
-    parser.add_argument("--measure", type=int, default=4, metavar="K",
+    parser.add_argument("--measure", type=count, default=4, metavar="K",
                         help="also time the auto pick of explore(measure=K), which times its best K candidates "
                              "on these devices and keeps the fastest (default 4; 0: no such row)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the example batch, searches and random plans")
