@@ -39,7 +39,7 @@ import numpy as np
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, GroupCost, collective_group_times
 from hlomap.cost.mapping import AxisMapping
-from hlomap.cost.pipeline.costs import pipeline_latency, stage_sync_seconds
+from hlomap.cost.pipeline.costs import allreduce_share, pipeline_latency, stage_sync_seconds
 from hlomap.cost.pipeline.profile import replicated_seconds
 from hlomap.cost.pipeline.stages import Stage
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
@@ -314,7 +314,8 @@ class StageState(_StagedState):
         allreduce = self.model.allreduce(devices, float(self.params[s]), float(self.buffers[s]))
         # the all-reduces the stage's passes run over its replicas, every microbatch
         syncs = sum(stage_sync_seconds(self.profile, self.problem.cluster, Stage(s, s + 1, tuple(devices))))
-        return float(self.compute[s]) + allreduce / self.m + syncs
+        # its gradient all-reduce per microbatch as the executors run it (`costs.allreduce_share`)
+        return float(self.compute[s]) + allreduce_share(self.problem.cluster, allreduce, self.m) + syncs
 
     def _cut(self, k: int, order: np.ndarray) -> float:
         return self.model.transfer(self._devices(k, order), self._devices(k + 1, order), float(self.cut_bytes[k]))

@@ -82,3 +82,25 @@ def test_placements_that_do_not_fit_are_named():
         step_seconds(pb, (0, 1, 2, 3, 4, 5, 6, 6))
     with pytest.raises(PlacementError, match=r"device\(s\) \[9\], outside cluster 'hier:2x4'"):
         step_seconds(pb, (0, 1, 2, 3, 4, 5, 6, 9))
+
+
+def test_on_a_measured_cluster_stage_pricing_syncs_every_microbatch_and_prices_each_gradient_array():
+    """Where the executors all-reduce a stage's gradient every microbatch (a measured cluster,
+    `costs.syncs_each_microbatch`) and each array of it costs its measured buffer, the placement
+    search prices a stage as the pipeline cost model does."""
+    import dataclasses
+
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.cost.measured import MeasuredCosts
+    from hlomap.tasks.placement.problem import PlacementProblem, StageLayout
+
+    base = stage_layout((2, 3, 1))
+    profile = dataclasses.replace(base.profile, gradient_buffers=np.array([6.0, 2.0, 9.0]))
+    layout = StageLayout(profile, base.replication, base.microbatches, base.schedule)
+    cluster = dataclasses.replace(load_cluster("random:6:2"), measured=MeasuredCosts(combined_operand_seconds=1e-4))
+    pb = PlacementProblem(cluster, layout, name="measured")
+    devices = (5, 0, 3, 1, 4, 2)
+    expected = evaluate_plan(profile, cluster, layout.plan(devices)).latency
+    unmeasured = evaluate_plan(profile, load_cluster("random:6:2"), layout.plan(devices)).latency
+    assert expected > unmeasured
+    assert new_state(pb, np.array(devices)).value == pytest.approx(expected, rel=1e-12)
