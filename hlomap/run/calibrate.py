@@ -108,6 +108,7 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
                 extra_leaves: int = 0) -> ExecutorSample | None:
         import jax
 
+        from hlomap.cost.pipeline.costs import mean_stage_devices
         from hlomap.run.runner import parallelize
         from hlomap.tasks.pipeline.explore import explore_pipeline_plan
         from hlomap.verify.timing import stateful_step
@@ -124,8 +125,8 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
         except (RunError, ValueError) as err:
             log.info("calibrate: %s left out (%s)", label, err)
             return None
-        stage_devices = sum(len(stage.devices) for stage in plan.pipeline.stages) / len(plan.pipeline.stages)
-        return ExecutorSample(executor, stages, microbatches, seconds, float(buffers), stage_devices)
+        return ExecutorSample(executor, stages, microbatches, seconds, float(buffers),
+                              mean_stage_devices(plan.pipeline.stages))
 
     tasks: list[ExecutorTask] = []
     for stages, microbatches in bench.shapes:
