@@ -27,7 +27,7 @@ from hlomap.search.tracker import Budget, Driver, Progress, SearchResult, Tracke
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PATIENCE", "STALL_MIN_SECONDS", "STALL_SHARE", "greedy_search", "iterated_local_search", "stalled"]
+__all__ = ["PATIENCE", "STALL_MIN_SECONDS", "STALL_SHARE", "greedy_search", "hill_climb", "iterated_local_search", "stalled"]
 
 #: Kicks in a row without a better plan after which iterated local search stops early.
 PATIENCE = 50
@@ -53,33 +53,40 @@ def greedy_search(task: SearchTask, budget: Budget, seed: int = 0, *,
             iterated_local_search(task, tracker, np.random.default_rng(seed))
         return tracker.result()
     with tracker.guard():
-        current = task.initial()
-        if current is None:
-            raise ValueError("greedy search needs a starting plan; this task has none")
-        best = task.score(current)
-        tracker.record(current, best)
-        while not tracker.exhausted():
-            candidates = task.neighbours(current)
-            left = tracker.remaining_evaluations()
-            if left is not None:
-                candidates = candidates[:left]
-            if not len(candidates):
-                tracker.notes.append("local optimum: no move is possible")
-                break
-            step_best, step_row = best, None
-            for row in candidates:
-                score = task.score(row)
-                tracker.record(row, score)
-                if score.key > step_best.key:
-                    step_best, step_row = score, row
-                if tracker.exhausted():
-                    break
-            tracker.progress()
-            if step_row is None:
-                tracker.notes.append("local optimum: no single change improves the score")
-                break
-            current, best = step_row.copy(), step_best
+        tracker.notes.append(hill_climb(task, tracker))
     return tracker.result()
+
+
+def hill_climb(task: SearchTask, tracker: Tracker) -> str:
+    """Best-improvement hill climbing over `task`'s neighbours from its starting plan, every
+    scored plan recorded in `tracker`, until no single move improves the score or the
+    tracker's budget runs out; returns why it stopped. The exact sharding search climbs first
+    too, so that a budget which cuts its enumeration short still returns a local optimum."""
+    current = task.initial()
+    if current is None:
+        raise ValueError("greedy search needs a starting plan; this task has none")
+    best = task.score(current)
+    tracker.record(current, best)
+    while not tracker.exhausted():
+        candidates = task.neighbours(current)
+        left = tracker.remaining_evaluations()
+        if left is not None:
+            candidates = candidates[:left]
+        if not len(candidates):
+            return "local optimum: no move is possible"
+        step_best, step_row = best, None
+        for row in candidates:
+            score = task.score(row)
+            tracker.record(row, score)
+            if score.key > step_best.key:
+                step_best, step_row = score, row
+            if tracker.exhausted():
+                break
+        tracker.progress()
+        if step_row is None:
+            return "local optimum: no single change improves the score"
+        current, best = step_row.copy(), step_best
+    return "stopped by the budget before a local optimum"
 
 
 def _ordered(a: float, b: float) -> int:

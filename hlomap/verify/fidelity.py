@@ -7,7 +7,7 @@ under both, and how much slower than the fastest measured plan each explorer's p
 
     figures = [PlanFigures("data=8", "built-in", "spmd", predicted, timed.median, timed.iqr), ...]
     report = fidelity_report(figures)
-    report.spearman, report.slowdowns["opp pick"]
+    report.spearman, report.slowdowns["opp pick"], report.space_slowdowns["opp pick"]
 
 The helpers the script needs to build its plan set live here too, where tests reach them:
 `pipeline_microbatches` (a microbatch count whose microbatches split over a stage's devices) and
@@ -18,13 +18,16 @@ Nothing here imports JAX.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["FidelityReport", "PlanFigures", "fidelity_report", "pipeline_microbatches", "random_conflict_free_choices",
-           "ranks", "spearman"]
+__all__ = ["EVERY_SPACE", "FidelityReport", "PlanFigures", "fidelity_report", "pipeline_microbatches",
+           "random_conflict_free_choices", "ranks", "space_slowdowns", "spearman"]
+
+#: `PlanFigures.space` of a plan every search space holds (every tensor replicated).
+EVERY_SPACE = "*"
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class PlanFigures:
     kind: where the plan came from ("built-in", "replicated", "pipeline", "pick", "random");
     executor: what ran it ("spmd" for SPMD plans and the spmd pipeline executor, "mpmd");
     pick: whether an explorer chose it (its slowdown against the fastest plan is a goal).
+    space: the search space that holds the plan, for a single-mesh explorer's pick the space it
+    searched (such as "model=8"); `EVERY_SPACE` for a plan every space holds (all replicated);
+    None for one no single-mesh explorer could choose (pipelines, auto's picks).
     """
 
     name: str
@@ -43,11 +49,12 @@ class PlanFigures:
     measured_seconds: float
     iqr_seconds: float
     pick: bool = False
+    space: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "executor": self.executor,
                 "predicted_seconds": self.predicted_seconds, "measured_seconds": self.measured_seconds,
-                "iqr_seconds": self.iqr_seconds, "pick": self.pick}
+                "iqr_seconds": self.iqr_seconds, "pick": self.pick, "space": self.space}
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,17 @@ class FidelityReport:
     spearman: float  # NaN when fewer than two plans, or one side has a single value
     fastest: str  # the fastest measured plan
     slowdowns: Mapping[str, float]  # pick name -> its measured time over the fastest one's, minus 1
+    # pick name -> (the fastest measured plan its own space holds, the pick's slowdown against it):
+    # an opp pick on model=8 cannot match a faster data x model plan its explorer never saw
+    space_slowdowns: Mapping[str, tuple[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"plans": [dict(p.to_json(), predicted_rank=r, measured_rank=m)
                           for p, r, m in zip(self.plans, self.predicted_ranks, self.measured_ranks)],
                 "spearman": None if math.isnan(self.spearman) else self.spearman,
-                "fastest": self.fastest, "slowdowns": dict(self.slowdowns)}
+                "fastest": self.fastest, "slowdowns": dict(self.slowdowns),
+                "space_slowdowns": {name: {"fastest": fastest, "slowdown": slowdown}
+                                    for name, (fastest, slowdown) in self.space_slowdowns.items()}}
 
 
 def ranks(values: Sequence[float]) -> tuple[int, ...]:
@@ -97,7 +109,20 @@ def fidelity_report(plans: Iterable[PlanFigures]) -> FidelityReport:
     fastest = min(plans, key=lambda p: p.measured_seconds)
     slowdowns = {p.name: p.measured_seconds / fastest.measured_seconds - 1.0 for p in plans if p.pick}
     return FidelityReport(plans, ranks(predicted), ranks(measured), spearman(predicted, measured), fastest.name,
-                          slowdowns)
+                          slowdowns, space_slowdowns(plans))
+
+
+def space_slowdowns(plans: Sequence[PlanFigures]) -> dict[str, tuple[str, float]]:
+    """Each single-mesh pick's slowdown against the fastest measured plan of its own space: the
+    plans of the same `space`, and those every space holds."""
+    out = {}
+    for pick in plans:
+        if not pick.pick or pick.space is None or pick.space == EVERY_SPACE:
+            continue
+        peers = [p for p in plans if p.space in (pick.space, EVERY_SPACE)]
+        fastest = min(peers, key=lambda p: p.measured_seconds)
+        out[pick.name] = (fastest.name, pick.measured_seconds / fastest.measured_seconds - 1.0)
+    return out
 
 
 def pipeline_microbatches(batch: int, stages: int, devices: int, preferred: int = 4) -> int | None:

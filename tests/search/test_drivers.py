@@ -64,7 +64,30 @@ def test_exact_enumeration_finds_the_cost_optimum(graph_of, axes8) -> None:
     assert result.optimal and result.driver is Driver.EXACT
     brute = max(CostObjective(space, _additive_cost(space, gains)).score(c).value for c in enumerate_conflict_free(space))
     assert result.score.value == pytest.approx(brute)
-    assert result.evaluations == count_conflict_free(space, 10_000) + 0
+    count = count_conflict_free(space, 10_000)
+    assert f"enumerated {count} of {count} conflict-free plans" in result.notes
+    assert result.evaluations >= count  # the hill climb first, then every plan
+
+
+def test_exact_cut_short_by_its_budget_still_returns_the_climbs_optimum(graph_of, axes8) -> None:
+    # Depth first and replicate-first, the enumeration meets the plans that partition its first
+    # positions last: a budget that stops it early returned a near-replicated plan before the
+    # climb came first.
+    space = opp_space(graph_of("t5-tiny"), axes8)  # 15 positions, 3244 conflict-free plans
+    # only partitioning the first position pays: the plans that do are the second half of the order
+    gains = {int(g): 1.0 for g, p in space.position_of_group.items() if p == 0}
+    greedy = greedy_search(ShardingTask(space, CostObjective(space, _additive_cost(space, gains))),
+                           Budget(seconds=None), 0)
+    budget = Budget(seconds=None, evaluations=greedy.evaluations + 2)
+    cut = exact_search(ShardingTask(space, CostObjective(space, _additive_cost(space, gains))), budget)
+    assert not cut.optimal
+    assert cut.score.value >= greedy.score.value > 1.0  # a speedup over the all-replicated plan
+    # the enumeration alone, given the whole budget, stops far short of that
+    alone = [CostObjective(space, _additive_cost(space, gains)).score(c).value
+             for c, _ in zip(enumerate_conflict_free(space), range(budget.evaluations))]
+    assert max(alone) < greedy.score.value
+    assert any(n.startswith("climbed first") for n in cut.notes)
+    assert any(n.startswith("enumerated 2 of ") for n in cut.notes)
 
 
 def test_exact_refuses_spaces_too_large_to_enumerate(graph_of, axes8) -> None:

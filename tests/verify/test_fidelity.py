@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hlomap.verify.fidelity import (
+    EVERY_SPACE,
     PlanFigures,
     fidelity_report,
     pipeline_microbatches,
@@ -58,6 +59,23 @@ def test_the_report_ranks_every_plan_and_measures_only_the_picks_against_the_fas
     data = report.to_json()
     assert [p["measured_rank"] for p in data["plans"]] == [4, 1, 2, 3]
     assert data["fastest"] == "megatron" and data["slowdowns"]["opp pick"] == pytest.approx(0.05)
+
+
+def test_a_single_mesh_pick_is_also_measured_against_the_fastest_plan_its_own_space_holds():
+    def plan(name: str, measured: float, space: str | None, pick: bool = False) -> PlanFigures:
+        return PlanFigures(name, "pick" if pick else "built-in", "spmd", 0.01, measured, 0.001, pick, space)
+
+    plans = [plan("dp data=8", 0.020, "data=8"), plan("replicated", 0.014, EVERY_SPACE),
+             plan("dp+megatron 2x4", 0.004, "data=2,model=4"), plan("pipeline", 0.003, None),
+             plan("adp pick data=8", 0.0147, "data=8", True), plan("hybrid pick 2x4", 0.005, "data=2,model=4", True),
+             plan("auto pick", 0.0033, None, True)]
+    report = fidelity_report(plans)
+    assert report.slowdowns["adp pick data=8"] == pytest.approx(0.0147 / 0.003 - 1)
+    # the adp space holds data=8 plans and the replicated one: the replicated plan is its fastest
+    assert report.space_slowdowns["adp pick data=8"] == ("replicated", pytest.approx(0.05))
+    assert report.space_slowdowns["hybrid pick 2x4"] == ("dp+megatron 2x4", pytest.approx(0.25))
+    assert "auto pick" not in report.space_slowdowns  # its space is the whole set
+    assert report.to_json()["space_slowdowns"]["adp pick data=8"]["fastest"] == "replicated"
 
 
 def test_a_pick_that_is_the_fastest_has_no_slowdown_and_an_undefined_spearman_is_null_in_json():

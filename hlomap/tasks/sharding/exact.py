@@ -16,7 +16,7 @@ are more than `limit` of them.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -128,10 +128,18 @@ def count_conflict_free(space: ShardingSpace, limit: int) -> int:
 
 
 def solve_exactly(space: ShardingSpace, objective: ShardingObjective, tracker: Tracker, *,
-                  limit: int = DEFAULT_ENUMERATION_LIMIT) -> None:
+                  limit: int = DEFAULT_ENUMERATION_LIMIT,
+                  warm_start: Callable[[Tracker], str] | None = None) -> None:
     """The optimum into `tracker`: the MILP for the paper reward, enumeration otherwise
     (ExactTooLarge beyond `limit` conflict-free plans); `tracker.optimal` when proven (not
-    when the budget cut the enumeration or the MILP's time limit short)."""
+    when the budget cut the enumeration or the MILP's time limit short).
+
+    `warm_start` runs before an enumeration, recording plans in `tracker` and returning a note
+    (the task's hill climb): depth first, the enumeration reaches the plans that partition the
+    first positions last, so a budget that stops it part way would otherwise return whatever
+    the replicate-first corner of the space holds (t5-tiny's opp space on 8 CPU devices: 507 of
+    3244 plans in 20 s, a plan 1.7x slower than the optimum the climb finds in 4 s). The
+    objective's cache makes the climbed plans free to score again."""
     budget = tracker.budget
     if objective.mode is RewardMode.PAPER and isinstance(objective, PaperObjective):
         choices, proven = paper_milp(space, time_limit=budget.seconds)
@@ -143,12 +151,18 @@ def solve_exactly(space: ShardingSpace, objective: ShardingObjective, tracker: T
     if count > limit:
         raise ExactTooLarge(f"more than {limit} conflict-free plans over {space.num_positions} positions; "
                             f"exact search with the {objective.mode} reward enumerates them all")
+    if warm_start is not None:
+        before = tracker.evaluations
+        stopped = warm_start(tracker)
+        tracker.notes.append(f"climbed first ({tracker.evaluations - before} plans scored; {stopped})")
     complete = True
+    enumerated = 0
     for choices in enumerate_conflict_free(space):
         if tracker.exhausted():
             complete = False
             break
         tracker.record(choices, objective.score(choices))
+        enumerated += 1
         tracker.progress()
     tracker.optimal = complete and not tracker.interrupted
-    tracker.notes.append(f"enumerated {count if complete else tracker.evaluations} of {count} conflict-free plans")
+    tracker.notes.append(f"enumerated {count if complete else enumerated} of {count} conflict-free plans")

@@ -17,6 +17,7 @@ import numpy as np
 
 from hlomap.search.budget import Budget
 from hlomap.search.dqn import DqnSearchConfig
+from hlomap.search.greedy import hill_climb
 from hlomap.search.score import Score
 from hlomap.search.tracker import Tracker
 from hlomap.tasks.sharding.env import EnvConfig, MaskPolicy, PlanEnv
@@ -196,4 +197,5 @@ class ShardingTask:
         return count if count <= COUNT_LIMIT else None
 
     def solve_exactly(self, tracker: Tracker) -> None:
-        solve_exactly(self.space, self.objective, tracker, limit=self.enumeration_limit)
+        solve_exactly(self.space, self.objective, tracker, limit=self.enumeration_limit,
+                      warm_start=lambda t: hill_climb(self, t))
