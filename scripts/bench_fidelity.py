@@ -254,8 +254,11 @@ def plan_set(cap: Any, cluster: Any, *, agent: str, budget_seconds: float, seed:
 
 
 def same_spmd_plan(a: Plan, b: Plan) -> bool:
-    """Whether two SPMD plans shard alike (two fully replicated plans do, whatever their mesh)."""
+    """Whether two SPMD plans shard alike over as many devices (two fully replicated plans do,
+    whatever their mesh's axes; the step on one device is not the step replicated on eight)."""
     if a.pipeline is not None or b.pipeline is not None:
+        return False
+    if math.prod(a.mesh_shape.values()) != math.prod(b.mesh_shape.values()):
         return False
     specs_a, specs_b = [p.spec for p in a.parameters], [p.spec for p in b.parameters]
     replicated = all(s is None for spec in specs_a + specs_b for s in spec)

@@ -296,22 +296,53 @@ CPU8 = ROOT / "tests" / "data" / "clusters" / "cpu8.cluster.json"
 def test_a_one_stage_auto_pick_takes_the_sharding_search_on_its_mesh_when_that_prices_faster() -> None:
     """On the CI machine's calibration the joint planner puts haiku-mlp on one stage of data 2 x
     model 4 with Megatron's sharding; the sharding task's greedy search on that mesh finds a plan
-    the cost model prices faster, which auto returns (recording the joint pick's price), and a
-    measured selection still times the joint pick beside it."""
+    the cost model prices faster (recording the joint pick's price). There the whole step on one
+    device prices faster still, which auto returns (the next test); a measured selection still
+    times the joint pick beside it."""
     cap = api.load_source(TINY)
     found = api.explore_auto_detailed(cap, cluster=str(CPU8))
-    assert found.joint is not None and found.joint.pipeline is None and found.plan.pipeline is None
-    assert dict(found.plan.mesh) == dict(found.joint.mesh)
-    refined = found.plan.search["refined"]
-    assert refined["step_seconds"] < refined["joint_pick_step_seconds"]
-    assert api.simulate_plan(cap, found.plan, cluster=str(CPU8)).step_seconds == pytest.approx(refined["step_seconds"])
-    assert api.simulate_plan(cap, found.joint, cluster=str(CPU8)).step_seconds == pytest.approx(
+    joint = found.joint
+    assert joint is not None and joint.pipeline is None and found.plan.pipeline is None
+    sharded = api.refined_sharding(cap, joint, str(CPU8))
+    assert sharded is not None and dict(sharded.mesh) == dict(joint.mesh)
+    refined = sharded.search["refined"]
+    assert refined["task"] == "hybrid" and refined["step_seconds"] < refined["joint_pick_step_seconds"]
+    assert api.simulate_plan(cap, sharded, cluster=str(CPU8)).step_seconds == pytest.approx(refined["step_seconds"])
+    assert api.simulate_plan(cap, joint, cluster=str(CPU8)).step_seconds == pytest.approx(
         refined["joint_pick_step_seconds"])
     listed = {c.name: c for c in api.explore_candidates(found, cap, str(CPU8))}
     assert listed[PICK].plan is found.plan and listed[PICK].family is Family.SPMD
     assert "joint pick" in listed and listed["joint pick"].family is Family.JOINT
     # where the joint pick is a pipeline nothing is refined
     assert api.refined_sharding(cap, api.explore(cap, task="auto", cluster="hier:1x8"), "hier:1x8") is None
+
+
+@pytest.mark.parametrize("name", ["zoo:gpt-tiny", TINY])
+def test_auto_runs_the_step_on_one_device_where_devices_share_hardware_and_that_prices_faster(name: str) -> None:
+    """8 host CPU devices share 2 cores: one device alone computes up to 4x faster than each of 8
+    busy ones and pays no collective, so on their calibration the step on one device prices
+    faster than every 8-device plan (gpt-tiny measured: 8.9 ms against 14.7 ms), and auto
+    returns it. On devices of their own it never does."""
+    cap = api.load_source(name)
+    found = api.explore_auto_detailed(cap, cluster=str(CPU8))
+    refined = found.plan.search["refined"]
+    assert refined["task"] == "one device" and refined["step_seconds"] < refined["joint_pick_step_seconds"]
+    assert found.plan.pipeline is None and api.plan_devices(found.plan) == 1
+    assert api.estimate(cap, found.plan, cluster=str(CPU8)).step_seconds == pytest.approx(refined["step_seconds"])
+    listed = api.explore_candidates(found, cap, str(CPU8))
+    assert next(c for c in listed if c.name == PICK).plan is found.plan
+    # every one-stage candidate on fewer devices than the cluster is priced with only those busy
+    for candidate in listed:
+        if candidate.plan.pipeline is None and api.plan_devices(candidate.plan) < 8:
+            assert candidate.predicted_seconds == pytest.approx(
+                api.estimate(cap, candidate.plan, cluster=str(CPU8)).step_seconds)
+    datasheet = api.explore_auto_detailed(cap, cluster="hier:1x8")
+    assert ((datasheet.plan.search or {}).get("refined") or {}).get("task") != "one device"
+    on_their_own = api.explore_candidates(datasheet, cap, "hier:1x8")
+    pick = next(c for c in on_their_own if c.name == PICK)
+    # "one device", or a one-stage joint candidate of the same structure listed before it
+    one = next(c for c in on_their_own if c.plan.pipeline is None and api.plan_devices(c.plan) == 1)
+    assert one.predicted_seconds > pick.predicted_seconds
 
 
 def test_auto_lists_the_best_megatron_grid_meshes_so_measuring_can_find_a_runner_up_mesh() -> None:

@@ -297,6 +297,12 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
                                       shard_parameters={"off": False, "on": True, "auto": None}[args.shard_parameters])
     if not args.json:
         common.console().print(format_joint_result(found.result, name=args.source))
+        refined = (found.plan.search or {}).get("refined") if found.joint is not None else None
+        if refined:
+            how = ("the whole step on one device" if refined.get("task") == "one device"
+                   else f"the {refined.get('task')} sharding search on the pick's mesh")
+            common.say(f"refined: {how} is priced at {1e3 * refined['step_seconds']:.2f} ms per step, against "
+                       f"{1e3 * refined['joint_pick_step_seconds']:.2f} ms for the joint plan above")
     plan = _measure(args, found, cap, cluster, runnable, output) if runnable is not None else found.plan
     _show_measurement(args, plan)
     if args.json:

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from hlomap.hlo.capture import Capture
 from hlomap.plan import Plan, PlanError, reference_plan
 from hlomap.propagation.conflicts import PlanConflict
@@ -31,12 +33,14 @@ from hlomap.propagation.graph import FactorGraph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PICK", "Candidate", "Family", "candidates_for_joint", "candidates_for_pipeline",
-           "candidates_for_sharding", "distinct_candidates", "select_candidates", "spmd_reference_candidates",
-           "structure_key"]
+__all__ = ["ONE_DEVICE", "PICK", "Candidate", "Family", "candidates_for_joint", "candidates_for_pipeline",
+           "candidates_for_sharding", "distinct_candidates", "one_device_candidate", "select_candidates",
+           "spmd_reference_candidates", "structure_key"]
 
 #: The name of the explorer's own plan among the candidates.
 PICK = "searched"
+#: The name of the candidate that runs the whole step on one device (`one_device_candidate`).
+ONE_DEVICE = "one device"
 #: Plan JSON keys that describe how a plan was found or priced, not what it runs.
 NOT_STRUCTURE = ("estimate", "search", "measured")
 
@@ -219,8 +223,10 @@ def candidates_for_joint(result: Any, *, to_plan: Callable[[Any], Plan],
                          resolve: Callable[[int], Any]) -> list[Candidate]:
     """The auto task: the joint pick, the best joint plan of at most s stages for every stage
     count s below the pick's (`resolve(s)` solves the same model again with `max_stages=s`: the
-    DP over a model already built is cheap), Megatron's best grid points (`GRID_CANDIDATES`), and
-    the built-in SPMD plans over the cluster's devices. `to_plan` turns a joint result into its Plan."""
+    DP over a model already built is cheap), Megatron's best grid points (`GRID_CANDIDATES`), the
+    built-in SPMD plans over the cluster's devices and the step on one device. A one-stage plan on
+    fewer devices than the cluster is priced again with only its devices busy. `to_plan` turns a
+    joint result into its Plan."""
     model = result.model
     out = [Candidate(PICK, Family.JOINT, to_plan(result), float(result.cost.latency))]
     for stages in range(1, result.plan.n_stages):
@@ -231,5 +237,35 @@ def candidates_for_joint(result: Any, *, to_plan: Callable[[Any], Plan],
     for point in best_grid_points(result.grid, GRID_CANDIDATES):
         grid = dataclasses.replace(result, plan=point.plan, cost=point.cost)
         out.append(Candidate(f"megatron grid {point.label}", Family.JOINT, to_plan(grid), float(point.cost.latency)))
+    out = [_repriced_if_idle(c, model.cap, model.graph, model.cluster) for c in out]
     out += spmd_reference_candidates(model.cap, model.graph, model.cluster.n_devices, model.cluster)
+    if model.cluster.n_devices > 1:
+        out.append(one_device_candidate(model.cap, model.graph, model.cluster))
     return distinct_candidates(out)
+
+
+def _repriced_if_idle(candidate: Candidate, cap: Capture, graph: FactorGraph, cluster: Any) -> Candidate:
+    """A joint candidate written as an SPMD plan on fewer devices than the cluster, priced again
+    by the SPMD estimate: the joint DP prices every stage with all of the cluster's devices busy
+    (a pipeline's stages compute at once), while the devices such a plan leaves idle lend their
+    shared hardware to the ones it runs on (`hlomap.cost.cluster.busy_speedup`: 8 host CPU
+    devices on 2 cores)."""
+    plan = candidate.plan
+    if plan.pipeline is not None or math.prod(plan.mesh_shape.values()) >= cluster.n_devices:
+        return candidate
+    seconds, estimate = _spmd_seconds(cap, graph, plan, cluster)
+    if seconds is None:
+        return candidate
+    return dataclasses.replace(candidate, plan=dataclasses.replace(plan, estimate=estimate), predicted_seconds=seconds)
+
+
+def one_device_candidate(cap: Capture, graph: FactorGraph, cluster: Any) -> Candidate:
+    """The whole step on one device, the others idle: never the fastest on devices of their own,
+    but 8 host CPU devices share 2 cores, so one device runs up to 4x faster than each of 8 busy
+    ones and pays no collective (gpt-tiny: 8.9 ms, against 14.7 ms for the best 8-device plan)."""
+    from hlomap.propagation.conflicts import REPLICATED, MeshAxes
+
+    axes = MeshAxes.from_mesh({"data": 1})
+    plan = Plan.from_groups(cap, graph, np.full(graph.num_groups, REPLICATED, dtype=np.int8), axes)
+    seconds, estimate = _spmd_seconds(cap, graph, plan, cluster)
+    return Candidate(ONE_DEVICE, Family.SPMD, dataclasses.replace(plan, estimate=estimate), seconds)
