@@ -611,3 +611,16 @@ def test_simulate_prices_a_pipeline_on_the_executor_asked_for(tmp_path: Path,
     assert "on the mpmd executor: step" in capsys.readouterr().out
     assert run(["simulate", "zoo:haiku-mlp", "--plan", "dp", "--executor", "spmd"]) == 2
     assert "executor 'spmd'" in capsys.readouterr().err
+
+
+def test_explore_says_when_the_exact_search_ran_out_of_budget(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """With the cost reward the exact driver enumerates t5-tiny's 3244 conflict-free opp plans;
+    an evaluation budget stops it first, and the summary says the plan is not proven optimal."""
+    plan_path = tmp_path / "plan.json"
+    assert run(["explore", "zoo:t5-tiny", "--agent", "exact", "--reward", "cost", "--budget-evaluations", "90",
+                "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not proven optimal: the budget ran out (climbed first" in out
+    assert "of 3244 conflict-free plans" in out
+    assert json.loads(plan_path.read_text())["search"]["optimal"] is False

@@ -147,6 +147,11 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     if search:
         lines.append(Text(f"found by {search.get('driver')} ({search.get('reward')} reward) in "
                           f"{search.get('evaluations')} evaluations, {search.get('seconds')} s, seed {search.get('seed')}"))
+        if search.get("driver") == "exact" and search.get("optimal") is False:
+            # the budget stopped it: say how far it got, so nobody takes the plan for the optimum
+            notes = "; ".join(str(n) for n in search.get("notes") or ())
+            lines.append(Text(f"not proven optimal: the budget ran out ({notes})" if notes
+                              else "not proven optimal: the budget ran out", style="yellow"))
     state = getattr(plan, "state_sharding", None)
     if state is not None:
         over = ",".join(state.axes)
