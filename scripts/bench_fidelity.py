@@ -189,6 +189,10 @@ def sharding_pick(cap: Any, task: str, mesh: dict[str, int], cluster: Any, agent
         note = "greedy (too many plans for exact)"
         plan = api.explore(cap, task=task, mesh=mesh, cluster=cluster, agent="greedy", reward="cost",
                            budget_seconds=budget_seconds, seed=seed)
+    search = plan.search or {}
+    if note == "exact" and search.get("optimal") is False:  # the budget stopped the enumeration
+        enumerated = [n for n in search.get("notes") or () if str(n).startswith("enumerated")]
+        note = f"exact, not proven optimal ({enumerated[-1] if enumerated else 'budget ran out'})"
     return Candidate(f"{task} pick {mesh_text(mesh)}", "pick", plan, pick=True, note=note, space=mesh_text(mesh))
 
 
