@@ -731,7 +731,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 5: narrow dots and convolutions timed (`fit_narrow_curves`).
 #: 6: the combined all-reduce timed over every group size, not only all devices; the mpmd
 #: executor also on a model of many buffers; host devices' solo speedup at most devices / cores.
-CLUSTER_VERSION = 6
+#: 7: convolutions whose window reaches past their input timed too (`OVERSIZED_CONVOLUTION`).
+CLUSTER_VERSION = 7
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).

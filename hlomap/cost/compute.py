@@ -42,7 +42,7 @@ from typing import Callable, Mapping, MutableMapping, NamedTuple
 
 import numpy as np
 
-from hlomap.cost.devices import FALLBACK_DTYPE, DeviceSpec
+from hlomap.cost.devices import FALLBACK_DTYPE, OVERSIZED_CONVOLUTION, DeviceSpec
 from hlomap.hlo.ir import ArrayShape, Computation, Instruction, Module, Shape
 from hlomap.hlo.opcodes import OPCODES, AsyncPart, Elementwise, OpcodeInfo, opcode_names
 
@@ -482,15 +482,52 @@ def kept_instruction_cost(inst: Instruction, comp: Computation, module: Module, 
 Handler = Callable[[Instruction, Computation, Module, DeviceSpec | None, CostCache], InstructionCost]
 
 
+#: The opcodes that compute a matrix product (`matrix_sides`, `matrix_kind`).
+MATRIX_OPCODES = frozenset({"convolution", "dot"})
+
+
+def _oversized_window(inst: Instruction, comp: Computation) -> bool:
+    """Whether a convolution's window (dilated) is larger than its input in some spatial dim."""
+    dn = inst.conv_dimension_numbers
+    if dn is None or len(inst.window) != len(dn.input_spatial):
+        return False
+    lhs = _array(_operand(inst, comp, 0).shape, f"convolution {inst.name!r} input")
+    return any((w.size - 1) * w.window_dilation + 1 > lhs.dims[dn.input_spatial[s]]
+               for s, w in enumerate(inst.window))
+
+
+def matrix_kind(inst: Instruction, comp: Computation) -> str | None:
+    """The matrix kind (`MATRIX_KINDS`) whose narrow curve prices `inst`: "dot" for a dot,
+    `OVERSIZED_CONVOLUTION` for a convolution whose window reaches past its input, "convolution"
+    for any other; None for other ops."""
+    if inst.opcode == "dot":
+        return "dot"
+    if inst.opcode != "convolution":
+        return None
+    return OVERSIZED_CONVOLUTION if _oversized_window(inst, comp) else "convolution"
+
+
+def curve_kind(inst: Instruction, comp: Computation, device: DeviceSpec) -> str | None:
+    """The key of `device`'s narrow curve that prices `inst` (`matrix_kind`); None when no curve
+    applies (a kind without a curve runs at the full matrix rate: a calibration fits none where
+    every width did). An oversized convolution on a device calibrated before that kind was
+    measured takes the convolution curve, as it did then."""
+    kind = matrix_kind(inst, comp)
+    if kind is None or kind in device.narrow:
+        return kind
+    return "convolution" if kind == OVERSIZED_CONVOLUTION and "convolution" in device.narrow else None
+
+
 def narrow_factor(inst: Instruction, comp: Computation, device: DeviceSpec | None) -> float:
     """The share of its matrix rate `inst` (a dot or convolution, whole) achieves on `device`
-    given its narrowest side (`DeviceSpec.narrow`); 1 for other ops and devices without a curve."""
-    if device is None or inst.opcode not in device.narrow:
+    given its narrowest side and kind (`curve_kind`); 1 for other ops and devices without a curve."""
+    if device is None:
         return 1.0
-    sides = matrix_sides(inst, comp)
-    if sides is None:
+    kind = curve_kind(inst, comp, device)
+    sides = matrix_sides(inst, comp) if kind is not None else None
+    if kind is None or sides is None:
         return 1.0
-    return device.narrow_factor(inst.opcode, sides.width(_array(inst.shape, f"{inst.opcode} {inst.name!r}").dims))
+    return device.narrow_factor(kind, sides.width(_array(inst.shape, f"{inst.opcode} {inst.name!r}").dims))
 
 
 def _matrix_kernel(flops: float, nbytes: float, dtype: str, device: DeviceSpec | None,

@@ -31,9 +31,18 @@ GIB = 2**30
 #: 0.6 sits between the two. Override per device (JSON field "efficiency") when calibrated.
 DEFAULT_EFFICIENCY = 0.6
 
+#: A convolution whose window reaches past its input in some spatial dimension, such as a 3x3
+#: window over the 2x2 images of a small ResNet's last blocks (`hlomap.cost.compute.matrix_kind`).
+#: Timed on 8 host CPU devices of 2 cores, XLA ran those at 0.2-0.3 GFLOP/s per device whatever
+#: their channels, against up to 20 GFLOP/s for the same convolution over 16x16 images (in
+#: resnet50-tiny's step on one device, 1-2 GFLOP/s where the convolution curve priced them at 66):
+#: a rate of their own, which a calibration measures as a curve of its own.
+OVERSIZED_CONVOLUTION = "oversized-convolution"
+
 #: The kernels that run on matrix units (tensor cores) at their dtype's own peak
-#: (`hlomap.cost.compute.flop_rate`), and which a `NarrowCurve` may slow down.
-MATRIX_KINDS = ("convolution", "dot")
+#: (`hlomap.cost.compute.flop_rate`), and which a `NarrowCurve` may slow down: the kinds a
+#: device's curves are keyed by.
+MATRIX_KINDS = ("convolution", "dot", OVERSIZED_CONVOLUTION)
 
 #: Element type whose rate is used when a dtype has no entry of its own (integers, pred, ...).
 FALLBACK_DTYPE = "f32"
@@ -55,8 +64,8 @@ class NarrowCurve:
     `points` are measured (width, share of the matrix rate) pairs, widths increasing; between
     them the share is interpolated in log-log, below the narrowest it falls on along the first
     segment's slope, beyond the widest it stays. Shares never fall with width (a measured dip is
-    noise) and never exceed 1. A measured device has one curve per matrix kind (`hlomap
-    calibrate` fits them); a datasheet device none (every width at full rate)."""
+    noise) and never exceed 1. A measured device has one curve per matrix kind (`MATRIX_KINDS`;
+    `hlomap calibrate` fits them); a datasheet device none (every width at full rate)."""
 
     points: tuple[tuple[float, float], ...]
 

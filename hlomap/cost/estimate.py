@@ -44,7 +44,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
-from hlomap.cost.compute import FREE_OPCODES, CostCache, kept_instruction_cost
+from hlomap.cost.compute import FREE_OPCODES, MATRIX_OPCODES, CostCache, curve_kind, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
@@ -356,7 +356,7 @@ class _Unsplit(NamedTuple):
     flops: np.ndarray
     transcendentals: np.ndarray
     moves_bytes: np.ndarray  # the instruction reads or writes memory at all
-    narrow: np.ndarray  # a matrix kind the device has a narrow curve for
+    narrow: np.ndarray  # a dot or convolution the device has a narrow curve for (`curve_kind`)
 
 
 def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit:
@@ -375,10 +375,11 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
         count = int(sg.node_count[n])
         if not _runs(inst, count):
             continue
-        full = kept_instruction_cost(inst, module.computation(node.computation), module, device, cache)
+        comp = module.computation(node.computation)
+        full = kept_instruction_cost(inst, comp, module, device, cache)
         nodes.append(n)
         rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
-                     inst.opcode in device.narrow))
+                     inst.opcode in MATRIX_OPCODES and curve_kind(inst, comp, device) is not None))
     columns = list(zip(*rows)) if rows else [()] * 6
     found = _Unsplit(np.asarray(nodes, dtype=np.int64), np.asarray(columns[0], dtype=np.int64),
                      *(np.asarray(c, dtype=np.float64) for c in columns[1:4]),

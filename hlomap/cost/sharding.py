@@ -24,7 +24,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.compute import MatrixSides, matrix_sides, narrow_factor, while_trip_count
+from hlomap.cost.compute import MATRIX_OPCODES, MatrixSides, curve_kind, matrix_sides, narrow_factor, while_trip_count
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
@@ -235,7 +235,7 @@ class ShardedGraph:
         read at the block's sides and the contraction's split); 1 for other nodes and on devices
         without a narrow curve. `cache` keeps what does not depend on the plan, per node."""
         inst = self.graph.nodes[node].instruction
-        if inst.opcode not in device.narrow:
+        if inst.opcode not in MATRIX_OPCODES or not device.narrow:
             return 1.0
         key = ("narrow", node, inst.name, device)  # node ids are per graph; names guard a shared cache
         if key not in cache:
@@ -243,8 +243,8 @@ class ShardedGraph:
         facts = cache[key]
         if facts is None:
             return 1.0
-        sides, whole, reduced = facts
-        block = device.narrow_factor(inst.opcode, sides.width(self.node_block_dims(node), self.groups_split(reduced)))
+        kind, sides, whole, reduced = facts
+        block = device.narrow_factor(kind, sides.width(self.node_block_dims(node), self.groups_split(reduced)))
         return whole / block
 
     def instance_index(self, instance: int) -> Mapping[str, int]:
@@ -257,16 +257,18 @@ class ShardedGraph:
 
 
 def _matrix_facts(graph: FactorGraph, node: int,
-                  device: DeviceSpec) -> tuple[MatrixSides, float, np.ndarray] | None:
-    """A matrix node's sides, its whole result's narrow factor on `device` and the groups of its
-    contracted dims (`ShardedGraph.narrow_slowdown`); None for a product without known sides."""
+                  device: DeviceSpec) -> tuple[str, MatrixSides, float, np.ndarray] | None:
+    """A matrix node's curve on `device` (`compute.curve_kind`), its sides, its whole result's
+    narrow factor and the groups of its contracted dims (`ShardedGraph.narrow_slowdown`); None
+    for a product without a curve or known sides."""
     inst = graph.nodes[node].instruction
     comp = graph.module.computation(graph.nodes[node].computation)
-    sides = matrix_sides(inst, comp)
-    if sides is None:
+    kind = curve_kind(inst, comp, device)
+    sides = matrix_sides(inst, comp) if kind is not None else None
+    if kind is None or sides is None:
         return None
     # the factor the whole result's price already carries (`compute.narrow_factor`)
-    return sides, narrow_factor(inst, comp, device), graph.reductions.group[graph.reductions.node == node]
+    return kind, sides, narrow_factor(inst, comp, device), graph.reductions.group[graph.reductions.node == node]
 
 
 def node_phases(graph: FactorGraph) -> tuple[Phase, ...]:

@@ -38,6 +38,7 @@ from hlomap.cost.calibration import (
     Measurement,
 )
 from hlomap.cost.collectives import Collective
+from hlomap.cost.devices import OVERSIZED_CONVOLUTION
 from hlomap.verify.timing import load_average
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,13 @@ class BenchPlan:
     combined_buffers: tuple[int, ...] = (1, 8, 32)  # one all-reduce of this many small buffers
     # narrow matrix samples (`hlomap.cost.calibration.fit_narrow_curves`): f32 dots of the largest
     # matmul side by this many columns, and 3x3 convolutions of this many channels in and out over
-    # `conv_images` images of `conv_side` x `conv_side` pixels per device
+    # `conv_images` images of `conv_side` x `conv_side` pixels per device; the same over images of
+    # `OVERSIZED_SIDE` pixels (the window reaches past them: `OVERSIZED_CONVOLUTION`)
     narrow_dot_widths: tuple[int, ...] = (8, 32, 128)
     narrow_conv_widths: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
     conv_images: int = 8
     conv_side: int = 16
+    oversized_conv_widths: tuple[int, ...] = (32, 64)
 
 
 #: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
@@ -81,15 +84,18 @@ ACCELERATOR_PLAN = BenchPlan(matmul_sizes=(128, 256, 512, 1024, 2048, 4096, 8192
                              memory_sizes=tuple(2**k for k in range(14, 28, 2)) + (2**27,),
                              message_sizes=tuple(2**k for k in range(8, 27, 2)), repeats=10, dispatch_repeats=200,
                              narrow_dot_widths=(8, 32, 128, 512), narrow_conv_widths=(8, 16, 32, 64, 128, 256),
-                             conv_images=32, conv_side=64)
+                             conv_images=32, conv_side=64, oversized_conv_widths=(64, 256))
 #: `--quick`: enough samples for every fit (two sizes each), in seconds.
 QUICK_PLAN = BenchPlan(matmul_sizes=(32, 128), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**18),
                        message_sizes=(2**8, 2**14), repeats=2, dispatch_repeats=10, launch_layers=(2, 16),
-                       combined_buffers=(1, 8), narrow_dot_widths=(8,), narrow_conv_widths=(4, 32))
+                       combined_buffers=(1, 8), narrow_dot_widths=(8,), narrow_conv_widths=(4, 32),
+                       oversized_conv_widths=(32,))
 
 _ITEMSIZE = {"f32": 4, "bf16": 2}
 #: The width of the kernel-launch samples' layers: small enough that their compute is nothing.
 LAUNCH_SIDE = 8
+#: The image side of the oversized-window convolution samples: smaller than their 3x3 window.
+OVERSIZED_SIDE = 2
 #: f32 elements per device of each buffer of the combined all-reduce samples.
 COMBINED_ELEMENTS = 1024
 
@@ -235,15 +241,16 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
         return Measurement(f"dot_f32_{n}x{n}x{width}", "dot", "f32", 2.0 * n * n * width,
                            4.0 * (n * n + 2 * n * width), seconds, width=width)
 
-    def narrow_conv(channels: int) -> Measurement:
-        images, side = plan.conv_images, plan.conv_side
+    def narrow_conv(channels: int, side: int, kind: str) -> Measurement:
+        images = plan.conv_images
         x = _filled((count * images, side, side, channels), jnp.float32, blocks)
         w = jax.device_put(jnp.full((3, 3, channels, channels), 0.1, jnp.float32), NamedSharding(everywhere, PartitionSpec()))
         f = jax.jit(lambda v, k: lax.conv_general_dilated(v, k, (1, 1), "SAME",
                                                           dimension_numbers=("NHWC", "HWIO", "NHWC")))
         seconds = _sample_seconds(lambda: _ready(f(x, w)), plan.repeats)
         valid = (3 * side - 2) ** 2  # (output, kernel) pairs on real input per image, SAME padding
-        return Measurement(f"convolution_f32_3x3_{channels}ch", "convolution", "f32",
+        suffix = "" if kind == "convolution" else f"_{side}x{side}"
+        return Measurement(f"convolution_f32_3x3_{channels}ch{suffix}", kind, "f32",
                            2.0 * images * valid * channels * channels,
                            4.0 * (2 * images * side * side * channels + 9 * channels * channels), seconds, width=channels)
 
@@ -311,7 +318,11 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[tuple[str, Callable[
     for width in plan.narrow_dot_widths:
         tasks.append((f"matmul f32 {max(plan.matmul_sizes)} by {width}", lambda w=width: narrow_dot(w)))
     for channels in plan.narrow_conv_widths:
-        tasks.append((f"convolution 3x3 of {channels} channels", lambda c=channels: narrow_conv(c)))
+        tasks.append((f"convolution 3x3 of {channels} channels",
+                      lambda c=channels: narrow_conv(c, plan.conv_side, "convolution")))
+    for channels in plan.oversized_conv_widths:
+        tasks.append((f"convolution 3x3 of {channels} channels on {OVERSIZED_SIDE}x{OVERSIZED_SIDE} images",
+                      lambda c=channels: narrow_conv(c, OVERSIZED_SIDE, OVERSIZED_CONVOLUTION)))
     for elements in plan.memory_sizes:
         tasks.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
     tasks.append(("dispatch", dispatch))

@@ -212,6 +212,28 @@ def test_narrow_curves_recover_the_measured_shares_of_the_matrix_rate() -> None:
     assert figures["convolution of width 8 share of rate"] == pytest.approx(0.1, rel=1e-6)
 
 
+def test_oversized_convolution_samples_give_a_curve_of_their_own() -> None:
+    """Convolutions whose window reaches past their images ran at 2% of the matrix rate whatever
+    their channels: the device gets a flat curve of that kind beside the convolution curve, and a
+    cluster file round-trips it."""
+    from hlomap.cost.cluster import Cluster
+    from hlomap.cost.devices import OVERSIZED_CONVOLUTION
+
+    cal = _calibration()
+    rate = 2.0 * 1024**3 / (50e-6 + 2.0 * 1024**3 / 1e11)
+    kernels = cal.kernels + tuple(_narrow("convolution", w, e, rate, 50e-6) for w, e in {4: 0.03, 32: 0.95}.items()) \
+        + tuple(_narrow(OVERSIZED_CONVOLUTION, w, 0.02, rate, 50e-6) for w in (32, 64))
+    calibration = ClusterCalibration(**{**cal.__dict__, "kernels": kernels})
+    cluster = calibrated_cluster(calibration)
+    oversized = cluster.devices[0].narrow[OVERSIZED_CONVOLUTION]
+    assert [w for w, _ in oversized.points] == [32, 64]
+    assert oversized.factor(8) == pytest.approx(0.02) and oversized.factor(512) == pytest.approx(0.02)
+    assert cluster.devices[0].narrow["convolution"].factor(32) == pytest.approx(0.95)
+    assert calibration.figures()["oversized-convolution of width 64 share of rate"] == pytest.approx(0.02, rel=1e-6)
+    again = Cluster.from_json(cluster.to_json())
+    assert again.devices[0].narrow == cluster.devices[0].narrow
+
+
 def test_narrow_samples_the_memory_side_explains_or_that_dip_are_not_read_as_slow() -> None:
     """A sample whose time the roofline's memory side explains says nothing about the matrix
     rate; a wider product measured slower than a narrower one is noise (the curve never falls);

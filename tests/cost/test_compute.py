@@ -431,6 +431,75 @@ def test_matrix_sides_of_a_convolution_and_a_batched_dot():
     assert sides.width((4, 16, 2), inner_split=8) == 2 and sides.width((4, 16, 8), inner_split=8) == 4
 
 
+def _convolutions() -> Module:
+    """A module of four convolutions over NHWC images of 8 channels: a 1x1 window over 4x4 images,
+    3x3 windows over 4x4 and over 2x2 images, and a 2x2 window dilated 2 (it spans 3 pixels) over
+    2x2 images."""
+    return _module("""
+  a = f32[2,4,4,8] parameter(0)
+  b = f32[2,2,2,8] parameter(1)
+  k1 = f32[1,1,8,8] parameter(2)
+  k3 = f32[3,3,8,8] parameter(3)
+  k2 = f32[2,2,8,8] parameter(4)
+  one = f32[2,4,4,8] convolution(a, k1), window={size=1x1}, dim_labels=b01f_01io->b01f
+  wide = f32[2,4,4,8] convolution(a, k3), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  over = f32[2,2,2,8] convolution(b, k3), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  ROOT dilated = f32[2,1,1,8] convolution(b, k2), window={size=2x2 pad=1_0x1_0 rhs_dilate=2x2}, dim_labels=b01f_01io->b01f""")
+
+
+def test_a_convolution_is_priced_by_the_curve_of_its_kind():
+    """A window that reaches past its input (the dilated one too) has the oversized curve; any
+    other window, 1x1 included, the convolution curve. A device calibrated before the oversized
+    kind was measured prices those by the convolution curve."""
+    from hlomap.cost.compute import curve_kind, matrix_kind, matrix_sides, narrow_factor
+    from hlomap.cost.devices import OVERSIZED_CONVOLUTION, DeviceSpec, NarrowCurve
+
+    module = _convolutions()
+    comp = module.entry
+    kinds = {name: matrix_kind(comp[name], comp) for name in ("one", "wide", "over", "dilated", "a")}
+    assert kinds == {"one": "convolution", "wide": "convolution", "over": OVERSIZED_CONVOLUTION,
+                     "dilated": OVERSIZED_CONVOLUTION, "a": None}
+    curves = {**_narrow_device().narrow, OVERSIZED_CONVOLUTION: NarrowCurve(((32.0, 0.02),))}
+    device = DeviceSpec("narrow", {"f32": 1e11}, 1e15, 2**30, efficiency=1.0, narrow=curves)
+    for name, kind in (("one", "convolution"), ("wide", "convolution"), ("over", OVERSIZED_CONVOLUTION)):
+        inst = comp[name]
+        width = matrix_sides(inst, comp).width(inst.shape.dims)
+        assert curve_kind(inst, comp, device) == kind
+        share = device.narrow_factor(kind, width)
+        assert narrow_factor(inst, comp, device) == pytest.approx(share)
+        assert _cost_of(module, name, device).compute_seconds == pytest.approx(_cost_of(module, name).flops / (1e11 * share))
+    assert narrow_factor(comp["over"], comp, device) == pytest.approx(0.02)  # a flat curve: the same at any width
+    older = _narrow_device()  # no oversized curve: the convolution curve, as before that kind was measured
+    assert curve_kind(comp["over"], comp, older) == "convolution"
+    assert narrow_factor(comp["over"], comp, older) == pytest.approx(older.narrow_factor("convolution", 8))
+    assert curve_kind(comp["one"], comp, DeviceSpec("plain", {"f32": 1e11}, 1e15, 2**30)) is None
+
+
+def test_a_split_oversized_convolution_runs_at_its_flat_rate():
+    """Splitting an oversized convolution's output channels 8 ways leaves each device an eighth of
+    the work at the same flat rate (slowdown 1), where the convolution curve would have priced each
+    block of 1 channel far slower than the whole of 8."""
+    from hlomap.cost.devices import OVERSIZED_CONVOLUTION, DeviceSpec, NarrowCurve
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.propagation.conflicts import MeshAxes
+    from hlomap.propagation.graph import FactorGraph
+
+    module = _convolutions()
+    graph = FactorGraph.build(module)
+    node = graph.node_of(module.entry.name, "over")
+    features = graph.tensor_dims(graph.node_tensors[node][0])[3]
+    plan = np.full(graph.num_groups, -1, dtype=np.int64)
+    plan[graph.group_of_dim[features]] = 0
+    sg = ShardedGraph.build(graph, plan, MeshAxes.from_mesh({"model": 8}))
+    assert sg.node_degree[node] == 8
+    with_kind = DeviceSpec("o", {"f32": 1e11}, 1e15, 2**30, efficiency=1.0,
+                           narrow={**_narrow_device().narrow, OVERSIZED_CONVOLUTION: NarrowCurve(((32.0, 0.02),))})
+    assert sg.narrow_slowdown(node, with_kind, {}) == pytest.approx(1.0)
+    older = _narrow_device()
+    convolution = older.narrow["convolution"]
+    assert sg.narrow_slowdown(node, older, {}) == pytest.approx(convolution.factor(8) / convolution.factor(1))
+
+
 def test_a_sharded_dot_is_priced_at_the_width_of_each_devices_block():
     """Splitting a dot's columns 8 ways leaves each device a product of 8 columns where the whole
     had 64: it runs at the curve's share for 8, not 64 (`ShardedGraph.narrow_slowdown`)."""

@@ -19,7 +19,7 @@ from hlomap.verify.devices import (
 
 TINY = BenchPlan(matmul_sizes=(8, 16), dtypes=("f32",), memory_sizes=(64, 256), message_sizes=(16, 64),
                  repeats=1, dispatch_repeats=2, narrow_dot_widths=(4,), narrow_conv_widths=(1, 2), conv_images=1,
-                 conv_side=4)
+                 conv_side=4, oversized_conv_widths=(3,))
 
 
 def test_group_sizes_double_up_to_the_device_count() -> None:
@@ -35,10 +35,12 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
     assert cal.n_devices == 4 and cal.backend == "cpu" and cal.measured_at
     curve = [(k.kind, k.flops) for k in cal.kernels if k.kind == "dot" and k.fit and not k.width]
     assert curve == [("dot", 2.0 * 8**3), ("dot", 2.0 * 16**3)]
-    # narrow products, recorded with their narrowest side: a 16 x 16 by 16 x 4 dot, and 3x3
-    # convolutions of 1 and 2 channels over one 4 x 4 image (SAME: 10 x 10 valid window pairs)
+    # narrow products, recorded with their narrowest side: a 16 x 16 by 16 x 4 dot, 3x3
+    # convolutions of 1 and 2 channels over one 4 x 4 image (SAME: 10 x 10 valid window pairs), and
+    # one of 3 channels over one 2 x 2 image, which its window reaches past (4 x 4 valid pairs)
     narrow = [(k.kind, k.width, k.flops) for k in cal.kernels if k.width]
-    assert narrow == [("dot", 4, 2.0 * 16 * 16 * 4), ("convolution", 1, 2.0 * 100), ("convolution", 2, 2.0 * 100 * 4)]
+    assert narrow == [("dot", 4, 2.0 * 16 * 16 * 4), ("convolution", 1, 2.0 * 100), ("convolution", 2, 2.0 * 100 * 4),
+                      ("oversized-convolution", 3, 2.0 * 16 * 9)]
     # the largest f32 matmul again on one device alone, kept out of the curve
     assert [k.name for k in cal.kernels if not k.fit] == ["dot_f32_16_alone"]
     assert cal.figures()["solo speedup"] >= 1.0
