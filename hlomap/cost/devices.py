@@ -209,8 +209,11 @@ def _number(value: Any, where: str) -> float:
 
 
 def _narrow(data: Any, where: str) -> dict[str, NarrowCurve]:
-    if not isinstance(data, Mapping) or not set(data) <= set(MATRIX_KINDS):
+    if not isinstance(data, Mapping):
         raise DeviceSpecError(f"{where}: expected an object with keys among {sorted(MATRIX_KINDS)}, got {data!r}")
+    unknown = sorted(str(kind) for kind in set(data) - set(MATRIX_KINDS))
+    if unknown:
+        raise DeviceSpecError(f"{where}: unknown matrix kind(s) {unknown}; expected keys among {sorted(MATRIX_KINDS)}")
     return {str(kind): NarrowCurve.from_json(curve, where=f"{where}.{kind}") for kind, curve in data.items()}
 
 

@@ -56,6 +56,11 @@ def test_a_device_with_narrow_curves_round_trips_and_one_without_writes_none():
     assert DeviceSpec.from_json(data) == spec and hash(DeviceSpec.from_json(data)) == hash(spec)
     assert "narrow" not in device_preset("V100-16GB").to_json()
     assert spec != device_preset("V100-16GB")
+    # a hand-edited kind the cost model has no use for is named, not silently ignored
+    data["narrow"]["conv2d"] = {"points": [[1.0, 0.5]]}
+    with pytest.raises(DeviceSpecError, match=r"narrow: unknown matrix kind\(s\) \['conv2d'\]; expected keys among "
+                                              r"\['convolution', 'dot', 'oversized-convolution'\]"):
+        DeviceSpec.from_json(data)
 
 
 def test_unlimited_memory_is_infinity_written_as_null():
