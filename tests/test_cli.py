@@ -542,9 +542,10 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     measured = json.loads(out.read_text())["measured"]
     assert set(measured["executors"]) == {"spmd", "mpmd"} and measured["kernel_seconds"] >= 0
     assert "pipeline executor" in captured.out
-    # the narrow products (--quick: one dot, two convolutions), and the curves shown where fitted
+    # the narrow products (--quick: one dot, two convolutions, one convolution over images its
+    # window reaches past), and the curves shown where fitted
     widths = sorted((k["kind"], k["width"]) for k in kept["samples"]["kernels"] if "width" in k)
-    assert widths == [("convolution", 4), ("convolution", 32), ("dot", 8)]
+    assert widths == [("convolution", 4), ("convolution", 32), ("dot", 8), ("oversized-convolution", 32)]
     device = json.loads(out.read_text())["devices"][0]
     assert ("narrow product" in captured.out) == bool(device.get("narrow"))
 
