@@ -1446,8 +1446,10 @@ def _compare_outputs(step: Callable[..., Any], example: tuple[Any, ...], plan: A
 
 def _dot_operand_dtypes(module: Any) -> set[str]:
     """HLO element types of every operand of the module's dots and convolutions."""
+    from hlomap.cost.compute import MATRIX_OPCODES
+
     return {getattr(computation[operand].shape, "dtype", "")
-            for computation, instruction in module.instructions() if instruction.opcode in ("dot", "convolution")
+            for computation, instruction in module.instructions() if instruction.opcode in MATRIX_OPCODES
             for operand in instruction.operands}
 
 

@@ -121,7 +121,7 @@ class DeviceSpec:
     optimizer assumes so; JSON writes it as null, having no infinity); `efficiency` the
     achieved/peak factor the roofline applies to compute (memory traffic is assumed to reach the
     full HBM bandwidth, which copies and elementwise kernels come close to); `narrow` the
-    measured `NarrowCurve` per matrix kind ("dot", "convolution"; JSON field "narrow", optional):
+    measured `NarrowCurve` per matrix kind (`MATRIX_KINDS`; JSON field "narrow", optional):
     a kind without one runs at full rate whatever its shape.
     """
 
@@ -147,7 +147,7 @@ class DeviceSpec:
         return found
 
     def narrow_factor(self, kind: str, width: float) -> float:
-        """The share of the matrix rate a `kind` kernel ("dot", "convolution") of narrowest side
+        """The share of the matrix rate a `kind` kernel (`MATRIX_KINDS`) of narrowest side
         `width` achieves (`NarrowCurve`); 1 for a kind without a curve."""
         curve = self.narrow.get(kind)
         return 1.0 if curve is None else curve.factor(width)

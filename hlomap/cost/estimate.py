@@ -44,7 +44,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
-from hlomap.cost.compute import FREE_OPCODES, MATRIX_OPCODES, CostCache, curve_kind, kept_instruction_cost
+from hlomap.cost.compute import FREE_OPCODES, CostCache, curve_kind, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
@@ -379,7 +379,7 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
         full = kept_instruction_cost(inst, comp, module, device, cache)
         nodes.append(n)
         rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
-                     inst.opcode in MATRIX_OPCODES and curve_kind(inst, comp, device) is not None))
+                     curve_kind(inst, comp, device) is not None))
     columns = list(zip(*rows)) if rows else [()] * 6
     found = _Unsplit(np.asarray(nodes, dtype=np.int64), np.asarray(columns[0], dtype=np.int64),
                      *(np.asarray(c, dtype=np.float64) for c in columns[1:4]),

@@ -31,6 +31,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
+from hlomap.cost.compute import MATRIX_OPCODES
 from hlomap.cost.estimate import (CollectiveEstimate, InstructionArrays, InstructionEstimate, Reason,
                                   pass_buffers, per_buffer_seconds, step_arrays)
 from hlomap.cost.mapping import AxisMapping, axis_devices
@@ -43,7 +44,7 @@ from hlomap.propagation.conflicts import MeshAxes
 from hlomap.propagation.graph import FactorGraph
 from hlomap.propagation.plans import combine, data_parallel_plan, empty_plan, megatron_plan
 from hlomap.cost.pipeline.chain import ChainAttribution, attribute, crossing_of, kept_bytes
-from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, MATMUL_OPCODES, UPDATE, DataScaling, PositionedCollective,
+from hlomap.tasks.joint.scaling import (FAMILY_WIDTHS, UPDATE, DataScaling, PositionedCollective,
                                         StageWork, fit_data_scaling, per_position)
 
 log = logging.getLogger(__name__)
@@ -484,12 +485,13 @@ class JointModel:
 
     def _node_kinds(self) -> tuple[np.ndarray, np.ndarray]:
         """Per graph node: whether it is forward work, and whether it is a matmul
-        (`MATMUL_OPCODES`: what selective recomputation keeps); memoized."""
+        (`MATRIX_OPCODES`: what selective recomputation keeps, as JAX's `dots_saveable` keeps
+        dot_general and conv_general_dilated outputs); memoized."""
         key = ("node kinds",)
         if key not in self._cache:
             phases = GraphFacts.of(self.graph).phases
             self._cache[key] = (np.asarray([p is Phase.FORWARD for p in phases], dtype=bool),
-                                np.asarray([node.instruction.opcode in MATMUL_OPCODES for node in self.graph.nodes],
+                                np.asarray([node.instruction.opcode in MATRIX_OPCODES for node in self.graph.nodes],
                                            dtype=bool))
         return self._cache[key]
 
@@ -640,7 +642,7 @@ class JointModel:
         return self._cache[key]
 
     def _forward_matmuls(self) -> dict[str, int]:
-        """The forward pass's matmuls (`MATMUL_OPCODES`) -> their chain positions (memoized): the
+        """The forward pass's matmuls (`MATRIX_OPCODES`) -> their chain positions (memoized): the
         values selective recomputation keeps. JAX's `dots_saveable` saves every dot_general and
         convolution output the backward needs, directly or through the elementwise work it redoes
         from them; in a forward chain every matmul's output leads to some stashed value."""
@@ -648,7 +650,7 @@ class JointModel:
         if key not in self._cache:
             found = self.attribution
             self._cache[key] = {inst.name: found.anchor[inst.name] for inst in self.cap.module.entry.instructions
-                                if inst.opcode in MATMUL_OPCODES and inst.name in found.forward
+                                if inst.opcode in MATRIX_OPCODES and inst.name in found.forward
                                 and found.anchor.get(inst.name, -1) >= 0}
         return self._cache[key]
 

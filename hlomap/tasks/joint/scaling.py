@@ -48,9 +48,6 @@ __all__ = ["FAMILY_WIDTHS", "DataScaling", "PositionedCollective", "StageWork", 
 FAMILY_WIDTHS = (2, 4, 8)
 #: `JointModel`'s mark of an optimizer-update instruction (`costs._positions`).
 UPDATE = -2
-#: Opcodes whose outputs selective recomputation keeps (`jax.checkpoint_policies.dots_saveable`:
-#: dot_general and conv_general_dilated).
-MATMUL_OPCODES = frozenset({"dot", "convolution"})
 #: How close the third width must come to each fitted form (float rounding only).
 _CHECK_RTOL = 1e-9
 
