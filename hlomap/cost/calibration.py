@@ -732,7 +732,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 6: the combined all-reduce timed over every group size, not only all devices; the mpmd
 #: executor also on a model of many buffers; host devices' solo speedup at most devices / cores.
 #: 7: convolutions whose window reaches past their input timed too (`OVERSIZED_CONVOLUTION`).
-CLUSTER_VERSION = 7
+#: 8: the cluster of host CPU devices records the cores they share (`MeasuredCosts.cores`).
+CLUSTER_VERSION = 8
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).
@@ -952,7 +953,8 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
                        solo_speedup=calibration.solo_speedup, n_devices=n,
                        kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED),
                        combined_operands=_per_count_by_group(fits, COMBINED),
-                       executor_buffers={name: fit.per_buffer for name, fit in executors.items() if fit.per_buffer})
+                       executor_buffers={name: fit.per_buffer for name, fit in executors.items() if fit.per_buffer},
+                       cores=calibration.cores if calibration.backend == "cpu" else 0)
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 

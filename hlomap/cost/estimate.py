@@ -9,7 +9,9 @@ What is counted, per device (see hlomap.cost.sharding for how a plan splits each
   divided by the instruction's sharding degree, bytes are the per-device shards of the operands
   it reads from memory and of the result it writes (a result fused into its consumers, see
   `hlomap.cost.memory.Fusion`, is neither written nor read back), and its time is the roofline
-  max(compute, memory) with the device preset's efficiency factor;
+  max(compute, memory) with the device preset's efficiency factor; on host CPU devices of which
+  fewer than the host's cores compute, the kernels XLA:CPU splits over threads run faster
+  (`hlomap.cost.threads`);
 - collectives: a sharded reduction factor (dot contracting dim, reduced dim, vocabulary-parallel
   gather, additive scatter) leaves partial results that are all-reduced over the mesh axes it is
   sharded on ("partial sum of dot.12 over model"); when the summed dim is the batch of a data
@@ -49,6 +51,7 @@ from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
 from hlomap.cost.sharding import CONTAINER_OPCODES, PartialResult, ShardedGraph
+from hlomap.cost.threads import SPLIT_OPCODES, parallel_tasks, split_speedup
 from hlomap.cost.zero import StateShard, gathered_parameters
 from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.hlo.ir import Instruction, Module
@@ -357,6 +360,7 @@ class _Unsplit(NamedTuple):
     transcendentals: np.ndarray
     moves_bytes: np.ndarray  # the instruction reads or writes memory at all
     narrow: np.ndarray  # a dot or convolution the device has a narrow curve for (`curve_kind`)
+    splittable: np.ndarray  # a kernel XLA:CPU may split over the host's threads (`threads.SPLIT_OPCODES`)
 
 
 def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit:
@@ -379,19 +383,84 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
         full = kept_instruction_cost(inst, comp, module, device, cache)
         nodes.append(n)
         rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
-                     curve_kind(inst, comp, device) is not None))
-    columns = list(zip(*rows)) if rows else [()] * 6
+                     curve_kind(inst, comp, device) is not None, inst.opcode in SPLIT_OPCODES))
+    columns = list(zip(*rows)) if rows else [()] * 7
     found = _Unsplit(np.asarray(nodes, dtype=np.int64), np.asarray(columns[0], dtype=np.int64),
                      *(np.asarray(c, dtype=np.float64) for c in columns[1:4]),
-                     np.asarray(columns[4], dtype=bool), np.asarray(columns[5], dtype=bool))
+                     *(np.asarray(c, dtype=bool) for c in columns[4:7]))
     sg.facts.memo[key] = found
     return found
 
 
+def _fused_edges(sg: ShardedGraph, fused: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The (consumer, producer) operand edges whose producer is fused into its consumer: the
+    edges of the kernels' trees. Once per graph."""
+    key = ("fused_edges", fused)
+    found = sg.facts.memo.get(key)
+    if found is None:
+        is_fused = np.zeros(len(sg.graph.nodes), dtype=bool)
+        if fused:
+            is_fused[np.fromiter(fused, dtype=np.int64, count=len(fused))] = True
+        source, operand = sg.facts.operand_edges(sg.graph)
+        keep = is_fused[operand]
+        found = sg.facts.memo[key] = (source[keep], operand[keep])
+    return found
+
+
+def _kernel_totals(values: np.ndarray, consumer: np.ndarray, producer: np.ndarray) -> np.ndarray:
+    """Per node, `values` (rows of per-node figures) summed over the kernel it ends: its own and
+    those of the producers fused into it, through chains of them (a producer fused into several
+    consumers counts in each, as XLA duplicates it)."""
+    n_nodes = values.shape[1]
+    totals = values
+    for _ in range(n_nodes):  # one more level of fused producers per pass; chains are short
+        grown = values + np.stack([np.bincount(consumer, weights=row[producer], minlength=n_nodes) for row in totals])
+        if np.array_equal(grown, totals):
+            break
+        totals = grown
+    return totals
+
+
+def _kernel_spread(values: np.ndarray, consumer: np.ndarray, producer: np.ndarray) -> np.ndarray:
+    """Per node, the largest of `values` over itself and the kernels it is fused into: a fused
+    producer runs as part of its consumer's kernel."""
+    spread = values
+    for _ in range(len(values)):
+        grown = spread.copy()
+        np.maximum.at(grown, producer, spread[consumer])
+        if np.array_equal(grown, spread):
+            break
+        spread = grown
+    return spread
+
+
+def _split_speedups(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], nbytes: np.ndarray, degree: np.ndarray,
+                    cores: int, spare_threads: float) -> np.ndarray:
+    """Per executed node (`base.node` order), how much faster it runs because XLA:CPU splits its
+    kernel over the host's threads and the device has `spare_threads` cores to itself
+    (`hlomap.cost.threads`). A kernel is a node not fused into its consumer with the producers
+    fused into it; it splits when that node's opcode allows and by what the whole kernel moves
+    and computes."""
+    n_nodes = len(sg.graph.nodes)
+    consumer, producer = _fused_edges(sg, fused)
+    work = np.zeros((3, n_nodes))
+    work[:, base.node] = (nbytes, base.flops / degree, base.transcendentals / degree)
+    moved, flops, transcendentals = _kernel_totals(work, consumer, producer)
+    roots = np.zeros(n_nodes, dtype=bool)
+    roots[base.node] = base.splittable
+    if fused:
+        roots[np.fromiter(fused, dtype=np.int64, count=len(fused))] = False
+    tasks = np.where(roots, parallel_tasks(moved, flops, transcendentals, cores), 1)
+    return split_speedup(_kernel_spread(tasks, consumer, producer), spare_threads)[base.node]
+
+
 def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
-                       fused: frozenset[int], cache: CostCache, kernel_seconds: float = 0.0) -> InstructionArrays:
+                       fused: frozenset[int], cache: CostCache, kernel_seconds: float = 0.0, *, cores: int = 0,
+                       spare_threads: float = 1.0) -> InstructionArrays:
     """Each executed instruction's cost on `device`; every kernel launched (an instruction not
-    fused into its consumer) also costs `kernel_seconds`, a measured cluster's launch overhead."""
+    fused into its consumer) also costs `kernel_seconds`, a measured cluster's launch overhead.
+    On host CPU devices (`cores` the host's) with `spare_threads` cores each to themselves, the
+    kernels XLA:CPU splits over threads run that much faster (`hlomap.cost.threads`)."""
     base = _unsplit(sg, device, cache)
     n_nodes = len(sg.graph.nodes)
     mesh = sg.axes.mesh_shape
@@ -414,6 +483,9 @@ def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[i
     for k in np.flatnonzero(base.narrow & (degree > 1)):  # a dot or convolution on a measured device
         compute[k] *= sg.narrow_slowdown(int(node[k]), device, cache)  # type: ignore[arg-type]
     memory = nbytes / device.hbm_bandwidth
+    if spare_threads > 1.0 and cores > 1:
+        faster = _split_speedups(sg, base, fused, nbytes, degree, cores, spare_threads)
+        compute, memory = compute / faster, memory / faster
     launch = np.where(is_fused[node], 0.0, kernel_seconds)
     count = base.count
     return InstructionArrays(node, degree, count, base.flops / degree * count, base.transcendentals / degree * count,
@@ -692,15 +764,18 @@ def step_arrays(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fus
     while the other stages do), which sets the speed of devices that share hardware."""
     device = cluster.devices[int(mapping.devices.flat[0])] if mapping.devices.size else cluster.devices[0]
     # a mesh on some of a measured cluster's shared-hardware devices computes faster per device
-    speedup = busy_speedup(cluster, int(mapping.devices.size) if busy is None else busy)
+    busy_devices = int(mapping.devices.size) if busy is None else busy
+    speedup = busy_speedup(cluster, busy_devices)
     device = sped_up(device, speedup)
     kinds = {cluster.devices[int(d)].name for d in mapping.devices.flat}
     if len(kinds) > 1:
         log.warning("mesh spans devices of kinds %s; compute is costed on %s", sorted(kinds), device.name)
     gathered = _gathered_axes(sg)
-    launch = cluster.measured.kernel_seconds / speedup if cluster.measured is not None else 0.0
+    measured = cluster.measured
+    launch = measured.kernel_seconds / speedup if measured is not None else 0.0
+    cores, spare = (0, 1.0) if measured is None else (measured.cores, measured.spare_threads(busy_devices))
     instructions = instruction_arrays(sg, device, gathered, fused_nodes(sg, fusion), {} if cache is None else cache,
-                                      launch)
+                                      launch, cores=cores, spare_threads=spare)
     collectives, reduce_flops = _collectives(sg, cluster, mapping, gathered)
     return StepArrays(device, instructions, collectives, reduce_flops)
 

@@ -32,6 +32,9 @@ model uses it instead of the links wherever a cluster carries one:
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
   k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster;
+- `cores` is the host's CPU cores when its devices share them (0 otherwise): with k < cores
+  devices computing, each has cores / k of them to itself (`spare_threads`), and the kernels
+  XLA:CPU splits over threads run faster still (`hlomap.cost.threads`);
 - `kernel_seconds` is what each kernel a program launches costs beyond its roofline (measured on
   a train step of tiny layers, per kernel as `hlomap.cost.estimate.kernel_count` counts them): the
   small-kernel cost that dominates small models on a host and on a GPU;
@@ -48,7 +51,7 @@ JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
      "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
      "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04,
      "combined_operands": [{"group": 2, "seconds": 2e-05}, {"group": 8, "seconds": 3e-04}],
-     "executor_buffers": {"mpmd": 2e-06}}
+     "executor_buffers": {"mpmd": 2e-06}, "cores": 2}
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
+
+from hlomap.cost.threads import spare_threads
 
 #: The collective kinds a table may hold (`hlomap.cost.collectives.Collective` values).
 COLLECTIVE_KINDS = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"})
@@ -119,6 +124,7 @@ class MeasuredCosts:
     combined_operand_seconds: float = 0.0  # each buffer of a combined all-reduce adds this
     combined_operands: Mapping[int, float] = field(default_factory=dict)  # the same per group size
     executor_buffers: Mapping[str, float] = field(default_factory=dict)  # per executor: s per buffer and device
+    cores: int = 0  # the host's CPU cores when the devices share them (host CPU devices); 0: not shared
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", dict(sorted(self.collectives.items())))
@@ -131,7 +137,7 @@ class MeasuredCosts:
         return hash((self.dispatch_seconds, self.transfer, tuple(self.collectives.items()),
                      tuple(self.executors.items()), self.solo_speedup, self.n_devices, self.kernel_seconds,
                      self.combined_operand_seconds, tuple(self.combined_operands.items()),
-                     tuple(self.executor_buffers.items())))
+                     tuple(self.executor_buffers.items()), self.cores))
 
     def per_buffer(self, group: int) -> float | None:
         """What each buffer adds to a combined all-reduce over `group` devices, from
@@ -155,6 +161,11 @@ class MeasuredCosts:
     def busy_speedup(self, busy: int) -> float:
         """How much faster each device computes when only `busy` devices work (module docstring)."""
         return max(1.0, min(self.solo_speedup, self.n_devices / max(1, busy)))
+
+    def spare_threads(self, busy: int) -> float:
+        """The host cores each of `busy` computing devices has to itself (module docstring; 1
+        unless fewer devices than `cores` compute)."""
+        return spare_threads(self.cores, busy)
 
     def executor_seconds(self, executor: str, stages: int, microbatches: int, buffers: float = 0.0,
                          stage_devices: float = 1.0) -> float:
@@ -193,7 +204,7 @@ class MeasuredCosts:
                 "solo_speedup": self.solo_speedup, "n_devices": self.n_devices,
                 "kernel_seconds": self.kernel_seconds, "combined_operand_seconds": self.combined_operand_seconds,
                 "combined_operands": [{"group": g, "seconds": t} for g, t in self.combined_operands.items()],
-                "executor_buffers": dict(self.executor_buffers)}
+                "executor_buffers": dict(self.executor_buffers), "cores": self.cores}
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "measured") -> MeasuredCosts:
@@ -201,7 +212,7 @@ class MeasuredCosts:
             raise MeasuredCostsError(f"{where}: expected an object, got {data!r}")
         unknown = sorted(set(data) - {"dispatch_seconds", "transfer", "collectives", "executors", "solo_speedup",
                                       "n_devices", "kernel_seconds", "combined_operand_seconds", "combined_operands",
-                                      "executor_buffers"})
+                                      "executor_buffers", "cores"})
         if unknown:
             raise MeasuredCostsError(f"{where}: unknown field(s) {unknown}")
         transfer = data.get("transfer")
@@ -237,7 +248,8 @@ class MeasuredCosts:
                        _int(data.get("n_devices", 1), f"{where}.n_devices"),
                        _number(data.get("kernel_seconds", 0.0), f"{where}.kernel_seconds"),
                        _number(data.get("combined_operand_seconds", 0.0), f"{where}.combined_operand_seconds"),
-                       per_group, {str(k): _number(v, f"{where}.executor_buffers.{k}") for k, v in buffers.items()})
+                       per_group, {str(k): _number(v, f"{where}.executor_buffers.{k}") for k, v in buffers.items()},
+                       _int(data.get("cores", 0), f"{where}.cores"))
         except MeasuredCostsError as err:
             raise MeasuredCostsError(f"{where}: {err}") from None
 
@@ -274,6 +286,8 @@ def _check(costs: MeasuredCosts) -> None:
                                      "and the seconds finite and >= 0")
     if costs.n_devices < 1:
         raise MeasuredCostsError(f"n_devices = {costs.n_devices!r} must be >= 1")
+    if costs.cores < 0:
+        raise MeasuredCostsError(f"cores = {costs.cores!r} must be >= 0 (0: the devices share no cores)")
     if not (math.isfinite(costs.dispatch_seconds) and costs.dispatch_seconds >= 0):
         raise MeasuredCostsError(f"dispatch_seconds = {costs.dispatch_seconds!r} must be finite and >= 0")
     for (kind, group), fit in costs.collectives.items():

@@ -135,6 +135,14 @@ def test_calibrated_cluster_maps_the_fits_onto_the_cluster() -> None:
     assert cal.figures()["dispatch s"] == pytest.approx(25e-6)
 
 
+def test_calibrated_cluster_of_host_devices_records_the_cores_they_share() -> None:
+    import dataclasses
+
+    cal = dataclasses.replace(_calibration(), cores=2)
+    assert calibrated_cluster(cal).measured.cores == 2
+    assert calibrated_cluster(dataclasses.replace(cal, backend="gpu")).measured.cores == 0  # no cores shared
+
+
 def test_calibrated_cluster_needs_f32_matmuls_and_links() -> None:
     cal = _calibration()
     with pytest.raises(CalibrationError, match="f32"):
