@@ -57,12 +57,12 @@ def greedy_search(task: SearchTask, budget: Budget, seed: int = 0, *,
     return tracker.result()
 
 
-def hill_climb(task: SearchTask, tracker: Tracker) -> str:
-    """Best-improvement hill climbing over `task`'s neighbours from its starting plan, every
-    scored plan recorded in `tracker`, until no single move improves the score or the
-    tracker's budget runs out; returns why it stopped. The exact sharding search climbs first
-    too, so that a budget which cuts its enumeration short still returns a local optimum."""
-    current = task.initial()
+def hill_climb(task: SearchTask, tracker: Tracker, start: np.ndarray | None = None) -> str:
+    """Best-improvement hill climbing over `task`'s neighbours from `start` (default its starting
+    plan), every scored plan recorded in `tracker`, until no single move improves the score or
+    the tracker's budget runs out; returns why it stopped. The exact sharding search climbs
+    first too, so that a budget which cuts its enumeration short still returns a local optimum."""
+    current = task.initial() if start is None else start
     if current is None:
         raise ValueError("greedy search needs a starting plan; this task has none")
     best = task.score(current)

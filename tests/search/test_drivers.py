@@ -90,6 +90,31 @@ def test_exact_cut_short_by_its_budget_still_returns_the_climbs_optimum(graph_of
     assert any(n.startswith("enumerated 2 of ") for n in cut.notes)
 
 
+def test_exact_cut_short_by_its_budget_is_never_behind_megatrons_plan(graph_of, axes8) -> None:
+    """The exact search scores the expert plans its space holds before it climbs: a budget that
+    stops it at once still returns Megatron's plan where only that plan pays (a climb from the
+    replicated plan cannot see it, and the depth-first enumeration reaches it late)."""
+    from hlomap.plan import reference_plan
+    from hlomap.tasks.sharding.problem import expert_starts
+
+    graph = graph_of("t5-tiny")
+    space = opp_space(graph, axes8)
+    megatron, plan_axes = reference_plan(graph, "megatron", {"model": 8})
+    assert plan_axes == axes8 and space.represents(megatron)
+    starts = expert_starts(graph, axes8, space)
+    assert len(starts) == 1 and np.array_equal(starts[0], space.choices_of(megatron))
+
+    def only_megatron_pays(plan: np.ndarray) -> CostEval:
+        return CostEval(1.0 if np.array_equal(plan, megatron) else 10.0, 1.0, 2.0)
+
+    budget = Budget(seconds=None, evaluations=3)
+    seeded = exact_search(ShardingTask(space, CostObjective(space, only_megatron_pays), expert_starts=starts), budget)
+    assert not seeded.optimal
+    assert np.array_equal(seeded.plan, megatron)
+    unseeded = exact_search(ShardingTask(space, CostObjective(space, only_megatron_pays)), budget)
+    assert not np.array_equal(unseeded.plan, megatron)
+
+
 def test_exact_refuses_spaces_too_large_to_enumerate(graph_of, axes8) -> None:
     space = opp_space(graph_of("t5-tiny"), axes8, tie=False)
     obj = CostObjective(space, _additive_cost(space, {}))

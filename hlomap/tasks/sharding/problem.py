@@ -16,6 +16,7 @@ import logging
 from os import PathLike
 from typing import Any, Callable, Mapping
 
+import numpy as np
 
 from hlomap.hlo.capture import Capture
 from hlomap.propagation.conflicts import MeshAxes
@@ -48,7 +49,26 @@ class Problem:
 
     @property
     def task(self) -> ShardingTask:
-        return ShardingTask(self.space, self.objective)
+        return ShardingTask(self.space, self.objective, expert_starts=expert_starts(self.graph, self.axes, self.space))
+
+
+def expert_starts(graph: FactorGraph, axes: MeshAxes, space: ShardingSpace) -> tuple[np.ndarray, ...]:
+    """The choice vectors of the built-in expert plans (dp, Megatron, both) on `axes` that
+    `space` holds conflict-free: what the exact search starts from (`ShardingTask.expert_starts`)."""
+    from hlomap.plan import PlanError, reference_plan
+
+    starts = []
+    for kind in ("megatron", "dp", "dp+megatron"):
+        try:
+            array, plan_axes = reference_plan(graph, kind, dict(zip(axes.names, axes.sizes)))
+        except PlanError:
+            continue
+        if plan_axes != axes or not space.represents(array):
+            continue
+        choices = space.choices_of(array)
+        if bool(space.ok(choices[None, :])[0]) and not any(np.array_equal(choices, s) for s in starts):
+            starts.append(choices)
+    return tuple(starts)
 
 
 def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[str, int] | int | str = 8,
