@@ -392,15 +392,20 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
     return found
 
 
-def _fused_edges(sg: ShardedGraph, fused: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The (consumer, producer) operand edges whose producer is fused into its consumer: the
-    edges of the kernels' trees. Once per graph."""
+def _fused_mask(n_nodes: int, fused: frozenset[int]) -> np.ndarray:
+    """Per graph node, whether it is in `fused`."""
+    is_fused = np.zeros(n_nodes, dtype=bool)
+    if fused:
+        is_fused[np.fromiter(fused, dtype=np.int64, count=len(fused))] = True
+    return is_fused
+
+
+def _fused_edges(sg: ShardedGraph, fused: frozenset[int], is_fused: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (consumer, producer) operand edges whose producer is fused into its consumer (`fused`,
+    as the mask `is_fused`): the edges of the kernels' trees. Once per graph."""
     key = ("fused_edges", fused)
     found = sg.facts.memo.get(key)
     if found is None:
-        is_fused = np.zeros(len(sg.graph.nodes), dtype=bool)
-        if fused:
-            is_fused[np.fromiter(fused, dtype=np.int64, count=len(fused))] = True
         source, operand = sg.facts.operand_edges(sg.graph)
         keep = is_fused[operand]
         found = sg.facts.memo[key] = (source[keep], operand[keep])
@@ -434,22 +439,20 @@ def _kernel_spread(values: np.ndarray, consumer: np.ndarray, producer: np.ndarra
     return spread
 
 
-def _split_speedups(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], nbytes: np.ndarray, degree: np.ndarray,
-                    cores: int, spare_threads: float) -> np.ndarray:
+def _split_speedups(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], is_fused: np.ndarray, nbytes: np.ndarray,
+                    degree: np.ndarray, cores: int, spare_threads: float) -> np.ndarray:
     """Per executed node (`base.node` order), how much faster it runs because XLA:CPU splits its
     kernel over the host's threads and the device has `spare_threads` cores to itself
     (`hlomap.cost.threads`). A kernel is a node not fused into its consumer with the producers
     fused into it; it splits when that node's opcode allows and by what the whole kernel moves
     and computes."""
     n_nodes = len(sg.graph.nodes)
-    consumer, producer = _fused_edges(sg, fused)
+    consumer, producer = _fused_edges(sg, fused, is_fused)
     work = np.zeros((3, n_nodes))
     work[:, base.node] = (nbytes, base.flops / degree, base.transcendentals / degree)
     moved, flops, transcendentals = _kernel_totals(work, consumer, producer)
     roots = np.zeros(n_nodes, dtype=bool)
-    roots[base.node] = base.splittable
-    if fused:
-        roots[np.fromiter(fused, dtype=np.int64, count=len(fused))] = False
+    roots[base.node] = base.splittable & ~is_fused[base.node]
     tasks = np.where(roots, parallel_tasks(moved, flops, transcendentals, cores), 1)
     return split_speedup(_kernel_spread(tasks, consumer, producer), spare_threads)[base.node]
 
@@ -464,9 +467,7 @@ def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[i
     base = _unsplit(sg, device, cache)
     n_nodes = len(sg.graph.nodes)
     mesh = sg.axes.mesh_shape
-    is_fused = np.zeros(n_nodes, dtype=bool)
-    if fused:
-        is_fused[np.fromiter(fused, dtype=np.int64, count=len(fused))] = True
+    is_fused = _fused_mask(n_nodes, fused)
     # an instruction runs unsplit along the axes its operands were gathered on
     gather = np.ones(n_nodes, dtype=np.int64)
     for n, axes in gathered.items():
@@ -484,7 +485,7 @@ def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[i
         compute[k] *= sg.narrow_slowdown(int(node[k]), device, cache)  # type: ignore[arg-type]
     memory = nbytes / device.hbm_bandwidth
     if spare_threads > 1.0 and cores > 1:
-        faster = _split_speedups(sg, base, fused, nbytes, degree, cores, spare_threads)
+        faster = _split_speedups(sg, base, fused, is_fused, nbytes, degree, cores, spare_threads)
         compute, memory = compute / faster, memory / faster
     launch = np.where(is_fused[node], 0.0, kernel_seconds)
     count = base.count

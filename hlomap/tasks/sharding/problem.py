@@ -60,7 +60,7 @@ def expert_starts(graph: FactorGraph, axes: MeshAxes, space: ShardingSpace) -> t
     starts = []
     for kind in ("megatron", "dp", "dp+megatron"):
         try:
-            array, plan_axes = reference_plan(graph, kind, dict(zip(axes.names, axes.sizes)))
+            array, plan_axes = reference_plan(graph, kind, axes.mesh_shape)
         except PlanError:
             continue
         if plan_axes != axes or not space.represents(array):
