@@ -45,6 +45,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.local and args.devices is not None:
         raise common.CliError("--local measures every device JAX sees; --devices does not apply")
     output = api.local_cluster_path() if args.local else args.output
+    if args.local:  # the cache is ours to make: a fresh machine has no ~/.cache/hlomap/clusters yet
+        api.make_cache_folder(output.parent)
     api.check_writable(output)  # before measuring: never measure for a minute, then fail to save
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)

@@ -128,3 +128,30 @@ def test_auto_shard_plans_for_the_local_devices_by_default() -> None:
 
     step = hlomap.auto_shard(lambda p, o, b: (p, o, 0.0), cache=False)
     assert step.config.cluster == "local"
+
+
+def test_cli_calibrate_local_on_a_fresh_machine_makes_the_cache_folder(tmp_path: Path, monkeypatch,
+                                                                     capsys) -> None:
+    """A new machine has no ~/.cache/hlomap yet: `hlomap calibrate --local` creates it and saves
+    (the measuring is stubbed with the CI machine's calibration; the CLI path is what is tested)."""
+    from hlomap import api
+    from hlomap.cli import run
+    from hlomap.cost.calibration import ClusterCalibration
+    from hlomap.run.local import CACHE_ENV
+    from tests.local_cluster import LOCAL_CLUSTER_FILE
+
+    calibration = ClusterCalibration.from_json(json.loads(LOCAL_CLUSTER_FILE.read_text())["calibration"])
+    fresh = tmp_path / "never-made" / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(fresh))
+    monkeypatch.setattr(api, "calibrate", lambda *a, **k: (load_cluster(LOCAL_CLUSTER_FILE), calibration))
+    assert run(["calibrate", "--local", "--quiet"]) == 0
+    saved = cached_path(present_key(), fresh)
+    assert saved.is_file() and f"wrote {saved}" in capsys.readouterr().err
+    assert load_cluster(saved).n_devices == 8
+    # a cache folder that cannot be made is named, not a traceback
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
+    assert run(["calibrate", "--local", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the cache folder" in err and "HLOMAP_CACHE_DIR" in err and "Traceback" not in err
