@@ -5,7 +5,8 @@ model (`hlomap.estimate` on `--cluster`) and run on this machine's devices with
 `hlomap.parallelize`, all of a model's plans timed together in interleaved rounds
 (`hlomap.verify.timing.time_interleaved`: every round times each plan `--repeats` times and keeps
 the median, the order rotating from round to round; a plan's figure is the median of its round
-medians, with their interquartile range). The set:
+medians, with their interquartile range; a pick that is another row's plan keeps its own row, and
+the rows of one plan pool their round medians into one figure). The set:
 
 - built-in plans: data=8, Megatron on model=8, data x model Megatron on 2x4 and 4x2;
 - every parameter replicated on 8 devices;
@@ -75,7 +76,7 @@ from hlomap.verify.fidelity import (  # noqa: E402
     pipeline_microbatches,
     random_conflict_free_choices,
 )
-from hlomap.verify.timing import load_average, stateful_step, time_interleaved  # noqa: E402
+from hlomap.verify.timing import load_average, pooled, stateful_step, time_interleaved  # noqa: E402
 
 DEFAULT_MODELS = ("gpt-tiny", "haiku-mlp", "bert-tiny", "t5-tiny", "resnet50-tiny")
 DEVICES = 8
@@ -271,8 +272,8 @@ def same_spmd_plan(a: Plan, b: Plan) -> bool:
 
 def with_twins(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each plan that shards as an earlier one of the set (a pick that is the replicated plan)
-    names it: both are still timed, two rows of one plan showing how far one plan's timing
-    spreads, but its step is compiled once."""
+    names it: both are still timed, but its step is compiled once, and the two rows' round
+    medians are pooled into one figure (`hlomap.verify.timing.pooled`)."""
     out = []
     for i, c in enumerate(candidates):
         twin = next((o.name for o in candidates[:i] if same_spmd_plan(o.plan, c.plan)), None)
@@ -362,6 +363,8 @@ def bench_model(name: str, cluster: Any, args: argparse.Namespace, console: Cons
                                  on_round=lambda done, total: console.print(f"  round {done}/{total}", style="dim"))
     timing_seconds = time.perf_counter() - start
     load_after = load_average()
+    # a pick that is another row's plan was timed in its own row: one plan, one figure
+    timed = pooled(timed, {p.candidate.name: p.candidate.twin for p in prepared if p.candidate.twin})
     rows = tuple((p, timed[p.candidate.name]) for p in prepared)
     figures = [PlanFigures(p.candidate.name, p.candidate.kind, p.executor, p.predicted_seconds, t.median, t.iqr,
                            p.candidate.pick, p.candidate.space) for p, t in rows]

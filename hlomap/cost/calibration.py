@@ -733,7 +733,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: executor also on a model of many buffers; host devices' solo speedup at most devices / cores.
 #: 7: convolutions whose window reaches past their input timed too (`OVERSIZED_CONVOLUTION`).
 #: 8: the cluster of host CPU devices records the cores they share (`MeasuredCosts.cores`).
-CLUSTER_VERSION = 8
+#: 9: the compute samples are the median of interleaved passes (`hlomap.verify.devices`).
+CLUSTER_VERSION = 9
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).

@@ -60,6 +60,43 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
     assert {s.nbytes for s in cal.comm if s.kind == "all-gather" and s.group == 4} == {4 * 16 * 4, 4 * 64 * 4}
     assert {s.nbytes for s in cal.comm if s.kind == "all-reduce" and s.group == 4} == {16 * 4, 64 * 4}
     assert [p.done for p in seen] == list(range(1, len(seen) + 1)) and seen[-1].fraction == 1
+    # the compute samples were timed in 3 passes, and each is recorded once
+    assert TINY.kernel_passes == 3
+    assert [p.label for p in seen].count("matmul f32 16x16 (pass 3 of 3)") == 1
+    assert len({k.name for k in cal.kernels}) == len(cal.kernels)
+
+
+def test_compute_samples_keep_the_median_of_interleaved_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every probe is prepared once, timed once per pass (passes one after another, the probes in
+    order within each), and its sample is the median of its passes: a burst in one pass is outvoted."""
+    from hlomap.cost.calibration import Measurement
+    from hlomap.verify import devices
+
+    runs: list[str] = []
+    prepared: list[str] = []
+    # per probe, its passes' times: "b" has a burst in its second pass
+    times = {"a": iter([1.0, 1.2, 1.1]), "b": iter([2.0, 9.0, 2.2])}
+    monkeypatch.setattr(devices, "_sample_seconds", lambda run, repeats: run())
+
+    def probe(name: str) -> devices._KernelProbe:
+        prepared.append(name)
+
+        def run() -> float:
+            runs.append(name)
+            return next(times[name])
+
+        return devices._KernelProbe(run, lambda seconds: Measurement(name, "dot", "f32", 1.0, 1.0, seconds))
+
+    tasks = devices._interleaved_passes([("a", lambda: probe("a")), ("b", lambda: probe("b"))], 3, repeats=5)
+    assert [label for label, _ in tasks] == [f"{n} (pass {p} of 3)" for p in (1, 2, 3) for n in ("a", "b")]
+    results = [task() for _, task in tasks]
+    assert runs == ["a", "b"] * 3 and prepared == ["a", "b"]
+    assert results[:4] == [None] * 4
+    assert [(m.name, m.seconds) for m in results[4:]] == [("a", 1.1), ("b", 2.2)]
+    # one pass: the plain labels, one sample each
+    times.update(a=iter([3.0]))
+    assert [(label, task().seconds) for label, task in devices._interleaved_passes([("a", lambda: probe("a"))], 1, 1)] \
+        == [("a", 3.0)]
 
 
 def test_measure_devices_refuses_more_devices_than_there_are() -> None:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from hlomap.verify.timing import TimedRun, rotated, stateful_step, time_interleaved
+from hlomap.verify.timing import TimedRun, pooled, rotated, stateful_step, time_interleaved
 
 
 class FakeClock:
@@ -74,3 +74,18 @@ def test_stateful_step_feeds_outputs_back():
     run()
     out = run()
     assert out[:2] == (10, 2)
+
+
+def test_rows_of_one_plan_pool_their_rounds():
+    """A pick timed in its own row and its twin are one plan: both get the pooled figure; other
+    runs keep theirs, and a twin of a twin joins the first run of its plan."""
+    runs = {"one device": TimedRun("one device", (15.0, 15.1, 15.2)),
+            "auto pick": TimedRun("auto pick", (16.7, 16.8, 16.9)),
+            "measured pick": TimedRun("measured pick", (15.5,)),
+            "data=8": TimedRun("data=8", (30.0, 31.0))}
+    out = pooled(runs, {"auto pick": "one device", "measured pick": "auto pick"})
+    assert out["one device"].rounds == out["auto pick"].rounds == out["measured pick"].rounds \
+        == (15.0, 15.1, 15.2, 16.7, 16.8, 16.9, 15.5)
+    assert out["auto pick"].name == "auto pick" and out["auto pick"].median == 15.5
+    assert out["data=8"] == runs["data=8"]
+    assert pooled(runs, {}) == runs
