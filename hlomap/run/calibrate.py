@@ -47,16 +47,21 @@ class ExecutorBench:
     shapes: tuple[tuple[int, int], ...]
     repeats: int
     many_buffer_shapes: tuple[tuple[int, int], ...] = ()
+    # each sample is timed in this many interleaved passes and keeps the median of them
+    # (`hlomap.verify.devices.interleaved_passes`): two calibrations back to back fitted the spmd
+    # executor's cost per tick at 0.50 and 0.90 ms from one pass each
+    passes: int = 3
 
 
 DEFAULT_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 4), (4, 4)), repeats=10,
                                        many_buffer_shapes=((2, 1), (2, 4)))
-QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3, many_buffer_shapes=((2, 2),))
+QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3, many_buffer_shapes=((2, 2),), passes=1)
 #: One device runs pipelines too (a joint plan of one stage and several microbatches): the
 #: executor's cost per microbatch is what keeps such a plan from looking free (on an H200 a
 #: one-stage plan of 256 microbatches, priced without it at 0.24 ms, ran in 141 ms).
 ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 8)), repeats=10, many_buffer_shapes=((1, 4),))
-QUICK_ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 4)), repeats=3, many_buffer_shapes=((1, 2),))
+QUICK_ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 4)), repeats=3, many_buffer_shapes=((1, 2),),
+                                                 passes=1)
 
 
 def _tiny_step(extra_leaves: int = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -93,9 +98,12 @@ ExecutorTask = tuple[str, Callable[[], ExecutorSample | None]]
 def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: ExecutorBench | None = None,
                    median_seconds: Callable[[Callable[[], Any], int], float]) -> list[ExecutorTask]:
     """(label, measure) of each executor sample on `devices` (module docstring), for
-    `hlomap.verify.devices.measure_devices` to run after its own; a measure returns None for a
-    shape the executor refuses to run here (logged). Shapes needing more stages than devices are
-    left out. `median_seconds(call, repeats)` is the device microbenchmarks' timer."""
+    `hlomap.verify.devices.measure_devices` to run after its own, in `bench.passes` interleaved
+    passes; a measure returns None in the passes before the last, and for a shape the executor
+    refuses to run here (logged). Shapes needing more stages than devices are left out.
+    `median_seconds(call, repeats)` is the device microbenchmarks' timer."""
+    from hlomap.verify.devices import Probe, interleaved_passes
+
     count = len(devices)
     if bench is None:
         bench = ((QUICK_ONE_DEVICE_EXECUTOR_BENCH if quick else ONE_DEVICE_EXECUTOR_BENCH) if count == 1 else
@@ -104,8 +112,8 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
         return []
     prepared: dict[int, dict[str, Any]] = {}
 
-    def measure(executor: str, schedule: str, stages: int, microbatches: int, label: str,
-                extra_leaves: int = 0) -> ExecutorSample | None:
+    def probe(executor: str, schedule: str, stages: int, microbatches: int, label: str,
+              extra_leaves: int = 0) -> Probe[ExecutorSample] | None:
         import jax
 
         from hlomap.cost.pipeline.costs import mean_stage_devices
@@ -121,27 +129,28 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
                                          microbatches=microbatches, schedule=schedule)
             parallel = parallelize(step, plan, executor=executor, devices=devices, example_args=host)
             run = stateful_step(parallel, *parallel.place(host[0], host[1]), host[2])
-            seconds = median_seconds(lambda: jax.block_until_ready(run()), bench.repeats)
+            jax.block_until_ready(run())  # compiles it; a shape that cannot run fails here
         except (RunError, ValueError) as err:
             log.info("calibrate: %s left out (%s)", label, err)
             return None
-        return ExecutorSample(executor, stages, microbatches, seconds, float(buffers),
-                              mean_stage_devices(plan.pipeline.stages))
+        stage_devices = mean_stage_devices(plan.pipeline.stages)
+        return Probe(lambda: jax.block_until_ready(run()), lambda seconds: ExecutorSample(
+            executor, stages, microbatches, seconds, float(buffers), stage_devices))
 
-    tasks: list[ExecutorTask] = []
+    probes: list[tuple[str, Callable[[], Probe[ExecutorSample] | None]]] = []
     for stages, microbatches in bench.shapes:
         if stages > count:
             continue
         for executor, schedule in (("spmd", "gpipe"), ("mpmd", "1f1b")):
             label = f"{executor} executor {stages}x{microbatches}"
-            tasks.append((label, lambda e=executor, s=schedule, n=stages, m=microbatches, lb=label: measure(e, s, n, m, lb)))
+            probes.append((label, lambda e=executor, s=schedule, n=stages, m=microbatches, lb=label: probe(e, s, n, m, lb)))
     for stages, microbatches in bench.many_buffer_shapes:
         if stages > count:
             continue
         label = f"mpmd executor {stages}x{microbatches}, {MANY_BUFFER_LEAVES} more parameters per layer"
-        tasks.append((label, lambda n=stages, m=microbatches, lb=label: measure("mpmd", "1f1b", n, m, lb,
-                                                                                MANY_BUFFER_LEAVES)))
-    return tasks
+        probes.append((label, lambda n=stages, m=microbatches, lb=label: probe("mpmd", "1f1b", n, m, lb,
+                                                                               MANY_BUFFER_LEAVES)))
+    return interleaved_passes(probes, bench.passes, bench.repeats, median_seconds)
 
 
 def _prepared_tiny_step(extra_leaves: int = 0) -> dict[str, Any]:

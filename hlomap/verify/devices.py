@@ -6,8 +6,9 @@ achieves while the others work, as in a step); each collective (`jax.shard_map` 
 `all_gather`, `psum_scatter`, `all_to_all`, `ppermute`) over message sizes on groups of 2, 4, 8
 ... of the devices; a `jax.device_put` from one device to another (a stage-to-stage send); a
 trivial jitted call (the fixed cost of one dispatch). Every sample is the lower quartile of
-repeated timed calls after a warm-up call (compilation, first-touch allocation); the compute
-samples are timed so in several interleaved passes and keep the median of them. The fits live in
+repeated timed calls after a warm-up call (compilation, first-touch allocation), except the
+compute samples: they are timed in several interleaved passes, each the median of its calls, and
+keep the median of their passes (`interleaved_passes`). The fits live in
 `hlomap.cost.calibration`, which this module only feeds.
 
 It sits in `verify` because it runs programs on the devices (as compiling and running plans
@@ -22,7 +23,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
@@ -44,8 +45,8 @@ from hlomap.verify.timing import load_average
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACCELERATOR_PLAN", "BenchPlan", "BenchProgress", "DEFAULT_PLAN", "QUICK_PLAN", "collective_group_sizes",
-           "default_plan", "host_bytes_needed", "measure_devices"]
+__all__ = ["ACCELERATOR_PLAN", "BenchPlan", "BenchProgress", "DEFAULT_PLAN", "Probe", "QUICK_PLAN", "Timer",
+           "collective_group_sizes", "default_plan", "host_bytes_needed", "interleaved_passes", "measure_devices"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class BenchPlan:
     conv_images: int = 8
     conv_side: int = 16
     oversized_conv_widths: tuple[int, ...] = (32, 64)
-    # the compute samples (matmuls, narrow products, memory-bound) are timed in this many
-    # interleaved passes, each sample the median of its passes (`_interleaved_passes`)
+    # the compute samples (matmuls, narrow products, memory-bound, kernel-launch steps) are timed
+    # in this many interleaved passes, each the median of its calls, and keep the median of their
+    # passes (`interleaved_passes`, `_median_seconds`)
     kernel_passes: int = 3
 
 
@@ -134,20 +136,36 @@ def collective_group_sizes(n_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _sample_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """The lower quartile of the wall times of `repeats` calls of `fn` (which blocks until its
-    result is ready), after one untimed warm-up call; never below a nanosecond, so that the
-    sample is a valid time. A quartile, not the median: on a shared machine other work only ever
-    adds time, and a calibration is cached and prices every later plan, so a burst of load during
-    it should move it as little as possible (two calibrations on 8 host devices of a 2-core
-    machine disagreed by 22% on the combined all-reduce's cost per buffer with the median)."""
+#: A sample's timer: (a call that blocks until its result is ready, repeats) -> seconds.
+Timer = Callable[[Callable[[], Any], int], float]
+
+
+def _sample_seconds(fn: Callable[[], Any], repeats: int, quantile: float = 0.25) -> float:
+    """The lower quartile (or `quantile`) of the wall times of `repeats` calls of `fn` (which
+    blocks until its result is ready), after one untimed warm-up call; never below a nanosecond,
+    so that the sample is a valid time. A quartile, not the median: on a shared machine other work
+    only ever adds time, and a calibration is cached and prices every later plan, so a burst of
+    load during it should move it as little as possible (two calibrations on 8 host devices of a
+    2-core machine disagreed by 22% on the combined all-reduce's cost per buffer with the median).
+    The compute samples keep the median instead (`_median_seconds`)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return max(float(np.quantile(times, 0.25)), 1e-9)
+    return max(float(np.quantile(times, quantile)), 1e-9)
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The median of the timed calls (`_sample_seconds`): what each pass of a compute sample keeps.
+    Its passes already outvote a burst (`interleaved_passes`), and the steps it prices run under
+    the same contention as it, a step's time being its median: on 8 host devices of 2 cores, with
+    lower quartiles gpt-tiny's one-device step was priced 5.2 ms and ran in 7.2, with medians 7.7
+    (the fidelity benchmark's Spearman 0.942 / 0.984 / 0.954 / 0.948 / 0.910 on gpt-tiny, haiku-mlp,
+    bert-tiny, t5-tiny, resnet50-tiny with lower quartiles, 0.987 / 0.991 / 0.964 / 0.979 / 0.920
+    with medians)."""
+    return _sample_seconds(fn, repeats, 0.5)
 
 
 def _ready(x: Any) -> Any:
@@ -204,39 +222,47 @@ def _kernels_of(step: Callable[..., Any], *args: Any) -> int:
     return launched_kernels(capture(step, *args))
 
 
+Sample = TypeVar("Sample")
+
+
 @dataclass(frozen=True)
-class _KernelProbe:
-    """One compute sample, compiled and given its buffers once and timed in every pass: `run`
-    calls its program and blocks until it is done; `measurement` makes the sample of `seconds`."""
+class Probe(Generic[Sample]):
+    """One sample, compiled and given its buffers once and timed in every pass: `run` calls its
+    program and blocks until it is done; `sample` makes the sample of `seconds`."""
 
     run: Callable[[], Any]
-    measurement: Callable[[float], Measurement]
+    sample: Callable[[float], Sample]
 
 
-Task = tuple[str, Callable[[], "Measurement | CommSample | None"]]
+Task = tuple[str, Callable[[], Any]]
 
 
-def _interleaved_passes(probes: Sequence[tuple[str, Callable[[], _KernelProbe]]], passes: int,
-                        repeats: int) -> list[Task]:
+def interleaved_passes(probes: Sequence[tuple[str, Callable[[], Probe[Sample] | None]]], passes: int, repeats: int,
+                       timer: Timer) -> list[Task]:
     """The tasks that time every probe in `passes` passes, one probe after another in each: a
-    probe's sample is the median of its passes' lower quartiles (`_sample_seconds`), returned by
-    its task in the last pass (the earlier ones return None). A probe is prepared in its first
-    pass and dropped after its last. Why: eight host devices on two cores timed the same
-    all-busy kernel up to 60% apart from one moment to the next (a 3x3 convolution of 8
-    channels 0.75-1.54 ms, ten calls each time), and one sample's burst moved every plan priced
-    on it (two calibrations back to back priced resnet50-tiny's one-device step 7.8 and 9.9 ms);
-    passes spread over the kernel section let a sample's burst be outvoted."""
-    prepared: dict[int, _KernelProbe] = {}
+    probe's sample is the median of its passes' `timer` figures, returned by its task in the last
+    pass (the earlier ones return None). A probe is prepared in its first pass and dropped after
+    its last; one whose preparation returns None is left out (all its tasks return None). Why:
+    eight host devices on two cores timed the same all-busy kernel up to 60% apart from one moment
+    to the next (a 3x3 convolution of 8 channels 0.75-1.54 ms, ten calls each time), and one
+    sample's burst moved every plan priced on it (two calibrations back to back priced
+    resnet50-tiny's one-device step 7.8 and 9.9 ms); passes spread over the section let a sample's
+    burst be outvoted."""
+    prepared: dict[int, Probe[Sample] | None] = {}
     seconds: dict[int, list[float]] = {i: [] for i in range(len(probes))}
 
-    def timed(index: int, last: bool) -> Callable[[], Measurement | None]:
-        def task() -> Measurement | None:
+    def timed(index: int, last: bool) -> Callable[[], Sample | None]:
+        def task() -> Sample | None:
             if index not in prepared:
                 prepared[index] = probes[index][1]()
-            seconds[index].append(_sample_seconds(prepared[index].run, repeats))
+            probe = prepared[index]
+            if probe is None:
+                return None
+            seconds[index].append(timer(probe.run, repeats))
             if not last:
                 return None
-            return prepared.pop(index).measurement(float(np.median(seconds[index])))
+            del prepared[index]
+            return probe.sample(float(np.median(seconds[index])))
 
         return task
 
@@ -262,31 +288,31 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
     blocks = NamedSharding(everywhere, PartitionSpec("x"))
     count = len(devices)
 
-    def matmul(dtype: str, n: int) -> _KernelProbe:
+    def matmul(dtype: str, n: int) -> Probe[Measurement]:
         jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
         a = _filled((count, n, n), jdtype, blocks)
         f = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
-        return _KernelProbe(lambda: _ready(f(a)), lambda seconds: Measurement(
+        return Probe(lambda: _ready(f(a)), lambda seconds: Measurement(
             f"dot_{dtype}_{n}", "dot", dtype, 2.0 * n**3, 3.0 * n * n * _ITEMSIZE[dtype], seconds))
 
-    def matmul_alone(n: int) -> _KernelProbe:
+    def matmul_alone(n: int) -> Probe[Measurement]:
         # the same f32 matmul on one device while the others idle: how much faster a device is
         # alone than with all busy (`ClusterCalibration.solo_speedup`); not part of the curve
         a = jax.device_put(jnp.ones((n, n), jnp.float32), first)
         f = jax.jit(jnp.dot)
-        return _KernelProbe(lambda: _ready(f(a, a)), lambda seconds: Measurement(
+        return Probe(lambda: _ready(f(a, a)), lambda seconds: Measurement(
             f"dot_f32_{n}{ALONE_SUFFIX}", "dot", "f32", 2.0 * n**3, 3.0 * n * n * 4, seconds, fit=False))
 
-    def narrow_dot(width: int) -> _KernelProbe:
+    def narrow_dot(width: int) -> Probe[Measurement]:
         n = max(plan.matmul_sizes)
         a = _filled((count, n, n), jnp.float32, blocks)
         b = _filled((count, n, width), jnp.float32, blocks)
         f = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y))
-        return _KernelProbe(lambda: _ready(f(a, b)), lambda seconds: Measurement(
+        return Probe(lambda: _ready(f(a, b)), lambda seconds: Measurement(
             f"dot_f32_{n}x{n}x{width}", "dot", "f32", 2.0 * n * n * width, 4.0 * (n * n + 2 * n * width), seconds,
             width=width))
 
-    def narrow_conv(channels: int, side: int, kind: str) -> _KernelProbe:
+    def narrow_conv(channels: int, side: int, kind: str) -> Probe[Measurement]:
         images = plan.conv_images
         x = _filled((count * images, side, side, channels), jnp.float32, blocks)
         w = jax.device_put(jnp.full((3, 3, channels, channels), 0.1, jnp.float32), NamedSharding(everywhere, PartitionSpec()))
@@ -294,14 +320,14 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
                                                           dimension_numbers=("NHWC", "HWIO", "NHWC")))
         valid = (3 * side - 2) ** 2  # (output, kernel) pairs on real input per image, SAME padding
         suffix = "" if kind == "convolution" else f"_{side}x{side}"
-        return _KernelProbe(lambda: _ready(f(x, w)), lambda seconds: Measurement(
+        return Probe(lambda: _ready(f(x, w)), lambda seconds: Measurement(
             f"convolution_f32_3x3_{channels}ch{suffix}", kind, "f32", 2.0 * images * valid * channels * channels,
             4.0 * (2 * images * side * side * channels + 9 * channels * channels), seconds, width=channels))
 
-    def memory(elements: int) -> _KernelProbe:
+    def memory(elements: int) -> Probe[Measurement]:
         x = _filled((count * elements,), jnp.float32, blocks)
         f = jax.jit(lambda v: v * 2.0 + 1.0)
-        return _KernelProbe(lambda: _ready(f(x)), lambda seconds: Measurement(
+        return Probe(lambda: _ready(f(x)), lambda seconds: Measurement(
             f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements, 8.0 * elements, seconds))
 
     def on_group(group: int) -> tuple[Any, Any]:
@@ -322,7 +348,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
         seconds = _sample_seconds(lambda: _ready(jax.device_put(x, devices[1])), plan.repeats)
         return CommSample(TRANSFER, 2, 4.0 * elements, seconds)
 
-    def launch(layers: int) -> CommSample:
+    def launch(layers: int) -> Probe[CommSample]:
         # A train step of tiny layers (forward, gradient, update), every device on its own block:
         # the kernels a real step launches (dots, elementwise, reductions, their backward), which a
         # chain of one op does not show (an H200 launched tiny matmuls at 1.2 us each, while
@@ -333,8 +359,8 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
               for _ in range(layers)]
         x = jax.device_put(jnp.ones((count, LAUNCH_SIDE, LAUNCH_SIDE), jnp.float32), blocks)
         f = jax.jit(_tiny_train_step)
-        return CommSample(LAUNCH, count, float(_kernels_of(_tiny_train_step, ws, x)),
-                          _sample_seconds(lambda: _ready(f(ws, x)), plan.repeats))
+        kernels = float(_kernels_of(_tiny_train_step, ws, x))
+        return Probe(lambda: _ready(f(ws, x)), lambda seconds: CommSample(LAUNCH, count, kernels, seconds))
 
     def combined(group: int, buffers: int) -> CommSample:
         # one all-reduce of `buffers` small buffers over `group` devices, as XLA combines a
@@ -353,7 +379,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
         f = jax.jit(lambda v: v + 1.0)
         return CommSample(DISPATCH, 1, 0.0, _sample_seconds(lambda: _ready(f(x)), plan.dispatch_repeats))
 
-    probes: list[tuple[str, Callable[[], _KernelProbe]]] = []
+    probes: list[tuple[str, Callable[[], Probe[Measurement]]]] = []
     for dtype in plan.dtypes:
         for n in plan.matmul_sizes:
             probes.append((f"matmul {dtype} {n}x{n}", lambda d=dtype, n=n: matmul(d, n)))
@@ -369,10 +395,12 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
                        lambda c=channels: narrow_conv(c, OVERSIZED_SIDE, OVERSIZED_CONVOLUTION)))
     for elements in plan.memory_sizes:
         probes.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
-    tasks.extend(_interleaved_passes(probes, plan.kernel_passes, plan.repeats))
+    # the kernel-launch steps price every step's kernels: compute samples too (their fitted cost
+    # per kernel ran 2.6-9.2 us in seven calibrations of one afternoon, timed in one pass each)
+    launches: list[tuple[str, Callable[[], Probe[CommSample]]]] = [
+        (f"step of {layers} tiny layers", lambda k=layers: launch(k)) for layers in plan.launch_layers]
+    tasks.extend(interleaved_passes([*probes, *launches], plan.kernel_passes, plan.repeats, _median_seconds))
     tasks.append(("dispatch", dispatch))
-    for layers in plan.launch_layers:
-        tasks.append((f"step of {layers} tiny layers", lambda k=layers: launch(k)))
     for group in collective_group_sizes(count):
         for buffers in plan.combined_buffers:
             tasks.append((f"all-reduce of {buffers} buffers x{group}", lambda g=group, b=buffers: combined(g, b)))
@@ -414,8 +442,7 @@ def hlomap_version() -> str:
 #: More samples a caller adds after the microbenchmarks (the pipeline executors' costs,
 #: `hlomap.run.calibrate.executor_tasks`): given the chosen devices, the quick flag and the timer,
 #: (label, measure) pairs whose measure returns an ExecutorSample or None (left out).
-ExtraTasks = Callable[[Sequence[Any], bool, Callable[[Callable[[], Any], int], float]],
-                      list[tuple[str, Callable[[], Any]]]]
+ExtraTasks = Callable[[Sequence[Any], bool, Timer], list[Task]]
 
 
 #: Seconds of large matmuls an accelerator runs before its samples are taken.
@@ -449,7 +476,7 @@ def default_plan(platform: str, quick: bool = False) -> BenchPlan:
 def host_bytes_needed(plan: BenchPlan, count: int) -> float:
     """About the peak host memory a calibration of `count` host CPU devices holds: its largest
     all-gather (every device receives every device's largest message), or the compute samples'
-    inputs, all held while their passes run (`_interleaved_passes`), with the largest output,
+    inputs, all held while their passes run (`interleaved_passes`), with the largest output,
     whichever is more."""
     gather = count * count * max(plan.message_sizes) * 4.0
     side = max(plan.matmul_sizes)
