@@ -160,11 +160,12 @@ def _sample_seconds(fn: Callable[[], Any], repeats: int, quantile: float = 0.25)
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     """The median of the timed calls (`_sample_seconds`): what each pass of a compute sample keeps.
     Its passes already outvote a burst (`interleaved_passes`), and the steps it prices run under
-    the same contention as it, a step's time being its median: on 8 host devices of 2 cores, with
-    lower quartiles gpt-tiny's one-device step was priced 5.2 ms and ran in 7.2, with medians 7.7
-    (the fidelity benchmark's Spearman 0.942 / 0.984 / 0.954 / 0.948 / 0.910 on gpt-tiny, haiku-mlp,
-    bert-tiny, t5-tiny, resnet50-tiny with lower quartiles, 0.987 / 0.991 / 0.964 / 0.979 / 0.920
-    with medians)."""
+    the same contention as it, a step's time being its median, not its best quarter. On 8 host
+    devices of 2 cores, one fidelity run each (`scripts/bench_fidelity.py --rounds 10`): with
+    lower quartiles in every pass, Spearman 0.942 / 0.984 / 0.954 / 0.948 / 0.910 on gpt-tiny,
+    haiku-mlp, bert-tiny, t5-tiny, resnet50-tiny and pipelines within 25% 11 of 20 (0.61-1.15x:
+    priced low); with medians, and the launch and executor steps in passes too, 0.979 / 0.976 /
+    0.873 / 0.985 / 0.932 and 16 of 20 (0.71-1.35x); docs/benchmarks.md has the rest."""
     return _sample_seconds(fn, repeats, 0.5)
 
 
