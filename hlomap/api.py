@@ -1564,16 +1564,6 @@ def local_cluster(refresh: bool = False) -> Any:
     return cached_local_cluster(refresh=refresh)
 
 
-def make_cache_folder(folder: Path) -> None:
-    """Create hlomap's cache `folder` (and its parents) if missing; a path that cannot be made
-    becomes an InputError naming it, not a traceback."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InputError(f"{folder}: cannot create the cache folder ({error.strerror or error}); "
-                         "set $HLOMAP_CACHE_DIR to a writable folder") from None
-
-
 def local_cluster_path() -> Path:
     """Where the `local` cluster of the devices JAX sees is cached (it may not exist yet)."""
     ensure_host_devices(LOCAL_CPU_DEVICES)  # before hlomap.run imports JAX
