@@ -1564,6 +1564,17 @@ def local_cluster(refresh: bool = False) -> Any:
     return cached_local_cluster(refresh=refresh)
 
 
+def check_cache_folder(folder: Path) -> None:
+    """Create hlomap's cache `folder` if missing (`hlomap.run.local.folder_problem`, the one check
+    of it); one that cannot be made or written raises InputError naming it."""
+    from hlomap.run.local import folder_problem
+
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise InputError(f"{folder}: cannot create the cache folder or write in it ({problem}); "
+                         "set $HLOMAP_CACHE_DIR to a writable folder")
+
+
 def local_cluster_path() -> Path:
     """Where the `local` cluster of the devices JAX sees is cached (it may not exist yet)."""
     ensure_host_devices(LOCAL_CPU_DEVICES)  # before hlomap.run imports JAX

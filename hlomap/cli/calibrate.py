@@ -46,12 +46,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise common.CliError("--local measures every device JAX sees; --devices does not apply")
     output = api.local_cluster_path() if args.local else args.output
     if args.local:  # the cache is ours to make: a fresh machine has no ~/.cache/hlomap/clusters yet
-        from hlomap.run.local import folder_problem
-
-        problem = folder_problem(output.parent)
-        if problem is not None:
-            raise common.CliError(f"{output.parent}: cannot create the cache folder or write in it ({problem}); "
-                                  "set $HLOMAP_CACHE_DIR to a writable folder")
+        api.check_cache_folder(output.parent)
     api.check_writable(output)  # before measuring: never measure for a minute, then fail to save
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
