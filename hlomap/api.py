@@ -44,6 +44,7 @@ __all__ = [
     "InputError",
     "JointExploration",
     "JointSimulation",
+    "OneDeviceFaster",
     "PipelineExploration",
     "PipelineSimulation",
     "PlacementJob",
@@ -80,6 +81,7 @@ __all__ = [
     "measure_runnable",
     "measure_settings",
     "needs_module",
+    "one_device_faster",
     "other_cluster_warning",
     "parse_mesh",
     "parse_mesh_text",
@@ -1159,6 +1161,46 @@ def one_device_instead(cap: Capture, best: Any, pick: Any, model: Any) -> Any | 
     search = {**(pick.search or {}), "refined": {"joint_pick_step_seconds": pick_seconds,
                                                  "step_seconds": float(one.predicted_seconds), "task": "one device"}}
     return dataclasses.replace(one.plan, search=search)
+
+
+@dataclass(frozen=True)
+class OneDeviceFaster:
+    """The whole step on one device priced faster than a plan on several of a cluster whose
+    devices share hardware (`one_device_faster`)."""
+
+    one_device_seconds: float
+    plan_seconds: float
+    plan_devices: int
+    cores: int  # the host's cores the devices share (0 where the cluster does not record them)
+
+    @property
+    def speedup(self) -> float:
+        return self.plan_seconds / self.one_device_seconds
+
+
+def one_device_faster(cap: Capture, plan: Any, cluster: Any) -> OneDeviceFaster | None:
+    """Whether the whole step on one device is priced faster than `plan`, an SPMD plan on several
+    of `cluster`'s devices, and fits: only where the devices share hardware
+    (`hlomap.cost.cluster.busy_speedup`; 8 host CPU devices on 2 cores, where every 8-device
+    plan of the zoo's tiny models measured 1.8-8x slower than one device). The sharding tasks
+    search the mesh they are given, so they cannot return it; the auto task does
+    (`one_device_instead`). None otherwise."""
+    from hlomap.cost.cluster import busy_speedup
+    from hlomap.propagation.graph import FactorGraph
+    from hlomap.tasks.candidates import one_device_candidate
+
+    cluster = load_cluster(cluster)
+    devices = plan_devices(plan)
+    if plan.pipeline is not None or devices < 2 or busy_speedup(cluster, 1) <= 1.0:
+        return None
+    one = one_device_candidate(cap, FactorGraph.from_capture(cap), cluster)
+    if one.predicted_seconds is None or not plan_fits(one.plan):
+        return None
+    seconds = float(simulate_plan(cap, plan, cluster=cluster).step_seconds)
+    if one.predicted_seconds >= seconds:
+        return None
+    cores = cluster.measured.cores if cluster.measured is not None else 0
+    return OneDeviceFaster(float(one.predicted_seconds), seconds, devices, cores)
 
 
 def plan_fits(plan: Any) -> bool:

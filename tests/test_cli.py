@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,27 @@ def test_explore_saves_a_plan_that_runs_with_unsharded_numerics(tmp_path: Path,
     params = sum(p["path"].startswith("params") for p in saved["parameters"])
     assert whats["gradients"]["leaves"] == params > 0  # one gradient per trainable leaf
     assert whats["gradients"]["worst_relative_error"] < 1e-4
+
+
+CPU8 = Path(__file__).resolve().parent / "data" / "clusters" / "cpu8.cluster.json"
+
+
+@pytest.mark.parametrize("cluster, says", [(str(CPU8), True), ("hier:1x8", False)])
+def test_explore_says_when_one_device_is_priced_faster(cluster: str, says: bool, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """8 host CPU devices share 2 cores: on their calibration the opp task's plan on {model: 8}
+    is priced slower than the step on one device, which it cannot return; explore says so. On
+    devices of their own it never does."""
+    assert run(["explore", "zoo:haiku-mlp", "--agent", "greedy", "--cluster", cluster, "-q",
+                "-o", str(tmp_path / "plan.json")]) == 0
+    err = capsys.readouterr().err
+    found = re.search(r"note: the whole step on one device is priced at ([\d.]+) ms per step, ([\d.]+)x faster "
+                      r"than this plan on 8 devices \(([\d.]+) ms\): they share (?:the host's \d+ cores|their hardware)",
+                      err)
+    assert (found is not None) == says, err
+    if says:
+        one, ratio, plan = (float(g) for g in found.groups())
+        assert one < plan and ratio == pytest.approx(plan / one, abs=0.06)
 
 
 @pytest.mark.slow

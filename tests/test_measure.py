@@ -363,3 +363,20 @@ def test_auto_lists_the_best_megatron_grid_meshes_so_measuring_can_find_a_runner
     assert one_stage  # bert-tiny's best grid points include single-stage meshes
     for point in one_stage:
         assert frozenset((a, n) for a, n in (("data", point.dp), ("model", point.tp)) if n > 1) in meshes
+
+
+def test_one_device_faster_is_the_one_device_estimate_against_the_plans() -> None:
+    """`one_device_faster` prices the step on one device as the auto task's candidate does and the
+    plan as `simulate_plan` does; only where devices share hardware, only for plans on several."""
+    cap = api.load_source(TINY)
+    plan = api.explore(cap, task="opp", mesh={"model": 8}, cluster=str(CPU8), agent="greedy", reward="cost")
+    faster = api.one_device_faster(cap, plan, str(CPU8))
+    assert faster is not None and faster.plan_devices == 8
+    assert faster.cores == api.load_cluster(str(CPU8)).measured.cores  # 0: this file predates the figure
+    assert faster.one_device_seconds == pytest.approx(
+        api.estimate(cap, "dp", mesh={"data": 1}, cluster=str(CPU8)).step_seconds)
+    assert faster.plan_seconds == pytest.approx(api.simulate_plan(cap, plan, cluster=str(CPU8)).step_seconds)
+    assert faster.speedup == pytest.approx(faster.plan_seconds / faster.one_device_seconds) and faster.speedup > 1
+    assert api.one_device_faster(cap, plan, "hier:1x8") is None  # devices of their own
+    one = api.explore(cap, task="opp", mesh={"model": 1}, cluster=str(CPU8), agent="greedy", reward="cost")
+    assert api.one_device_faster(cap, one, str(CPU8)) is None  # already on one device
