@@ -3,7 +3,8 @@
 For each zoo model on 8 host CPU devices, the whole step run on one device while the others idle
 ("alone") and replicated on all eight ("all busy", each device the whole step):
 
-- measured: the step's median wall time without the profiler; from JAX's profiler trace
+- measured: the step's median wall time without the profiler (both modes timed in interleaved
+  rounds, `--rounds` of them, each the median of 3 calls); from JAX's profiler trace
   (`hlomap.verify.trace`) the seconds per device of its matrix kernels (dots, convolutions, the
   fusions handed to a matrix library) and of its other kernels, and how many kernels ran;
 - predicted on `--cluster` (default `local`): the cost model's step, split the same way (the
@@ -23,9 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -42,7 +42,7 @@ from hlomap.cost.pipeline.chain import chain_arrays  # noqa: E402
 from hlomap.plan import Plan  # noqa: E402
 from hlomap.propagation.conflicts import REPLICATED, MeshAxes  # noqa: E402
 from hlomap.propagation.graph import FactorGraph  # noqa: E402
-from hlomap.verify.timing import load_average  # noqa: E402
+from hlomap.verify.timing import load_average, time_interleaved  # noqa: E402
 from hlomap.verify.trace import ProfiledSteps, profile_kernels  # noqa: E402
 
 MODELS = ("gpt-tiny", "haiku-mlp", "bert-tiny", "t5-tiny", "resnet50-tiny")
@@ -81,17 +81,7 @@ def priced(estimate: Any) -> Priced:
     return Priced(float(estimate.step_seconds), matrix, other, launches)
 
 
-def median_seconds(step: Callable[[], Any], calls: int) -> float:
-    step()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def measure_model(name: str, cluster: Any, steps: int, calls: int) -> tuple[list[Row], tuple[float, float]]:
+def measure_model(name: str, cluster: Any, steps: int, rounds: int) -> tuple[list[Row], tuple[float, float]]:
     model = zoo.get(name)
     cap = api.load_source(f"zoo:{name}")
     graph = FactorGraph.from_capture(cap)
@@ -103,12 +93,10 @@ def measure_model(name: str, cluster: Any, steps: int, calls: int) -> tuple[list
                                   MeshAxes.from_mesh({"data": DEVICES}))
     modes = (("alone", jax.device_put(args, devices[0]), 1, api.estimate(cap, "dp", mesh={"data": 1}, cluster=cluster)),
              ("all busy", jax.device_put(args, everywhere), DEVICES, api.estimate(cap, replicated, cluster=cluster)))
-    rows = []
-    for mode, placed, count, estimate in modes:
-        def run(placed: Any = placed) -> Any:
-            return jax.block_until_ready(step(*placed))
-        median = median_seconds(run, calls)
-        rows.append(Row(name, mode, median, profile_kernels(run, steps=steps, devices=count), priced(estimate)))
+    runs = {mode: (lambda placed=placed: jax.block_until_ready(step(*placed))) for mode, placed, _, _ in modes}
+    timed = time_interleaved(runs, rounds=rounds, repeats=3)  # the two modes in alternating rounds
+    rows = [Row(name, mode, timed[mode].median, profile_kernels(runs[mode], steps=steps, devices=count),
+                priced(estimate)) for mode, _, count, estimate in modes]
     # the pipeline chain's price of the whole step against the SPMD estimate's roofline, all busy
     chain = chain_arrays(cap, api.load_cluster(cluster).devices[0], graph=graph)
     profile = chain.profile
@@ -142,7 +130,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated zoo names")
     parser.add_argument("--cluster", default="local", help="the cluster the cost model prices on (default local)")
     parser.add_argument("--steps", type=int, default=5, help="steps profiled per model and mode (default 5)")
-    parser.add_argument("--calls", type=int, default=20, help="steps timed without the profiler (default 20)")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds timed without the profiler (default 20)")
     return parser.parse_args(argv)
 
 
@@ -156,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     chains = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        found, chain = measure_model(name, args.cluster, args.steps, args.calls)
+        found, chain = measure_model(name, args.cluster, args.steps, args.rounds)
         rows.extend(found)
         chains.append((name, *chain))
         console.print(f"{name}: done", style="dim")
