@@ -1181,10 +1181,10 @@ class OneDeviceFaster:
 def one_device_faster(cap: Capture, plan: Any, cluster: Any) -> OneDeviceFaster | None:
     """Whether the whole step on one device is priced faster than `plan`, an SPMD plan on several
     of `cluster`'s devices, and fits: only where the devices share hardware
-    (`hlomap.cost.cluster.busy_speedup`; 8 host CPU devices on 2 cores, where every 8-device
-    plan of the zoo's tiny models measured 1.8-8x slower than one device). The sharding tasks
-    search the mesh they are given, so they cannot return it; the auto task does
-    (`one_device_instead`). None otherwise."""
+    (`hlomap.cost.cluster.busy_speedup`; 8 host CPU devices on 2 cores, where the opp, adp and
+    hybrid picks of the zoo's tiny models on 8 devices measured 1.9-9.4x slower than one device).
+    The sharding tasks search the mesh they are given, so they cannot return it; the auto task
+    does (`one_device_instead`). None otherwise."""
     from hlomap.cost.cluster import busy_speedup
     from hlomap.propagation.graph import FactorGraph
     from hlomap.tasks.candidates import one_device_candidate

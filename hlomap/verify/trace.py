@@ -32,8 +32,9 @@ _KERNEL_NAME = re.compile(r"^[A-Za-z_][\w\-]*(\.\d+)*$")
 #: Runtime events whose names look like an instruction's.
 _RUNTIME_EVENTS = frozenset({"ParseArguments", "AllocateOutputBuffersWithInputReuse"})
 #: Kernel names of matrix products: dots, convolutions, and the fusions XLA:CPU hands to a
-#: matrix library (YNNPACK's `ynn_fusion`, oneDNN's, Eigen's gemm).
-_MATRIX_NAME = re.compile(r"(^|_)(dot|convolution|conv|gemm|matmul)|ynn|onednn", re.IGNORECASE)
+#: matrix library (YNNPACK's `ynn_fusion`, oneDNN's, Eigen's gemm); whole words, so that a
+#: `convert` is not a convolution.
+_MATRIX_NAME = re.compile(r"(^|_)(dot|convolution|conv_general|gemm|matmul)([._\-]|$)|ynn|onednn", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

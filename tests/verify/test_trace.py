@@ -40,7 +40,9 @@ def test_kernel_events_are_summed_per_name_and_runtime_events_left_out(tmp_path:
 @pytest.mark.parametrize("name, matrix", [("dot.52", True), ("ynn_fusion.5", True), ("convolution.54", True),
                                           ("conv_general_dilated.158", True), ("convolution-base-dilated.6", True),
                                           ("multiply_add_fusion.11", False), ("copy_bitcast_fusion.26", False),
-                                          ("wrapped_reduce-window.1", False), ("transpose.3", False)])
+                                          ("wrapped_reduce-window.1", False), ("transpose.3", False),
+                                          ("dot", True), ("dot_general.67", True), ("convert.5", False),
+                                          ("convert_element_type_fusion.3", False), ("dotted_fusion.1", False)])
 def test_matrix_kernels_are_named_by_their_product(name: str, matrix: bool) -> None:
     assert is_matrix_kernel(name) is matrix
 
