@@ -1144,14 +1144,9 @@ def one_device_instead(cap: Capture, best: Any, pick: Any, model: Any) -> Any | 
     14.7 ms for the best 8-device plan). Its search record is `refined` with task "one device"."""
     import dataclasses
 
-    from hlomap.cost.cluster import busy_speedup
-    from hlomap.tasks.candidates import one_device_candidate
-
     cluster = model.cluster
-    if cluster.n_devices < 2 or busy_speedup(cluster, 1) <= 1.0:
-        return None
-    one = one_device_candidate(cap, model.graph, cluster)
-    if one.predicted_seconds is None or not plan_fits(one.plan):
+    one = fitting_one_device(cap, model.graph, cluster)
+    if one is None:
         return None
     refined = (best.search or {}).get("refined")
     best_seconds = float(refined["step_seconds"]) if refined else float(simulate_plan(cap, pick, cluster=cluster).step_seconds)
@@ -1178,23 +1173,37 @@ class OneDeviceFaster:
         return self.plan_seconds / self.one_device_seconds
 
 
-def one_device_faster(cap: Capture, plan: Any, cluster: Any) -> OneDeviceFaster | None:
+def fitting_one_device(cap: Capture, graph: Any, cluster: Any) -> Any | None:
+    """The whole step on one device as a priced candidate (`one_device_candidate`) where the
+    cluster's devices share hardware (`hlomap.cost.cluster.busy_speedup`: only there can one
+    device outrun several) and it fits; else None. `graph`: the step's factor graph."""
+    from hlomap.cost.cluster import busy_speedup
+    from hlomap.tasks.candidates import one_device_candidate
+
+    if cluster.n_devices < 2 or busy_speedup(cluster, 1) <= 1.0:
+        return None
+    one = one_device_candidate(cap, graph, cluster)
+    if one.predicted_seconds is None or not plan_fits(one.plan):
+        return None
+    return one
+
+
+def one_device_faster(cap: Capture, plan: Any, cluster: Any, graph: Any = None) -> OneDeviceFaster | None:
     """Whether the whole step on one device is priced faster than `plan`, an SPMD plan on several
     of `cluster`'s devices, and fits: only where the devices share hardware
     (`hlomap.cost.cluster.busy_speedup`; 8 host CPU devices on 2 cores, where the opp, adp and
     hybrid picks of the zoo's tiny models on 8 devices measured 1.9-9.4x slower than one device).
     The sharding tasks search the mesh they are given, so they cannot return it; the auto task
-    does (`one_device_instead`). None otherwise."""
-    from hlomap.cost.cluster import busy_speedup
+    does (`one_device_instead`). None otherwise. `graph`: the step's factor graph when the caller
+    has it (an exploration's), else built here."""
     from hlomap.propagation.graph import FactorGraph
-    from hlomap.tasks.candidates import one_device_candidate
 
     cluster = load_cluster(cluster)
     devices = plan_devices(plan)
-    if plan.pipeline is not None or devices < 2 or busy_speedup(cluster, 1) <= 1.0:
+    if plan.pipeline is not None or devices < 2:
         return None
-    one = one_device_candidate(cap, FactorGraph.from_capture(cap), cluster)
-    if one.predicted_seconds is None or not plan_fits(one.plan):
+    one = fitting_one_device(cap, graph if graph is not None else FactorGraph.from_capture(cap), cluster)
+    if one is None:
         return None
     seconds = float(simulate_plan(cap, plan, cluster=cluster).step_seconds)
     if one.predicted_seconds >= seconds:

@@ -227,15 +227,15 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     else:
         roles = {p.path: p.role.value for p in cap.parameters}
         common.console().print(format_plan_summary(plan, roles=roles if cap.has_roles else None))
-    _note_one_device(cap, plan, cluster)
+    _note_one_device(cap, plan, cluster, found.problem.graph)
     common.say(f"plan: {output}; convergence curve: {curve}")
     return _finish(found.result.interrupted, api.plan_fits(found.plan), args.fail_if_oom)
 
 
-def _note_one_device(cap: Any, plan: Any, cluster: Any) -> None:
+def _note_one_device(cap: Any, plan: Any, cluster: Any, graph: Any) -> None:
     """A note where the whole step on one device is priced faster than the plan found: the
     task searched the mesh it was given, but the user wants the fastest plan."""
-    faster = api.one_device_faster(cap, plan, cluster)
+    faster = api.one_device_faster(cap, plan, cluster, graph)
     if faster is None:
         return
     shared = f"the host's {faster.cores} cores" if faster.cores else "their hardware"

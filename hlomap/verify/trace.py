@@ -104,8 +104,7 @@ def kernel_times(events: Iterable[Mapping[str, Any]], per: float = 1.0) -> tuple
     return tuple(sorted(rows, key=lambda k: (-k.seconds, k.name)))
 
 
-def profile_kernels(step: Callable[[], Any], *, steps: int = 5, devices: int = 1, warmup: int = 2,
-                    trace_dir: str | Path | None = None) -> ProfiledSteps:
+def profile_kernels(step: Callable[[], Any], *, steps: int = 5, devices: int = 1, warmup: int = 2) -> ProfiledSteps:
     """Run `step` (it blocks until its results are ready) `warmup` times, then `steps` times
     under `jax.profiler.trace`, and read its kernels per step and device (`devices`: how many
     devices each call runs the program on)."""
@@ -113,9 +112,8 @@ def profile_kernels(step: Callable[[], Any], *, steps: int = 5, devices: int = 1
 
     for _ in range(warmup):
         step()
-    with tempfile.TemporaryDirectory() as scratch:
-        where = Path(trace_dir) if trace_dir is not None else Path(scratch)
-        jax.profiler.start_trace(str(where))
+    with tempfile.TemporaryDirectory() as where:
+        jax.profiler.start_trace(where)
         start = time.perf_counter()
         try:
             for _ in range(steps):
