@@ -61,6 +61,7 @@ __all__ = [
     "check_plan_specs",
     "check_run",
     "calibrate",
+    "check_calibration",
     "check_writable",
     "dump_zoo",
     "ensure_host_devices",
@@ -92,6 +93,7 @@ __all__ = [
     "plan_or_built_in",
     "prepare_placement",
     "prepare_replan",
+    "read_calibration",
     "replan",
     "replan_policies",
     "replan_run",
@@ -1603,6 +1605,58 @@ def save_calibration(calibration: Any, path: str | Path, *, name: str | None = N
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(calibrated_cluster_json(calibration, name=name), indent=1) + "\n")
     return path
+
+
+def read_calibration(cluster: str | Path = "local") -> tuple[Path, Any]:
+    """(path, `ClusterCalibration`) of a calibrated cluster: "local" (the cached calibration of
+    the devices JAX sees) or the path of a file `hlomap calibrate` wrote. A CPU-only machine that
+    has not started JAX yet then shows as many host devices as the calibration measured.
+    InputError when the file is missing, unreadable or holds no calibration."""
+    import json
+
+    from hlomap.cost.calibration import CLUSTER_CALIBRATION_KEY, CalibrationError, ClusterCalibration
+
+    local = str(cluster) == "local"
+    path = local_cluster_path() if local else Path(cluster)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file" + (
+            " (the devices JAX sees were never calibrated: run hlomap calibrate --local)" if local else ""))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{path}: cannot read a cluster file ({err})") from None
+    if not isinstance(data, dict) or CLUSTER_CALIBRATION_KEY not in data:
+        raise InputError(f"{path}: a cluster without a {CLUSTER_CALIBRATION_KEY!r} object (a preset or a cluster "
+                         "written by hand): nothing measured to check; hlomap calibrate writes one")
+    try:
+        calibration = ClusterCalibration.from_json(data[CLUSTER_CALIBRATION_KEY], source=str(path))
+    except CalibrationError as err:
+        raise InputError(str(err)) from None
+    ensure_host_devices(calibration.n_devices)  # before anything starts JAX
+    return path, calibration
+
+
+def check_calibration(cluster: str | Path = "local", *,
+                      on_progress: Callable[[Any], None] | None = None) -> Any:
+    """Time the compute samples of a calibrated cluster (`read_calibration`) again on the present
+    devices and say how far they moved (`hlomap.verify.recheck`): a `CalibrationCheck` whose
+    `speed_ratio` is now / then (above 1: the devices run slower than the cluster prices them) and
+    `stale` past `STALE_RATIO`. InputError when it cannot be timed again here (another backend,
+    fewer devices)."""
+    path, calibration = read_calibration(cluster)
+    import jax
+
+    from hlomap.cost.calibration import CalibrationError
+    from hlomap.verify.recheck import recheck
+
+    seen = jax.device_count()
+    if seen < calibration.n_devices:
+        raise InputError(f"{path}: calibrated {calibration.n_devices} {calibration.backend} device(s); JAX sees "
+                         f"only {seen} {jax.default_backend()} device(s)")
+    try:
+        return recheck(calibration, on_progress=on_progress)
+    except CalibrationError as err:
+        raise InputError(f"{path}: {err}") from None
 
 
 def local_cluster(refresh: bool = False) -> Any:

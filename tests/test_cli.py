@@ -572,6 +572,39 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     assert ("narrow product" in captured.out) == bool(device.get("narrow"))
 
 
+def test_calibrate_check_times_a_calibration_again_and_says_how_far_it_moved(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--check FILE` times the file's compute samples again on its devices (the quick plan that made
+    it) and shows, per kind of sample, now over then; it writes nothing. The verdict holds to the
+    figures it printed, and the options of a new calibration are refused beside it."""
+    from hlomap.verify.recheck import STALE_RATIO
+
+    out = tmp_path / "x.json"
+    assert run(["calibrate", "--quick", "--devices", "2", "-o", str(out), "--quiet"]) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    assert run(["calibrate", "--check", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    text = " ".join(captured.out.split())
+    for group in ("matmul", "matmul alone", "narrow product", "memory-bound op", "kernel-launch step", "dispatch"):
+        assert f" {group} │" in text
+    ratio = float(re.search(r"all │ \d+ │ ([\d.]+)x", text).group(1))
+    assert ratio > 0 and f"{kept_time(out)}" in text
+    slower = f"{ratio:.2f}x slower" if ratio >= 1 else f"{1 / ratio:.2f}x faster"
+    assert f"the devices run {slower} than calibrated" in text
+    assert ("the calibration holds" in text) == (1 / STALE_RATIO <= ratio <= STALE_RATIO)
+    assert out.read_text() == before  # nothing new is written
+    assert run(["calibrate", "--check", str(out), "--local"]) == 2
+    assert "--check times an existing calibration again; --local does not apply" in capsys.readouterr().err
+    assert run(["calibrate", "--check", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json: no such file" in capsys.readouterr().err
+
+
+def kept_time(path: Path) -> str:
+    """When the calibration in a cluster file was made."""
+    return json.loads(path.read_text())["calibration"]["measured_at"]
+
+
 @pytest.mark.slow  # 24 s in a new process; `calibrate --quick` is checked in the fast set
 def test_calibrate_on_a_cpu_only_machine_measures_eight_simulated_devices_by_default(tmp_path: Path) -> None:
     """A CPU backend shows one device unless XLA_FLAGS asks for more: without --devices,

@@ -1,5 +1,6 @@
 """`hlomap calibrate [--devices N] [-o cluster.json | --local] [--quick]`: measure the present devices and
-write the cluster file they describe."""
+write the cluster file they describe; `hlomap calibrate --check [CLUSTER]`: time a calibration's compute
+samples again and say how far the devices moved from it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ DESCRIPTION = ("Measure the present devices (CPU, GPU or TPU) with microbenchmar
                "and device-to-device transfers; fit latency, bandwidth and efficiency, and write an ordinary cluster "
                "file (the fits and raw samples kept under its \"calibration\" key) that --cluster FILE reads. With --local, "
                "measure every device JAX sees and keep the result as the cached `local` cluster (what --cluster local "
-               "and auto_shard's default read; they measure it themselves on first use).")
+               "and auto_shard's default read; they measure it themselves on first use). With --check, measure nothing new: "
+               "time a calibration's compute samples again and say how much slower or faster the devices run than "
+               "when it was made (a shared machine's speed moves; plans priced on a stale calibration read off by as "
+               "much).")
 EPILOG = ("examples:\n  hlomap calibrate -o local.json\n  hlomap calibrate --quick --devices 2 -o quick.json\n"
+          "  hlomap calibrate --check         # does the cached local calibration still hold?\n"
           "  hlomap simulate zoo:gpt-tiny --plan dp --cluster local.json\n"
           "  hlomap calibrate --local          # measure again what --cluster local reads")
 
@@ -32,10 +37,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="store the result as the cached `local` cluster instead of FILE.json (all devices JAX sees)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds instead of tens")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--check", nargs="?", const="local", default=None, metavar="CLUSTER",
+                   help="measure nothing new: time a calibration's compute samples again (about 10 s on 8 CPU "
+                        "devices) and say how much slower or faster the devices run now; CLUSTER is `local` "
+                        "(the default) or a file hlomap calibrate wrote")
     p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.check is not None:
+        return _check(args)
     # before anything imports JAX (the reports below do): a CPU-only machine then shows N devices
     # (harmless elsewhere: the flag only sizes the host platform)
     api.ensure_host_devices(args.devices or api.LOCAL_CPU_DEVICES)
@@ -63,4 +74,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return 0
     path = api.save_calibration(calibration, output)
     common.say(f"wrote {path}: cluster {cluster.name!r} ({cluster.n_devices} device(s)); use it with --cluster {path}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    given = [flag for flag, on in (("--local", args.local), ("--devices", args.devices is not None),
+                                   ("--quick", args.quick)) if on]
+    if given:
+        raise common.CliError(f"--check times an existing calibration again; {', '.join(given)} does not apply")
+    api.read_calibration(args.check)  # before the reports import JAX: the calibration's host devices
+    from hlomap.report.calibration import format_check
+    from hlomap.report.progress import calibration_bar
+
+    with calibration_bar(not args.quiet) as on_progress:
+        check = api.check_calibration(args.check, on_progress=on_progress)
+    source = "the local cluster" if args.check == "local" else args.check
+    common.show(*format_check(check, source))
     return 0

@@ -7,6 +7,7 @@ from typing import Any
 
 from hlomap.cost.calibration import COMBINED, DISPATCH, LAUNCH, ClusterCalibration
 from hlomap.cost.cluster import Cluster
+from hlomap.verify.recheck import STALE_RATIO
 from hlomap.report.units import human_bytes, human_flops, human_seconds
 
 __all__ = ["format_calibration"]
@@ -79,3 +80,34 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
                 f"{_rate(float(cluster.bandwidth[0, 1]))}" if cluster.n_devices > 1 else "")
              + ("; collectives priced by their own fits" if measured is not None and measured.collectives else ""))
     return [compute, *([narrow] if device.narrow else []), comm, overheads, links]
+
+
+def format_check(check: Any, source: str) -> list[Any]:
+    """`hlomap calibrate --check`: per kind of sample, how many were timed again and their time
+    now over their time in the calibration of `source` (geometric mean and range), then the
+    verdict: the calibration holds, or the devices run this much slower (or faster) than it prices."""
+    from rich.table import Table
+
+    table = Table(title=f"{source}, calibrated {check.measured_at or 'at an unknown time'}; load average now "
+                        f"{check.load_average:.2f}", show_edge=False)
+    table.add_column("samples timed again")
+    table.add_column("count", justify="right")
+    table.add_column("now / then", justify="right")
+    table.add_column("range", justify="right")
+    for group in check.groups():
+        table.add_row(group.group, str(group.samples), f"{group.ratio:.2f}x",
+                      f"{group.lowest:.2f}x .. {group.highest:.2f}x")
+    table.add_row("all", str(len(check.drifts)), f"{check.speed_ratio:.2f}x", "")
+    return [table, check_verdict(check)]
+
+
+def check_verdict(check: Any) -> str:
+    """One line: how far the devices moved from the calibration, and what to do about it."""
+    ratio = check.speed_ratio
+    pace = f"{ratio:.2f}x slower" if ratio >= 1 else f"{1 / ratio:.2f}x faster"
+    if not check.stale:
+        return (f"the devices run {pace} than calibrated: within {STALE_RATIO:.2f}x (about what a shared machine "
+                "moves from minute to minute), the calibration holds")
+    return (f"the devices run {pace} than calibrated: plans priced on this calibration read about as much "
+            f"{'fast' if ratio > 1 else 'slow'}; measure again (hlomap calibrate --local, or -o FILE) when the "
+            "machine runs as it will for your jobs")

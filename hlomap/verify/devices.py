@@ -479,7 +479,7 @@ def host_bytes_needed(plan: BenchPlan, count: int) -> float:
     all-gather (every device receives every device's largest message), or the compute samples'
     inputs, all held while their passes run (`interleaved_passes`), with the largest output,
     whichever is more."""
-    gather = count * count * max(plan.message_sizes) * 4.0
+    gather = count * count * max(plan.message_sizes, default=0) * 4.0
     side = max(plan.matmul_sizes)
     inputs = (sum(plan.memory_sizes) + len(plan.dtypes) * sum(n * n for n in plan.matmul_sizes)
               + sum(side * side + side * w for w in plan.narrow_dot_widths))
