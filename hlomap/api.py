@@ -1618,6 +1618,8 @@ def read_calibration(cluster: str | Path = "local") -> tuple[Path, Any]:
 
     local = str(cluster) == "local"
     path = local_cluster_path() if local else Path(cluster)
+    if path.is_dir():
+        raise InputError(f"{path}: a folder, not a cluster file")
     if not path.is_file():
         raise InputError(f"{path}: no such file" + (
             " (the devices JAX sees were never calibrated: run hlomap calibrate --local)" if local else ""))
@@ -1626,8 +1628,9 @@ def read_calibration(cluster: str | Path = "local") -> tuple[Path, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InputError(f"{path}: cannot read a cluster file ({err})") from None
     if not isinstance(data, dict) or CLUSTER_CALIBRATION_KEY not in data:
-        raise InputError(f"{path}: a cluster without a {CLUSTER_CALIBRATION_KEY!r} object (a preset or a cluster "
-                         "written by hand): nothing measured to check; hlomap calibrate writes one")
+        raise InputError(f"{path}: no {CLUSTER_CALIBRATION_KEY!r} object, so nothing measured to time again: only "
+                         "the cluster files hlomap calibrate writes hold one (not a preset, a cluster written by "
+                         "hand or a plan)")
     try:
         calibration = ClusterCalibration.from_json(data[CLUSTER_CALIBRATION_KEY], source=str(path))
     except CalibrationError as err:

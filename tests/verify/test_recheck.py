@@ -101,8 +101,11 @@ def test_check_calibration_names_the_file_that_cannot_be_checked(tmp_path: Path)
         api.check_calibration(tmp_path / "nope.json")
     hand = tmp_path / "hand.json"
     hand.write_text(json.dumps(api.load_cluster("hier:1x2@V100-16GB").to_json()))
-    with pytest.raises(api.InputError, match=r"hand\.json: a cluster without a 'calibration' object"):
+    with pytest.raises(api.InputError, match=r"hand\.json: no 'calibration' object, so nothing measured to time "
+                                             r"again: only the cluster files hlomap calibrate writes hold one"):
         api.check_calibration(hand)
+    with pytest.raises(api.InputError, match=r": a folder, not a cluster file"):
+        api.check_calibration(tmp_path)
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     with pytest.raises(api.InputError, match=r"broken\.json: cannot read a cluster file"):
