@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -244,6 +245,11 @@ def parse_mesh(mesh: Mapping[str, int] | int | str, task: Any = "opp") -> dict[s
 # ---------------------------------------------------------------------------------------------
 
 
+#: Measured selection's bounds unless told: interleaved rounds at most, and seconds of timing.
+MEASURE_ROUNDS = 10
+MEASURE_BUDGET_SECONDS = 60.0
+
+
 def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
                      agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
                      **options: Any) -> Any:
@@ -257,7 +263,8 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
 
 def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
             agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
-            *, measure: int | Any = 0, measure_rounds: int = 10, measure_budget_seconds: float | None = 60.0,
+            *, measure: int | Any = 0, measure_rounds: int = MEASURE_ROUNDS,
+            measure_budget_seconds: float | None = MEASURE_BUDGET_SECONDS,
             runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
             on_measure_round: Callable[[int, int], None] | None = None, **options: Any) -> Any:
     """Search a plan for `cap` and return it as a `hlomap.plan.Plan`.
@@ -293,6 +300,8 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
+    if step_and_args is not None and runnable is not None:
+        check_runnable_matches(cap, step_and_args[1])
     cluster = _cluster_arg(cluster)
     name = str(getattr(task, "value", task))
     if name == "auto":
@@ -311,6 +320,9 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
         if not settings.enabled:
             return found.plan
     assert step_and_args is not None
+    elsewhere = measuring_elsewhere(cluster)
+    if elsewhere is not None:
+        warnings.warn(elsewhere, stacklevel=2)
     chosen = measure_found(found, cap, cluster, settings, step_and_args, on_round=on_measure_round).plan
     if options.get("output") is not None:
         chosen.save(options["output"])
@@ -325,7 +337,8 @@ MEASURE_NEEDS_STEP = ("measuring needs a runnable step: name the SOURCE as zoo:N
                       "returning (train_step, example_args)), or in Python pass runnable=(train_step, example_args)")
 
 
-def measure_settings(measure: int | Any = 0, rounds: int = 10, budget_seconds: float | None = 60.0) -> Any:
+def measure_settings(measure: int | Any = 0, rounds: int = MEASURE_ROUNDS,
+                     budget_seconds: float | None = MEASURE_BUDGET_SECONDS) -> Any:
     """`MeasureSettings` from `explore`'s measure arguments (a settings object passes as it is);
     InputError naming the argument for a bad value."""
     from hlomap.run.measure import MeasureSettings
@@ -352,6 +365,47 @@ def measure_runnable(source: Capture | str | None, runnable: tuple[Callable[...,
         return step, tuple(example)
     what = source if isinstance(source, str) else "a Capture"
     raise InputError(f"{what}: {MEASURE_NEEDS_STEP}")
+
+
+def measuring_elsewhere(cluster: Any) -> str | None:
+    """Why timing the candidates of a plan priced on `cluster` on the devices JAX sees would not
+    say which is fastest where it was planned (`hlomap.run.measure.measures_elsewhere`: a preset of
+    V100s measured on CPUs), or None."""
+    import jax
+
+    from hlomap.cost.cluster import Cluster
+    from hlomap.run.measure import measures_elsewhere
+
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    device = jax.devices()[0]
+    return measures_elsewhere(cluster, device.device_kind, device.platform, jax.device_count())
+
+
+def check_runnable_matches(cap: Capture, args: Sequence[Any]) -> None:
+    """InputError naming the first argument leaf of `runnable`'s example whose shape or dtype is
+    not the captured step's (or how their pytrees differ): measuring times the candidates on
+    these arguments, and a step of other shapes would time another program than the one planned.
+    Nothing is checked against a bare HLO dump, whose arguments hlomap does not know as a pytree."""
+    import jax
+    import numpy as np
+
+    if cap.args is None:
+        return
+    expected, expected_tree = jax.tree_util.tree_flatten_with_path(tuple(cap.args))
+    given, given_tree = jax.tree_util.tree_flatten_with_path(tuple(args))
+    if given_tree != expected_tree:
+        raise InputError(f"runnable: its example arguments are not shaped like the step's captured ones "
+                         f"({len(given)} array leaves against {len(expected)}; pytree {given_tree} against "
+                         f"{expected_tree})")
+    for (path, want), (_, have) in zip(expected, given):
+        # as JAX will see it: without x64, a float64 NumPy array runs as float32, the same program
+        shape = tuple(np.shape(have))
+        dtype = np.dtype(jax.dtypes.canonicalize_dtype(getattr(have, "dtype", np.asarray(have).dtype)))
+        if shape != tuple(want.shape) or dtype != np.dtype(want.dtype):
+            name = jax.tree_util.keystr(path)
+            raise InputError(f"runnable: example argument {name} is {dtype.name}{list(shape)}, but the step was "
+                             f"captured with {np.dtype(want.dtype).name}{list(want.shape)}: measuring would time "
+                             "another program than the one planned")
 
 
 def explore_candidates(found: Any, cap: Capture, cluster: Any) -> list[Any]:
@@ -561,16 +615,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_writable(path: str | Path) -> None:
+def check_writable(path: str | Path, example: str = "plan.json") -> None:
     """Raise InputError unless `path` can be written: checked before any work, so a long search
     never ends unable to save. The directory is probed by creating (and removing) a file in it,
     because permission bits do not tell: root passes every `access` check, yet cannot create a
-    file in /sys or /proc (`plan.write_problem`)."""
+    file in /sys or /proc (`plan.write_problem`). `example`: a file name to suggest inside a
+    directory given for the file."""
     from hlomap.plan import write_problem
 
     path = Path(path)
     if path.is_dir():
-        raise InputError(f"{path}: is a directory; name the file to write, e.g. {path / 'plan.json'}")
+        raise InputError(f"{path}: is a directory; name the file to write, e.g. {path / example}")
     if not path.parent.exists():
         raise InputError(f"{path.parent}: directory does not exist (for {path.name})")
     if not path.parent.is_dir():
@@ -1449,6 +1504,17 @@ def ensure_host_devices(count: int) -> None:
     ensure(count)
 
 
+def too_few_devices_hint(needed: int) -> str:
+    """What to do when JAX shows fewer than `needed` devices: on a CPU, which shows one device
+    unless told otherwise before JAX starts, the flag that asks for more; elsewhere nothing."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return ""
+    return (f" (a CPU shows one device unless XLA_FLAGS=--xla_force_host_platform_device_count={needed} is set "
+            "before JAX starts)")
+
+
 def _run_source(spec: str, seed: int) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
     """(train step, real example arguments, zoo model or None) of a run's SOURCE."""
     from hlomap.run.errors import RunError
@@ -1533,7 +1599,7 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
 
     if jax.device_count() < devices:
         raise InputError(f"{where} needs {devices} devices; JAX sees {jax.device_count()} "
-                         f"({jax.devices()[0].platform})")
+                         f"({jax.devices()[0].platform}){too_few_devices_hint(devices)}")
     report(RunPhase.LOADING.value)
     step, example, model = _run_source(source, seed)
     report(RunPhase.CAPTURING.value)
@@ -1570,9 +1636,12 @@ def calibrate(devices: int | None = None, quick: bool = False,
               on_progress: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """Measure the first `devices` of the present devices (all when None) and return
     (Cluster, ClusterCalibration): the cluster the fits describe, and every sample and fit behind
-    it (`hlomap.cost.calibration`). `quick` takes a few seconds instead of tens; `on_progress`
+    it (`hlomap.cost.calibration`). `quick` takes about 15 s instead of 40-55 on 8 CPU devices, for
+    rough figures (fewer and smaller samples, timed once); `on_progress`
     receives a `verify.devices.BenchProgress` after every sample. A CPU-only machine shows
     `devices` host devices when JAX has not started yet (`ensure_host_devices`)."""
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)):
+        raise InputError(f"devices={devices!r}: expected a whole number of devices, or None for all of them")
     if devices is not None and devices < 1:
         raise InputError(f"--devices {devices}: must be at least 1")
     if devices is not None:
@@ -1584,7 +1653,8 @@ def calibrate(devices: int | None = None, quick: bool = False,
 
     seen = jax.device_count()
     if devices is not None and devices > seen:
-        raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)")
+        raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)"
+                         f"{too_few_devices_hint(devices)}")
     try:
         measured = measure_present_devices(devices, quick=quick, on_progress=on_progress)
         return calibrated_cluster(measured), measured
@@ -1615,12 +1685,19 @@ def read_calibration(cluster: str | Path = "local") -> tuple[Path, Any]:
     import json
 
     from hlomap.cost.calibration import CLUSTER_CALIBRATION_KEY, CalibrationError, ClusterCalibration
+    from hlomap.cost.cluster import AUTOMAP_SERVERS
 
+    if not isinstance(cluster, (str, Path)):
+        raise InputError(f"cluster={cluster!r}: expected 'local' or the path of a cluster file hlomap calibrate "
+                         f"wrote, not a {type(cluster).__name__}")
     local = str(cluster) == "local"
     path = local_cluster_path() if local else Path(cluster)
     if path.is_dir():
         raise InputError(f"{path}: a folder, not a cluster file")
     if not path.is_file():
+        if not local and (str(cluster).upper() in AUTOMAP_SERVERS or ":" in str(cluster)):
+            raise InputError(f"{cluster}: a datasheet model (a preset or a topology string), which holds no "
+                             "calibration to time again: give 'local' or a file hlomap calibrate wrote")
         raise InputError(f"{path}: no such file" + (
             " (the devices JAX sees were never calibrated: run hlomap calibrate --local)" if local else ""))
     try:
@@ -1635,6 +1712,10 @@ def read_calibration(cluster: str | Path = "local") -> tuple[Path, Any]:
         calibration = ClusterCalibration.from_json(data[CLUSTER_CALIBRATION_KEY], source=str(path))
     except CalibrationError as err:
         raise InputError(str(err)) from None
+    devices = data.get("devices")
+    if isinstance(devices, list) and len(devices) != calibration.n_devices:
+        raise InputError(f"{path}: its cluster has {len(devices)} devices but its calibration measured "
+                         f"{calibration.n_devices}: the file was edited; calibrate again")
     ensure_host_devices(calibration.n_devices)  # before anything starts JAX
     return path, calibration
 
@@ -1655,7 +1736,7 @@ def check_calibration(cluster: str | Path = "local", *,
     seen = jax.device_count()
     if seen < calibration.n_devices:
         raise InputError(f"{path}: calibrated {calibration.n_devices} {calibration.backend} device(s); JAX sees "
-                         f"only {seen} {jax.default_backend()} device(s)")
+                         f"only {seen} {jax.default_backend()} device(s){too_few_devices_hint(calibration.n_devices)}")
     try:
         return recheck(calibration, on_progress=on_progress)
     except CalibrationError as err:

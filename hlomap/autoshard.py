@@ -27,7 +27,7 @@ The default, "local", is the devices the step runs on, measured on first use and
 fewer than N devices is an error.
 
 Measured selection: when the plan runs where it was planned (the priced cluster's devices are the
-kind JAX shows, `runs_where_planned`), the first call times the search's best `measure` candidates
+kind JAX shows, `hlomap.run.measure.runs_where_planned`), the first call times the search's best `measure` candidates
 (default 3) on the present devices from copies of its arguments and runs the measured fastest;
 `timings.measure` is its cost. `measure=0` turns it off.
 """
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AutoShardConfig", "AutoShardedStep", "CacheKey", "Origin", "Task", "Timings", "auto_shard",
            "cache_dir_problem", "cache_key", "cache_path", "default_cache_dir", "load_cached", "measured_count",
-           "runs_where_planned", "save_cached", "usable_cache_dir"]
+           "save_cached", "usable_cache_dir"]
 
 #: The two state arguments (params, opt_state) that `place` lays out and the step donates.
 STATE_ARGS = 2
@@ -122,6 +122,7 @@ class Timings:
     explore: float  # 0 on a cache hit; the search alone when measured
     first_call: float = 0.0  # compile and run the first step
     measure: float = 0.0  # compile and time the candidate plans (0 when not measured)
+    cluster: float = 0.0  # resolve the priced cluster: `local` is measured on its first use (tens of seconds)
 
 
 @dataclass(frozen=True)
@@ -239,19 +240,13 @@ def priced_cluster(cluster: Any, devices: int) -> Any:
     from hlomap.cost.cluster import ClusterSpecError, first_devices
 
     try:
-        return first_devices(load_cluster(cluster), devices)
+        loaded = load_cluster(cluster)
     except ClusterSpecError as err:
         raise ValueError(f"auto_shard: cluster={cluster!r}: {err}") from None
-
-
-def runs_where_planned(cluster_devices: Sequence[str], device_kind: str, platform: str) -> bool:
-    """Whether a plan priced on a cluster of devices named `cluster_devices` runs where it was
-    planned, on present devices of this kind and platform: every priced device is named as the
-    present ones (JAX's `device_kind` or platform, case aside), as a cluster calibrated on this
-    machine is (`hlomap calibrate`, `cluster="local"`). A preset of V100s priced while JAX runs on
-    CPUs is not: timing its candidates here would not say which is fastest there."""
-    present = {device_kind.strip().lower(), platform.strip().lower()}
-    return bool(cluster_devices) and all(name.strip().lower() in present for name in cluster_devices)
+    if devices > loaded.n_devices:
+        raise ValueError(f"auto_shard: cluster={cluster!r}: cluster {loaded.name!r} has {loaded.n_devices} devices, "
+                         f"the mesh {devices}; pass mesh= for at most {loaded.n_devices}, or a cluster of {devices}")
+    return first_devices(loaded, devices)
 
 
 def measured_count(settings: Any, cluster: Any) -> int:
@@ -260,6 +255,8 @@ def measured_count(settings: Any, cluster: Any) -> int:
     if settings is None or not settings.enabled:
         return 0
     import jax
+
+    from hlomap.run.measure import runs_where_planned
 
     device = jax.devices()[0]
     return settings.count if runs_where_planned([d.name for d in cluster.devices], device.device_kind,
@@ -449,7 +446,9 @@ class AutoShardedStep:
         import jax
 
         mesh = resolve_mesh(self.config.mesh, self.config.task, jax.local_device_count())
+        resolving = time.perf_counter()
         cluster = priced_cluster(self.config.cluster, mesh_devices(mesh))
+        resolved = time.perf_counter() - resolving
         measure = measured_count(self.config.measure, cluster)
         key = cache_key(cap.text_sha256, mesh, cluster, self.config.task, measure)
         path = cache_path(self.config.cache_dir, key) if self.config.cache_dir is not None else None
@@ -477,8 +476,8 @@ class AutoShardedStep:
                  f"explored in {explored - looked_up:.1f} s" + (f", saved to {path}" if path else ""))
         step = parallelize(_runnable(self.__wrapped__, plan, cap), plan, example_args=_pipeline_args(plan, abstract))
         return _Entry(cap, plan, step, origin, path,
-                      Timings(captured - start, looked_up - captured, max(0.0, explored - looked_up - measuring),
-                              measure=measuring), key)
+                      Timings(captured - start, looked_up - captured - resolved,
+                              max(0.0, explored - looked_up - measuring), measure=measuring, cluster=resolved), key)
 
     def _explore(self, cap: Any, mesh: dict[str, int], cluster: Any, args: tuple[Any, ...] | None,
                  measure: int) -> Any:
@@ -487,8 +486,10 @@ class AutoShardedStep:
         from hlomap.api import explore
 
         config = self.config
+        # the auto task's joint planner is exact (a DP over stage plans): it takes no agent
+        how = "exact" if config.task is Task.AUTO else config.agent
         log.info("auto_shard %s: no cached plan; exploring %s on %s (%s, budget %s s)", self.__name__,
-                 config.task.value, cluster.name, config.agent, config.budget_seconds)
+                 config.task.value, cluster.name, how, config.budget_seconds)
         options = dict(config.options)
         with _progress(config.progress, f"auto_shard / {config.task.value}") as on_progress:
             if on_progress is not None:

@@ -229,6 +229,8 @@ def test_cache_writes_are_atomic(example: dict[str, Any], tmp_path: Path, monkey
     ({"mesh": {"data": 4, "model": 4}, "task": "hybrid"}, r"mesh=\{'data': 4, 'model': 4\} needs 16 devices"),
     ({"mesh": 8, "task": "hybrid"}, r"mesh=8: the hybrid task needs a data x model mesh"),
     ({"mesh": 8, "task": "opp", "cluster": "nope"}, r"cluster='nope'"),
+    ({"mesh": 8, "task": "opp", "cluster": "hier:1x4"}, r"cluster='hier:1x4': cluster 'hier:1x4' has 4 devices, the "
+                                                       r"mesh 8; pass mesh= for at most 4, or a cluster of 8"),
 ])
 def test_errors_name_the_value(example: dict[str, Any], kwargs: dict[str, Any], message: str, tmp_path: Path) -> None:
     import jax

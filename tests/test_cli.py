@@ -590,12 +590,17 @@ def test_calibrate_check_times_a_calibration_again_and_says_how_far_it_moved(
         assert f" {group} │" in text
     ratio = float(re.search(r"all │ \d+ │ ([\d.]+)x", text).group(1))
     assert ratio > 0 and f"{kept_time(out)}" in text
-    slower = f"{ratio:.2f}x slower" if ratio >= 1 else f"{1 / ratio:.2f}x faster"
-    assert f"the devices run {slower} than calibrated" in text
+    # the verdict's figure is the same ratio (both printed to 2 decimals: 1 / 0.90 may read 1.11 or 1.12)
+    said = re.search(r"the devices run ([\d.]+)x (slower|faster) than calibrated", text)
+    assert said is not None and said.group(2) == ("slower" if ratio >= 1 else "faster")
+    assert float(said.group(1)) == pytest.approx(ratio if ratio >= 1 else 1 / ratio, abs=0.01 / min(ratio, 1) ** 2)
     assert ("the calibration holds" in text) == (1 / STALE_RATIO <= ratio <= STALE_RATIO)
     assert out.read_text() == before  # nothing new is written
     assert run(["calibrate", "--check", str(out), "--local"]) == 2
-    assert "--check times an existing calibration again; --local does not apply" in capsys.readouterr().err
+    assert "--check times an existing calibration again and writes nothing; --local does not apply" in \
+        capsys.readouterr().err
+    assert run(["calibrate", "--check", str(out), "-o", str(tmp_path / "y.json")]) == 2
+    assert "writes nothing; -o does not apply" in capsys.readouterr().err
     assert run(["calibrate", "--check", str(tmp_path / "nope.json")]) == 2
     assert "nope.json: no such file" in capsys.readouterr().err
 
@@ -633,6 +638,21 @@ def test_calibrate_refuses_a_device_count_it_cannot_measure(tmp_path: Path,
     err = capsys.readouterr().err
     assert "--devices 64: JAX sees only 8 cpu device(s)" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_calibrate_refuses_options_that_contradict_local(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--local writes the cached `local` cluster: a file of -o would be ignored, and a --quick
+    calibration is too rough to plan on there. Both are refused before anything is measured."""
+    monkeypatch.setenv("HLOMAP_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "x.json"
+    assert run(["calibrate", "--local", "-o", str(out)]) == 2
+    assert "--local measures every device JAX sees and keeps the result where --cluster local reads it; -o does " \
+           "not apply" in capsys.readouterr().err
+    assert run(["calibrate", "--local", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "too rough for the `local` cluster" in err and "-o FILE.json" in err and "calibrate ━" not in err
+    assert not out.exists() and not (tmp_path / "cache").exists()
 
 
 def test_calibrate_checks_the_output_before_measuring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -680,3 +700,18 @@ def test_explore_says_when_the_exact_search_ran_out_of_budget(tmp_path: Path,
     assert "not proven optimal: the budget ran out (climbed first" in out
     assert "of 3244 conflict-free plans" in out
     assert json.loads(plan_path.read_text())["search"]["optimal"] is False
+
+
+def test_the_cli_shows_hlomaps_warnings_as_one_line_and_others_as_python_does(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A warning raised inside the package (an unreadable local cluster, a corrupt cache entry)
+    reads as the CLI's own `warning: ...` line, without Python's file, line and source line; a
+    warning from elsewhere keeps Python's form, which says where it came from."""
+    import hlomap.cli as cli
+    import hlomap.run.local as ours
+
+    cli._show_warning(RuntimeWarning("hlomap: ignoring the unreadable local cluster x.json"), RuntimeWarning,
+                      ours.__file__, 91)
+    assert capsys.readouterr().err == "warning: hlomap: ignoring the unreadable local cluster x.json\n"
+    cli._show_warning(DeprecationWarning("old"), DeprecationWarning, "/elsewhere/lib.py", 7, line="call()")
+    assert capsys.readouterr().err == "/elsewhere/lib.py:7: DeprecationWarning: old\n  call()\n"

@@ -499,3 +499,24 @@ def test_the_auto_task_takes_microbatches_and_stages_and_refuses_a_count_that_ca
     assert run(["explore", "zoo:gpt-tiny", "--task", "auto", "--cluster", "hier:2x4", "--microbatches", "3",
                 "-q", "-o", str(tmp_path / "bad.json")]) == 2
     _one_line_error(capsys, "microbatches [3]", "batch of 8 does not split into 3")
+
+
+def test_a_plan_a_cluster_file_and_a_folder_given_for_each_other_are_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Files swapped between --cluster and a plan argument, or a folder given for either, say what
+    they are rather than which field is missing."""
+    from hlomap import api
+
+    plan = tmp_path / "plan.json"
+    assert run(["explore", "zoo:haiku-mlp", "--agent", "greedy", "--budget-seconds", "2", "-q", "-o", str(plan)]) == 0
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({**api.load_cluster("hier:1x8").to_json(), "calibration": {}}))
+    capsys.readouterr()
+    assert run(["simulate", "zoo:haiku-mlp", "--plan", "dp", "--cluster", str(plan)]) == 2
+    _one_line_error(capsys, f"{plan}: a plan file, not a cluster")
+    assert run(["run", str(cluster), "--source", "zoo:haiku-mlp"]) == 2
+    _one_line_error(capsys, f"{cluster}: a cluster file, not a plan (give it to --cluster")
+    assert run(["simulate", "zoo:haiku-mlp", "--plan", "dp", "--cluster", str(tmp_path)]) == 2
+    _one_line_error(capsys, "a folder, not a cluster file")
+    assert run(["calibrate", "--quick", "-o", str(tmp_path)]) == 2
+    _one_line_error(capsys, f"is a directory; name the file to write, e.g. {tmp_path / 'cluster.json'}")

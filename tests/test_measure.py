@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -134,7 +135,10 @@ def test_measure_candidates_fails_only_when_every_candidate_fails() -> None:
 
 def test_explore_measure_returns_the_measured_best_not_the_predicted_best() -> None:
     settings, _ = fake_settings(2, lambda plan: 0.5 if is_dp(plan) else 2.0)
-    plan = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5, measure=settings)
+    # planned for cluster A's V100s and timed on CPUs: it measures as asked, and says what that means
+    with pytest.warns(UserWarning, match=r"on this machine's 8 cpu device\(s\), but they were planned for cluster "
+                                         r"'A' \(V100-16GB\): the plan chosen will be the fastest here"):
+        plan = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5, measure=settings)
     measured = plan.measured
     assert measured is not None and measured.chosen == "dp" and is_dp(plan)
     assert measured.devices == 8 and measured.platform == "cpu"
@@ -161,12 +165,49 @@ def test_explore_measure_of_a_pipeline_times_the_pick_and_the_best_spmd_plan() -
     assert families == {"pipeline", "spmd"} and plan.measured.chosen == PICK and plan.pipeline is not None
 
 
+def test_measure_settings_name_the_one_bound_that_is_wrong() -> None:
+    with pytest.raises(ValueError, match=r"^measure_rounds = 0: must be >= 1$"):
+        MeasureSettings(count=2, rounds=0)
+    with pytest.raises(ValueError, match=r"^measure_repeats = 0: must be >= 1$"):
+        MeasureSettings(count=2, repeats=0)
+
+
 def test_explore_measure_needs_a_runnable_step(tmp_path: Path) -> None:
     cap = api.load_source(TINY)
     with pytest.raises(api.InputError, match="measuring needs a runnable step"):
         api.explore(cap, task="opp", agent="greedy", measure=2)
     with pytest.raises(api.InputError, match="measure = -1"):
         api.explore(TINY, task="opp", agent="greedy", measure=-1)
+
+
+def test_explore_measure_refuses_a_runnable_shaped_unlike_the_captured_step() -> None:
+    """Measuring times the candidates on `runnable`'s arguments: arguments of other shapes (or
+    another pytree) would time another program than the one planned, so they are refused, naming
+    the leaf, before any search."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import hlomap
+
+    def step(params: dict[str, Any], x: Any) -> Any:
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        return {"w": params["w"] - 0.1 * grads["w"]}
+
+    cap = hlomap.capture(step, {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32)},
+                         jax.ShapeDtypeStruct((32, 16), jnp.float32))
+    wider = ({"w": np.zeros((16, 32), np.float32)}, np.zeros((32, 16), np.float32))
+    with pytest.raises(api.InputError, match=r"example argument \[0\]\['w'\] is float32\[16, 32\], but the step "
+                                             r"was captured with float32\[16, 8\]"):
+        api.explore(cap, task="opp", agent="greedy", measure=2, runnable=(step, wider))
+    halved = ({"w": np.zeros((16, 8), np.float32)}, np.zeros((16, 16), np.float32))
+    with pytest.raises(api.InputError, match=r"example argument \[1\] is float32\[16, 16\]"):
+        api.explore(cap, task="opp", agent="greedy", measure=2, runnable=(step, halved))
+    with pytest.raises(api.InputError, match="not shaped like the step's captured ones"):
+        api.explore(cap, task="opp", agent="greedy", measure=2, runnable=(step, (np.zeros((16, 8), np.float32),)))
+    integers = ({"w": np.zeros((16, 8), np.int32)}, np.zeros((32, 16), np.float32))
+    with pytest.raises(api.InputError, match=r"\[0\]\['w'\] is int32\[16, 8\]"):
+        api.explore(cap, task="opp", agent="greedy", measure=2, runnable=(step, integers))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +260,26 @@ def test_cli_measure_on_an_hlo_file_says_it_needs_a_runnable_step(tmp_path: Path
     assert not out.exists()
 
 
+def test_cli_measure_names_what_it_times_and_warns_off_the_devices_planned_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--measure 1 on a datasheet cluster of V100s: the CPUs here are not its devices (one warning
+    line, no source line), and the count raised to the pick and each family's best (a pipeline
+    and an SPMD plan) is said, with their names."""
+    out = tmp_path / "plan.json"
+    assert run(["explore", TINY, "--task", "pipeline", "--agent", "dp", "--stages", "2", "--microbatches", "4",
+                "--cluster", "hier:1x8", "--measure", "1", "--measure-rounds", "1", "--measure-budget-seconds", "0.1",
+                "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: measuring times the candidates on this machine's 8 cpu device(s), but they were planned for " \
+           "cluster 'hier:1x8' (V100-16GB)" in err and "UserWarning" not in err
+    announced = re.search(r"measuring (\d+) candidate plans \(--measure 1, raised: the pick and the best of each "
+                          r"family are always timed\) on this machine's devices, compiling first: (.*)", err)
+    assert announced is not None and PICK in announced.group(2)
+    assert int(announced.group(1)) == len(Plan.load(out).measured.candidates) >= 2
+    assert run(["explore", TINY, "--agent", "greedy", "--measure-rounds", "3", "-o", str(out)]) == 2
+    assert "--measure-rounds bound the timing of --measure K, which is off" in capsys.readouterr().err
+
+
 def test_cli_help_lists_the_measure_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         run(["explore", "--help"])
@@ -232,7 +293,7 @@ def test_cli_help_lists_the_measure_options(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_auto_shard_measures_only_where_the_plan_was_planned() -> None:
-    from hlomap.autoshard import runs_where_planned
+    from hlomap.run.measure import runs_where_planned
 
     assert runs_where_planned(["cpu"] * 8, "cpu", "cpu")
     assert runs_where_planned(["NVIDIA H100 80GB HBM3"], "NVIDIA H100 80GB HBM3", "gpu")

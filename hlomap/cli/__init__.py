@@ -14,7 +14,9 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Sequence
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
 
 from hlomap.cli.interrupts import InterruptWatch
 
@@ -41,9 +43,25 @@ def run(argv: Sequence[str] | None = None) -> int:
     interrupts = InterruptWatch()
     interrupts.install()
     try:
-        return _run(argv, interrupts)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _run(argv, interrupts)
     finally:
         interrupts.uninstall()
+
+
+#: The package's folder: warnings raised in it are hlomap's own, written for the user.
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
+    """hlomap's own warnings as the CLI's other warnings, one line on stderr (`warning: ...`),
+    without the file, line and source Python's default adds; everyone else's as Python shows them."""
+    if Path(filename).resolve().is_relative_to(_PACKAGE):
+        print(f"warning: {message}", file=file or sys.stderr)
+        return
+    print(warnings.formatwarning(message, category, filename, lineno, line), end="", file=file or sys.stderr)
 
 
 def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:

@@ -31,11 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=common.positive_int, default=None, metavar="N",
                    help="measure the first N devices (default: every device JAX sees; a CPU-only machine simulates "
                         f"N host devices, {api.LOCAL_CPU_DEVICES} by default)")
-    p.add_argument("-o", "--output", type=Path, default=Path("cluster.json"), metavar="FILE.json",
+    p.add_argument("-o", "--output", type=Path, default=None, metavar="FILE.json",
                    help="the cluster file to write (default cluster.json)")
     p.add_argument("--local", action="store_true",
                    help="store the result as the cached `local` cluster instead of FILE.json (all devices JAX sees)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: seconds instead of tens")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes and repeats, one pass: about 15 s instead of 40-55, and rough figures (for trying "
+                        "the command and for tests; not with --local)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--check", nargs="?", const="local", default=None, metavar="CLUSTER",
                    help="measure nothing new: time a calibration's compute samples again (about 10 s on 8 CPU "
@@ -53,12 +55,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from hlomap.report.calibration import format_calibration
     from hlomap.report.progress import calibration_bar
 
-    if args.local and args.devices is not None:
-        raise common.CliError("--local measures every device JAX sees; --devices does not apply")
-    output = api.local_cluster_path() if args.local else args.output
+    if args.local:
+        given = [flag for flag, on in (("--devices", args.devices is not None), ("-o", args.output is not None)) if on]
+        if given:
+            raise common.CliError(f"--local measures every device JAX sees and keeps the result where --cluster local "
+                                  f"reads it; {' and '.join(given)} does not apply")
+        if args.quick:
+            raise common.CliError("--quick measures fewer and smaller samples, once: rough figures to try the command, "
+                                  "too rough for the `local` cluster that auto_shard and --cluster local plan on; "
+                                  "write it to a file instead (-o FILE.json)")
+    output = api.local_cluster_path() if args.local else (args.output or Path("cluster.json"))
     if args.local:  # the cache is ours to make: a fresh machine has no ~/.cache/hlomap/clusters yet
         api.check_cache_folder(output.parent)
-    api.check_writable(output)  # before measuring: never measure for a minute, then fail to save
+    api.check_writable(output, "cluster.json")  # before measuring: never measure for a minute, then fail to save
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
     common.show(*format_calibration(cluster, calibration))
@@ -79,9 +88,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     given = [flag for flag, on in (("--local", args.local), ("--devices", args.devices is not None),
-                                   ("--quick", args.quick)) if on]
+                                   ("--quick", args.quick), ("-o", args.output is not None)) if on]
     if given:
-        raise common.CliError(f"--check times an existing calibration again; {', '.join(given)} does not apply")
+        raise common.CliError(f"--check times an existing calibration again and writes nothing; {', '.join(given)} "
+                              "does not apply")
     api.read_calibration(args.check)  # before the reports import JAX: the calibration's host devices
     from hlomap.report.calibration import format_check
     from hlomap.report.progress import calibration_bar

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hlomap import api
 from hlomap.cli import common
@@ -111,15 +111,19 @@ def _add_measure_options(p: argparse.ArgumentParser) -> None:
                    help="after the search, compile and time the best K distinct candidate plans on this machine's "
                         "devices (the pick and the best of each family always, so K may be raised) and keep the "
                         "measured fastest (default 0: off)")
-    g.add_argument("--measure-rounds", type=common.positive_int, default=10, metavar="R",
+    g.add_argument("--measure-rounds", type=common.positive_int, default=None, metavar="R",
                    help="interleaved timing rounds at most (default 10)")
-    g.add_argument("--measure-budget-seconds", type=common.positive_float, default=60.0, metavar="S",
+    g.add_argument("--measure-budget-seconds", type=common.positive_float, default=None, metavar="S",
                    help="stop timing after the round that crosses S seconds (compiles not counted; default 60)")
 
 
 def _measure_runnable(args: argparse.Namespace) -> Any:
     """The step that --measure runs, resolved before the search (an HLO file cannot be run)."""
     if not args.measure:
+        alone = [flag for flag, value in (("--measure-rounds", args.measure_rounds),
+                                          ("--measure-budget-seconds", args.measure_budget_seconds)) if value is not None]
+        if alone:
+            raise common.CliError(f"{' and '.join(alone)} bound the timing of --measure K, which is off")
         return None
     try:
         return api.measure_runnable(args.source, None, args.seed)
@@ -132,14 +136,27 @@ def _measure(args: argparse.Namespace, found: Any, cap: Any, cluster: Any, runna
     chosen plan (its `measured` section holds the table of predicted against measured)."""
     from hlomap.report.progress import measure_bar
 
-    settings = api.measure_settings(args.measure, args.measure_rounds, args.measure_budget_seconds)
-    if not args.quiet:
-        common.say(f"measuring up to {args.measure} candidate plans on this machine's devices (compiling first) ...")
+    settings = api.measure_settings(args.measure, args.measure_rounds or api.MEASURE_ROUNDS,
+                                    args.measure_budget_seconds or api.MEASURE_BUDGET_SECONDS)
+    elsewhere = api.measuring_elsewhere(cluster)
+    if elsewhere is not None:
+        common.warn(elsewhere)
+
+    def announce(selected: Sequence[Any]) -> None:
+        if args.quiet:
+            return
+        raised = (f" (--measure {args.measure}, raised: the pick and the best of each family are always timed)"
+                  if len(selected) > args.measure else "")
+        common.say(f"measuring {len(selected)} candidate plan{'s' if len(selected) != 1 else ''}{raised} on this "
+                   f"machine's devices, compiling first: {', '.join(c.name for c in selected)}")
+
     with measure_bar(not args.quiet) as on_round:
-        selection = api.measure_found(found, cap, cluster, settings, runnable, on_round=on_round)
+        selection = api.measure_found(found, cap, cluster, settings, runnable, on_round=on_round,
+                                      on_candidates=announce)
     if selection.measurement is None and not args.quiet:
-        common.say(f"one distinct candidate plan ({selection.chosen.name}; on one device every SPMD plan is the "
-                   "same program): nothing to choose, not timed")
+        why = ("--measure 1 selects only it" if args.measure == 1
+               else "on one device every SPMD plan is the same program")
+        common.say(f"one distinct candidate plan ({selection.chosen.name}; {why}): nothing to choose, not timed")
     selection.plan.save(output)
     return selection.plan
 

@@ -39,7 +39,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -107,7 +107,7 @@ class Measurement:
             if not (math.isfinite(value) and value >= 0):
                 raise CalibrationError(f"measurement {self.name!r}: {label} = {value!r} must be finite and >= 0")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
-            raise CalibrationError(f"measurement {self.name!r}: seconds = {self.seconds!r} must be positive")
+            raise CalibrationError(f"measurement {self.name!r}: seconds = {self.seconds!r} must be finite and positive")
 
     @property
     def matrix(self) -> bool:
@@ -440,7 +440,7 @@ class CommSample:
         if not (math.isfinite(self.nbytes) and self.nbytes >= 0):
             raise CalibrationError(f"{self.kind} sample: nbytes = {self.nbytes!r} must be finite and >= 0")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
-            raise CalibrationError(f"{self.kind} sample: seconds = {self.seconds!r} must be positive")
+            raise CalibrationError(f"{self.kind} sample: seconds = {self.seconds!r} must be finite and positive")
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "group": self.group, "bytes": self.nbytes, "seconds": self.seconds}
@@ -650,7 +650,7 @@ class ExecutorSample:
             raise CalibrationError(f"{self.executor} executor sample: stages = {self.stages!r} and microbatches = "
                                    f"{self.microbatches!r} must be >= 1")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
-            raise CalibrationError(f"{self.executor} executor sample: seconds = {self.seconds!r} must be positive")
+            raise CalibrationError(f"{self.executor} executor sample: seconds = {self.seconds!r} must be finite and positive")
         if not (math.isfinite(self.buffers) and self.buffers >= 0):
             raise CalibrationError(f"{self.executor} executor sample: buffers = {self.buffers!r} must be >= 0")
         if not (math.isfinite(self.stage_devices) and self.stage_devices >= 1):
@@ -770,6 +770,8 @@ class ClusterCalibration:
         object.__setattr__(self, "executors", tuple(self.executors))
         if self.n_devices < 1:
             raise CalibrationError(f"n_devices = {self.n_devices!r} must be >= 1")
+        if not (math.isfinite(self.memory_bytes) and self.memory_bytes > 0):
+            raise CalibrationError(f"memory_bytes = {self.memory_bytes!r} must be finite and positive")
 
     @property
     def matmul_curves(self) -> tuple[MatmulCurve, ...]:
@@ -871,27 +873,89 @@ class ClusterCalibration:
         where = f"{source}: calibration"
         if not isinstance(data, Mapping) or data.get("format") != CLUSTER_FORMAT:
             raise CalibrationError(f"{where}: expected an object of format {CLUSTER_FORMAT!r}")
+        version = data.get("version", CLUSTER_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= CLUSTER_VERSION:
+            raise CalibrationError(f"{where}.version: {version!r}; this hlomap reads calibrations of versions 1 to "
+                                   f"{CLUSTER_VERSION} (a newer hlomap's file? calibrate again)")
         samples = data.get("samples")
         if not isinstance(samples, Mapping):
             raise CalibrationError(f"{where}.samples: expected an object of kernels, comm and executors")
-        try:
-            kernels = tuple(Measurement.from_json(m, where=f"{where}.samples.kernels[{i}]")
-                            for i, m in enumerate(samples.get("kernels", ())))
-            comm = tuple(CommSample(s["kind"], int(s["group"]), float(s["bytes"]), float(s["seconds"]))
-                         for s in samples.get("comm", ()))
-            executors = tuple(ExecutorSample(s["executor"], int(s["stages"]), int(s["microbatches"]),
-                                             float(s["seconds"]), float(s.get("buffers", 0.0)),
-                                             float(s.get("stage_devices", 1.0)))
-                              for s in samples.get("executors", ()))
-            return cls(str(data["backend"]), str(data["device_kind"]), int(data["n_devices"]),
-                       float(data["memory_bytes"]), kernels, comm, jax_version=str(data.get("jax_version", "")),
-                       hlomap_version=str(data.get("hlomap_version", "")),
-                       measured_at=str(data.get("measured_at", "")),
-                       wall_seconds=float(data.get("wall_seconds", 0.0)), executors=executors,
-                       load_average=tuple(float(x) for x in data.get("load_average", ())),
-                       cores=int(data.get("cores", 0)))
-        except (KeyError, TypeError, ValueError) as err:
-            raise CalibrationError(f"{where}: {type(err).__name__}: {err}") from None
+        kernels = tuple(Measurement.from_json(m, where=f"{where}.samples.kernels[{i}]")
+                        for i, m in enumerate(_sample_list(samples, "kernels", where)))
+        comm = tuple(_comm_sample(s, f"{where}.samples.comm[{i}]")
+                     for i, s in enumerate(_sample_list(samples, "comm", where)))
+        executors = tuple(_executor_sample(s, f"{where}.samples.executors[{i}]")
+                          for i, s in enumerate(_sample_list(samples, "executors", where)))
+        loads = data.get("load_average", ())
+        if not isinstance(loads, Sequence) or isinstance(loads, str):
+            raise CalibrationError(f"{where}.load_average: expected a list of numbers, got {loads!r}")
+        return _built(where, lambda: cls(
+            _string(_field(data, "backend", where), f"{where}.backend"),
+            _string(_field(data, "device_kind", where), f"{where}.device_kind"),
+            _whole(_field(data, "n_devices", where), f"{where}.n_devices"),
+            _number(_field(data, "memory_bytes", where), f"{where}.memory_bytes"), kernels, comm,
+            jax_version=_string(data.get("jax_version", ""), f"{where}.jax_version"),
+            hlomap_version=_string(data.get("hlomap_version", ""), f"{where}.hlomap_version"),
+            measured_at=_string(data.get("measured_at", ""), f"{where}.measured_at"),
+            wall_seconds=_number(data.get("wall_seconds", 0.0), f"{where}.wall_seconds"), executors=executors,
+            load_average=tuple(_number(x, f"{where}.load_average[{i}]") for i, x in enumerate(loads)),
+            cores=_whole(data.get("cores", 0), f"{where}.cores")))
+
+
+def _field(data: Mapping[str, Any], key: str, where: str) -> Any:
+    """`data[key]`, or an error naming the missing field."""
+    if key not in data:
+        raise CalibrationError(f"{where}: missing field {key!r}")
+    return data[key]
+
+
+def _whole(value: Any, where: str) -> int:
+    """A JSON integer (5 or 5.0), or an error naming `where`."""
+    number = _number(value, where)
+    if not number.is_integer():
+        raise CalibrationError(f"{where}: expected a whole number, got {value!r}")
+    return int(number)
+
+
+def _sample_list(samples: Mapping[str, Any], key: str, where: str) -> Sequence[Any]:
+    """The list of samples under `key` (none when absent), or an error naming it."""
+    found = samples.get(key, ())
+    if not isinstance(found, Sequence) or isinstance(found, str):
+        raise CalibrationError(f"{where}.samples.{key}: expected a list of samples, got {type(found).__name__}")
+    return found
+
+
+def _built(where: str, build: Callable[[], Any]) -> Any:
+    """`build()`, with the errors of its own checks (`__post_init__`: a kind, a group, a time out
+    of range) and of the fits it derives prefixed with `where`, so that they name the sample."""
+    try:
+        return build()
+    except ValueError as err:  # CalibrationError among them
+        message = str(err) if isinstance(err, CalibrationError) else f"{type(err).__name__}: {err}"
+        raise CalibrationError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
+def _comm_sample(data: Any, where: str) -> CommSample:
+    """One communication sample of a cluster file, each field checked by name."""
+    if not isinstance(data, Mapping):
+        raise CalibrationError(f"{where}: expected an object, got {data!r}")
+    return _built(where, lambda: CommSample(_string(_field(data, "kind", where), f"{where}.kind"),
+                                            _whole(_field(data, "group", where), f"{where}.group"),
+                                            _number(_field(data, "bytes", where), f"{where}.bytes"),
+                                            _number(_field(data, "seconds", where), f"{where}.seconds")))
+
+
+def _executor_sample(data: Any, where: str) -> ExecutorSample:
+    """One pipeline-executor sample of a cluster file, each field checked by name."""
+    if not isinstance(data, Mapping):
+        raise CalibrationError(f"{where}: expected an object, got {data!r}")
+    return _built(where, lambda: ExecutorSample(
+        _string(_field(data, "executor", where), f"{where}.executor"),
+        _whole(_field(data, "stages", where), f"{where}.stages"),
+        _whole(_field(data, "microbatches", where), f"{where}.microbatches"),
+        _number(_field(data, "seconds", where), f"{where}.seconds"),
+        _number(data.get("buffers", 0.0), f"{where}.buffers"),
+        _number(data.get("stage_devices", 1.0), f"{where}.stage_devices")))
 
 
 def _link_fit(fits: Sequence[CommFit]) -> CommFit | None:

@@ -387,6 +387,9 @@ def _cluster_from_json(d: Mapping[str, Any], source: str) -> Cluster:
     if not isinstance(d, Mapping):
         raise ClusterSpecError(f"{source}: expected a JSON object, got {type(d).__name__}")
     missing = [k for k in ("name", "devices", "node_of", "bandwidth", "latency") if k not in d]
+    if missing and "mesh" in d and "parameters" in d:
+        raise ClusterSpecError(f"{source}: a plan file, not a cluster (a cluster file names its devices and links: "
+                               "hlomap calibrate writes one)")
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}")
     # "calibration": the fits and samples `hlomap calibrate` keeps beside the cluster it measured
@@ -650,6 +653,8 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
         raise ClusterSpecError("cluster 'local' is the devices JAX sees, measured by the layers above the cost "
                                "model: load it with hlomap.load_cluster('local') (hlomap.api)")
     path = Path(text)
+    if path.is_dir():
+        raise ClusterSpecError(f"--cluster {text!r}: a folder, not a cluster file")
     if not path.is_file():
         if ":" in text:
             return parse_topology(text)

@@ -371,6 +371,8 @@ class Plan:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "<json>") -> Plan:
         version = data.get("version")
+        if version is None and "devices" in data and ("calibration" in data or "bandwidth" in data):
+            raise ValueError(f"{where}: a cluster file, not a plan (give it to --cluster; hlomap explore writes plans)")
         if version != PLAN_VERSION:
             raise ValueError(f"{where}: plan version {version!r} is not supported (expected {PLAN_VERSION})")
         try:

@@ -23,10 +23,32 @@ from hlomap.tasks.candidates import Candidate
 from hlomap.verify.timing import TimedRun, block_until_ready, load_average, stateful_step, time_interleaved
 
 __all__ = ["DEFAULT_MEASURE", "MeasureError", "MeasureSettings", "MeasuredSelection", "Prepare", "measure_candidates",
-           "step_preparer"]
+           "measures_elsewhere", "runs_where_planned", "step_preparer"]
 
 #: A plan -> a zero-argument runnable of one step under it, already compiled and run once.
 Prepare = Callable[[Plan], Callable[[], Any]]
+
+
+def runs_where_planned(cluster_devices: Sequence[str], device_kind: str, platform: str) -> bool:
+    """Whether a plan priced on a cluster of devices named `cluster_devices` runs where it was
+    planned, on present devices of this kind and platform: every priced device is named as the
+    present ones (JAX's `device_kind` or platform, case aside), as a cluster calibrated on this
+    machine is (`hlomap calibrate`, `cluster="local"`). A preset of V100s priced while JAX runs on
+    CPUs is not: timing its candidates here would not say which is fastest there."""
+    present = {device_kind.strip().lower(), platform.strip().lower()}
+    return bool(cluster_devices) and all(name.strip().lower() in present for name in cluster_devices)
+
+
+def measures_elsewhere(cluster: Any, device_kind: str, platform: str, devices: int) -> str | None:
+    """Why timing candidates priced on `cluster` on the present devices (`devices` of this kind
+    and platform) would not choose among them for the cluster they were planned for, or None when
+    the plan runs where it was planned (`runs_where_planned`)."""
+    names = [d.name for d in cluster.devices]
+    if runs_where_planned(names, device_kind, platform):
+        return None
+    return (f"measuring times the candidates on this machine's {devices} {platform} device(s), but they were planned "
+            f"for cluster {cluster.name!r} ({names[0] if names else 'no devices'}): the plan chosen will be the "
+            f"fastest here, not necessarily there (plan on --cluster local to plan for these devices)")
 
 
 class MeasureError(RuntimeError):
@@ -52,8 +74,9 @@ class MeasureSettings:
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
             raise ValueError(f"measure = {self.count!r}: give the number of candidates to time (0: do not measure)")
-        if self.rounds < 1 or self.repeats < 1:
-            raise ValueError(f"measure_rounds = {self.rounds!r}, measure_repeats = {self.repeats!r}: must be >= 1")
+        for name, value in (("measure_rounds", self.rounds), ("measure_repeats", self.repeats)):
+            if value < 1:
+                raise ValueError(f"{name} = {value!r}: must be >= 1")
         if self.budget_seconds is not None and self.budget_seconds <= 0:
             raise ValueError(f"measure_budget_seconds = {self.budget_seconds!r}: must be positive (or None)")
 

@@ -151,6 +151,9 @@ def recheck(calibration: ClusterCalibration, *, on_progress: Callable[[BenchProg
 
     from hlomap.verify.timing import load_average
 
+    if not any(m.matrix and m.fit for m in calibration.kernels):
+        raise CalibrationError("the calibration holds no matmul samples, the figures every plan's compute is priced "
+                               "by: nothing to time again that would say whether it holds")
     backend = jax.default_backend()
     if backend != calibration.backend:
         raise CalibrationError(f"the calibration measured {calibration.backend} devices; JAX runs on {backend}")

@@ -138,8 +138,8 @@ def test_fit_needs_measurements_marked_fit() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"seconds": 0.0}, "seconds = 0.0 must be positive"),
-    ({"seconds": float("nan")}, "must be positive"),
+    ({"seconds": 0.0}, "seconds = 0.0 must be finite and positive"),
+    ({"seconds": float("nan")}, "must be finite and positive"),
     ({"flops": -1.0}, "flops = -1.0"),
     ({"bytes_accessed": float("inf")}, "bytes = inf"),
 ])
@@ -179,7 +179,7 @@ def _valid(tmp_path: Path) -> dict[str, Any]:
     (lambda d: d.update(colour="blue"), r"unknown field\(s\) \['colour'\]"),
     (lambda d: d.update(measurements={}), r"field 'measurements': expected a list"),
     (lambda d: d["measurements"][1].update(seconds="fast"), r"field 'measurements'\[1\]\.seconds: expected a number"),
-    (lambda d: d["measurements"][0].update(seconds=-1), r"field 'measurements'\[0\]: measurement .* must be positive"),
+    (lambda d: d["measurements"][0].update(seconds=-1), r"field 'measurements'\[0\]: measurement .* must be finite and positive"),
     (lambda d: d["measurements"][0].pop("bytes"), r"field 'measurements'\[0\]: missing field\(s\) \['bytes'\]"),
     (lambda d: d["measurements"][0].update(fit="yes"), r"field 'measurements'\[0\]\.fit: expected true or false"),
     (lambda d: d.update(notes="none"), r"field 'notes': expected a list of strings"),

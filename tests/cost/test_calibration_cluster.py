@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,6 +165,37 @@ def test_calibration_json_round_trips_through_load_cluster(tmp_path: Path) -> No
     assert kept["device_kind"] == "cpu" and kept["jax_version"] == "0.0" and kept["hlomap_version"] == "0.1.0"
     assert len(kept["samples"]["kernels"]) == len(cal.kernels) and len(kept["samples"]["comm"]) == len(cal.comm)
     assert kept["figures"] == pytest.approx(cal.figures())
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("samples", "comm", 0, "bytes"), "x", r"calibration\.samples\.comm\[0\]\.bytes: expected a number, got 'x'"),
+    (("samples", "comm", 1, "kind"), "psum", r"calibration\.samples\.comm\[1\]: sample kind 'psum'"),
+    (("samples", "comm", 1, "group"), 0, r"calibration\.samples\.comm\[1\]: .*group = 0 must be >= 1"),
+    (("samples", "kernels", 2, "seconds"), None, r"calibration\.samples\.kernels\[2\]\.seconds: expected a number"),
+    (("n_devices",), "4", r"calibration\.n_devices: expected a number, got '4'"),
+    (("cores",), 1.5, r"calibration\.cores: expected a whole number, got 1\.5"),
+    (("load_average",), 3, r"calibration\.load_average: expected a list of numbers"),
+    (("samples", "comm"), {}, r"calibration\.samples\.comm: expected a list of samples, got dict"),
+])
+def test_a_broken_field_of_a_saved_calibration_is_named(path: tuple[Any, ...], value: Any, message: str) -> None:
+    kept = calibrated_cluster_json(_calibration())[CLUSTER_CALIBRATION_KEY]
+    target = kept
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(CalibrationError, match=rf"^cluster\.json: {message}"):
+        ClusterCalibration.from_json(kept, source="cluster.json")
+
+
+def test_a_missing_field_of_a_saved_calibration_is_named() -> None:
+    kept = calibrated_cluster_json(_calibration())[CLUSTER_CALIBRATION_KEY]
+    del kept["samples"]["comm"][0]["group"]
+    with pytest.raises(CalibrationError, match=r"calibration\.samples\.comm\[0\]: missing field 'group'"):
+        ClusterCalibration.from_json(kept, source="cluster.json")
+    kept = calibrated_cluster_json(_calibration())[CLUSTER_CALIBRATION_KEY]
+    del kept["backend"]
+    with pytest.raises(CalibrationError, match=r"calibration: missing field 'backend'"):
+        ClusterCalibration.from_json(kept, source="cluster.json")
 
 
 def test_the_measured_h200_is_a_device_preset_of_its_shipped_calibration() -> None:

@@ -52,7 +52,8 @@ def test_a_check_times_the_compute_samples_again_without_collectives() -> None:
     # otherwise the plan that made the calibration: the same samples in the same passes
     assert plan.matmul_sizes == DEFAULT_PLAN.matmul_sizes and plan.memory_sizes == DEFAULT_PLAN.memory_sizes
     assert plan.kernel_passes == DEFAULT_PLAN.kernel_passes and plan.launch_layers == DEFAULT_PLAN.launch_layers
-    quick = _calibration((Measurement("dot_f32_128", "dot", "f32", 2.0 * 128**3, 1e5, 1e-3),))
+    side = max(QUICK_PLAN.matmul_sizes)
+    quick = _calibration((Measurement(f"dot_f32_{side}", "dot", "f32", 2.0 * side**3, 1e5, 1e-3),))
     assert reference_plan(quick).matmul_sizes == QUICK_PLAN.matmul_sizes
 
 
@@ -92,6 +93,11 @@ def test_a_check_refuses_another_backend_and_a_calibration_it_cannot_match() -> 
     foreign = dataclasses.replace(THEN, kernels=(Measurement("mystery", "dot", "f32", 2.0, 1.0, 1.0),), comm=())
     with pytest.raises(CalibrationError, match="none of the calibration's samples"):
         recheck(foreign, measure=lambda count, plan, on_progress: dataclasses.replace(THEN, comm=()))
+    # without matmuls, the launch and dispatch alone would say nothing of what prices a plan's compute
+    memory_only = dataclasses.replace(THEN, kernels=tuple(m for m in THEN.kernels if not m.matrix))
+    with pytest.raises(CalibrationError, match="holds no matmul samples"):
+        recheck(memory_only, measure=measure)
+    assert not asked
 
 
 def test_check_calibration_names_the_file_that_cannot_be_checked(tmp_path: Path) -> None:
@@ -110,3 +116,33 @@ def test_check_calibration_names_the_file_that_cannot_be_checked(tmp_path: Path)
     broken.write_text("{")
     with pytest.raises(api.InputError, match=r"broken\.json: cannot read a cluster file"):
         api.check_calibration(broken)
+    with pytest.raises(api.InputError, match=r"^A: a datasheet model \(a preset or a topology string\), which holds "
+                                             r"no calibration to time again"):
+        api.check_calibration("A")
+    with pytest.raises(api.InputError, match=r"expected 'local' or the path of a cluster file hlomap calibrate "
+                                             r"wrote, not a Cluster"):
+        api.check_calibration(api.load_cluster("hier:1x2@V100-16GB"))  # type: ignore[arg-type]
+
+
+def test_read_calibration_refuses_a_file_edited_out_of_step_with_its_calibration(tmp_path: Path) -> None:
+    from hlomap import api
+    from hlomap.cost.calibration import calibrated_cluster_json
+
+    kernels = (*THEN.kernels, *(Measurement(f"copy_{n}", "copy", "f32", 0.0, n, 1e-6 + n / 2e10) for n in (1e4, 1e6)))
+    calibration = dataclasses.replace(THEN, kernels=kernels, comm=(
+        *THEN.comm, CommSample("collective-permute", 4, 1e3, 1e-5), CommSample("collective-permute", 4, 1e6, 1e-3)))
+    data = calibrated_cluster_json(calibration)
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(data))
+    assert api.read_calibration(path)[1].n_devices == 4
+    path.write_text(json.dumps({**data, "devices": data["devices"][:2]}))
+    with pytest.raises(api.InputError, match=r"cluster\.json: its cluster has 2 devices but its calibration "
+                                             r"measured 4: the file was edited"):
+        api.read_calibration(path)
+    for version, needle in ((99, "99; this hlomap reads calibrations of versions 1 to"), ("x", "'x'")):
+        path.write_text(json.dumps({**data, "calibration": {**data["calibration"], "version": version}}))
+        with pytest.raises(api.InputError, match=rf"calibration\.version: {needle}"):
+            api.read_calibration(path)
+    path.write_text(json.dumps({**data, "calibration": {**data["calibration"], "memory_bytes": -1}}))
+    with pytest.raises(api.InputError, match=r"calibration: memory_bytes = -1\.0 must be finite and positive"):
+        api.read_calibration(path)
