@@ -865,6 +865,19 @@ def other_cluster_warning(plan: Any, cluster: Any) -> str | None:
     return None
 
 
+def other_cluster_note(plan: Any, cluster: Any) -> str | None:
+    """A note when `plan` (a file) was explored and priced on another cluster than `cluster`:
+    pricing it elsewhere is what simulate is for, but a default --cluster may not be what the
+    user meant. None for a built-in plan or the same cluster."""
+    estimate = getattr(plan, "estimate", None) or {}
+    explored_on = estimate.get("cluster")
+    name = getattr(cluster, "name", str(cluster))
+    if not explored_on or explored_on == name:
+        return None
+    return (f"pricing on cluster {name}; the plan was explored on {explored_on} (--cluster {explored_on} prices it "
+            "there)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Simulate: every plan kind
 # ---------------------------------------------------------------------------------------------
@@ -958,6 +971,13 @@ def needs_module(plan: Any) -> bool:
     return plan_category(plan) is not PlanCategory.PIPELINE
 
 
+def checks_module(plan: Any, source: str | None) -> bool:
+    """Whether `source`, named beside `plan`, should be captured to check that the plan was made
+    for it even where pricing does not need it (`needs_module`): a plan made for a module, and a
+    SOURCE that is one (not a PipeDream profile, which a pipeline plan may also come from)."""
+    return bool(source) and bool(plan.source.sha256) and not is_pipedream_graph(str(source))
+
+
 def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequence[str] | None = None,
                              where: str = "plan") -> None:
     """Refuse a mesh or axis order the plan fixes itself (a pipeline plan's stages, a placed
@@ -1005,6 +1025,9 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
                                      mean_stage_devices(section.stages))
     if category is PlanCategory.PIPELINE:
         from hlomap.tasks.placement.place import estimate_pipeline_plan, lockstep_pipeline_seconds
+
+        if cap is not None:  # priced from its own stage profile, but made for one step: not another's
+            check_plan_for(plan, cap, where)
 
         lockstep = lockstep_pipeline_seconds(plan, cluster, where=where) if chosen == "spmd" else None
         return PipelineSimulation(estimate_pipeline_plan(plan, cluster, where=where), cluster.name, plan.placement,
@@ -1325,8 +1348,9 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     plan, cap = _plan_of(plan), _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     step_estimate = None
-    if cap is not None and plan.pipeline is None:
+    if cap is not None:
         check_plan_for(plan, cap, where)
+    if cap is not None and plan.pipeline is None:
         step_estimate = estimate(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
     if plan_category(plan) is PlanCategory.JOINT:
         if cap is None:
@@ -1414,8 +1438,16 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
         check_plan_for(plan, cap, where)
     else:
         workload_of(plan, where)
+        if source is not None:  # the step's batch: a re-solve offers only stages a microbatch splits over
+            cap = _capture_of(source)
+            assert cap is not None
+            check_plan_for(plan, cap, where)
     loaded_trace = load_trace(trace)
     loaded_network, notes = None, ()
+    if cap is None and not is_joint(plan):
+        notes = ("without --source (the plan's step) the batch is unknown, so a re-solve may replicate a stage "
+                 "over more devices than a microbatch splits over, which hlomap run would refuse: give --source to "
+                 "keep to plans that run",)
     if use_meta:
         from hlomap.tasks.replan.meta import load_network
 
@@ -1424,7 +1456,7 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
         except FileNotFoundError as err:
             if network:
                 raise InputError(str(err)) from None
-            notes = (f"{err}; the meta policy is left out",)
+            notes = (*notes, f"{err}; the meta policy is left out")
         except ValueError as err:
             raise InputError(str(err)) from None
     return ReplanJob(plan, loaded_trace, loaded_network, where, notes, cap)

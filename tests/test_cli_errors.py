@@ -520,3 +520,26 @@ def test_a_plan_a_cluster_file_and_a_folder_given_for_each_other_are_named(
     _one_line_error(capsys, "a folder, not a cluster file")
     assert run(["calibrate", "--quick", "-o", str(tmp_path)]) == 2
     _one_line_error(capsys, f"is a directory; name the file to write, e.g. {tmp_path / 'cluster.json'}")
+
+
+def test_a_pipeline_plan_priced_beside_another_step_is_refused(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A pipeline plan carries its stage profile, so pricing it needs no module; but a SOURCE named
+    beside it must be the step it was made for (as for every other plan), not priced silently."""
+    plan = tmp_path / "pipe.json"
+    assert run(["explore", "zoo:haiku-mlp", "--task", "pipeline", "--agent", "dp", "--stages", "2",
+                "--cluster", "hier:1x8", "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert run(["simulate", "zoo:haiku-mlp", "--plan", str(plan), "--cluster", "hier:1x8"]) == 0
+    capsys.readouterr()
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan), "--cluster", "hier:1x8"]) == 2
+    _one_line_error(capsys, f"{plan} was made for another module")
+    assert run(["place", str(plan), "--cluster", "torus:2x4", "--source", "zoo:gpt-tiny"]) == 2
+    _one_line_error(capsys, f"{plan} was made for another module")
+
+
+def test_pipeline_options_given_to_a_sharding_task_are_refused(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["explore", "zoo:haiku-mlp", "--task", "opp", "--agent", "greedy", "--stages", "4",
+                "--microbatches", "2", "-o", str(saved)]) == 2
+    _one_line_error(capsys, "--stages, --microbatches: options of --task pipeline and auto; the opp task shards")
+    assert saved.read_text() == SAVED

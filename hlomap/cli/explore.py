@@ -215,6 +215,12 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
 
     if args.agent not in SHARDING_AGENTS:
         raise common.CliError(f"--agent {args.agent}: the {args.task} task takes {', '.join(SHARDING_AGENTS)}")
+    pipelined = [flag for flag, given in (("--stages", args.stages is not None),
+                                          ("--microbatches", args.microbatches is not None),
+                                          ("--compare-dp", args.compare_dp)) if given]
+    if pipelined:
+        raise common.CliError(f"{', '.join(pipelined)}: options of --task pipeline and auto; the {args.task} task "
+                              "shards one step over --mesh")
     try:
         mesh = api.parse_mesh(args.mesh, args.task)
     except ValueError as err:

@@ -55,7 +55,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     warning = api.other_cluster_warning(plan, cluster)
     if warning:
         common.warn(warning)
-    cap = common.load_capture(args) if api.needs_module(plan) else None
+    elsewhere = api.other_cluster_note(plan, cluster)
+    if elsewhere and not args.json:
+        common.note(elsewhere)
+    cap = common.load_capture(args) if api.needs_module(plan) or api.checks_module(plan, args.source) else None
     simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan,
                                    shard_optimizer_state=args.shard_optimizer_state,
                                    shard_parameters=args.shard_parameters, executor=args.executor)

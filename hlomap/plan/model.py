@@ -370,11 +370,21 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "<json>") -> Plan:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a plan (a JSON object), got a JSON {type(data).__name__}")
         version = data.get("version")
         if version is None and "devices" in data and ("calibration" in data or "bandwidth" in data):
             raise ValueError(f"{where}: a cluster file, not a plan (give it to --cluster; hlomap explore writes plans)")
         if version != PLAN_VERSION:
             raise ValueError(f"{where}: plan version {version!r} is not supported (expected {PLAN_VERSION})")
+        missing = [key for key in ("mesh", "parameters", "source") if key not in data]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing} (is this a plan hlomap explore wrote?)")
+        if not isinstance(data["mesh"], Mapping) or not isinstance(data["mesh"].get("axes"), Mapping):
+            raise ValueError(f"{where}: field 'mesh': expected an object with 'axes' (name: size), got "
+                             f"{data['mesh']!r}")
+        if not isinstance(data["parameters"], list):
+            raise ValueError(f"{where}: field 'parameters': expected a list, got {type(data['parameters']).__name__}")
         try:
             return cls(
                 mesh=tuple((str(k), int(v)) for k, v in data["mesh"]["axes"].items()),

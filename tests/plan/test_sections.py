@@ -181,3 +181,24 @@ def test_parameter_spec_refuses_more_entries_than_dims() -> None:
     assert ParameterSpec(0, "w", (4, 4), (("model",),)).partition_spec() is not None
     assert Plan(mesh=(("model", 2),), parameters=(ParameterSpec(0, "w", (4, 4), (("model",),)),),
                 source=PlanSource("t", "")).parameters[0].spec == (("model",),)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("mesh"), r"missing field\(s\) \['mesh'\] \(is this a plan hlomap explore wrote\?\)"),
+    (lambda d: d.pop("parameters"), r"missing field\(s\) \['parameters'\]"),
+    (lambda d: d.__setitem__("mesh", [8]), r"field 'mesh': expected an object with 'axes' \(name: size\), got \[8\]"),
+    (lambda d: d.__setitem__("parameters", {}), r"field 'parameters': expected a list, got dict"),
+])
+def test_a_plan_missing_or_misshaping_a_top_field_names_it(change: Any, message: str) -> None:
+    data = _json("spmd_v1.json")
+    change(data)
+    with pytest.raises(ValueError, match=rf"^p\.json: {message}"):
+        Plan.from_json(data, where="p.json")
+
+
+def test_other_json_given_as_a_plan_says_what_it_is() -> None:
+    with pytest.raises(ValueError, match=r"^p\.json: expected a plan \(a JSON object\), got a JSON list"):
+        Plan.from_json([1, 2], where="p.json")  # type: ignore[arg-type]
+    cluster = {"name": "A", "devices": ["V100-16GB"], "node_of": [0], "bandwidth": [[0]], "latency": [[0]]}
+    with pytest.raises(ValueError, match=r"^p\.json: a cluster file, not a plan \(give it to --cluster"):
+        Plan.from_json(cluster, where="p.json")

@@ -129,6 +129,7 @@ class PipelineResult:
     downset_states: int = 0
     executor: str = "mpmd"
     step_seconds: float = math.nan
+    cluster: str = ""  # the name of the cluster it was priced on
 
     @property
     def latency(self) -> float:
@@ -371,7 +372,7 @@ def explore_pipeline(
         return PipelineResult(
             source=label, agent=agent, profile=used, plan=plan,
             cost=evaluate_plan(used, cluster, plan, space.cost),
-            simulation=simulation, executor=executor, step_seconds=step,
+            simulation=simulation, executor=executor, step_seconds=step, cluster=cluster.name,
             cuts=_describe(hlo, used, plan, order), device_cuts=device_cuts, replication=plan.replication,
             device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
             on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
@@ -487,6 +488,7 @@ def _estimate_section(result: PipelineResult) -> dict[str, Any]:
         "bottleneck_seconds": float(result.cost.bottleneck),
         "memory": {"per_stage": memory, "total": max(memory, default=0.0), "fits": fits},
         "memory_violations": [str(v) for v in result.simulation.violations],
+        **({"cluster": result.cluster} if result.cluster else {}),
     }
 
 

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from hlomap.hlo.capture import Capture
 from hlomap.plan import Plan
+from hlomap.cost.pipeline.stages import splits_batch
 from hlomap.plan.sections import PipelineKind
 from hlomap.tasks.placement.place import plan_profile_of, refuse_chunks
 from hlomap.tasks.placement.problem import PlacementError
@@ -39,15 +40,21 @@ def is_joint(plan: Plan) -> bool:
     return (plan.search or {}).get("task") == "auto"
 
 
-def workload_of(plan: Plan, where: str = "plan") -> tuple[Workload, RunningPlan]:
-    """The workload and running plan of a saved pipeline plan."""
+def workload_of(plan: Plan, where: str = "plan", batch: int | None = None) -> tuple[Workload, RunningPlan]:
+    """The workload and running plan of a saved pipeline plan. With the step's `batch` known, a
+    re-solve replicates a stage only over devices a microbatch splits over (`splits_batch`: what
+    the runner can run), besides the plan's own stage widths; without it, over any of
+    `REPLICATION`."""
     if plan.pipeline is None:
         raise PlacementError(f"{where}: re-planning needs a pipeline plan (hlomap explore --task pipeline) or a plan "
                              "of hlomap explore --task auto")
     refuse_chunks(plan, "re-planning", where)
     profile = plan_profile_of(plan, where)
     stages = plan.stage_devices()
-    replication = tuple(sorted(set(REPLICATION) | {len(s) for s in stages}))
+    widths = {len(s) for s in stages}
+    offered = set(REPLICATION) if batch is None else {
+        r for r in REPLICATION if splits_batch(batch, plan.pipeline.microbatches, r)}
+    replication = tuple(sorted(offered | widths))
     workload = Workload(profile.blocks, plan.pipeline.microbatches, plan.pipeline.schedule, replication, len(stages))
     return workload, RunningPlan(profile.stage_bounds, stages)
 
@@ -73,7 +80,7 @@ def replan_plan(plan: Plan, trace: Trace, policies: Sequence[ReplanPolicy] = tup
         replay = JointReplay.of_plan(cap, plan, trace, where=where)
         running: object = replay.initial
     else:
-        workload, running = workload_of(plan, where)
+        workload, running = workload_of(plan, where, None if cap is None else cap.batch_size)
         used = max(d for stage in running.devices for d in stage)
         if used >= trace.cluster.n_devices:
             raise PlacementError(f"{where}: the plan uses device {used} but trace {trace.name!r} has a cluster of "

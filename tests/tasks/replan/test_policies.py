@@ -125,3 +125,23 @@ def test_the_meta_network_trains_saves_and_chooses(tmp_path):
     chooser = MetaPolicy(trace.horizon, (model, loaded, meta))
     result = run_policy(Replay(trace, workload), initial, ReplanPolicy.META, chooser=chooser)
     assert len(result.decisions) == 4 and 0.0 <= chooser.agreement <= 1.0
+
+
+def test_a_pipeline_re_solved_with_its_step_keeps_to_stages_a_microbatch_splits_over() -> None:
+    """gpt-tiny's batch of 8 in 8 microbatches leaves one example per microbatch: the runner cannot
+    split it over a stage's replicas. With the step known, a re-solve offers none (and so no
+    spurious gain on a trace where nothing changes); without it, every replication factor."""
+    from hlomap import api
+    from hlomap.tasks.replan.replay_plan import replan_plan, workload_of
+
+    cap = api.load_source("zoo:gpt-tiny")
+    plan = api.explore(cap, task="pipeline", agent="dp", stages=2, microbatches=8, cluster="hier:4x4")
+    assert cap.batch_size == 8 and {len(s) for s in plan.stage_devices()} == {1}
+    assert workload_of(plan)[0].replication == (1, 2, 4, 8)
+    assert workload_of(plan, batch=cap.batch_size)[0].replication == (1,)
+    quiet = Trace("nothing changes", load_cluster("hier:4x4"), 3600.0, ())
+    resolve = replan_plan(plan, quiet, cap=cap).runs[ReplanPolicy.RESOLVE]
+    assert [d.option for d in resolve.decisions] in ([], [Option.KEEP])
+    # without the step, the re-solve takes replicated stages the runner would refuse
+    blind = replan_plan(plan, quiet).runs[ReplanPolicy.RESOLVE]
+    assert any(len(group) > 1 for d in blind.decisions for group in getattr(d.plan, "devices", ()))
