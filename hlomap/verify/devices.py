@@ -94,8 +94,9 @@ ACCELERATOR_PLAN = BenchPlan(matmul_sizes=(128, 256, 512, 1024, 2048, 4096, 8192
 #: `--quick`: enough samples for every fit (two sizes each), in about 12 s on 8 host CPU devices:
 #: rough figures. The larger size of each is where its slope shows (smaller ones fit the latency
 #: alone: messages of up to 16 KiB priced collectives' bandwidth ~10x low, matmuls of up to 128
-#: the f32 peak ~2x low); on 8 CPU devices the zoo's dp and megatron plans priced 0.96-2.07x
-#: of the default run's made just before (medians 1.24 and 1.47x, two runs).
+#: the f32 peak ~2x low, a median of 2 calls kept bursts). On 8 CPU devices the zoo's dp and
+#: megatron plans priced 0.98-1.49x and 1.02-1.31x of a default run made just before, against
+#: 1.12-5.66x and 0.94-2.48x with those sizes (`scripts/bench_calibrate.py --quick-against-default`).
 QUICK_PLAN = BenchPlan(matmul_sizes=(64, 256), dtypes=("f32", "bf16"), memory_sizes=(2**12, 2**20),
                        message_sizes=(2**8, 2**20), repeats=5, dispatch_repeats=10, launch_layers=(2, 16),
                        combined_buffers=(1, 8), narrow_dot_widths=(8,), narrow_conv_widths=(4, 32),
