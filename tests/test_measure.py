@@ -277,7 +277,7 @@ def test_cli_measure_names_what_it_times_and_warns_off_the_devices_planned_for(
     assert announced is not None and PICK in announced.group(2)
     assert int(announced.group(1)) == len(Plan.load(out).measured.candidates) >= 2
     assert run(["explore", TINY, "--agent", "greedy", "--measure-rounds", "3", "-o", str(out)]) == 2
-    assert "--measure-rounds bound the timing of --measure K, which is off" in capsys.readouterr().err
+    assert "--measure-rounds: it bounds the timing of --measure K, which is off" in capsys.readouterr().err
 
 
 def test_cli_help_lists_the_measure_options(capsys: pytest.CaptureFixture[str]) -> None:

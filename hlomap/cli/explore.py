@@ -123,7 +123,8 @@ def _measure_runnable(args: argparse.Namespace) -> Any:
         alone = [flag for flag, value in (("--measure-rounds", args.measure_rounds),
                                           ("--measure-budget-seconds", args.measure_budget_seconds)) if value is not None]
         if alone:
-            raise common.CliError(f"{' and '.join(alone)} bound the timing of --measure K, which is off")
+            raise common.CliError(f"{' and '.join(alone)}: {'they bound' if len(alone) > 1 else 'it bounds'} the "
+                                  "timing of --measure K, which is off")
         return None
     try:
         return api.measure_runnable(args.source, None, args.seed)

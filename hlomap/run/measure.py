@@ -48,7 +48,7 @@ def measures_elsewhere(cluster: Any, device_kind: str, platform: str, devices: i
         return None
     return (f"measuring times the candidates on this machine's {devices} {platform} device(s), but they were planned "
             f"for cluster {cluster.name!r} ({names[0] if names else 'no devices'}): the plan chosen will be the "
-            f"fastest here, not necessarily there (plan on --cluster local to plan for these devices)")
+            f"fastest here, not necessarily there (plan on the `local` cluster for these devices)")
 
 
 class MeasureError(RuntimeError):
