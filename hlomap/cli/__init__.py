@@ -44,7 +44,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     interrupts.install()
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
+            warnings.showwarning = one_line_warnings(warnings.showwarning)
             return _run(argv, interrupts)
     finally:
         interrupts.uninstall()
@@ -54,14 +54,19 @@ def run(argv: Sequence[str] | None = None) -> int:
 _PACKAGE = Path(__file__).resolve().parents[1]
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  file: TextIO | None = None, line: str | None = None) -> None:
-    """hlomap's own warnings as the CLI's other warnings, one line on stderr (`warning: ...`),
-    without the file, line and source Python's default adds; everyone else's as Python shows them."""
-    if Path(filename).resolve().is_relative_to(_PACKAGE):
-        print(f"warning: {message}", file=file or sys.stderr)
-        return
-    print(warnings.formatwarning(message, category, filename, lineno, line), end="", file=file or sys.stderr)
+def one_line_warnings(previous: Callable[..., None]) -> Callable[..., None]:
+    """A `warnings.showwarning` that prints hlomap's own warnings as the CLI's other warnings, one
+    line on stderr (`warning: ...`), without the file, line and source line Python's default adds,
+    and hands everyone else's to `previous` (Python's own, or a test runner's recorder)."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if Path(filename).resolve().is_relative_to(_PACKAGE):
+            print(f"warning: {message}", file=file or sys.stderr)
+            return
+        previous(message, category, filename, lineno, file, line)
+
+    return show
 
 
 def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
