@@ -971,11 +971,16 @@ def needs_module(plan: Any) -> bool:
     return plan_category(plan) is not PlanCategory.PIPELINE
 
 
-def checks_module(plan: Any, source: str | None) -> bool:
-    """Whether `source`, named beside `plan`, should be captured to check that the plan was made
-    for it even where pricing does not need it (`needs_module`): a plan made for a module, and a
-    SOURCE that is one (not a PipeDream profile, which a pipeline plan may also come from)."""
-    return bool(source) and bool(plan.source.sha256) and not is_pipedream_graph(str(source))
+def reads_source(plan: Any, source: str | None) -> bool:
+    """Whether a command given `plan` and the SOURCE `source` beside it captures the source: to
+    price the plan (`needs_module`), or to check that the plan was made for it where pricing does
+    not need it (a pipeline plan made for a module, beside a SOURCE that is one, not a PipeDream
+    profile, which a pipeline plan may also come from)."""
+    if not source:
+        return False
+    if needs_module(plan):
+        return True
+    return bool(plan.source.sha256) and not is_pipedream_graph(str(source))
 
 
 def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequence[str] | None = None,
@@ -1352,10 +1357,8 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
         check_plan_for(plan, cap, where)
     if cap is not None and plan.pipeline is None:
         step_estimate = estimate(cap, dataclasses.replace(plan, placement=None), cluster=cluster)
-    if plan_category(plan) is PlanCategory.JOINT:
-        if cap is None:
-            raise InputError(f"{where}: a joint plan is priced from its step's module: name its SOURCE (--source)")
-        check_plan_for(plan, cap, where)
+    if plan_category(plan) is PlanCategory.JOINT and cap is None:
+        raise InputError(f"{where}: a joint plan is priced from its step's module: name its SOURCE (--source)")
     problem = problem_from_plan(plan, cluster, estimate=step_estimate, cap=cap, where=where)
     notes: tuple[str, ...] = ()
     estimated_on = (plan.estimate or {}).get("cluster")
@@ -1433,15 +1436,12 @@ def prepare_replan(plan: Any, trace: str | Path, *, network: str | Path | None =
         if source is None:
             raise InputError(f"{where}: a joint plan is re-planned from its step's module: give its step as source= "
                              "(a Capture or a SOURCE string)")
+    else:
+        workload_of(plan, where)
+    if source is not None:  # a pipeline's step gives its batch: a re-solve offers only stages a microbatch splits over
         cap = _capture_of(source)
         assert cap is not None
         check_plan_for(plan, cap, where)
-    else:
-        workload_of(plan, where)
-        if source is not None:  # the step's batch: a re-solve offers only stages a microbatch splits over
-            cap = _capture_of(source)
-            assert cap is not None
-            check_plan_for(plan, cap, where)
     loaded_trace = load_trace(trace)
     loaded_network, notes = None, ()
     if cap is None and not is_joint(plan):

@@ -57,8 +57,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     cluster = common.cluster_argument(args.cluster, None)
     output = Path(args.output) if args.output else common.beside(Path(args.plan), "placed.json")
     common.check_outputs(output)
-    cap = (common.load_capture(args) if args.source and (api.needs_module(plan) or api.checks_module(plan, args.source))
-           else None)
+    cap = common.load_capture(args) if api.reads_source(plan, args.source) else None
     job = api.prepare_placement(plan, cluster, agent=args.agent, cap=cap, policy=args.policy,
                                 finetune_seconds=args.finetune_seconds, where=args.plan)
     if not args.quiet:

@@ -51,8 +51,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
     if args.source is None and api.replans_from_module(plan):
         raise common.CliError(f"{args.plan}: a joint plan is re-planned from its step's module: give its SOURCE "
                               "with --source (zoo:NAME, FILE.py:FUNCTION or HLO file)")
-    cap = (common.load_capture(args) if args.source and (api.needs_module(plan) or api.checks_module(plan, args.source))
-           else None)
+    cap = common.load_capture(args) if api.reads_source(plan, args.source) else None
     job = api.prepare_replan(plan, args.trace, network=args.network, use_meta=not args.no_meta, where=args.plan,
                              source=cap)
     common.check_outputs(plot)

@@ -58,7 +58,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     elsewhere = api.other_cluster_note(plan, cluster)
     if elsewhere and not args.json:
         common.note(elsewhere)
-    cap = common.load_capture(args) if api.needs_module(plan) or api.checks_module(plan, args.source) else None
+    cap = common.load_capture(args) if api.reads_source(plan, args.source) else None
     simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan,
                                    shard_optimizer_state=args.shard_optimizer_state,
                                    shard_parameters=args.shard_parameters, executor=args.executor)

@@ -14,8 +14,8 @@ slower or faster machine from one that holds, not a 10% drift.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
+from statistics import geometric_mean
 from typing import Callable
 
 from hlomap.cost.calibration import (
@@ -70,10 +70,6 @@ class GroupDrift:
     highest: float
 
 
-def _geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 @dataclass(frozen=True)
 class CalibrationCheck:
     """What a check found (`recheck`): each reference sample then and now, when the calibration
@@ -86,7 +82,7 @@ class CalibrationCheck:
     @property
     def speed_ratio(self) -> float:
         """The geometric mean of the samples' now / then (1: as calibrated)."""
-        return _geometric_mean([d.ratio for d in self.drifts])
+        return geometric_mean([d.ratio for d in self.drifts])
 
     def groups(self) -> tuple[GroupDrift, ...]:
         """The drifts per kind of sample (`GROUPS` order)."""
@@ -94,7 +90,7 @@ class CalibrationCheck:
         for group in GROUPS:
             ratios = [d.ratio for d in self.drifts if d.group == group]
             if ratios:
-                out.append(GroupDrift(group, len(ratios), _geometric_mean(ratios), min(ratios), max(ratios)))
+                out.append(GroupDrift(group, len(ratios), geometric_mean(ratios), min(ratios), max(ratios)))
         return tuple(out)
 
     @property
