@@ -130,10 +130,14 @@ def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, trai
     the trainable entry parameters of a bare dump; without them, a dump of a JAX step takes its
     roles from its parameters' names (`hlomap.hlo.capture.from_module`, `infer_roles`).
     """
+    import dataclasses
+
+    # a step lowered from JAX is named after the SOURCE that names it (`zoo:gpt-tiny`, not the
+    # function's `jax:train_step`): reports, plan files and mismatch errors then say which step
     if spec.startswith(ZOO_PREFIX):
-        return _load_zoo(spec[len(ZOO_PREFIX):])
+        return dataclasses.replace(_load_zoo(spec[len(ZOO_PREFIX):]), source=spec)
     if is_step_file(spec):
-        return _load_step_capture(spec)
+        return dataclasses.replace(_load_step_capture(spec), source=spec)
     return _load_file(Path(spec), trainable=trainable, trainable_prefix=tuple(trainable_prefix),
                       module_index=module_index)
 
@@ -245,6 +249,10 @@ def parse_mesh(mesh: Mapping[str, int] | int | str, task: Any = "opp") -> dict[s
 # ---------------------------------------------------------------------------------------------
 
 
+#: The searches of the sharding tasks (opp, adp, hybrid) and of the pipeline task.
+SHARDING_AGENTS = ("dqn", "random", "greedy", "exact")
+PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
+
 #: Measured selection's bounds unless told: interleaved rounds at most, and seconds of timing.
 MEASURE_ROUNDS = 10
 MEASURE_BUDGET_SECONDS = 60.0
@@ -271,9 +279,10 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
 
     task: "opp" (tensor parallelism of the trainable variables), "adp" (data inputs), "hybrid"
     (both, on a data x model mesh). mesh: `{"model": 8}`, `8` or `"data=2,model=8"`. cluster: a
-    preset name ("A", "B", "C"), a JSON path or a Cluster (used by the cost reward and for the
-    plan's estimate). agent: "dqn", "random", "greedy" or "exact". reward: "paper" or "cost".
-    Options: budget_evaluations, output (path saved as the search runs), graph,
+    preset name ("A", "B", "C"), a topology string ("hier:2x4", "torus:4x4", ...), "local" (the
+    devices JAX sees, calibrated on first use), a JSON path or a Cluster (used by the cost reward
+    and for the plan's estimate; it must have the mesh's devices). agent: "dqn", "random",
+    "greedy" or "exact". reward: "paper" or "cost". Options: budget_evaluations, output (path saved as the search runs), graph,
     replicate_residual, dqn_config, with_estimate, on_progress.
 
     task "auto" plans the whole cluster at once (pipeline stages with data and tensor
@@ -297,13 +306,21 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
 
     `cap` may also be a SOURCE string (`load_source`: zoo:NAME, FILE.py:FUNCTION, an HLO file).
     """
+    if not isinstance(cap, (Capture, str)):
+        raise InputError(f"explore: expected a Capture (hlomap.capture) or a SOURCE string such as 'zoo:gpt-tiny', "
+                         f"got {type(cap).__name__}")
+    name = str(getattr(task, "value", task))
+    agent_name = str(getattr(agent, "value", agent))
+    if name in ("opp", "adp", "hybrid") and agent_name not in SHARDING_AGENTS:
+        raise OptionError("agent", agent_name, f"the {name} task takes {', '.join(SHARDING_AGENTS)}")
+    if name == "pipeline" and agent_name not in PIPELINE_AGENTS:
+        raise OptionError("agent", agent_name, f"the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
     if step_and_args is not None and runnable is not None:
         check_runnable_matches(cap, step_and_args[1])
     cluster = _cluster_arg(cluster)
-    name = str(getattr(task, "value", task))
     if name == "auto":
         if not settings.enabled:
             return explore_auto(cap, cluster=cluster, **options)
@@ -517,11 +534,25 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     `PipelineSimulation` or `JointSimulation` is returned, priced on `executor` ("spmd" or
     "mpmd"; default the runner's choice); every kind answers `step_seconds` and `fits`.
     `plan_name` names the plan in the estimate (default: the built-in name, or "plan").
+
+    `cap` may also be a SOURCE string (`load_source`) and `plan` a plan file's path. A Plan made
+    for another step is refused (InputError saying what differs), not priced.
     """
+    if executor is not None and executor not in ("spmd", "mpmd"):
+        raise OptionError("executor", executor, "expected spmd or mpmd")
+    if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+        plan = load_plan_file(plan)
     if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):
         return simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=axis_order, executor=executor)
     if executor is not None:
-        raise InputError(f"executor {executor!r}: the plan has no pipeline section (executors run pipelines)")
+        raise OptionError("executor", executor, "the plan has no pipeline section (executors run pipelines)")
+    cap = _capture_of(cap)
+    if not isinstance(cap, Capture):
+        raise InputError(f"cap: expected a Capture (hlomap.capture) or a SOURCE string, got {type(cap).__name__}")
+    from hlomap.plan import Plan
+
+    if isinstance(plan, Plan):
+        check_plan_for(plan, cap, plan_name or "plan")
     from hlomap.cost import estimate as cost_estimate
     from hlomap.plan import resolve_plan
     from hlomap.propagation.graph import FactorGraph
@@ -582,6 +613,19 @@ class InputError(ValueError):
     names the value and where it came from."""
 
 
+class OptionError(InputError):
+    """An option's value hlomap cannot use, named as its caller spelled it: `stages=9: ...` from
+    Python, `--stages 9: ...` on the command line (`cli_text`)."""
+
+    def __init__(self, option: str, value: Any, message: str):
+        super().__init__(f"{option}={value!r}: {message}")
+        self.option, self.value, self.message = option, value, message
+
+    def cli_text(self) -> str:
+        value = ",".join(map(str, self.value)) if isinstance(self.value, (tuple, list)) else self.value
+        return f"--{self.option.replace('_', '-')} {value}: {self.message}"
+
+
 class CalibrationProfileError(InputError):
     """A calibration profile that cannot be read (`profile` None) or applied (`profile` its path)."""
 
@@ -595,6 +639,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     that does not fit its module...): a front shows its message, never a traceback."""
     from hlomap.cost.cluster import ClusterSpecError
     from hlomap.cost.estimate import EstimateError
+    from hlomap.hlo.capture import StepTraceError
     from hlomap.cost.mapping import MappingError
     from hlomap.hlo.parser import HloParseError
     from hlomap.plan import PlanError
@@ -607,7 +652,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (InputError, SourceError, HloParseError, ClusterSpecError, EstimateError, PlanError, MappingError,
             PlanConflict, ExactTooLarge, PipeDreamParseError, NoFeasiblePlan, PlacementError, TraceError,
-            FileNotFoundError, IsADirectoryError, PermissionError)
+            StepTraceError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,6 +861,30 @@ def check_plan_for(plan: Any, cap: Capture, where: str) -> None:
         raise InputError(str(err)) from None
 
 
+def batch_split_problems(plan: Any, cap: Capture) -> list[str]:
+    """Why `hlomap run` would refuse to split `cap`'s batch as the pipeline or joint `plan` says
+    (`hlomap.cost.pipeline.stages.splits_batch`): into its microbatches, and each microbatch over
+    the data-parallel devices of every stage (a stage's `data` axis, or all its devices where the
+    stage names no mesh). Empty when it splits, for other plans, and when the step's batch is not
+    known. `simulate` still prices such a plan (a what-if) but says so."""
+    from hlomap.cost.pipeline.stages import splits_batch
+
+    section = getattr(plan, "pipeline", None)
+    batch = cap.batch_size
+    if section is None or batch is None:
+        return []
+    m = section.microbatches
+    if not splits_batch(batch, m, 1):
+        return [f"the batch of {batch} examples does not split into {m} equal microbatches"]
+    problems = []
+    for s, stage in enumerate(section.stages):
+        ways = dict(stage.mesh).get("data", 1) if stage.mesh else len(stage.devices)
+        if not splits_batch(batch, m, ways):
+            problems.append(f"stage {s} splits each microbatch of {batch // m} examples over {ways} data-parallel "
+                            "devices, which does not divide it")
+    return problems
+
+
 def check_plan_specs(plan: Any, where: str) -> None:
     """The plan's specs fit the shapes and mesh it names (no module needed)."""
     try:
@@ -989,7 +1058,8 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
     plan's device order): checked before any module is read."""
     category = plan_category(plan)
     if category is PlanCategory.PIPELINE and (mesh is not None or axis_order):
-        raise InputError("--mesh and --axis-order do not apply to a pipeline plan (its stages fix its devices)")
+        option, value = ("mesh", mesh) if mesh is not None else ("axis_order", axis_order)
+        raise OptionError(option, value, "a pipeline plan's stages fix its devices: no mesh or axis order applies")
     if category is PlanCategory.SPMD and plan.placement is not None and axis_order:
         raise InputError(f"{where} is placed: its placement fixes the device order, so --axis-order does not apply")
 
@@ -1108,8 +1178,8 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
     cap = source if isinstance(source, Capture) else None
     cluster = load_cluster(cluster)
     if stages > cluster.n_devices:
-        raise InputError(f"--stages {stages}: cluster {cluster.name} has {cluster.n_devices} devices, so at most "
-                         f"{cluster.n_devices} stages")
+        raise OptionError("stages", stages, f"cluster {cluster.name} has {cluster.n_devices} devices, so at most "
+                                            f"{cluster.n_devices} stages")
 
     def save(result: Any) -> None:
         if output is None:
@@ -1349,7 +1419,7 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
     from hlomap.tasks.placement.place import problem_from_plan
 
     if agent not in PLACEMENT_AGENTS:
-        raise InputError(f"--agent {agent}: choose one of {', '.join(PLACEMENT_AGENTS)}")
+        raise OptionError("agent", agent, f"choose one of {', '.join(PLACEMENT_AGENTS)}")
     plan, cap = _plan_of(plan), _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     step_estimate = None
@@ -1604,6 +1674,12 @@ def _dot_operand_dtypes(module: Any) -> set[str]:
             for operand in instruction.operands}
 
 
+def _naming(where: Any, err: BaseException) -> str:
+    """`err`'s message led by the plan it is about (`where`: its file), once."""
+    text = str(err)
+    return text if text.startswith(str(where)) else f"{where}: {text}"
+
+
 def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int = 0, rtol: float = 1e-4,
               atol: float = 1e-5, where: str = "plan",
               on_phase: Callable[[str], None] | None = None) -> RunCheck:
@@ -1619,9 +1695,11 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     plan = _plan_of(plan)
     check_plan_specs(plan, where)
     if plan.pipeline is None and executor is not None:
-        raise InputError(f"--executor {executor}: {where} has no pipeline section (executors run pipelines)")
+        raise OptionError("executor", executor, f"{where} has no pipeline section (executors run pipelines)")
     devices = plan_devices(plan)
     ensure_host_devices(max(devices, 1))
+
+    import dataclasses
 
     import jax
 
@@ -1635,7 +1713,8 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
     report(RunPhase.LOADING.value)
     step, example, model = _run_source(source, seed)
     report(RunPhase.CAPTURING.value)
-    cap = capture(step, *example, arg_names=model.arg_names if model is not None else None)
+    cap = dataclasses.replace(capture(step, *example, arg_names=model.arg_names if model is not None else None),
+                              source=source)  # named as `load_source` names it
     check_plan_for(plan, cap, where)
     platform = jax.devices()[0].platform
     tolerances = tolerances_for(_dot_operand_dtypes(cap.module))
@@ -1650,10 +1729,10 @@ def check_run(plan: Any, source: str, *, executor: str | None = None, seed: int 
                         note=precision_note)
     except SplitError as err:
         if plan.pipeline is not None:
-            raise InputError(str(err)) from None
+            raise InputError(_naming(where, err)) from None
         note = f"{err}; comparing the step's outputs instead of its gradients"
     except RunError as err:
-        raise InputError(str(err)) from None
+        raise InputError(_naming(where, err)) from None
     report(RunPhase.OUTPUTS.value)
     outputs = _compare_outputs(step, example, plan, rtol=rtol, atol=atol)
     return RunCheck(str(where), source, devices, platform, outputs=outputs, note=note)
@@ -1675,7 +1754,7 @@ def calibrate(devices: int | None = None, quick: bool = False,
     if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)):
         raise InputError(f"devices={devices!r}: expected a whole number of devices, or None for all of them")
     if devices is not None and devices < 1:
-        raise InputError(f"--devices {devices}: must be at least 1")
+        raise OptionError("devices", devices, "must be at least 1")
     if devices is not None:
         ensure_host_devices(devices)
     import jax
@@ -1685,8 +1764,8 @@ def calibrate(devices: int | None = None, quick: bool = False,
 
     seen = jax.device_count()
     if devices is not None and devices > seen:
-        raise InputError(f"--devices {devices}: JAX sees only {seen} {jax.default_backend()} device(s)"
-                         f"{too_few_devices_hint(devices)}")
+        raise OptionError("devices", devices, f"JAX sees only {seen} {jax.default_backend()} device(s)"
+                                              f"{too_few_devices_hint(devices)}")
     try:
         measured = measure_present_devices(devices, quick=quick, on_progress=on_progress)
         return calibrated_cluster(measured), measured

@@ -54,6 +54,7 @@ from hlomap.tasks import Task
 # Plans are cached where the `local` cluster is (unless `cache_dir` says otherwise):
 # $HLOMAP_CACHE_DIR, default ~/.cache/hlomap.
 from hlomap.run.local import CACHE_ENV, default_cache_dir, folder_problem
+from hlomap.run.runner import positional_arguments
 from hlomap.run.spmd import ReturnedState
 
 log = logging.getLogger(__name__)
@@ -371,7 +372,9 @@ class AutoShardedStep:
         return self._last().step.gather(params, opt_state)
 
     # -- the call -------------------------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = positional_arguments(self.__wrapped__, args, kwargs)
         known = self._returned.lookup(args)  # (signature, entry, program) of the call that returned this state
         if known is not None:
             rest = signature(args[STATE_ARGS:])
@@ -558,7 +561,8 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
     mesh: 8, {"data": 2, "model": 4}, "data=2,model=4", or None for every local device; for
       task "auto" and "pipeline" only the number of devices counts (the planner picks the meshes).
     cluster: what the search prices: "local" (default: the devices JAX sees, measured once and
-      cached; `hlomap.run.local`), a preset ("A", "B", "C"), a cluster JSON file or a Cluster;
+      cached; `hlomap.run.local`), a preset ("A", "B", "C"), a topology string ("hier:2x4", ...),
+      a cluster JSON file or a Cluster;
       its first N devices for a mesh of N devices.
     task: "opp", "adp", "hybrid", "pipeline" or "auto" (`hlomap.api.explore`).
     agent, budget_seconds, seed, **options: passed to `hlomap.api.explore`.

@@ -3,7 +3,9 @@ the output check, and the sources explore and run share."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,8 +32,16 @@ def test_plan_category_picks_the_estimator(plan: str, category: api.PlanCategory
 
 def test_a_pipeline_plan_refuses_a_mesh_before_anything_is_read() -> None:
     plan = api.load_plan_file(PLANS / "pipeline_v1.json")
-    with pytest.raises(api.InputError, match="do not apply to a pipeline plan"):
+    with pytest.raises(api.InputError, match="^mesh='8': a pipeline plan's stages fix its devices"):
         api.check_simulation_options(plan, mesh="8")
+
+
+def test_an_option_error_names_the_option_as_its_caller_spelled_it() -> None:
+    """`devices=0` from Python, `--devices 0` on the command line: one error, two spellings."""
+    with pytest.raises(api.OptionError, match=r"^devices=0: must be at least 1$") as caught:
+        api.calibrate(devices=0)
+    assert caught.value.cli_text() == "--devices 0: must be at least 1"
+    assert api.OptionError("axis_order", ("data", "model"), "no").cli_text() == "--axis-order data,model: no"
 
 
 def test_check_writable_names_what_is_wrong(tmp_path: Path) -> None:
@@ -85,3 +95,51 @@ def test_every_plan_kind_is_estimated_with_a_step_time(name: str, cluster: str) 
     cap = api.capture(model.train_step(), *model.abstract_args())
     result = api.estimate(cap, api.load_plan_file(PLANS / name), cluster=cluster)
     assert 0 < result.step_seconds < 10 and isinstance(result.fits, bool)
+
+
+@pytest.mark.parametrize("cluster, error, message", [
+    ("Z", "ClusterSpecError", "--cluster 'Z' is neither a preset"),
+    ("hier:1x4", "MappingError", "mesh {'data': 8} needs 8 devices; cluster 'hier:1x4' has 4"),
+])
+def test_explore_refuses_a_cluster_it_cannot_price_whatever_the_reward(cluster: str, error: str, message: str) -> None:
+    """The paper reward never prices a step: a misspelt or too small cluster used to come back as
+    a plan without an estimate and a log line."""
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        api.explore("zoo:gpt-tiny", task="adp", mesh=8, cluster=cluster, agent="greedy", budget_evaluations=5)
+    assert type(caught.value).__name__ == error and isinstance(caught.value, api.user_errors())
+
+
+def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(tmp_path: Path) -> None:
+    plan = api.explore("zoo:gpt-tiny", task="opp", mesh=8, agent="greedy", budget_evaluations=5)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert api.estimate("zoo:gpt-tiny", str(path)).step_seconds == api.estimate("zoo:gpt-tiny", plan).step_seconds > 0
+    with pytest.raises(api.InputError, match="made for another module than zoo:bert-tiny"):
+        api.estimate("zoo:bert-tiny", plan)
+    with pytest.raises(api.OptionError, match="^executor='bogus': expected spmd or mpmd$"):
+        api.estimate("zoo:gpt-tiny", plan, executor="bogus")
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(agent="nope"), api.OptionError, "agent='nope': the opp task takes dqn, random, greedy, exact"),
+    (dict(task="pipeline", agent="nope"), api.OptionError, "agent='nope': the pipeline task takes dqn, dqn-infer, dp"),
+    (dict(cap=42), api.InputError, "explore: expected a Capture (hlomap.capture) or a SOURCE string"),
+])
+def test_explore_names_a_wrong_argument_before_any_work(arguments: dict[str, Any], error: type, message: str) -> None:
+    cap = arguments.pop("cap", "zoo:gpt-tiny")
+    with pytest.raises(error, match=re.escape(message)):
+        api.explore(cap, budget_evaluations=3, **arguments)
+
+
+def test_parallelize_takes_a_plan_file_and_refuses_what_is_not_a_plan(tmp_path: Path) -> None:
+    import hlomap
+    from tests.run.user_step import make
+
+    step, args = make()
+    plan = api.explore(hlomap.capture(step, *args), task="adp", mesh=8, agent="greedy", budget_evaluations=3)
+    plan.save(tmp_path / "plan.json")
+    assert hlomap.parallelize(step, str(tmp_path / "plan.json")).plan == plan
+    with pytest.raises(TypeError, match="parallelize: plan must be a hlomap.Plan or a plan file's path, got dict"):
+        hlomap.parallelize(step, {"mesh": {}})
+    with pytest.raises(TypeError, match="parallelize: train_step must be the step function, got NoneType"):
+        hlomap.parallelize(None, plan)

@@ -301,3 +301,16 @@ def test_a_cache_write_that_fails_warns_and_keeps_the_plan(example: dict[str, An
     with pytest.warns(RuntimeWarning, match="could not cache the plan"):
         step(*example["init"](jax.random.key(0)), example["batch"])
     assert step.plan is not None and step.plan_file is None
+
+
+def test_the_decorated_step_takes_the_train_step_s_keywords(example: dict[str, Any]) -> None:
+    """It has the train step's signature: keywords bind as the undecorated step binds them."""
+    import jax
+
+    step, batch = example["train_step"], example["batch"]
+    by_position = step(*step.place(*example["init"](jax.random.key(0))), batch)[2]
+    params, opt_state = step.place(*example["init"](jax.random.key(0)))
+    by_keyword = step(params, opt_state=opt_state, batch=batch)[2]
+    assert float(by_keyword) == float(by_position)
+    with pytest.raises(TypeError, match=r"^train_step\(\): .*'bogus'"):
+        step(params, opt_state, batch, bogus=1)

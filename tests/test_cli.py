@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -332,15 +334,17 @@ def test_run_exits_3_when_the_pipeline_differs(tmp_path: Path, capsys: pytest.Ca
 @pytest.mark.parametrize("source, microbatches, message", [
     (f"{USER_STEP}:nowhere", 4, "has no function 'nowhere'"),
     (f"{USER_STEP}:make_unmarked", 4, "hlomap.value_and_grad"),
-    (f"{USER_STEP}:make", 3, "batch of 16 examples cannot be split into 3 equal microbatches"),
+    (f"{USER_STEP}:make", 3, "{plan}: the batch of 16 examples cannot be split into 3 equal microbatches"),
     ("not-a-source", 4, "expected zoo:NAME or FILE.py:FUNCTION"),
+    (f"{USER_STEP}:make_raising", 4, f"tracing train_step failed at {USER_STEP}:"),
 ])
 def test_run_pipeline_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str,
                                   microbatches: int, message: str) -> None:
+    """Each in one line; what the plan asks and the step cannot do names the plan file."""
     plan_path = _user_pipeline_plan(tmp_path, microbatches=microbatches)
     assert run(["run", str(plan_path), "--source", source]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert message.format(plan=plan_path) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(not PIPEDREAM_VGG16.exists(), reason="needs ../shared/corpus/pipedream")
@@ -417,7 +421,8 @@ def test_place_an_spmd_plan_then_simulate_and_run_it_on_its_placement(
     (["place", "PLAN", "--cluster", "torus:4x4", "--agent", "dqn"], "--agent dqn"),
     (["place", "PLAN", "--cluster", "torus:4x4", "--agent", "exact"], "16! = "),
     (["place", "/nonexistent/plan.json", "--cluster", "torus:4x4"], "No such file"),
-    (["simulate", "zoo:gpt-tiny", "--plan", "PLAN", "--axis-order", "data"], "do not apply to a pipeline plan"),
+    (["simulate", "zoo:gpt-tiny", "--plan", "PLAN", "--axis-order", "data"],
+     "--axis-order data: a pipeline plan's stages fix its devices"),
 ])
 def test_place_user_errors(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hlomap.plan import Plan, PlanSource
@@ -719,3 +724,43 @@ def test_the_cli_shows_hlomaps_warnings_as_one_line_and_hands_on_the_others(
     show(old, DeprecationWarning, "/elsewhere/lib.py", 7, None, "call()")
     assert handed_on == [(old, DeprecationWarning, "/elsewhere/lib.py", 7, None, "call()")]
     assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny_pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """gpt-tiny (a batch of 8) cut in 2 stages of 4 devices, 2 microbatches, on hier:1x8."""
+    path = tmp_path_factory.mktemp("pipeline") / "pp.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--agent", "dp", "-q",
+                "--microbatches", "2", "--cluster", "hier:1x8", "-o", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("microbatches, problem", [
+    (3, "the batch of 8 examples does not split into 3 equal microbatches"),
+    (4, "stage 0 splits each microbatch of 2 examples over 4 data-parallel devices, which does not divide it"),
+    (2, None),
+])
+def test_simulate_warns_of_a_pipeline_plan_run_would_refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            gpt_tiny_pipeline_plan: dict[str, Any],
+                                                            microbatches: int, problem: str | None) -> None:
+    """A hand-edited microbatch count is still priced (a what-if), but a warning says run refuses it."""
+    assert [len(stage["devices"]) for stage in gpt_tiny_pipeline_plan["pipeline"]["stages"]] == [4, 4]
+    edited = copy.deepcopy(gpt_tiny_pipeline_plan)
+    edited["pipeline"]["microbatches"] = microbatches
+    plan_path = tmp_path / "edited.json"
+    plan_path.write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan_path), "--cluster", "hier:1x8"]) == 0
+    captured = capsys.readouterr()
+    assert "pipeline plan on cluster" in captured.out
+    if problem is None:
+        assert "would refuse" not in captured.err
+    else:
+        assert f"warning: {problem}: `hlomap run` would refuse this plan for zoo:gpt-tiny" in captured.err
+
+
+def test_inspect_reports_a_step_that_raises_as_the_step_s_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["inspect", f"{USER_STEP}:make_raising"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"tracing train_step failed at .*user_step\.py:\d+: RuntimeError: the step's own bug", err)
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1

@@ -541,5 +541,37 @@ def test_a_pipeline_plan_priced_beside_another_step_is_refused(tmp_path: Path,
 def test_pipeline_options_given_to_a_sharding_task_are_refused(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["explore", "zoo:haiku-mlp", "--task", "opp", "--agent", "greedy", "--stages", "4",
                 "--microbatches", "2", "-o", str(saved)]) == 2
-    _one_line_error(capsys, "--stages, --microbatches: options of --task pipeline and auto; the opp task shards")
+    _one_line_error(capsys, "--task opp does not read --stages (an option of pipeline, auto); --microbatches (an "
+                            "option of pipeline, auto)")
     assert saved.read_text() == SAVED
+
+
+@pytest.mark.parametrize("task, options, message", [
+    ("auto", ["--agent", "bogus"], "--task auto does not read --agent (an option of opp, adp, hybrid, pipeline)"),
+    ("auto", ["--reward", "cost", "--episodes", "5"], "--task auto does not read --reward (an option of opp, adp, "
+                                                      "hybrid); --episodes (an option of pipeline)"),
+    ("opp", ["--schedule", "gpipe"], "--task opp does not read --schedule (an option of pipeline, auto)"),
+    ("opp", ["--timeline", "t.png"], "--task opp does not read --timeline (an option of pipeline)"),
+    ("pipeline", ["--mesh", "data=2,model=4"], "--task pipeline does not read --mesh (an option of opp, adp, hybrid)"),
+    ("pipeline", ["--shard-parameters", "on"], "--task pipeline does not read --shard-parameters"),
+])
+def test_an_option_the_task_does_not_read_is_refused(saved: Path, capsys: pytest.CaptureFixture[str], task: str,
+                                                      options: list[str], message: str) -> None:
+    """Every explore option a task would ignore is refused before any work, the plan file kept."""
+    assert run(["explore", "zoo:haiku-mlp", "--task", task, *options, "-o", str(saved)]) == 2
+    _one_line_error(capsys, message)
+    assert saved.read_text() == SAVED
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["run", "PLAN", "--source", "zoo:gpt-tiny", "--rtol", "-1"], "--rtol"),
+    (["run", "PLAN", "--source", "zoo:gpt-tiny", "--atol", "nan"], "--atol"),
+    (["simulate", "zoo:gpt-tiny", "--top", "-3"], "--top"),
+])
+def test_negative_tolerances_and_counts_are_refused(tmp_path: Path, argv: list[str], option: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative tolerance made every comparison fail; `--top -3` listed rows anyway."""
+    with pytest.raises(SystemExit) as exit_info:
+        run([str(tmp_path / "plan.json") if a == "PLAN" else a for a in argv])
+    assert exit_info.value.code == 2
+    _one_line_error(capsys, option, "must be 0 or more")

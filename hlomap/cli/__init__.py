@@ -93,7 +93,8 @@ def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
     except BrokenPipeError:  # `hlomap inspect --json | head`: the reader has what it wanted
         return _stdout_closed()
     except (common.CliError, *api.user_errors()) as err:
-        print(f"hlomap {args.command}: error: {err}", file=sys.stderr)
+        text = err.cli_text() if isinstance(err, api.OptionError) else str(err)
+        print(f"hlomap {args.command}: error: {text}", file=sys.stderr)
         return common.EXIT_USAGE
     except Exception as err:  # noqa: BLE001 - last resort: one line, not a traceback
         print(f"hlomap {args.command}: internal error: {type(err).__name__}: {err}\n"

@@ -54,6 +54,7 @@ positive_float = number_type(float, "a number", zero_allowed=False)
 positive_int = number_type(int, "an integer", zero_allowed=False)
 seconds = number_type(float, "a number", zero_allowed=True)  # a number of seconds >= 0
 count = number_type(int, "an integer", zero_allowed=True)
+tolerance = number_type(float, "a number", zero_allowed=True)  # a tolerance >= 0
 
 
 TRAINABLE_HELP = ("for a bare HLO dump: the trainable entry parameters, as indices, ranges and HLO names "

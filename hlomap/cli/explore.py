@@ -12,8 +12,30 @@ from hlomap.cli import common
 from hlomap.cli.interrupts import interrupts_of
 
 SHARDING_TASKS = ("opp", "adp", "hybrid")
-SHARDING_AGENTS = ("dqn", "random", "greedy", "exact")
-PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
+SHARDING_AGENTS = api.SHARDING_AGENTS
+PIPELINE_AGENTS = api.PIPELINE_AGENTS
+
+#: The tasks that read each task-specific option (its argparse dest). Given to another task, the
+#: option is refused instead of silently ignored. Options every task reads are not listed.
+TASK_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mesh": SHARDING_TASKS, "reward": SHARDING_TASKS, "curve": SHARDING_TASKS, "budget_evaluations": SHARDING_TASKS,
+    "agent": (*SHARDING_TASKS, "pipeline"), "budget_seconds": (*SHARDING_TASKS, "pipeline"),
+    "shard_optimizer_state": (*SHARDING_TASKS, "auto"), "shard_parameters": (*SHARDING_TASKS, "auto"),
+    "stages": ("pipeline", "auto"), "microbatches": ("pipeline", "auto"), "schedule": ("pipeline", "auto"),
+    "episodes": ("pipeline",), "finetune_episodes": ("pipeline",), "compare_dp": ("pipeline",),
+    "downset_states": ("pipeline",), "timeline": ("pipeline",),
+}
+
+
+def check_task_options(args: argparse.Namespace) -> None:
+    """Refuse the options given (not at their defaults) that `args.task` does not read."""
+    defaults = args.option_defaults
+    foreign = [dest for dest, tasks in TASK_OPTIONS.items()
+               if args.task not in tasks and getattr(args, dest) != defaults[dest]]
+    if not foreign:
+        return
+    parts = [f"--{dest.replace('_', '-')} (an option of {', '.join(TASK_OPTIONS[dest])})" for dest in foreign]
+    raise common.CliError(f"--task {args.task} does not read {'; '.join(parts)}")
 
 DESCRIPTION = ("Search a distributed plan for a train step. opp: operator partitioning of the trainable variables "
                "(tensor parallelism); adp: which dims of the data inputs to split (data parallelism); hybrid: both "
@@ -56,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="exit with status 3 when the plan (or a stage) does not fit device memory")
     p.add_argument("--json", action="store_true", help="print the plan (or pipeline result) as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_explore)
+    p.set_defaults(func=cmd_explore, option_defaults={dest: p.get_default(dest) for dest in TASK_OPTIONS})
 
 
 def _add_search_options(p: argparse.ArgumentParser) -> None:
@@ -186,6 +208,7 @@ def _measure_devices(args: argparse.Namespace) -> int | None:
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
+    check_task_options(args)
     if args.measure:
         # A CPU-only machine shows one device unless told before JAX starts (as `hlomap run` does).
         devices = _measure_devices(args)
@@ -216,12 +239,6 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
 
     if args.agent not in SHARDING_AGENTS:
         raise common.CliError(f"--agent {args.agent}: the {args.task} task takes {', '.join(SHARDING_AGENTS)}")
-    pipelined = [flag for flag, given in (("--stages", args.stages is not None),
-                                          ("--microbatches", args.microbatches is not None),
-                                          ("--compare-dp", args.compare_dp)) if given]
-    if pipelined:
-        raise common.CliError(f"{', '.join(pipelined)}: options of --task pipeline and auto; the {args.task} task "
-                              "shards one step over --mesh")
     try:
         mesh = api.parse_mesh(args.mesh, args.task)
     except ValueError as err:

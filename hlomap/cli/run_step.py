@@ -37,9 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "stage, any schedule); default: spmd for gpipe on alike stages, mpmd for 1f1b, "
                         "interleaved-1f1b and zb-h1")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
-    p.add_argument("--rtol", type=float, default=1e-4,
+    p.add_argument("--rtol", type=common.tolerance, default=1e-4,
                    help="steps without a marked loss: relative tolerance of the outputs (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5,
+    p.add_argument("--atol", type=common.tolerance, default=1e-5,
                    help="steps without a marked loss: absolute tolerance of the outputs (default 1e-5)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("-q", "--quiet", action="store_true",

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executor", choices=("spmd", "mpmd"),
                    help="price a pipeline or joint plan on this executor (default: the one the runner would "
                         "choose: spmd for GPipe on stages alike, else mpmd)")
-    p.add_argument("--top", type=int, default=10, metavar="N", help="slowest instructions to list (default 10)")
+    p.add_argument("--top", type=common.count, default=10, metavar="N", help="slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
     p.set_defaults(func=cmd_simulate)
@@ -62,6 +62,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan,
                                    shard_optimizer_state=args.shard_optimizer_state,
                                    shard_parameters=args.shard_parameters, executor=args.executor)
+    for problem in api.batch_split_problems(plan, cap) if cap is not None else ():
+        common.warn(f"{problem}: `hlomap run` would refuse this plan for {args.source}; its price is a what-if")
     if args.json:
         common.print_json(simulation_json(simulation), indent=2)
     else:

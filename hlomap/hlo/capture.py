@@ -24,6 +24,7 @@ import enum
 import hashlib
 import inspect
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -111,7 +112,7 @@ class Capture:
 
     module: Module
     parameters: tuple[EntryParameter, ...]
-    source: str  # "jax:<function name>" or the path of the HLO file
+    source: str  # "jax:<function name>", the SOURCE it was loaded from (`api.load_source`), or an HLO file
     text_sha256: str
     step: Callable[..., Any] | None = field(default=None, repr=False)
     args: tuple[Any, ...] | None = field(default=None, repr=False)
@@ -206,6 +207,25 @@ def instruction_phase(inst: Instruction) -> Phase:
 # ---------------------------------------------------------------------------------------------
 
 
+class StepTraceError(ValueError):
+    """The train step raised while JAX traced it: its message names the step, the exception and
+    the line of the user's code it came from (not a bug of hlomap's)."""
+
+    def __init__(self, step: Callable[..., Any], error: BaseException):
+        name = getattr(step, "__name__", type(step).__name__)
+        where = _user_frame(error)
+        super().__init__(f"tracing {name} failed{f' at {where}' if where else ''}: {type(error).__name__}: {error}")
+
+
+def _user_frame(error: BaseException) -> str:
+    """`file:line` of the innermost frame of `error`'s traceback outside JAX and hlomap."""
+    import traceback
+
+    ours = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}hlomap{os.sep}hlo{os.sep}")
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not any(part in f.filename for part in ours)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def capture(
     step: Callable[..., Any],
     *args: Any,
@@ -221,9 +241,14 @@ def capture(
 
     from hlomap.hlo.parser import parse
 
-    abstract = jax.tree.map(_to_abstract, args)
     names = tuple(arg_names) if arg_names is not None else _argument_names(step, len(args))
-    traced = jax.jit(step, keep_unused=True).trace(*abstract)
+    _check_traceable(args, names)
+    _check_role_values(roles)
+    abstract = jax.tree.map(_to_abstract, args)
+    try:
+        traced = jax.jit(step, keep_unused=True).trace(*abstract)
+    except Exception as err:  # the step's own code failed on these arguments: the user's to fix
+        raise StepTraceError(step, err) from err
     lowered = traced.lower()
     # debug_info keeps metadata (op_name with jvp/transpose tags, source lines) in the text.
     text = lowered.as_text(dialect="hlo", debug_info=True)
@@ -237,6 +262,7 @@ def capture(
             f" have {len(flat)} leaves; cannot map parameters to pytree paths"
         )
     in_optax_state = _optax_state_flags(abstract)
+    _check_role_keys(roles, [_path_string(key_path, names) for key_path, _ in flat], len(args))
     parameters = tuple(
         EntryParameter(
             index=i,
@@ -359,6 +385,47 @@ def _is_float_name(dtype: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_traceable(args: Sequence[Any], names: Sequence[str]) -> None:
+    """Every leaf of the arguments is an array, a `jax.ShapeDtypeStruct` or a number: JAX traces
+    them all, and a string or another object would fail deep inside its lowering."""
+    import jax
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
+    for key_path, leaf in flat:
+        if isinstance(leaf, (jax.ShapeDtypeStruct, bool, int, float, complex)) or (
+                hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            continue
+        index = getattr(key_path[0], "idx", 0)
+        name = f" ({names[index]})" if index < len(names) else ""
+        raise TypeError(f"capture: argument {jax.tree_util.keystr(key_path)}{name} is a {type(leaf).__name__}, not "
+                        "an array or a number: the step's arguments are traced; bind other values into the step "
+                        "first (functools.partial)")
+
+
+def _check_role_values(roles: RoleOverride | None) -> None:
+    if roles is None or (callable(roles) and not isinstance(roles, Mapping)):
+        return
+    for key, role in roles.items():
+        if not isinstance(role, Role):
+            raise TypeError(f"capture: roles[{key!r}] is {role!r}; expected a hlomap.Role "
+                            f"({', '.join(r.name for r in Role)})")
+
+
+def _check_role_keys(roles: RoleOverride | None, paths: Sequence[str], n_args: int) -> None:
+    """Each key of a roles mapping names something: an argument index, or a path or path prefix
+    of a leaf (a misspelt key would otherwise be ignored without a word)."""
+    if roles is None or (callable(roles) and not isinstance(roles, Mapping)):
+        return
+    for key in roles:
+        if isinstance(key, int):
+            if not 0 <= key < n_args:
+                raise ValueError(f"capture: roles key {key}: the step takes {n_args} arguments")
+        elif not any(path == key or path.startswith(str(key).rstrip("/") + "/") for path in paths):
+            tops = sorted({path.split("/", 1)[0] for path in paths})
+            raise ValueError(f"capture: roles key {key!r} matches no argument path (paths start with "
+                             f"{', '.join(tops)}; e.g. {paths[0] if paths else '-'})")
 
 
 def _to_abstract(leaf: Any) -> Any:

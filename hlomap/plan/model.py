@@ -149,13 +149,27 @@ class Plan:
         cannot be split, a size not divisible by the axis size, a reshape violation). A parameter
         left replicated in a group that another parameter shards is resolved to the sharded
         choice (XLA slices it locally, for free) unless `strict=True`, which raises instead.
+        PlanError names the parameter and dim of a spec on an axis `mesh` does not have. `mesh`
+        may be a bare device count when the specs use one axis.
         """
         from hlomap.propagation.graph import FactorGraph
 
         graph = graph if graph is not None else FactorGraph.from_capture(cap)
         per_param = _flatten_specs(cap, specs)
         options = [opt for spec in per_param for opt in spec if opt is not None]
+        if isinstance(mesh, int):  # a bare device count names the one axis the specs use
+            named = sorted({axis for opt in options for axis in opt})
+            if len(named) != 1:
+                raise PlanError(f"mesh={mesh}: the specs use axes {named}; name the mesh's axes, e.g. "
+                                f"{{{', '.join(repr(a) + ': 2' for a in named) or repr('data') + ': 8'}}}")
+            mesh = {named[0]: mesh}
         axes = MeshAxes.from_mesh(mesh, extra=[o for o in options if len(o) > 1])
+        for p, spec in zip(cap.parameters, per_param):
+            for d, opt in enumerate(spec):
+                unknown = [axis for axis in opt or () if axis not in axes.names]
+                if unknown:
+                    raise PlanError(f"{p.path!r} dim {d} is split on mesh axis {unknown[0]!r}, which the mesh "
+                                    f"{axes.mesh_shape} does not have")
         plan = np.full(graph.num_groups, REPLICATED, dtype=np.int8)
         owner: dict[int, tuple[int, int]] = {}
         for p, spec in zip(cap.parameters, per_param):
@@ -385,6 +399,10 @@ class Plan:
                              f"{data['mesh']!r}")
         if not isinstance(data["parameters"], list):
             raise ValueError(f"{where}: field 'parameters': expected a list, got {type(data['parameters']).__name__}")
+        for axis, size in data["mesh"]["axes"].items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise PlanError(f"{where}: mesh axis {axis!r} has size {size!r}; a mesh axis has a whole number of "
+                                "devices, at least 1")
         try:
             return cls(
                 mesh=tuple((str(k), int(v)) for k, v in data["mesh"]["axes"].items()),
@@ -417,15 +435,23 @@ class Plan:
         """Read a plan; with `cap` / `mesh`, also check it was made for them (`check_compatible`)
         and take the step's argument structure from `cap`, so `partition_specs()` is shaped like
         the step's arguments (optax's empty states included) rather than rebuilt from paths."""
-        with open(path) as f:
-            plan = cls.from_json(json.load(f), where=str(path))
+        try:
+            text = Path(path).read_text()
+        except UnicodeDecodeError as err:
+            raise PlanError(f"{path}: not a plan file (binary data at byte {err.start})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
+        plan = cls.from_json(data, where=str(path))
+        plan.check_specs(where=str(path))
         plan.check_compatible(cap, mesh, where=str(path))
         if cap is not None and cap.in_tree is not None:
             plan = dataclasses.replace(plan, in_tree=cap.in_tree)
         return plan
 
     def check_specs(self, *, where: str = "plan") -> None:
-        """Raise ValueError naming the parameter and dim when a spec cannot apply to the plan's
+        """Raise PlanError (a ValueError) naming the parameter and dim when a spec cannot apply to the plan's
         own mesh: an axis the mesh does not have, an axis used twice, or a dim whose size the
         axes' sizes do not divide. What `jax.jit` would only find after tracing and compiling."""
         sizes = self.mesh_shape
@@ -434,15 +460,15 @@ class Plan:
             for d, axes in enumerate(p.spec):
                 for axis in axes or ():
                     if axis not in sizes:
-                        raise ValueError(f"{where}: parameter {p.path!r} dim {d} is split on mesh axis {axis!r}, "
+                        raise PlanError(f"{where}: parameter {p.path!r} dim {d} is split on mesh axis {axis!r}, "
                                          f"which the plan's mesh {sizes} does not have")
                     if axis in used:
-                        raise ValueError(f"{where}: parameter {p.path!r} uses mesh axis {axis!r} twice "
+                        raise PlanError(f"{where}: parameter {p.path!r} uses mesh axis {axis!r} twice "
                                          f"(dims {used[axis]} and {d})")
                     used[axis] = d
                 ways = math.prod(sizes[a] for a in axes or ())
                 if d < len(p.shape) and p.shape[d] % ways:
-                    raise ValueError(f"{where}: parameter {p.path!r} dim {d} has size {p.shape[d]}, which its "
+                    raise PlanError(f"{where}: parameter {p.path!r} dim {d} has size {p.shape[d]}, which its "
                                      f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
 
     def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:

@@ -80,7 +80,7 @@ class PlanSource:
     existed have neither) identify it by structure, so a dumped HLO text and the lowered step
     match; `sha256` is the text fingerprint older plans are recognised by."""
 
-    kind: str  # "jax:<fn>" or an HLO file path, from the Capture
+    kind: str  # the Capture's source: "jax:<fn>", a SOURCE such as "zoo:gpt-tiny", or an HLO file path
     sha256: str  # of the HLO text without debug sections and metadata (`hlo.capture.module_fingerprint`)
     fingerprint: str = ""  # `hlo.fingerprint.structure_fingerprint`
     signature: ModuleSignature | None = None
@@ -525,6 +525,27 @@ class PipelineStage:
         return stage
 
 
+def _check_stage_layers(stages: Sequence[PipelineStage], n_layers: int | None) -> None:
+    """Stages that give their `layers` give them all, in order and without a gap or an overlap,
+    from layer 0 (to the last of `n_layers` where the section names its layers): the joint
+    planner reprices a plan from them, so an edited range must not pass unnoticed."""
+    ranges = [stage.layers for stage in stages if stage.layers is not None]
+    if not ranges:
+        return
+    listed = [list(stage.layers) if stage.layers is not None else None for stage in stages]
+    if len(ranges) != len(stages):
+        raise PlanError(f"stage layers {listed}: give every stage's [start, stop) or none")
+    start = 0
+    for k, (first, stop) in enumerate(ranges):
+        if first != start or stop <= first:
+            raise PlanError(f"stage {k} has layers [{first}, {stop}), but stages run consecutive, non-empty ranges "
+                            f"of layers from 0: it must start at {start} and stop after that (stage layers {listed})")
+        start = stop
+    if n_layers is not None and start != n_layers:
+        raise PlanError(f"the stages run layers [0, {start}) but the pipeline names {n_layers} layers "
+                        f"(stage layers {listed})")
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """A plan's pipeline section (module docstring). `block_profile` stays JSON here: its reader
@@ -548,6 +569,7 @@ class Pipeline:
             raise PlanError(f"the pipeline has {self.microbatches} microbatches; it needs at least 1")
         if self.repeats < 1:
             raise PlanError(f"the pipeline's repeats is {self.repeats}; it needs at least 1")
+        _check_stage_layers(self.stages, len(self.layer_names) or None)
         used = [d for stage in self.stages for d in stage.devices]
         if len(set(used)) != len(used):
             twice = sorted({d for d in used if used.count(d) > 1})

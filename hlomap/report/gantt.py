@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hlomap.cost.pipeline.simulator import SimulationResult, SpanKind
+from hlomap.report.units import counted
 
 __all__ = ["draw_gantt"]
 
@@ -84,7 +85,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     schedule = result.plan.schedule.value
     axes.set_title(
         title
-        or f"{schedule}: {n_stages} stages, {result.plan.microbatches} microbatches, "
+        or f"{schedule}: {counted(n_stages, 'stage')}, {counted(result.plan.microbatches, 'microbatch')}, "
         f"L = {result.length * scale:.4g} {unit}"
     )
     axes.legend(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from hlomap.report.units import human_bytes, human_seconds
+from hlomap.report.units import counted, human_bytes, human_seconds
 from hlomap.tasks.joint.costs import RECOMPUTED_WORDS
 from hlomap.tasks.joint.explore import JointResult
 
@@ -42,8 +42,8 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
     model, plan, cost = result.model, result.plan, result.cost
     names = model.layer_names
     held = [device_list(group) for group in stage_devices(plan, devices)] if devices is not None else []
-    stages = Table(title=f"{name or model.cap.source} on {model.cluster.name}: {plan.n_stages} stages, "
-                         f"{plan.microbatches} microbatches, {plan.schedule.value}", show_edge=False)
+    stages = Table(title=f"{name or model.cap.source} on {model.cluster.name}: {counted(plan.n_stages, 'stage')}, "
+                         f"{counted(plan.microbatches, 'microbatch')}, {plan.schedule.value}", show_edge=False)
     for column in ("stage", "layers", "devices", "mesh", "plan", "time / microbatch", "memory / device", "capacity"):
         stages.add_column(column, justify="right" if column in ("stage", "time / microbatch", "memory / device",
                                                                 "capacity") else "left")

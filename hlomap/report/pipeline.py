@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hlomap.report.units import human_bytes
+from hlomap.report.units import counted, human_bytes
 from hlomap.tasks.pipeline.explore import PipelineResult
 
 __all__ = ["format_pipeline_result", "gantt_title"]
@@ -16,7 +16,7 @@ __all__ = ["format_pipeline_result", "gantt_title"]
 def gantt_title(result: PipelineResult, name: str | None = None) -> str:
     """The title of a pipeline result's timeline chart."""
     plan = result.plan
-    return (f"{name or result.source}: {result.agent.value}, {plan.schedule.value}, {plan.n_stages} stages, "
+    return (f"{name or result.source}: {result.agent.value}, {plan.schedule.value}, {counted(plan.n_stages, 'stage')}, "
             f"M = {plan.microbatches}, L = {result.latency * 1e3:.4g} ms")
 
 
@@ -38,8 +38,8 @@ def format_pipeline_result(result: PipelineResult) -> Any:
     plan = result.plan
     head = Text.assemble(
         (f"{result.source}", "bold"),
-        f"  pipeline by {result.agent.value}: {plan.n_stages} stages, {plan.microbatches} "
-        f"microbatches, {plan.schedule.value}",
+        f"  pipeline by {result.agent.value}: {counted(plan.n_stages, 'stage')}, "
+        f"{counted(plan.microbatches, 'microbatch')}, {plan.schedule.value}",
     )
     cuts = Table(title="Cuts", show_edge=False)
     with_source = any(cut.source for cut in result.cuts)

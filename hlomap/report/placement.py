@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hlomap.plan import Placement
-from hlomap.report.units import human_seconds
+from hlomap.report.units import counted, human_seconds
 from hlomap.tasks.placement.place import PipelineEstimate
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
 from hlomap.search.tracker import SearchResult
@@ -36,7 +36,7 @@ def format_placement(problem: PlacementProblem, result: SearchResult) -> Any:
     placed = result.plan
     head = Text.assemble((problem.name, "bold"), f"  placed by {result.driver.value}: step "
                          f"{human_seconds(placed.step_seconds)} (identity order {human_seconds(placed.identity_seconds)}"
-                         f", {_gain(placed.step_seconds, placed.identity_seconds)}); {result.evaluations} evaluations "
+                         f", {_gain(placed.step_seconds, placed.identity_seconds)}); {counted(result.evaluations, 'evaluation')} "
                          f"in {result.seconds:.1f} s" + (", optimal" if result.optimal else ""))
     table = Table(show_edge=False)
     layout = problem.layout
@@ -68,8 +68,8 @@ def format_pipeline_estimate(est: PipelineEstimate, cluster: str, placement: Pla
     placement and on the identity order."""
     plan = est.placed.plan
     stages = (f"{plan.device_stages} stages x {plan.repeats} model chunks" if plan.repeats > 1
-              else f"{plan.n_stages} stages")
-    lines = [f"pipeline plan on cluster {cluster}: {stages}, {plan.microbatches} microbatches, "
+              else counted(plan.n_stages, "stage"))
+    lines = [f"pipeline plan on cluster {cluster}: {stages}, {counted(plan.microbatches, 'microbatch')}, "
              f"{plan.schedule.value}",
              f"step {human_seconds(est.placed.length)} simulated, {human_seconds(est.placed_model_seconds)} closed form"]
     for s, stage in enumerate(plan.stages[:plan.device_stages]):  # busy: all of a device stage's chunks

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from hlomap.agents.loop import LoopProgress
+from hlomap.report.units import counted
 from hlomap.search.tracker import Progress
 
 __all__ = ["calibration_bar", "measure_bar", "phase_reporter", "progress_bar", "training_bar"]
@@ -45,7 +46,7 @@ def progress_bar(enabled: bool = True, *, description: str = "explore") -> Itera
 
     def update(p: Progress) -> None:
         bar.update(task, completed=int(1000 * p.fraction),
-                   stats=f"{p.driver.value}: best {p.best:.4g}, last {p.last:.4g}, {p.evaluations} evaluations")
+                   stats=f"{p.driver.value}: best {p.best:.4g}, last {p.last:.4g}, {counted(p.evaluations, 'evaluation')}")
 
     with bar:
         yield update

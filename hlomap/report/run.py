@@ -8,6 +8,7 @@ from typing import Any
 from rich.text import Text
 
 from hlomap.report.pipeline import _short_path
+from hlomap.report.units import counted
 
 __all__ = ["format_run_check", "run_check_json"]
 
@@ -18,13 +19,13 @@ def format_description(description: Any) -> list[Any]:
     from rich.table import Table
 
     n_logical = len(description.stages)
-    stage_count = (f"{n_logical} stages" if description.repeats == 1 else
+    stage_count = (counted(n_logical, "stage") if description.repeats == 1 else
                    f"{n_logical} logical stages on {n_logical // description.repeats} device stages "
                    f"({'circular' if description.schedule == 'gpipe' else 'interleaved'}, {description.repeats} rounds)")
     kind = "SPMD, one program" if description.executor == "spmd" else "one program per stage"
-    out: list[Any] = [Text(f"pipeline on {description.devices} devices: {stage_count}, executor "
-                            f"{description.executor} ({kind}), {description.schedule}, {description.microbatches} "
-                            f"microbatches; mesh {description.mesh}")]
+    out: list[Any] = [Text(f"pipeline on {counted(description.devices, 'device')}: {stage_count}, executor "
+                            f"{description.executor} ({kind}), {description.schedule}, "
+                            f"{counted(description.microbatches, 'microbatch')}; mesh {description.mesh}")]
     cuts = Table(title="Cuts", show_edge=False)
     for column in ("#", "after HLO instruction", "layer (metadata)", "nearest layer", "source", "jaxpr equation",
                    "match"):
@@ -75,7 +76,7 @@ def format_check(check: Any) -> list[Any]:
 def format_run_check(checked: Any, *, rtol: float, atol: float) -> list[Any]:
     """Report items for an `api.RunCheck`: the pipeline's description, the comparisons, the
     verdict line."""
-    where = f"{checked.source} under {checked.plan_where} on {checked.devices} {checked.platform} devices"
+    where = f"{checked.source} under {checked.plan_where} on {counted(checked.devices, checked.platform + ' device')}"
     out: list[Any] = []
     if checked.note is not None:
         out.append(Text(f"note: {checked.note}"))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from hlomap.report.progress import progress_bar
+from hlomap.report.units import counted, human_bytes
 from hlomap.search.tracker import SearchResult
 from hlomap.tasks.sharding.compare import layer_of
 
@@ -146,7 +147,8 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     search = getattr(plan, "search", None)
     if search:
         lines.append(Text(f"found by {search.get('driver')} ({search.get('reward')} reward) in "
-                          f"{search.get('evaluations')} evaluations, {search.get('seconds')} s, seed {search.get('seed')}"))
+                          f"{counted(int(search.get('evaluations') or 0), 'evaluation')}, {search.get('seconds')} s, "
+                          f"seed {search.get('seed')}"))
         if search.get("driver") == "exact" and search.get("optimal") is False:
             # the budget stopped it: say how far it got, so nobody takes the plan for the optimum
             notes = "; ".join(str(n) for n in search.get("notes") or ())
@@ -170,7 +172,7 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
         mem = est.get("memory", {})
         fits = mem.get("fits")
         lines.append(Text(f"estimate: step {est['step_seconds'] * 1e3:.3f} ms"
-                          + (f", memory {mem.get('total', 0) / 2**30:.2f} GiB per device"
+                          + (f", memory {human_bytes(mem.get('total', 0))} per device"
                              + ("" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")) if mem else "")))
     if getattr(plan, "measured", None) is not None:
         from hlomap.report.measure import format_measurement

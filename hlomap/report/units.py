@@ -3,7 +3,7 @@ each; every table and message of hlomap formats through these."""
 
 from __future__ import annotations
 
-__all__ = ["human_bytes", "human_count", "human_flops", "human_seconds"]
+__all__ = ["counted", "human_bytes", "human_count", "human_flops", "human_seconds"]
 
 
 def human_bytes(n: float) -> str:
@@ -33,3 +33,11 @@ def human_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f}"
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 stage`, `4 stages`, `1 microbatch`, `2 microbatches`: a whole count with its noun in
+    the number it takes (a regular English plural)."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "ch", "sh", "x")) else f"{n} {noun}s"

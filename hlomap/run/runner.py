@@ -151,6 +151,27 @@ class RunnerDescription:
         }
 
 
+def positional_arguments(step: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """`args` and `kwargs` of a call of `step` as positional arguments, in its signature's order:
+    a parallel step takes what the train step takes, and runs it on flat positional leaves. A
+    call the train step would refuse raises its TypeError, named after the step."""
+    if not kwargs:
+        return args
+    import inspect
+
+    name = getattr(step, "__name__", type(step).__name__)
+    try:
+        bound = inspect.signature(step).bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{name}(): {err}") from None
+    except ValueError:  # no signature to read (a builtin): the step is called as given
+        raise TypeError(f"{name}(): pass its arguments by position (its signature cannot be read)") from None
+    if bound.kwargs:
+        raise TypeError(f"{name}(): keyword-only arguments {sorted(bound.kwargs)} cannot be sharded by position; "
+                        "make them positional")
+    return tuple(bound.args)
+
+
 class ParallelStep:
     """A train step under a plan (module docstring). Build with `parallelize`."""
 
@@ -223,7 +244,12 @@ class ParallelStep:
         if self._runner is None:
             self._build((params, opt_state, *rest))
 
-    def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = positional_arguments(self.step, args, kwargs)
+        if len(args) < 2:
+            raise TypeError(f"a parallel step is called as the train step: params, optimizer state, then the rest; "
+                            f"got {len(args)} argument(s)")
+        params, opt_state, *rest = args
         if self._spmd is not None:
             return self._spmd(params, opt_state, *rest)
         self._ready(params, opt_state, rest)
@@ -305,6 +331,18 @@ def parallelize(train_step: Callable[..., Any], plan: Any, *, executor: Executor
     example_args: arguments (real or `jax.ShapeDtypeStruct`) to cut a pipelined step now rather
       than at its first call.
     compiler_options: XLA options for every program the runner compiles (`jax.jit`'s).
+
+    `plan` may also be a saved plan's path (`Plan.load`).
     """
+    from pathlib import Path
+
+    from hlomap.plan import Plan
+
+    if not callable(train_step):
+        raise TypeError(f"parallelize: train_step must be the step function, got {type(train_step).__name__}")
+    if isinstance(plan, (str, Path)):
+        plan = Plan.load(plan)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"parallelize: plan must be a hlomap.Plan or a plan file's path, got {type(plan).__name__}")
     return ParallelStep(train_step, plan, executor=executor, devices=devices, example_args=example_args,
                         compiler_options=compiler_options)

@@ -92,7 +92,25 @@ class SpmdStep:
         layer between it and the program cost a few microseconds per call."""
         return self._direct
 
+    def first_misshaped(self, args: Sequence[Any]) -> str | None:
+        """The first leaf of `args` (the step's arguments from the first, or a prefix of them)
+        shaped unlike the plan's parameter at its flat position, in words; None when every leaf
+        matches. What a failing call or `place` explains with: JAX would name only an array."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
+        by_index = {p.index: p for p in self.plan.parameters}
+        for i, (path, leaf) in enumerate(flat):
+            p = by_index.get(i)
+            shape = tuple(int(n) for n in getattr(leaf, "shape", ()))
+            if p is not None and tuple(p.shape) != shape:
+                return (f"argument {jax.tree_util.keystr(path)} is shaped {list(shape)}, but the plan was made for "
+                        f"{list(p.shape)} there (its parameter {p.path!r}): was it made for this step and these "
+                        "arguments, in this order?")
+        return None
+
     def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        problem = self.first_misshaped((params, opt_state))
+        if problem is not None:  # else another tree's leaves would take this one's shardings without a word
+            raise RunError(f"place: {problem}")
         s_params = self._shardings(0, params)
         s_opt = self._shardings(len(jax.tree_util.tree_leaves(params)), opt_state)
         return jax.tree.map(put, params, s_params), jax.tree.map(put, opt_state, s_opt)
@@ -130,7 +148,13 @@ class SpmdStep:
         single = jax.process_count() == 1
         if not single:  # host values must become global arrays first
             args = jax.tree.map(put, tuple(args), shardings)
-        out = jitted(*args)
+        try:
+            out = jitted(*args)
+        except (ValueError, TypeError) as err:  # JAX's own words name an array, not the argument
+            problem = self.first_misshaped(args)
+            if problem is None:
+                raise
+            raise RunError(problem) from err
         self._direct = jitted if single and keeps_state else None
         if keeps_state:  # the state it returns has the structure it was given
             self._returned.remember(out, (key, compiled))

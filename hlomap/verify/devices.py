@@ -509,7 +509,8 @@ def _check_host_memory(plan: BenchPlan, count: int) -> None:
         raise CalibrationError(
             f"calibrating {count} host CPU devices needs about {needed / 2**30:.1f} GiB of memory (the largest "
             f"all-gather gives every device {count} messages of {max(plan.message_sizes) * 4 / 2**20:g} MiB); "
-            f"{free / 2**30:.1f} GiB are free: measure fewer devices, or run the quick calibration (--quick)")
+            f"{free / 2**30:.1f} GiB are free: measure fewer devices"
+            + (", or run the quick calibration (--quick)" if host_bytes_needed(QUICK_PLAN, count) < needed else ""))
 
 
 def measure_devices(devices: int | None = None, *, quick: bool = False, plan: BenchPlan | None = None,

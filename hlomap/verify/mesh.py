@@ -21,6 +21,7 @@ tracing).
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -61,7 +62,11 @@ def ordered_devices(plan: Plan | None = None, devices: Sequence[Any] | None = No
     import jax
 
     if devices is not None:
-        return list(devices)
+        given = list(devices)
+        twice = sorted(str(d) for d, count in collections.Counter(given).items() if count > 1)
+        if twice:
+            raise DeviceError(f"devices lists {', '.join(twice)} more than once: each plan device is its own device")
+        return given
     everything = list(jax.devices())
     placement = getattr(plan, "placement", None)
     if placement is None:
@@ -93,6 +98,16 @@ def device_positions(devices: Sequence[Any]) -> tuple[int, ...]:
     return tuple(position[d] for d in devices)
 
 
+def _more_devices_hint(devices: Sequence[Any] | None, need: int) -> str:
+    """How to get `need` devices: pass more (`devices` given, and JAX has them), or have JAX show
+    more host devices (on a CPU)."""
+    import jax
+
+    if devices is not None and jax.device_count() >= need:
+        return f" (the devices given: pass {need} of JAX's {jax.device_count()})"
+    return f" (on a CPU, {MORE_CPU_DEVICES.replace('=N', f'={need}')})"
+
+
 def devices_at(order: Sequence[Any], ids: Sequence[int], what: str) -> list[Any]:
     """Plan device ids -> the devices of `order` they name, or DeviceError saying how many there are."""
     if max(ids, default=-1) >= len(order):
@@ -121,5 +136,5 @@ def plan_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
     order = ordered_devices(plan, devices)
     if len(order) < need:
         raise DeviceError(f"the plan's mesh {shape} needs {need} devices; {len(order)} are available"
-                          f" (on a CPU, {MORE_CPU_DEVICES.replace('=N', f'={need}')})")
+                          f"{_more_devices_hint(devices, need)}")
     return mesh_of(order[:need], shape)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,27 @@ def test_role_overrides_by_prefix_and_by_function():
     roles = {p.path: p.role for p in cap.parameters}
     assert roles["params/w1"] is Role.DATA and roles["opt_state/0/mu/w1"] is Role.DATA
     assert roles["params/w2"] is Role.TRAINABLE
+
+
+@pytest.mark.parametrize("roles, error, message", [
+    ({"bogus": Role.OTHER}, ValueError, "roles key 'bogus' matches no argument path (paths start with batch, "
+                                        "opt_state, params"),
+    ({"batch": "weights"}, TypeError, "roles['batch'] is 'weights'; expected a hlomap.Role"),
+    ({3: Role.OTHER}, ValueError, "roles key 3: the step takes 3 arguments"),
+])
+def test_role_overrides_that_name_nothing_are_refused(roles, error, message):
+    """A misspelt path was ignored, and a role that is not a Role failed much later."""
+    with pytest.raises(error, match=re.escape(f"capture: {message}")):
+        capture(train_step, *_abstract(), roles=roles)
+
+
+def test_an_argument_jax_cannot_trace_is_named():
+    def step(params, opt_state, batch, mode):
+        return train_step(params, opt_state, batch)
+
+    with pytest.raises(TypeError, match=re.escape("capture: argument [3] (mode) is a str, not an array or a number")):
+        capture(step, *_abstract(), "train")
+    capture(step, *_abstract(), 0.5)  # a number is traced as a scalar
 
 
 def test_phases_come_from_jax_metadata():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,55 @@ def test_other_json_given_as_a_plan_says_what_it_is() -> None:
     cluster = {"name": "A", "devices": ["V100-16GB"], "node_of": [0], "bandwidth": [[0]], "latency": [[0]]}
     with pytest.raises(ValueError, match=r"^p\.json: a cluster file, not a plan \(give it to --cluster"):
         Plan.from_json(cluster, where="p.json")
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("joint_v1.json", lambda s: s["stages"][1].__setitem__("layers", [18, 23]), "stage 1 has layers [18, 23)"),
+    ("joint_v1.json", lambda s: s["stages"][3].__setitem__("layers", [30, 40]), "the stages run layers [0, 40) but "
+                                                                              "the pipeline names 31 layers"),
+    ("joint_v1.json", lambda s: s["stages"][2].pop("layers"), "give every stage's [start, stop) or none"),
+    ("pipeline_v1.json", lambda s: s["stages"][0].__setitem__("layers", [1, 73]), "it must start at 0"),
+    ("pipeline_v1.json", lambda s: s["stages"][1].__setitem__("layers", [73, 73]), "are not a range"),
+])
+def test_edited_stage_layers_are_refused_naming_the_stage(name: str, edit: Any, message: str) -> None:
+    """The joint planner reprices a plan from its stages' layers: a range edited out of order,
+    out of the model or away is refused, not ignored."""
+    data = _json(name)
+    section = copy.deepcopy(data["pipeline"])
+    edit(section)
+    with pytest.raises(PlanError, match=re.escape(message)):
+        Plan.from_json({**data, "pipeline": section}, where="p.json")
+    for stage in section["stages"]:
+        stage.pop("layers", None)
+    assert Plan.from_json({**data, "pipeline": section}, where="p.json").pipeline.stages[0].layers is None
+
+
+@pytest.mark.parametrize("spec, message", [
+    (["model", "model"], "uses mesh axis 'model' twice"),
+    (["foo", None], "split on mesh axis 'foo', which the plan's mesh"),
+])
+def test_plan_load_checks_every_spec_against_the_plan_s_mesh(tmp_path: Path, spec: list[Any], message: str) -> None:
+    """As plan-format.md promises: an edited spec is refused on load, naming the parameter, not
+    by JAX at the first call."""
+    data = _json("spmd_v1.json")
+    data["parameters"][0]["spec"] = spec
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=re.escape(f"{path}: parameter 'params/embed/embedding' ") + ".*"
+                       + re.escape(message)):
+        Plan.load(path)
+
+
+def test_plan_load_names_the_file_and_position_of_broken_json(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text('{"version": 1,\n  "mesh": }')
+    with pytest.raises(PlanError, match=re.escape(f"{path}:2:11: not a plan JSON file: Expecting value")):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize("size", [0, -2, 2.5, "4"])
+def test_a_mesh_axis_of_no_devices_is_refused_naming_the_file(size: Any) -> None:
+    data = _json("spmd_v1.json")
+    data["mesh"]["axes"]["model"] = size
+    with pytest.raises(PlanError, match=re.escape(f"p.json: mesh axis 'model' has size {size!r}")):
+        Plan.from_json(data, where="p.json")

@@ -90,6 +90,33 @@ def test_wrong_plan_is_rejected_naming_the_weight(zoo_capture, zoo_graph):
     assert any(c.tensor == "params/layers_0/mlp/fc_in/kernel" and c.dims == (0, 1) for c in info.value.conflicts)
 
 
+def test_a_spec_on_an_axis_the_mesh_lacks_names_the_weight(zoo_capture, zoo_graph):
+    from hlomap.plan import PlanError
+
+    cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
+
+    def typo(path: str) -> P:
+        return P(None, "modle") if path == "params/layers_0/mlp/fc_in/kernel" else megatron_by_hand(path)
+
+    with pytest.raises(PlanError, match=re.escape("'params/layers_0/mlp/fc_in/kernel' dim 1 is split on mesh axis "
+                                                  "'modle', which the mesh {'model': 8} does not have")):
+        Plan.from_specs(cap, _specs(cap, typo), mesh={"model": 8}, graph=g)
+
+
+def test_a_bare_device_count_names_the_one_axis_the_specs_use(zoo_capture, zoo_graph):
+    from hlomap.plan import PlanError
+
+    cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
+    plan = Plan.from_specs(cap, _specs(cap, megatron_by_hand), mesh=8, graph=g)
+    assert dict(plan.mesh) == {"model": 8}
+
+    def two_axes(path: str) -> P:
+        return P("data") if path.startswith("batch/") else megatron_by_hand(path)
+
+    with pytest.raises(PlanError, match=re.escape("mesh=8: the specs use axes ['data', 'model']; name the mesh's axes")):
+        Plan.from_specs(cap, _specs(cap, two_axes), mesh=8, graph=g)
+
+
 def test_inconsistent_specs_name_both_parameters(zoo_capture, zoo_graph):
     cap, g = zoo_capture("gpt-tiny"), zoo_graph("gpt-tiny")
 

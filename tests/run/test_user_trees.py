@@ -121,3 +121,40 @@ def test_spmd_executor_keeps_its_rows_for_the_leaves_it_returned(mlp: Any, monke
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(repeated)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.isfinite(float(first))
+
+
+def test_an_spmd_step_names_the_argument_shaped_unlike_its_plan() -> None:
+    """A batch the mesh does not divide, or trees handed to `place` in the wrong order, are
+    explained by the argument's path and the plan's shape, not by JAX's words about an array."""
+    from hlomap.run.errors import RunError
+    from tests.run.user_step import make
+
+    step, (params, opt_state, batch) = make()
+    cap = hlomap.capture(step, params, opt_state, batch)
+    graph = FactorGraph.from_capture(cap)
+    array, axes = reference_plan(graph, "dp", {"data": 8})
+    parallel = hlomap.parallelize(step, Plan.from_groups(cap, graph, array, axes))
+    with pytest.raises(RunError, match=r"^place: argument \[0\]\[0\]\.count is shaped \[\], but the plan was "
+                                       r"made for \[64\] there \(its parameter 'params/b0'\)"):
+        parallel.place(opt_state, params)
+    placed = parallel.place(params, opt_state)
+    jax.block_until_ready(parallel(*placed, batch)[2])  # as planned: runs
+    twelve = jax.tree.map(lambda x: x[:12], batch)
+    with pytest.raises(RunError, match=r"^argument \[2\]\['x'\] is shaped \[12, 32\], but the plan was made for "
+                                       r"\[16, 32\] there \(its parameter 'batch/x'\)"):
+        parallel(*parallel.place(params, opt_state), twelve)
+
+
+def test_a_parallel_step_takes_the_train_step_s_keywords() -> None:
+    from tests.run.user_step import make
+
+    step, (params, opt_state, batch) = make()
+    cap = hlomap.capture(step, params, opt_state, batch)
+    graph = FactorGraph.from_capture(cap)
+    array, axes = reference_plan(graph, "dp", {"data": 8})
+    parallel = hlomap.parallelize(step, Plan.from_groups(cap, graph, array, axes))
+    by_position = parallel(*parallel.place(params, opt_state), batch)[2]
+    placed = parallel.place(params, opt_state)
+    assert float(parallel(params=placed[0], opt_state=placed[1], batch=batch)[2]) == float(by_position)
+    with pytest.raises(TypeError, match=r"^train_step\(\): missing a required argument: 'batch'"):
+        parallel(placed[0], opt_state=placed[1])

@@ -53,3 +53,13 @@ def make_unmarked() -> tuple[Any, tuple[Any, ...]]:
         return optax.apply_updates(params, updates), opt_state, loss
 
     return train_step, args
+
+
+def make_raising() -> tuple[Any, tuple[Any, ...]]:
+    """A step whose own code fails when traced (the user's bug, to report as theirs)."""
+    _, args = make()
+
+    def train_step(params: Any, opt_state: Any, batch: Any) -> Any:
+        raise RuntimeError("the step's own bug")
+
+    return train_step, args

@@ -140,9 +140,13 @@ def test_a_calibration_too_large_for_host_memory_is_refused_before_measuring(mon
     assert devices.host_bytes_needed(DEFAULT_PLAN, 8) == 8 * 8 * max(DEFAULT_PLAN.message_sizes) * 4.0
     monkeypatch.setattr(devices, "_free_host_bytes", lambda: 2.0**20)
     seen: list[BenchProgress] = []
-    with pytest.raises(CalibrationError, match=r"calibrating 4 host CPU devices needs about .* GiB are free"):
+    with pytest.raises(CalibrationError, match=r"calibrating 4 host CPU devices needs about .* GiB are free: "
+                                               r"measure fewer devices, or run the quick calibration \(--quick\)$"):
         measure_devices(4, plan=DEFAULT_PLAN, on_progress=seen.append)
     assert not seen  # nothing was measured
+    # the quick calibration itself is not told to run the quick calibration
+    with pytest.raises(CalibrationError, match=r"GiB are free: measure fewer devices$"):
+        measure_devices(4, plan=QUICK_PLAN, on_progress=seen.append)
 
 
 def test_one_device_times_its_pipeline_executors_on_one_stage() -> None:

@@ -4,6 +4,7 @@ is a position in `jax.devices()`, not a `Device.id`; the runner and the XLA orac
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +75,18 @@ def test_too_few_devices_name_both_counts() -> None:
         devices_at(jax.devices(), [8, 9], "stage 1")
     with pytest.raises(DeviceError, match=r"mesh \{'data': 2, 'model': 4\} needs 8 devices, given 4"):
         mesh_of(jax.devices()[:4], {"data": 2, "model": 4})
-    with pytest.raises(DeviceError, match="needs 16 devices; 8 are available"):
+    with pytest.raises(DeviceError, match=r"needs 16 devices; 8 are available \(on a CPU, set XLA_FLAGS"):
         plan_mesh(Plan(mesh=(("data", 16),), parameters=()))
+
+
+def test_devices_given_are_checked_and_the_hint_fits_them() -> None:
+    """Too few devices passed while JAX has enough: pass more, not the CPU device flag; a device
+    given twice is refused before JAX meets it."""
+    with pytest.raises(DeviceError, match=re.escape("needs 8 devices; 4 are available (the devices given: pass 8 of "
+                                                    "JAX's 8)")):
+        plan_mesh(Plan(mesh=(("data", 8),), parameters=()), jax.devices()[:4])
+    with pytest.raises(DeviceError, match=re.escape(f"devices lists {jax.devices()[0]} more than once")):
+        ordered_devices(None, [jax.devices()[0]] * 8)
 
 
 def test_the_xla_oracles_compile_a_placed_plan_on_its_placed_devices() -> None:

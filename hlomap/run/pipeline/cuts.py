@@ -64,8 +64,10 @@ def cut_records(pipeline: Pipeline, where: str = "plan") -> tuple[PipelineCut, .
     stages, repeats = pipeline.n_stages, pipeline.repeats
     logical = stages * repeats
     if len(cuts) != logical - 1:
-        what = f"{stages} stages" if repeats == 1 else f"{stages} stages x {repeats} repeats = {logical} logical stages"
-        raise RunError(f"{where}: {what} need {logical - 1} cuts; the pipeline section has {len(cuts)}")
+        what = (f"{stages} stage{'s' if stages != 1 else ''}" if repeats == 1
+                else f"{stages} stages x {repeats} repeats = {logical} logical stages")
+        need = f"{'needs' if logical == 1 else 'need'} {logical - 1} cut{'s' if logical != 2 else ''}"
+        raise RunError(f"{where}: {what} {need}; the pipeline section has {len(cuts)}")
     return cuts
 
 

@@ -138,7 +138,8 @@ class CutTask:
             raise ValueError(f"{self.profile.source}: a cut search needs at least 2 stages; got {self.n_stages}")
         if self.n_stages > self.profile.n_layers:
             raise NoFeasiblePlan(
-                f"{self.profile.source}: {self.n_stages} stages need {self.n_stages - 1} cuts, but the step has "
+                f"{self.profile.source}: {self.n_stages} stages need {self.n_stages - 1} "
+                f"cut{'s' if self.n_stages != 2 else ''}, but the step has "
                 f"{self.profile.n_pivots} candidate cut points, so at most {self.profile.n_layers} stages"
             )
         if self.n_stages > self.cluster.n_devices:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from os import PathLike
 from typing import Any, Callable, Mapping
 
@@ -71,6 +72,21 @@ def expert_starts(graph: FactorGraph, axes: MeshAxes, space: ShardingSpace) -> t
     return tuple(starts)
 
 
+def _cluster_for(mesh: Mapping[str, int], cluster: Any) -> Any:
+    """`cluster` resolved (`hlomap.cost.cluster.load_cluster`) before any search, whatever the
+    reward: the paper reward never prices a step, so a misspelt cluster, or one with fewer
+    devices than the mesh, used to surface only as a plan without an estimate."""
+    from hlomap.cost.cluster import load_cluster
+    from hlomap.cost.mapping import MappingError
+
+    resolved = load_cluster(cluster)
+    needed = math.prod(mesh.values())
+    if needed > resolved.n_devices:
+        raise MappingError(f"mesh {dict(mesh)} needs {needed} devices; cluster {resolved.name!r} has "
+                           f"{resolved.n_devices}: explore a mesh of at most {resolved.n_devices} devices")
+    return resolved
+
+
 def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[str, int] | int | str = 8,
                   cluster: Any = "A", reward: RewardMode | str = RewardMode.PAPER, graph: FactorGraph | None = None,
                   replicate_residual: bool | None = None, axis_order: Any = None) -> Problem:
@@ -80,8 +96,10 @@ def build_problem(cap: Capture, *, task: Task | str = Task.OPP, mesh: Mapping[st
     residual stream replicated, see `hlomap.tasks.sharding.space.opp_space`.
     """
     task, reward = sharding_task(task), RewardMode(reward)
+    shape = mesh_shape(mesh, task)
+    cluster = _cluster_for(shape, cluster)
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
-    axes = MeshAxes.from_mesh(mesh_shape(mesh, task))
+    axes = MeshAxes.from_mesh(shape)
     if replicate_residual is None:
         replicate_residual = reward is RewardMode.PAPER and task is not Task.ADP
     space = make_space(graph, axes, task, replicate_residual=replicate_residual)
