@@ -132,13 +132,24 @@ def load_source(spec: str, *, trainable: Iterable[int | str] | None = None, trai
     """
     import dataclasses
 
+    trainable_prefix = tuple(trainable_prefix)
+    if spec.startswith(ZOO_PREFIX) or is_step_file(spec):
+        for option, value, flag in (("trainable", trainable, "--trainable"),
+                                    ("trainable_prefix", trainable_prefix, "--trainable-prefix"),
+                                    ("module_index", module_index, "--module")):
+            if value:
+                raise OptionError(option, value, f"{spec} is lowered from JAX, which knows its parameters' roles and "
+                                                 "has one module: the option reads HLO files", cli_flag=flag)
+    if trainable and trainable_prefix:
+        raise OptionError("trainable_prefix", list(trainable_prefix), "name the trainable parameters one way: by "
+                          "index or name, or by path prefix, not both", cli_flag="--trainable-prefix")
     # a step lowered from JAX is named after the SOURCE that names it (`zoo:gpt-tiny`, not the
     # function's `jax:train_step`): reports, plan files and mismatch errors then say which step
     if spec.startswith(ZOO_PREFIX):
         return dataclasses.replace(_load_zoo(spec[len(ZOO_PREFIX):]), source=spec)
     if is_step_file(spec):
         return dataclasses.replace(_load_step_capture(spec), source=spec)
-    return _load_file(Path(spec), trainable=trainable, trainable_prefix=tuple(trainable_prefix),
+    return _load_file(Path(spec), trainable=trainable, trainable_prefix=trainable_prefix,
                       module_index=module_index)
 
 
@@ -182,6 +193,9 @@ def _load_file(path: Path, *, trainable: Iterable[int | str] | None, trainable_p
         raise SourceError(f"{path}: no such file (SOURCE is an HLO text file, zoo:NAME or FILE.py:FUNCTION)")
     if path.is_dir():
         raise SourceError(f"{path}: is a directory, expected an HLO text file")
+    if path.suffix == ".py":
+        raise SourceError(f"{path}: a Python file, not HLO text; name the function that returns (train_step, "
+                          f"example_args): {path}:FUNCTION")
     try:
         text = path.read_text()
     except UnicodeDecodeError as err:
@@ -617,13 +631,14 @@ class OptionError(InputError):
     """An option's value hlomap cannot use, named as its caller spelled it: `stages=9: ...` from
     Python, `--stages 9: ...` on the command line (`cli_text`)."""
 
-    def __init__(self, option: str, value: Any, message: str):
+    def __init__(self, option: str, value: Any, message: str, *, cli_flag: str | None = None):
         super().__init__(f"{option}={value!r}: {message}")
         self.option, self.value, self.message = option, value, message
+        self.cli_flag = cli_flag or "--" + option.replace("_", "-")  # where the CLI's flag is spelt otherwise
 
     def cli_text(self) -> str:
         value = ",".join(map(str, self.value)) if isinstance(self.value, (tuple, list)) else self.value
-        return f"--{self.option.replace('_', '-')} {value}: {self.message}"
+        return f"{self.cli_flag} {value}: {self.message}"
 
 
 class CalibrationProfileError(InputError):
@@ -768,9 +783,10 @@ class DumpedModule:
 
 
 def dump_zoo(name: str, output: str | Path) -> DumpedModule:
-    """Lower the zoo step `name` abstractly and write its HLO text to `output`."""
+    """Lower the zoo step `name` (or `zoo:name`) abstractly and write its HLO text to `output`."""
     output = Path(output)
-    check_writable(output)
+    name = name.removeprefix(ZOO_PREFIX)
+    check_writable(output, f"{name}.hlo")
     cap = load_source(f"{ZOO_PREFIX}{name}")
     text = str(cap.module)
     output.write_text(text)
@@ -943,8 +959,20 @@ def other_cluster_note(plan: Any, cluster: Any) -> str | None:
     name = getattr(cluster, "name", str(cluster))
     if not explored_on or explored_on == name:
         return None
-    return (f"pricing on cluster {name}; the plan was explored on {explored_on} (--cluster {explored_on} prices it "
-            "there)")
+    return f"pricing on cluster {name}; the plan was explored on {explored_on} ({_how_to_name(explored_on)})"
+
+
+def _how_to_name(cluster_name: str) -> str:
+    """How --cluster names the cluster called `cluster_name`: a preset or topology by that name; a
+    calibrated cluster (whose name no --cluster spelling takes) by its file, or `local`."""
+    from hlomap.cost.cluster import ClusterSpecError
+    from hlomap.cost.cluster import load_cluster as load
+
+    try:
+        load(cluster_name)
+    except (ClusterSpecError, ValueError, OSError):
+        return "--cluster prices it there given the cluster file it was explored on, or local if it was this machine"
+    return f"--cluster {cluster_name} prices it there"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1057,9 +1085,10 @@ def check_simulation_options(plan: Any, *, mesh: Any = None, axis_order: Sequenc
     """Refuse a mesh or axis order the plan fixes itself (a pipeline plan's stages, a placed
     plan's device order): checked before any module is read."""
     category = plan_category(plan)
-    if category is PlanCategory.PIPELINE and (mesh is not None or axis_order):
+    if category in (PlanCategory.PIPELINE, PlanCategory.JOINT) and (mesh is not None or axis_order):
         option, value = ("mesh", mesh) if mesh is not None else ("axis_order", axis_order)
-        raise OptionError(option, value, "a pipeline plan's stages fix its devices: no mesh or axis order applies")
+        raise OptionError(option, value, f"a {category.value} plan's stages fix its devices and meshes: no mesh or "
+                                         "axis order applies")
     if category is PlanCategory.SPMD and plan.placement is not None and axis_order:
         raise InputError(f"{where} is placed: its placement fixes the device order, so --axis-order does not apply")
 

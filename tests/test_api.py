@@ -143,3 +143,15 @@ def test_parallelize_takes_a_plan_file_and_refuses_what_is_not_a_plan(tmp_path: 
         hlomap.parallelize(step, {"mesh": {}})
     with pytest.raises(TypeError, match="parallelize: train_step must be the step function, got NoneType"):
         hlomap.parallelize(None, plan)
+
+
+def test_the_other_cluster_note_names_a_spelling_that_works() -> None:
+    """A calibrated cluster's name is no --cluster spelling: the note says how to name it."""
+    from types import SimpleNamespace
+
+    topology = SimpleNamespace(estimate={"cluster": "hier:2x4"})
+    assert api.other_cluster_note(topology, "A").endswith("(--cluster hier:2x4 prices it there)")
+    calibrated = SimpleNamespace(estimate={"cluster": "calibrated-cpu-8"})
+    note = api.other_cluster_note(calibrated, "A")
+    assert "--cluster calibrated-cpu-8" not in note and "the cluster file it was explored on, or local" in note
+    assert api.other_cluster_note(topology, "hier:2x4") is None

@@ -764,3 +764,22 @@ def test_inspect_reports_a_step_that_raises_as_the_step_s_error(capsys: pytest.C
     err = capsys.readouterr().err
     assert re.search(r"tracing train_step failed at .*user_step\.py:\d+: RuntimeError: the step's own bug", err)
     assert "internal error" not in err and len(err.strip().splitlines()) == 1
+
+
+JOINT_PLAN = Path(__file__).resolve().parent / "data" / "plans" / "joint_v1.json"  # gpt-tiny on hier:2x4
+
+
+def test_simulate_a_joint_plan_reports_its_executor_and_refuses_what_it_would_ignore(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "zoo:gpt-tiny", "--plan", str(JOINT_PLAN), "--cluster", "hier:2x4"]
+    assert run([*base, "--executor", "mpmd"]) == 0
+    assert "on the mpmd executor: step " in capsys.readouterr().out
+    assert run([*base, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["executor"] == "mpmd" and report["executor_step_seconds"] > 0
+    for extra, message in ((["--mesh", "4"], "--mesh 4: a joint plan's stages fix its devices and meshes"),
+                           (["--axis-order", "model,data"], "--axis-order model,data: a joint plan's stages fix"),
+                           (["--top", "3"], "--top 3: a joint plan is priced by its stages")):
+        assert run([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

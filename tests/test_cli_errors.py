@@ -63,6 +63,27 @@ def test_a_dump_without_roles_is_refused_saying_how_to_name_the_weights(
     assert saved.read_text() == SAVED
 
 
+@pytest.mark.parametrize("source, options, message", [
+    ("zoo:gpt-tiny", ["--trainable", "0-3"], "--trainable 0,1,2,3: zoo:gpt-tiny is lowered from JAX, which knows"),
+    ("zoo:gpt-tiny", ["--module", "3"], "--module 3: zoo:gpt-tiny is lowered from JAX"),
+    ("DUMP", ["--trainable", "0-3", "--trainable-prefix", "params"],
+     "--trainable-prefix params: name the trainable parameters one way"),
+    ("STEP", [], "a Python file, not HLO text; name the function that returns (train_step, example_args)"),
+])
+def test_inspect_refuses_role_options_it_would_ignore(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      source: str, options: list[str], message: str) -> None:
+    """A zoo step knows its roles and has one module; --trainable and --trainable-prefix together
+    used to let the prefix win without a word; a .py file without :FUNCTION was parsed as HLO."""
+    dump = tmp_path / "gpt.hlo"
+    if source == "DUMP":
+        assert run(["zoo", "dump", "gpt-tiny", "-o", str(dump)]) == 0
+        capsys.readouterr()
+    source = {"DUMP": str(dump), "STEP": str(Path(__file__).resolve().parent / "run" / "user_step.py")}.get(source,
+                                                                                                         source)
+    assert run(["inspect", source, *options]) == 2
+    _one_line_error(capsys, message)
+
+
 def test_trainable_takes_ranges_and_prefixes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dump = tmp_path / "gpt.hlo"
     assert run(["zoo", "dump", "gpt-tiny", "-o", str(dump)]) == 0
@@ -575,3 +596,9 @@ def test_negative_tolerances_and_counts_are_refused(tmp_path: Path, argv: list[s
         run([str(tmp_path / "plan.json") if a == "PLAN" else a for a in argv])
     assert exit_info.value.code == 2
     _one_line_error(capsys, option, "must be 0 or more")
+
+
+def test_run_refuses_a_seed_a_step_file_would_ignore(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step = Path(__file__).resolve().parent / "run" / "user_step.py"
+    assert run(["run", str(tmp_path / "plan.json"), "--source", f"{step}:make", "--seed", "5"]) == 2
+    _one_line_error(capsys, f"--seed 5: {step}:make returns its own example arguments")

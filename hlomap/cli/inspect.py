@@ -11,7 +11,8 @@ from hlomap.cli import common
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="summarize an HLO module or a zoo train step",
                        description="Print opcode counts, computations, entry parameters (path, shape, dtype, role, "
-                                   "bytes), total parameter bytes and the FLOPs of dots and convolutions.")
+                                   "bytes), total parameter bytes and the FLOPs per run (all instructions; dots and convolutions "
+                                   "apart).")
     p.add_argument("source", metavar="SOURCE", help=common.SOURCE_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     common.add_role_options(p)

@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pipeline plans: spmd (one SPMD program, GPipe, multi-host) or mpmd (one program per "
                         "stage, any schedule); default: spmd for gpipe on alike stages, mpmd for 1f1b, "
                         "interleaved-1f1b and zb-h1")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the example arguments (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of a zoo model's example arguments (default 0; FILE.py:FUNCTION returns its own)")
     p.add_argument("--rtol", type=common.tolerance, default=1e-4,
                    help="steps without a marked loss: relative tolerance of the outputs (default 1e-4)")
     p.add_argument("--atol", type=common.tolerance, default=1e-5,
@@ -48,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.seed != 0 and api.is_step_file(args.source):
+        raise common.CliError(f"--seed {args.seed}: {args.source} returns its own example arguments; the seed draws "
+                              "a zoo model's")
     plan = api.load_plan_file(args.plan)
     # before anything imports JAX (the reports below do): a CPU-only machine then shows as many
     # devices as the plan needs

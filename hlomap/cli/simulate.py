@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executor", choices=("spmd", "mpmd"),
                    help="price a pipeline or joint plan on this executor (default: the one the runner would "
                         "choose: spmd for GPipe on stages alike, else mpmd)")
-    p.add_argument("--top", type=common.count, default=10, metavar="N", help="slowest instructions to list (default 10)")
+    p.add_argument("--top", type=common.count, default=None, metavar="N",
+                   help="SPMD and built-in plans: slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
     p.set_defaults(func=cmd_simulate)
@@ -50,6 +51,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = api.plan_or_built_in(args.plan)
     order = tuple(a.strip() for a in args.axis_order.split(",")) if args.axis_order else None
     api.check_simulation_options(plan, mesh=args.mesh, axis_order=order, where=args.plan)
+    if args.top is not None and api.plan_category(plan) in (api.PlanCategory.PIPELINE, api.PlanCategory.JOINT):
+        raise common.CliError(f"--top {args.top}: a {api.plan_category(plan).value} plan is priced by its stages, "
+                              "not instruction by instruction")
     mesh = None if args.mesh is None else common.mesh_argument(args.mesh)
     cluster = common.cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
     warning = api.other_cluster_warning(plan, cluster)
@@ -67,5 +71,5 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         common.print_json(simulation_json(simulation), indent=2)
     else:
-        common.show(*format_simulation(simulation, top=args.top, name=args.source))
+        common.show(*format_simulation(simulation, top=10 if args.top is None else args.top, name=args.source))
     return 0 if simulation.fits or not args.fail_if_oom else common.EXIT_OOM

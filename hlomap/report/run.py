@@ -85,7 +85,7 @@ def format_run_check(checked: Any, *, rtol: float, atol: float) -> list[Any]:
         verdict = "[green]equal[/green]" if report.ok else "[red]DIFFERENT[/red]"
         out.append(Text.from_markup(
             f"{where}: outputs {verdict} to the unsharded step (rtol {rtol:g}, atol {atol:g}); max abs error "
-            f"{report.max_abs_err:.3g}, max rel error {report.max_rel_err:.3g}"
+            f"{report.max_abs_err:.3g}, max rel error {report.max_rel_err:.3g} (over elements beyond atol)"
             + (f" at {report.worst_leaf}" if report.worst_leaf else "")
             + f"; sharded step {report.seconds * 1e3:.1f} ms"))
         return out

@@ -21,6 +21,8 @@ def format_simulation(simulation: Any, *, top: int = 10, name: str | None = None
                                    devices=None if placement is None else placement.devices)]
         if placement is not None:
             out.append(placement_line(placement, simulation.result.cost.latency, simulation.identity_seconds))
+        if simulation.executor:
+            out.append(joint_executor_line(simulation))
         return out
     if hasattr(simulation, "cluster_name"):  # a pipeline plan
         return [format_pipeline_estimate(simulation.estimate, simulation.cluster_name, simulation.placement),
@@ -43,13 +45,24 @@ def executor_line(simulation: Any) -> str:
             f"{human_seconds(simulation.executor_seconds)} of the executor's own)")
 
 
+def joint_executor_line(simulation: Any) -> str:
+    """A joint plan's step on the executor it was priced for (`JointSimulation.step_seconds`):
+    the closed form's L over the stages, plus that executor's own cost."""
+    cost = simulation.result.cost
+    return (f"on the {simulation.executor} executor: step {human_seconds(simulation.step_seconds)} "
+            f"({human_seconds(cost.latency - cost.executor_seconds)} by the closed form + "
+            f"{human_seconds(simulation.executor_seconds)} of the executor's own)")
+
+
 def simulation_json(simulation: Any) -> dict[str, Any]:
     """The simulation as JSON-ready data (`hlomap simulate --json`)."""
     if hasattr(simulation, "result"):
         cost = simulation.result.cost
         data = {"step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
                 "stage_seconds": list(cost.stage_seconds), "stage_memory_bytes": list(cost.stage_memory),
-                "transfer_seconds": list(cost.transfer_seconds), "fits": cost.fits}
+                "transfer_seconds": list(cost.transfer_seconds), "fits": cost.fits,
+                "executor": simulation.executor, "executor_seconds": simulation.executor_seconds,
+                "executor_step_seconds": simulation.step_seconds}
         if simulation.placement is not None:
             data |= {"stages": [list(devices) for devices in stage_devices(simulation.result.plan, simulation.placement.devices)],
                      "identity_order_step_seconds": simulation.identity_seconds}

@@ -35,8 +35,10 @@ def load_step_file(spec: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     except Exception as err:  # the user's file: report its error in one line
         raise RunError(f"--source {spec}: importing {path} failed: {type(err).__name__}: {err}") from None
     function = getattr(module, name, None)
-    if not callable(function):
+    if function is None:
         raise RunError(f"--source {spec}: {path} has no function {name!r}")
+    if not callable(function):
+        raise RunError(f"--source {spec}: {path}'s {name!r} is not a function (it is {type(function).__name__})")
     try:
         result = function()
     except Exception as err:

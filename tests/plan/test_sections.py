@@ -187,6 +187,8 @@ def test_parameter_spec_refuses_more_entries_than_dims() -> None:
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.pop("mesh"), r"missing field\(s\) \['mesh'\] \(is this a plan hlomap explore wrote\?\)"),
     (lambda d: d.pop("parameters"), r"missing field\(s\) \['parameters'\]"),
+    (lambda d: d.clear() or d.update(hello=1), r"missing field\(s\) \['version', 'mesh', 'parameters', 'source'\]"),
+    (lambda d: d.__setitem__("version", 99), r"plan version 99 is not supported \(expected 1\)"),
     (lambda d: d.__setitem__("mesh", [8]), r"field 'mesh': expected an object with 'axes' \(name: size\), got \[8\]"),
     (lambda d: d.__setitem__("parameters", {}), r"field 'parameters': expected a list, got dict"),
 ])
