@@ -155,3 +155,15 @@ def test_the_other_cluster_note_names_a_spelling_that_works() -> None:
     note = api.other_cluster_note(calibrated, "A")
     assert "--cluster calibrated-cpu-8" not in note and "the cluster file it was explored on, or local" in note
     assert api.other_cluster_note(topology, "hier:2x4") is None
+
+
+def test_a_joint_plan_on_devices_the_cluster_lacks_names_the_device(tmp_path: Path) -> None:
+    import json
+
+    data = json.loads((PLANS / "joint_v1.json").read_text())
+    data["pipeline"]["stages"][-1]["devices"] = [96, 97, 98, 99]
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(api.InputError, match=re.escape("the plan's stages use device 99, but hier:2x4 has 8 devices "
+                                                       "(0-7)")):
+        api.simulate_plan("zoo:gpt-tiny", api.load_plan_file(path), cluster="hier:2x4")

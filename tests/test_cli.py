@@ -783,3 +783,21 @@ def test_simulate_a_joint_plan_reports_its_executor_and_refuses_what_it_would_ig
         assert run([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("schedule, method", [("zb-h1", "by the event timeline"), ("1f1b", "by the closed form")])
+def test_a_pipeline_s_model_l_is_labelled_by_how_it_was_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               schedule: str, method: str) -> None:
+    """ZB-H1 has no closed form: its model L is the event timeline's, and says so."""
+    assert run(["explore", "zoo:gpt-tiny", "--task", "pipeline", "--stages", "2", "--microbatches", "4", "--agent",
+                "dp", "--schedule", schedule, "--cluster", "hier:2x4", "-q", "-o", str(tmp_path / "p.json")]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("L = "))
+    assert method in line
+
+
+def test_simulate_says_a_one_axis_built_in_plan_uses_both_axes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", "megatron", "--mesh", "data=2,model=4"]) == 0
+    assert "note: megatron splits over every axis of data=2,model=4 together (the weights 8 ways)" in \
+        capsys.readouterr().err
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", "dp+megatron", "--mesh", "data=2,model=4"]) == 0
+    assert "splits over every axis" not in capsys.readouterr().err

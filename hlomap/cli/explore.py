@@ -356,8 +356,10 @@ def _explore_auto(args: argparse.Namespace, output: Path) -> int:
         if refined:
             how = ("the whole step on one device" if refined.get("task") == "one device"
                    else f"the {refined.get('task')} sharding search on the pick's mesh")
-            common.say(f"refined: {how} is priced at {1e3 * refined['step_seconds']:.2f} ms per step, against "
-                       f"{1e3 * refined['joint_pick_step_seconds']:.2f} ms for the joint plan above")
+            common.say(f"kept instead of the joint plan above: {how}, priced at {1e3 * refined['step_seconds']:.2f} ms "
+                       f"per step against {1e3 * refined['joint_pick_step_seconds']:.2f} ms for the joint plan on the "
+                       f"executor hlomap run gives it; {output} holds "
+                       f"{'the one-device plan' if refined.get('task') == 'one device' else 'the searched plan'}")
     plan = _measure(args, found, cap, cluster, runnable, output) if runnable is not None else found.plan
     _show_measurement(args, plan)
     if args.json:

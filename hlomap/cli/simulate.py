@@ -4,6 +4,7 @@ joint) on a cluster."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from hlomap import api
@@ -55,6 +56,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise common.CliError(f"--top {args.top}: a {api.plan_category(plan).value} plan is priced by its stages, "
                               "not instruction by instruction")
     mesh = None if args.mesh is None else common.mesh_argument(args.mesh)
+    if plan in ("dp", "megatron") and isinstance(mesh, dict) and len(mesh) > 1 and not args.json:
+        common.note(f"{plan} splits over every axis of {','.join(f'{k}={v}' for k, v in mesh.items())} together "
+                    f"({'the batch' if plan == 'dp' else 'the weights'} {math.prod(mesh.values())} ways); "
+                    "dp+megatron splits the batch on data and the weights on model")
     cluster = common.cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
     warning = api.other_cluster_warning(plan, cluster)
     if warning:

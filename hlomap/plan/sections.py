@@ -422,8 +422,9 @@ class PipelineStage:
             raise PlanError(f"the stage splits its optimizer state over {unknown}, which its mesh "
                             f"{dict(self.mesh)} does not have")
         if self.mesh and math.prod(size for _, size in self.mesh) != len(self.devices):
-            raise PlanError(f"the stage has {len(self.devices)} devices but its mesh {dict(self.mesh)} has "
-                            f"{math.prod(size for _, size in self.mesh)}")
+            count = len(self.devices)
+            raise PlanError(f"the stage has {count} device{'s' if count != 1 else ''} but its mesh {dict(self.mesh)} "
+                            f"has {math.prod(size for _, size in self.mesh)}")
         if self.layers is not None and not 0 <= self.layers[0] < self.layers[1]:
             raise PlanError(f"the stage's layers {list(self.layers)} are not a range [start, stop) with start < stop")
 
@@ -525,6 +526,17 @@ class PipelineStage:
         return stage
 
 
+def _check_joint_mesh(stage: int, mesh: Any, where: str = "pipeline") -> None:
+    """A joint stage's mesh names the axes data and model, nothing else (its replication and
+    specs are read from them)."""
+    if not isinstance(mesh, Mapping):
+        return
+    odd = sorted(str(axis) for axis in set(mesh) - {"data", "model"})
+    if odd:
+        raise PlanError(f"{where}: stage {stage}: mesh axis {odd[0]!r}: a joint stage's mesh has the axes data and model "
+                        f"(got {dict(mesh)})")
+
+
 def _check_stage_layers(stages: Sequence[PipelineStage], n_layers: int | None) -> None:
     """Stages that give their `layers` give them all, in order and without a gap or an overlap,
     from layer 0 (to the last of `n_layers` where the section names its layers): the joint
@@ -570,6 +582,9 @@ class Pipeline:
         if self.repeats < 1:
             raise PlanError(f"the pipeline's repeats is {self.repeats}; it needs at least 1")
         _check_stage_layers(self.stages, len(self.layer_names) or None)
+        if self.kind is PipelineKind.JOINT:
+            for k, stage in enumerate(self.stages):
+                _check_joint_mesh(k, dict(stage.mesh))
         used = [d for stage in self.stages for d in stage.devices]
         if len(set(used)) != len(used):
             twice = sorted({d for d in used if used.count(d) > 1})
@@ -616,6 +631,9 @@ class Pipeline:
         except ValueError:
             raise PlanError(f"{where}: unknown pipeline kind {data.get('kind')!r}; expected "
                             f"{' or '.join(k.value for k in PipelineKind)}") from None
+        if kind is PipelineKind.JOINT:  # before each stage checks its replication against its mesh
+            for k, stage in enumerate(stages):
+                _check_joint_mesh(k, stage.get("mesh") if isinstance(stage, Mapping) else None, where)
         try:
             schedule = Schedule(data.get("schedule", DEFAULT_SCHEDULE.value))
         except ValueError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from hlomap.cost.pipeline.costs import latency_method
 from hlomap.report.units import counted, human_bytes, human_seconds
 from hlomap.tasks.joint.costs import RECOMPUTED_WORDS
 from hlomap.tasks.joint.explore import JointResult
@@ -52,14 +53,15 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
         over = cost.stage_memory[s] > cost.device_memory[s]
         layers = names[stage.start] if stage.stop - stage.start == 1 else f"{names[stage.start]} .. {names[stage.stop - 1]}"
         stages.add_row(str(s), layers,
-                       held[s] if held else f"{stage.first_device}-{stage.first_device + option.devices - 1}",
+                       held[s] if held else (str(stage.first_device) if option.devices == 1
+                                             else f"{stage.first_device}-{stage.first_device + option.devices - 1}"),
                        f"data={option.data} x model={option.model}",
                        option.kind.value + RECOMPUTED_WORDS[option.recompute] + STATE_WORDS[
                            (option.split_state, option.shard_gradients, option.shard_parameters)],
                        human_seconds(cost.stage_seconds[s]),
                        Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
                        human_bytes(cost.device_memory[s]))
-    lines = [Text(f"L = {human_seconds(cost.latency)} per step (closed form); bottleneck "
+    lines = [Text(f"L = {human_seconds(cost.latency)} per step ({latency_method(plan.schedule)}); bottleneck "
                   f"{human_seconds(cost.bottleneck)} per microbatch; transfers "
                   + (", ".join(human_seconds(t) for t in cost.transfer_seconds) or "none")),
              Text(f"search: {result.driver}, {result.options} stage options over {model.n_layers} layers, "

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hlomap.cost.pipeline.costs import latency_method
 from hlomap.report.units import counted, human_bytes
 from hlomap.tasks.pipeline.explore import PipelineResult
 
@@ -65,8 +66,9 @@ def format_pipeline_result(result: PipelineResult) -> Any:
     lines = [
         Text(f"device cuts: {list(result.device_cuts)} "
              f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)"),
-        Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms "
-             f"closed form; bottleneck {result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
+        Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms by the "
+             f"{latency_method(result.plan.schedule, result.plan.repeats)}; bottleneck "
+             f"{result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
         Text(f"on the {result.executor} executor (what `hlomap run` runs): step {result.step_seconds * 1e3:.4g} ms "
              + ("in lockstep ticks" if result.executor == "spmd" else "as scheduled")
              + ", with the executor's own cost"),

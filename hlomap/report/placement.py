@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hlomap.plan import Placement
+from hlomap.cost.pipeline.costs import latency_method
 from hlomap.report.units import counted, human_seconds
 from hlomap.tasks.placement.place import PipelineEstimate
 from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
@@ -71,13 +72,15 @@ def format_pipeline_estimate(est: PipelineEstimate, cluster: str, placement: Pla
               else counted(plan.n_stages, "stage"))
     lines = [f"pipeline plan on cluster {cluster}: {stages}, {counted(plan.microbatches, 'microbatch')}, "
              f"{plan.schedule.value}",
-             f"step {human_seconds(est.placed.length)} simulated, {human_seconds(est.placed_model_seconds)} closed form"]
+             f"step {human_seconds(est.placed.length)} simulated, {human_seconds(est.placed_model_seconds)} by the "
+             f"{latency_method(plan.schedule, plan.repeats)}"]
     for s, stage in enumerate(plan.stages[:plan.device_stages]):  # busy: all of a device stage's chunks
         lines.append(f"  stage {s}: devices {_devices(stage.devices)}, busy "
                      f"{human_seconds(est.placed.busy_time(s))}")
     if placement is not None:
         lines.append(placement_line(placement, est.placed.length, est.identity.length)
-                     + f" simulated; closed form {_gain(est.placed_model_seconds, est.identity_model_seconds)}")
+                     + f" simulated; {latency_method(plan.schedule, plan.repeats)} "
+                     + _gain(est.placed_model_seconds, est.identity_model_seconds))
     for violation in est.placed.violations:
         lines.append(f"out of memory: {violation}")
     return "\n".join(lines)

@@ -257,3 +257,11 @@ def test_a_mesh_axis_of_no_devices_is_refused_naming_the_file(size: Any) -> None
     data["mesh"]["axes"]["model"] = size
     with pytest.raises(PlanError, match=re.escape(f"p.json: mesh axis 'model' has size {size!r}")):
         Plan.from_json(data, where="p.json")
+
+
+def test_a_joint_stage_mesh_with_another_axis_is_named() -> None:
+    data = _json("joint_v1.json")
+    data["pipeline"]["stages"][0]["mesh"] = {"dp": 2, "model": 1}
+    with pytest.raises(PlanError, match=re.escape("p.json: pipeline: stage 0: mesh axis 'dp': a joint stage's mesh "
+                                                  "has the axes data and model")):
+        Plan.from_json(data, where="p.json")

@@ -143,6 +143,12 @@ def pipeline_latency(stage_seconds: Sequence[float], transfer_seconds: Sequence[
 CLOSED_FORM_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
 
+def latency_method(schedule: Schedule, repeats: int = 1) -> str:
+    """How the model's L of a pipeline under `schedule` (V = `repeats`) is priced, in a report's
+    words: "closed form" (GPipe, 1F1B) or "event timeline" (ZB-H1, interleaved 1F1B)."""
+    return "closed form" if schedule in CLOSED_FORM_SCHEDULES and repeats == 1 else "event timeline"
+
+
 def stage_time_latency(stage_seconds: Sequence[float], forward_share: Sequence[float],
                        transfer_seconds: Sequence[float], schedule: Schedule, microbatches: int, *,
                        timeline: bool = False) -> tuple[float, float]:

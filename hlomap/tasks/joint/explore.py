@@ -136,7 +136,7 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     # that bound: the grid reported stays Megatron's own.
     bounded = split_state and Driver(agent) is Driver.EXACT
     uniform = expert_grid(model, schedule=schedule, microbatches=space.microbatches,
-                          split_state=(False, True) if bounded else (False,)) if with_grid else []
+                          split_state=(False, True) if bounded else (False,), max_stages=max_stages) if with_grid else []
     grid = tuple(g for g in uniform if not g.split_state)
     feasible = [g for g in uniform if g.plan is not None and g.cost is not None]
     incumbent = min(feasible, key=lambda g: g.cost.latency).plan if feasible else None  # type: ignore[union-attr]
@@ -300,6 +300,10 @@ def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Pipeline, *,
     # priced at the rate of the devices the plan keeps busy (faster when it leaves some idle and
     # the measured cluster's devices share hardware)
     busy = len({d for stage in section.stages for d in stage.devices})
+    highest = max(d for stage in section.stages for d in stage.devices)
+    if highest >= cluster.n_devices:
+        raise ValueError(f"the plan's stages use device {highest}, but {cluster.name} has {cluster.n_devices} devices "
+                         f"(0-{cluster.n_devices - 1})")
     model = joint_model(cap, with_busy_devices(cluster, busy), graph=graph)
     saved = section.layer_names
     if saved and saved != model.layer_names:  # cut for another cluster

@@ -77,10 +77,11 @@ def uniform_cuts(model: JointModel, pp: int, ends: Sequence[int] | None = None) 
 def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
                 microbatches: Sequence[int] | None = None,
                 recompute: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL),
-                split_state: Sequence[bool] = (False,)) -> list[GridPoint]:
+                split_state: Sequence[bool] = (False,), max_stages: int | None = None) -> list[GridPoint]:
     """Every (pp, tp, dp) configuration priced at its best microbatch count (module docstring);
     with `split_state` (False, True), each configuration with data replicas once more with its
-    optimizer state split over them (a point of its own)."""
+    optimizer state split over them (a point of its own). `max_stages` caps pp as it caps the
+    joint search's stages, so the two are compared over the same plans."""
     cluster = model.cluster
     devices = cluster.n_devices
     per_node = cluster.most_per_node
@@ -88,7 +89,7 @@ def expert_grid(model: JointModel, *, schedule: Schedule = DEFAULT_SCHEDULE,
     out = []
     tp_limit = per_node if per_node > 1 else 8  # as `costs.stage_options`: inside a server, or 8 on a torus
     ends = block_ends(model)
-    for pp in (p for p in range(1, devices + 1) if devices % p == 0):
+    for pp in (p for p in range(1, min(devices, max_stages or devices) + 1) if devices % p == 0):
         group = devices // pp
         for tp in (t for t in range(1, group + 1) if group % t == 0 and t & (t - 1) == 0 and t <= tp_limit):
             dp = group // tp

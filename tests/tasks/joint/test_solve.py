@@ -756,3 +756,14 @@ def test_ties_go_to_fewer_microbatches() -> None:
     for cluster in ("uniform:1", "hier:1x1"):
         plan = api.explore("zoo:haiku-mlp", task="auto", cluster=cluster)
         assert plan.pipeline is None and all(size == 1 for _, size in plan.mesh)
+
+
+def test_the_grid_keeps_to_the_stages_the_search_may_use(gpt_tiny) -> None:
+    """`--stages 2` caps the joint search at 2 stages; the grid it is compared with too."""
+    from hlomap.tasks.joint.explore import joint_model
+
+    model = joint_model(gpt_tiny, hierarchical(2, 4, "V100-16GB"), max_pivots=6)
+    everything = expert_grid(model)
+    capped = expert_grid(model, max_stages=2)
+    assert max(g.pp for g in everything) > 2 and max(g.pp for g in capped) == 2
+    assert [(g.label, g.cost) for g in capped] == [(g.label, g.cost) for g in everything if g.pp <= 2]
