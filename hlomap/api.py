@@ -296,8 +296,8 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     preset name ("A", "B", "C"), a topology string ("hier:2x4", "torus:4x4", ...), "local" (the
     devices JAX sees, calibrated on first use), a JSON path or a Cluster (used by the cost reward
     and for the plan's estimate; it must have the mesh's devices). agent: "dqn", "random",
-    "greedy" or "exact". reward: "paper" or "cost". Options: budget_evaluations, output (path saved as the search runs), graph,
-    replicate_residual, dqn_config, with_estimate, on_progress.
+    "greedy" or "exact". reward: "paper" or "cost". Options: budget_evaluations, output (path
+    saved as the search runs), graph, replicate_residual, dqn_config, with_estimate, on_progress.
 
     task "auto" plans the whole cluster at once (pipeline stages with data and tensor
     parallelism inside each, Alpa-style two-level search): options schedule, microbatches,
@@ -654,8 +654,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     that does not fit its module...): a front shows its message, never a traceback."""
     from hlomap.cost.cluster import ClusterSpecError
     from hlomap.cost.estimate import EstimateError
-    from hlomap.hlo.capture import StepTraceError
     from hlomap.cost.mapping import MappingError
+    from hlomap.hlo.capture import StepTraceError
     from hlomap.hlo.parser import HloParseError
     from hlomap.plan import PlanError
     from hlomap.propagation.conflicts import PlanConflict

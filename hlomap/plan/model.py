@@ -389,11 +389,11 @@ class Plan:
         version = data.get("version")
         if version is None and "devices" in data and ("calibration" in data or "bandwidth" in data):
             raise ValueError(f"{where}: a cluster file, not a plan (give it to --cluster; hlomap explore writes plans)")
+        if "version" in data and version != PLAN_VERSION:  # another hlomap's plan: its fields may differ too
+            raise ValueError(f"{where}: plan version {version!r} is not supported (expected {PLAN_VERSION})")
         missing = [key for key in ("version", "mesh", "parameters", "source") if key not in data]
         if missing:
             raise ValueError(f"{where}: missing field(s) {missing} (is this a plan hlomap explore wrote?)")
-        if version != PLAN_VERSION:
-            raise ValueError(f"{where}: plan version {version!r} is not supported (expected {PLAN_VERSION})")
         if not isinstance(data["mesh"], Mapping) or not isinstance(data["mesh"].get("axes"), Mapping):
             raise ValueError(f"{where}: field 'mesh': expected an object with 'axes' (name: size), got "
                              f"{data['mesh']!r}")

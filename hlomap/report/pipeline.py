@@ -65,7 +65,8 @@ def format_pipeline_result(result: PipelineResult) -> Any:
                        human_bytes(cap))
     lines = [
         Text(f"device cuts: {list(result.device_cuts)} "
-             f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)"),
+             f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)") if result.cuts
+        else Text("one stage: no cuts"),
         Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms by the "
              f"{latency_method(result.plan.schedule, result.plan.repeats)}; bottleneck "
              f"{result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
@@ -88,6 +89,6 @@ def format_pipeline_result(result: PipelineResult) -> Any:
         lines.append(Text("memory: every stage fits its devices"))
     for violation in result.simulation.violations:
         lines.append(Text(f"out of memory: {violation}", style="bold red"))
-    return Group(head, cuts, stages, *lines)
+    return Group(head, *([cuts] if result.cuts else []), stages, *lines)
 
 
