@@ -823,9 +823,8 @@ def plan_category(plan: Any) -> PlanCategory:
 def load_plan_file(path: str | Path) -> Any:
     """A saved plan, or InputError saying what is wrong with the file (missing, a folder, not
     text, not JSON, not a plan, another version)."""
-    import json
-
-    from hlomap.plan import Plan
+    from hlomap.plan import Plan, PlanError
+    from hlomap.plan.model import read_plan_json
 
     path = Path(path)
     if not path.exists():
@@ -833,13 +832,9 @@ def load_plan_file(path: str | Path) -> Any:
     if path.is_dir():
         raise InputError(f"{path}: is a directory, not a plan file")
     try:
-        text = path.read_text()
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path}: not a plan file (binary data at byte {err.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
+        data = read_plan_json(path)
+    except PlanError as err:
+        raise InputError(str(err)) from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: not a plan JSON file (the top level is a {type(data).__name__}, not an object)")
     try:

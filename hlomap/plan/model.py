@@ -435,15 +435,7 @@ class Plan:
         """Read a plan; with `cap` / `mesh`, also check it was made for them (`check_compatible`)
         and take the step's argument structure from `cap`, so `partition_specs()` is shaped like
         the step's arguments (optax's empty states included) rather than rebuilt from paths."""
-        try:
-            text = Path(path).read_text()
-        except UnicodeDecodeError as err:
-            raise PlanError(f"{path}: not a plan file (binary data at byte {err.start})") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
-        plan = cls.from_json(data, where=str(path))
+        plan = cls.from_json(read_plan_json(path), where=str(path))
         plan.check_specs(where=str(path))
         plan.check_compatible(cap, mesh, where=str(path))
         if cap is not None and cap.in_tree is not None:
@@ -616,6 +608,32 @@ def _normalize_entry(entry: Any) -> tuple[str, ...] | None:
     return tuple(entry) or None
 
 
+def read_plan_json(path: str | PathLike[str]) -> Any:
+    """The JSON of a plan file; PlanError naming the file (and the line and column of broken
+    JSON) when it is not text or not JSON."""
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as err:
+        raise PlanError(f"{path}: not a plan file (binary data at byte {err.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanError(f"{path}:{err.lineno}:{err.colno}: not a plan JSON file: {err.msg}") from None
+
+
+def _pytree_mismatch(error: ValueError) -> str:
+    """JAX's many-line pytree mismatch in one line: where, and which keys differ (when it says)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    after = {line: lines[i + 1] for i, line in enumerate(lines[:-1])}
+    where = next((after[line] for line in lines if line.endswith("key path")), "").replace("tree_map tree", "")
+    keys = next((after[line] for line in lines if "symmetric difference" in line), "")
+    at = f"at {where.strip() or 'the top'}"
+    if keys:
+        return f"{at}: keys {', '.join(sorted(keys.split()))} are in one and not the other (give every key a spec; None " \
+               "replicates)"
+    return f"{at}: {lines[0].removesuffix(' at key path') if lines else error}"
+
+
 def _flatten_specs(cap: Capture, specs: Any) -> list[tuple[tuple[str, ...] | None, ...]]:
     """One tuple of per-dim axis names per entry parameter, from a spec pytree that is the
     arguments' structure or a prefix of it (a spec at an inner node applies to every leaf)."""
@@ -636,7 +654,7 @@ def _flatten_specs(cap: Capture, specs: Any) -> list[tuple[tuple[str, ...] | Non
             expanded = jax.tree_util.tree_map(
                 lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), specs, args, is_leaf=is_leaf)
         except ValueError as exc:
-            raise ValueError(f"spec pytree does not match the step's arguments: {exc}") from exc
+            raise PlanError(f"spec pytree does not match the step's arguments {_pytree_mismatch(exc)}") from exc
         flat = jax.tree_util.tree_leaves(expanded, is_leaf=is_leaf)
     out = []
     for p, s in zip(cap.parameters, flat):

@@ -235,3 +235,18 @@ def test_a_plan_loaded_with_its_capture_gives_specs_shaped_like_the_arguments(tm
         jax.tree_util.tree_structure(plan.partition_specs(), is_leaf=lambda x: isinstance(x, P))
     again = Plan.from_specs(cap, specs, mesh={"model": 8}, graph=g)
     assert again.parameters == plan.parameters
+
+
+def test_specs_missing_keys_are_named_in_one_line():
+    from hlomap import capture
+    from hlomap.plan import PlanError
+    from tests.run.user_step import make
+
+    step, args = make()
+    cap = capture(step, *args)
+    with pytest.raises(PlanError) as caught:
+        Plan.from_specs(cap, ({"w0": P("model")}, None, None), mesh={"model": 8})
+    assert str(caught.value) == ("spec pytree does not match the step's arguments at [0]: keys b0, b1, b2, w1, w2 are "
+                                 "in one and not the other (give every key a spec; None replicates)")
+    with pytest.raises(PlanError, match=r"at the top: pytree structure error: different lengths of tuple$"):
+        Plan.from_specs(cap, ({"w0": P("model")}, None), mesh={"model": 8})
