@@ -443,9 +443,9 @@ class Plan:
         return plan
 
     def check_specs(self, *, where: str = "plan") -> None:
-        """Raise PlanError (a ValueError) naming the parameter and dim when a spec cannot apply to the plan's
-        own mesh: an axis the mesh does not have, an axis used twice, or a dim whose size the
-        axes' sizes do not divide. What `jax.jit` would only find after tracing and compiling."""
+        """Raise PlanError (a ValueError) naming the parameter and dim when a spec cannot apply to
+        the plan's own mesh: an axis the mesh does not have, an axis used twice, or a dim whose size
+        the axes' sizes do not divide. What `jax.jit` would only find after tracing and compiling."""
         sizes = self.mesh_shape
         for p in self.parameters:
             used: dict[str, int] = {}
@@ -453,15 +453,15 @@ class Plan:
                 for axis in axes or ():
                     if axis not in sizes:
                         raise PlanError(f"{where}: parameter {p.path!r} dim {d} is split on mesh axis {axis!r}, "
-                                         f"which the plan's mesh {sizes} does not have")
+                                        f"which the plan's mesh {sizes} does not have")
                     if axis in used:
                         raise PlanError(f"{where}: parameter {p.path!r} uses mesh axis {axis!r} twice "
-                                         f"(dims {used[axis]} and {d})")
+                                        f"(dims {used[axis]} and {d})")
                     used[axis] = d
                 ways = math.prod(sizes[a] for a in axes or ())
                 if d < len(p.shape) and p.shape[d] % ways:
                     raise PlanError(f"{where}: parameter {p.path!r} dim {d} has size {p.shape[d]}, which its "
-                                     f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
+                                    f"split over {'x'.join(axes or ())} ({ways} ways) does not divide")
 
     def check_compatible(self, cap: Capture | None = None, mesh: Any = None, *, where: str = "plan") -> None:
         """Raise ValueError, saying what differs, when the plan was made for another module

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hlomap.cost.pipeline.costs import latency_method
 from hlomap.report.estimate import format_estimate
 from hlomap.report.joint import format_joint_result, stage_devices
 from hlomap.report.placement import format_pipeline_estimate, placement_line
@@ -47,10 +48,11 @@ def executor_line(simulation: Any) -> str:
 
 def joint_executor_line(simulation: Any) -> str:
     """A joint plan's step on the executor it was priced for (`JointSimulation.step_seconds`):
-    the closed form's L over the stages, plus that executor's own cost."""
+    the model's L over the stages (`latency_method`), plus that executor's own cost."""
     cost = simulation.result.cost
     return (f"on the {simulation.executor} executor: step {human_seconds(simulation.step_seconds)} "
-            f"({human_seconds(cost.latency - cost.executor_seconds)} by the closed form + "
+            f"({human_seconds(cost.latency - cost.executor_seconds)} by the "
+            f"{latency_method(simulation.result.plan.schedule)} + "
             f"{human_seconds(simulation.executor_seconds)} of the executor's own)")
 
 
