@@ -130,7 +130,8 @@ class LeafGroupCheck:
         if worst is None:
             return f"{self.what}: nothing to compare"
         verdict = "equal" if self.ok else "DIFFERENT"
-        text = (f"{self.what} {verdict} to the unsharded step's within {self.tolerance:g} of each leaf's scale "
+        scale = "of each leaf's scale" if len(self.leaves) > 1 else "of its scale"
+        text = (f"{self.what} {verdict} to the unsharded step's within {self.tolerance:g} {scale} "
                 f"(worst {worst.path}: {worst.relative:.2g} of its scale {worst.scale:.3g})")
         if not self.ok:
             text += f"; {len(self.failing)} of {len(self.leaves)} leaves differ: {', '.join(self.failing[:3])}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hlomap.run.compare import LeafDiff, LeafGroupCheck, StepCheck, compare_scaled, compare_updates, reference_gradients
+from hlomap.run.compare import (LeafDiff, LeafGroupCheck, StepCheck, compare_loss, compare_scaled, compare_updates,
+                                reference_gradients)
 from tests.run.user_step import make
 
 
@@ -56,3 +57,9 @@ def test_the_reference_is_jax_value_and_grad_and_microbatches_average() -> None:
     halves = reference_gradients(step, args, 2)  # a mean-squared loss: the mean of halves is the whole
     np.testing.assert_allclose(halves.loss, loss, rtol=1e-6)
     assert compare_scaled("gradients", halves.grads, whole.grads, [str(i) for i in range(len(whole.grads))]).ok
+
+
+def test_the_words_say_each_leaf_only_for_several() -> None:
+    assert "within 1e-05 of its scale (worst loss" in compare_loss(np.float32(2.0), np.float32(2.0)).words()
+    two = compare_scaled("gradients", [np.ones(2), np.ones(2)], [np.ones(2), np.ones(2)], ["a", "b"])
+    assert "of each leaf's scale" in two.words()
