@@ -267,6 +267,15 @@ def parse_mesh(mesh: Mapping[str, int] | int | str, task: Any = "opp") -> dict[s
 SHARDING_AGENTS = ("dqn", "random", "greedy", "exact")
 PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
 
+def check_agent(task: str, agent: Any) -> None:
+    """OptionError unless `agent` is a search `task` runs (`SHARDING_AGENTS`, `PIPELINE_AGENTS`;
+    the auto task takes none): checked before anything is loaded."""
+    name = str(getattr(agent, "value", agent))
+    agents = SHARDING_AGENTS if task in ("opp", "adp", "hybrid") else PIPELINE_AGENTS if task == "pipeline" else None
+    if agents is not None and name not in agents:
+        raise OptionError("agent", name, f"the {task} task takes {', '.join(agents)}")
+
+
 #: Measured selection's bounds unless told: interleaved rounds at most, and seconds of timing.
 MEASURE_ROUNDS = 10
 MEASURE_BUDGET_SECONDS = 60.0
@@ -324,11 +333,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
         raise InputError(f"explore: expected a Capture (hlomap.capture) or a SOURCE string such as 'zoo:gpt-tiny', "
                          f"got {type(cap).__name__}")
     name = str(getattr(task, "value", task))
-    agent_name = str(getattr(agent, "value", agent))
-    if name in ("opp", "adp", "hybrid") and agent_name not in SHARDING_AGENTS:
-        raise OptionError("agent", agent_name, f"the {name} task takes {', '.join(SHARDING_AGENTS)}")
-    if name == "pipeline" and agent_name not in PIPELINE_AGENTS:
-        raise OptionError("agent", agent_name, f"the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
+    check_agent(name, agent)
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
@@ -1052,7 +1057,7 @@ def plan_executor(plan: Any, requested: str | None = None, where: str = "plan") 
         return choose_executor(section.schedule, section.uniform, requested, section.repeats,
                                section.splits_state, bool(section.recompute), section.layered_recompute).value
     except RunError as err:
-        raise InputError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from None
+        raise InputError(_naming(where, err)) from None
 
 
 Simulation = SpmdSimulation | PipelineSimulation | JointSimulation

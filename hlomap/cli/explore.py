@@ -237,8 +237,7 @@ def _finish(interrupted: bool, fits: bool, fail_if_oom: bool) -> int:
 def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     from hlomap.report.sharding import format_plan_summary, plot_convergence, progress_bar
 
-    if args.agent not in SHARDING_AGENTS:
-        raise common.CliError(f"--agent {args.agent}: the {args.task} task takes {', '.join(SHARDING_AGENTS)}")
+    api.check_agent(args.task, args.agent)
     try:
         mesh = api.parse_mesh(args.mesh, args.task)
     except ValueError as err:
@@ -291,8 +290,7 @@ def _explore_pipeline(args: argparse.Namespace, output: Path) -> int:
     from hlomap.report.pipeline import format_pipeline_result, gantt_title
     from hlomap.report.sharding import progress_bar
 
-    if args.agent not in PIPELINE_AGENTS:
-        raise common.CliError(f"--agent {args.agent}: the pipeline task takes {', '.join(PIPELINE_AGENTS)}")
+    api.check_agent("pipeline", args.agent)
     timeline = Path(args.timeline) if args.timeline else common.beside(output, "timeline.png")
     common.check_outputs(output, timeline)
     cluster = common.cluster_argument(args.cluster, args.profile)

@@ -18,8 +18,8 @@ from typing import Sequence
 
 from hlomap.hlo.capture import Capture
 from hlomap.plan import Plan
-from hlomap.cost.pipeline.stages import splits_batch
 from hlomap.plan.sections import PipelineKind
+from hlomap.tasks.pipeline.explore import runnable_replication
 from hlomap.tasks.placement.place import plan_profile_of, refuse_chunks
 from hlomap.tasks.placement.problem import PlacementError
 from hlomap.tasks.replan.options import RunningPlan, Workload
@@ -42,7 +42,7 @@ def is_joint(plan: Plan) -> bool:
 
 def workload_of(plan: Plan, where: str = "plan", batch: int | None = None) -> tuple[Workload, RunningPlan]:
     """The workload and running plan of a saved pipeline plan. With the step's `batch` known, a
-    re-solve replicates a stage only over devices a microbatch splits over (`splits_batch`: what
+    re-solve replicates a stage only over devices a microbatch splits over (`runnable_replication`: what
     the runner can run), besides the plan's own stage widths; without it, over any of
     `REPLICATION`."""
     if plan.pipeline is None:
@@ -52,9 +52,8 @@ def workload_of(plan: Plan, where: str = "plan", batch: int | None = None) -> tu
     profile = plan_profile_of(plan, where)
     stages = plan.stage_devices()
     widths = {len(s) for s in stages}
-    offered = set(REPLICATION) if batch is None else {
-        r for r in REPLICATION if splits_batch(batch, plan.pipeline.microbatches, r)}
-    replication = tuple(sorted(offered | widths))
+    offered = runnable_replication(REPLICATION, batch, plan.pipeline.microbatches)
+    replication = tuple(sorted(set(offered) | widths))
     workload = Workload(profile.blocks, plan.pipeline.microbatches, plan.pipeline.schedule, replication, len(stages))
     return workload, RunningPlan(profile.stage_bounds, stages)
 
