@@ -1108,7 +1108,7 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
     import dataclasses
 
     from hlomap.cost.cluster import Cluster
-    from hlomap.cost.estimate import pass_buffers
+    from hlomap.cost.estimate import pass_buffers, state_leaves
     from hlomap.cost.pipeline.costs import executor_overhead, mean_stage_devices
 
     plan = plan_or_built_in(plan) if isinstance(plan, (str, Path)) else plan
@@ -1126,7 +1126,7 @@ def simulate_plan(cap: Capture | str | None, plan: Any, *, cluster: Any = "A", m
         section = plan.pipeline
         overhead = executor_overhead(cluster, chosen, section.n_stages * section.repeats, section.microbatches,
                                      section.schedule, pass_buffers(cap) if cap is not None else 0.0,
-                                     mean_stage_devices(section.stages))
+                                     mean_stage_devices(section.stages), state_leaves(cap) if cap is not None else 0.0)
     if category is PlanCategory.PIPELINE:
         from hlomap.tasks.placement.place import estimate_pipeline_plan, lockstep_pipeline_seconds
 

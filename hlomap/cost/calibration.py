@@ -714,6 +714,45 @@ def _three_term_fit(samples: Sequence[ExecutorSample]) -> ExecutorFit:
     return ExecutorFit(Fit(terms[0], math.inf if terms[1] <= 0 else 1.0 / terms[1]), terms[2])
 
 
+@dataclass(frozen=True)
+class HandBackSample:
+    """The spmd executor handing a step's state back as the user's pytrees, timed on its own
+    (`hlomap.run.calibrate`): `leaves` arrays, each sliced out of the executor's rows onto the
+    `stage_devices` devices of its stage, took `seconds`."""
+
+    leaves: float
+    stage_devices: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.leaves) and self.leaves >= 1):
+            raise CalibrationError(f"hand-back sample: leaves = {self.leaves!r} must be >= 1")
+        if not (math.isfinite(self.stage_devices) and self.stage_devices >= 1):
+            raise CalibrationError(f"hand-back sample: stage_devices = {self.stage_devices!r} must be >= 1")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise CalibrationError(f"hand-back sample: seconds = {self.seconds!r} must be finite and positive")
+
+    @property
+    def buffers(self) -> float:
+        """One buffer per leaf and device of its stage."""
+        return self.leaves * self.stage_devices
+
+    def to_json(self) -> dict[str, Any]:
+        return {"leaves": self.leaves, "stage_devices": self.stage_devices, "seconds": self.seconds}
+
+
+def fit_hand_back(samples: Iterable[HandBackSample]) -> float:
+    """Seconds per buffer of the spmd executor's hand-back (`HandBackSample.buffers`): the slope
+    of a least-squares line through the samples (its intercept, a cost per call whatever the
+    state, is already in the executor's fixed cost, timed on a model of few leaves); 0 where
+    fewer than two buffer counts were timed or the slope comes out negative."""
+    samples = list(samples)
+    if len({s.buffers for s in samples}) < 2:
+        return 0.0
+    slope = float(np.polyfit([s.buffers for s in samples], [s.seconds for s in samples], 1)[0])
+    return max(0.0, slope)
+
+
 def fit_executors(samples: Iterable[ExecutorSample]) -> dict[str, Fit]:
     """`fixed + per_unit x units` per executor (`fit_executor_terms`, without the per-buffer term)."""
     return {name: fit.step for name, fit in fit_executor_terms(samples).items()}
@@ -734,7 +773,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 7: convolutions whose window reaches past their input timed too (`OVERSIZED_CONVOLUTION`).
 #: 8: the cluster of host CPU devices records the cores they share (`MeasuredCosts.cores`).
 #: 9: the compute samples are the median of interleaved passes (`hlomap.verify.devices`).
-CLUSTER_VERSION = 9
+#: 10: the spmd executor's hand-back of the state timed on its own (`HandBackSample`).
+CLUSTER_VERSION = 10
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).
@@ -761,6 +801,7 @@ class ClusterCalibration:
     measured_at: str = ""
     wall_seconds: float = 0.0
     executors: tuple[ExecutorSample, ...] = ()
+    hand_backs: tuple[HandBackSample, ...] = ()
     load_average: tuple[float, ...] = ()  # the 1-minute load average when it started and when it ended
     cores: int = 0  # the host's CPU cores (what a load average is measured against)
 
@@ -768,6 +809,7 @@ class ClusterCalibration:
         object.__setattr__(self, "kernels", tuple(self.kernels))
         object.__setattr__(self, "comm", tuple(self.comm))
         object.__setattr__(self, "executors", tuple(self.executors))
+        object.__setattr__(self, "hand_backs", tuple(self.hand_backs))
         if self.n_devices < 1:
             raise CalibrationError(f"n_devices = {self.n_devices!r} must be >= 1")
         if not (math.isfinite(self.memory_bytes) and self.memory_bytes > 0):
@@ -847,6 +889,8 @@ class ClusterCalibration:
             out[f"{name} executor per unit s"] = executor.step.seconds_per_byte
             if executor.per_buffer:
                 out[f"{name} executor per buffer s"] = executor.per_buffer
+        if self.hand_backs:
+            out["spmd executor hand-back per buffer s"] = fit_hand_back(self.hand_backs)
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -862,7 +906,8 @@ class ClusterCalibration:
                      "comm": [f.to_json() for f in self.comm_fits],
                      "executors": {name: f.to_json() for name, f in self.executor_fits.items()}},
             "samples": {"kernels": [m.to_json() for m in self.kernels], "comm": [s.to_json() for s in self.comm],
-                        "executors": [s.to_json() for s in self.executors]},
+                        "executors": [s.to_json() for s in self.executors],
+                        "hand_backs": [s.to_json() for s in self.hand_backs]},
         }
 
     @classmethod
@@ -886,6 +931,8 @@ class ClusterCalibration:
                      for i, s in enumerate(_sample_list(samples, "comm", where)))
         executors = tuple(_executor_sample(s, f"{where}.samples.executors[{i}]")
                           for i, s in enumerate(_sample_list(samples, "executors", where)))
+        hand_backs = tuple(_hand_back_sample(s, f"{where}.samples.hand_backs[{i}]")
+                           for i, s in enumerate(_sample_list(samples, "hand_backs", where)))
         loads = data.get("load_average", ())
         if not isinstance(loads, Sequence) or isinstance(loads, str):
             raise CalibrationError(f"{where}.load_average: expected a list of numbers, got {loads!r}")
@@ -898,6 +945,7 @@ class ClusterCalibration:
             hlomap_version=_string(data.get("hlomap_version", ""), f"{where}.hlomap_version"),
             measured_at=_string(data.get("measured_at", ""), f"{where}.measured_at"),
             wall_seconds=_number(data.get("wall_seconds", 0.0), f"{where}.wall_seconds"), executors=executors,
+            hand_backs=hand_backs,
             load_average=tuple(_number(x, f"{where}.load_average[{i}]") for i, x in enumerate(loads)),
             cores=_whole(data.get("cores", 0), f"{where}.cores")))
 
@@ -956,6 +1004,14 @@ def _executor_sample(data: Any, where: str) -> ExecutorSample:
         _number(_field(data, "seconds", where), f"{where}.seconds"),
         _number(data.get("buffers", 0.0), f"{where}.buffers"),
         _number(data.get("stage_devices", 1.0), f"{where}.stage_devices")))
+
+
+def _hand_back_sample(data: Any, where: str) -> HandBackSample:
+    """One hand-back sample of a cluster file, each field checked by name."""
+    if not isinstance(data, Mapping):
+        raise CalibrationError(f"{where}: expected an object, got {data!r}")
+    return _built(where, lambda: HandBackSample(*(_number(_field(data, key, where), f"{where}.{key}")
+                                                  for key in ("leaves", "stage_devices", "seconds"))))
 
 
 def _link_fit(fits: Sequence[CommFit]) -> CommFit | None:
@@ -1018,9 +1074,19 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
                        solo_speedup=calibration.solo_speedup, n_devices=n,
                        kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED),
                        combined_operands=_per_count_by_group(fits, COMBINED),
-                       executor_buffers={name: fit.per_buffer for name, fit in executors.items() if fit.per_buffer},
+                       executor_buffers=_executor_buffers(executors, fit_hand_back(calibration.hand_backs)),
                        cores=calibration.cores if calibration.backend == "cpu" else 0)
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
+
+
+def _executor_buffers(executors: Mapping[str, ExecutorFit], hand_back: float) -> dict[str, float]:
+    """Each executor's cost per buffer it hands the host (`MeasuredCosts.executor_buffers`): the
+    mpmd executor's fitted from its steps on models of two buffer counts, the spmd executor's
+    from its hand-back of the state (`fit_hand_back`); none where not timed."""
+    out = {name: fit.per_buffer for name, fit in executors.items() if fit.per_buffer}
+    if hand_back:
+        out["spmd"] = hand_back
+    return out
 
 
 def _per_count(fits: Sequence[CommFit], kind: str) -> float:

@@ -24,10 +24,13 @@ model uses it instead of the links wherever a cluster carries one:
   them as latency = fixed and bandwidth = 1 / per_unit; an executor not timed costs a dispatch
   per program it launches (`dispatch_programs`), plus `executor_buffers`, what each buffer
   its programs take or return costs the host (seconds per buffer and device of its stage, an
-  array holding one buffer per device): the mpmd executor hands
+  array holding one buffer per device; `executor_moved`): the mpmd executor hands
   every stage program its parameters and residuals, M x `hlomap.cost.estimate.pass_buffers` of
   them per step, each costing the host time on every call (on 8 CPU devices a step of
-  resnet50-tiny's three one-device stages spent about 30 ms of its 55 ms there);
+  resnet50-tiny's three one-device stages spent about 30 ms of its 55 ms there); the spmd
+  executor slices every leaf of the state out of its rows after each step
+  (`hlomap.cost.estimate.state_leaves`: gpt-tiny's 109 took 7.6 ms on two stages of four CPU
+  devices);
 - `solo_speedup` is how much faster one device computes alone than while all of the cluster's
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
@@ -75,6 +78,18 @@ def executor_units(executor: str, stages: int, microbatches: int) -> int:
         return stages * microbatches
     if executor == "spmd":
         return microbatches + stages - 1
+    raise MeasuredCostsError(f"executor {executor!r}: expected one of {sorted(EXECUTORS)}")
+
+
+def executor_moved(executor: str, microbatches: int, pass_buffers: float, state_leaves: float) -> float:
+    """Buffers an executor's step hands the host, per device of a stage: the mpmd executor M x
+    its passes' buffers (each stage program takes its parameters and residuals and returns their
+    gradients, `hlomap.cost.estimate.pass_buffers`), the spmd executor the state's leaves, which
+    it slices out of its rows after every step (`hlomap.cost.estimate.state_leaves`)."""
+    if executor == "mpmd":
+        return microbatches * pass_buffers
+    if executor == "spmd":
+        return state_leaves
     raise MeasuredCostsError(f"executor {executor!r}: expected one of {sorted(EXECUTORS)}")
 
 
@@ -168,16 +183,19 @@ class MeasuredCosts:
         return spare_threads(self.cores, busy)
 
     def executor_seconds(self, executor: str, stages: int, microbatches: int, buffers: float = 0.0,
-                         stage_devices: float = 1.0) -> float:
+                         stage_devices: float = 1.0, state_leaves: float = 0.0) -> float:
         """The executor's own seconds per step for S stages and M microbatches of a model whose
-        passes move `buffers` per microbatch (`hlomap.cost.estimate.pass_buffers`) on stages of
-        `stage_devices` devices on average: its fit plus M x buffers x stage devices x its cost
-        per buffer and device (an array spans one buffer per device of its stage), or where it
-        was not timed (a calibration of one device before this version timed none) one dispatch
-        per program it launches, so that a pipeline never looks cheaper to launch than the one
-        program of an SPMD step (`dispatch_programs`)."""
+        passes move `buffers` per microbatch (`hlomap.cost.estimate.pass_buffers`) and whose
+        state has `state_leaves` arrays (`hlomap.cost.estimate.state_leaves`), on stages of
+        `stage_devices` devices on average: its fit plus the buffers its step hands the host
+        (`executor_moved`) x stage devices x its cost per buffer and device (an array spans one
+        buffer per device of its stage), or where it was not timed (a calibration of one device
+        before this version timed none) one dispatch per program it launches, so that a
+        pipeline never looks cheaper to launch than the one program of an SPMD step
+        (`dispatch_programs`)."""
         fit = self.executors.get(executor)
-        moved = microbatches * buffers * stage_devices * self.executor_buffers.get(executor, 0.0)
+        moved = (executor_moved(executor, microbatches, buffers, state_leaves) * stage_devices
+                 * self.executor_buffers.get(executor, 0.0))
         if fit is not None:
             return fit.seconds(executor_units(executor, stages, microbatches)) + moved
         return self.dispatch_seconds * dispatch_programs(executor, stages, microbatches) + moved

@@ -74,6 +74,9 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
             unit = "stage x microbatch" if name == "mpmd" else "tick (M + S - 1)"
             overheads.add_row(f"{name} pipeline executor (per {unit})", human_seconds(fit.latency),
                               human_seconds(fit.seconds_per_byte))
+        for name, seconds in measured.executor_buffers.items():
+            what = "buffer its passes move" if name == "mpmd" else "state leaf it hands back"
+            overheads.add_row(f"{name} pipeline executor (per {what}, per device)", "", human_seconds(seconds))
         overheads.add_row("one device alone vs all busy", f"{measured.solo_speedup:.2f}x faster", "")
     links = (f"cluster {cluster.name!r}: {cluster.n_devices} device(s) of {human_bytes(device.memory_bytes)}"
              + (f", links {human_seconds(float(cluster.latency[0, 1]))} + bytes / "

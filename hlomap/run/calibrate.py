@@ -9,7 +9,10 @@ with next to no compute (a chain of `TINY_LAYERS` 8x8 matmuls), over a few stage
 counts, and fitted as `fixed + per_unit x units` per executor (`executor_units`): the term
 `hlomap.cost.pipeline.costs.executor_overhead` adds to a pipeline's price. The mpmd executor is
 timed again on the same model with `MANY_BUFFER_LEAVES` more parameters per layer, so that its fit
-also separates what each buffer its passes move costs (`hlomap.cost.estimate.pass_buffers`).
+also separates what each buffer its passes move costs (`hlomap.cost.estimate.pass_buffers`). The
+spmd executor keeps the state packed in rows and slices every leaf out again after each step (the
+user's pytrees it returns); that hand-back is timed on its own on both models
+(`HandBackSample`), because the many-leaf model's step also runs a kernel per leaf in every tick.
 
 It lives in `run` because it runs the executors; `hlomap.api.calibrate` calls it beside the
 device microbenchmarks of `hlomap.verify.devices`.
@@ -21,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from hlomap.cost.calibration import ExecutorSample
+from hlomap.cost.calibration import ExecutorSample, HandBackSample
 from hlomap.run.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -42,11 +45,13 @@ MANY_BUFFER_LEAVES = 16
 @dataclass(frozen=True)
 class ExecutorBench:
     """Which (stages, microbatches) to time, how many timed calls each sample is the median of,
-    and the shapes the mpmd executor is timed at again on the many-buffer variant."""
+    the shapes the mpmd executor is timed at again on the many-buffer variant, and the stages the
+    spmd executor's hand-back is timed on (both variants; none: not timed)."""
 
     shapes: tuple[tuple[int, int], ...]
     repeats: int
     many_buffer_shapes: tuple[tuple[int, int], ...] = ()
+    hand_back_stages: int = 0
     # each sample is timed in this many interleaved passes and keeps the median of them
     # (`hlomap.verify.devices.interleaved_passes`): two calibrations back to back fitted the spmd
     # executor's cost per tick at 0.50 and 0.90 ms from one pass each
@@ -54,14 +59,16 @@ class ExecutorBench:
 
 
 DEFAULT_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 4), (4, 4)), repeats=10,
-                                       many_buffer_shapes=((2, 1), (2, 4)))
-QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3, many_buffer_shapes=((2, 2),), passes=1)
+                                       many_buffer_shapes=((2, 1), (2, 4)), hand_back_stages=2)
+QUICK_EXECUTOR_BENCH = ExecutorBench(shapes=((2, 1), (2, 2)), repeats=3, many_buffer_shapes=((2, 2),), passes=1,
+                                     hand_back_stages=2)
 #: One device runs pipelines too (a joint plan of one stage and several microbatches): the
 #: executor's cost per microbatch is what keeps such a plan from looking free (on an H200 a
 #: one-stage plan of 256 microbatches, priced without it at 0.24 ms, ran in 141 ms).
-ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 8)), repeats=10, many_buffer_shapes=((1, 4),))
+ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 8)), repeats=10, many_buffer_shapes=((1, 4),),
+                                          hand_back_stages=1)
 QUICK_ONE_DEVICE_EXECUTOR_BENCH = ExecutorBench(shapes=((1, 2), (1, 4)), repeats=3, many_buffer_shapes=((1, 2),),
-                                                 passes=1)
+                                                 passes=1, hand_back_stages=1)
 
 
 def _tiny_step(extra_leaves: int = 0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -92,7 +99,7 @@ def _tiny_step(extra_leaves: int = 0) -> tuple[Callable[..., Any], tuple[Any, ..
     return step, (params, optimizer.init(params), jnp.ones((TINY_BATCH, TINY_WIDTH)))
 
 
-ExecutorTask = tuple[str, Callable[[], ExecutorSample | None]]
+ExecutorTask = tuple[str, Callable[[], ExecutorSample | HandBackSample | None]]
 
 
 def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: ExecutorBench | None = None,
@@ -113,7 +120,7 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
     prepared: dict[int, dict[str, Any]] = {}
 
     def probe(executor: str, schedule: str, stages: int, microbatches: int, label: str,
-              extra_leaves: int = 0) -> Probe[ExecutorSample] | None:
+              extra_leaves: int = 0, hand_back: bool = False) -> Probe[Any] | None:
         import jax
 
         from hlomap.cost.pipeline.costs import mean_stage_devices
@@ -123,7 +130,8 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
 
         if extra_leaves not in prepared:
             prepared[extra_leaves] = _prepared_tiny_step(extra_leaves)
-        step, cap, host, buffers = (prepared[extra_leaves][k] for k in ("step", "cap", "host", "buffers"))
+        step, cap, host, buffers, leaves = (prepared[extra_leaves][k]
+                                            for k in ("step", "cap", "host", "buffers", "leaves"))
         try:
             plan = explore_pipeline_plan(cap, cluster=f"uniform:{count}", agent="dp", stages=stages,
                                          microbatches=microbatches, schedule=schedule)
@@ -134,6 +142,15 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
             log.info("calibrate: %s left out (%s)", label, err)
             return None
         stage_devices = mean_stage_devices(plan.pipeline.stages)
+        if hand_back:
+            # `place` on the state the last call returned: the rows it came from, sliced out again
+            state = list(run()[:2])
+
+            def hand_back_once() -> Any:
+                state[:] = parallel.place(*state)
+                return jax.block_until_ready(state)
+
+            return Probe(hand_back_once, lambda seconds: HandBackSample(float(leaves), stage_devices, seconds))
         return Probe(lambda: jax.block_until_ready(run()), lambda seconds: ExecutorSample(
             executor, stages, microbatches, seconds, float(buffers), stage_devices))
 
@@ -150,6 +167,13 @@ def executor_tasks(devices: Sequence[Any], *, quick: bool = False, bench: Execut
         label = f"mpmd executor {stages}x{microbatches}, {MANY_BUFFER_LEAVES} more parameters per layer"
         probes.append((label, lambda n=stages, m=microbatches, lb=label: probe("mpmd", "1f1b", n, m, lb,
                                                                                MANY_BUFFER_LEAVES)))
+    if 1 <= bench.hand_back_stages <= count:
+        for extra in (0, MANY_BUFFER_LEAVES):
+            stages_label = "1 stage" if bench.hand_back_stages == 1 else f"{bench.hand_back_stages} stages"
+            label = f"spmd executor's hand-back of the state over {stages_label}" + (
+                f", {extra} more parameters per layer" if extra else "")
+            probes.append((label, lambda x=extra, lb=label: probe("spmd", "gpipe", bench.hand_back_stages, 1, lb, x,
+                                                                 hand_back=True)))
     return interleaved_passes(probes, bench.passes, bench.repeats, median_seconds)
 
 
@@ -157,12 +181,13 @@ def _prepared_tiny_step(extra_leaves: int = 0) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from hlomap.cost.estimate import pass_buffers
+    from hlomap.cost.estimate import pass_buffers, state_leaves
     from hlomap.hlo.capture import capture
 
     step, example = _tiny_step(extra_leaves)
     cap = capture(step, *example)
-    return {"step": step, "cap": cap, "host": jax.tree.map(np.asarray, example), "buffers": pass_buffers(cap)}
+    return {"step": step, "cap": cap, "host": jax.tree.map(np.asarray, example), "buffers": pass_buffers(cap),
+            "leaves": state_leaves(cap)}
 
 
 def measure_present_devices(devices: int | None = None, *, quick: bool = False,

@@ -37,6 +37,7 @@ from hlomap.cost.calibration import (
     ClusterCalibration,
     CommSample,
     ExecutorSample,
+    HandBackSample,
     Measurement,
 )
 from hlomap.cost.collectives import Collective
@@ -536,6 +537,7 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
     kernels: list[Measurement] = []
     comm: list[CommSample] = []
     executors: list[ExecutorSample] = []
+    hand_backs: list[HandBackSample] = []
     load_before = load_average()[0]
     start = time.perf_counter()
     for i, (label, measure) in enumerate(tasks):
@@ -546,6 +548,8 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
             comm.append(sample)
         elif isinstance(sample, ExecutorSample):
             executors.append(sample)
+        elif isinstance(sample, HandBackSample):
+            hand_backs.append(sample)
         if sample is not None:
             log.debug("%s: %.3g s", label, sample.seconds)
         if on_progress is not None:
@@ -555,5 +559,5 @@ def measure_devices(devices: int | None = None, *, quick: bool = False, plan: Be
         memory_bytes=_memory_bytes(chosen[0], count), kernels=tuple(kernels), comm=tuple(comm),
         jax_version=jax.__version__, hlomap_version=hlomap_version(),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        wall_seconds=time.perf_counter() - start, executors=tuple(executors),
+        wall_seconds=time.perf_counter() - start, executors=tuple(executors), hand_backs=tuple(hand_backs),
         load_average=(load_before, load_average()[0]), cores=os.cpu_count() or 0)

@@ -167,7 +167,27 @@ def test_calibration_json_round_trips_through_load_cluster(tmp_path: Path) -> No
     assert kept["figures"] == pytest.approx(cal.figures())
 
 
+def test_the_spmd_hand_back_is_fitted_into_the_cluster_and_kept_through_json() -> None:
+    """The spmd executor's hand-back samples give its cost per buffer (the slope over the
+    buffers, `fit_hand_back`), beside the mpmd executor's from its steps; a calibration file of
+    version 9 has none and prices no such cost."""
+    import dataclasses
+
+    from hlomap.cost.calibration import HandBackSample
+
+    hand_backs = (HandBackSample(8.0, 4.0, 1e-3 + 8 * 4 * 16e-6), HandBackSample(136.0, 4.0, 1e-3 + 136 * 4 * 16e-6))
+    cal = dataclasses.replace(_calibration(), hand_backs=hand_backs)
+    assert calibrated_cluster(cal).measured.executor_buffers == {"spmd": pytest.approx(16e-6)}
+    assert cal.figures()["spmd executor hand-back per buffer s"] == pytest.approx(16e-6)
+    kept = calibrated_cluster_json(cal)[CLUSTER_CALIBRATION_KEY]
+    again = ClusterCalibration.from_json(kept)
+    assert again.hand_backs == hand_backs and calibrated_cluster(again) == calibrated_cluster(cal)
+    del kept["samples"]["hand_backs"]
+    assert calibrated_cluster(ClusterCalibration.from_json(kept)).measured.executor_buffers == {}
+
+
 @pytest.mark.parametrize("path, value, message", [
+    (("samples", "hand_backs", 0, "leaves"), "x", r"calibration\.samples\.hand_backs\[0\]\.leaves: expected a number"),
     (("samples", "comm", 0, "bytes"), "x", r"calibration\.samples\.comm\[0\]\.bytes: expected a number, got 'x'"),
     (("samples", "comm", 1, "kind"), "psum", r"calibration\.samples\.comm\[1\]: sample kind 'psum'"),
     (("samples", "comm", 1, "group"), 0, r"calibration\.samples\.comm\[1\]: .*group = 0 must be >= 1"),
@@ -178,7 +198,12 @@ def test_calibration_json_round_trips_through_load_cluster(tmp_path: Path) -> No
     (("samples", "comm"), {}, r"calibration\.samples\.comm: expected a list of samples, got dict"),
 ])
 def test_a_broken_field_of_a_saved_calibration_is_named(path: tuple[Any, ...], value: Any, message: str) -> None:
-    kept = calibrated_cluster_json(_calibration())[CLUSTER_CALIBRATION_KEY]
+    import dataclasses
+
+    from hlomap.cost.calibration import HandBackSample
+
+    calibration = dataclasses.replace(_calibration(), hand_backs=(HandBackSample(8.0, 4.0, 1e-3),))
+    kept = calibrated_cluster_json(calibration)[CLUSTER_CALIBRATION_KEY]
     target = kept
     for key in path[:-1]:
         target = target[key]

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from hlomap.cost.calibration import (
+    CalibrationError,
     ExecutorSample,
     Measurement,
     calibrated_cluster,
@@ -136,6 +137,43 @@ def test_fit_executor_terms_separates_the_cost_per_buffer_from_the_cost_per_pass
     # a term the samples make negative is dropped and the rest refitted (never below zero)
     flat = [ExecutorSample("mpmd", 2, m, 1e-3 + 1e-3 * m, b) for m, b in ((1, 10.0), (4, 1000.0), (2, 500.0))]
     assert fit_executor_terms(flat)["mpmd"].per_buffer >= 0.0
+
+
+def test_the_spmd_executor_pays_for_each_state_leaf_it_hands_back() -> None:
+    """The spmd executor slices every leaf of the state out of its rows after each step, one
+    buffer per device of the leaf's stage, whatever the microbatches: its cost per buffer is the
+    slope of the hand-back timed on models of two state sizes."""
+    from hlomap.cost.calibration import HandBackSample, fit_hand_back
+    from hlomap.cost.measured import executor_moved
+
+    samples = [HandBackSample(leaves, 4.0, 0.5e-3 + 15e-6 * leaves * 4) for leaves in (8.0, 136.0)]
+    assert fit_hand_back(samples) == pytest.approx(15e-6)
+    assert fit_hand_back(samples[:1]) == 0.0  # one size: no slope to fit
+    assert fit_hand_back([HandBackSample(8.0, 4.0, 2e-3), HandBackSample(136.0, 4.0, 1e-3)]) == 0.0  # never negative
+    with pytest.raises(CalibrationError, match="leaves"):
+        HandBackSample(0.0, 4.0, 1e-3)
+    # the pass buffers are the mpmd executor's size, the state leaves the spmd one's
+    assert executor_moved("spmd", 4, 900.0, 136.0) == 136.0
+    assert executor_moved("mpmd", 4, 900.0, 136.0) == 3600.0
+
+    cluster = _cluster(dataclasses.replace(TABLE, executor_buffers={"spmd": 15e-6}))
+    priced = executor_overhead(cluster, "spmd", 2, 4, buffers=900.0, stage_devices=4.0, state_leaves=109.0)
+    assert priced == pytest.approx(5e-3 + 5 * 0.5e-3 + 109 * 4 * 15e-6)
+    # four stages of two devices: half the buffers (gpt-tiny's 109 leaves took 7.6 ms and 3.9 ms)
+    assert executor_overhead(cluster, "spmd", 4, 4, stage_devices=2.0, state_leaves=109.0) == pytest.approx(
+        5e-3 + 7 * 0.5e-3 + 109 * 2 * 15e-6)
+
+
+def test_state_leaves_count_the_parameters_and_optimizer_state(cap_of) -> None:
+    """The oracle: the leaves of the zoo steps' own parameter and optimizer-state pytrees."""
+    import jax
+
+    from hlomap import zoo
+    from hlomap.cost.estimate import state_leaves
+
+    for name in ("gpt-tiny", "haiku-mlp"):
+        params, opt_state, _ = zoo.get(name).example_args(0)
+        assert state_leaves(cap_of(name)) == len(jax.tree.leaves(params)) + len(jax.tree.leaves(opt_state)), name
 
 
 def test_pass_buffers_follow_jaxs_residuals(cap_of) -> None:

@@ -156,17 +156,24 @@ def test_one_device_times_its_pipeline_executors_on_one_stage() -> None:
     The samples are real runs of the near-empty model; their values are not asserted."""
     import jax
 
-    from hlomap.cost.calibration import fit_executors
+    from hlomap.cost.calibration import HandBackSample, fit_executors
     from hlomap.run.calibrate import executor_tasks
 
     tasks = executor_tasks(jax.devices()[:1], quick=True, median_seconds=lambda call, repeats: (call(), 1e-3)[1])
     assert [label for label, _ in tasks] == ["spmd executor 1x2", "mpmd executor 1x2", "spmd executor 1x4",
                                              "mpmd executor 1x4",
-                                             "mpmd executor 1x2, 16 more parameters per layer"]
-    samples = [sample for _, measure in tasks if (sample := measure()) is not None]
+                                             "mpmd executor 1x2, 16 more parameters per layer",
+                                             "spmd executor's hand-back of the state over 1 stage",
+                                             "spmd executor's hand-back of the state over 1 stage, 16 more parameters "
+                                             "per layer"]
+    measured = [sample for _, measure in tasks if (sample := measure()) is not None]
+    samples = [s for s in measured if not isinstance(s, HandBackSample)]
     assert {(s.executor, s.stages, s.microbatches) for s in samples} >= {("mpmd", 1, 2), ("mpmd", 1, 4)}
     assert "mpmd" in fit_executors(samples)
     # the many-buffer variant moves more buffers per microbatch, counted as the model counts them
     counts = sorted({s.buffers for s in samples if s.executor == "mpmd"})
     assert len(counts) == 2 and counts[1] > 5 * counts[0]
     assert all(s.stage_devices == 1.0 for s in samples)
+    # the hand-back of the state timed on both models: 8 weights, then 8 + 8 x 16 (SGD keeps none)
+    hand_backs = [s for s in measured if isinstance(s, HandBackSample)]
+    assert sorted(s.leaves for s in hand_backs) == [8.0, 136.0] and {s.stage_devices for s in hand_backs} == {1.0}

@@ -63,7 +63,7 @@ import numpy as np
 
 from hlomap.cost.compute import CostCache, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec, device_preset
-from hlomap.cost.estimate import pass_buffers
+from hlomap.cost.estimate import pass_buffers, state_leaves
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
 from hlomap.hlo.graph import topological_order
 from hlomap.hlo.ir import Computation, Instruction
@@ -470,6 +470,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
         backward_sync_bytes=sync_bytes[1],
         gradient_buffers=gradient_buffers,
         pass_buffers=float(pass_buffers(cap)),
+        state_leaves=float(state_leaves(cap)),
     )
     live.setflags(write=False)
     tables = source_tables(module)

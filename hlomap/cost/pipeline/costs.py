@@ -239,18 +239,22 @@ def mean_stage_devices(stages: Sequence[Any]) -> float:
 
 
 def executor_overhead(cluster: Cluster, executor: str, stages: int, microbatches: int,
-                      schedule: Schedule | None = None, buffers: float = 0.0, stage_devices: float = 1.0) -> float:
+                      schedule: Schedule | None = None, buffers: float = 0.0, stage_devices: float = 1.0,
+                      state_leaves: float = 0.0) -> float:
     """Seconds per step the pipeline executor itself costs (dispatches, its loop, device_puts,
     the buffers its programs take and return: `buffers` per microbatch,
-    `hlomap.cost.estimate.pass_buffers`, on stages of `stage_devices` devices on average, `mean_stage_devices`) on a
-    cluster that measured it (`Cluster.measured`, `hlomap.cost.measured`), for a plan run under
-    `schedule` (ZB-H1 launches a third program per stage and microbatch: `PROGRAM_SHARE`); 0 on
-    a datasheet cluster. Added to L: on a host that runs the executor and the devices on the
-    same cores, the executor's work does not hide behind the stages'."""
+    `hlomap.cost.estimate.pass_buffers`, and the `state_leaves` the spmd executor slices out
+    after each step, `hlomap.cost.estimate.state_leaves`, on stages of `stage_devices` devices
+    on average, `mean_stage_devices`) on a cluster that measured it (`Cluster.measured`,
+    `hlomap.cost.measured`), for a plan run under `schedule` (ZB-H1 launches a third program per
+    stage and microbatch: `PROGRAM_SHARE`); 0 on a datasheet cluster. Added to L: on a host that
+    runs the executor and the devices on the same cores, the executor's work does not hide behind
+    the stages'."""
     if cluster.measured is None:
         return 0.0
     share = PROGRAM_SHARE.get(schedule, 1.0) if schedule is not None else 1.0
-    return cluster.measured.executor_seconds(executor, stages, microbatches, buffers, stage_devices) * share
+    return cluster.measured.executor_seconds(executor, stages, microbatches, buffers, stage_devices,
+                                             state_leaves) * share
 
 
 def stage_passes(profile: PipelineProfile, cluster: Cluster | None, stage: Stage, *,

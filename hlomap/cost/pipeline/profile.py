@@ -116,6 +116,9 @@ class PipelineProfile:
       pass_buffers: buffers the mpmd executor's passes move per microbatch, all stages together
         (`hlomap.cost.estimate.pass_buffers`; 0 when unknown): the step's, whatever the cuts,
         which the executor's cost on a measured cluster grows with (`costs.executor_overhead`).
+      state_leaves: arrays of the step's state the spmd executor hands back after every step
+        (`hlomap.cost.estimate.state_leaves`; 0 when unknown), which its cost on a measured
+        cluster grows with, like the mpmd executor's with `pass_buffers`.
     """
 
     names: tuple[str, ...]
@@ -134,12 +137,14 @@ class PipelineProfile:
     backward_sync_bytes: np.ndarray | None = None
     gradient_buffers: np.ndarray | None = None
     pass_buffers: float = 0.0
+    state_leaves: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
-        if not (math.isfinite(self.pass_buffers) and self.pass_buffers >= 0):
-            raise ValueError(f"{self.source}: PipelineProfile.pass_buffers = {self.pass_buffers!r} is not a "
-                             "finite value >= 0")
+        for name in ("pass_buffers", "state_leaves"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{self.source}: PipelineProfile.{name} = {value!r} is not a finite value >= 0")
         if not (math.isfinite(self.update_seconds_per_byte) and self.update_seconds_per_byte >= 0):
             raise ValueError(f"{self.source}: PipelineProfile.update_seconds_per_byte = "
                              f"{self.update_seconds_per_byte!r} is not a finite value >= 0")
@@ -311,6 +316,7 @@ def scale_batch(profile: PipelineProfile, factor: float) -> PipelineProfile:
         source=profile.source,  # the step it was measured on, which errors name
         update_seconds_per_byte=profile.update_seconds_per_byte,  # once per step, whatever the batch
         pass_buffers=profile.pass_buffers,  # the same leaves whatever the batch
+        state_leaves=profile.state_leaves,
     )
 
 
@@ -350,6 +356,7 @@ def merge_layers(profile: PipelineProfile, pivots: tuple[int, ...] | list[int]) 
         backward_fixed=summed(profile.backward_fixed),
         **{name: summed(values) for name, values in sync_fields(profile).items()},
         pass_buffers=profile.pass_buffers,
+        state_leaves=profile.state_leaves,
     )
 
 

@@ -33,7 +33,7 @@ from hlomap.cost.cluster import Cluster
 from hlomap.cost.collectives import Collective, collective_permute_terms, collective_time
 from hlomap.cost.compute import MATRIX_OPCODES
 from hlomap.cost.estimate import (CollectiveEstimate, InstructionArrays, InstructionEstimate, Reason,
-                                  pass_buffers, per_buffer_seconds, step_arrays)
+                                  pass_buffers, per_buffer_seconds, state_leaves, step_arrays)
 from hlomap.cost.mapping import AxisMapping, axis_devices
 from hlomap.cost.sharding import GraphFacts, ShardedGraph
 from hlomap.cost.zero import state_axes
@@ -302,6 +302,12 @@ class JointModel:
         if "pass buffers" not in self._cache:
             self._cache["pass buffers"] = pass_buffers(self.cap)
         return self._cache["pass buffers"]
+
+    @property
+    def state_leaves(self) -> int:
+        """Arrays of the step's state the spmd executor hands back after each step
+        (`estimate.state_leaves`)."""
+        return state_leaves(self.cap)
 
     @property
     def boundaries(self) -> np.ndarray:

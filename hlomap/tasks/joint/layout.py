@@ -90,7 +90,8 @@ def joint_layout(model: JointModel, plan: JointPlan) -> JointLayout:
         stages.append(MeshStage((("data", option.data), ("model", option.model)), fixed,
                                 _stage_terms(model, stage, m, each), send,
                                 forward_share(a, stage.start, stage.stop)))
-    return JointLayout(tuple(stages), m, plan.schedule, joint_overhead(model.cluster, plan, model.pass_buffers))
+    return JointLayout(tuple(stages), m, plan.schedule,
+                       joint_overhead(model.cluster, plan, model.pass_buffers, model.state_leaves))
 
 
 def priced_on(model: JointModel, plan: JointPlan, devices: Sequence[int]) -> JointCost:

@@ -213,7 +213,7 @@ def evaluate(model: JointModel, plan: JointPlan, *, timeline: bool = False) -> J
             transfers.append(model.transfer_seconds(stage.option, stage.first_device,
                                                     plan.stages[s + 1].first_device, nbytes))
     latency, bottleneck = stage_time_latency(times, shares, transfers, plan.schedule, m, timeline=timeline)
-    overhead = joint_overhead(cluster, plan, model.pass_buffers)
+    overhead = joint_overhead(cluster, plan, model.pass_buffers, model.state_leaves)
     return JointCost(latency + overhead, bottleneck, tuple(times), tuple(transfers), tuple(memory), tuple(capacity),
                      overhead)
 
@@ -253,14 +253,15 @@ def runs_as_spmd(plan: JointPlan) -> bool:
             and plan.stages[0].recompute is Recompute.NONE)
 
 
-def joint_overhead(cluster: Any, plan: JointPlan, buffers: float = 0.0) -> float:
+def joint_overhead(cluster: Any, plan: JointPlan, buffers: float = 0.0, state_leaves: float = 0.0) -> float:
     """What running `plan` costs beyond its stages on a measured cluster: one dispatch for a plan
     that runs as SPMD, else its pipeline executor's cost, the `buffers` its passes move per
-    microbatch included (`JointModel.pass_buffers`)."""
+    microbatch and the `state_leaves` it hands back per step included (`JointModel.pass_buffers`,
+    `JointModel.state_leaves`)."""
     if runs_as_spmd(plan):
         return dispatch_seconds(cluster)
     return executor_overhead(cluster, joint_executor(plan), plan.n_stages, plan.microbatches, plan.schedule,
-                             buffers, mean_stage_devices(plan.stages))
+                             buffers, mean_stage_devices(plan.stages), state_leaves)
 
 
 def joint_executor(plan: JointPlan) -> str:

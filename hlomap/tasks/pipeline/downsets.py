@@ -90,6 +90,7 @@ class LayerDag:
         (their readers must be among the producer's consumers); default: one per layer, its
         output of `output_bytes` read by all its consumers.
       update_seconds_per_byte: as in `PipelineProfile` (the optimizer update per parameter byte).
+      pass_buffers, state_leaves: as in `PipelineProfile` (what the executors' costs grow with).
     """
 
     names: tuple[str, ...]
@@ -109,6 +110,8 @@ class LayerDag:
     forward_sync_bytes: np.ndarray | None = None
     backward_sync_bytes: np.ndarray | None = None
     gradient_buffers: np.ndarray | None = None  # each layer's trainable arrays (`PipelineProfile.gradient_buffers`)
+    pass_buffers: float = 0.0
+    state_leaves: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -218,6 +221,8 @@ class LayerDag:
             forward_fixed=moved(self.forward_fixed),
             backward_fixed=moved(self.backward_fixed),
             **{name: moved(getattr(self, name)) for name in SYNC_FIELDS},
+            pass_buffers=self.pass_buffers,
+            state_leaves=self.state_leaves,
         )
 
     def latest_order(self) -> tuple[int, ...]:
@@ -280,6 +285,8 @@ class LayerDag:
             forward_fixed=ordered(self.forward_fixed),
             backward_fixed=ordered(self.backward_fixed),
             **{name: ordered(getattr(self, name)) for name in SYNC_FIELDS},
+            pass_buffers=self.pass_buffers,  # the step's, whatever the order of its layers
+            state_leaves=self.state_leaves,
         )
 
 

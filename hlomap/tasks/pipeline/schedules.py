@@ -112,7 +112,7 @@ def executor_step_seconds(profile: PipelineProfile, cluster: Cluster, plan: Pipe
         length = simulation.length
     return executor, float(length) + executor_overhead(cluster, executor, plan.n_stages, plan.microbatches,
                                                        plan.schedule, profile.pass_buffers,
-                                                       mean_stage_devices(groups))
+                                                       mean_stage_devices(groups), profile.state_leaves)
 
 
 def schedule_options(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan,

@@ -84,6 +84,8 @@ def step_dag(hlo: StepChain, scale: float = 1.0) -> LayerDag:
         source=profile.source,
         tensors=tuple(DagTensor(p, r, b) for (p, r), b in merged.items()),
         update_seconds_per_byte=profile.update_seconds_per_byte,
+        pass_buffers=profile.pass_buffers,
+        state_leaves=profile.state_leaves,
     )
 
 

@@ -81,6 +81,9 @@ def test_a_captured_step_s_dag_has_the_profile_s_crossing_bytes_and_branches(zoo
     np.testing.assert_allclose(dag.straight.activation_bytes, profile.activation_bytes, rtol=1e-12)
     np.testing.assert_allclose(dag.straight.compute_time, profile.compute_time, rtol=1e-12)
     dag.linearize(dag.latest_order())  # raises unless it is a topological order
+    # what the executors' costs grow with is the step's, whatever the order of its layers
+    for reordered in (dag.straight, dag.linearize(dag.latest_order()), dag.reordered(dag.latest_order()).straight):
+        assert (reordered.pass_buffers, reordered.state_leaves) == (profile.pass_buffers, profile.state_leaves) != (0, 0)
     names = hlo.chain.profile.names
     assert chain_runs(hlo, range(3)) == ((names[0], hlo.pivots[2].instruction),)
     assert chain_runs(hlo, [0, 2]) == ((names[0], hlo.pivots[0].instruction),
