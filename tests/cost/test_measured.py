@@ -276,6 +276,37 @@ def test_pipeline_simulation_adds_its_executor(cap_of) -> None:
         simulate_plan(cap, one_f_one_b, cluster=cluster, executor="spmd")
 
 
+def test_a_pipeline_and_a_joint_plan_on_the_spmd_executor_pay_for_its_hand_back(cap_of) -> None:
+    """Where the calibration timed the spmd executor's hand-back, simulate, the pipeline
+    explorer and the joint model each add the step's state leaves x devices per stage x its cost
+    per buffer, the same figure; the mpmd executor's price does not change."""
+    import hlomap
+    from hlomap.api import simulate_plan
+    from hlomap.cost.estimate import state_leaves
+    from hlomap.cost.pipeline.stages import Schedule
+    from hlomap.tasks.joint.costs import StageOption
+    from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
+
+    cap = cap_of("gpt-tiny")
+    plain, handing = _cluster(), _cluster(dataclasses.replace(TABLE, executor_buffers={"spmd": 10e-6}))
+    plan = hlomap.explore(cap, task="pipeline", cluster=plain, agent="dp", stages=2, microbatches=2, schedule="gpipe")
+    hand_back = state_leaves(cap) * 4 * 10e-6  # two stages of four devices
+    assert state_leaves(cap) == 109
+    for executor, extra in (("spmd", hand_back), ("mpmd", 0.0)):
+        before = simulate_plan(cap, plan, cluster=plain, executor=executor).executor_seconds
+        after = simulate_plan(cap, plan, cluster=handing, executor=executor).executor_seconds
+        assert after - before == pytest.approx(extra), executor
+    explored = [hlomap.api.explore_pipeline_detailed(cap, cluster=c, agent="dp", stages=2, microbatches=2,
+                                                     schedule="gpipe").result for c in (plain, handing)]
+    assert explored[0].plan == explored[1].plan and explored[1].executor == "spmd"
+    assert explored[1].step_seconds - explored[0].step_seconds == pytest.approx(hand_back)
+    model = hlomap.api.explore_auto_detailed(cap, cluster=handing).result.model
+    half = model.n_layers // 2
+    alike = JointPlan((JointStage.of(0, half, 0, StageOption(4, 4, 1)),
+                       JointStage.of(half, model.n_layers, 4, StageOption(4, 4, 1))), 2, Schedule.GPIPE)
+    assert evaluate(model, alike).executor_seconds == pytest.approx(5e-3 + 3 * 0.5e-3 + hand_back)
+
+
 def test_the_joint_cost_includes_its_executor_and_one_stage_runs_as_spmd(cap_of) -> None:
     import hlomap
     from hlomap.cost.pipeline.stages import Schedule

@@ -307,7 +307,9 @@ class JointModel:
     def state_leaves(self) -> int:
         """Arrays of the step's state the spmd executor hands back after each step
         (`estimate.state_leaves`)."""
-        return state_leaves(self.cap)
+        if "state leaves" not in self._cache:
+            self._cache["state leaves"] = state_leaves(self.cap)
+        return self._cache["state leaves"]
 
     @property
     def boundaries(self) -> np.ndarray:
