@@ -42,9 +42,9 @@ from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, INTERLEAVED_CHUNKS, choose_schedule, executor_step_seconds
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
-from hlomap.cost.cluster import Cluster, load_cluster
+from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster
 from hlomap.cost.pipeline.links import group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
+from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 from hlomap.tasks.pipeline.step_dag import chain_runs, solve_step_downsets, step_dag
@@ -367,11 +367,12 @@ def explore_pipeline(
         device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
         used = downsets.profile if downsets is not None and downsets.order is not None else profile
         order = None if downsets is None else downsets.order
-        simulation = simulate(used, cluster, plan, space.cost)
-        executor, step = executor_step_seconds(used, cluster, plan, simulation)
+        priced = paced_profile(used, cluster, plan)
+        simulation = simulate(priced, cluster, plan, space.cost)
+        executor, step = executor_step_seconds(priced, cluster, plan, simulation)
         return PipelineResult(
             source=label, agent=agent, profile=used, plan=plan,
-            cost=evaluate_plan(used, cluster, plan, space.cost),
+            cost=evaluate_plan(priced, cluster, plan, space.cost),
             simulation=simulation, executor=executor, step_seconds=step, cluster=cluster.name,
             cuts=_describe(hlo, used, plan, order), device_cuts=device_cuts, replication=plan.replication,
             device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
@@ -413,8 +414,17 @@ def explore_pipeline(
         # on a downset plan (its profile in another order) only the schedule changes, not the cuts
         cut_profile = downsets.profile if downsets is not None and downsets.plan is not None else profile
         chunks = INTERLEAVED_CHUNKS if cut_profile is profile else ()
-        plan = choose_schedule(cut_profile, cluster, plan, space.cost, chunks=chunks).plan
+        plan = choose_schedule(paced_profile(cut_profile, cluster, plan), cluster, plan, space.cost, chunks=chunks).plan
     return result_of(plan, episodes_run, interrupted, optimum, downsets)
+
+
+def paced_profile(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> PipelineProfile:
+    """`profile` (the cluster's all-busy rate) at the pace of the devices `plan` keeps busy: a
+    plan that leaves devices idle computes faster on devices that share hardware
+    (`hlomap.cost.cluster.busy_speedup`), as `hlomap simulate` prices the saved plan
+    (`hlomap.tasks.placement.place`), so the explorer's figures and the plan file's are that price."""
+    devices = {device for stage in plan.stages for device in stage.devices}
+    return faster_profile(profile, busy_speedup(cluster, len(devices)))
 
 
 @dataclass(frozen=True)
