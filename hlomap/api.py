@@ -276,6 +276,39 @@ def check_agent(task: str, agent: Any) -> None:
         raise OptionError("agent", name, f"the {task} task takes {', '.join(agents)}")
 
 
+#: explore's tasks, and the keywords of the searches each hands its options to: what it reads.
+EXPLORE_TASKS = ("opp", "adp", "hybrid", "pipeline", "auto")
+#: Keywords `explore` takes itself (positional there), not options of a task's search.
+_EXPLORE_OWN = frozenset({"cap", "source", "task", "mesh", "cluster", "agent", "budget_seconds", "seed", "reward"})
+
+
+def task_options(task: str) -> frozenset[str]:
+    """The keyword options `explore(..., task=task, **options)` reads: its search's keywords."""
+    import inspect
+
+    from hlomap.tasks.joint.explore import explore_joint
+    from hlomap.tasks.pipeline.explore import explore_pipeline, explore_pipeline_plan
+    from hlomap.tasks.sharding.problem import explore_sharding
+
+    searches = {"auto": (explore_auto_detailed, explore_joint),
+                "pipeline": (explore_pipeline_plan, explore_pipeline)}.get(task, (explore_sharding,))
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for search in searches for p in inspect.signature(search).parameters.values()
+                     if p.kind in named) - _EXPLORE_OWN
+
+
+def check_task_options(task: str, options: Mapping[str, Any]) -> None:
+    """OptionError for an option `task` does not read, naming the tasks that do (the CLI refuses
+    its flags the same way: `hlomap.cli.explore.TASK_OPTIONS`)."""
+    if task not in EXPLORE_TASKS:
+        return
+    unread = sorted(set(options) - task_options(task))
+    if unread:
+        readers = [t for t in EXPLORE_TASKS if unread[0] in task_options(t)]
+        where = f"an option of {', '.join(readers)}" if readers else "no task reads it"
+        raise OptionError(unread[0], options[unread[0]], f"task {task!r} does not read it ({where})")
+
+
 #: Measured selection's bounds unless told: interleaved rounds at most, and seconds of timing.
 MEASURE_ROUNDS = 10
 MEASURE_BUDGET_SECONDS = 60.0
@@ -334,6 +367,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
                          f"got {type(cap).__name__}")
     name = str(getattr(task, "value", task))
     check_agent(name, agent)
+    check_task_options(name, options)
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
@@ -1249,7 +1283,7 @@ JOINT_SCHEDULES = ("1f1b", "gpipe", "auto")
 
 
 def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b",
-                          microbatches: Sequence[int] | None = None, max_stages: int | None = None,
+                          microbatches: int | Sequence[int] | None = None, max_stages: int | None = None,
                           output: str | Path | None = None, **options: Any) -> JointExploration:
     """`explore_auto`, returning the search's result beside the plan."""
     from hlomap.tasks.joint.costs import step_batch
@@ -1260,6 +1294,7 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
                          f"{', '.join(JOINT_SCHEDULES)} (auto chooses among 1f1b, zb-h1 and gpipe)")
 
     if microbatches is not None:
+        microbatches = _microbatch_counts(microbatches)
         batch = step_batch(cap)
         bad = [m for m in microbatches if m < 1 or batch % m]
         if bad:
@@ -1273,6 +1308,19 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
     if output is not None:
         (refined or plan).save(output)
     return JointExploration(result, refined or plan, plan if refined is not None else None)
+
+
+def _microbatch_counts(microbatches: Any) -> tuple[int, ...]:
+    """The auto task's microbatch counts to consider: one count or several (the pipeline task
+    takes one; the same keyword takes either here)."""
+    counts = (microbatches,) if isinstance(microbatches, int) and not isinstance(microbatches, bool) else microbatches
+    try:
+        counts = tuple(counts)
+    except TypeError:
+        raise OptionError("microbatches", microbatches, "expected a whole number or a list of them") from None
+    if not counts or not all(isinstance(m, int) and not isinstance(m, bool) for m in counts):
+        raise OptionError("microbatches", microbatches, "expected a whole number or a list of them")
+    return counts
 
 
 #: Seconds the auto task's greedy sharding search may take on the mesh of a one-stage pick.

@@ -124,11 +124,28 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(agent="nope"), api.OptionError, "agent='nope': the opp task takes dqn, random, greedy, exact"),
     (dict(task="pipeline", agent="nope"), api.OptionError, "agent='nope': the pipeline task takes dqn, dqn-infer, dp"),
     (dict(cap=42), api.InputError, "explore: expected a Capture (hlomap.capture) or a SOURCE string"),
+    (dict(stages=2), api.OptionError, "stages=2: task 'opp' does not read it (an option of pipeline)"),
+    (dict(task="hybrid", foo=1), api.OptionError, "foo=1: task 'hybrid' does not read it (no task reads it)"),
 ])
 def test_explore_names_a_wrong_argument_before_any_work(arguments: dict[str, Any], error: type, message: str) -> None:
     cap = arguments.pop("cap", "zoo:gpt-tiny")
     with pytest.raises(error, match=re.escape(message)):
         api.explore(cap, budget_evaluations=3, **arguments)
+
+
+def test_explore_s_options_are_those_its_task_reads() -> None:
+    """Python's explore refuses an option its task does not read, as the CLI refuses its flag;
+    the auto task takes one microbatch count as the pipeline task does, or a list of them."""
+    with pytest.raises(api.OptionError, match=re.escape("budget_evaluations=3: task 'pipeline' does not read it (an "
+                                                        "option of opp, adp, hybrid)")):
+        api.explore("zoo:gpt-tiny", task="pipeline", agent="dp", budget_evaluations=3)
+    with pytest.raises(api.OptionError, match=re.escape("microbatches='x': expected a whole number or a list")):
+        api.explore("zoo:gpt-tiny", task="auto", microbatches="x")
+    assert {"stages", "microbatches", "schedule", "downset_states"} <= api.task_options("pipeline")
+    assert {"max_stages", "microbatches", "split_state"} <= api.task_options("auto")
+    assert "stages" not in api.task_options("auto") and "budget_evaluations" in api.task_options("adp")
+    one, listed = (api.explore("zoo:gpt-tiny", task="auto", microbatches=m, max_stages=2).to_json() for m in (4, [4]))
+    assert {k: v for k, v in one.items() if k != "search"} == {k: v for k, v in listed.items() if k != "search"}
 
 
 def test_parallelize_takes_a_plan_file_and_refuses_what_is_not_a_plan(tmp_path: Path) -> None:
@@ -143,6 +160,8 @@ def test_parallelize_takes_a_plan_file_and_refuses_what_is_not_a_plan(tmp_path: 
         hlomap.parallelize(step, {"mesh": {}})
     with pytest.raises(TypeError, match="parallelize: train_step must be the step function, got NoneType"):
         hlomap.parallelize(None, plan)
+    with pytest.raises(FileNotFoundError, match="parallelize: no plan file 'dp' \\(give a path saved by hlomap"):
+        hlomap.parallelize(step, "dp")
 
 
 def test_the_other_cluster_note_names_a_spelling_that_works() -> None:

@@ -61,7 +61,12 @@ def format_joint_result(result: JointResult, *, grid_rows: int = 8, name: str | 
                        human_seconds(cost.stage_seconds[s]),
                        Text(human_bytes(cost.stage_memory[s]), style="red" if over else ""),
                        human_bytes(cost.device_memory[s]))
-    lines = [Text(f"L = {human_seconds(cost.latency)} per step ({latency_method(plan.schedule)}); bottleneck "
+    # L as the schedule prices it, then the executor's own cost where the cluster measured one, so
+    # that the line agrees with the executor line `hlomap simulate` prints under it
+    length = (f"L = {human_seconds(cost.latency - cost.executor_seconds)} per step ({latency_method(plan.schedule)})"
+              + (f" + {human_seconds(cost.executor_seconds)} of the executor's own = {human_seconds(cost.latency)}"
+                 if cost.executor_seconds else ""))
+    lines = [Text(f"{length}; bottleneck "
                   f"{human_seconds(cost.bottleneck)} per microbatch; transfers "
                   + (", ".join(human_seconds(t) for t in cost.transfer_seconds) or "none")),
              Text(f"search: {result.driver}, {result.options} stage options over {model.n_layers} layers, "

@@ -341,6 +341,9 @@ def parallelize(train_step: Callable[..., Any], plan: Any, *, executor: Executor
     if not callable(train_step):
         raise TypeError(f"parallelize: train_step must be the step function, got {type(train_step).__name__}")
     if isinstance(plan, (str, Path)):
+        if not Path(plan).is_file():
+            raise FileNotFoundError(f"parallelize: no plan file {str(plan)!r} (give a path saved by hlomap explore or "
+                                    "Plan.save, or a Plan: hlomap.explore's, Plan.load's, Plan.from_specs')")
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):
         raise TypeError(f"parallelize: plan must be a hlomap.Plan or a plan file's path, got {type(plan).__name__}")

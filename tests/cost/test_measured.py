@@ -358,6 +358,33 @@ def test_the_joint_cost_includes_its_executor_and_one_stage_runs_as_spmd(cap_of)
         assert written.pipeline is not None
 
 
+def test_the_joint_report_s_l_line_separates_the_executor_s_own_cost(cap_of) -> None:
+    """`L` is the schedule's, then the executor's own cost and their sum: the line agrees with
+    the executor line `simulate` prints under it (it printed the sum as the event timeline's)."""
+    import hlomap
+    from rich.console import Console
+
+    from hlomap.cost.pipeline.stages import Schedule
+    from hlomap.report.joint import format_joint_result
+    from hlomap.report.units import human_seconds
+    from hlomap.tasks.joint.costs import StageOption
+    from hlomap.tasks.joint.plans import JointPlan, JointStage, evaluate
+
+    found = hlomap.api.explore_auto_detailed(cap_of("haiku-mlp"), cluster=_cluster()).result
+    model = found.model
+    half = model.n_layers // 2
+    two = JointPlan((JointStage.of(0, half, 0, StageOption(4, 4, 1)),
+                     JointStage.of(half, model.n_layers, 4, StageOption(4, 4, 1))), 2, Schedule.ONE_F_ONE_B)
+    cost = evaluate(model, two)
+    console = Console(record=True, width=300)
+    console.print(format_joint_result(dataclasses.replace(found, plan=two, cost=cost)))
+    line = next(line for line in console.export_text().splitlines() if line.startswith("L = "))
+    assert cost.executor_seconds > 0
+    assert line.startswith(f"L = {human_seconds(cost.latency - cost.executor_seconds)} per step (closed form) + "
+                           f"{human_seconds(cost.executor_seconds)} of the executor's own = "
+                           f"{human_seconds(cost.latency)}; bottleneck")
+
+
 def test_each_buffer_of_the_combined_gradient_all_reduce_adds_its_measured_cost(cap_of) -> None:
     import hlomap
 
