@@ -297,6 +297,33 @@ def task_options(task: str) -> frozenset[str]:
                      if p.kind in named) - _EXPLORE_OWN
 
 
+def check_explore_arguments(task: str, mesh: Any, budget_seconds: Any, seed: Any, reward: Any,
+                            options: Mapping[str, Any]) -> None:
+    """OptionError for an argument of `explore` of the wrong type or value, named as given, before
+    anything is loaded (each reached Python's own TypeError or an enum's ValueError deep inside)."""
+    from hlomap.cost.pipeline.stages import Schedule
+    from hlomap.tasks.sharding.objective import RewardMode
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not (isinstance(mesh, (Mapping, str)) or whole(mesh)):
+        raise OptionError("mesh", mesh, "expected a mapping such as {'data': 2, 'model': 4}, a device count such as "
+                                        "8, or text such as 'data=2,model=4'")
+    if budget_seconds is not None and not (isinstance(budget_seconds, (int, float)) and not isinstance(
+            budget_seconds, bool) and budget_seconds > 0):
+        raise OptionError("budget_seconds", budget_seconds, "expected a number of seconds > 0, or None for no limit")
+    if not whole(seed):
+        raise OptionError("seed", seed, "expected a whole number")
+    rewards = [mode.value for mode in RewardMode]
+    if str(getattr(reward, "value", reward)) not in rewards:
+        raise OptionError("reward", reward, f"expected one of {', '.join(rewards)}")
+    schedule = options.get("schedule")
+    schedules = [s.value for s in Schedule] + ["auto"]
+    if task == "pipeline" and schedule is not None and str(getattr(schedule, "value", schedule)) not in schedules:
+        raise OptionError("schedule", schedule, f"expected one of {', '.join(schedules)}")
+
+
 def check_task_options(task: str, options: Mapping[str, Any]) -> None:
     """OptionError for an option `task` does not read, naming the tasks that do (the CLI refuses
     its flags the same way: `hlomap.cli.explore.TASK_OPTIONS`)."""
@@ -368,6 +395,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     name = str(getattr(task, "value", task))
     check_agent(name, agent)
     check_task_options(name, options)
+    check_explore_arguments(name, mesh, budget_seconds, seed, reward, options)
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)

@@ -98,7 +98,7 @@ def test_every_plan_kind_is_estimated_with_a_step_time(name: str, cluster: str) 
 
 
 @pytest.mark.parametrize("cluster, error, message", [
-    ("Z", "ClusterSpecError", "--cluster 'Z' is neither a preset"),
+    ("Z", "ClusterSpecError", "cluster 'Z' is neither a preset"),
     ("hier:1x4", "MappingError", "mesh {'data': 8} needs 8 devices; cluster 'hier:1x4' has 4"),
 ])
 def test_explore_refuses_a_cluster_it_cannot_price_whatever_the_reward(cluster: str, error: str, message: str) -> None:
@@ -126,6 +126,10 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(cap=42), api.InputError, "explore: expected a Capture (hlomap.capture) or a SOURCE string"),
     (dict(stages=2), api.OptionError, "stages=2: task 'opp' does not read it (an option of pipeline)"),
     (dict(task="hybrid", foo=1), api.OptionError, "foo=1: task 'hybrid' does not read it (no task reads it)"),
+    (dict(mesh=[8]), api.OptionError, "mesh=[8]: expected a mapping such as {'data': 2, 'model': 4}, a device count"),
+    (dict(budget_seconds="10"), api.OptionError, "budget_seconds='10': expected a number of seconds > 0, or None"),
+    (dict(seed="a"), api.OptionError, "seed='a': expected a whole number"),
+    (dict(reward="x"), api.OptionError, "reward='x': expected one of paper, cost"),
 ])
 def test_explore_names_a_wrong_argument_before_any_work(arguments: dict[str, Any], error: type, message: str) -> None:
     cap = arguments.pop("cap", "zoo:gpt-tiny")
@@ -139,6 +143,8 @@ def test_explore_s_options_are_those_its_task_reads() -> None:
     with pytest.raises(api.OptionError, match=re.escape("budget_evaluations=3: task 'pipeline' does not read it (an "
                                                         "option of opp, adp, hybrid)")):
         api.explore("zoo:gpt-tiny", task="pipeline", agent="dp", budget_evaluations=3)
+    with pytest.raises(api.OptionError, match=re.escape("schedule='x': expected one of gpipe, 1f1b, interleaved-1f1b")):
+        api.explore("zoo:gpt-tiny", task="pipeline", agent="dp", schedule="x")
     with pytest.raises(api.OptionError, match=re.escape("microbatches='x': expected a whole number or a list")):
         api.explore("zoo:gpt-tiny", task="auto", microbatches="x")
     assert {"stages", "microbatches", "schedule", "downset_states"} <= api.task_options("pipeline")

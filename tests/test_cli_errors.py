@@ -281,10 +281,10 @@ def _small_plans(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["place", "pipeline-without-profile", "--cluster", "torus:4x0"], "--cluster 'torus:4x0'"),
+    (["place", "pipeline-without-profile", "--cluster", "torus:4x0"], "cluster 'torus:4x0'"),
     (["place", "pipeline-without-profile", "--cluster", "random:sixty-four"], "random:N:SEED"),
     (["place", "pipeline-without-profile", "--cluster", "hier:4"], "NODESxGPUS"),
-    (["simulate", "zoo:gpt-tiny", "--cluster", "torus:9x"], "--cluster 'torus:9x'"),
+    (["simulate", "zoo:gpt-tiny", "--cluster", "torus:9x"], "cluster 'torus:9x'"),
     (["place", "spmd-without-estimate", "--cluster", "torus:2x2"], "no estimate section"),
     (["place", "one-device", "--cluster", "torus:2x2"], "nothing to place"),
     (["place", "pipeline-without-profile", "--cluster", "torus:2x2"], "no block_profile"),

@@ -557,7 +557,7 @@ _SHAPE = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*)*$")
 
 
 def _topology_error(text: str, message: str) -> ClusterSpecError:
-    return ClusterSpecError(f"--cluster {text!r}: {message}")
+    return ClusterSpecError(f"cluster {text!r}: {message}")
 
 
 def _count(text: str, part: str, what: str) -> int:
@@ -654,11 +654,11 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
                                "model: load it with hlomap.load_cluster('local') (hlomap.api)")
     path = Path(text)
     if path.is_dir():
-        raise ClusterSpecError(f"--cluster {text!r}: a folder, not a cluster file")
+        raise ClusterSpecError(f"cluster {text!r}: a folder, not a cluster file")
     if not path.is_file():
         if ":" in text:
             return parse_topology(text)
-        raise ClusterSpecError(f"--cluster {text!r} is neither a preset ({', '.join(AUTOMAP_SERVERS)}), "
+        raise ClusterSpecError(f"cluster {text!r} is neither a preset ({', '.join(AUTOMAP_SERVERS)}), "
                                f"'local' (the devices JAX sees), a topology (torus:8x8x8, mesh:4x4, hier:4x8, "
                                f"random:64:SEED, uniform:16) "
                                f"nor an existing JSON file")
