@@ -200,6 +200,9 @@ def _load_file(path: Path, *, trainable: Iterable[int | str] | None, trainable_p
         text = path.read_text()
     except UnicodeDecodeError as err:
         raise SourceError(f"{path}: not a text file ({err.reason} at byte {err.start})") from None
+    if text.lstrip().startswith("{"):  # HLO text starts with `HloModule`; JSON is a plan or a cluster
+        raise SourceError(f"{path}: a JSON file, not HLO text (SOURCE is an HLO text file, zoo:NAME or "
+                          "FILE.py:FUNCTION; a plan file is what hlomap simulate --plan and hlomap run take)")
     modules = parse_all(text, filename=str(path))
     if not 0 <= module_index < len(modules):
         raise SourceError(f"{path}: holds {len(modules)} module(s); --module {module_index} is out of range")

@@ -69,6 +69,7 @@ def test_a_dump_without_roles_is_refused_saying_how_to_name_the_weights(
     ("DUMP", ["--trainable", "0-3", "--trainable-prefix", "params"],
      "--trainable-prefix params: name the trainable parameters one way"),
     ("STEP", [], "a Python file, not HLO text; name the function that returns (train_step, example_args)"),
+    ("PLAN", [], "a JSON file, not HLO text (SOURCE is an HLO text file, zoo:NAME or FILE.py:FUNCTION; a plan file"),
 ])
 def test_inspect_refuses_role_options_it_would_ignore(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                       source: str, options: list[str], message: str) -> None:
@@ -78,8 +79,10 @@ def test_inspect_refuses_role_options_it_would_ignore(tmp_path: Path, capsys: py
     if source == "DUMP":
         assert run(["zoo", "dump", "gpt-tiny", "-o", str(dump)]) == 0
         capsys.readouterr()
-    source = {"DUMP": str(dump), "STEP": str(Path(__file__).resolve().parent / "run" / "user_step.py")}.get(source,
-                                                                                                         source)
+    if source == "PLAN":  # a plan file given where a SOURCE goes was parsed as HLO
+        (tmp_path / "plan.json").write_text('{"version": 1, "mesh": {}}\n')
+    source = {"DUMP": str(dump), "STEP": str(Path(__file__).resolve().parent / "run" / "user_step.py"),
+              "PLAN": str(tmp_path / "plan.json")}.get(source, source)
     assert run(["inspect", source, *options]) == 2
     _one_line_error(capsys, message)
 

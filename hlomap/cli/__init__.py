@@ -69,6 +69,13 @@ def one_line_warnings(previous: Callable[..., None]) -> Callable[..., None]:
     return show
 
 
+class _PlainFormatter(logging.Formatter):
+    """`warning: message`, as `common.warn` prints its own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
 def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
     from hlomap import api
     from hlomap.cli import common
@@ -76,8 +83,11 @@ def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.interrupts = interrupts
+    # without -v, a library warning reads as the CLI's own ("warning: ..."); -v names its module
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(levelname)s %(name)s: %(message)s" if args.verbose else "%(message)s")
+    if not args.verbose:
+        logging.getLogger().handlers[0].setFormatter(_PlainFormatter())
     func: Callable[[argparse.Namespace], int] = args.func
     if api.is_local(getattr(args, "cluster", None)):
         # before anything starts JAX: a CPU-only machine then shows the host devices `local` means
