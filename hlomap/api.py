@@ -1028,16 +1028,48 @@ def other_cluster_note(plan: Any, cluster: Any) -> str | None:
 
 
 def _how_to_name(cluster_name: str) -> str:
-    """How --cluster names the cluster called `cluster_name`: a preset or topology by that name; a
-    calibrated cluster (whose name no --cluster spelling takes) by its file, or `local`."""
+    """How --cluster names the cluster called `cluster_name`: a preset, topology or `local` by that
+    name; another calibrated cluster (whose name no --cluster spelling takes) by its file."""
+    if _cluster_spelling(cluster_name) is None:
+        return "--cluster prices it there given the cluster file it was explored on, or local if it was this machine"
+    return f"--cluster {cluster_name} prices it there"
+
+
+def _cluster_spelling(cluster_name: str) -> str | None:
+    """`cluster_name` when --cluster takes it as it is (a preset, a topology string, `local`), else None."""
     from hlomap.cost.cluster import ClusterSpecError
     from hlomap.cost.cluster import load_cluster as load
 
+    if is_local(cluster_name):
+        return cluster_name
     try:
         load(cluster_name)
     except (ClusterSpecError, ValueError, OSError):
-        return "--cluster prices it there given the cluster file it was explored on, or local if it was this machine"
-    return f"--cluster {cluster_name} prices it there"
+        return None
+    return cluster_name
+
+
+def saved_plan_cluster(path: str | Path) -> str | None:
+    """The cluster name a plan file's estimate records, read from its JSON alone (nothing
+    started: a plan explored on `local` needs the host devices set up before JAX starts); None
+    when the file is not a plan JSON or records none."""
+    from hlomap.plan import PlanError
+    from hlomap.plan.model import read_plan_json
+
+    try:
+        data = read_plan_json(path)
+    except (PlanError, OSError):
+        return None
+    estimate = data.get("estimate") if isinstance(data, dict) else None
+    cluster = estimate.get("cluster") if isinstance(estimate, dict) else None
+    return cluster if isinstance(cluster, str) else None
+
+
+def explored_cluster(plan: Any) -> str | None:
+    """The cluster a saved plan was explored on, spelt as --cluster takes it (a preset, a topology
+    string, `local`); None for a built-in plan or a cluster only its file names."""
+    explored_on = (getattr(plan, "estimate", None) or {}).get("cluster")
+    return _cluster_spelling(explored_on) if isinstance(explored_on, str) and explored_on else None
 
 
 # ---------------------------------------------------------------------------------------------

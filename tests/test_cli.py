@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import argparse
 import json
 import re
 import subprocess
@@ -801,3 +802,31 @@ def test_simulate_says_a_one_axis_built_in_plan_uses_both_axes(capsys: pytest.Ca
         capsys.readouterr().err
     assert run(["simulate", "zoo:gpt-tiny", "--plan", "dp+megatron", "--mesh", "data=2,model=4"]) == 0
     assert "splits over every axis" not in capsys.readouterr().err
+
+
+def test_simulate_prices_a_saved_plan_on_the_cluster_it_was_explored_on_unless_told(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --cluster, a plan explored on a cluster --cluster can name is priced there (it was
+    priced on A, with a note); a built-in plan on A, as before."""
+    from hlomap import api
+    from hlomap.cli.simulate import prices_on_local
+
+    plan = tmp_path / "h.json"
+    assert run(["explore", "zoo:gpt-tiny", "--task", "adp", "--mesh", "4", "--cluster", "hier:1x4", "--agent",
+                "greedy", "--budget-evaluations", "3", "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "hier:1x4"
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan)]) == 0
+    assert "note: pricing on hier:1x4, the cluster the plan was explored on" in capsys.readouterr().err
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan), "--cluster", "A", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "A"
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", "dp", "--mesh", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "A"
+    # a plan explored on `local` asks for the host devices before anything starts JAX
+    local = json.loads(plan.read_text())
+    local["estimate"]["cluster"] = "local"
+    (tmp_path / "l.json").write_text(json.dumps(local))
+    parsed = argparse.Namespace(cluster=None, plan=str(tmp_path / "l.json"))
+    assert prices_on_local(parsed) and not prices_on_local(argparse.Namespace(cluster=None, plan=str(plan)))
+    assert api.explored_cluster(api.load_plan_file(tmp_path / "l.json")) == "local"

@@ -89,7 +89,8 @@ def _run(argv: Sequence[str] | None, interrupts: InterruptWatch) -> int:
     if not args.verbose:
         logging.getLogger().handlers[0].setFormatter(_PlainFormatter())
     func: Callable[[argparse.Namespace], int] = args.func
-    if api.is_local(getattr(args, "cluster", None)):
+    wants_local = getattr(args, "wants_local", None)
+    if api.is_local(getattr(args, "cluster", None)) or (wants_local is not None and wants_local(args)):
         # before anything starts JAX: a CPU-only machine then shows the host devices `local` means
         api.ensure_host_devices(api.LOCAL_CPU_DEVICES)
     if os.environ.get("HLOMAP_DEBUG") == "1":

@@ -22,8 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", metavar="8|data=2,model=4",
                    help="device mesh; a bare count names its axis after the plan (data for dp, model for megatron)."
                         " Default: 8, or the saved plan's mesh")
-    p.add_argument("--cluster", default="A", metavar=common.CLUSTER_METAVAR,
-                   help=f"{common.CLUSTER_HELP} (default A)")
+    p.add_argument("--cluster", metavar=common.CLUSTER_METAVAR,
+                   help=f"{common.CLUSTER_HELP} (default: the cluster a saved plan was explored on, where --cluster "
+                        "can name it: a preset, a topology or local; else A)")
     p.add_argument("--profile", metavar="PROFILE.json", help=common.PROFILE_HELP)
     p.add_argument("--axis-order", metavar="AXES",
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
@@ -41,7 +42,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="SPMD and built-in plans: slowest instructions to list (default 10)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
-    p.set_defaults(func=cmd_simulate)
+    p.set_defaults(func=cmd_simulate, wants_local=prices_on_local)
+
+
+def prices_on_local(args: argparse.Namespace) -> bool:
+    """Whether `simulate` will price on `local` for want of --cluster (the plan file's cluster),
+    read from the file alone: the host devices must be set up before anything starts JAX."""
+    return args.cluster is None and args.plan not in api.BUILT_IN_PLANS and api.is_local(
+        api.saved_plan_cluster(args.plan))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -60,7 +68,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         common.note(f"{plan} splits over every axis of {','.join(f'{k}={v}' for k, v in mesh.items())} together "
                     f"({'the batch' if plan == 'dp' else 'the weights'} {math.prod(mesh.values())} ways); "
                     "dp+megatron splits the batch on data and the weights on model")
-    cluster = common.cluster_argument(args.cluster, args.profile)  # before the capture: fail fast
+    spelling = args.cluster or api.explored_cluster(plan) or "A"
+    if args.cluster is None and spelling != "A" and not args.json:
+        common.note(f"pricing on {spelling}, the cluster the plan was explored on (--cluster prices it elsewhere)")
+    cluster = common.cluster_argument(spelling, args.profile)  # before the capture: fail fast
     warning = api.other_cluster_warning(plan, cluster)
     if warning:
         common.warn(warning)
