@@ -143,7 +143,11 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
                           "x".join(str(d) for d in p.shape), Text(_spec_text(spec), style="green" if sharded else "dim"))
         table.add_section()
     mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh)
-    lines = [Text(f"mesh {{{mesh}}}: {sharded_vars} of {total_vars} variables sharded")]
+    devices = math.prod(size for _, size in plan.mesh)
+    # a search may well return it (the cost model can price it fastest), but it surprises: say so
+    replicated = (f": every one of the {devices} devices runs the whole step (fully replicated)"
+                  if sharded_vars == 0 and devices > 1 else "")
+    lines = [Text(f"mesh {{{mesh}}}: {sharded_vars} of {total_vars} variables sharded{replicated}")]
     search = getattr(plan, "search", None)
     if search:
         lines.append(Text(f"found by {search.get('driver')} ({search.get('reward')} reward) in "

@@ -448,7 +448,7 @@ def hlomap_version() -> str:
 
 #: More samples a caller adds after the microbenchmarks (the pipeline executors' costs,
 #: `hlomap.run.calibrate.executor_tasks`): given the chosen devices, the quick flag and the timer,
-#: (label, measure) pairs whose measure returns an ExecutorSample or None (left out).
+#: (label, measure) pairs whose measure returns an ExecutorSample, a HandBackSample or None (left out).
 ExtraTasks = Callable[[Sequence[Any], bool, Timer], list[Task]]
 
 

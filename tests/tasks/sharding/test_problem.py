@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from hlomap.api import explore_detailed, parse_mesh
+from hlomap.propagation.conflicts import REPLICATED
 from hlomap.report.sharding import format_plan_summary, plot_convergence
 from hlomap.tasks.sharding.compare import layer_of
 from hlomap.tasks import Task
@@ -168,7 +170,14 @@ def test_axes_of_one_device_split_nothing_in_the_summaries(cap_of, graph_of) -> 
         return out[0], out[1]
 
     summary, explanation = texts({"model": 1})
-    assert "0 of 8 variables sharded" in summary
+    assert "0 of 8 variables sharded" in summary and "fully replicated" not in summary  # one device: nothing to split
     assert "0 of 8 variables sharded (" in explanation and "mesh axes of one device" in explanation
     summary, explanation = texts({"model": 8})
     assert "0 of 8" not in summary and "mesh axes of one device" not in explanation
+    # a plan that splits nothing over 8 devices (a search may return it) says so
+    array, axes, _ = resolve_plan(graph, "megatron", {"model": 8})
+    console = Console(record=True, width=200)
+    replicated = np.full_like(array, REPLICATED)
+    console.print(format_plan_summary(Plan.from_groups(cap, graph, replicated, axes), roles=roles))
+    assert "0 of 8 variables sharded: every one of the 8 devices runs the whole step (fully replicated)" in \
+        console.export_text()
