@@ -305,26 +305,29 @@ def check_explore_arguments(task: str, mesh: Any, budget_seconds: Any, seed: Any
     """OptionError for an argument of `explore` of the wrong type or value, named as given, before
     anything is loaded (each reached Python's own TypeError or an enum's ValueError deep inside)."""
     from hlomap.cost.pipeline.stages import Schedule
+    from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE
     from hlomap.tasks.sharding.objective import RewardMode
 
-    def whole(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not (isinstance(mesh, (Mapping, str)) or whole(mesh)):
+    if not (isinstance(mesh, (Mapping, str)) or _whole(mesh)):
         raise OptionError("mesh", mesh, "expected a mapping such as {'data': 2, 'model': 4}, a device count such as "
                                         "8, or text such as 'data=2,model=4'")
     if budget_seconds is not None and not (isinstance(budget_seconds, (int, float)) and not isinstance(
             budget_seconds, bool) and budget_seconds > 0):
         raise OptionError("budget_seconds", budget_seconds, "expected a number of seconds > 0, or None for no limit")
-    if not whole(seed):
+    if not _whole(seed):
         raise OptionError("seed", seed, "expected a whole number")
     rewards = [mode.value for mode in RewardMode]
     if str(getattr(reward, "value", reward)) not in rewards:
         raise OptionError("reward", reward, f"expected one of {', '.join(rewards)}")
     schedule = options.get("schedule")
-    schedules = [s.value for s in Schedule] + ["auto"]
+    schedules = [s.value for s in Schedule] + [AUTO_SCHEDULE]
     if task == "pipeline" and schedule is not None and str(getattr(schedule, "value", schedule)) not in schedules:
         raise OptionError("schedule", schedule, f"expected one of {', '.join(schedules)}")
+
+
+def _whole(value: Any) -> bool:
+    """Whether `value` is a whole number (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_task_options(task: str, options: Mapping[str, Any]) -> None:
@@ -1376,12 +1379,12 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
 def _microbatch_counts(microbatches: Any) -> tuple[int, ...]:
     """The auto task's microbatch counts to consider: one count or several (the pipeline task
     takes one; the same keyword takes either here)."""
-    counts = (microbatches,) if isinstance(microbatches, int) and not isinstance(microbatches, bool) else microbatches
+    counts = (microbatches,) if _whole(microbatches) else microbatches
     try:
         counts = tuple(counts)
     except TypeError:
         raise OptionError("microbatches", microbatches, "expected a whole number or a list of them") from None
-    if not counts or not all(isinstance(m, int) and not isinstance(m, bool) for m in counts):
+    if not counts or not all(_whole(m) for m in counts):
         raise OptionError("microbatches", microbatches, "expected a whole number or a list of them")
     return counts
 
@@ -1891,7 +1894,7 @@ def calibrate(devices: int | None = None, quick: bool = False,
     rough figures (fewer and smaller samples, timed once); `on_progress`
     receives a `verify.devices.BenchProgress` after every sample. A CPU-only machine shows
     `devices` host devices when JAX has not started yet (`ensure_host_devices`)."""
-    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)):
+    if devices is not None and not _whole(devices):
         raise InputError(f"devices={devices!r}: expected a whole number of devices, or None for all of them")
     if devices is not None and devices < 1:
         raise OptionError("devices", devices, "must be at least 1")

@@ -51,7 +51,7 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, compute_slowdown
 from hlomap.cost.pipeline.links import GroupPrices, allreduce_cost, allreduce_time, gradient_buffer_seconds, transfer_time
-from hlomap.cost.pipeline.profile import PipelineProfile
+from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile
 from hlomap.cost.pipeline.stages import (INPUT_GRADIENT_SHARE, Pass, PipelinePlan, Schedule, Stage, device_order,
                                          held_counts)
 from hlomap.cost.pipeline.timeline import event_timeline
@@ -209,6 +209,14 @@ def schedule_latency(forward: Sequence[float], backward: Sequence[float], transf
     end = max([free + a for free, a in zip(group_free, allreduce)] + [span.end for span in spans])
     busy = [sum(forward[k] + backward[k] for k in range(g, n_logical, groups)) for g in range(groups)]
     return end, max([*busy, *transfer])
+
+
+def paced_profile(profile: PipelineProfile, cluster: Cluster, busy_devices: int) -> PipelineProfile:
+    """`profile` (the cluster's all-busy rate) at the pace of a plan that keeps `busy_devices` of
+    the cluster's devices busy: faster on devices that share hardware (`busy_speedup`). The
+    pipeline explorer and `hlomap simulate` (placement's pricing of a saved plan) both price a
+    plan so, and so agree."""
+    return faster_profile(profile, busy_speedup(cluster, busy_devices))
 
 
 def syncs_each_microbatch(cluster: Cluster) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan
+from hlomap.cost.pipeline.costs import PlanCost, evaluate_plan, paced_profile
 from hlomap.plan import Pipeline
 from hlomap.tasks.pipeline.cutenv import CutTask, center_device_bounds
 from hlomap.tasks.pipeline.dp import solve
@@ -42,9 +42,9 @@ from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE, INTERLEAVED_CHUNKS, choose_schedule, executor_step_seconds
 from hlomap.tasks.pipeline.task import CutSearchTask
 from hlomap.cost.pipeline.chain import StepChain, PivotOptions, step_chain
-from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster
+from hlomap.cost.cluster import Cluster, load_cluster
 from hlomap.cost.pipeline.links import group_memory, is_node_boundary
-from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile, scale_batch
+from hlomap.cost.pipeline.profile import PipelineProfile, scale_batch
 from hlomap.cost.pipeline.simulator import SimulationResult, simulate
 from hlomap.tasks.pipeline.space import TIE_RTOL, PipelineObjective, PipelineSpace
 from hlomap.tasks.pipeline.step_dag import chain_runs, solve_step_downsets, step_dag
@@ -367,7 +367,7 @@ def explore_pipeline(
         device_cuts = tuple(stage.devices[0] for stage in plan.stages[1:])
         used = downsets.profile if downsets is not None and downsets.order is not None else profile
         order = None if downsets is None else downsets.order
-        priced = paced_profile(used, cluster, plan)
+        priced = paced_profile(used, cluster, busy_devices(plan))
         simulation = simulate(priced, cluster, plan, space.cost)
         executor, step = executor_step_seconds(priced, cluster, plan, simulation)
         return PipelineResult(
@@ -414,17 +414,14 @@ def explore_pipeline(
         # on a downset plan (its profile in another order) only the schedule changes, not the cuts
         cut_profile = downsets.profile if downsets is not None and downsets.plan is not None else profile
         chunks = INTERLEAVED_CHUNKS if cut_profile is profile else ()
-        plan = choose_schedule(paced_profile(cut_profile, cluster, plan), cluster, plan, space.cost, chunks=chunks).plan
+        paced = paced_profile(cut_profile, cluster, busy_devices(plan))
+        plan = choose_schedule(paced, cluster, plan, space.cost, chunks=chunks).plan
     return result_of(plan, episodes_run, interrupted, optimum, downsets)
 
 
-def paced_profile(profile: PipelineProfile, cluster: Cluster, plan: PipelinePlan) -> PipelineProfile:
-    """`profile` (the cluster's all-busy rate) at the pace of the devices `plan` keeps busy: a
-    plan that leaves devices idle computes faster on devices that share hardware
-    (`hlomap.cost.cluster.busy_speedup`), as `hlomap simulate` prices the saved plan
-    (`hlomap.tasks.placement.place`), so the explorer's figures and the plan file's are that price."""
-    devices = {device for stage in plan.stages for device in stage.devices}
-    return faster_profile(profile, busy_speedup(cluster, len(devices)))
+def busy_devices(plan: PipelinePlan) -> int:
+    """The devices `plan`'s stages keep busy (`costs.paced_profile` prices it at their pace)."""
+    return len({device for stage in plan.stages for device in stage.devices})
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
 
-from hlomap.cost.cluster import Cluster, busy_speedup
+from hlomap.cost.cluster import Cluster
 from hlomap.cost.estimate import CollectiveEstimate, StepEstimate, communication_terms
-from hlomap.cost.pipeline.costs import lockstep_latency, lockstep_remat
-from hlomap.cost.pipeline.profile import PipelineProfile, faster_profile
+from hlomap.cost.pipeline.costs import lockstep_latency, lockstep_remat, paced_profile
+from hlomap.cost.pipeline.profile import PipelineProfile
 from hlomap.cost.pipeline.simulator import SimulationResult
 from hlomap.hlo.capture import Capture
 from hlomap.plan import PipelineKind, Placement, Plan, Recompute
@@ -190,7 +190,7 @@ def _priced_layout(plan: Plan, cluster: Cluster, where: str) -> tuple[StageLayou
     layout = problem.layout
     assert isinstance(layout, StageLayout)
     # the profile's times are the cluster's all-busy rate; a plan on fewer devices computes faster
-    return layout, faster_profile(layout.profile, busy_speedup(cluster, len(set(plan.device_order()))))
+    return layout, paced_profile(layout.profile, cluster, len(set(plan.device_order())))
 
 
 def lockstep_pipeline_seconds(plan: Plan, cluster: Cluster, *, where: str = "plan") -> float:
