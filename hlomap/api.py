@@ -65,6 +65,7 @@ __all__ = [
     "check_calibration",
     "check_writable",
     "dump_zoo",
+    "zoo_hlo",
     "ensure_host_devices",
     "estimate",
     "explore",
@@ -279,6 +280,9 @@ def check_agent(task: str, agent: Any) -> None:
         raise OptionError("agent", name, f"the {task} task takes {', '.join(agents)}")
 
 
+#: The sharding tasks' mesh and reward where `explore` is given none.
+DEFAULT_EXPLORE_MESH = 8
+DEFAULT_REWARD = "paper"
 #: explore's tasks, and the keywords of the searches each hands its options to: what it reads.
 EXPLORE_TASKS = ("opp", "adp", "hybrid", "pipeline", "auto")
 #: Keywords `explore` takes itself (positional there), not options of a task's search.
@@ -308,7 +312,11 @@ def check_explore_arguments(task: str, mesh: Any, budget_seconds: Any, seed: Any
     from hlomap.tasks.pipeline.schedules import AUTO_SCHEDULE
     from hlomap.tasks.sharding.objective import RewardMode
 
-    if not (isinstance(mesh, (Mapping, str)) or _whole(mesh)):
+    for given, value in (("mesh", mesh), ("reward", reward)):
+        if value is not None and task in ("pipeline", "auto"):  # they choose their stages' meshes
+            raise OptionError(given, value, f"task {task!r} does not read it (an option of opp, adp, hybrid); "
+                                            f"the {task} task chooses its stages' devices itself")
+    if not (mesh is None or isinstance(mesh, (Mapping, str)) or _whole(mesh)):
         raise OptionError("mesh", mesh, "expected a mapping such as {'data': 2, 'model': 4}, a device count such as "
                                         "8, or text such as 'data=2,model=4'")
     if budget_seconds is not None and not (isinstance(budget_seconds, (int, float)) and not isinstance(
@@ -317,7 +325,7 @@ def check_explore_arguments(task: str, mesh: Any, budget_seconds: Any, seed: Any
     if not _whole(seed):
         raise OptionError("seed", seed, "expected a whole number")
     rewards = [mode.value for mode in RewardMode]
-    if str(getattr(reward, "value", reward)) not in rewards:
+    if reward is not None and str(getattr(reward, "value", reward)) not in rewards:
         raise OptionError("reward", reward, f"expected one of {', '.join(rewards)}")
     schedule = options.get("schedule")
     schedules = [s.value for s in Schedule] + [AUTO_SCHEDULE]
@@ -358,8 +366,8 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
                             **options)
 
 
-def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str = 8, cluster: Any = "A",
-            agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = "paper",
+def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str | None = None, cluster: Any = "A",
+            agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = None,
             *, measure: int | Any = 0, measure_rounds: int = MEASURE_ROUNDS,
             measure_budget_seconds: float | None = MEASURE_BUDGET_SECONDS,
             runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
@@ -367,11 +375,11 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     """Search a plan for `cap` and return it as a `hlomap.plan.Plan`.
 
     task: "opp" (tensor parallelism of the trainable variables), "adp" (data inputs), "hybrid"
-    (both, on a data x model mesh). mesh: `{"model": 8}`, `8` or `"data=2,model=8"`. cluster: a
+    (both, on a data x model mesh). mesh: `{"model": 8}`, `8` or `"data=2,model=8"` (default 8). cluster: a
     preset name ("A", "B", "C"), a topology string ("hier:2x4", "torus:4x4", ...), "local" (the
     devices JAX sees, calibrated on first use), a JSON path or a Cluster (used by the cost reward
     and for the plan's estimate; it must have the mesh's devices). agent: "dqn", "random",
-    "greedy" or "exact". reward: "paper" or "cost". Options: budget_evaluations, output (path
+    "greedy" or "exact". reward: "paper" (default) or "cost". Options: budget_evaluations, output (path
     saved as the search runs), graph, replicate_residual, dqn_config, with_estimate, on_progress.
 
     task "auto" plans the whole cluster at once (pipeline stages with data and tensor
@@ -402,6 +410,8 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     check_agent(name, agent)
     check_task_options(name, options)
     check_explore_arguments(name, mesh, budget_seconds, seed, reward, options)
+    mesh = DEFAULT_EXPLORE_MESH if mesh is None else mesh
+    reward = DEFAULT_REWARD if reward is None else reward
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
@@ -756,6 +766,8 @@ def check_writable(path: str | Path, example: str = "plan.json") -> None:
     directory given for the file."""
     from hlomap.plan import write_problem
 
+    if str(path) == "-":  # the shell's "standard output": hlomap writes files (and plots beside them)
+        raise InputError(f"-: hlomap writes this to a file, not to standard output; name the file, e.g. {example}")
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path}: is a directory; name the file to write, e.g. {path / example}")
@@ -853,6 +865,11 @@ class DumpedModule:
     path: Path
     instructions: int
     characters: int
+
+
+def zoo_hlo(name: str) -> str:
+    """The HLO text of the zoo step `name` (or `zoo:name`), lowered abstractly."""
+    return str(load_source(f"{ZOO_PREFIX}{name.removeprefix(ZOO_PREFIX)}").module)
 
 
 def dump_zoo(name: str, output: str | Path) -> DumpedModule:

@@ -500,7 +500,9 @@ class AutoShardedStep:
             if measure:
                 options["measure"] = dataclasses.replace(config.measure, count=measure)
                 options["runnable"] = (self.__wrapped__, args)
-            return explore(cap, task=config.task.value, mesh=mesh, cluster=cluster, agent=config.agent,
+            if not config.task.plans_its_mesh:  # the pipeline and joint tasks take the cluster's devices
+                options["mesh"] = mesh
+            return explore(cap, task=config.task.value, cluster=cluster, agent=config.agent,
                            budget_seconds=config.budget_seconds, seed=config.seed, **options)
 
 

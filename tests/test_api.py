@@ -130,11 +130,16 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(budget_seconds="10"), api.OptionError, "budget_seconds='10': expected a number of seconds > 0, or None"),
     (dict(seed="a"), api.OptionError, "seed='a': expected a whole number"),
     (dict(reward="x"), api.OptionError, "reward='x': expected one of paper, cost"),
+    (dict(task="pipeline", agent="dp", reward="cost"), api.OptionError,
+     "reward='cost': task 'pipeline' does not read it (an option of opp, adp, hybrid); the pipeline task chooses"),
+    (dict(task="auto", mesh=4), api.OptionError, "mesh=4: task 'auto' does not read it (an option of opp, adp, hybrid)"),
 ])
 def test_explore_names_a_wrong_argument_before_any_work(arguments: dict[str, Any], error: type, message: str) -> None:
     cap = arguments.pop("cap", "zoo:gpt-tiny")
+    # a search budget the sharding tasks read, so that a wrong argument is what stops them
+    budget = {} if arguments.get("task") in ("pipeline", "auto") else {"budget_evaluations": 3}
     with pytest.raises(error, match=re.escape(message)):
-        api.explore(cap, budget_evaluations=3, **arguments)
+        api.explore(cap, **budget, **arguments)
 
 
 def test_explore_s_options_are_those_its_task_reads() -> None:

@@ -428,6 +428,27 @@ def test_zoo_dump_to_an_unwritable_file_fails_before_lowering(capsys: pytest.Cap
     _one_line_error(capsys, "/sys/tiny.hlo", "not writable")
 
 
+@pytest.mark.parametrize("argv", [["explore", "zoo:gpt-tiny", "-q"], ["calibrate"]])
+def test_dash_as_the_output_is_refused_not_written_as_a_file_named_dash(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-o -` reads as "standard output" in most tools; these commands write a file (and a plot
+    beside it), so they say so before any work instead of saving a file named `-`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("hlomap.cli.common.load_capture", _never("the capture"))
+    assert run([*argv, "-o", "-"]) == 2
+    _one_line_error(capsys, "-:", "not to standard output")
+    assert not (tmp_path / "-").exists()
+
+
+def test_zoo_dump_to_dash_prints_the_hlo(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert run(["zoo", "dump", "haiku-mlp", "-o", "-"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("HloModule ") and "ENTRY" in out
+    assert not (tmp_path / "-").exists()
+
+
 # -- --fail-if-oom -----------------------------------------------------------------------------
 
 

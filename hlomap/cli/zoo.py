@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hlomap import api
 from hlomap.cli import common
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     zd = zsub.add_parser("dump", help="write a zoo model's train step as HLO text",
                          description="Lower a zoo train step abstractly (no weights allocated) and write its HLO.")
     zd.add_argument("name", metavar="NAME", help="a zoo model, optionally NAME:float32 or NAME:bfloat16")
-    zd.add_argument("-o", "--output", required=True, metavar="FILE.hlo")
+    zd.add_argument("-o", "--output", required=True, metavar="FILE.hlo", help="the file to write; - prints the HLO")
     zd.set_defaults(func=cmd_zoo_dump)
 
 
@@ -40,6 +41,9 @@ def cmd_zoo_list(args: argparse.Namespace) -> int:
 
 
 def cmd_zoo_dump(args: argparse.Namespace) -> int:
+    if args.output == "-":  # to a pipe: the text alone
+        sys.stdout.write(api.zoo_hlo(args.name))
+        return 0
     dumped = api.dump_zoo(args.name, args.output)
     common.say(f"wrote {dumped.path} ({dumped.instructions} instructions, {dumped.characters} characters)")
     return 0

@@ -558,6 +558,21 @@ def _check_stage_layers(stages: Sequence[PipelineStage], n_layers: int | None) -
                         f"(stage layers {listed})")
 
 
+def _check_layers_follow_cuts(stages: Sequence[PipelineStage], cuts: Sequence[PipelineCut], repeats: int) -> None:
+    """In a cuts pipeline the cuts decide where each stage starts (the runner splits the step at
+    their instructions); its `layers` only restate it. A stage after a prefix cut at chain position
+    p starts at layer p + 1: an edited range that disagrees would change nothing, so it is refused."""
+    if repeats != 1 or len(cuts) != len(stages) - 1:
+        return
+    for k, (stage, cut) in enumerate(zip(stages[1:], cuts), start=1):
+        if stage.layers is None or cut.pivot is None or cut.downset:
+            continue
+        if stage.layers[0] != cut.pivot + 1:
+            raise PlanError(f"stage {k} starts at layer {stage.layers[0]}, but the cut before it follows layer "
+                            f"{cut.pivot} ({cut.instruction}): the cuts decide where stages split (the step is "
+                            f"split at their instructions), so stage {k} starts at layer {cut.pivot + 1}")
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """A plan's pipeline section (module docstring). `block_profile` stays JSON here: its reader
@@ -582,6 +597,8 @@ class Pipeline:
         if self.repeats < 1:
             raise PlanError(f"the pipeline's repeats is {self.repeats}; it needs at least 1")
         _check_stage_layers(self.stages, len(self.layer_names) or None)
+        if self.kind is PipelineKind.CUTS:
+            _check_layers_follow_cuts(self.stages, self.cuts, self.repeats)
         if self.kind is PipelineKind.JOINT:
             for k, stage in enumerate(self.stages):
                 _check_joint_mesh(k, dict(stage.mesh))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from hlomap.cost.collectives import Collective
-from hlomap.cost.estimate import CollectiveEstimate, KindRow, StepEstimate
+from hlomap.cost.estimate import CollectiveEstimate, InstructionEstimate, KindRow, StepEstimate
 from hlomap.report.units import human_bytes, human_flops, human_seconds
 
-__all__ = ["format_estimate"]
+__all__ = ["format_estimate", "instruction_labels"]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
@@ -25,6 +25,25 @@ def _plan_title(name: str) -> str:
     if name == "plan" or name.startswith("plan, "):
         return "the " + name
     return f"plan {name}"
+
+
+def instruction_labels(instructions: Sequence[InstructionEstimate]) -> list[str]:
+    """Each instruction's name, and for one in a computation called from several places, which
+    call it is (`name (in f, call 2 of 3)`): the step runs it once per call site, so its name
+    alone would list one instruction twice."""
+    calls: dict[str, set[int]] = {}
+    for inst in instructions:
+        if inst.instance:
+            calls.setdefault(inst.computation, set()).add(inst.instance)
+    order = {comp: sorted(instances) for comp, instances in calls.items()}
+
+    def label(inst: InstructionEstimate) -> str:
+        instances = order.get(inst.computation, [])
+        if not inst.instance or len(instances) < 2:
+            return inst.name
+        return f"{inst.name} (in {inst.computation}, call {instances.index(inst.instance) + 1} of {len(instances)})"
+
+    return [label(inst) for inst in instructions]
 
 
 def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:
@@ -57,8 +76,9 @@ def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> 
     lines += _table(["kind", "count", "flops", "bytes", "time", "share"], rows,
                     [False, True, True, True, True, True])
     lines += ["", f"slowest {min(top, len(est.instructions))} instructions:"]
-    rows = [[i.name, i.opcode, i.phase.value, str(i.degree), human_flops(i.flops), human_bytes(i.bytes_accessed),
-             human_seconds(i.seconds)] for i in est.instructions[:top]]
+    labels = instruction_labels(est.instructions)
+    rows = [[label, i.opcode, i.phase.value, str(i.degree), human_flops(i.flops), human_bytes(i.bytes_accessed),
+             human_seconds(i.seconds)] for i, label in zip(est.instructions[:top], labels)]
     lines += _table(["instruction", "opcode", "phase", "split", "flops", "bytes", "time"], rows,
                     [False, False, False, True, True, True, True])
     groups: dict[tuple[str, str, tuple[str, ...]], list[CollectiveEstimate]] = {}

@@ -25,7 +25,7 @@ from hlomap.cost.devices import DeviceSpec
 from hlomap.api import estimate, parse_mesh_text as parse_mesh
 from hlomap.cost.estimate import Overlap, Reason
 from hlomap.plan import reference_plan
-from hlomap.report.estimate import format_estimate
+from hlomap.report.estimate import format_estimate, instruction_labels
 from hlomap.cost.mapping import axis_devices
 from hlomap.hlo.capture import Phase, Role, capture
 from hlomap.propagation.conflicts import MeshAxes, PlanConflict
@@ -251,6 +251,29 @@ def test_report_and_json(gpt) -> None:  # type: ignore[no-untyped-def]
     for needle in ("by kind:", "all-reduce", "partial reduction", "memory per device", "fits"):
         assert needle in text
     json.dumps(est.to_json())
+
+
+def test_report_names_each_call_of_a_computation_called_twice() -> None:
+    """A computation called from two places runs its instructions once per call: the slowest
+    instructions list tells the two apart instead of printing one name twice."""
+    @jax.jit
+    def scaled(v):  # type: ignore[no-untyped-def]
+        return jnp.tanh(v @ v.T)
+
+    def step(x):  # type: ignore[no-untyped-def]
+        return scaled(x).sum() + scaled(2.0 * x).sum()
+
+    cap = capture(step, jnp.ones((64, 64), jnp.float32))
+    est = estimate(cap, "dp", mesh={"data": 1})
+    called = [i for i in est.instructions if i.instance]
+    assert len({i.instance for i in called}) == 2  # the two call sites
+    labels = instruction_labels(est.instructions)
+    assert len(set(labels)) == len(labels)
+    first = next(i for i in called)
+    both = [label for i, label in zip(est.instructions, labels) if i.name == first.name and i.computation == first.computation]
+    assert sorted(both) == [f"{first.name} (in {first.computation}, call {k} of 2)" for k in (1, 2)]
+    table = format_estimate(est, top=len(est.instructions)).split("slowest")[1].split("collectives")[0]
+    assert all(label in table for label in labels)
 
 
 def test_plan_that_does_not_fit_says_by_how_much(gpt) -> None:  # type: ignore[no-untyped-def]

@@ -214,10 +214,16 @@ def test_other_json_given_as_a_plan_says_what_it_is() -> None:
     ("joint_v1.json", lambda s: s["stages"][2].pop("layers"), "give every stage's [start, stop) or none"),
     ("pipeline_v1.json", lambda s: s["stages"][0].__setitem__("layers", [1, 73]), "it must start at 0"),
     ("pipeline_v1.json", lambda s: s["stages"][1].__setitem__("layers", [73, 73]), "are not a range"),
+    # a cuts pipeline splits where its cuts say: a boundary moved in the layers alone would not move
+    ("pipeline_v1.json", lambda s: (s["stages"][0].__setitem__("layers", [0, 60]),
+                                    s["stages"][1].__setitem__("layers", [60, 123])),
+     "stage 1 starts at layer 60, but the cut before it follows layer 72 (add.303): the cuts decide where stages "
+     "split (the step is split at their instructions), so stage 1 starts at layer 73"),
 ])
 def test_edited_stage_layers_are_refused_naming_the_stage(name: str, edit: Any, message: str) -> None:
     """The joint planner reprices a plan from its stages' layers: a range edited out of order,
-    out of the model or away is refused, not ignored."""
+    out of the model or away is refused, not ignored; so is a cuts pipeline's range that moves a
+    stage boundary its cuts do not."""
     data = _json(name)
     section = copy.deepcopy(data["pipeline"])
     edit(section)
