@@ -159,6 +159,23 @@ def test_explore_s_options_are_those_its_task_reads() -> None:
     assert {k: v for k, v in one.items() if k != "search"} == {k: v for k, v in listed.items() if k != "search"}
 
 
+def test_the_cli_refuses_a_flag_for_the_tasks_whose_python_search_does_not_read_it() -> None:
+    """`hlomap explore` keeps its own table of which task reads each flag (`TASK_OPTIONS`); Python's
+    explore reads the searches' signatures. The two must agree, or a flag is refused where the
+    option works (or passed where it is ignored)."""
+    from hlomap.cli.explore import TASK_OPTIONS
+
+    renamed = {("stages", "auto"): "max_stages", ("shard_optimizer_state", "auto"): "split_state"}
+    cli_only = {"curve", "timeline"}  # the plots the command draws
+    explore_own = {"mesh", "reward", "agent", "budget_seconds"}  # explore's own arguments, checked above
+    for dest, tasks in TASK_OPTIONS.items():
+        if dest in cli_only | explore_own:
+            continue
+        for task in api.EXPLORE_TASKS:
+            reads = renamed.get((dest, task), dest) in api.task_options(task)
+            assert reads == (task in tasks), (dest, task)
+
+
 def test_parallelize_takes_a_plan_file_and_refuses_what_is_not_a_plan(tmp_path: Path) -> None:
     import hlomap
     from tests.run.user_step import make
