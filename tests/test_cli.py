@@ -819,6 +819,10 @@ def test_simulate_prices_a_saved_plan_on_the_cluster_it_was_explored_on_unless_t
     assert json.loads(capsys.readouterr().out)["cluster"] == "hier:1x4"
     assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan)]) == 0
     assert "note: pricing on hier:1x4, the cluster the plan was explored on" in capsys.readouterr().err
+    # given another step, the plan is refused, with no note about a price it never made
+    assert run(["simulate", "zoo:haiku-mlp", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "made for another module than zoo:haiku-mlp" in err and "note:" not in err
     assert run(["simulate", "zoo:gpt-tiny", "--plan", str(plan), "--cluster", "A", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cluster"] == "A"
     assert run(["simulate", "zoo:gpt-tiny", "--plan", "dp", "--mesh", "8", "--json"]) == 0

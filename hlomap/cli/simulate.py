@@ -64,26 +64,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise common.CliError(f"--top {args.top}: a {api.plan_category(plan).value} plan is priced by its stages, "
                               "not instruction by instruction")
     mesh = None if args.mesh is None else common.mesh_argument(args.mesh)
-    if plan in ("dp", "megatron") and isinstance(mesh, dict) and len(mesh) > 1 and not args.json:
-        common.note(f"{plan} splits over every axis of {','.join(f'{k}={v}' for k, v in mesh.items())} together "
-                    f"({'the batch' if plan == 'dp' else 'the weights'} {math.prod(mesh.values())} ways); "
-                    "dp+megatron splits the batch on data and the weights on model")
+    # What the price assumes is said once it exists: a note before an unrelated error misleads.
+    notes: list[str] = []
+    if plan in ("dp", "megatron") and isinstance(mesh, dict) and len(mesh) > 1:
+        notes.append(f"{plan} splits over every axis of {','.join(f'{k}={v}' for k, v in mesh.items())} together "
+                     f"({'the batch' if plan == 'dp' else 'the weights'} {math.prod(mesh.values())} ways); "
+                     "dp+megatron splits the batch on data and the weights on model")
     spelling = args.cluster or api.explored_cluster(plan) or "A"
-    if args.cluster is None and spelling != "A" and not args.json:
-        common.note(f"pricing on {spelling}, the cluster the plan was explored on (--cluster prices it elsewhere)")
+    if args.cluster is None and spelling != "A":
+        notes.append(f"pricing on {spelling}, the cluster the plan was explored on (--cluster prices it elsewhere)")
     cluster = common.cluster_argument(spelling, args.profile)  # before the capture: fail fast
-    warning = api.other_cluster_warning(plan, cluster)
-    if warning:
-        common.warn(warning)
-    elsewhere = api.other_cluster_note(plan, cluster)
-    if elsewhere and not args.json:
-        common.note(elsewhere)
+    warnings = [w for w in (api.other_cluster_warning(plan, cluster),) if w]
+    notes += [n for n in (api.other_cluster_note(plan, cluster),) if n]
     cap = common.load_capture(args) if api.reads_source(plan, args.source) else None
     simulation = api.simulate_plan(cap, plan, cluster=cluster, mesh=mesh, axis_order=order, where=args.plan,
                                    shard_optimizer_state=args.shard_optimizer_state,
                                    shard_parameters=args.shard_parameters, executor=args.executor)
-    for problem in api.batch_split_problems(plan, cap) if cap is not None else ():
-        common.warn(f"{problem}: `hlomap run` would refuse this plan for {args.source}; its price is a what-if")
+    warnings += [f"{problem}: `hlomap run` would refuse this plan for {args.source}; its price is a what-if"
+                 for problem in (api.batch_split_problems(plan, cap) if cap is not None else ())]
+    for warning in warnings:
+        common.warn(warning)
+    for note in notes if not args.json else ():
+        common.note(note)
     if args.json:
         common.print_json(simulation_json(simulation), indent=2)
     else:
