@@ -35,7 +35,6 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-import numpy as np
 
 from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
@@ -49,9 +48,9 @@ from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.placement.problem import JointLayout, PlacementError
 from hlomap.tasks.replan.options import CHECKPOINT_BANDWIDTH, MAX_SHIFT, STATE_FACTOR, Migration, busiest_queue
 from hlomap.tasks.replan.policies import PlanReplay
-from hlomap.tasks.replan.trace import ResourceState, Trace
+from hlomap.tasks.replan.trace import ResourceState, Trace, device_sets, sub_cluster
 
-__all__ = ["JointReplay", "PricedStages", "RunningJoint", "device_sets", "joint_migration", "joint_step_seconds",
+__all__ = ["JointReplay", "PricedStages", "RunningJoint", "joint_migration", "joint_step_seconds",
            "priced_stages", "stages_step_seconds", "state_bytes"]
 
 
@@ -206,35 +205,6 @@ def joint_migration(model: JointModel, old: JointPlan, new: JointPlan, state: Re
     return Migration(busiest_queue(transfers), moved)
 
 
-def _sub_cluster(cluster: Cluster, keep: Sequence[int]) -> Cluster:
-    """The cluster of `cluster`'s devices `keep` (in that order), none of them slowed."""
-    ix = np.ix_(keep, keep)
-    return Cluster(f"{cluster.name}[{len(keep)} of {cluster.n_devices}]", tuple(cluster.devices[d] for d in keep),
-                   tuple(cluster.node_of[d] for d in keep), np.asarray(cluster.bandwidth)[ix],
-                   np.asarray(cluster.latency)[ix], cluster.nics_per_node)
-
-
-def device_sets(cluster: Cluster) -> tuple[tuple[int, ...], ...]:
-    """The device sets a re-solve plans on (module docstring): every device; those at full speed;
-    and those at full speed on the servers that offer the most of them. The joint DP prices a
-    group of devices as the cluster's first group of its size and aligns groups to the servers'
-    largest size, which is right on equal servers only: with 2 of a server's 4 GPUs gone, every
-    device alone gives groups across servers, the full servers alone do not."""
-    slowdown = cluster.slowdown or (1.0,) * cluster.n_devices
-    every = tuple(range(cluster.n_devices))
-    fast = tuple(d for d in every if slowdown[d] <= 1.0)
-    per_node: dict[int, list[int]] = {}
-    for d in fast:
-        per_node.setdefault(cluster.node_of[d], []).append(d)
-    most = max((len(v) for v in per_node.values()), default=0)
-    full = tuple(sorted(d for v in per_node.values() if len(v) == most for d in v))
-    out: list[tuple[int, ...]] = []
-    for keep in (every, fast, full):
-        if keep and keep not in out:
-            out.append(keep)
-    return tuple(out)
-
-
 class JointReplay(PlanReplay):
     """The joint planner's space over a trace (module docstring). `initial` is the running plan
     the trace starts from."""
@@ -310,7 +280,7 @@ class JointReplay(PlanReplay):
         if state.cluster is None:
             return None
         every = keep is None or len(keep) == state.cluster.n_devices
-        cluster = state.cluster if every else _sub_cluster(state.cluster, keep)  # type: ignore[arg-type]
+        cluster = state.cluster if every else sub_cluster(state.cluster, keep)  # type: ignore[arg-type]
         if cluster not in self._models:
             self._models[cluster] = JointModel.build(self.cap, cluster, self.pivots, graph=self.graph)
         return self._models[cluster]

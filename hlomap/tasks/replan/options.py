@@ -31,7 +31,7 @@ from hlomap.cost.pipeline.stages import PipelinePlan, Schedule, Stage
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.pipeline.space import PipelineObjective, PipelineSpace
 from hlomap.tasks.placement.pipeline_costs import PipelineModel
-from hlomap.tasks.replan.trace import ResourceState
+from hlomap.tasks.replan.trace import ResourceState, device_sets, sub_cluster
 
 __all__ = ["CHECKPOINT_BANDWIDTH", "STATE_FACTOR", "Candidate", "Migration", "Option", "RunningPlan", "Workload",
            "ReplannedPlan", "best_move", "busiest_queue", "initial_plan", "migration", "plan_step_seconds", "resolve",
@@ -171,17 +171,24 @@ def best_move(workload: Workload, plan: RunningPlan, state: ResourceState,
 
 
 def resolve(workload: Workload, state: ResourceState, model: PipelineModel | None) -> tuple[RunningPlan, float] | None:
-    """The DP's optimal plan on the available devices, leaving some idle where that is faster or
-    the only way (None when nothing fits)."""
-    if model is None:
+    """The fastest of the DP's optimal plans on each of the state's `device_sets` (every available
+    device, `model`'s; those at full speed; the full servers'), leaving some idle where that is
+    faster or the only way (None when nothing fits). On every device alone the DP fills them in
+    order: a straggler on device 0, or a server left with fewer GPUs, would be in every plan."""
+    if model is None or state.cluster is None:
         return None
-    try:
-        solution = model.solve(workload.profile, workload.space())
-    except NoFeasiblePlan:
-        return None
-    devices = tuple(tuple(state.devices[d] for d in stage.devices) for stage in solution.plan.stages)
-    bounds = (0, *(stage.stop for stage in solution.plan.stages))
-    return RunningPlan(bounds, devices), solution.cost.latency
+    best: tuple[RunningPlan, float] | None = None
+    for keep in device_sets(state.cluster):
+        on = model if len(keep) == state.cluster.n_devices else PipelineModel(sub_cluster(state.cluster, keep))
+        try:
+            solution = on.solve(workload.profile, workload.space())
+        except NoFeasiblePlan:
+            continue
+        devices = tuple(tuple(state.devices[keep[d]] for d in stage.devices) for stage in solution.plan.stages)
+        bounds = (0, *(stage.stop for stage in solution.plan.stages))
+        if best is None or solution.cost.latency < best[1]:
+            best = RunningPlan(bounds, devices), solution.cost.latency
+    return best
 
 
 class Migration(NamedTuple):

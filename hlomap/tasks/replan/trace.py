@@ -43,13 +43,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from hlomap.cost.cluster import Cluster, ClusterSpecError, load_cluster, node_slot_coordinates
 
-__all__ = ["Event", "ResourceState", "Trace", "TraceError", "TraceKind", "generate", "load_trace"]
+__all__ = ["Event", "ResourceState", "Trace", "TraceError", "TraceKind", "device_sets", "generate", "load_trace",
+           "sub_cluster"]
 
 TRACE_VERSION = 1
 
@@ -134,6 +135,37 @@ class ResourceState:
         if not self.speed or not self.devices:
             return 1.0
         return float(np.mean([self.speed[d] for d in self.devices]))
+
+
+def sub_cluster(cluster: Cluster, keep: Sequence[int]) -> Cluster:
+    """The cluster of `cluster`'s devices `keep` (in that order), each as fast as it is there."""
+    ix = np.ix_(keep, keep)
+    slowdown = tuple(cluster.slowdown[d] for d in keep) if cluster.slowdown else None
+    return Cluster(f"{cluster.name}[{len(keep)} of {cluster.n_devices}]", tuple(cluster.devices[d] for d in keep),
+                   tuple(cluster.node_of[d] for d in keep), np.asarray(cluster.bandwidth)[ix],
+                   np.asarray(cluster.latency)[ix], cluster.nics_per_node, slowdown=slowdown)
+
+
+def device_sets(cluster: Cluster) -> tuple[tuple[int, ...], ...]:
+    """The device sets a re-solve plans on: every device; those at full speed; and those at full
+    speed on the servers that offer the most of them. The pipeline and joint DPs fill devices in
+    their order, so a plan on every device starts on device 0 even when it is a straggler, and
+    their groups align to the servers' largest size, which is right on equal servers only: with 2
+    of a server's 4 GPUs gone, every device alone gives groups across servers, the full servers
+    alone do not."""
+    slowdown = cluster.slowdown or (1.0,) * cluster.n_devices
+    every = tuple(range(cluster.n_devices))
+    fast = tuple(d for d in every if slowdown[d] <= 1.0)
+    per_node: dict[int, list[int]] = {}
+    for d in fast:
+        per_node.setdefault(cluster.node_of[d], []).append(d)
+    most = max((len(v) for v in per_node.values()), default=0)
+    full = tuple(sorted(d for v in per_node.values() if len(v) == most for d in v))
+    out: list[tuple[int, ...]] = []
+    for keep in (every, fast, full):
+        if keep and keep not in out:
+            out.append(keep)
+    return tuple(out)
 
 
 def _server_bandwidth(cluster: Cluster) -> np.ndarray:

@@ -19,7 +19,8 @@ from hlomap.tasks.joint.explore import JointResult, explore_joint, joint_model, 
 from hlomap.tasks.joint.plans import evaluate
 from hlomap.tasks.joint.solve import JointSpace, solve
 from hlomap.tasks.placement.problem import PlacementError
-from hlomap.tasks.replan.joint import JointReplay, RunningJoint, device_sets, joint_migration, state_bytes
+from hlomap.tasks.replan.joint import JointReplay, RunningJoint, joint_migration, state_bytes
+from hlomap.tasks.replan.trace import device_sets
 from hlomap.tasks.replan.options import CHECKPOINT_BANDWIDTH, Option
 from hlomap.tasks.replan.policies import ReplanPolicy, run_policy
 from hlomap.tasks.replan.replay_plan import replan_plan

@@ -18,7 +18,7 @@ from hlomap.tasks.replan.options import (CHECKPOINT_BANDWIDTH, STATE_FACTOR, Opt
                                          migration, plan_step_seconds, resolve)
 from hlomap.tasks.pipeline.solution import NoFeasiblePlan
 from hlomap.tasks.replan.policies import Replay
-from hlomap.tasks.replan.trace import Event, Trace
+from hlomap.tasks.replan.trace import Event, Trace, device_sets, sub_cluster
 
 from tests.tasks.replan.helpers import small_workload
 
@@ -73,22 +73,29 @@ def test_resolve_is_the_brute_force_optimum_on_the_available_devices(gpus):
 def test_resolve_around_a_straggler_is_the_brute_force_optimum(straggler):
     """A device at half speed: the stage holding it computes at its pace (its replicas wait), in
     the closed form, the simulator and the DP alike; the re-solve is the brute-force optimum of the
-    slowed cluster and no slower there than the plan chosen at full speed."""
+    slowed cluster's device sets (every device, filled in order; those at full speed; the full
+    servers), never slower than the DP on every device, and no slower there than the plan chosen
+    at full speed."""
     workload = small_workload()
     cluster = load_cluster("hier:4x2")
     trace = Trace("t", cluster, 10.0, (Event(1.0, speed=((straggler, 0.5),)),))
     (_, full), (_, slowed) = trace.states()
     model = PipelineModel(slowed.cluster)
     plan, step = resolve(workload, slowed, model)
-    optimum = pipeline_brute_force(workload.profile, slowed.cluster, workload.space())
-    assert step == pytest.approx(optimum.value, rel=1e-9)
+    optima = [pipeline_brute_force(workload.profile, sub_cluster(slowed.cluster, keep), workload.space()).value
+              for keep in device_sets(slowed.cluster)]
+    assert step == pytest.approx(min(optima), rel=1e-9)
+    assert step <= optima[0]  # every device, the DP's own space
+    if straggler == 0:  # a plan on every device fills device 0 first: leaving the straggler out is faster
+        assert step < optima[0]
     before, _ = resolve(workload, full, PipelineModel(full.cluster))
     assert any(straggler in stage for stage in before.devices)
     kept = plan_step_seconds(workload, before, slowed, model)
     assert kept > plan_step_seconds(workload, before, full, PipelineModel(full.cluster))
     assert step <= kept
-    # the event simulator slows the same stage: under GPipe it equals the closed form on both clusters
-    stages = plan.on(slowed).stages
+    # the event simulator slows the stage holding the straggler: under GPipe it equals the closed
+    # form on both clusters
+    stages = before.on(slowed).stages
     gpipe = PipelinePlan(stages, workload.microbatches, Schedule.GPIPE)
     lengths = []
     for state in (full, slowed):
@@ -96,6 +103,21 @@ def test_resolve_around_a_straggler_is_the_brute_force_optimum(straggler):
         assert events.length == pytest.approx(gpipe_latency(workload.profile, state.cluster, gpipe), rel=1e-12)
         lengths.append(events.length)
     assert lengths[1] > lengths[0]
+
+
+def test_a_resolve_moves_to_the_full_server_when_a_device_leaves_another():
+    """Device 1 of hier:2x2 leaves: the DP on every remaining device puts its first stage on device
+    0 and its second across the slow link; the re-solve also plans on server 1 alone, which is as
+    fast as the plan at full strength (stages of one device each, so that no replica can use a
+    third device)."""
+    workload = Workload(small_workload().profile, microbatches=8, replication=(1,), max_stages=2)
+    trace = Trace("t", load_cluster("hier:2x2"), 10.0, (Event(1.0, gpus=(1, 2)),))
+    (_, full), (_, left) = trace.states()
+    plan, step = resolve(workload, left, PipelineModel(left.cluster))
+    every = PipelineModel(left.cluster).solve(workload.profile, workload.space()).cost.latency
+    assert {d for stage in plan.devices for d in stage} <= {2, 3}
+    assert step < every
+    assert step == pytest.approx(resolve(workload, full, PipelineModel(full.cluster))[1], rel=1e-9)
 
 
 def test_a_resolve_leaves_devices_idle_rather_than_stop_training():
