@@ -1580,6 +1580,10 @@ def prepare_placement(plan: Any, cluster: Any, *, agent: str = "greedy", cap: Ca
 
     if agent not in PLACEMENT_AGENTS:
         raise OptionError("agent", agent, f"choose one of {', '.join(PLACEMENT_AGENTS)}")
+    for name, value, given in (("policy", policy, policy is not None),
+                               ("finetune_seconds", finetune_seconds, finetune_seconds != 0.0)):
+        if given and agent != "ppo":
+            raise OptionError(name, value, f"only the ppo agent reads it (agent is {agent!r})")
     plan, cap = _plan_of(plan), _capture_of(cap)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     step_estimate = None

@@ -159,6 +159,22 @@ def test_explore_s_options_are_those_its_task_reads() -> None:
     assert {k: v for k, v in one.items() if k != "search"} == {k: v for k, v in listed.items() if k != "search"}
 
 
+def test_prepare_placement_refuses_the_ppo_agent_s_options_for_another_agent() -> None:
+    plan = _two_stage_plan()
+    with pytest.raises(api.OptionError, match=re.escape("policy='p.npz': only the ppo agent reads it (agent is "
+                                                        "'greedy')")):
+        api.prepare_placement(plan, "torus:2x2", policy="p.npz")
+    with pytest.raises(api.OptionError, match=re.escape("finetune_seconds=5: only the ppo agent reads it")):
+        api.prepare_placement(plan, "torus:2x2", agent="exact", finetune_seconds=5)
+
+
+def _two_stage_plan() -> Any:
+    from hlomap.plan import Plan, PlanSource
+
+    return Plan(mesh=(), parameters=(), source=PlanSource("test", ""), pipeline={
+        "stages": [{"devices": [0, 1]}, {"devices": [2, 3]}], "microbatches": 2, "schedule": "1f1b"})
+
+
 def test_the_cli_refuses_a_flag_for_the_tasks_whose_python_search_does_not_read_it() -> None:
     """`hlomap explore` keeps its own table of which task reads each flag (`TASK_OPTIONS`); Python's
     explore reads the searches' signatures. The two must agree, or a flag is refused where the

@@ -294,6 +294,9 @@ def _small_plans(tmp_path: Path) -> dict[str, Path]:
     (["place", "joint", "--cluster", "torus:2x2"], "joint plan"),
     (["replan", "spmd-without-estimate", "--trace", "TRACE"], "needs a pipeline plan"),
     (["replan", "joint", "--trace", "TRACE"], "joint plan"),
+    (["place", "one-device", "--cluster", "torus:2x2", "--policy", "p.npz"], "--policy: only --agent ppo reads it"),
+    (["place", "one-device", "--cluster", "torus:2x2", "--agent", "random", "--finetune-seconds", "5"],
+     "--finetune-seconds: only --agent ppo reads it (--agent is random)"),
 ])
 def test_place_and_replan_refuse_what_they_cannot_use_in_one_line(
         tmp_path: Path, argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

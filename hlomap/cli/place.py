@@ -53,6 +53,9 @@ def cmd_place(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.agent not in api.PLACEMENT_AGENTS:
         raise common.CliError(f"--agent {args.agent}: choose one of {', '.join(api.PLACEMENT_AGENTS)}")
+    for flag, given in (("--policy", args.policy is not None), ("--finetune-seconds", args.finetune_seconds != 0.0)):
+        if given and args.agent != "ppo":
+            raise common.CliError(f"{flag}: only --agent ppo reads it (--agent is {args.agent})")
     plan = api.load_plan_file(args.plan)
     cluster = common.cluster_argument(args.cluster, None)
     output = Path(args.output) if args.output else common.beside(Path(args.plan), "placed.json")
