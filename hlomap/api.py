@@ -259,7 +259,12 @@ def parse_mesh(mesh: Mapping[str, int] | int | str, task: Any = "opp") -> dict[s
     through this one function, so they accept and reject the same strings."""
     from hlomap.tasks.sharding.space import mesh_shape  # not .problem: parsing a mesh needs no search
 
-    return mesh_shape(mesh, task)
+    try:
+        return mesh_shape(mesh, task)
+    except OptionError:
+        raise
+    except ValueError as err:  # a PlanError from the text's parser, or the shape's own check
+        raise OptionError("mesh", mesh, str(err).removeprefix(f"mesh {mesh!r}: ")) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,6 +416,8 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     check_task_options(name, options)
     check_explore_arguments(name, mesh, budget_seconds, seed, reward, options)
     mesh = DEFAULT_EXPLORE_MESH if mesh is None else mesh
+    if name in ("opp", "adp", "hybrid"):
+        parse_mesh(mesh, name)  # a mesh it cannot use, named before anything is loaded
     reward = DEFAULT_REWARD if reward is None else reward
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
@@ -615,6 +622,21 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
                                  max_stages=max_stages, output=output, **options).plan
 
 
+def check_estimate_arguments(plan: Any, mesh: Any) -> None:
+    """InputError for a `plan` that is none of the kinds `estimate` prices, and OptionError for a
+    `mesh` that is no mesh (each reached a deep error, or a numpy warning first)."""
+    from hlomap.plan import Plan
+
+    if plan is None or isinstance(plan, (bool, int, float, Mapping)):
+        raise InputError(f"plan: expected a Plan, a plan file's path, a built-in plan name ({', '.join(BUILT_IN_PLANS)}) "
+                         f"or a plan array, got {type(plan).__name__}")
+    if mesh is None or isinstance(plan, Plan):
+        return
+    sizes = [mesh] if _whole(mesh) else list(mesh.values()) if isinstance(mesh, Mapping) else None
+    if sizes is not None and not all(_whole(size) and size >= 1 for size in sizes):
+        raise OptionError("mesh", mesh, "every axis needs a whole number of devices >= 1")
+
+
 def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | None = None, cluster: Any = "A",
              axis_devices: Any = None, axis_order: Sequence[str] | None = None, graph: Any = None,
              overlap: Any = None, fusion: Any = None, executor: str | None = None, plan_name: str | None = None) -> Any:
@@ -637,6 +659,7 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
     """
     if executor is not None and executor not in ("spmd", "mpmd"):
         raise OptionError("executor", executor, "expected spmd or mpmd")
+    check_estimate_arguments(plan, mesh)
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
         plan = load_plan_file(plan)
     if plan_category(plan) in (PlanCategory.PIPELINE, PlanCategory.JOINT):

@@ -133,6 +133,10 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(task="pipeline", agent="dp", reward="cost"), api.OptionError,
      "reward='cost': task 'pipeline' does not read it (an option of opp, adp, hybrid); the pipeline task chooses"),
     (dict(task="auto", mesh=4), api.OptionError, "mesh=4: task 'auto' does not read it (an option of opp, adp, hybrid)"),
+    (dict(mesh=-2), api.OptionError, "mesh=-2: every mesh axis needs a size >= 1, got {'model': -2}"),
+    (dict(mesh="data=2,model=x"), api.OptionError, "mesh='data=2,model=x': expected N or NAME=SIZE[,NAME=SIZE...], "
+                                                   "got 'model=x'"),
+    (dict(task="hybrid", mesh=8), api.OptionError, "mesh=8: the hybrid task needs a data x model mesh"),
 ])
 def test_explore_names_a_wrong_argument_before_any_work(arguments: dict[str, Any], error: type, message: str) -> None:
     cap = arguments.pop("cap", "zoo:gpt-tiny")
@@ -157,6 +161,18 @@ def test_explore_s_options_are_those_its_task_reads() -> None:
     assert "stages" not in api.task_options("auto") and "budget_evaluations" in api.task_options("adp")
     one, listed = (api.explore("zoo:gpt-tiny", task="auto", microbatches=m, max_stages=2).to_json() for m in (4, [4]))
     assert {k: v for k, v in one.items() if k != "search"} == {k: v for k, v in listed.items() if k != "search"}
+
+
+@pytest.mark.parametrize("plan, mesh, error, message", [
+    (None, None, api.InputError, "plan: expected a Plan, a plan file's path, a built-in plan name (dp, megatron, "
+                                 "dp+megatron) or a plan array, got NoneType"),
+    ("dp", 0, api.OptionError, "mesh=0: every axis needs a whole number of devices >= 1"),
+    ("dp", {"data": 0}, api.OptionError, "mesh={'data': 0}: every axis needs a whole number of devices >= 1"),
+    ("dp", {"data": 2.5}, api.OptionError, "mesh={'data': 2.5}: every axis"),
+])
+def test_estimate_names_a_plan_or_mesh_it_cannot_price(plan: Any, mesh: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        api.estimate("zoo:gpt-tiny", plan, mesh=mesh)
 
 
 def test_prepare_placement_refuses_the_ppo_agent_s_options_for_another_agent() -> None:

@@ -238,10 +238,7 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     from hlomap.report.sharding import format_plan_summary, plot_convergence, progress_bar
 
     api.check_agent(args.task, args.agent)
-    try:
-        mesh = api.parse_mesh(args.mesh, args.task)
-    except ValueError as err:
-        raise common.CliError(f"--mesh: {err}") from None
+    mesh = api.parse_mesh(args.mesh, args.task)  # an OptionError names --mesh and the value given
     if args.budget_seconds is None and args.budget_evaluations is None and args.agent in ("dqn", "random"):
         raise common.CliError(f"--agent {args.agent} needs --budget-seconds or --budget-evaluations")
     curve = Path(args.curve) if args.curve else common.beside(output, "convergence.png")

@@ -65,8 +65,10 @@ def mesh_shape(mesh: Mapping[str, int] | int | str, task: Task | str = Task.OPP)
             raise ValueError(f"the hybrid task needs a data x model mesh such as data=2,model=8, not {mesh}")
         mesh = {"data" if task is Task.ADP else "model": mesh}
     shape = {str(k): int(v) for k, v in dict(mesh).items()}
-    if not shape or any(v < 1 for v in shape.values()):
-        raise ValueError(f"mesh {shape} needs at least one axis of size >= 1")
+    if not shape:
+        raise ValueError("a mesh needs at least one axis")
+    if any(v < 1 for v in shape.values()):
+        raise ValueError(f"every mesh axis needs a size >= 1, got {shape}")
     if task is Task.HYBRID and len(shape) < 2:
         raise ValueError(f"the hybrid task needs two mesh axes (data x model), got {shape}")
     return shape
