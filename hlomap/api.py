@@ -352,7 +352,14 @@ def check_task_options(task: str, options: Mapping[str, Any]) -> None:
     if unread:
         readers = [t for t in EXPLORE_TASKS if unread[0] in task_options(t)]
         where = f"an option of {', '.join(readers)}" if readers else "no task reads it"
+        own = _TASK_SPELLINGS.get((unread[0], task))
+        where += f"; the {task} task's is {own}" if own else ""
         raise OptionError(unread[0], options[unread[0]], f"task {task!r} does not read it ({where})")
+
+
+#: An option one task spells otherwise: (option, task) -> that task's keyword.
+_TASK_SPELLINGS = {("stages", "auto"): "max_stages", ("max_stages", "pipeline"): "stages",
+                   ("shard_optimizer_state", "auto"): "split_state"}
 
 
 #: Measured selection's bounds unless told: interleaved rounds at most, and seconds of timing.

@@ -126,6 +126,8 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(cap=42), api.InputError, "explore: expected a Capture (hlomap.capture) or a SOURCE string"),
     (dict(stages=2), api.OptionError, "stages=2: task 'opp' does not read it (an option of pipeline)"),
     (dict(task="hybrid", foo=1), api.OptionError, "foo=1: task 'hybrid' does not read it (no task reads it)"),
+    (dict(task="auto", stages=2), api.OptionError, "stages=2: task 'auto' does not read it (an option of pipeline; "
+                                                   "the auto task's is max_stages)"),
     (dict(mesh=[8]), api.OptionError, "mesh=[8]: expected a mapping such as {'data': 2, 'model': 4}, a device count"),
     (dict(budget_seconds="10"), api.OptionError, "budget_seconds='10': expected a number of seconds > 0, or None"),
     (dict(seed="a"), api.OptionError, "seed='a': expected a whole number"),
