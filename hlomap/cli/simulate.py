@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="price a pipeline or joint plan on this executor (default: the one the runner would "
                         "choose: spmd for GPipe on stages alike, else mpmd)")
     p.add_argument("--top", type=common.count, default=None, metavar="N",
-                   help="SPMD and built-in plans: slowest instructions to list (default 10)")
+                   help="SPMD and built-in plans: slowest instructions to list (default 10; with --json: "
+                        "listed as slowest_instructions only when given)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--fail-if-oom", action="store_true", help="exit with status 3 when the plan does not fit")
     p.set_defaults(func=cmd_simulate, wants_local=prices_on_local)
@@ -87,7 +88,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for note in notes if not args.json else ():
         common.note(note)
     if args.json:
-        common.print_json(simulation_json(simulation), indent=2)
+        common.print_json(simulation_json(simulation, top=args.top), indent=2)
     else:
         common.show(*format_simulation(simulation, top=10 if args.top is None else args.top, name=args.source))
     return 0 if simulation.fits or not args.fail_if_oom else common.EXIT_OOM

@@ -8,7 +8,7 @@ from hlomap.cost.collectives import Collective
 from hlomap.cost.estimate import CollectiveEstimate, InstructionEstimate, KindRow, StepEstimate
 from hlomap.report.units import human_bytes, human_flops, human_seconds
 
-__all__ = ["format_estimate", "instruction_labels"]
+__all__ = ["format_estimate", "instruction_calls", "instruction_labels"]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
@@ -27,23 +27,28 @@ def _plan_title(name: str) -> str:
     return f"plan {name}"
 
 
-def instruction_labels(instructions: Sequence[InstructionEstimate]) -> list[str]:
-    """Each instruction's name, and for one in a computation called from several places, which
-    call it is (`name (in f, call 2 of 3)`): the step runs it once per call site, so its name
-    alone would list one instruction twice."""
+def instruction_calls(instructions: Sequence[InstructionEstimate]) -> list[tuple[int, int] | None]:
+    """For each instruction in a computation called from several places, which call it is and of
+    how many ((k, n), k from 1); None for the rest. The step runs such an instruction once per
+    call site, so its name alone would list one instruction twice."""
     calls: dict[str, set[int]] = {}
     for inst in instructions:
         if inst.instance:
             calls.setdefault(inst.computation, set()).add(inst.instance)
     order = {comp: sorted(instances) for comp, instances in calls.items()}
 
-    def label(inst: InstructionEstimate) -> str:
+    def call(inst: InstructionEstimate) -> tuple[int, int] | None:
         instances = order.get(inst.computation, [])
-        if not inst.instance or len(instances) < 2:
-            return inst.name
-        return f"{inst.name} (in {inst.computation}, call {instances.index(inst.instance) + 1} of {len(instances)})"
+        return (instances.index(inst.instance) + 1, len(instances)) if inst.instance and len(instances) > 1 else None
 
-    return [label(inst) for inst in instructions]
+    return [call(inst) for inst in instructions]
+
+
+def instruction_labels(instructions: Sequence[InstructionEstimate]) -> list[str]:
+    """Each instruction's name, with the call it is where its computation is called from several
+    places (`name (in f, call 2 of 3)`, `instruction_calls`)."""
+    return [inst.name if call is None else f"{inst.name} (in {inst.computation}, call {call[0]} of {call[1]})"
+            for inst, call in zip(instructions, instruction_calls(instructions))]
 
 
 def format_estimate(est: StepEstimate, *, top: int = 10, top_kinds: int = 8) -> str:

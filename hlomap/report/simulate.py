@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hlomap.cost.pipeline.costs import latency_method
-from hlomap.report.estimate import format_estimate
+from hlomap.report.estimate import format_estimate, instruction_calls
 from hlomap.report.joint import format_joint_result, stage_devices
 from hlomap.report.placement import format_pipeline_estimate, placement_line
 from hlomap.report.units import human_seconds
@@ -56,8 +56,10 @@ def joint_executor_line(simulation: Any) -> str:
             f"{human_seconds(simulation.executor_seconds)} of the executor's own)")
 
 
-def simulation_json(simulation: Any) -> dict[str, Any]:
-    """The simulation as JSON-ready data (`hlomap simulate --json`)."""
+def simulation_json(simulation: Any, *, top: int | None = None) -> dict[str, Any]:
+    """The simulation as JSON-ready data (`hlomap simulate --json`); with `top`, an SPMD plan's
+    `top` slowest instructions too (`slowest_instructions`; `call` [k, n] for the k-th of the n
+    calls of a computation called from several places, else null)."""
     if hasattr(simulation, "result"):
         cost = simulation.result.cost
         data = {"step_seconds": cost.latency, "bottleneck_seconds": cost.bottleneck,
@@ -80,4 +82,11 @@ def simulation_json(simulation: Any) -> dict[str, Any]:
     data = simulation.estimate.to_json()
     if simulation.identity is not None:
         data["identity_order_step_seconds"] = simulation.identity.step_seconds
+    if top is not None:
+        rows = simulation.estimate.instructions
+        data["slowest_instructions"] = [
+            {"instruction": i.name, "computation": i.computation, "call": None if call is None else list(call),
+             "opcode": i.opcode, "phase": i.phase.value, "split": i.degree, "count": i.count, "flops": i.flops,
+             "bytes": i.bytes_accessed, "seconds": i.seconds}
+            for i, call in zip(rows[:top], instruction_calls(rows))]
     return data

@@ -260,10 +260,11 @@ def test_report_names_each_call_of_a_computation_called_twice() -> None:
     def scaled(v):  # type: ignore[no-untyped-def]
         return jnp.tanh(v @ v.T)
 
-    def step(x):  # type: ignore[no-untyped-def]
-        return scaled(x).sum() + scaled(2.0 * x).sum()
+    def step(params, x):  # type: ignore[no-untyped-def]
+        return scaled(x @ params["w"]).sum() + scaled(2.0 * x).sum()
 
-    cap = capture(step, jnp.ones((64, 64), jnp.float32))
+    cap = capture(step, {"w": jnp.ones((64, 64), jnp.float32)}, jnp.ones((64, 64), jnp.float32),
+                  roles={0: Role.TRAINABLE, 1: Role.DATA})
     est = estimate(cap, "dp", mesh={"data": 1})
     called = [i for i in est.instructions if i.instance]
     assert len({i.instance for i in called}) == 2  # the two call sites
@@ -274,6 +275,15 @@ def test_report_names_each_call_of_a_computation_called_twice() -> None:
     assert sorted(both) == [f"{first.name} (in {first.computation}, call {k} of 2)" for k in (1, 2)]
     table = format_estimate(est, top=len(est.instructions)).split("slowest")[1].split("collectives")[0]
     assert all(label in table for label in labels)
+    # the JSON of `hlomap simulate --json --top N` says the same in fields
+    from hlomap.api import simulate_plan
+    from hlomap.report.simulate import simulation_json
+
+    data = simulation_json(simulate_plan(cap, "dp", mesh={"data": 1}), top=len(est.instructions))
+    rows = [(r["instruction"], r["computation"], r["call"] and tuple(r["call"])) for r in data["slowest_instructions"]]
+    assert len(set(rows)) == len(rows) == len(est.instructions)
+    assert sorted(r[2] for r in rows if r[:2] == (first.name, first.computation)) == [(1, 2), (2, 2)]
+    assert "slowest_instructions" not in simulation_json(simulate_plan(cap, "dp", mesh={"data": 1}))
 
 
 def test_plan_that_does_not_fit_says_by_how_much(gpt) -> None:  # type: ignore[no-untyped-def]
