@@ -171,6 +171,8 @@ def test_explore_s_options_are_those_its_task_reads() -> None:
     ("dp", 0, api.OptionError, "mesh=0: every axis needs a whole number of devices >= 1"),
     ("dp", {"data": 0}, api.OptionError, "mesh={'data': 0}: every axis needs a whole number of devices >= 1"),
     ("dp", {"data": 2.5}, api.OptionError, "mesh={'data': 2.5}: every axis"),
+    ("dp+megatron", None, ValueError, "plan 'dp+megatron' needs its mesh: two named axes, e.g. data=2,model=4"),
+    ("dp+megatron", 8, ValueError, "plan 'dp+megatron' needs two named mesh axes, e.g. data=2,model=4; got 8"),
 ])
 def test_estimate_names_a_plan_or_mesh_it_cannot_price(plan: Any, mesh: Any, error: type, message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):

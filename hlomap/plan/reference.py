@@ -58,6 +58,9 @@ def parse_mesh_text(text: str) -> int | dict[str, int]:
 def _reference_mesh(kind: ReferencePlan, mesh: Mapping[str, int] | MeshAxes | int | None) -> dict[str, int]:
     """Name a bare device count after the plan kind (8 -> {"data": 8} for dp); no mesh means
     `DEFAULT_DEVICES`."""
+    if mesh is None and kind is ReferencePlan.HYBRID:
+        raise PlanError(f"plan {kind.value!r} needs its mesh: two named axes, e.g. {DATA_AXIS}=2,{MODEL_AXIS}=4 "
+                         "(--mesh on the command line)")
     if mesh is None:
         mesh = DEFAULT_DEVICES
     if isinstance(mesh, int):
