@@ -1068,7 +1068,10 @@ def other_cluster_warning(plan: Any, cluster: Any) -> str | None:
 def other_cluster_note(plan: Any, cluster: Any) -> str | None:
     """A note when `plan` (a file) was explored and priced on another cluster than `cluster`:
     pricing it elsewhere is what simulate is for, but a default --cluster may not be what the
-    user meant. None for a built-in plan or the same cluster."""
+    user meant. None for a built-in plan or the same cluster, and for a placed plan: the cluster
+    it was placed on is the one that counts (`other_cluster_warning`)."""
+    if getattr(plan, "placement", None) is not None:
+        return None
     estimate = getattr(plan, "estimate", None) or {}
     explored_on = estimate.get("cluster")
     name = getattr(cluster, "name", str(cluster))
@@ -1099,8 +1102,18 @@ def _cluster_spelling(cluster_name: str) -> str | None:
     return cluster_name
 
 
+def _made_for(estimate: Any, placement: Any) -> str | None:
+    """The cluster name a plan was made for: the one its placement chose devices on, else the one
+    its estimate priced it on (from their JSON)."""
+    for section in (placement, estimate):
+        cluster = section.get("cluster") if isinstance(section, Mapping) else None
+        if isinstance(cluster, str) and cluster:
+            return cluster
+    return None
+
+
 def saved_plan_cluster(path: str | Path) -> str | None:
-    """The cluster name a plan file's estimate records, read from its JSON alone (nothing
+    """The cluster name a plan file was made for (`_made_for`), read from its JSON alone (nothing
     started: a plan explored on `local` needs the host devices set up before JAX starts); None
     when the file is not a plan JSON or records none."""
     from hlomap.plan import PlanError
@@ -1110,16 +1123,16 @@ def saved_plan_cluster(path: str | Path) -> str | None:
         data = read_plan_json(path)
     except (PlanError, OSError):
         return None
-    estimate = data.get("estimate") if isinstance(data, dict) else None
-    cluster = estimate.get("cluster") if isinstance(estimate, dict) else None
-    return cluster if isinstance(cluster, str) else None
+    return _made_for(data.get("estimate"), data.get("placement")) if isinstance(data, dict) else None
 
 
 def explored_cluster(plan: Any) -> str | None:
-    """The cluster a saved plan was explored on, spelt as --cluster takes it (a preset, a topology
-    string, `local`); None for a built-in plan or a cluster only its file names."""
-    explored_on = (getattr(plan, "estimate", None) or {}).get("cluster")
-    return _cluster_spelling(explored_on) if isinstance(explored_on, str) and explored_on else None
+    """The cluster a saved plan was made for (placed on, else explored on), spelt as --cluster
+    takes it (a preset, a topology string, `local`); None for a built-in plan or a cluster only
+    its file names."""
+    placement = getattr(plan, "placement", None)
+    made_for = _made_for(getattr(plan, "estimate", None), placement.to_json() if placement is not None else None)
+    return _cluster_spelling(made_for) if made_for else None
 
 
 # ---------------------------------------------------------------------------------------------

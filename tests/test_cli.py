@@ -394,6 +394,12 @@ def test_place_a_pipeline_plan_on_a_torus_and_simulate_it(tmp_path: Path, capsys
     assert simulated["model_step_seconds"] == pytest.approx(placement["step_seconds"], rel=1e-9)
     assert run(["simulate", "zoo:gpt-tiny", "--plan", str(placed_path), "--cluster", "torus:4x4"]) == 0
     assert "identity order" in capsys.readouterr().out
+    # without --cluster a placed plan is priced where it was placed, not where it was explored
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(placed_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == simulated
+    assert run(["simulate", "zoo:gpt-tiny", "--plan", str(placed_path)]) == 0
+    err = capsys.readouterr().err
+    assert "note: pricing on torus:4x4, the cluster the plan was placed on" in err and "explored on" not in err
 
 
 @pytest.mark.slow  # 20 s; a placed SPMD plan's run: tests/run/test_executors.py

@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="device mesh; a bare count names its axis after the plan (data for dp, model for megatron)."
                         " Default: 8, or the saved plan's mesh")
     p.add_argument("--cluster", metavar=common.CLUSTER_METAVAR,
-                   help=f"{common.CLUSTER_HELP} (default: the cluster a saved plan was explored on, where --cluster "
-                        "can name it: a preset, a topology or local; else A)")
+                   help=f"{common.CLUSTER_HELP} (default: the cluster a saved plan was placed on, else explored on, "
+                        "where --cluster can name it: a preset, a topology or local; else A)")
     p.add_argument("--profile", metavar="PROFILE.json", help=common.PROFILE_HELP)
     p.add_argument("--axis-order", metavar="AXES",
                    help="mesh axes from outermost to innermost on the devices, e.g. data,model keeps model "
@@ -73,7 +73,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                      "dp+megatron splits the batch on data and the weights on model")
     spelling = args.cluster or api.explored_cluster(plan) or "A"
     if args.cluster is None and spelling != "A":
-        notes.append(f"pricing on {spelling}, the cluster the plan was explored on (--cluster prices it elsewhere)")
+        how = "placed" if getattr(plan, "placement", None) is not None else "explored"
+        notes.append(f"pricing on {spelling}, the cluster the plan was {how} on (--cluster prices it elsewhere)")
     cluster = common.cluster_argument(spelling, args.profile)  # before the capture: fail fast
     warnings = [w for w in (api.other_cluster_warning(plan, cluster),) if w]
     notes += [n for n in (api.other_cluster_note(plan, cluster),) if n]
