@@ -24,7 +24,13 @@ def _devices(devices: Sequence[int]) -> str:
 
 
 def _gain(step: float, identity: float) -> str:
-    return f"{100 * (1 - step / identity):+.3f}%" if identity > 0 else "-"
+    """The placed step against the identity order's, in words (a signed percentage read either way)."""
+    if not identity > 0:
+        return "-"
+    change = 100 * (step / identity - 1)
+    if abs(change) < 0.05:
+        return "the same"
+    return f"{abs(change):.1f}% {'less' if change < 0 else 'more'} time"
 
 
 def format_placement(problem: PlacementProblem, result: SearchResult) -> Any:
@@ -37,7 +43,8 @@ def format_placement(problem: PlacementProblem, result: SearchResult) -> Any:
     placed = result.plan
     head = Text.assemble((problem.name, "bold"), f"  placed by {result.driver.value}: step "
                          f"{human_seconds(placed.step_seconds)} (identity order {human_seconds(placed.identity_seconds)}"
-                         f", {_gain(placed.step_seconds, placed.identity_seconds)}); {counted(result.evaluations, 'evaluation')} "
+                         f"; placed: {_gain(placed.step_seconds, placed.identity_seconds)}); "
+                         f"{counted(result.evaluations, 'evaluation')} "
                          f"in {result.seconds:.1f} s" + (", optimal" if result.optimal else ""))
     table = Table(show_edge=False)
     layout = problem.layout
@@ -61,7 +68,7 @@ def placement_line(placement: Placement, step: float, identity_step: float) -> s
     """One line for `hlomap simulate` on a placed plan."""
     return (f"placement ({placement.solver or 'given'}, chosen for {placement.cluster or 'an unnamed cluster'}): "
             f"step {human_seconds(step)}; identity order {human_seconds(identity_step)} "
-            f"({_gain(step, identity_step)})")
+            f"(placed: {_gain(step, identity_step)})")
 
 
 def format_pipeline_estimate(est: PipelineEstimate, cluster: str, placement: Placement | None) -> str:
