@@ -63,6 +63,7 @@ __all__ = [
     "check_run",
     "calibrate",
     "check_calibration",
+    "check_replaceable_cluster_file",
     "check_writable",
     "dump_zoo",
     "zoo_hlo",
@@ -810,6 +811,25 @@ def check_writable(path: str | Path, example: str = "plan.json") -> None:
         raise InputError(f"{path}: not writable ({problem})")
     if path.exists() and not _opens_for_append(path):
         raise InputError(f"{path}: not writable")
+
+
+def check_replaceable_cluster_file(path: str | Path) -> None:
+    """InputError when `path` holds something other than a cluster file: `hlomap calibrate -o`
+    replaces a cluster file it wrote before, never a plan (or any other file) a slip of the name
+    would overwrite with a minute's measurement."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if isinstance(data, Mapping) and "devices" in data and ("calibration" in data or "bandwidth" in data):
+        return
+    what = "a plan" if isinstance(data, Mapping) and "mesh" in data and "parameters" in data else "not a cluster file"
+    raise InputError(f"{path}: exists and is {what}; calibrate writes cluster files: name another file (or remove it)")
 
 
 def _opens_for_append(path: Path) -> bool:

@@ -443,6 +443,25 @@ def test_dash_as_the_output_is_refused_not_written_as_a_file_named_dash(
     assert not (tmp_path / "-").exists()
 
 
+def test_calibrate_does_not_overwrite_a_plan_or_another_file(
+        tmp_path: Path, saved: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-o plan.json` by a slip of the name: refused before a minute of measuring, the file kept;
+    a cluster file written before is replaced as asked."""
+    from hlomap import api
+
+    monkeypatch.setattr("hlomap.api.calibrate", _never("the calibration"))
+    plan = tmp_path / "opp.json"
+    plan.write_text(json.dumps({"version": 1, "mesh": {"axes": {"model": 8}}, "parameters": [], "source": {}}))
+    assert run(["calibrate", "--quick", "-o", str(plan)]) == 2
+    _one_line_error(capsys, str(plan), "exists and is a plan; calibrate writes cluster files")
+    assert run(["calibrate", "--quick", "-o", str(saved)]) == 2
+    _one_line_error(capsys, str(saved), "exists and is not a cluster file")
+    assert saved.read_text() == SAVED and json.loads(plan.read_text())["version"] == 1
+    cluster = Path(__file__).parent / "data" / "clusters" / "cpu8.cluster.json"
+    api.check_replaceable_cluster_file(cluster)  # a cluster file: replaced as asked
+    api.check_replaceable_cluster_file(tmp_path / "new.json")  # nothing there yet
+
+
 def test_zoo_dump_to_dash_prints_the_hlo(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

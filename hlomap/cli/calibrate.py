@@ -68,6 +68,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.local:  # the cache is ours to make: a fresh machine has no ~/.cache/hlomap/clusters yet
         api.check_cache_folder(output.parent)
     api.check_writable(output, "cluster.json")  # before measuring: never measure for a minute, then fail to save
+    if not args.local:  # the cache's file is ours: --local measures it again whatever it holds
+        api.check_replaceable_cluster_file(output)
     with calibration_bar(not args.quiet) as on_progress:
         cluster, calibration = api.calibrate(args.devices, quick=args.quick, on_progress=on_progress)
     common.show(*format_calibration(cluster, calibration))

@@ -269,6 +269,11 @@ def _explore_sharding(args: argparse.Namespace, output: Path) -> int:
     return _finish(found.result.interrupted, api.plan_fits(found.plan), args.fail_if_oom)
 
 
+def _how_much_faster(speedup: float) -> str:
+    """`2.3x faster`, or `4% faster` where a ratio would round to 1.0x."""
+    return f"{speedup:.1f}x faster" if speedup >= 1.1 else f"{100 * (speedup - 1):.0f}% faster"
+
+
 def _note_one_device(cap: Any, plan: Any, cluster: Any, graph: Any) -> None:
     """A note where the whole step on one device is priced faster than the plan found: the
     task searched the mesh it was given, but the user wants the fastest plan."""
@@ -277,7 +282,7 @@ def _note_one_device(cap: Any, plan: Any, cluster: Any, graph: Any) -> None:
         return
     shared = f"the host's {faster.cores} cores" if faster.cores else "their hardware"
     common.note(f"the whole step on one device is priced at {1e3 * faster.one_device_seconds:.2f} ms per step, "
-                f"{faster.speedup:.1f}x faster than this plan on {faster.plan_devices} devices "
+                f"{_how_much_faster(faster.speedup)} than this plan on {faster.plan_devices} devices "
                 f"({1e3 * faster.plan_seconds:.2f} ms): they share {shared}, so one device alone computes faster "
                 "than each of them busy; --task auto plans for that")
 

@@ -64,8 +64,9 @@ def format_pipeline_result(result: PipelineResult) -> Any:
                        str(stage.replication), Text(human_bytes(mem), style=style),
                        human_bytes(cap))
     lines = [
-        Text(f"device cuts: {list(result.device_cuts)} "
-             f"({'on' if result.on_node_boundaries else 'not all on'} server boundaries)") if result.cuts
+        Text(f"device cuts: {list(result.device_cuts)}" + (
+            "" if result.on_node_boundaries is None
+            else f" ({'on' if result.on_node_boundaries else 'not all on'} server boundaries)")) if result.cuts
         else Text("one stage: no cuts"),
         Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms by the "
              f"{latency_method(result.plan.schedule, result.plan.repeats)}; bottleneck "

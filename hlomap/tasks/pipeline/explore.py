@@ -118,7 +118,7 @@ class PipelineResult:
     device_cuts: tuple[int, ...]
     replication: tuple[int, ...]
     device_memory: tuple[float, ...]  # capacity of each stage's smallest device
-    on_node_boundaries: bool
+    on_node_boundaries: bool | None  # None on one server, where every cut is within it
     search_seconds: float
     episodes: int
     optimum: float | None  # the DP's L (or bottleneck) when compared, else None
@@ -376,7 +376,7 @@ def explore_pipeline(
             simulation=simulation, executor=executor, step_seconds=step, cluster=cluster.name,
             cuts=_describe(hlo, used, plan, order), device_cuts=device_cuts, replication=plan.replication,
             device_memory=tuple(group_memory(cluster, stage.devices) for stage in plan.stages),
-            on_node_boundaries=all(is_node_boundary(cluster, d) for d in device_cuts),
+            on_node_boundaries=None if cluster.n_nodes == 1 else all(is_node_boundary(cluster, d) for d in device_cuts),
             search_seconds=time.perf_counter() - start, episodes=episodes_run, optimum=optimum,
             objective=objective, interrupted=interrupted, order=order,
             straight_value=None if downsets is None else downsets.straight_value,

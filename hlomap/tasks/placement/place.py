@@ -130,7 +130,7 @@ def problem_from_plan(plan: Plan, cluster: Cluster, *, estimate: StepEstimate | 
     identity = plan.logical_devices()
     if len(identity) > cluster.n_devices:
         raise PlacementError(f"{where}: the plan has {len(identity)} logical positions but cluster {cluster.name!r} "
-                             f"has only {cluster.n_devices} devices")
+                             f"has only {cluster.n_devices} device{'s' if cluster.n_devices != 1 else ''}")
     if max(identity, default=0) >= cluster.n_devices:
         raise PlacementError(f"{where}: the plan uses device {max(identity)} but cluster {cluster.name!r} has "
                              f"{cluster.n_devices} devices")

@@ -254,7 +254,7 @@ class PlacementProblem:
         n, d = self.layout.n_positions, self.cluster.n_devices
         if n > d:
             raise PlacementError(f"the plan has {n} logical positions but cluster {self.cluster.name!r} "
-                                 f"has only {d} devices")
+                                 f"has only {d} device{'s' if d != 1 else ''}")
         identity = tuple(range(n)) if self.identity is None else tuple(int(x) for x in self.identity)
         check_placement(self, identity, what="identity placement")
         object.__setattr__(self, "identity", identity)

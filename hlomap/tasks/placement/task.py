@@ -181,7 +181,9 @@ class PlacementTask:
         priced within the budget."""
         d = self.problem.n_devices
         if math.factorial(d) > limit:
-            raise PlacementTooLarge(f"exact placement enumerates {d}! = {math.factorial(d)} permutations of the "
+            count = math.factorial(d)
+            count_text = str(count) if count < 10**12 else f"about 10^{len(str(count)) - 1}"
+            raise PlacementTooLarge(f"exact placement enumerates {d}! = {count_text} permutations of the "
                                     f"devices of {self.problem.cluster.name!r}, more than its limit {limit}; "
                                     "use greedy")
         hood = self.neighbourhood(self.identity)
