@@ -44,3 +44,9 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'hlomap' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The public names too (they are imported on first use), so that `dir(hlomap)` and tab
+    completion show the API."""
+    return sorted(set(globals()) | set(__all__))
