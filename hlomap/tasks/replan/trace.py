@@ -282,10 +282,11 @@ class Trace:
         if not isinstance(data["events"], list):
             raise TraceError(f"{where}: field 'events': expected a list")
         events = tuple(_event(e, f"{where}: events[{i}]") for i, e in enumerate(data["events"]))
+        name = str(data.get("name", where))
         try:
-            return cls(str(data.get("name", where)), cluster, float(horizon), events)
-        except TraceError as err:
-            raise TraceError(f"{where}: {err}") from None
+            return cls(name, cluster, float(horizon), events)
+        except TraceError as err:  # named once: where it was read from, not again by its name
+            raise TraceError(f"{where}: {str(err).removeprefix(f'trace {name!r}: ')}") from None
 
 
 def _rebuilds(cluster: Cluster) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -103,5 +104,14 @@ def test_bad_traces_name_the_field(mutate, message, tmp_path):
     mutate(data)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(TraceError, match=message):
+    with pytest.raises(TraceError, match=message) as raised:
+        load_trace(path)
+    assert str(raised.value).count("bad.json") == 1  # named once, where it was read from
+
+
+def test_a_trace_named_after_its_file_is_named_once_in_an_error(tmp_path):
+    path = tmp_path / "strag.json"
+    path.write_text(json.dumps({"version": 1, "name": str(path), "cluster": "hier:2x2", "horizon_seconds": -5,
+                                "events": []}))
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}: horizon_seconds = -5.0 must be positive$"):
         load_trace(path)
