@@ -69,6 +69,13 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 
 
+def _operand_column(line: str, operand: str, default: int) -> int:
+    """The 1-based column of `operand` in an instruction's operand list on `line` (after the first
+    `(`, as a whole name, `%` or not), so that a caret points at it; `default` when not found."""
+    found = re.search(r"[(,]\s*%?(" + re.escape(operand) + r")\s*[,)]", line[line.find("("):]) if "(" in line else None
+    return line.find("(") + found.start(1) + 1 if found else default
+
+
 class HloParseError(ValueError):
     """Malformed HLO text. Names the file, 1-based line and column, what was expected there and
     what was found; `str()` adds the offending source line and a caret under the column."""
@@ -551,10 +558,11 @@ class _Parser:
             for operand in inst.operands + (inst.control_predecessors if inst.attributes else ()):
                 if operand not in names:
                     loc = inst.location
+                    text = self._source_line(loc.line)
                     raise HloParseError(
-                        self.filename, loc.line, loc.column,
+                        self.filename, loc.line, _operand_column(text, operand, loc.column),
                         f"operands of '{inst.name}' to be instructions of computation "
-                        f"'{name}'", f"unknown operand {operand!r}", self._source_line(loc.line),
+                        f"'{name}'", f"unknown operand {operand!r}", text,
                     )
         if not roots:
             instructions[-1] = replace(instructions[-1], is_root=True)

@@ -453,7 +453,9 @@ GOOD = "HloModule m\n\nENTRY e {\n  a = f32[2] parameter(0)\n  ROOT b = f32[2] n
         (GOOD.replace("b = f32", "b f32"), 5, 10, "'=' after instruction name 'b'"),
         (GOOD.replace("f32[2] negate", "f99[2] negate"), 5, 12, "a known element type"),
         (GOOD.replace("negate(a)", "negate(a"), 6, 1, "',' or ')' in the operand list"),
-        (GOOD.replace("negate(a)", "negate(q)"), 5, 3, "operands of 'b' to be instructions"),
+        (GOOD.replace("negate(a)", "negate(q)"), 5, 26, "operands of 'b' to be instructions"),  # the caret at q
+        (GOOD.replace("ROOT b = f32[2] negate(a)", "ROOT b = (f32[2], f32[2]) tuple(%a, %q)"), 5, 40,
+         "operands of 'b' to be instructions"),
         (GOOD.replace("f32[2] negate", "f32[2 negate"), 5, 18, "',' or ']' in the dimensions"),
         (GOOD.replace("parameter(0)", "parameter(x)"), 4, 24, "a parameter number"),
         (GOOD.replace("negate(a)", "negate(a), metadata={op_name=\"x\""), 7, 1, "'}' to close"),
