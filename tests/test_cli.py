@@ -384,7 +384,7 @@ def test_place_a_pipeline_plan_on_a_torus_and_simulate_it(tmp_path: Path, capsys
     assert run(["place", str(plan_path), "--cluster", "torus:4x4", "--budget-evaluations", "3000", "-q",
                 "-o", str(placed_path)]) == 0
     out = capsys.readouterr().out
-    assert "placed by greedy" in out and "stage" in out
+    assert "placed by greedy: step " in out and " by the closed form (identity order " in out and "stage" in out
     placement = json.loads(placed_path.read_text())["placement"]
     assert placement["cluster"] == "torus:4x4" and sorted(placement["devices"]) == list(range(16))
     assert placement["step_seconds"] < placement["identity_step_seconds"]

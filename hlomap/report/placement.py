@@ -9,7 +9,7 @@ from hlomap.plan import Placement
 from hlomap.cost.pipeline.costs import latency_method
 from hlomap.report.units import counted, human_seconds
 from hlomap.tasks.placement.place import PipelineEstimate
-from hlomap.tasks.placement.problem import MeshLayout, PlacementProblem
+from hlomap.tasks.placement.problem import JointLayout, MeshLayout, PlacementProblem, StageLayout
 from hlomap.search.tracker import SearchResult
 
 __all__ = ["format_pipeline_estimate", "format_placement", "placement_line", "solver_table"]
@@ -41,13 +41,18 @@ def format_placement(problem: PlacementProblem, result: SearchResult) -> Any:
     from rich.text import Text
 
     placed = result.plan
+    layout = problem.layout
+    # what the search minimised: a pipeline's schedule by its closed form (simulate also runs the
+    # event timeline and adds the executor's own cost), a joint plan's L
+    priced = (f" by the {latency_method(layout.schedule, layout.repeats)}" if isinstance(layout, StageLayout)
+              else " by the joint planner's L" if isinstance(layout, JointLayout) else "")
     head = Text.assemble((problem.name, "bold"), f"  placed by {result.driver.value}: step "
-                         f"{human_seconds(placed.step_seconds)} (identity order {human_seconds(placed.identity_seconds)}"
+                         f"{human_seconds(placed.step_seconds)}{priced} (identity order "
+                         f"{human_seconds(placed.identity_seconds)}"
                          f"; placed: {_gain(placed.step_seconds, placed.identity_seconds)}); "
                          f"{counted(result.evaluations, 'evaluation')} "
                          f"in {result.seconds:.1f} s" + (", optimal" if result.optimal else ""))
     table = Table(show_edge=False)
-    layout = problem.layout
     devices = list(placed.devices)
     if isinstance(layout, MeshLayout):
         first, size = layout.axes[0]
