@@ -64,6 +64,29 @@ def test_load_source_reads_a_users_step_file() -> None:
         api.load_source(f"{USER_STEP}:nowhere")
 
 
+def test_a_step_file_imports_the_modules_beside_it_wherever_it_is_run(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `python FILE.py` would: the file's folder is on the path while it imports; and a function
+    returning its pair the wrong way round says what it returned."""
+    from hlomap.run.errors import RunError
+    from hlomap.run.source import load_step_file
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "shared_layers_28.py").write_text("def double(x):\n    return 2 * x\n")
+    (models / "main_28.py").write_text(
+        "import numpy as np\nfrom shared_layers_28 import double\n\n"
+        "def make():\n    return (lambda p, x: double(p) * x), (np.ones(2), np.ones(2))\n\n"
+        "def swapped():\n    step, args = make()\n    return args, step\n")
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # the folder added is undone after the test
+    step, args = load_step_file(f"{models / 'main_28.py'}:make")
+    assert float(step(*args)[0]) == 2.0
+    with pytest.raises(RunError, match=r"must return \(train_step, example_args\).*it returned a tuple of "
+                                           r"tuple, function"):
+        load_step_file(f"{models / 'main_28.py'}:swapped")
+
+
 def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:
     simulation = api.simulate_plan("zoo:gpt-tiny", "dp", cluster="A", mesh={"data": 8})
     assert isinstance(simulation, api.SpmdSimulation) and simulation.identity is None

@@ -30,6 +30,10 @@ def load_step_file(spec: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         raise RunError(f"--source {spec}: cannot import {path}")
     module = importlib.util.module_from_spec(loader)
     sys.modules[module_name] = module
+    # As `python FILE.py` would: the file's folder first on the path, so its own modules import
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         loader.loader.exec_module(module)
     except Exception as err:  # the user's file: report its error in one line
@@ -45,6 +49,8 @@ def load_step_file(spec: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         raise RunError(f"--source {spec}: {name}() failed: {type(err).__name__}: {err}") from None
     if not (isinstance(result, tuple) and len(result) == 2 and callable(result[0])
             and isinstance(result[1], (tuple, list))):
+        got = (f"a tuple of {', '.join(type(x).__name__ for x in result)}" if isinstance(result, tuple)
+               else type(result).__name__)
         raise RunError(f"--source {spec}: {name}() must return (train_step, example_args), a function and a tuple "
-                       f"of its arguments; it returned {type(result).__name__}")
+                       f"of its arguments; it returned {got}")
     return result[0], tuple(result[1])
