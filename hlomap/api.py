@@ -279,16 +279,21 @@ PIPELINE_AGENTS = ("dqn", "dqn-infer", "dp")
 
 def check_agent(task: str, agent: Any) -> None:
     """OptionError unless `agent` is a search `task` runs (`SHARDING_AGENTS`, `PIPELINE_AGENTS`;
-    the auto task takes none): checked before anything is loaded."""
+    the auto task takes none; None: the task's default): checked before anything is loaded."""
+    if agent is None:
+        return
     name = str(getattr(agent, "value", agent))
     agents = SHARDING_AGENTS if task in ("opp", "adp", "hybrid") else PIPELINE_AGENTS if task == "pipeline" else None
     if agents is not None and name not in agents:
         raise OptionError("agent", name, f"the {task} task takes {', '.join(agents)}")
 
 
-#: The sharding tasks' mesh and reward where `explore` is given none.
+#: The sharding tasks' mesh and reward, and the searches' agent and budget, where `explore` is
+#: given none (the auto task's joint planner is exact: it takes no agent and no budget).
 DEFAULT_EXPLORE_MESH = 8
 DEFAULT_REWARD = "paper"
+DEFAULT_AGENT = "dqn"
+DEFAULT_BUDGET_SECONDS = 60.0
 #: explore's tasks, and the keywords of the searches each hands its options to: what it reads.
 EXPLORE_TASKS = ("opp", "adp", "hybrid", "pipeline", "auto")
 #: Keywords `explore` takes itself (positional there), not options of a task's search.
@@ -311,7 +316,7 @@ def task_options(task: str) -> frozenset[str]:
 
 
 def check_explore_arguments(task: str, mesh: Any, budget_seconds: Any, seed: Any, reward: Any,
-                            options: Mapping[str, Any]) -> None:
+                            options: Mapping[str, Any], agent: Any = None) -> None:
     """OptionError for an argument of `explore` of the wrong type or value, named as given, before
     anything is loaded (each reached Python's own TypeError or an enum's ValueError deep inside)."""
     from hlomap.cost.pipeline.stages import Schedule
@@ -322,6 +327,11 @@ def check_explore_arguments(task: str, mesh: Any, budget_seconds: Any, seed: Any
         if value is not None and task in ("pipeline", "auto"):  # they choose their stages' meshes
             raise OptionError(given, value, f"task {task!r} does not read it (an option of opp, adp, hybrid); "
                                             f"the {task} task chooses its stages' devices itself")
+    for given, value, unset in (("agent", agent, agent is None),
+                                ("budget_seconds", budget_seconds, budget_seconds == DEFAULT_BUDGET_SECONDS)):
+        if task == "auto" and not unset:
+            raise OptionError(given, value, "task 'auto' does not read it (an option of opp, adp, hybrid, pipeline): "
+                                            "its joint planner is exact, a search with no agent and no budget")
     if not (mesh is None or isinstance(mesh, (Mapping, str)) or _whole(mesh)):
         raise OptionError("mesh", mesh, "expected a mapping such as {'data': 2, 'model': 4}, a device count such as "
                                         "8, or text such as 'data=2,model=4'")
@@ -380,7 +390,7 @@ def explore_detailed(cap: Capture, task: Any = "opp", mesh: Mapping[str, int] | 
 
 
 def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int | str | None = None, cluster: Any = "A",
-            agent: Any = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, reward: Any = None,
+            agent: Any = None, budget_seconds: float | None = DEFAULT_BUDGET_SECONDS, seed: int = 0, reward: Any = None,
             *, measure: int | Any = 0, measure_rounds: int = MEASURE_ROUNDS,
             measure_budget_seconds: float | None = MEASURE_BUDGET_SECONDS,
             runnable: tuple[Callable[..., Any], Sequence[Any]] | None = None,
@@ -391,7 +401,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     (both, on a data x model mesh). mesh: `{"model": 8}`, `8` or `"data=2,model=8"` (default 8). cluster: a
     preset name ("A", "B", "C"), a topology string ("hier:2x4", "torus:4x4", ...), "local" (the
     devices JAX sees, calibrated on first use), a JSON path or a Cluster (used by the cost reward
-    and for the plan's estimate; it must have the mesh's devices). agent: "dqn", "random",
+    and for the plan's estimate; it must have the mesh's devices). agent: "dqn" (default), "random",
     "greedy" or "exact". reward: "paper" (default) or "cost". Options: budget_evaluations, output (path
     saved as the search runs), graph, replicate_residual, dqn_config, with_estimate, on_progress.
 
@@ -422,7 +432,8 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     name = str(getattr(task, "value", task))
     check_agent(name, agent)
     check_task_options(name, options)
-    check_explore_arguments(name, mesh, budget_seconds, seed, reward, options)
+    check_explore_arguments(name, mesh, budget_seconds, seed, reward, options, agent)
+    agent = DEFAULT_AGENT if agent is None else agent
     mesh = DEFAULT_EXPLORE_MESH if mesh is None else mesh
     if name in ("opp", "adp", "hybrid"):
         parse_mesh(mesh, name)  # a mesh it cannot use, named before anything is loaded

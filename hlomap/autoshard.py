@@ -84,7 +84,7 @@ class AutoShardConfig:
     mesh: int | tuple[tuple[str, int], ...] | None
     cluster: Any
     task: Task
-    agent: str
+    agent: str | None  # None: the task's default
     budget_seconds: float | None
     seed: int
     cache_dir: Path | None
@@ -490,7 +490,7 @@ class AutoShardedStep:
 
         config = self.config
         # the auto task's joint planner is exact (a DP over stage plans): it takes no agent
-        how = "exact" if config.task is Task.AUTO else config.agent
+        how = "exact" if config.task is Task.AUTO else config.agent or "dqn"
         log.info("auto_shard %s: no cached plan; exploring %s on %s (%s, budget %s s)", self.__name__,
                  config.task.value, cluster.name, how, config.budget_seconds)
         options = dict(config.options)
@@ -502,8 +502,9 @@ class AutoShardedStep:
                 options["runnable"] = (self.__wrapped__, args)
             if not config.task.plans_its_mesh:  # the pipeline and joint tasks take the cluster's devices
                 options["mesh"] = mesh
-            return explore(cap, task=config.task.value, cluster=cluster, agent=config.agent,
-                           budget_seconds=config.budget_seconds, seed=config.seed, **options)
+            if config.task is not Task.AUTO:  # the joint planner is exact: no agent, no budget
+                options.update(agent=config.agent, budget_seconds=config.budget_seconds)
+            return explore(cap, task=config.task.value, cluster=cluster, seed=config.seed, **options)
 
 
 def _runnable(step: Callable[..., Any], plan: Any, cap: Any) -> Callable[..., Any]:
@@ -550,7 +551,7 @@ def _progress(enabled: bool | None, description: str) -> Iterator[Callable[[Any]
 
 
 def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str, int] | str | None = None,
-               cluster: Any = "local", task: Task | str = Task.AUTO, agent: str = "dqn",
+               cluster: Any = "local", task: Task | str = Task.AUTO, agent: str | None = None,
                budget_seconds: float | None = 60.0, seed: int = 0,
                cache_dir: str | os.PathLike[str] | None = None, cache: bool = True,
                plan: str | os.PathLike[str] | None = None, progress: bool | None = None,
@@ -567,7 +568,9 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
       a cluster JSON file or a Cluster;
       its first N devices for a mesh of N devices.
     task: "opp", "adp", "hybrid", "pipeline" or "auto" (`hlomap.api.explore`).
-    agent, budget_seconds, seed, **options: passed to `hlomap.api.explore`.
+    agent, budget_seconds, seed, **options: passed to `hlomap.api.explore` (agent and
+      budget_seconds: the searches of opp, adp, hybrid and pipeline; the auto task's joint planner
+      is exact and refuses them).
     cache_dir: the plan cache (default $HLOMAP_CACHE_DIR or ~/.cache/hlomap); cache=False: none.
       Created and probed now: a folder given that cannot be written raises ValueError naming it;
       an unwritable default warns and runs without a cache.
@@ -594,7 +597,7 @@ def auto_shard(fn: Callable[..., Any] | None = None, *, mesh: int | Mapping[str,
     return decorate if fn is None else decorate(fn)
 
 
-def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, task: Task | str, agent: str,
+def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, task: Task | str, agent: str | None,
                 budget_seconds: float | None, seed: int, cache_dir: str | os.PathLike[str] | None, cache: bool,
                 plan: str | os.PathLike[str] | None, progress: bool | None,
                 options: Mapping[str, Any], measure: int | Any = 0, measure_rounds: int = 10,
@@ -607,6 +610,11 @@ def make_config(*, mesh: int | Mapping[str, int] | str | None, cluster: Any, tas
         task = Task(getattr(task, "value", task))
     except ValueError:
         raise ValueError(f"auto_shard: task={task!r}; one of {', '.join(t.value for t in Task)}") from None
+    for name, value, given in (("agent", agent, agent is not None), ("budget_seconds", budget_seconds,
+                                                                       budget_seconds != 60.0)):
+        if task is Task.AUTO and given:
+            raise ValueError(f"auto_shard: {name}={value!r}: the auto task (the default) plans with an exact joint "
+                             "planner, which takes no agent and no budget; give task= a search task to use it")
     if isinstance(mesh, str):
         try:
             mesh = parse_mesh_text(mesh)

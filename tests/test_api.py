@@ -158,6 +158,9 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(task="pipeline", agent="dp", reward="cost"), api.OptionError,
      "reward='cost': task 'pipeline' does not read it (an option of opp, adp, hybrid); the pipeline task chooses"),
     (dict(task="auto", mesh=4), api.OptionError, "mesh=4: task 'auto' does not read it (an option of opp, adp, hybrid)"),
+    (dict(task="auto", agent="banana"), api.OptionError, "agent='banana': task 'auto' does not read it (an option of "
+                                                        "opp, adp, hybrid, pipeline): its joint planner is exact"),
+    (dict(task="auto", budget_seconds=0.001), api.OptionError, "budget_seconds=0.001: task 'auto' does not read it"),
     (dict(mesh=-2), api.OptionError, "mesh=-2: every mesh axis needs a size >= 1, got {'model': -2}"),
     (dict(mesh="data=2,model=x"), api.OptionError, "mesh='data=2,model=x': expected N or NAME=SIZE[,NAME=SIZE...], "
                                                    "got 'model=x'"),

@@ -247,6 +247,12 @@ def test_bad_arguments_fail_when_decorating(tmp_path: Path) -> None:
         hlomap.auto_shard(task="fast")
     with pytest.raises(ValueError, match=r"mesh=\[8\]"):
         hlomap.auto_shard(mesh=[8])
+    # the default task's joint planner is exact: a search's agent or budget would be ignored
+    with pytest.raises(ValueError, match=r"budget_seconds=10: the auto task \(the default\) plans with an exact"):
+        hlomap.auto_shard(budget_seconds=10)
+    with pytest.raises(ValueError, match=r"agent='greedy': the auto task"):
+        hlomap.auto_shard(agent="greedy")
+    hlomap.auto_shard(task="opp", agent="greedy", budget_seconds=10, cache=False)  # a search task reads them
 
 
 @pytest.mark.slow
