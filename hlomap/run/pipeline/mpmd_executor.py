@@ -700,6 +700,7 @@ class MpmdPipeline:
         """(loss, aux leaves, gradient leaves) of the marked call (host arrays)."""
         program = self.program
         traced = program.traced
+        program.check_arguments(rest)
         params, opt_state = self._stage_state(params, opt_state)
         loss, grads, aux, _ = self._gradients(params, opt_state, rest)
         aux_out = []
@@ -729,6 +730,7 @@ class MpmdPipeline:
         update = program.update
         n_state = traced.state_leaves
         final: dict[str, Any] = {}
+        program.check_arguments(rest)
         params, opt_state = self._stage_state(params, opt_state)
         loss, grads, aux, args = self._gradients(params, opt_state, rest, record=record, final=final)
         new_parts: list[dict[int, Any]] = []

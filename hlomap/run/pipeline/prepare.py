@@ -34,7 +34,7 @@ from hlomap.run.pipeline.cuts import StageAssignment, assign_stages
 from hlomap.run.pipeline.loss_split import LossSplit, checkpointed_layers, split_loss
 from hlomap.run.pipeline.section import DATA_AXIS, PipelineSection
 from hlomap.run.pipeline.stage_update import UpdatePlan, plan_update
-from hlomap.run.trace import InputKind, TracedStep, microbatch_args, trace_step
+from hlomap.run.trace import STATE_ARGS, InputKind, TracedStep, microbatch_args, trace_step
 
 if TYPE_CHECKING:
     from hlomap.hlo.capture import Capture
@@ -76,6 +76,32 @@ class PipelineProgram:
             raise RunError(f"the pipeline was cut for batches of {self.traced.batch_size} examples ({self.microbatches} "
                            f"microbatches of {self.microbatch}); this call's batch has a leaf of shape {shape}: build "
                            "another `parallelize` step for this batch size")
+
+    def check_arguments(self, rest: Sequence[Any]) -> None:
+        """RunError naming the first argument after the state that is not what the step was cut
+        for: another structure (a key missing or renamed, an argument more or less), or a leaf of
+        another shape or dtype. The stages' programs take the leaves in the order the cut step
+        flattened them, so a renamed key would run on the wrong leaf, and a missing one fail deep
+        inside the executor. Python numbers are checked by shape only (they take the step's dtype)."""
+        traced = self.traced
+        expected = jax.tree_util.treedef_tuple(traced.arg_tree.children()[STATE_ARGS:])
+        flat, got = jax.tree_util.tree_flatten_with_path(tuple(rest))
+        if got != expected:
+            raise RunError(f"the arguments after the state are {got}, but the pipeline was cut for {expected}: call "
+                           "the step with the batch (and later arguments) shaped as the step that made the plan")
+        n_state = traced.state_leaves
+        for j, (path, value) in enumerate(flat):
+            aval = traced.step.jaxpr.invars[n_state + j].aval
+            where = f"argument [{STATE_ARGS + path[0].idx}]{jax.tree_util.keystr(tuple(path[1:]))}"
+            shape = tuple(np.shape(value))
+            if shape != tuple(aval.shape):
+                if shape[1:] == tuple(aval.shape)[1:] and tuple(aval.shape)[:1] == (traced.batch_size,):
+                    self.check_batch_leaf(value)  # another batch size: its own message
+                raise RunError(f"{where} is shaped {list(shape)}, but the pipeline was cut for {list(aval.shape)} there")
+            dtype = getattr(value, "dtype", None)
+            if dtype is not None and np.dtype(dtype) != np.dtype(aval.dtype):
+                raise RunError(f"{where} is {np.dtype(dtype).name}, but the pipeline was cut for "
+                               f"{np.dtype(aval.dtype).name} there")
 
     def data_inputs(self) -> tuple[int, ...]:
         """Loss inputs of the batch and later arguments (every stage may read them)."""

@@ -359,6 +359,7 @@ class SpmdPipeline:
 
     def __call__(self, params: Any, opt_state: Any, *rest: Any) -> Any:
         """One step on the user's pytrees (or `Staged` rows), returning the user's pytrees."""
+        self.program.check_arguments(rest)
         params, opt_state = self._stage_state(params, opt_state, consume=True)
         rest = self._put_arguments(rest)
         new_params, new_opt_state, *out = self._step_jit(params, opt_state, *rest)
@@ -572,6 +573,7 @@ class SpmdPipeline:
         (host arrays)."""
         program = self.program
         traced = program.traced
+        program.check_arguments(rest)
         params, opt_state = self._stage_state(params, opt_state)
         rest = self._put_arguments(rest)
         loss, aux_rows, grads = self._pipeline_jit(params, opt_state, *rest)
