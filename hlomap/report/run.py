@@ -68,8 +68,10 @@ def format_check(check: Any) -> list[Any]:
                          "plan"))
     for comparison in check.microbatching:
         if not comparison.ok:
-            out.append(Text(f"note: microbatching changes the step by design: {comparison.words()} (batch "
-                             "statistics or a loss that is not a mean over examples)"))
+            why = ("each aux output is the mean over the microbatches: a sum, count or maximum over the batch is "
+                   "not the whole batch's" if comparison.what.startswith("aux outputs")
+                   else "batch statistics or a loss that is not a mean over examples")
+            out.append(Text(f"note: microbatching changes the step by design: {comparison.words()} ({why})"))
     return out
 
 
