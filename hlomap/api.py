@@ -1416,6 +1416,10 @@ def explore_pipeline_detailed(source: Any, *, stages: int, microbatches: int, sc
                               downset_states=downset_states)
     save(result)
     notes = tuple(unsplittable_stages(cap, result)) if cap is not None else ()
+    found_stages = result.plan.n_stages
+    if found_stages < stages and not result.interrupted:  # stages is the most it cuts, not a count it must
+        notes += (f"{found_stages} stage{'s' if found_stages != 1 else ''} of the {stages} allowed: fewer stages "
+                  f"priced faster on {cluster.name} (stages is the most the search cuts)",)
     return PipelineExploration(result, cap, notes)
 
 

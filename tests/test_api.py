@@ -87,6 +87,34 @@ def test_a_step_file_imports_the_modules_beside_it_wherever_it_is_run(tmp_path: 
         load_step_file(f"{models / 'main_28.py'}:swapped")
 
 
+def test_a_pipeline_of_fewer_stages_than_allowed_says_so() -> None:
+    """`stages` is the most the pipeline search cuts: a tiny step on two servers of four is
+    fastest in one stage, and the exploration says why it has fewer stages than asked."""
+    import jax.numpy as jnp
+    import optax
+
+    import hlomap
+
+    optimizer = optax.sgd(0.05, momentum=0.9)
+
+    def loss_fn(params: Any, x: Any, y: Any) -> Any:
+        h = jnp.tanh(jnp.tanh(x @ params["w0"]) @ params["w1"])
+        return jnp.mean((h @ params["w2"] - y) ** 2)
+
+    def train_step(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
+        loss, grads = hlomap.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = {"w0": jnp.ones((20, 48)), "w1": jnp.ones((48, 48)), "w2": jnp.ones((48, 4))}
+    cap = hlomap.capture(train_step, params, optimizer.init(params), jnp.ones((24, 20)), jnp.ones((24, 4)))
+    found = api.explore_pipeline_detailed(cap, stages=2, microbatches=4, schedule="gpipe", cluster="hier:2x4",
+                                          agent="dp")
+    assert found.result.plan.n_stages == 1
+    assert found.notes == ("1 stage of the 2 allowed: fewer stages priced faster on hier:2x4 (stages is the most "
+                           "the search cuts)",)
+
+
 def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:
     simulation = api.simulate_plan("zoo:gpt-tiny", "dp", cluster="A", mesh={"data": 8})
     assert isinstance(simulation, api.SpmdSimulation) and simulation.identity is None

@@ -106,7 +106,7 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline and auto tasks")
     g.add_argument("--stages", type=common.positive_int, metavar="S",
-                   help="pipeline stages (pipeline task: default 2; auto: at most S, default any number)")
+                   help="pipeline stages, at most (pipeline task: default 2; auto: default any number)")
     g.add_argument("--microbatches", type=common.positive_int, metavar="M",
                    help="microbatches per step (pipeline task: default 8; auto: default every count that splits the "
                         "batch, searched)")
