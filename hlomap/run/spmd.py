@@ -65,6 +65,7 @@ class SpmdStep:
         self._jitted: dict[Any, Any] = {}
         self._options = dict(compiler_options or {})
         self._returned = ReturnedState()  # the state's structures, when it is what the last call returned
+        self._placed: tuple[Any, ...] = ()  # the containers `place` last returned: the step's own to donate
         self._direct: Callable[..., Any] | None = None  # what the last call ran, when that is the whole step
 
     def _shardings(self, flat_start: int, tree: Any) -> Any:
@@ -113,10 +114,16 @@ class SpmdStep:
             raise RunError(f"place: {problem}")
         s_params = self._shardings(0, params)
         s_opt = self._shardings(len(jax.tree_util.tree_leaves(params)), opt_state)
-        return jax.tree.map(put, params, s_params), jax.tree.map(put, opt_state, s_opt)
+        placed = jax.tree.map(put, params, s_params), jax.tree.map(put, opt_state, s_opt)
+        self._placed = placed
+        return placed
 
     def gather(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         return jax.tree.map(to_host, params), jax.tree.map(to_host, opt_state)
+
+    def _is_placed(self, args: Sequence[Any]) -> bool:
+        """Whether `args` begins with the very containers `place` last returned."""
+        return len(self._placed) == STATE_ARGS and all(a is b for a, b in zip(args, self._placed))
 
     def _compiled(self, key: tuple[Any, ...], args: Sequence[Any]) -> tuple[Any, Any, bool]:
         """The jitted step for arguments of structure `key` (built once per structure), the
@@ -148,6 +155,10 @@ class SpmdStep:
         single = jax.process_count() == 1
         if not single:  # host values must become global arrays first
             args = jax.tree.map(put, tuple(args), shardings)
+        elif known is None and not self._is_placed(args):
+            # The step donates its state: arrays of the caller's own (not returned by a step or by
+            # `place`) are copied first, as the pipeline executors copy them, instead of deleted.
+            args = (*(jax.tree.map(put, args[k], shardings[k]) for k in range(STATE_ARGS)), *args[STATE_ARGS:])
         try:
             out = jitted(*args)
         except (ValueError, TypeError) as err:  # JAX's own words name an array, not the argument

@@ -145,6 +145,29 @@ def test_an_spmd_step_names_the_argument_shaped_unlike_its_plan() -> None:
         parallel(*parallel.place(params, opt_state), twelve)
 
 
+def test_an_spmd_step_copies_the_caller_s_own_state_instead_of_deleting_it() -> None:
+    """The step donates its state: the state a step or `place` returned is consumed (no copy), but
+    arrays of the caller's own are copied first, so that a later `jax.jit` of the same step on
+    them still runs, as the pipeline executors already copied them."""
+    from tests.run.user_step import make
+
+    step, (params, opt_state, batch) = make()
+    cap = hlomap.capture(step, params, opt_state, batch)
+    graph = FactorGraph.from_capture(cap)
+    array, axes = reference_plan(graph, "dp", {"data": 8})
+    parallel = hlomap.parallelize(step, Plan.from_groups(cap, graph, array, axes))
+    mine = jax.device_put((params, opt_state))
+    out = parallel(*mine, batch)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(mine))
+    reference = jax.jit(step)(*mine, batch)
+    assert float(out[2]) == pytest.approx(float(reference[2]), rel=1e-6)
+    placed = parallel.place(params, opt_state)
+    again = parallel(*placed, batch)  # its own: donated
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(placed))
+    parallel(again[0], again[1], batch)  # a step's own: donated
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(again[:2]))
+
+
 def test_a_parallel_step_takes_the_train_step_s_keywords() -> None:
     from tests.run.user_step import make
 
