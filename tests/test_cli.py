@@ -271,8 +271,9 @@ def _user_pipeline_plan(tmp_path: Path, microbatches: int = 4, schedule: str = "
 
 def test_run_a_pipeline_plan_of_a_user_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_path = _user_pipeline_plan(tmp_path)
-    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make"]) == 0
-    out = capsys.readouterr().out
+    assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make", "--rtol", "0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: --rtol did not apply: the step marks its loss" in err  # the outputs' tolerance, not read
     assert "Cuts" in out and "layer1/" in out and "exact" in out  # the explorer's layer names, mapped
     assert "gradients equal" in out and "loss equal" in out
     assert run(["run", str(plan_path), "--source", f"{USER_STEP}:make", "--executor", "mpmd", "--json"]) == 0

@@ -25,6 +25,10 @@ EPILOG = ("a FILE.py:FUNCTION source names a function of no arguments returning 
           "pipelined step takes its gradient with hlomap.value_and_grad")
 
 
+#: The outputs' tolerances unless told (steps without a marked loss).
+RTOL, ATOL = 1e-4, 1e-5
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a step under a plan and check it against the unsharded step",
                        description=DESCRIPTION, epilog=EPILOG)
@@ -38,9 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "interleaved-1f1b and zb-h1")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed of a zoo model's example arguments (default 0; FILE.py:FUNCTION returns its own)")
-    p.add_argument("--rtol", type=common.tolerance, default=1e-4,
+    p.add_argument("--rtol", type=common.tolerance, default=RTOL,
                    help="steps without a marked loss: relative tolerance of the outputs (default 1e-4)")
-    p.add_argument("--atol", type=common.tolerance, default=1e-5,
+    p.add_argument("--atol", type=common.tolerance, default=ATOL,
                    help="steps without a marked loss: absolute tolerance of the outputs (default 1e-5)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("-q", "--quiet", action="store_true",
@@ -71,6 +75,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         checked = api.check_run(plan, args.source, executor=args.executor, seed=args.seed, rtol=args.rtol,
                                 atol=args.atol, where=args.plan, on_phase=phase)
+    given = [flag for flag, value, default in (("--rtol", args.rtol, RTOL), ("--atol", args.atol, ATOL))
+             if value != default]
+    if given and checked.outputs is None and not args.json:  # known only once the step is captured
+        common.note(f"{' and '.join(given)} did not apply: the step marks its loss, so its loss and gradients were "
+                    "compared, each within its own tolerance of its scale (--rtol and --atol are for outputs)")
     if args.json:
         common.print_json(run_check_json(checked))
     else:
