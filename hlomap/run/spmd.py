@@ -83,8 +83,22 @@ class SpmdStep:
             out.append(self._shardings(start, arg))
             start += len(jax.tree_util.tree_leaves(arg))
         if self._specs and start != len(self._specs):
-            raise RunError(f"the plan has {len(self._specs)} parameters; the step's arguments have {start} leaves")
+            raise RunError(self._arity_problem(start))
         return tuple(out)
+
+    def _arity_problem(self, leaves: int) -> str:
+        """Why arguments of `leaves` leaves in all do not fit the plan's parameters, in words: the
+        first parameter nothing was given for, or how many leaves are too many."""
+        by_index = {p.index: p for p in self.plan.parameters}
+        n = len(self._specs)
+        if leaves < n:
+            first = by_index.get(leaves)
+            named = f" its parameter {first.path!r}" if first is not None and first.path else f" parameter {leaves}"
+            more = f" (and {n - leaves - 1} more)" if n - leaves > 1 else ""
+            return (f"the step's arguments have {leaves} leaves but the plan has {n} parameters: nothing was given for"
+                    f"{named}{more}: was an argument left out?")
+        return (f"the step's arguments have {leaves} leaves but the plan has {n} parameters: {leaves - n} more than "
+                "it was made for: was an argument added?")
 
     def direct(self) -> Callable[..., Any] | None:
         """The jitted program the last call ran, when calling it on arguments of the same

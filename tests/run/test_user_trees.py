@@ -143,6 +143,11 @@ def test_an_spmd_step_names_the_argument_shaped_unlike_its_plan() -> None:
     with pytest.raises(RunError, match=r"^argument \[2\]\['x'\] is shaped \[12, 32\], but the plan was made for "
                                        r"\[16, 32\] there \(its parameter 'batch/x'\)"):
         parallel(*parallel.place(params, opt_state), twelve)
+    with pytest.raises(RunError, match=r"nothing was given for its parameter 'batch/x' \(and 1 more\): was an "
+                                       r"argument left out\?"):
+        parallel(*parallel.place(params, opt_state))
+    with pytest.raises(RunError, match=r"nothing was given for its parameter 'batch/y': was an argument left out"):
+        parallel(*parallel.place(params, opt_state), {"x": batch["x"]})
 
 
 def test_an_spmd_step_copies_the_caller_s_own_state_instead_of_deleting_it() -> None:
