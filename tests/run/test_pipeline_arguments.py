@@ -48,5 +48,8 @@ def test_a_pipeline_step_names_the_argument_it_was_not_cut_for(user_plan: tuple[
             step(params, opt_state, wrong)
     with pytest.raises(RunError, match=re.escape("the arguments after the state are")):
         step(params, opt_state, batch, 3)
+    with pytest.raises(RunError, match=re.escape("the step was cut for state of 6 leaves; it was given a tuple of 2 "
+                                                 "items of 13 leaves: were params and opt_state given in this order?")):
+        step.place(opt_state, params)
     again = step(params, opt_state, batch)  # the refused calls consumed nothing
     assert np.isfinite(float(again[2])) and float(again[2]) < float(loss)

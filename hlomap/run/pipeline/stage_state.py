@@ -16,7 +16,7 @@ import jax
 
 from hlomap.run.errors import RunError
 
-__all__ = ["Staged", "state_leaves"]
+__all__ = ["Staged", "outline", "state_leaves"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -45,6 +45,17 @@ def state_leaves(tree: Any, expected: int) -> list[Any]:
     step was cut for (a clear error instead of a mis-assignment of leaves to stages)."""
     leaves = jax.tree_util.tree_leaves(tree)
     if len(leaves) != expected:
-        raise RunError(f"the step was cut for state of {expected} leaves; it was given a pytree "
-                       f"of {len(leaves)} ({jax.tree_util.tree_structure(tree)})")
+        raise RunError(f"the step was cut for state of {expected} leaves; it was given {outline(tree)} of "
+                       f"{len(leaves)} leaves: were params and opt_state given in this order?")
     return leaves
+
+
+def outline(tree: Any) -> str:
+    """A pytree's outermost container in a few words (its whole structure can run to pages)."""
+    if isinstance(tree, dict):
+        keys = list(tree)
+        shown = ", ".join(repr(k) for k in keys[:4]) + (", ..." if len(keys) > 4 else "")
+        return f"a dict with keys [{shown}]"
+    if isinstance(tree, (tuple, list)):
+        return f"a {type(tree).__name__} of {len(tree)} items"
+    return f"a {type(tree).__name__}"
