@@ -641,6 +641,19 @@ def explore_auto(cap: Capture, *, cluster: Any = "A", schedule: str = "1f1b", mi
                                  max_stages=max_stages, output=output, **options).plan
 
 
+def _warn_spec_disagreements(plan: Any, graph: Any, axes: Any, where: str) -> None:
+    """Warn where a parameter's spec differs from its linkage group's sharding (`Plan.spec_disagreements`,
+    a spec edited by hand on one leaf): the estimate prices the group as one, the runner places
+    that leaf as its own spec says."""
+    found = plan.spec_disagreements(graph, axes)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        warnings.warn(f"{where}: {found[0]}{more}: the estimate prices linked dims alike, as the rest of the group is "
+                      "sharded, while `hlomap run` places each parameter as its own spec says (resharding it in "
+                      "the step); edit every parameter of the group alike, or build the plan with "
+                      "hlomap.Plan.from_specs(..., strict=True)", stacklevel=3)
+
+
 def check_estimate_arguments(plan: Any, mesh: Any) -> None:
     """InputError for a `plan` that is none of the kinds `estimate` prices, and OptionError for a
     `mesh` that is no mesh (each reached a deep error, or a numpy warning first)."""
@@ -698,6 +711,8 @@ def estimate(cap: Capture, plan: Any, *, mesh: Mapping[str, int] | Any | int | N
 
     graph = graph if graph is not None else FactorGraph.from_capture(cap)
     array, axes, name = resolve_plan(graph, plan, mesh)
+    if isinstance(plan, Plan):
+        _warn_spec_disagreements(plan, graph, axes, plan_name or "the plan")
     name = plan_name or name
     if axis_devices is None and axis_order is None and getattr(plan, "placement", None) is not None:
         import numpy as np

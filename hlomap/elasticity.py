@@ -118,7 +118,7 @@ class ElasticStep:
 
     def __init__(self, train_step: Callable[..., Any], *, devices: Sequence[Any] | None = None, cluster: Any = "local",
                  task: str = "auto", mesh: Callable[[int], Mapping[str, int] | int] | None = None,
-                 agent: str = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, **options: Any):
+                 agent: str | None = None, budget_seconds: float | None = None, seed: int = 0, **options: Any):
         import jax
 
         from hlomap.api import load_cluster
@@ -135,7 +135,12 @@ class ElasticStep:
             raise ValueError("elastic: task 'hybrid' needs mesh=, a function of the device count returning the mesh "
                              "(e.g. lambda n: {'data': 2, 'model': n // 2})")
         self._mesh = mesh
-        self._search = dict(agent=agent, budget_seconds=budget_seconds, seed=seed, **options)
+        searched = {k: v for k, v in (("agent", agent), ("budget_seconds", budget_seconds)) if v is not None}
+        if self._task == "auto" and searched:  # the joint planner is exact: it would ignore them
+            name = next(iter(searched))
+            raise ValueError(f"elastic: {name}={searched[name]!r}: the auto task (the default) plans with an exact "
+                             "joint planner, which takes no agent and no budget; give task= a search task to use it")
+        self._search = dict(seed=seed, **searched, **options)
         self._cap: Any = None
         self._abstract: tuple[Any, ...] | None = None
         self._planned: dict[tuple[int, ...], _Planned] = {}
@@ -244,7 +249,7 @@ class ElasticStep:
 
 def elastic(train_step: Callable[..., Any] | None = None, *, devices: Sequence[Any] | None = None,
             cluster: Any = "local", task: str = "auto", mesh: Callable[[int], Mapping[str, int] | int] | None = None,
-            agent: str = "dqn", budget_seconds: float | None = 60.0, seed: int = 0, **options: Any) -> Any:
+            agent: str | None = None, budget_seconds: float | None = None, seed: int = 0, **options: Any) -> Any:
     """An `ElasticStep` of `train_step(params, opt_state, *rest) -> (params, opt_state, ...)`;
     as a decorator `@hlomap.elastic(...)` too.
 
@@ -253,7 +258,8 @@ def elastic(train_step: Callable[..., Any] | None = None, *, devices: Sequence[A
     re-plan prices the entries of the devices in use. task: "auto" (default: pipelines and meshes,
     devices may be left idle), "pipeline", or "opp" / "adp" / "hybrid" with `mesh`, a function of
     the device count giving the mesh (default one axis of every device). agent, budget_seconds,
-    seed and options go to `hlomap.explore` at every re-plan.
+    seed and options go to `hlomap.explore` at every re-plan (agent and budget_seconds: the
+    search tasks' own, explore's defaults unless given; the auto task refuses them).
     """
     def wrap(step: Callable[..., Any]) -> ElasticStep:
         if not callable(step):

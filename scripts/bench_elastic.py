@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cluster", default="local")
     parser.add_argument("--lose", default="2,5", help="positions of the devices lost in the middle third")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--agent", default="greedy")
-    parser.add_argument("--budget-seconds", type=float, default=20.0)
+    parser.add_argument("--agent", default="greedy", help="the search tasks' agent (auto takes none)")
+    parser.add_argument("--budget-seconds", type=float, default=20.0, help="the search tasks' budget (auto takes none)")
     args = parser.parse_args(argv)
 
     model = zoo.get(args.model)
@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     survivors = tuple(d for d in everything if d not in lost)
     changes = {args.steps // 3: survivors, 2 * args.steps // 3: everything}
     mesh = None if args.task in ("auto", "pipeline") else (lambda n: n)
-    step = hlomap.elastic(train_step, cluster=args.cluster, task=args.task, mesh=mesh, agent=args.agent,
-                          budget_seconds=args.budget_seconds)
+    # the auto task's joint planner is exact: it takes no agent and no budget
+    search = {} if args.task == "auto" else {"agent": args.agent, "budget_seconds": args.budget_seconds}
+    step = hlomap.elastic(train_step, cluster=args.cluster, task=args.task, mesh=mesh, **search)
 
     load_before = os.getloadavg()
     times: list[float] = []

@@ -3,6 +3,8 @@ the output check, and the sources explore and run share."""
 
 from __future__ import annotations
 
+import json
+
 import re
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,33 @@ def test_a_pipeline_of_fewer_stages_than_allowed_says_so() -> None:
     assert found.result.plan.n_stages == 1
     assert found.notes == ("1 stage of the 2 allowed: fewer stages priced faster on hier:2x4 (stages is the most "
                            "the search cuts)",)
+
+
+def test_a_spec_edited_on_one_leaf_of_a_linkage_group_is_priced_with_a_warning(tmp_path: Path) -> None:
+    """The runner places each leaf as its spec says; the estimate prices a linkage group as one.
+    A spec edited by hand on some leaves of a group (plan-format.md's example) is therefore priced
+    as the rest of the group says, and the estimate warns instead of passing it silently."""
+    import warnings
+
+    from hlomap.plan import Plan, reference_plan
+    from hlomap.propagation.graph import FactorGraph
+
+    cap = api.load_source("zoo:gpt-tiny")
+    graph = FactorGraph.from_capture(cap)
+    plan = Plan.from_groups(cap, graph, *reference_plan(graph, "megatron", {"model": 8}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plan as explored: no warning
+        api.estimate("zoo:gpt-tiny", plan)
+    data = plan.to_json()
+    edited = [p for p in data["parameters"] if p["path"].endswith("mlp/fc_in/kernel") and any(p["spec"])]
+    assert edited, "Megatron splits the first MLP matrix"
+    for p in edited:
+        p["spec"] = [None] * len(p["spec"])
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=r"dim \d is replicated, but dims linked to it are split on model .*"
+                                         r"`hlomap run` places each parameter as its own spec says"):
+        api.estimate("zoo:gpt-tiny", str(path))
 
 
 def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:

@@ -47,8 +47,8 @@ def _elastic_run(task: str, mesh: Any) -> tuple[Any, list[float], Any, Any]:
     import hlomap
 
     train_step, params, opt_state, batch = _model()
-    step = hlomap.elastic(train_step, cluster=str(LOCAL_CLUSTER), task=task, mesh=mesh, agent="greedy",
-                          budget_seconds=5)
+    search = {} if task == "auto" else {"agent": "greedy", "budget_seconds": 5}  # the auto planner is exact
+    step = hlomap.elastic(train_step, cluster=str(LOCAL_CLUSTER), task=task, mesh=mesh, **search)
     changes = dict(SCHEDULE)
     losses = []
     for i in range(STEPS):
@@ -154,6 +154,8 @@ def test_bad_devices_and_options_are_named() -> None:
         step.resize([], params, opt_state)
     with pytest.raises(TypeError, match="train step function"):
         hlomap.elastic(42)
+    with pytest.raises(ValueError, match=r"agent='greedy': the auto task \(the default\) plans with an exact"):
+        hlomap.elastic(train_step, cluster=str(LOCAL_CLUSTER), agent="greedy")
 
 
 def test_the_survivors_cluster_keeps_their_devices_links_and_coordinates() -> None:

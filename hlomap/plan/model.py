@@ -293,6 +293,23 @@ class Plan:
                     plan[g] = axes.index(s)
         return plan
 
+    def spec_disagreements(self, graph: FactorGraph, axes: MeshAxes | None = None) -> list[str]:
+        """Parameter dims whose spec differs from the sharding `group_array` gives their linkage
+        group (the groups section and the other parameters' specs): a spec edited by hand on one
+        leaf of a group. The runner places each leaf as its own spec says; the estimate prices the
+        group as one, so such a plan is priced as `group_array` reads it. In words, one per dim."""
+        axes = axes or MeshAxes.from_mesh(self.mesh_shape, extra=[g.axes for g in self.groups])
+        array = self.group_array(graph, axes)
+        out = []
+        for p in self.parameters:
+            for d, (g, s) in enumerate(zip(graph.parameter_groups(p.index), p.spec)):
+                wanted = REPLICATED if s is None else axes.index(s)
+                if array[g] != wanted:
+                    priced = "replicated" if array[g] == REPLICATED else f"split on {'x'.join(axes.options[array[g]])}"
+                    given = "replicated" if s is None else f"split on {'x'.join(s)}"
+                    out.append(f"{p.path or p.name!r} dim {d} is {given}, but dims linked to it are {priced}")
+        return out
+
     def partition_specs(self, like: Any = None) -> Any:
         """PartitionSpec pytree shaped like the step's arguments (a tuple, one entry per argument).
 
