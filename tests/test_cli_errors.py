@@ -621,6 +621,11 @@ def test_pipeline_options_given_to_a_sharding_task_are_refused(saved: Path, caps
     ("opp", ["--timeline", "t.png"], "--task opp does not read --timeline (an option of pipeline)"),
     ("pipeline", ["--mesh", "data=2,model=4"], "--task pipeline does not read --mesh (an option of opp, adp, hybrid)"),
     ("pipeline", ["--shard-parameters", "on"], "--task pipeline does not read --shard-parameters"),
+    # given at their default values: still given, still not read
+    ("auto", ["--mesh", "8"], "--task auto does not read --mesh (an option of opp, adp, hybrid)"),
+    ("auto", ["--agent", "dqn", "--budget-seconds", "60"], "--task auto does not read --agent (an option of opp, adp, "
+                                                           "hybrid, pipeline); --budget-seconds"),
+    ("opp", ["--schedule", "1f1b"], "--task opp does not read --schedule (an option of pipeline, auto)"),
 ])
 def test_an_option_the_task_does_not_read_is_refused(saved: Path, capsys: pytest.CaptureFixture[str], task: str,
                                                       options: list[str], message: str) -> None:

@@ -27,11 +27,27 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+class _NotGiven:
+    """The parsed value of a task option left out of the command line (`check_task_options`
+    replaces it with the option's default), so that an option given at its default value is told
+    from one not given at all."""
+
+    def __repr__(self) -> str:
+        return "(not given)"
+
+
+NOT_GIVEN = _NotGiven()
+
+
 def check_task_options(args: argparse.Namespace) -> None:
-    """Refuse the options given (not at their defaults) that `args.task` does not read."""
+    """Refuse the options given (even at their default values) that `args.task` does not read,
+    then give every option left out its default."""
     defaults = args.option_defaults
     foreign = [dest for dest, tasks in TASK_OPTIONS.items()
-               if args.task not in tasks and getattr(args, dest) != defaults[dest]]
+               if args.task not in tasks and getattr(args, dest) is not NOT_GIVEN]
+    for dest in TASK_OPTIONS:
+        if getattr(args, dest) is NOT_GIVEN:
+            setattr(args, dest, defaults[dest])
     if not foreign:
         return
     parts = [f"--{dest.replace('_', '-')} (an option of {', '.join(TASK_OPTIONS[dest])})" for dest in foreign]
@@ -79,6 +95,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan (or pipeline result) as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_explore, option_defaults={dest: p.get_default(dest) for dest in TASK_OPTIONS})
+    p.set_defaults(**{dest: NOT_GIVEN for dest in TASK_OPTIONS})  # told from given at the default
 
 
 def _add_search_options(p: argparse.ArgumentParser) -> None:
