@@ -273,8 +273,10 @@ class ZooModel:
         return params, opt_state, batch
 
     def lower(self) -> jax.stages.Lowered:
-        """`jax.jit(train_step).lower(*abstract_args())`."""
-        lowered = jax.jit(self.train_step()).lower(*self.abstract_args())
+        """`jax.jit(train_step, keep_unused=True).lower(*abstract_args())`: as `hlomap.capture`
+        lowers it, so that a dump of `hlo_text` is the module `zoo:NAME` and `hlomap zoo dump`
+        give (XLA would drop an unused argument otherwise)."""
+        lowered = jax.jit(self.train_step(), keep_unused=True).lower(*self.abstract_args())
         logger.debug("zoo %s: lowered the train step", self.name)
         return lowered
 

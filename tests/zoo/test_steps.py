@@ -130,6 +130,19 @@ def test_hlo_text_has_dots_backward_metadata_and_all_arguments(name: str, abstra
     assert len(parameters) == len(jax.tree_util.tree_leaves(abstract_args_of(name)))
 
 
+def test_hlo_text_is_the_module_a_zoo_source_captures() -> None:
+    """A file written from `hlo_text` is the step `zoo:NAME` names (a plan explored on the dump
+    prices and runs on the zoo step): the same instructions, unused arguments kept."""
+    from hlomap import api
+    from hlomap.hlo.parser import parse
+
+    for name in ("gpt-tiny", "haiku-mlp"):
+        dumped = parse(zoo.get(name).hlo_text())
+        captured = api.load_source(f"zoo:{name}").module
+        assert dumped.instruction_count == captured.instruction_count, name
+        assert len(dumped.entry.parameters) == len(captured.entry.parameters), name
+
+
 def test_hlo_text_has_one_dot_per_layer_weight() -> None:
     """Layers are unrolled: each query kernel feeds its own forward dot."""
     entry = zoo.get("gpt-tiny")
