@@ -410,7 +410,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     max_stages, output; see `explore_auto`.
 
     task "pipeline" decides stage cuts instead: agent "dqn", "dqn-infer" or "dp"; mesh and
-    reward do not apply. Options: stages (default: one stage per server of the cluster),
+    reward do not apply. Options: stages (the most it cuts; default: one per server of the cluster),
     microbatches, schedule, episodes, finetune_episodes, compare_dp, output, on_progress. The
     plan's parameters stay replicated and its `pipeline` section holds the cuts, stage devices
     and replication.

@@ -175,7 +175,8 @@ def format_plan_summary(plan: Plan, *, roles: dict[str, str] | None = None) -> A
     if "step_seconds" in est:
         mem = est.get("memory", {})
         fits = mem.get("fits")
-        lines.append(Text(f"estimate: step {est['step_seconds'] * 1e3:.3f} ms"
+        on = f" on cluster {est['cluster']}" if est.get("cluster") else ""
+        lines.append(Text(f"estimate{on}: step {est['step_seconds'] * 1e3:.3f} ms"
                           + (f", memory {human_bytes(mem.get('total', 0))} per device"
                              + ("" if fits is None else (" (fits)" if fits else " (DOES NOT FIT)")) if mem else "")))
     if getattr(plan, "measured", None) is not None:

@@ -107,7 +107,7 @@ def test_reports_render(cap_of, graph_of, tmp_path) -> None:
     console.print(format_plan_summary(ex.plan))
     text = console.export_text()
     assert "layers_0" in text and "attn/query/kernel" in text and "model" in text
-    assert "found by random" in text and "estimate: step" in text
+    assert "found by random" in text and "estimate on cluster " in text and ": step " in text
     png = tmp_path / "curve.png"
     plot_convergence([ex.result], png, title="gpt-tiny", optimum=12.7)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
