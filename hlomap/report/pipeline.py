@@ -73,7 +73,7 @@ def format_pipeline_result(result: PipelineResult) -> Any:
              f"{result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
         Text(f"on the {result.executor} executor (what `hlomap run` runs): step {result.step_seconds * 1e3:.4g} ms "
              + ("in lockstep ticks" if result.executor == "spmd" else "as scheduled")
-             + ", with the executor's own cost"),
+             + ", with the executor's own cost where the cluster measures it (a calibrated one)"),
         Text(f"search: {result.search_seconds:.1f} s"
              + (f", {result.episodes} episodes" if result.episodes else "")),
     ]
