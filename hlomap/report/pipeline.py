@@ -68,7 +68,8 @@ def format_pipeline_result(result: PipelineResult) -> Any:
             "" if result.on_node_boundaries is None
             else f" ({'on' if result.on_node_boundaries else 'not all on'} server boundaries)")) if result.cuts
         else Text("one stage: no cuts"),
-        Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms by the "
+        # the first from the event simulator layer by layer, the second what the search minimised
+        Text(f"L = {result.latency * 1e3:.4g} ms simulated, {result.model_latency * 1e3:.4g} ms by the search's "
              f"{latency_method(result.plan.schedule, result.plan.repeats)}; bottleneck "
              f"{result.cost.bottleneck * 1e3:.4g} ms per microbatch"),
         Text(f"on the {result.executor} executor (what `hlomap run` runs): step {result.step_seconds * 1e3:.4g} ms "
