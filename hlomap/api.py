@@ -439,6 +439,11 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
         parse_mesh(mesh, name)  # a mesh it cannot use, named before anything is loaded
     reward = DEFAULT_REWARD if reward is None else reward
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
+    for given, value, default in (("measure_rounds", measure_rounds, MEASURE_ROUNDS),
+                                  ("measure_budget_seconds", measure_budget_seconds, MEASURE_BUDGET_SECONDS),
+                                  ("runnable", runnable, None)):
+        if not settings.enabled and value != default:  # as the CLI refuses --measure-rounds without --measure
+            raise OptionError(given, value, "it serves measure=K, which is off (0)")
     step_and_args = measure_runnable(cap, runnable, seed) if settings.enabled else None
     cap = _capture_of(cap)
     if step_and_args is not None and runnable is not None:

@@ -218,6 +218,7 @@ def test_estimate_takes_sources_and_plan_files_and_refuses_another_step_s_plan(t
     (dict(task="auto", agent="banana"), api.OptionError, "agent='banana': task 'auto' does not read it (an option of "
                                                         "opp, adp, hybrid, pipeline): its joint planner is exact"),
     (dict(task="auto", budget_seconds=0.001), api.OptionError, "budget_seconds=0.001: task 'auto' does not read it"),
+    (dict(measure_rounds=3), api.OptionError, "measure_rounds=3: it serves measure=K, which is off (0)"),
     (dict(mesh=-2), api.OptionError, "mesh=-2: every mesh axis needs a size >= 1, got {'model': -2}"),
     (dict(mesh="data=2,model=x"), api.OptionError, "mesh='data=2,model=x': expected N or NAME=SIZE[,NAME=SIZE...], "
                                                    "got 'model=x'"),
