@@ -20,7 +20,7 @@ import enum
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -572,7 +572,7 @@ def explore_candidates(found: Any, cap: Capture, cluster: Any) -> list[Any]:
         def fewer_stages(stages: int) -> Any:
             try:
                 return explore_joint(cap, model.cluster, schedule=result.plan.schedule, max_stages=stages,
-                                     with_grid=False, model=model)
+                                     with_grid=False, model=model, **found.bounds)
             except ValueError:  # NoFeasiblePlan: no plan of so few stages fits
                 return None
 
@@ -1451,6 +1451,9 @@ class JointExploration:
     result: Any
     plan: Any
     joint: Any = None
+    #: what bounded the search (microbatches, recompute, split_state, shard_parameters, kinds): a
+    #: candidate of fewer stages is searched within the same bounds
+    bounds: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -1488,7 +1491,12 @@ def explore_auto_detailed(cap: Capture, *, cluster: Any = "A", schedule: str = "
     refined = one_device_instead(cap, refined or plan, plan, result.model) or refined
     if output is not None:
         (refined or plan).save(output)
-    return JointExploration(result, refined or plan, plan if refined is not None else None)
+    bounds = {"microbatches": microbatches, **{k: v for k, v in options.items() if k in _JOINT_BOUNDS}}
+    return JointExploration(result, refined or plan, plan if refined is not None else None, bounds)
+
+
+#: The joint planner's keywords that bound its space (not how it reports or stops).
+_JOINT_BOUNDS = frozenset({"recompute", "split_state", "shard_parameters", "kinds"})
 
 
 def _microbatch_counts(microbatches: Any) -> tuple[int, ...]:

@@ -151,6 +151,19 @@ def test_explore_measure_returns_the_measured_best_not_the_predicted_best() -> N
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).measured == measured
 
 
+def test_the_joint_candidates_keep_the_bounds_the_search_was_given() -> None:
+    """A joint candidate of fewer stages is searched within the auto task's bounds (its
+    microbatches, no split state where told): measured selection never returns a plan the user
+    ruled out."""
+    cap = api.load_source("zoo:gpt-tiny")
+    found = api.explore_auto_detailed(cap, cluster="hier:2x4", split_state=False, microbatches=[4])
+    joint = [c for c in api.explore_candidates(found, cap, "hier:2x4") if c.family is Family.JOINT]
+    assert any(c.name == "joint 1 stage" for c in joint)
+    for c in joint:
+        assert c.plan.state_sharding is None, c.name
+        assert c.plan.pipeline is not None and c.plan.pipeline.microbatches == 4, c.name
+
+
 def test_explore_without_measure_is_unchanged() -> None:
     plain = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5)
     zero = api.explore(TINY, task="opp", mesh=8, agent="greedy", budget_seconds=5, measure=0)
