@@ -144,6 +144,24 @@ def test_a_spec_edited_on_one_leaf_of_a_linkage_group_is_priced_with_a_warning(t
         api.estimate("zoo:gpt-tiny", str(path))
 
 
+def test_a_joint_plan_leaving_devices_idle_is_priced_alike_by_explore_its_file_and_simulate() -> None:
+    """On a measured cluster of devices sharing cores, a joint plan on 6 of 8 devices computes at
+    their pace: the search's result, the plan's estimate and `simulate` give one figure (explore
+    reported the all-busy price, simulate the paced one)."""
+    from hlomap.tasks.joint.plans import evaluate
+
+    cpu8 = str(Path(__file__).parent / "data" / "clusters" / "cpu8.cluster.json")
+    cap = api.load_source("zoo:gpt-tiny")
+    found = api.explore_auto_detailed(cap, cluster=cpu8, microbatches=[4])
+    result = found.result
+    assert len({d for stage in result.plan.stages for d in stage.devices}) < 8  # some idle
+    assert evaluate(result.model, result.plan).latency > result.cost.latency  # the all-busy price is higher
+    plan = found.joint or found.plan
+    simulated = api.simulate_plan(cap, plan, cluster=cpu8)
+    assert simulated.result.cost.latency == pytest.approx(result.cost.latency, rel=1e-9)
+    assert plan.estimate["step_seconds"] == pytest.approx(simulated.step_seconds, rel=1e-9)
+
+
 def test_simulate_plan_takes_names_and_prices_a_built_in_plan() -> None:
     simulation = api.simulate_plan("zoo:gpt-tiny", "dp", cluster="A", mesh={"data": 8})
     assert isinstance(simulation, api.SpmdSimulation) and simulation.identity is None

@@ -144,7 +144,7 @@ def explore_joint(cap: Capture, cluster: Cluster, *, schedule: Schedule | str = 
     found = run_driver(task, Driver(agent), budget or Budget(seconds=60.0), seed, on_best=on_best,
                        on_progress=on_progress)
     plan = choose_schedule(model, found.plan) if choose else found.plan
-    cost = evaluate(model, plan)
+    cost = paced_cost(cap, model, plan)
     log.info("joint plan of %s on %s: %d stages, L %.4g s (%.1f s)", cap.source, cluster.name, plan.n_stages,
              cost.latency, time.perf_counter() - start)
     return JointResult(model, plan, cost, grid, time.perf_counter() - start, found.driver.value, len(options), found)
@@ -285,6 +285,19 @@ def saved_joint_plan(section: Pipeline) -> JointPlan:
                              st.shard_parameters, st.shard_gradients)
         stages.append(JointStage.of(st.layers[0], st.layers[1], st.devices[0], option))
     return JointPlan(tuple(stages), section.microbatches, section.schedule)
+
+
+def paced_cost(cap: Capture, model: JointModel, plan: JointPlan) -> Any:
+    """`plan`'s cost at the pace of the devices it keeps busy, as `reprice_joint_plan` (what
+    `hlomap simulate` shows) prices it: on a measured cluster whose devices share hardware, a plan
+    leaving some idle computes faster than the all-busy rate the DP compares plans at. The DP's
+    own model where nothing changes (all devices busy, devices of their own, or another cut)."""
+    busy = len({d for stage in plan.stages for d in stage.devices})
+    cluster = with_busy_devices(model.cluster, busy)
+    if cluster is model.cluster:
+        return evaluate(model, plan)
+    paced = joint_model(cap, cluster, graph=model.graph)
+    return evaluate(paced if paced.layer_names == model.layer_names else model, plan)
 
 
 def reprice_joint_plan(cap: Capture, cluster: Cluster, section: Pipeline, *,
