@@ -793,7 +793,8 @@ def test_simulate_a_joint_plan_reports_its_executor_and_refuses_what_it_would_ig
         assert message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("schedule, method", [("zb-h1", "by the event timeline"), ("1f1b", "by the closed form")])
+@pytest.mark.parametrize("schedule, method", [("zb-h1", "by the search's event timeline"),
+                                              ("1f1b", "by the search's closed form")])
 def test_a_pipeline_s_model_l_is_labelled_by_how_it_was_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                schedule: str, method: str) -> None:
     """ZB-H1 has no closed form: its model L is the event timeline's, and says so."""
