@@ -436,7 +436,7 @@ def explore(cap: Capture | str, task: Any = "opp", mesh: Mapping[str, int] | int
     agent = DEFAULT_AGENT if agent is None else agent
     mesh = DEFAULT_EXPLORE_MESH if mesh is None else mesh
     if name in ("opp", "adp", "hybrid"):
-        parse_mesh(mesh, name)  # a mesh it cannot use, named before anything is loaded
+        mesh = parse_mesh(mesh, name)  # a mesh it cannot use, named before anything is loaded
     reward = DEFAULT_REWARD if reward is None else reward
     settings = measure_settings(measure, measure_rounds, measure_budget_seconds)
     for given, value, default in (("measure_rounds", measure_rounds, MEASURE_ROUNDS),

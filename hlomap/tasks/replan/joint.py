@@ -35,7 +35,6 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-
 from hlomap.cost.cluster import Cluster, compute_slowdown
 from hlomap.cost.pipeline.stages import DEFAULT_SCHEDULE, Schedule
 from hlomap.hlo.capture import Capture, Role
