@@ -619,14 +619,48 @@ def fit_comm(samples: Iterable[CommSample]) -> tuple[CommFit, ...]:
 ALONE_SUFFIX = "_alone"
 
 
-def solo_speedup(kernels: Iterable[Measurement]) -> float:
-    """How much faster one device ran a matmul alone than while every device ran one (>= 1; 1
-    without such a pair): devices that share hardware (host CPU devices share cores) compute
-    faster when fewer of them work."""
+def alone_pairs(kernels: Iterable[Measurement]) -> list[tuple[Measurement, float]]:
+    """Each kernel timed alone (`ALONE_SUFFIX`) whose all-busy twin was timed too, with how much
+    faster it ran alone (the twin's seconds over its own; at least 1)."""
     by_name = {m.name: m for m in kernels}
-    ratios = [by_name[name.removesuffix(ALONE_SUFFIX)].seconds / m.seconds for name, m in by_name.items()
-              if name.endswith(ALONE_SUFFIX) and name.removesuffix(ALONE_SUFFIX) in by_name]
-    return max(1.0, max(ratios, default=1.0))
+    return [(m, max(1.0, by_name[name.removesuffix(ALONE_SUFFIX)].seconds / m.seconds))
+            for name, m in by_name.items()
+            if name.endswith(ALONE_SUFFIX) and name.removesuffix(ALONE_SUFFIX) in by_name]
+
+
+def solo_speedup(kernels: Iterable[Measurement]) -> float:
+    """How much faster one device ran the largest matmul alone than while every device ran one
+    (>= 1; 1 without such a pair): devices that share hardware (host CPU devices share cores)
+    compute faster when fewer of them work."""
+    matmuls = [(m.flops, speedup) for m, speedup in alone_pairs(kernels) if m.matrix]
+    return max(matmuls)[1] if matmuls else 1.0
+
+
+def alone_curves(kernels: Iterable[Measurement]) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """(matmul points (flops, speedup), memory-bound points (bytes, speedup)) of the kernels timed
+    alone and all busy (`MeasuredCosts.alone_dot`, `alone_memory`); a size timed twice keeps its
+    first pair. Each curve never falls with size: a point above a larger kernel's speedup takes
+    that one. Why: the smallest samples time the programs' start more than their kernels (eight
+    devices starting a program of a 32 KiB op on 2 cores took 225 us, one alone 9 us: 25x, where
+    128 KiB gained 4.6x), and in a step that start is paid once, not per kernel."""
+    dot: dict[float, float] = {}
+    memory: dict[float, float] = {}
+    for m, speedup in alone_pairs(kernels):
+        if m.matrix:
+            dot.setdefault(m.flops, speedup)
+        else:
+            memory.setdefault(m.bytes_accessed, speedup)
+    return _never_falling(dot), _never_falling(memory)
+
+
+def _never_falling(points: Mapping[float, float]) -> tuple[tuple[float, float], ...]:
+    """`points` by size, each speedup at most every larger size's (the minimum from the right)."""
+    out: list[tuple[float, float]] = []
+    lowest = math.inf
+    for size, speedup in sorted(points.items(), reverse=True):
+        lowest = min(lowest, speedup)
+        out.append((size, lowest))
+    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
@@ -774,7 +808,8 @@ CLUSTER_FORMAT = "hlomap-cluster-calibration"
 #: 8: the cluster of host CPU devices records the cores they share (`MeasuredCosts.cores`).
 #: 9: the compute samples are the median of interleaved passes (`hlomap.verify.devices`).
 #: 10: the spmd executor's hand-back of the state timed on its own (`HandBackSample`).
-CLUSTER_VERSION = 10
+#: 11: every matmul and memory-bound op also timed on one device alone (`alone_curves`).
+CLUSTER_VERSION = 11
 
 
 #: Load average per core above which a calibration's start counts as busy (`busy_warning`).
@@ -863,8 +898,8 @@ class ClusterCalibration:
             out[f"matmul {curve.dtype} peak FLOP/s"] = curve.peak_flops
             out[f"matmul {curve.dtype} overhead s"] = curve.overhead_seconds
         memory = self.memory_fit
-        out["memory bandwidth B/s"] = rate_of(memory, [m.bytes_accessed for m in self.kernels if not m.matrix],
-                                              [m.seconds for m in self.kernels if not m.matrix])
+        fitted = [m for m in self.kernels if not m.matrix and m.fit]
+        out["memory bandwidth B/s"] = rate_of(memory, [m.bytes_accessed for m in fitted], [m.seconds for m in fitted])
         for fit in self.comm_fits:
             if fit.kind == DISPATCH:
                 out["dispatch s"] = fit.latency
@@ -879,6 +914,11 @@ class ClusterCalibration:
             out[f"{fit.kind} x{fit.group} bandwidth B/s"] = fit.bandwidth
         out["solo speedup"] = self.solo_speedup
         out["solo speedup of the largest matmul"] = solo_speedup(self.kernels)
+        dot, memory_points = alone_curves(self.kernels)
+        for flops, speedup in dot:
+            out[f"alone speedup of a {flops / 1e6:.3g} MFLOP matmul"] = speedup
+        for nbytes, speedup in memory_points:
+            out[f"alone speedup of a {nbytes / 2**20:.3g} MiB memory-bound op"] = speedup
         if any(m.width for m in self.kernels):
             device = roofline_device(self, out["memory bandwidth B/s"])
             for kind, curve in _narrow_curves(self, device).items():
@@ -1075,7 +1115,8 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
                        kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED),
                        combined_operands=_per_count_by_group(fits, COMBINED),
                        executor_buffers=_executor_buffers(executors, fit_hand_back(calibration.hand_backs)),
-                       cores=calibration.cores if calibration.backend == "cpu" else 0)
+                       cores=calibration.cores if calibration.backend == "cpu" else 0,
+                       **dict(zip(("alone_dot", "alone_memory"), alone_curves(calibration.kernels))))
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 

@@ -46,15 +46,16 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
-from hlomap.cost.compute import FREE_OPCODES, CostCache, curve_kind, kept_instruction_cost
+from hlomap.cost.compute import MATRIX_OPCODES, CostCache, curve_kind, emits_no_kernel, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
+from hlomap.cost.measured import MeasuredCosts
 from hlomap.cost.memory import Fusion, MemoryEstimate, donated_parameters, estimate_memory, fused_nodes
 from hlomap.cost.sharding import CONTAINER_OPCODES, PartialResult, ShardedGraph
 from hlomap.cost.threads import SPLIT_OPCODES, parallel_tasks, split_speedup
 from hlomap.cost.zero import StateShard, gathered_parameters
 from hlomap.hlo.capture import Capture, Phase, Role
-from hlomap.hlo.ir import Instruction, Module
+from hlomap.hlo.ir import Computation, Instruction, Module
 from hlomap.propagation.conflicts import REPLICATED, ConflictChecker, MeshAxes, PlanConflict
 from hlomap.propagation.graph import FactorGraph
 
@@ -275,9 +276,9 @@ def _gathered_axes(sg: ShardedGraph) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def _runs(inst: Instruction, count: int) -> bool:
-    """Whether an instruction does work of its own (not a container, not free, executed)."""
-    return count > 0 and inst.opcode not in CONTAINER_OPCODES and inst.opcode not in FREE_OPCODES
+def _runs(inst: Instruction, comp: Computation, count: int) -> bool:
+    """Whether an instruction does work of its own (not a container, no kernel, executed)."""
+    return count > 0 and inst.opcode not in CONTAINER_OPCODES and not emits_no_kernel(inst, comp)
 
 
 def kernel_count(sg: ShardedGraph, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
@@ -286,8 +287,10 @@ def kernel_count(sg: ShardedGraph, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
     by this count (not by the kernels XLA happens to emit), so that the measured cost per kernel
     is priced back on exactly what it was fitted to."""
     fused = fused_nodes(sg, fusion)
+    module = sg.graph.module
     return sum(int(sg.node_count[n]) for n, node in enumerate(sg.graph.nodes)
-               if n not in fused and _runs(node.instruction, int(sg.node_count[n])))
+               if n not in fused and _runs(node.instruction, module.computation(node.computation),
+                                           int(sg.node_count[n])))
 
 
 def launched_kernels(cap: Capture, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
@@ -375,6 +378,7 @@ class _Unsplit(NamedTuple):
     moves_bytes: np.ndarray  # the instruction reads or writes memory at all
     narrow: np.ndarray  # a dot or convolution the device has a narrow curve for (`curve_kind`)
     splittable: np.ndarray  # a kernel XLA:CPU may split over the host's threads (`threads.SPLIT_OPCODES`)
+    matrix: np.ndarray  # a dot or convolution (`MATRIX_OPCODES`)
 
 
 def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit:
@@ -391,17 +395,18 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
     for n, node in enumerate(g.nodes):
         inst = node.instruction
         count = int(sg.node_count[n])
-        if not _runs(inst, count):
-            continue
         comp = module.computation(node.computation)
+        if not _runs(inst, comp, count):
+            continue
         full = kept_instruction_cost(inst, comp, module, device, cache)
         nodes.append(n)
         rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
-                     curve_kind(inst, comp, device) is not None, inst.opcode in SPLIT_OPCODES))
-    columns = list(zip(*rows)) if rows else [()] * 7
+                     curve_kind(inst, comp, device) is not None, inst.opcode in SPLIT_OPCODES,
+                     inst.opcode in MATRIX_OPCODES))
+    columns = list(zip(*rows)) if rows else [()] * 8
     found = _Unsplit(np.asarray(nodes, dtype=np.int64), np.asarray(columns[0], dtype=np.int64),
                      *(np.asarray(c, dtype=np.float64) for c in columns[1:4]),
-                     *(np.asarray(c, dtype=bool) for c in columns[4:7]))
+                     *(np.asarray(c, dtype=bool) for c in columns[4:8]))
     sg.facts.memo[key] = found
     return found
 
@@ -453,31 +458,57 @@ def _kernel_spread(values: np.ndarray, consumer: np.ndarray, producer: np.ndarra
     return spread
 
 
-def _split_speedups(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], is_fused: np.ndarray, nbytes: np.ndarray,
-                    degree: np.ndarray, cores: int, spare_threads: float) -> np.ndarray:
-    """Per executed node (`base.node` order), how much faster it runs because XLA:CPU splits its
-    kernel over the host's threads and the device has `spare_threads` cores to itself
-    (`hlomap.cost.threads`). A kernel is a node not fused into its consumer with the producers
-    fused into it; it splits when that node's opcode allows and by what the whole kernel moves
-    and computes."""
+def _kernel_work(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], is_fused: np.ndarray, nbytes: np.ndarray,
+                 degree: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per graph node, (bytes moved, flops, transcendentals) of the kernel it ends (`_kernel_totals`),
+    and the fused (consumer, producer) edges. A kernel is a node not fused into its consumer with
+    the producers fused into it."""
     n_nodes = len(sg.graph.nodes)
     consumer, producer = _fused_edges(sg, fused, is_fused)
     work = np.zeros((3, n_nodes))
     work[:, base.node] = (nbytes, base.flops / degree, base.transcendentals / degree)
     moved, flops, transcendentals = _kernel_totals(work, consumer, producer)
-    roots = np.zeros(n_nodes, dtype=bool)
+    return moved, flops, transcendentals, consumer, producer
+
+
+def _split_speedups(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], is_fused: np.ndarray, nbytes: np.ndarray,
+                    degree: np.ndarray, cores: int, spare_threads: float) -> np.ndarray:
+    """Per executed node (`base.node` order), how much faster it runs because XLA:CPU splits its
+    kernel over the host's threads and the device has `spare_threads` cores to itself
+    (`hlomap.cost.threads`). A kernel splits when its root's opcode allows and by what the whole
+    kernel moves and computes."""
+    moved, flops, transcendentals, consumer, producer = _kernel_work(sg, base, fused, is_fused, nbytes, degree)
+    roots = np.zeros(len(sg.graph.nodes), dtype=bool)
     roots[base.node] = base.splittable & ~is_fused[base.node]
     tasks = np.where(roots, parallel_tasks(moved, flops, transcendentals, cores), 1)
     return split_speedup(_kernel_spread(tasks, consumer, producer), spare_threads)[base.node]
 
 
+def _alone_speedups(sg: ShardedGraph, base: _Unsplit, fused: frozenset[int], is_fused: np.ndarray, nbytes: np.ndarray,
+                    degree: np.ndarray, measured: MeasuredCosts) -> np.ndarray:
+    """Per executed node (`base.node` order), how much faster it runs on one device alone than
+    with every device busy (`MeasuredCosts.alone_speedups`): a dot or convolution by its flops,
+    any other node by the bytes its whole kernel moves (a fused producer as the kernel it runs in).
+    The curves were timed as XLA runs the kernels alone, threads included."""
+    moved, _, _, consumer, producer = _kernel_work(sg, base, fused, is_fused, nbytes, degree)
+    by_bytes = np.ones(len(sg.graph.nodes))
+    kernels = base.node[~is_fused[base.node]]
+    by_bytes[kernels] = measured.alone_speedups(False, moved[kernels])
+    by_bytes = _kernel_spread(by_bytes, consumer, producer)[base.node]
+    by_flops = measured.alone_speedups(True, base.flops / degree)
+    return np.where(base.matrix, by_flops, by_bytes)
+
+
 def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[int, tuple[str, ...]],
                        fused: frozenset[int], cache: CostCache, kernel_seconds: float = 0.0, *, cores: int = 0,
-                       spare_threads: float = 1.0) -> InstructionArrays:
+                       spare_threads: float = 1.0, alone: MeasuredCosts | None = None) -> InstructionArrays:
     """Each executed instruction's cost on `device`; every kernel launched (an instruction not
     fused into its consumer) also costs `kernel_seconds`, a measured cluster's launch overhead.
     On host CPU devices (`cores` the host's) with `spare_threads` cores each to themselves, the
-    kernels XLA:CPU splits over threads run that much faster (`hlomap.cost.threads`)."""
+    kernels XLA:CPU splits over threads run that much faster (`hlomap.cost.threads`). With
+    `alone` (a measured cluster whose one device computes alone, `MeasuredCosts.prices_alone`),
+    `device` is the all-busy roofline and each kernel runs its own measured speedup faster
+    instead (`_alone_speedups`)."""
     base = _unsplit(sg, device, cache)
     n_nodes = len(sg.graph.nodes)
     mesh = sg.axes.mesh_shape
@@ -498,7 +529,10 @@ def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[i
     for k in np.flatnonzero(base.narrow & (degree > 1)):  # a dot or convolution on a measured device
         compute[k] *= sg.narrow_slowdown(int(node[k]), device, cache)  # type: ignore[arg-type]
     memory = nbytes / device.hbm_bandwidth
-    if spare_threads > 1.0 and cores > 1:
+    if alone is not None:
+        faster = _alone_speedups(sg, base, fused, is_fused, nbytes, degree, alone)
+        compute, memory = compute / faster, memory / faster
+    elif spare_threads > 1.0 and cores > 1:
         faster = _split_speedups(sg, base, fused, is_fused, nbytes, degree, cores, spare_threads)
         compute, memory = compute / faster, memory / faster
     launch = np.where(is_fused[node], 0.0, kernel_seconds)
@@ -781,16 +815,18 @@ def step_arrays(sg: ShardedGraph, cluster: Cluster, mapping: AxisMapping, *, fus
     # a mesh on some of a measured cluster's shared-hardware devices computes faster per device
     busy_devices = int(mapping.devices.size) if busy is None else busy
     speedup = busy_speedup(cluster, busy_devices)
-    device = sped_up(device, speedup)
+    measured = cluster.measured
+    # one device alone: each kernel at its own measured speedup (`MeasuredCosts.alone_dot`)
+    alone = measured if measured is not None and busy_devices == 1 and measured.prices_alone else None
+    device = device if alone is not None else sped_up(device, speedup)
     kinds = {cluster.devices[int(d)].name for d in mapping.devices.flat}
     if len(kinds) > 1:
         log.warning("mesh spans devices of kinds %s; compute is costed on %s", sorted(kinds), device.name)
     gathered = _gathered_axes(sg)
-    measured = cluster.measured
     launch = measured.kernel_seconds / speedup if measured is not None else 0.0
     cores, spare = (0, 1.0) if measured is None else (measured.cores, measured.spare_threads(busy_devices))
     instructions = instruction_arrays(sg, device, gathered, fused_nodes(sg, fusion), {} if cache is None else cache,
-                                      launch, cores=cores, spare_threads=spare)
+                                      launch, cores=cores, spare_threads=spare, alone=alone)
     collectives, reduce_flops = _collectives(sg, cluster, mapping, gathered)
     return StepArrays(device, instructions, collectives, reduce_flops)
 

@@ -35,6 +35,14 @@ model uses it instead of the links wherever a cluster carries one:
   devices compute (host CPU devices share the cores: 8 of them on 2 cores run about 4x slower
   each than one alone; GPUs: 1). The devices' roofline is the all-busy rate; a plan keeping only
   k of n devices busy computes `busy_speedup(k)` = min(solo_speedup, n / k) times faster;
+- `alone_dot` and `alone_memory` say, per size, how much faster one device ran a matmul (by its
+  flops) or a memory-bound op (by its bytes) alone than while every device ran one: points
+  (size, speedup) sorted by size. A host device alone has the caches and the spare cores to
+  itself, so the gain grows with the kernel: on 8 CPU devices of 2 cores a 64^3 matmul ran 4.2x
+  faster alone and a 512^3 one 8.2x, an elementwise op over 256 KiB 3.7x and over 4 MiB 20x,
+  where `solo_speedup` allows 4x for all. A plan keeping one device busy is priced per kernel
+  on these curves (`alone_speedups`), threads included; others on `busy_speedup`. Empty where
+  the calibration timed no such pairs (before this version; one device; not host devices);
 - `cores` is the host's CPU cores when its devices share them (0 otherwise): with k < cores
   devices computing, each has cores / k of them to itself (`spare_threads`), and the kernels
   XLA:CPU splits over threads run faster still (`hlomap.cost.threads`);
@@ -54,7 +62,8 @@ JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
      "executors": {"mpmd": {"latency": 1e-3, "bandwidth": 700.0}, "spmd": {...}},
      "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04,
      "combined_operands": [{"group": 2, "seconds": 2e-05}, {"group": 8, "seconds": 3e-04}],
-     "executor_buffers": {"mpmd": 2e-06}, "cores": 2}
+     "executor_buffers": {"mpmd": 2e-06}, "cores": 2,
+     "alone_dot": [[524288.0, 4.2], [268435456.0, 8.2]], "alone_memory": [[32768.0, 3.7], [33554432.0, 19.7]]}
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
+
+import numpy as np
 
 from hlomap.cost.threads import spare_threads
 
@@ -140,19 +151,23 @@ class MeasuredCosts:
     combined_operands: Mapping[int, float] = field(default_factory=dict)  # the same per group size
     executor_buffers: Mapping[str, float] = field(default_factory=dict)  # per executor: s per buffer and device
     cores: int = 0  # the host's CPU cores when the devices share them (host CPU devices); 0: not shared
+    alone_dot: tuple[tuple[float, float], ...] = ()  # (flops, speedup alone) by matmul size
+    alone_memory: tuple[tuple[float, float], ...] = ()  # (bytes, speedup alone) by memory-bound op size
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", dict(sorted(self.collectives.items())))
         object.__setattr__(self, "executors", dict(sorted(self.executors.items())))
         object.__setattr__(self, "combined_operands", dict(sorted(self.combined_operands.items())))
         object.__setattr__(self, "executor_buffers", dict(sorted(self.executor_buffers.items())))
+        object.__setattr__(self, "alone_dot", _points(self.alone_dot, "alone_dot"))
+        object.__setattr__(self, "alone_memory", _points(self.alone_memory, "alone_memory"))
         _check(self)
 
     def __hash__(self) -> int:
         return hash((self.dispatch_seconds, self.transfer, tuple(self.collectives.items()),
                      tuple(self.executors.items()), self.solo_speedup, self.n_devices, self.kernel_seconds,
                      self.combined_operand_seconds, tuple(self.combined_operands.items()),
-                     tuple(self.executor_buffers.items()), self.cores))
+                     tuple(self.executor_buffers.items()), self.cores, self.alone_dot, self.alone_memory))
 
     def per_buffer(self, group: int) -> float | None:
         """What each buffer adds to a combined all-reduce over `group` devices, from
@@ -176,6 +191,20 @@ class MeasuredCosts:
     def busy_speedup(self, busy: int) -> float:
         """How much faster each device computes when only `busy` devices work (module docstring)."""
         return max(1.0, min(self.solo_speedup, self.n_devices / max(1, busy)))
+
+    @property
+    def prices_alone(self) -> bool:
+        """Whether a plan keeping one device busy is priced per kernel on the alone curves (both
+        measured, on devices that share a host's cores)."""
+        return self.cores > 0 and bool(self.alone_dot) and bool(self.alone_memory)
+
+    def alone_speedups(self, matrix: bool, sizes: np.ndarray) -> np.ndarray:
+        """How much faster each kernel of `sizes` (flops of a matmul when `matrix`, else bytes
+        moved) runs on one device alone than with every device busy: the curve's speedup
+        interpolated linearly in log size between its points, its end points' beyond them."""
+        points = self.alone_dot if matrix else self.alone_memory
+        at = np.log(np.maximum(np.asarray(sizes, dtype=np.float64), 1.0))
+        return np.interp(at, [math.log(size) for size, _ in points], [speedup for _, speedup in points])
 
     def spare_threads(self, busy: int) -> float:
         """The host cores each of `busy` computing devices has to itself (module docstring; 1
@@ -222,7 +251,8 @@ class MeasuredCosts:
                 "solo_speedup": self.solo_speedup, "n_devices": self.n_devices,
                 "kernel_seconds": self.kernel_seconds, "combined_operand_seconds": self.combined_operand_seconds,
                 "combined_operands": [{"group": g, "seconds": t} for g, t in self.combined_operands.items()],
-                "executor_buffers": dict(self.executor_buffers), "cores": self.cores}
+                "executor_buffers": dict(self.executor_buffers), "cores": self.cores,
+                "alone_dot": [list(p) for p in self.alone_dot], "alone_memory": [list(p) for p in self.alone_memory]}
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "measured") -> MeasuredCosts:
@@ -230,7 +260,7 @@ class MeasuredCosts:
             raise MeasuredCostsError(f"{where}: expected an object, got {data!r}")
         unknown = sorted(set(data) - {"dispatch_seconds", "transfer", "collectives", "executors", "solo_speedup",
                                       "n_devices", "kernel_seconds", "combined_operand_seconds", "combined_operands",
-                                      "executor_buffers", "cores"})
+                                      "executor_buffers", "cores", "alone_dot", "alone_memory"})
         if unknown:
             raise MeasuredCostsError(f"{where}: unknown field(s) {unknown}")
         transfer = data.get("transfer")
@@ -267,7 +297,9 @@ class MeasuredCosts:
                        _number(data.get("kernel_seconds", 0.0), f"{where}.kernel_seconds"),
                        _number(data.get("combined_operand_seconds", 0.0), f"{where}.combined_operand_seconds"),
                        per_group, {str(k): _number(v, f"{where}.executor_buffers.{k}") for k, v in buffers.items()},
-                       _int(data.get("cores", 0), f"{where}.cores"))
+                       _int(data.get("cores", 0), f"{where}.cores"),
+                       _point_list(data.get("alone_dot", []), f"{where}.alone_dot"),
+                       _point_list(data.get("alone_memory", []), f"{where}.alone_memory"))
         except MeasuredCostsError as err:
             raise MeasuredCostsError(f"{where}: {err}") from None
 
@@ -285,6 +317,30 @@ def measured_costs(fits: Iterable[Any], dispatch_kind: str, transfer_kind: str,
              for f in fits if f.kind in COLLECTIVE_KINDS}
     return MeasuredCosts(dispatch, None if transfer is None else Fit(transfer.latency, transfer.bandwidth), table,
                          dict(executors or {}))
+
+
+def _point_list(value: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """A list of [size, speedup] pairs from JSON."""
+    if not isinstance(value, list):
+        raise MeasuredCostsError(f"{where}: expected a list of [size, speedup] pairs, got {value!r}")
+    out = []
+    for i, row in enumerate(value):
+        if not isinstance(row, list) or len(row) != 2:
+            raise MeasuredCostsError(f"{where}[{i}]: expected [size, speedup], got {row!r}")
+        out.append((_number(row[0], f"{where}[{i}][0]"), _number(row[1], f"{where}[{i}][1]")))
+    return tuple(out)
+
+
+def _points(points: Iterable[tuple[float, float]], label: str) -> tuple[tuple[float, float], ...]:
+    """`points` sorted by size, checked: sizes positive and distinct, speedups finite and >= 1."""
+    out = tuple(sorted((float(size), float(speedup)) for size, speedup in points))
+    for size, speedup in out:
+        if not (math.isfinite(size) and size > 0 and math.isfinite(speedup) and speedup >= 1.0):
+            raise MeasuredCostsError(f"{label}: point ({size!r}, {speedup!r}) needs a finite size > 0 and a finite "
+                                     "speedup >= 1")
+    if len({size for size, _ in out}) != len(out):
+        raise MeasuredCostsError(f"{label}: two points of one size in {list(out)}")
+    return out
 
 
 def _check(costs: MeasuredCosts) -> None:

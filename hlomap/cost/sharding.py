@@ -90,15 +90,16 @@ class GraphFacts:
                    tuple(index))
 
     def operand_edges(self, graph: FactorGraph) -> tuple[np.ndarray, np.ndarray]:
-        """(node, operand node) of every operand read within one instance, by node then operand
-        order (`ShardedGraph.node_operand_nodes` of every node at once; memoized)."""
+        """(node, operand node) of every distinct operand read within one instance, by node then
+        operand order (memoized). An operand named twice (`multiply(x, x)`) is one edge: the
+        kernel reads it once."""
         key = ("operand edges",)
         if key not in self.memo:
             source: list[int] = []
             operand: list[int] = []
             for n, node in enumerate(graph.nodes):
                 index = self.instance_index[node.instance]
-                for name in node.instruction.operands:
+                for name in dict.fromkeys(node.instruction.operands):
                     o = index.get(name)
                     if o is not None:
                         source.append(n)

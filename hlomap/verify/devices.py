@@ -304,7 +304,8 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
 
     def matmul_alone(n: int) -> Probe[Measurement]:
         # the same f32 matmul on one device while the others idle: how much faster a device is
-        # alone than with all busy (`ClusterCalibration.solo_speedup`); not part of the curve
+        # alone than with all busy, by size (`hlomap.cost.calibration.alone_curves`); not part of
+        # the curve
         a = jax.device_put(jnp.ones((n, n), jnp.float32), first)
         f = jax.jit(jnp.dot)
         return Probe(lambda: _ready(f(a, a)), lambda seconds: Measurement(
@@ -336,6 +337,15 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
         f = jax.jit(lambda v: v * 2.0 + 1.0)
         return Probe(lambda: _ready(f(x)), lambda seconds: Measurement(
             f"elementwise_f32_{elements}", "elementwise", "f32", 2.0 * elements, 8.0 * elements, seconds))
+
+    def memory_alone(elements: int) -> Probe[Measurement]:
+        # the same op on one device while the others idle (`alone_curves`): alone a device has
+        # the caches to itself, and the gain grows with the size
+        x = jax.device_put(jnp.ones((elements,), jnp.float32), first)
+        f = jax.jit(lambda v: v * 2.0 + 1.0)
+        return Probe(lambda: _ready(f(x)), lambda seconds: Measurement(
+            f"elementwise_f32_{elements}{ALONE_SUFFIX}", "elementwise", "f32", 2.0 * elements, 8.0 * elements,
+            seconds, fit=False))
 
     def on_group(group: int) -> tuple[Any, Any]:
         """(the first `group` devices as mesh axis "x", a buffer's sharding over it: a block each)."""
@@ -391,7 +401,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
         for n in plan.matmul_sizes:
             probes.append((f"matmul {dtype} {n}x{n}", lambda d=dtype, n=n: matmul(d, n)))
     if "f32" in plan.dtypes and count > 1:
-        probes.append((f"matmul f32 {max(plan.matmul_sizes)} alone", lambda: matmul_alone(max(plan.matmul_sizes))))
+        probes.extend((f"matmul f32 {n}x{n} alone", lambda n=n: matmul_alone(n)) for n in plan.matmul_sizes)
     for width in plan.narrow_dot_widths:
         probes.append((f"matmul f32 {max(plan.matmul_sizes)} by {width}", lambda w=width: narrow_dot(w)))
     for channels in plan.narrow_conv_widths:
@@ -402,6 +412,8 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
                        lambda c=channels: narrow_conv(c, OVERSIZED_SIDE, OVERSIZED_CONVOLUTION)))
     for elements in plan.memory_sizes:
         probes.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
+        if count > 1:
+            probes.append((f"memory {elements * 4} B alone", lambda e=elements: memory_alone(e)))
     # the kernel-launch steps price every step's kernels: compute samples too (their fitted cost
     # per kernel ran 2.6-9.2 us in seven calibrations of one afternoon, timed in one pass each)
     launches: list[tuple[str, Callable[[], Probe[CommSample]]]] = [

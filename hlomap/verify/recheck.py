@@ -41,7 +41,8 @@ STALE_RATIO = 1.4
 Measure = Callable[[int, BenchPlan, Callable[[BenchProgress], None] | None], ClusterCalibration]
 
 #: The kinds of sample a check reports apart, in the order it shows them.
-GROUPS = ("matmul", "matmul alone", "narrow product", "memory-bound op", "kernel-launch step", "dispatch")
+GROUPS = ("matmul", "matmul alone", "narrow product", "memory-bound op", "memory-bound op alone", "kernel-launch step",
+          "dispatch")
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _drifts(then: ClusterCalibration, now: ClusterCalibration) -> tuple[Drift, .
 
 def _kernel_group(m: Measurement) -> str:
     if not m.matrix:
-        return "memory-bound op"
+        return "memory-bound op alone" if m.name.endswith(ALONE_SUFFIX) else "memory-bound op"
     if m.width:
         return "narrow product"
     return "matmul alone" if m.name.endswith(ALONE_SUFFIX) else "matmul"

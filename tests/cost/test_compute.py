@@ -524,3 +524,47 @@ def test_a_sharded_dot_is_priced_at_the_width_of_each_devices_block():
         expected = 1.0 / device.narrow_factor("dot", width)  # the whole runs at full rate (64 columns)
         assert sg.narrow_slowdown(node, device, {}) == pytest.approx(expected)
     assert expected == 1.0  # rows split: 128 x 256 x 64 per device, still full rate
+
+
+def _xla_copies(fn, *args) -> int:  # type: ignore[no-untyped-def]
+    """How many transposes and copies XLA's compiled module of `fn` keeps (fused or not)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return sum(1 for line in text.splitlines() if " transpose(" in line or " copy(" in line)
+
+
+@pytest.mark.parametrize("name,fn,shapes,folds", [
+    ("matrix product transposed", lambda a, b: (a @ b).T * 2.0, ((64, 128), (128, 32)), True),
+    ("batched product transposed", lambda a, b: jnp.einsum("bij,bjk->bik", a, b).transpose(1, 0, 2) * 2.0,
+     ((4, 64, 128), (4, 128, 32)), False),
+])
+def test_a_transposed_product_folds_where_xla_folds_it(name: str, fn, shapes, folds: bool) -> None:  # type: ignore[no-untyped-def]
+    """Oracle: XLA's compiled module computes a matrix product transposed (no transpose or copy
+    left) but copies a batched product's transpose; the estimate prices the first transpose as no
+    kernel and no bytes, and the second as the copy it is."""
+    from hlomap.cost.compute import emits_no_kernel, folds_into_product, instruction_cost
+    from hlomap.hlo.capture import capture
+
+    args = [jnp.ones(s, jnp.float32) for s in shapes]
+    assert (_xla_copies(fn, *args) == 0) == folds
+    entry = capture(fn, *args).module.entry
+    transpose = next(i for i in entry.instructions if i.opcode == "transpose")
+    assert folds_into_product(transpose, entry) == emits_no_kernel(transpose, entry) == folds
+    cost = instruction_cost(transpose, entry, capture(fn, *args).module, device_preset("V100-16GB"))
+    assert (cost.bytes_accessed == 0 and cost.seconds == 0) == folds
+
+
+def test_an_operand_read_twice_is_read_once() -> None:
+    """`x * x` reads x once: the estimate's bytes of the squaring kernel are x and its result."""
+    from hlomap.cost.estimate import instruction_arrays
+    from hlomap.cost.memory import Fusion, fused_nodes
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.hlo.capture import capture
+    from hlomap.propagation.conflicts import REPLICATED, MeshAxes
+    from hlomap.propagation.graph import FactorGraph
+
+    x = jnp.ones((1024, 256), jnp.float32)
+    graph = FactorGraph.from_capture(capture(lambda v: v * v, x))
+    sg = ShardedGraph.build(graph, np.full(graph.num_groups, REPLICATED, dtype=np.intp), MeshAxes.from_mesh({"data": 1}))
+    arrays = instruction_arrays(sg, device_preset("V100-16GB"), {}, fused_nodes(sg, Fusion.ELEMENTWISE), {})
+    square = [k for k, n in enumerate(arrays.node) if graph.nodes[int(n)].instruction.opcode == "multiply"]
+    assert len(square) == 1 and arrays.bytes_accessed[square[0]] == 2 * x.nbytes

@@ -317,16 +317,18 @@ def _reference_rows(sg, device, gathered, fused, kernel_seconds):  # type: ignor
     g, mesh, rows = sg.graph, sg.axes.mesh_shape, []
     for n, node in enumerate(g.nodes):
         inst, count = node.instruction, int(sg.node_count[n])
-        if not _runs(inst, count):
+        comp = g.module.computation(node.computation)
+        if not _runs(inst, comp, count):
             continue
-        full = instruction_cost(inst, g.module.computation(node.computation), g.module, device, {})
+        full = instruction_cost(inst, comp, g.module, device, {})
         degree = int(sg.node_degree[n])
         for axis in gathered.get(n, ()):
             degree //= mesh[axis]
         degree = max(degree, 1)
         nbytes = 0.0
         if full.bytes_accessed:
-            reads = sum(sg.node_result_bytes(o) for o in sg.node_operand_nodes(n) if o not in fused)
+            # an operand named twice is read once
+            reads = sum(sg.node_result_bytes(o) for o in dict.fromkeys(sg.node_operand_nodes(n)) if o not in fused)
             for axis in gathered.get(n, ()):
                 reads *= mesh[axis]
             nbytes = reads + (0.0 if n in fused else sg.node_result_bytes(n))

@@ -437,3 +437,33 @@ def test_the_calibration_fits_the_combined_all_reduce_per_group_size() -> None:
     assert cluster.measured is not None
     assert cluster.measured.combined_operands == pytest.approx(per_buffer)
     assert cluster.measured.combined_operand_seconds == pytest.approx(140e-6)  # over all the devices
+
+
+def test_alone_curves_pair_each_kernel_alone_with_its_twin_and_never_fall() -> None:
+    """Kernels timed alone are paired by name with their all-busy twins; a curve's point above a
+    larger size's speedup takes that one (the smallest samples time the programs' start); the
+    solo speedup is the largest matmul's, not the largest ratio."""
+    from hlomap.cost.calibration import alone_curves
+
+    def pair(name: str, kind: str, size: float, busy: float, alone: float) -> list[Measurement]:
+        flops, nbytes = (size, 1e3) if kind == "dot" else (1e3, size)
+        return [Measurement(name, kind, "f32", flops, nbytes, busy),
+                Measurement(f"{name}_alone", kind, "f32", flops, nbytes, alone, fit=False)]
+
+    kernels = (pair("dot_f32_64", "dot", 5e5, 0.25e-3, 0.05e-3)  # 5x: above the larger ones
+               + pair("dot_f32_128", "dot", 4e6, 0.4e-3, 0.1e-3) + pair("dot_f32_512", "dot", 2.7e8, 12e-3, 1.5e-3)
+               + pair("elementwise_f32_4096", "elementwise", 3.2e4, 225e-6, 9e-6)
+               + pair("elementwise_f32_16384", "elementwise", 1.3e5, 165e-6, 35e-6)
+               + pair("elementwise_f32_1048576", "elementwise", 8.4e6, 3.4e-3, 0.19e-3)
+               + [Measurement("elementwise_f32_99", "elementwise", "f32", 1e3, 1e3, 1e-6)])  # no twin
+    dot, memory = alone_curves(kernels)
+    assert [n for n, _ in dot] == [5e5, 4e6, 2.7e8]
+    assert [x for _, x in dot] == pytest.approx([4.0, 4.0, 8.0])
+    assert [n for n, _ in memory] == [3.2e4, 1.3e5, 8.4e6]
+    assert memory[0][1] == pytest.approx(165 / 35) and memory[1][1] == pytest.approx(165 / 35)
+    assert memory[2][1] == pytest.approx(3.4 / 0.19)
+    assert solo_speedup(kernels) == pytest.approx(8.0)
+    # a calibration carries them to its cluster
+    cal = dataclasses.replace(_calibration(8), kernels=tuple(_calibration(8).kernels) + tuple(kernels[-7:-1]), cores=2)
+    measured = calibrated_cluster(cal).measured
+    assert measured.alone_memory == memory and measured.prices_alone == bool(measured.alone_dot)

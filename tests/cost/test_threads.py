@@ -117,3 +117,78 @@ def test_measured_costs_carry_the_hosts_cores() -> None:
         MeasuredCosts(cores=-1)
     with pytest.raises(MeasuredCostsError, match="cores"):
         MeasuredCosts.from_json({"cores": 2.5})
+
+
+# ---------------------------------------------------------------------------------------------
+# One device alone: each kernel at its own measured speedup (`MeasuredCosts.alone_dot`)
+# ---------------------------------------------------------------------------------------------
+
+
+def _mlp_layer(x, w):  # type: ignore[no-untyped-def]
+    return jnp.tanh(x @ w) * 2.0 + 1.0
+
+
+def _one_device(fn, *args):  # type: ignore[no-untyped-def]
+    graph = FactorGraph.from_capture(capture(fn, *args))
+    sg = ShardedGraph.build(graph, np.full(graph.num_groups, REPLICATED, dtype=np.intp), MeshAxes.from_mesh({"data": 1}))
+    return sg, fused_nodes(sg, Fusion.ELEMENTWISE)
+
+
+def test_a_device_alone_runs_each_kernel_at_its_own_measured_speedup() -> None:
+    """A dot at the matmul curve's speedup for its flops, every other kernel at the memory curve's
+    for the bytes its whole kernel moves, interpolated in log size; the thread split is not
+    applied on top (the curves were timed with XLA's threads)."""
+    sg, fused = _one_device(_mlp_layer, jnp.ones((64, 256)), jnp.ones((256, 256)))
+    flat = MeasuredCosts(cores=2, alone_dot=((1e3, 3.0), (1e12, 3.0)), alone_memory=((1e3, 5.0), (1e12, 5.0)))
+    busy = instruction_arrays(sg, DEVICE, {}, fused, {})
+    alone = instruction_arrays(sg, DEVICE, {}, fused, {}, cores=2, spare_threads=2.0, alone=flat)
+    opcodes = np.array([sg.graph.nodes[int(n)].instruction.opcode for n in busy.node])
+    ran = busy.seconds > 0
+    assert (opcodes == "dot").sum() == 1 and ran.sum() > 2
+    np.testing.assert_allclose(busy.seconds[opcodes == "dot"] / alone.seconds[opcodes == "dot"], 3.0)
+    np.testing.assert_allclose(busy.seconds[ran & (opcodes != "dot")] / alone.seconds[ran & (opcodes != "dot")], 5.0)
+
+    # between two points: linear in log size, at the bytes the whole fused kernel moves (the
+    # tanh, multiply and add read the dot's 64 KiB result once and write 64 KiB, and read two
+    # scalar constants)
+    kernel_bytes = 2 * 64 * 256 * 4
+    rising = MeasuredCosts(cores=2, alone_dot=((1e3, 3.0),), alone_memory=((kernel_bytes / 4, 2.0), (kernel_bytes * 4, 6.0)))
+    ratio = busy.seconds / instruction_arrays(sg, DEVICE, {}, fused, {}, alone=rising).seconds
+    np.testing.assert_allclose(ratio[ran & (opcodes != "dot")], 4.0, rtol=1e-3)
+    assert rising.alone_speedups(False, np.array([1.0, 1e15])).tolist() == [2.0, 6.0]  # the end points beyond
+
+
+def test_one_device_of_a_measured_cluster_is_priced_alone_and_two_are_not(cap_of) -> None:  # type: ignore[no-untyped-def]
+    """The estimate prices a one-device mesh on the alone curves of host devices, and keeps the
+    busy-devices rule (`busy_speedup`) for two devices, for accelerators (no cores shared) and for
+    cluster files without the curves."""
+    import dataclasses
+
+    import hlomap
+    from tests.cost.test_measured import _cluster
+
+    cap = cap_of("haiku-mlp")
+    curves = MeasuredCosts(solo_speedup=4.0, n_devices=8, cores=2, alone_dot=((1e3, 8.0),), alone_memory=((1e3, 8.0),))
+    one = {name: hlomap.estimate(cap, "dp", mesh={"data": 1}, cluster=_cluster(costs)).compute_seconds
+           for name, costs in (("curves", curves), ("none", dataclasses.replace(curves, alone_dot=(), alone_memory=())),
+                               ("accelerator", dataclasses.replace(curves, cores=0)))}
+    assert curves.prices_alone and not dataclasses.replace(curves, cores=0).prices_alone
+    # 8x faster per kernel against 4x (with the spare core's split on some kernels): faster
+    assert one["curves"] < 0.75 * one["none"]
+    assert one["accelerator"] >= one["none"]  # no core to spare, no split
+    two = [hlomap.estimate(cap, "dp", mesh={"data": 2}, cluster=_cluster(costs)).compute_seconds
+           for costs in (curves, dataclasses.replace(curves, alone_dot=(), alone_memory=()))]
+    assert two[0] == two[1]
+
+
+def test_alone_curves_round_trip_and_are_checked() -> None:
+    costs = MeasuredCosts(cores=2, alone_dot=((4e6, 4.0), (5e5, 3.3)), alone_memory=((1.3e5, 4.6),))
+    assert costs.alone_dot == ((5e5, 3.3), (4e6, 4.0))  # sorted by size
+    assert MeasuredCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    assert not MeasuredCosts.from_json({"cores": 2}).prices_alone  # a file from before the curves
+    for bad, match in (({"alone_dot": [[1e6, 0.5]]}, "speedup >= 1"), ({"alone_dot": [[0.0, 2.0]]}, "size > 0"),
+                       ({"alone_memory": [[1e6, 2.0], [1e6, 3.0]]}, "two points of one size"),
+                       ({"alone_dot": [1e6, 2.0]}, r"alone_dot\[0\]: expected \[size, speedup\]"),
+                       ({"alone_memory": "fast"}, "expected a list")):
+        with pytest.raises(MeasuredCostsError, match=match):
+            MeasuredCosts.from_json(bad)

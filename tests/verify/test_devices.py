@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlomap.cost.calibration import CalibrationError
+from hlomap.cost.calibration import CalibrationError, alone_curves
 from hlomap.verify.devices import (
     ACCELERATOR_PLAN,
     DEFAULT_PLAN,
@@ -41,9 +41,14 @@ def test_measure_devices_records_every_sample_with_progress() -> None:
     narrow = [(k.kind, k.width, k.flops) for k in cal.kernels if k.width]
     assert narrow == [("dot", 4, 2.0 * 16 * 16 * 4), ("convolution", 1, 2.0 * 100), ("convolution", 2, 2.0 * 100 * 4),
                       ("oversized-convolution", 3, 2.0 * 16 * 9)]
-    # the largest f32 matmul again on one device alone, kept out of the curve
-    assert [k.name for k in cal.kernels if not k.fit] == ["dot_f32_16_alone"]
+    # every f32 matmul and memory-bound op again on one device alone, kept out of the fits and
+    # paired with its all-busy twin in the alone curves
+    assert [k.name for k in cal.kernels if not k.fit] == ["dot_f32_8_alone", "dot_f32_16_alone",
+                                                           "elementwise_f32_64_alone", "elementwise_f32_256_alone"]
     assert cal.figures()["solo speedup"] >= 1.0
+    dot, memory = alone_curves(cal.kernels)
+    assert [flops for flops, _ in dot] == [2.0 * 8**3, 2.0 * 16**3]
+    assert [nbytes for nbytes, _ in memory] == [8.0 * 64, 8.0 * 256]
     # train steps of 2, 16 and 64 tiny layers on every device: their "bytes" are hlomap's count of
     # their kernels, the same number for every layer added (forward, backward and update)
     k2, k16, k64 = sorted(s.nbytes for s in cal.comm if s.kind == "launch")
