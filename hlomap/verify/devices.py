@@ -78,6 +78,12 @@ class BenchPlan:
     kernel_passes: int = 3
 
 
+#: The largest memory-bound op timed alone too (f32 elements, 4 MiB): one device alone over 16 MiB
+#: took 1.1 ms in one calibration and 5.4 ms in the next (8 CPU devices of 2 cores), where the
+#: sizes from 64 KiB to 4 MiB agreed within 20%, and a curve pulled down at its end prices every
+#: kernel below it (`hlomap.cost.calibration.alone_curves`); the largest alone sample prices
+#: larger kernels.
+ALONE_MEMORY_ELEMENTS = 2**20
 #: The default run: sizes that keep a run on 8 host CPU devices of a small machine well under a
 #: minute while spanning latency- and bandwidth-bound messages and the rise of the matmul curve.
 DEFAULT_PLAN = BenchPlan(matmul_sizes=(64, 128, 256, 512), dtypes=("f32", "bf16"),
@@ -412,7 +418,7 @@ def _tasks(plan: BenchPlan, devices: Sequence[Any]) -> list[Task]:
                        lambda c=channels: narrow_conv(c, OVERSIZED_SIDE, OVERSIZED_CONVOLUTION)))
     for elements in plan.memory_sizes:
         probes.append((f"memory {elements * 4} B", lambda e=elements: memory(e)))
-        if count > 1:
+        if count > 1 and elements <= ALONE_MEMORY_ELEMENTS:
             probes.append((f"memory {elements * 4} B alone", lambda e=elements: memory_alone(e)))
     # the kernel-launch steps price every step's kernels: compute samples too (their fitted cost
     # per kernel ran 2.6-9.2 us in seven calibrations of one afternoon, timed in one pass each)
