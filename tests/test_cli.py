@@ -583,6 +583,10 @@ def test_calibrate_quick_writes_a_cluster_that_load_cluster_reads(tmp_path: Path
     assert widths == [("convolution", 4), ("convolution", 32), ("dot", 8), ("oversized-convolution", 32)]
     device = json.loads(out.read_text())["devices"][0]
     assert ("narrow product" in captured.out) == bool(device.get("narrow"))
+    # each matmul and memory-bound op size timed alone too: the curves one-device plans are priced on
+    assert [size for size, _ in measured["alone_dot"]] == [2.0 * 64**3, 2.0 * 256**3]
+    assert [size for size, _ in measured["alone_memory"]] == [8.0 * 2**12, 8.0 * 2**20]
+    assert "one device alone, matmuls" in captured.out and "one device alone, memory-bound ops" in captured.out
 
 
 def test_calibrate_check_times_a_calibration_again_and_says_how_far_it_moved(

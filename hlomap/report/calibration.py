@@ -78,6 +78,11 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
             what = "buffer its passes move" if name == "mpmd" else "state leaf it hands back"
             overheads.add_row(f"{name} pipeline executor (per {what}, per device)", "", human_seconds(seconds))
         overheads.add_row("one device alone vs all busy", f"{measured.solo_speedup:.2f}x faster", "")
+        for label, points, unit in (("matmuls", measured.alone_dot, "MFLOP"), ("memory-bound ops", measured.alone_memory, "MiB")):
+            if points:
+                scale = 1e6 if unit == "MFLOP" else 2**20
+                overheads.add_row(f"one device alone, {label} (one-device plans)",
+                                  ", ".join(f"{size / scale:.3g} {unit}: {speedup:.1f}x" for size, speedup in points), "")
     links = (f"cluster {cluster.name!r}: {cluster.n_devices} device(s) of {human_bytes(device.memory_bytes)}"
              + (f", links {human_seconds(float(cluster.latency[0, 1]))} + bytes / "
                 f"{_rate(float(cluster.bandwidth[0, 1]))}" if cluster.n_devices > 1 else "")
