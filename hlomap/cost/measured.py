@@ -38,11 +38,12 @@ model uses it instead of the links wherever a cluster carries one:
 - `alone_dot` and `alone_memory` say, per size, how much faster one device ran a matmul (by its
   flops) or a memory-bound op (by its bytes) alone than while every device ran one: points
   (size, speedup) sorted by size. A host device alone has the caches and the spare cores to
-  itself, so the gain grows with the kernel: on 8 CPU devices of 2 cores a 64^3 matmul ran 4.2x
-  faster alone and a 512^3 one 8.2x, an elementwise op over 256 KiB 3.7x and over 4 MiB 20x,
-  where `solo_speedup` allows 4x for all. A plan keeping one device busy is priced per kernel
-  on these curves (`alone_speedups`), threads included; others on `busy_speedup`. Empty where
-  the calibration timed no such pairs (before this version; one device; not host devices);
+  itself, so the gain grows with the kernel: on 8 CPU devices of 2 cores matmuls of 0.5-34
+  MFLOP ran 3.3-5.4x faster alone and one of 268 MFLOP 7.7x, elementwise ops moving up to 512 KiB
+  3.6-4.6x and 8 MiB 18-22x (two calibrations), where `solo_speedup` allows 4x for all. A plan
+  keeping one device busy is priced per kernel on these curves (`alone_speedups`), threads
+  included; others on `busy_speedup`. Empty where the calibration timed no such pairs (before
+  this version; one device; not host devices);
 - `cores` is the host's CPU cores when its devices share them (0 otherwise): with k < cores
   devices computing, each has cores / k of them to itself (`spare_threads`), and the kernels
   XLA:CPU splits over threads run faster still (`hlomap.cost.threads`);
@@ -63,7 +64,7 @@ JSON (a cluster file's optional "measured" object; units: seconds, bytes/s):
      "solo_speedup": 7.9, "n_devices": 8, "kernel_seconds": 9e-06, "combined_operand_seconds": 3e-04,
      "combined_operands": [{"group": 2, "seconds": 2e-05}, {"group": 8, "seconds": 3e-04}],
      "executor_buffers": {"mpmd": 2e-06}, "cores": 2,
-     "alone_dot": [[524288.0, 4.2], [268435456.0, 8.2]], "alone_memory": [[32768.0, 3.7], [33554432.0, 19.7]]}
+     "alone_dot": [[524288.0, 3.3], [268435456.0, 7.7]], "alone_memory": [[32768.0, 3.6], [8388608.0, 18.0]]}
 """
 
 from __future__ import annotations
