@@ -301,8 +301,8 @@ class MeasuredCosts:
                        _int(data.get("cores", 0), f"{where}.cores"),
                        _point_list(data.get("alone_dot", []), f"{where}.alone_dot"),
                        _point_list(data.get("alone_memory", []), f"{where}.alone_memory"))
-        except MeasuredCostsError as err:
-            raise MeasuredCostsError(f"{where}: {err}") from None
+        except MeasuredCostsError as err:  # named once: a field's own check already starts with `where`
+            raise MeasuredCostsError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
 
 
 def measured_costs(fits: Iterable[Any], dispatch_kind: str, transfer_kind: str,

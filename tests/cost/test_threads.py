@@ -190,5 +190,6 @@ def test_alone_curves_round_trip_and_are_checked() -> None:
                        ({"alone_memory": [[1e6, 2.0], [1e6, 3.0]]}, "two points of one size"),
                        ({"alone_dot": [1e6, 2.0]}, r"alone_dot\[0\]: expected \[size, speedup\]"),
                        ({"alone_memory": "fast"}, "expected a list")):
-        with pytest.raises(MeasuredCostsError, match=match):
+        with pytest.raises(MeasuredCostsError, match=match) as caught:
             MeasuredCosts.from_json(bad)
+        assert str(caught.value).startswith("measured") and "measured: measured" not in str(caught.value)
