@@ -80,7 +80,7 @@ class BenchPlan:
 
 #: The largest memory-bound op timed alone too (f32 elements, 4 MiB): one device alone over 16 MiB
 #: took 1.1 ms in one calibration and 5.4 ms in the next (8 CPU devices of 2 cores), where the
-#: sizes from 64 KiB to 4 MiB agreed within 20%, and a curve pulled down at its end prices every
+#: sizes from 64 KiB to 4 MiB agreed within 25%, and a curve pulled down at its end prices every
 #: kernel below it (`hlomap.cost.calibration.alone_curves`); the largest alone sample prices
 #: larger kernels.
 ALONE_MEMORY_ELEMENTS = 2**20
