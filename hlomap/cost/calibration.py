@@ -1110,13 +1110,14 @@ def calibrated_cluster(calibration: ClusterCalibration, *, name: str | None = No
     label = name or f"calibrated-{calibration.backend}-{n}"
     fits = calibration.comm_fits
     executors = fit_executor_terms(calibration.executors)
+    alone_dot, alone_memory = alone_curves(calibration.kernels)
     measured = replace(measured_costs(fits, DISPATCH, TRANSFER, {name: fit.step for name, fit in executors.items()}),
                        solo_speedup=calibration.solo_speedup, n_devices=n,
                        kernel_seconds=_per_count(fits, LAUNCH), combined_operand_seconds=_per_count(fits, COMBINED),
                        combined_operands=_per_count_by_group(fits, COMBINED),
                        executor_buffers=_executor_buffers(executors, fit_hand_back(calibration.hand_backs)),
                        cores=calibration.cores if calibration.backend == "cpu" else 0,
-                       **dict(zip(("alone_dot", "alone_memory"), alone_curves(calibration.kernels))))
+                       alone_dot=alone_dot, alone_memory=alone_memory)
     return Cluster(label, (device,) * n, (0,) * n, bandwidth, latency, measured=measured)
 
 

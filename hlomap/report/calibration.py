@@ -78,9 +78,9 @@ def format_calibration(cluster: Cluster, calibration: ClusterCalibration) -> lis
             what = "buffer its passes move" if name == "mpmd" else "state leaf it hands back"
             overheads.add_row(f"{name} pipeline executor (per {what}, per device)", "", human_seconds(seconds))
         overheads.add_row("one device alone vs all busy", f"{measured.solo_speedup:.2f}x faster", "")
-        for label, points, unit in (("matmuls", measured.alone_dot, "MFLOP"), ("memory-bound ops", measured.alone_memory, "MiB")):
+        for label, points, unit, scale in (("matmuls", measured.alone_dot, "MFLOP", 1e6),
+                                           ("memory-bound ops", measured.alone_memory, "MiB", 2**20)):
             if points:
-                scale = 1e6 if unit == "MFLOP" else 2**20
                 overheads.add_row(f"one device alone, {label} (one-device plans)",
                                   ", ".join(f"{size / scale:.3g} {unit}: {speedup:.1f}x" for size, speedup in points), "")
     links = (f"cluster {cluster.name!r}: {cluster.n_devices} device(s) of {human_bytes(device.memory_bytes)}"
