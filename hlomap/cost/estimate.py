@@ -46,7 +46,8 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
-from hlomap.cost.compute import MATRIX_OPCODES, CostCache, curve_kind, emits_no_kernel, kept_instruction_cost
+from hlomap.cost.compute import (MATRIX_OPCODES, CostCache, curve_kind, emits_no_kernel, folds_into_product,
+                                 kept_instruction_cost, transposed_product_cost)
 from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.measured import MeasuredCosts
@@ -57,7 +58,7 @@ from hlomap.cost.zero import StateShard, gathered_parameters
 from hlomap.hlo.capture import Capture, Phase, Role
 from hlomap.hlo.ir import Computation, Instruction, Module
 from hlomap.propagation.conflicts import REPLICATED, ConflictChecker, MeshAxes, PlanConflict
-from hlomap.propagation.graph import FactorGraph
+from hlomap.propagation.graph import FactorGraph, Node
 
 log = logging.getLogger(__name__)
 
@@ -288,9 +289,15 @@ def kernel_count(sg: ShardedGraph, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
     is priced back on exactly what it was fitted to."""
     fused = fused_nodes(sg, fusion)
     module = sg.graph.module
-    return sum(int(sg.node_count[n]) for n, node in enumerate(sg.graph.nodes)
-               if n not in fused and _runs(node.instruction, module.computation(node.computation),
-                                           int(sg.node_count[n])))
+    reduced = frozenset(_all_reduced_nodes(sg, _gathered_axes(sg)).tolist())
+
+    def launches(n: int, node: Node) -> bool:
+        inst, comp, count = node.instruction, module.computation(node.computation), int(sg.node_count[n])
+        if count > 0 and folds_into_product(inst, comp):  # runs only after its product's all-reduce
+            return sg.instance_index(node.instance)[inst.operands[0]] in reduced
+        return _runs(inst, comp, count)
+
+    return sum(int(sg.node_count[n]) for n, node in enumerate(sg.graph.nodes) if n not in fused and launches(n, node))
 
 
 def launched_kernels(cap: Capture, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
@@ -379,6 +386,9 @@ class _Unsplit(NamedTuple):
     narrow: np.ndarray  # a dot or convolution the device has a narrow curve for (`curve_kind`)
     splittable: np.ndarray  # a kernel XLA:CPU may split over the host's threads (`threads.SPLIT_OPCODES`)
     matrix: np.ndarray  # a dot or convolution (`MATRIX_OPCODES`)
+    # the dot a transpose of its product transposes (`compute.folds_into_product`), else -1: such a
+    # transpose runs only when the plan all-reduces that dot's result (`_unfolded_transposes`)
+    product: np.ndarray
 
 
 def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit:
@@ -396,19 +406,42 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
         inst = node.instruction
         count = int(sg.node_count[n])
         comp = module.computation(node.computation)
-        if not _runs(inst, comp, count):
+        product = -1
+        if count > 0 and folds_into_product(inst, comp):
+            product = sg.instance_index(node.instance)[inst.operands[0]]
+            full = transposed_product_cost(inst, comp, device)
+        elif _runs(inst, comp, count):
+            full = kept_instruction_cost(inst, comp, module, device, cache)
+        else:
             continue
-        full = kept_instruction_cost(inst, comp, module, device, cache)
         nodes.append(n)
         rows.append((count, full.compute_seconds, full.flops, full.transcendentals, bool(full.bytes_accessed),
                      curve_kind(inst, comp, device) is not None, inst.opcode in SPLIT_OPCODES,
-                     inst.opcode in MATRIX_OPCODES))
-    columns = list(zip(*rows)) if rows else [()] * 8
+                     inst.opcode in MATRIX_OPCODES, product))
+    columns = list(zip(*rows)) if rows else [()] * 9
     found = _Unsplit(np.asarray(nodes, dtype=np.int64), np.asarray(columns[0], dtype=np.int64),
                      *(np.asarray(c, dtype=np.float64) for c in columns[1:4]),
-                     *(np.asarray(c, dtype=bool) for c in columns[4:8]))
+                     *(np.asarray(c, dtype=bool) for c in columns[4:8]), np.asarray(columns[8], dtype=np.int64))
     sg.facts.memo[key] = found
     return found
+
+
+def _unfolded_transposes(sg: ShardedGraph, base: _Unsplit, gathered: Mapping[int, tuple[str, ...]]) -> np.ndarray:
+    """Per `base` node, whether it runs in this plan: every node but a transpose of a product
+    (`_Unsplit.product`) whose dot the plan does not all-reduce. XLA folds such a transpose into
+    the product; once the product is all-reduced first (a weight gradient under data
+    parallelism) the transpose runs after the all-reduce, a kernel of its own."""
+    if not (base.product >= 0).any():
+        return np.ones(len(base.node), dtype=bool)
+    return (base.product < 0) | np.isin(base.product, _all_reduced_nodes(sg, gathered))
+
+
+def _all_reduced_nodes(sg: ShardedGraph, gathered: Mapping[int, tuple[str, ...]]) -> np.ndarray:
+    """The nodes whose partial results the plan all-reduces (split over more than one device, not
+    gathered before)."""
+    mesh = sg.axes.mesh_shape
+    return np.asarray([pr.node for pr in sg.partials
+                       if pr.node not in gathered and math.prod(mesh[a] for a in pr.axes) > 1], dtype=np.int64)
 
 
 def _fused_mask(n_nodes: int, fused: frozenset[int]) -> np.ndarray:
@@ -537,9 +570,11 @@ def instruction_arrays(sg: ShardedGraph, device: DeviceSpec, gathered: Mapping[i
         compute, memory = compute / faster, memory / faster
     launch = np.where(is_fused[node], 0.0, kernel_seconds)
     count = base.count
-    return InstructionArrays(node, degree, count, base.flops / degree * count, base.transcendentals / degree * count,
-                             nbytes * count, compute * count, memory * count,
-                             (np.maximum(compute, memory) + launch) * count)
+    arrays = InstructionArrays(node, degree, count, base.flops / degree * count, base.transcendentals / degree * count,
+                               nbytes * count, compute * count, memory * count,
+                               (np.maximum(compute, memory) + launch) * count)
+    runs = _unfolded_transposes(sg, base, gathered)
+    return arrays if runs.all() else InstructionArrays(*(column[runs] for column in arrays))
 
 
 def instruction_estimates(sg: ShardedGraph, arrays: InstructionArrays) -> list[InstructionEstimate]:

@@ -553,6 +553,52 @@ def test_a_transposed_product_folds_where_xla_folds_it(name: str, fn, shapes, fo
     assert (cost.bytes_accessed == 0 and cost.seconds == 0) == folds
 
 
+
+def _weight_gradient(x: jax.Array, dy: jax.Array) -> jax.Array:
+    """A weight gradient as JAX writes one: the batch contracted, then the product transposed."""
+    return jnp.dot(x.T, dy).T * 2.0
+
+
+def test_a_transposed_product_runs_once_the_plan_all_reduces_the_product() -> None:
+    """Oracle: with the batch split over 8 devices, XLA's compiled module all-reduces the product
+    as the dot computed it and keeps the transpose after the all-reduce; on one device it folds
+    the transpose away. The estimate prices the transpose as a copy in the first plan and leaves
+    it out of the second."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hlomap.cost.estimate import instruction_arrays
+    from hlomap.cost.memory import Fusion, fused_nodes
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.hlo.capture import capture
+    from hlomap.propagation.conflicts import MeshAxes
+    from hlomap.propagation.graph import FactorGraph
+
+    x, dy = jnp.ones((256, 128), jnp.float32), jnp.ones((256, 32), jnp.float32)
+    split = NamedSharding(Mesh(np.array(jax.devices()[:8]), ("data",)), PartitionSpec("data"))
+    sharded_text = jax.jit(_weight_gradient, in_shardings=(split, split)).lower(x, dy).compile().as_text()
+    all_reduce = next(line for line in sharded_text.splitlines() if " all-reduce(" in line)
+    assert "= f32[128,32]" in all_reduce  # the product as the dot computed it, not transposed
+    assert any(" transpose(" in line for line in sharded_text.splitlines())  # in the fusion after it
+    assert _xla_copies(_weight_gradient, x, dy) == 0
+
+    module = capture(_weight_gradient, x, dy).module
+    graph = FactorGraph.build(module)
+    transpose = next(i for i in module.entry.instructions
+                     if i.opcode == "transpose" and module.entry[i.operands[0]].opcode == "dot")
+    node = graph.node_of(module.entry.name, transpose.name)
+    device = device_preset("V100-16GB")
+    batch = graph.group_of_dim[graph.tensor_dims(graph.entry_parameter_tensors[0])[0]]
+    priced = {}
+    for name, group in (("data-parallel", 0), ("one device", -1)):
+        plan = np.full(graph.num_groups, -1, dtype=np.int64)
+        plan[batch] = group
+        sg = ShardedGraph.build(graph, plan, MeshAxes.from_mesh({"data": 8}))
+        arrays = instruction_arrays(sg, device, {}, fused_nodes(sg, Fusion.ELEMENTWISE), {})
+        rows = np.flatnonzero(arrays.node == node)
+        priced[name] = float(arrays.bytes_accessed[rows].sum()) if len(rows) else None
+    assert priced["data-parallel"] == 2 * transpose.shape.byte_size  # its operand read, its result written
+    assert priced["one device"] is None
+
 def test_an_operand_read_twice_is_read_once() -> None:
     """`x * x` reads x once: the estimate's bytes of the squaring kernel are x and its result."""
     from hlomap.cost.estimate import instruction_arrays

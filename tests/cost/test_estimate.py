@@ -311,16 +311,24 @@ def test_reference_plans_need_roles_and_default_to_eight_devices(gpt) -> None:  
 def _reference_rows(sg, device, gathered, fused, kernel_seconds):  # type: ignore[no-untyped-def]
     """Each executed instruction's (node, degree, flops, bytes, compute, memory, seconds), one
     instruction at a time by the rules `instruction_arrays` computes with arrays."""
-    from hlomap.cost.compute import instruction_cost
+    from hlomap.cost.compute import folds_into_product, instruction_cost, transposed_product_cost
     from hlomap.cost.estimate import _runs
 
     g, mesh, rows = sg.graph, sg.axes.mesh_shape, []
+    # a transpose of a product runs (as a copy) only after the plan all-reduces the product
+    all_reduced = {pr.node for pr in sg.partials
+                   if pr.node not in gathered and int(np.prod([mesh[a] for a in pr.axes])) > 1}
     for n, node in enumerate(g.nodes):
         inst, count = node.instruction, int(sg.node_count[n])
         comp = g.module.computation(node.computation)
-        if not _runs(inst, comp, count):
+        if count > 0 and folds_into_product(inst, comp):
+            if sg.node_operand_nodes(n)[0] not in all_reduced:
+                continue
+            full = transposed_product_cost(inst, comp, device)
+        elif not _runs(inst, comp, count):
             continue
-        full = instruction_cost(inst, comp, g.module, device, {})
+        else:
+            full = instruction_cost(inst, comp, g.module, device, {})
         degree = int(sg.node_degree[n])
         for axis in gathered.get(n, ()):
             degree //= mesh[axis]
@@ -371,6 +379,9 @@ def test_instruction_arrays_equal_the_per_instruction_rules(gpt, plan: str) -> N
                                     found.seconds), start=2):
             np.testing.assert_allclose(column, [r[k] for r in expected], rtol=1e-12, atol=0)
         assert any(r[1] > 1 and graph.nodes[r[0]].instruction.opcode == "dot" for r in expected)
+        unfolded = [r for r in expected if graph.nodes[r[0]].instruction.opcode == "transpose"
+                    and graph.nodes[sg.node_operand_nodes(r[0])[0]].instruction.opcode == "dot"]
+        assert unfolded or plan == "megatron"  # data parallelism all-reduces the weight gradients
         rows = instruction_estimates(sg, found)
         assert [(r.name, r.computation) for r in rows] == [
             (graph.nodes[n].instruction.name, graph.nodes[n].computation) for n in found.node.tolist()]

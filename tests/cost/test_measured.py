@@ -229,19 +229,28 @@ def test_host_devices_solo_speedup_is_at_most_devices_per_core() -> None:
 
 def test_the_estimate_adds_dispatch_and_kernel_launches(cap_of) -> None:
     import hlomap
-    from hlomap.cost.estimate import launched_kernels
+    from hlomap.cost.estimate import kernel_count, launched_kernels
+    from hlomap.cost.sharding import ShardedGraph
+    from hlomap.plan import reference_plan
+    from hlomap.propagation.graph import FactorGraph
 
     cap = cap_of("gpt-tiny")
     table = dataclasses.replace(TABLE, solo_speedup=1.0)
-    with_costs = hlomap.estimate(cap, "dp", mesh={"data": 8}, cluster=_cluster(table))
-    plain = hlomap.estimate(cap, "dp", mesh={"data": 8}, cluster=_cluster(dataclasses.replace(
-        table, dispatch_seconds=0.0, kernel_seconds=0.0)))
-    assert with_costs.dispatch_seconds == pytest.approx(20e-6)
-    kernels = (with_costs.compute_seconds - plain.compute_seconds) / 10e-6
-    assert kernels > 10 and abs(kernels - round(kernels)) < 1e-6  # a whole number of launched kernels
-    # the count a calibration divides its launch samples by is the count the estimate charges
-    assert round(kernels) == launched_kernels(cap)
-    assert with_costs.step_seconds == pytest.approx(plain.step_seconds + 20e-6 + kernels * 10e-6)
+    plain_table = dataclasses.replace(table, dispatch_seconds=0.0, kernel_seconds=0.0)
+    for mesh in ({"data": 1}, {"data": 8}):
+        with_costs = hlomap.estimate(cap, "dp", mesh=mesh, cluster=_cluster(table))
+        plain = hlomap.estimate(cap, "dp", mesh=mesh, cluster=_cluster(plain_table))
+        assert with_costs.dispatch_seconds == pytest.approx(20e-6)
+        kernels = (with_costs.compute_seconds - plain.compute_seconds) / 10e-6
+        assert kernels > 10 and abs(kernels - round(kernels)) < 1e-6  # a whole number of launched kernels
+        assert with_costs.step_seconds == pytest.approx(plain.step_seconds + 20e-6 + kernels * 10e-6)
+        graph = FactorGraph.from_capture(cap)
+        assert round(kernels) == kernel_count(ShardedGraph.build(graph, *reference_plan(graph, "dp", mesh)))
+        if mesh["data"] == 1:
+            # the count a calibration divides its launch samples by is the count the estimate charges
+            assert round(kernels) == launched_kernels(cap)
+        else:  # the weight gradients' transposes run after their all-reduce, each a kernel of its own
+            assert round(kernels) > launched_kernels(cap)
 
 
 def test_an_executor_for_an_spmd_plan_is_refused(cap_of) -> None:
