@@ -184,10 +184,11 @@ def folds_into_product(inst: Instruction, comp: Computation) -> bool:
 def transposed_product_cost(inst: Instruction, comp: Computation, device: DeviceSpec | None) -> InstructionCost:
     """What a transpose that `folds_into_product` costs when the plan all-reduces the product
     before it: XLA then all-reduces the product as the dot computed it and transposes after, so
-    the transpose is a kernel of its own. Priced as the copy it is (its operand read, its result
-    written). On 8 CPU devices a data-parallel haiku-mlp step whose weight gradients are
-    all-reduced transposed and transposed back ran 24.2 ms against 13.0 ms for the same step
-    all-reducing them in their own layout."""
+    the transpose runs as a kernel. Priced as a copy (its operand read, its result written): a
+    lower bound, since XLA fuses it into each reader, which reads at a slower rate that depends on
+    the stride (docs/benchmarks.md). On 8 CPU devices a data-parallel step of an MLP the size of
+    haiku-mlp (Adam) ran 24.2 ms with its weight gradients all-reduced transposed and transposed
+    back, against 13.0 ms with them all-reduced in their own layout."""
     nbytes = _operand_bytes(inst, comp) + inst.shape.byte_size
     return _kernel(0.0, 0.0, nbytes, _first_dtype(inst.shape), device)
 

@@ -553,7 +553,6 @@ def test_a_transposed_product_folds_where_xla_folds_it(name: str, fn, shapes, fo
     assert (cost.bytes_accessed == 0 and cost.seconds == 0) == folds
 
 
-
 def _weight_gradient(x: jax.Array, dy: jax.Array) -> jax.Array:
     """A weight gradient as JAX writes one: the batch contracted, then the product transposed."""
     return jnp.dot(x.T, dy).T * 2.0
@@ -598,6 +597,7 @@ def test_a_transposed_product_runs_once_the_plan_all_reduces_the_product() -> No
         priced[name] = float(arrays.bytes_accessed[rows].sum()) if len(rows) else None
     assert priced["data-parallel"] == 2 * transpose.shape.byte_size  # its operand read, its result written
     assert priced["one device"] is None
+
 
 def test_an_operand_read_twice_is_read_once() -> None:
     """`x * x` reads x once: the estimate's bytes of the squaring kernel are x and its result."""
