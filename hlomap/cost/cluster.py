@@ -601,6 +601,9 @@ def _build_topology(text: str) -> Cluster:
     try:
         kind = TopologyKind(kind_text.lower())
     except ValueError:
+        if kind_text.strip().lower() == LOCAL:  # "local:4", "local@V100-16GB": local names the devices as they are
+            raise _topology_error(text, f"{LOCAL!r} takes no size or device: it is the devices JAX sees, "
+                                        f"calibrated (write {LOCAL!r} alone)") from None
         raise _topology_error(text, f"unknown topology {kind_text!r}; known: "
                                     f"{', '.join(k.value for k in TopologyKind)}") from None
     parts = rest.split(":") if rest else []

@@ -291,6 +291,7 @@ def test_topology_strings_build_what_they_name():
 
 @pytest.mark.parametrize("text, part", [
     ("tor:4x4", "unknown topology 'tor'"),
+    ("local:4", "'local' takes no size or device"),
     ("torus:8xx8", "shape '8xx8'"),
     ("mesh:", "expected mesh:AxB"),
     ("hier:4", "shape '4' needs 2 sizes"),
