@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hlomap.cost.compute import CostCache, kept_instruction_cost
+from hlomap.cost.compute import CostCache, folds_into_product, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.graph import topological_order, users
+from hlomap.hlo.ir import Computation
 
 if TYPE_CHECKING:
     from hlomap.cost.sharding import ShardedGraph
@@ -85,10 +86,15 @@ class Syncs:
 class BatchSplit:
     """What splitting the batch does to each entry instruction: `fixed`, the share of its
     seconds that does not shrink (`fixed_fraction`); `syncs`, the all-reduces it adds inside the
-    pass (`Syncs`). Both empty when the batch cannot be split."""
+    pass (`Syncs`); `replica_transposes`, the transposes it no longer folds. All empty when the
+    batch cannot be split."""
 
     fixed: dict[str, float] = field(default_factory=dict)
     syncs: Syncs = field(default_factory=Syncs)
+    # entry transposes of products the split all-reduces (weight gradients): XLA folds them into
+    # the product on one replica, and runs them after the all-reduce on several
+    # (`hlomap.cost.compute.transposed_product_cost`)
+    replica_transposes: frozenset[str] = frozenset()
 
 
 def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None, *,
@@ -129,7 +135,16 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
         compute = cost.compute_seconds / degree * split.narrow_slowdown(n, device, cache)  # type: ignore[arg-type]
         t_k = max(compute, cost.memory_seconds * ratio)
         out[node.instruction.name] = fixed_fraction(cost.seconds, t_k, k)
-    return BatchSplit(out, _in_pass_syncs(split, entry.name))
+    return BatchSplit(out, _in_pass_syncs(split, entry.name), _replica_transposes(split, entry))
+
+
+def _replica_transposes(split: ShardedGraph, entry: Computation) -> frozenset[str]:
+    """The entry transposes of products whose results the split all-reduces: those XLA runs after
+    the all-reduce instead of folding them into the product."""
+    reduced = {pr.node for pr in split.partials}
+    index = split.instance_index(0)
+    return frozenset(inst.name for inst in entry.instructions
+                     if folds_into_product(inst, entry) and index.get(inst.operands[0]) in reduced)
 
 
 def _in_pass_syncs(split: ShardedGraph, entry: str) -> Syncs:

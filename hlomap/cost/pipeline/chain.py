@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.compute import CostCache, kept_instruction_cost
+from hlomap.cost.compute import CostCache, kept_instruction_cost, transposed_product_cost
 from hlomap.cost.devices import DeviceSpec, device_preset
 from hlomap.cost.estimate import pass_buffers, state_leaves
 from hlomap.hlo.capture import Capture, Phase, Role, instruction_phase
@@ -420,8 +420,11 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
     # forward, backward: dependency level -> the last position one of its reductions is at
     sync_levels: tuple[dict[int, int], dict[int, int]] = ({}, {})
     sync_bytes = (np.zeros(n), np.zeros(n))
+    replica_transposes = np.zeros(n)
     for name, p in found.anchor.items():
         forward = name in found.forward
+        if name in split.replica_transposes:  # folded (free) on one replica, a copy on several
+            replica_transposes[p] += transposed_product_cost(by_name[name], entry, spec).seconds
         t = seconds(name)
         (forward_time if forward else backward_time)[p] += t
         (forward_fixed if forward else backward_fixed)[p] += t * split.fixed.get(name, 0.0)
@@ -469,6 +472,7 @@ def chain_arrays(cap: Capture, device: DeviceSpec | str | None = None, *,
         forward_sync_bytes=sync_bytes[0],
         backward_sync_bytes=sync_bytes[1],
         gradient_buffers=gradient_buffers,
+        replica_transposes=replica_transposes,
         pass_buffers=float(pass_buffers(cap)),
         state_leaves=float(state_leaves(cap)),
     )

@@ -291,15 +291,23 @@ def sync_seconds(allreduce: Any, count: Any, nbytes: Any) -> Any:
 
 
 def stage_sync_seconds(profile: PipelineProfile, cluster: Cluster, stage: Stage) -> tuple[float, float]:
-    """(forward, backward) seconds per microbatch of the all-reduces a stage's passes run over
-    its data replicas (`PipelineProfile.forward_syncs`: batch norm's statistics); none on one
+    """(forward, backward) seconds per microbatch of what a stage's passes add on more than one
+    data replica: the all-reduces they run over them (`PipelineProfile.forward_syncs`: batch
+    norm's statistics), and the weight gradients' transposes after the gradient all-reduce
+    (`PipelineProfile.replica_transposes`, at the stage's slowest device's pace); none on one
     replica. A replica group is every `model`-th device of the stage."""
-    (forward_count, forward_bytes), (backward_count, backward_bytes) = profile.syncs_on(
-        profile.stage_slice(stage.start, stage.stop))
-    if stage.replication <= 1 or forward_count + backward_count == 0:
-        return 0.0, 0.0  # and no group to price (most profiles have no syncs)
+    layers = profile.stage_slice(stage.start, stage.stop)
+    (forward_count, forward_bytes), (backward_count, backward_bytes) = profile.syncs_on(layers)
+    if stage.replication <= 1:
+        return 0.0, 0.0
+    transposes = profile.replica_transposes_of(layers)
+    if transposes:
+        transposes *= compute_slowdown(cluster, stage.devices)
+    if forward_count + backward_count == 0:
+        return 0.0, transposes  # and no group to price (most profiles have no syncs)
     price = allreduce_cost(cluster, stage.devices[::stage.model])
-    return sync_seconds(price, forward_count, forward_bytes), sync_seconds(price, backward_count, backward_bytes)
+    return (sync_seconds(price, forward_count, forward_bytes),
+            sync_seconds(price, backward_count, backward_bytes) + transposes)
 
 
 def device_stage_parameter_bytes(profile: PipelineProfile, plan: PipelinePlan, group: int) -> float:

@@ -63,7 +63,7 @@ class Prefix(NamedTuple):
     `fixed` is the part of `compute` a batch split does not shrink (`replicated_seconds`);
     `forward_syncs` ... `backward_sync_bytes` the all-reduces a batch split adds inside the
     passes (`PipelineProfile.forward_syncs`); `gradient_buffers` the arrays of a stage's gradient
-    all-reduce.
+    all-reduce; `replica_transposes` the transposes that run after it (`PipelineProfile`).
     """
 
     forward: np.ndarray
@@ -78,6 +78,7 @@ class Prefix(NamedTuple):
     forward_sync_bytes: np.ndarray
     backward_sync_bytes: np.ndarray
     gradient_buffers: np.ndarray
+    replica_transposes: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,6 +114,12 @@ class PipelineProfile:
         cluster each buffer after the first costs what the calibration timed
         (`hlomap.cost.pipeline.links.gradient_buffer_seconds`). Sums over merged layers and does
         not scale with the batch, like the syncs.
+      replica_transposes: [n] seconds per microbatch, on one device, of the transposes each
+        layer's backward runs only on more than one replica (None: none): a weight gradient is a
+        product XLA computes transposed on one replica, but all-reduces untransposed over several
+        and transposes after (`hlomap.cost.compute.transposed_product_cost`). Weight-shaped, so
+        it does not scale with the batch; priced with the passes' all-reduces
+        (`costs.stage_sync_seconds`), and scaled with the compute speed (`faster_profile`).
       pass_buffers: buffers the mpmd executor's passes move per microbatch, all stages together
         (`hlomap.cost.estimate.pass_buffers`; 0 when unknown): the step's, whatever the cuts,
         which the executor's cost on a measured cluster grows with (`costs.executor_overhead`).
@@ -136,6 +143,7 @@ class PipelineProfile:
     forward_sync_bytes: np.ndarray | None = None
     backward_sync_bytes: np.ndarray | None = None
     gradient_buffers: np.ndarray | None = None
+    replica_transposes: np.ndarray | None = None
     pass_buffers: float = 0.0
     state_leaves: float = 0.0
 
@@ -219,6 +227,11 @@ class PipelineProfile:
         return ((float(self.forward_syncs[layers].sum()), float(self.forward_sync_bytes[layers].sum())),  # type: ignore[index]
                 (float(self.backward_syncs[layers].sum()), float(self.backward_sync_bytes[layers].sum())))  # type: ignore[index]
 
+    def replica_transposes_of(self, layers: slice) -> float:
+        """Seconds per microbatch, on one device, of the transposes `layers`' backward runs on
+        more than one replica (`replica_transposes`)."""
+        return float(self.replica_transposes[layers].sum())  # type: ignore[index]
+
     def gradient_buffers_of(self, layers: slice) -> float:
         """Arrays the gradient all-reduce of `layers` combines (`gradient_buffers`)."""
         return float(self.gradient_buffers[layers].sum())  # type: ignore[index]
@@ -263,10 +276,12 @@ class PipelineProfile:
         return slice(start, stop)
 
 
-#: The fields that count a profile's all-reduces and their buffers: the in-pass all-reduces
-#: (`PipelineProfile.forward_syncs`) and the gradient all-reduce's arrays (`gradient_buffers`).
-#: They do not scale with the batch or the compute speed, and sum over merged layers.
-SYNC_FIELDS = ("forward_syncs", "backward_syncs", "forward_sync_bytes", "backward_sync_bytes", "gradient_buffers")
+#: The fields of what a stage pays only on more than one replica: the in-pass all-reduces
+#: (`PipelineProfile.forward_syncs`), the gradient all-reduce's arrays (`gradient_buffers`) and the
+#: transposes after it (`replica_transposes`). They do not scale with the batch (nor, but for the
+#: transposes' seconds, with the compute speed), and sum over merged layers.
+SYNC_FIELDS = ("forward_syncs", "backward_syncs", "forward_sync_bytes", "backward_sync_bytes", "gradient_buffers",
+               "replica_transposes")
 
 
 def sync_fields(profile: PipelineProfile) -> dict[str, np.ndarray]:
@@ -368,4 +383,5 @@ def faster_profile(profile: PipelineProfile, factor: float) -> PipelineProfile:
                                backward_time=profile.backward_time / factor,
                                forward_fixed=profile.forward_fixed / factor,
                                backward_fixed=profile.backward_fixed / factor,
+                               replica_transposes=profile.replica_transposes / factor,  # type: ignore[operator]
                                update_seconds_per_byte=profile.update_seconds_per_byte / factor)

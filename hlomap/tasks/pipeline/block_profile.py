@@ -13,10 +13,10 @@ JSON (`pipeline.block_profile`): {"names": [str], "forward_seconds": [float],
 "activation_bytes": [float] (one per boundary between blocks), "stage_bounds": [int],
 "update_seconds_per_byte": float, "forward_fixed_seconds": [float], "backward_fixed_seconds": [float],
 "forward_syncs": [float], "backward_syncs": [float], "forward_sync_bytes": [float],
-"backward_sync_bytes": [float], "gradient_buffers": [float]} where stage s of the plan is blocks [stage_bounds[s],
-stage_bounds[s + 1]); the fields from "update_seconds_per_byte" on are optional (plans written
-before them read as 0: no update priced, every second split over replicas, no all-reduces inside
-the passes, no per-buffer cost of the gradient all-reduce).
+"backward_sync_bytes": [float], "gradient_buffers": [float], "replica_transposes": [float]} where stage s of
+the plan is blocks [stage_bounds[s], stage_bounds[s + 1]); the fields from "update_seconds_per_byte" on are
+optional (plans written before them read as 0: no update priced, every second split over replicas, no
+all-reduces inside the passes, no per-buffer cost of the gradient all-reduce, no transposes after it).
 """
 
 from __future__ import annotations

@@ -263,13 +263,14 @@ class CutEnv:
         return self._prices.allreduce(range(a, b))
 
     def _sync_seconds(self, a: int, b: int, syncs: dict[str, np.ndarray]) -> np.ndarray | float:
-        """The all-reduces a stage's passes run over its replicas on devices [a, b)
-        (`costs.stage_sync_seconds`), per pivot: none on one device."""
+        """What a stage's passes add on its replicas on devices [a, b) (`costs.stage_sync_seconds`:
+        their all-reduces, the weight gradients' transposes), per pivot: none on one device."""
         if b - a <= 1:
             return 0.0
         price = self._allreduce(a, b)
         return (sync_seconds(price, syncs["forward_syncs"], syncs["forward_sync_bytes"])
-                + sync_seconds(price, syncs["backward_syncs"], syncs["backward_sync_bytes"]))
+                + sync_seconds(price, syncs["backward_syncs"], syncs["backward_sync_bytes"])
+                + syncs["replica_transposes"])
 
     # ---- fixed parts of the observation -------------------------------------------------------
     def _static_features(self) -> np.ndarray:

@@ -110,6 +110,7 @@ class LayerDag:
     forward_sync_bytes: np.ndarray | None = None
     backward_sync_bytes: np.ndarray | None = None
     gradient_buffers: np.ndarray | None = None  # each layer's trainable arrays (`PipelineProfile.gradient_buffers`)
+    replica_transposes: np.ndarray | None = None  # `PipelineProfile.replica_transposes`
     pass_buffers: float = 0.0
     state_leaves: float = 0.0
 

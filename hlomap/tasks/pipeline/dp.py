@@ -942,6 +942,8 @@ class _ReplicationOptions:
             # the passes' own all-reduces, every microbatch (`costs.stage_sync_seconds`)
             t = t + sync_seconds(allreduce, self.syncs["forward_syncs"], self.syncs["forward_sync_bytes"])
             t = t + sync_seconds(allreduce, self.syncs["backward_syncs"], self.syncs["backward_sync_bytes"])
+            # the weight gradients' transposes after the all-reduce, every microbatch (`costs.stage_sync_seconds`)
+            t = t + self.syncs["replica_transposes"] * slowdown
         return np.where(self.allowed, t, np.inf)
 
     def fits(self, device: int, option: int, behind: np.ndarray) -> np.ndarray | None:

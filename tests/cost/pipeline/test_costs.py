@@ -28,6 +28,35 @@ def test_the_pipeline_plan_cost_uses_the_one_formula(monkeypatch) -> None:
     assert evaluate_plan(profile, cluster, plan).latency == 7.0
 
 
+
+def test_a_stage_on_replicas_pays_its_weight_gradients_transposes_every_microbatch() -> None:
+    """The transposes after a replicated stage's gradient all-reduce (`replica_transposes`) are
+    charged to each microbatch's backward on r > 1 replicas and not on one; the closed form, the
+    simulator and the DP charge the same."""
+    import dataclasses
+
+    import numpy as np
+
+    from hlomap.cost.pipeline.simulator import simulate
+    from hlomap.cost.pipeline.stages import Stage
+    from hlomap.tasks.pipeline.dp import solve
+    from hlomap.tasks.pipeline.space import PipelineSpace
+
+    plain = uniform_profile(4, forward_time=1e-3, backward_time=2e-3, activation_bytes=1e6, parameter_bytes=1e7)
+    transposing = dataclasses.replace(plain, replica_transposes=np.array([5e-4, 0.0, 5e-4, 5e-4]))
+    cluster = hierarchical(1, 4)
+    assert costs.stage_sync_seconds(transposing, cluster, Stage(0, 2, (0, 1))) == (0.0, pytest.approx(5e-4))
+    assert costs.stage_sync_seconds(transposing, cluster, Stage(2, 4, (2, 3))) == (0.0, pytest.approx(1e-3))
+    assert costs.stage_sync_seconds(transposing, cluster, Stage(0, 2, (0,))) == (0.0, 0.0)
+    plan = PipelinePlan.linear((0, 2, 4), (2, 2), microbatches=3)
+    before, after = evaluate_plan(plain, cluster, plan), evaluate_plan(transposing, cluster, plan)
+    assert sum(after.stage_compute) - sum(before.stage_compute) == pytest.approx(1.5e-3)
+    assert simulate(transposing, cluster, plan).length > simulate(plain, cluster, plan).length
+    one_replica = PipelinePlan.linear((0, 2, 4), (1, 1), microbatches=3)
+    assert evaluate_plan(transposing, cluster, one_replica).latency == evaluate_plan(plain, cluster, one_replica).latency
+    best = solve(transposing, cluster, PipelineSpace(microbatches=3))
+    assert best.value == pytest.approx(evaluate_plan(transposing, cluster, best.plan).latency)
+
 def test_a_stage_on_replicas_pays_its_passes_all_reduces_every_microbatch() -> None:
     """Batch norm's statistics: a stage on r > 1 replicas all-reduces them in each pass of each
     microbatch (`stage_sync_seconds`: count x one all-reduce of the mean bytes); on one device

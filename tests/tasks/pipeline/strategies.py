@@ -62,7 +62,7 @@ def fixed_parts(draw: st.DrawFn, forward: np.ndarray,
 
 @st.composite
 def sync_parts(draw: st.DrawFn, n: int) -> dict[str, np.ndarray]:
-    """Nothing (no all-reduces inside the passes, no gradient arrays counted), or random counts
+    """Nothing (no all-reduces inside the passes, no gradient arrays or transposes counted), or random counts
     of them per layer and direction with their bytes (`PipelineProfile.forward_syncs`): at least
     a byte per layer that has some (an all-reduce of nothing is free, `links.allreduce_cost`; a
     statistic has bytes), and random counts of each layer's gradient arrays."""
@@ -75,7 +75,9 @@ def sync_parts(draw: st.DrawFn, n: int) -> dict[str, np.ndarray]:
             "forward_sync_bytes": np.where(forward > 0, draw(nbytes), 0.0),
             "backward_sync_bytes": np.where(backward > 0, draw(nbytes), 0.0),
             # the arrays of each layer's gradient (`PipelineProfile.gradient_buffers`)
-            "gradient_buffers": np.array(draw(st.lists(st.integers(0, 4).map(float), min_size=n, max_size=n)))}
+            "gradient_buffers": np.array(draw(st.lists(st.integers(0, 4).map(float), min_size=n, max_size=n))),
+            # the transposes after its all-reduce (`PipelineProfile.replica_transposes`)
+            "replica_transposes": np.array(draw(st.lists(st.floats(0.0, 0.5), min_size=n, max_size=n)))}
 
 
 @st.composite
