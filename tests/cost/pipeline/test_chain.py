@@ -129,7 +129,6 @@ def test_each_parameter_array_is_one_buffer_of_its_layers_gradient_all_reduce(ml
     assert merged.gradient_buffers_of(slice(0, 1)) == profile.gradient_buffers_of(slice(0, profile.n_pivots // 2 + 1))
 
 
-
 def test_each_weight_gradient_transposes_after_the_all_reduce_on_replicas(mlp):
     """Each weight's gradient is a product XLA all-reduces untransposed over a stage's replicas
     and transposes after (folded on one replica): the profile prices one such copy per weight, at
@@ -147,6 +146,7 @@ def test_each_weight_gradient_transposes_after_the_all_reduce_on_replicas(mlp):
     np.testing.assert_array_equal(profile.replica_transposes > 0, (profile.backward_time > 0) & (profile.parameter_bytes > 0))
     merged = merge_layers(profile, [profile.n_pivots // 2])
     assert merged.replica_transposes.sum() == pytest.approx(profile.replica_transposes.sum())
+
 
 def test_pivots_between_layers_carry_one_activation(mlp):
     hlo = step_chain(mlp, DEVICE)

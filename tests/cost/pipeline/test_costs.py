@@ -28,7 +28,6 @@ def test_the_pipeline_plan_cost_uses_the_one_formula(monkeypatch) -> None:
     assert evaluate_plan(profile, cluster, plan).latency == 7.0
 
 
-
 def test_a_stage_on_replicas_pays_its_weight_gradients_transposes_every_microbatch() -> None:
     """The transposes after a replicated stage's gradient all-reduce (`replica_transposes`) are
     charged to each microbatch's backward on r > 1 replicas and not on one; the closed form, the
@@ -56,6 +55,7 @@ def test_a_stage_on_replicas_pays_its_weight_gradients_transposes_every_microbat
     assert evaluate_plan(transposing, cluster, one_replica).latency == evaluate_plan(plain, cluster, one_replica).latency
     best = solve(transposing, cluster, PipelineSpace(microbatches=3))
     assert best.value == pytest.approx(evaluate_plan(transposing, cluster, best.plan).latency)
+
 
 def test_a_stage_on_replicas_pays_its_passes_all_reduces_every_microbatch() -> None:
     """Batch norm's statistics: a stage on r > 1 replicas all-reduces them in each pass of each

@@ -62,10 +62,11 @@ def fixed_parts(draw: st.DrawFn, forward: np.ndarray,
 
 @st.composite
 def sync_parts(draw: st.DrawFn, n: int) -> dict[str, np.ndarray]:
-    """Nothing (no all-reduces inside the passes, no gradient arrays or transposes counted), or random counts
-    of them per layer and direction with their bytes (`PipelineProfile.forward_syncs`): at least
-    a byte per layer that has some (an all-reduce of nothing is free, `links.allreduce_cost`; a
-    statistic has bytes), and random counts of each layer's gradient arrays."""
+    """Nothing (no all-reduces inside the passes, no gradient arrays or transposes counted), or
+    random counts of them per layer and direction with their bytes (`PipelineProfile.forward_syncs`):
+    at least a byte per layer that has some (an all-reduce of nothing is free, `links.allreduce_cost`;
+    a statistic has bytes), random counts of each layer's gradient arrays and random seconds of
+    the transposes after its all-reduce."""
     if not draw(st.booleans()):
         return {}
     counts = st.lists(st.integers(0, 3).map(float), min_size=n, max_size=n)
