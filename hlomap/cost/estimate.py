@@ -46,8 +46,8 @@ import numpy as np
 
 from hlomap.cost.cluster import Cluster, busy_speedup, load_cluster, sped_up
 from hlomap.cost.collectives import Collective, collective_time
-from hlomap.cost.compute import (MATRIX_OPCODES, CostCache, curve_kind, emits_no_kernel, folds_into_product,
-                                 kept_instruction_cost, transposed_product_cost)
+from hlomap.cost.compute import (MATRIX_OPCODES, CostCache, curve_kind, emits_no_kernel, kept_instruction_cost,
+                                 transposed_product_cost)
 from hlomap.cost.devices import DeviceSpec
 from hlomap.cost.mapping import AxisMapping, axis_devices as map_axes
 from hlomap.cost.measured import MeasuredCosts
@@ -292,10 +292,10 @@ def kernel_count(sg: ShardedGraph, fusion: Fusion = Fusion.ELEMENTWISE) -> int:
     reduced = frozenset(_all_reduced_nodes(sg, _gathered_axes(sg)).tolist())
 
     def launches(n: int, node: Node) -> bool:
-        inst, comp, count = node.instruction, module.computation(node.computation), int(sg.node_count[n])
-        if count > 0 and folds_into_product(inst, comp):  # runs only after its product's all-reduce
-            return sg.instance_index(node.instance)[inst.operands[0]] in reduced
-        return _runs(inst, comp, count)
+        product = sg.transposed_product(n)
+        if product >= 0:  # runs only after its product's all-reduce
+            return product in reduced
+        return _runs(node.instruction, module.computation(node.computation), int(sg.node_count[n]))
 
     return sum(int(sg.node_count[n]) for n, node in enumerate(sg.graph.nodes) if n not in fused and launches(n, node))
 
@@ -386,7 +386,7 @@ class _Unsplit(NamedTuple):
     narrow: np.ndarray  # a dot or convolution the device has a narrow curve for (`curve_kind`)
     splittable: np.ndarray  # a kernel XLA:CPU may split over the host's threads (`threads.SPLIT_OPCODES`)
     matrix: np.ndarray  # a dot or convolution (`MATRIX_OPCODES`)
-    # the dot a transpose of its product transposes (`compute.folds_into_product`), else -1: such a
+    # the dot a transpose of its product transposes (`ShardedGraph.transposed_product`), else -1: such a
     # transpose runs only when the plan all-reduces that dot's result (`_unfolded_transposes`)
     product: np.ndarray
 
@@ -406,9 +406,8 @@ def _unsplit(sg: ShardedGraph, device: DeviceSpec, cache: CostCache) -> _Unsplit
         inst = node.instruction
         count = int(sg.node_count[n])
         comp = module.computation(node.computation)
-        product = -1
-        if count > 0 and folds_into_product(inst, comp):
-            product = sg.instance_index(node.instance)[inst.operands[0]]
+        product = sg.transposed_product(n)
+        if product >= 0:
             full = transposed_product_cost(inst, comp, device)
         elif _runs(inst, comp, count):
             full = kept_instruction_cost(inst, comp, module, device, cache)

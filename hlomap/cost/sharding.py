@@ -24,7 +24,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hlomap.cost.compute import MATRIX_OPCODES, MatrixSides, curve_kind, matrix_sides, narrow_factor, while_trip_count
+from hlomap.cost.compute import (MATRIX_OPCODES, MatrixSides, curve_kind, folds_into_product, matrix_sides,
+                                 narrow_factor, while_trip_count)
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Phase, Role, instruction_phase
 from hlomap.hlo.ir import Instruction
@@ -218,6 +219,16 @@ class ShardedGraph:
         n = self.graph.nodes[node]
         index = self.facts.instance_index[n.instance]
         return tuple(index[name] for name in n.instruction.operands if name in index)
+
+    def transposed_product(self, node: int) -> int:
+        """The dot whose product `node` transposes where XLA folds the transpose into the dot
+        (`compute.folds_into_product`), when `node` executes; else -1. Such a transpose runs only
+        where a plan all-reduces that dot's result first (`hlomap.cost.estimate`)."""
+        n = self.graph.nodes[node]
+        comp = self.graph.module.computation(n.computation)
+        if int(self.node_count[node]) == 0 or not folds_into_product(n.instruction, comp):
+            return -1
+        return self.facts.instance_index[n.instance][n.instruction.operands[0]]
 
     def node_block_dims(self, node: int) -> np.ndarray:
         """The dims of one device's block of `node`'s (first) result."""

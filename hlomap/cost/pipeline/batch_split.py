@@ -39,11 +39,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hlomap.cost.compute import CostCache, folds_into_product, kept_instruction_cost
+from hlomap.cost.compute import CostCache, kept_instruction_cost
 from hlomap.cost.devices import DeviceSpec
 from hlomap.hlo.capture import Capture
 from hlomap.hlo.graph import topological_order, users
-from hlomap.hlo.ir import Computation
 
 if TYPE_CHECKING:
     from hlomap.cost.sharding import ShardedGraph
@@ -135,16 +134,17 @@ def batch_split(cap: Capture, device: DeviceSpec, cache: CostCache | None = None
         compute = cost.compute_seconds / degree * split.narrow_slowdown(n, device, cache)  # type: ignore[arg-type]
         t_k = max(compute, cost.memory_seconds * ratio)
         out[node.instruction.name] = fixed_fraction(cost.seconds, t_k, k)
-    return BatchSplit(out, _in_pass_syncs(split, entry.name), _replica_transposes(split, entry))
+    return BatchSplit(out, _in_pass_syncs(split, entry.name), _replica_transposes(split, entry.name))
 
 
-def _replica_transposes(split: ShardedGraph, entry: Computation) -> frozenset[str]:
-    """The entry transposes of products whose results the split all-reduces: those XLA runs after
-    the all-reduce instead of folding them into the product."""
+def _replica_transposes(split: ShardedGraph, entry: str) -> frozenset[str]:
+    """The entry transposes of products whose results the split all-reduces
+    (`ShardedGraph.transposed_product`): those XLA runs after the all-reduce instead of folding
+    them into the product."""
     reduced = {pr.node for pr in split.partials}
-    index = split.instance_index(0)
-    return frozenset(inst.name for inst in entry.instructions
-                     if folds_into_product(inst, entry) and index.get(inst.operands[0]) in reduced)
+    graph = split.graph
+    return frozenset(graph.nodes[n].instruction.name for n in range(len(graph.nodes))
+                     if graph.nodes[n].computation == entry and split.transposed_product(n) in reduced)
 
 
 def _in_pass_syncs(split: ShardedGraph, entry: str) -> Syncs:
